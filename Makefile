@@ -1,0 +1,69 @@
+# One entry point per job. Every target depends on `setup`, so a fresh clone needs no manual step.
+#   make demo                                   the whole pipeline on the built-in tiny default (CPU)
+#   make test                                   the test suite
+#   make extract [CONFIG=configs/x.toml] [key=value ...]
+#   make train   [CONFIG=configs/x.toml] [RUN=name] [key=value ...]
+# key=value words on the make command line are passed through to the stage's config loader.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/tiny.toml
+RUN ?=
+# Everything given as NAME=value on the command line, except the variables this Makefile itself reads.
+OVERRIDES := $(filter-out CONFIG=% RUN=% PYTHON=% CKPT=% DATA=% OUT=% ARGS=%,$(MAKEOVERRIDES))
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup test demo extract train eval export specdecode report tiny bench-shards bench-extract bench-train reliability clean
+
+setup: $(VENV)/.installed
+
+# On a machine without an NVIDIA driver, pin the CPU wheel of torch first: a looser spec pulls a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q -n 2 $(ARGS)
+
+demo: setup
+	$(PY) -m train.demo $(OVERRIDES)
+
+tiny: setup
+	$(PY) -m extract.tiny $(OVERRIDES)
+
+extract: setup
+	$(PY) -m extract $(CONFIG) $(OVERRIDES)
+
+train: setup
+	$(PY) -m train $(CONFIG) $(if $(RUN),run_name=$(RUN)) $(OVERRIDES)
+
+eval: setup
+	$(PY) -m train.eval $(CKPT) --data $(DATA) $(ARGS)
+
+export: setup
+	$(PY) -m train.export $(CKPT) $(OUT)
+
+specdecode: setup
+	$(PY) -m train.specdecode $(ARGS)
+
+report: setup
+	$(PY) -m train.report $(RUN) $(ARGS)
+
+bench-shards: setup
+	$(PY) -m shards.bench $(ARGS)
+
+bench-extract: setup
+	$(PY) -m extract.bench $(ARGS)
+
+bench-train: setup
+	$(PY) -m train.bench $(ARGS)
+
+reliability: setup
+	$(PY) -m tests.reliability $(ARGS)
+
+clean:
+	rm -rf $(VENV) artifacts runs .pytest_cache

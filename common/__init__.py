@@ -1,0 +1,1 @@
+"""Small helpers shared by every stage: config loading, atomic file writes, hashing, provenance."""

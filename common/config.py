@@ -1,0 +1,286 @@
+"""Stage configs: one dataclass per stage, loaded from a TOML (or resolved JSON) file plus
+`key=value` overrides (nested keys with dots), validated before any work starts.
+
+Every field is declared with `knob(...)`, which carries its help text and its allowed range or
+choices. A bad value raises `ConfigError` (a `ValueError`) whose message names the key and what
+is allowed. A file may hold one table per stage (`[extract]`, `[train]`, ...); a stage reads its
+own table, so one file can describe a whole experiment.
+
+    cfg = parse_cli(TrainConfig, ["configs/tiny.toml", "loss.gamma=5", "run_name=abl"], section="train")
+    save_config(cfg, run_dir / "config.json")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+import types
+import typing
+from dataclasses import MISSING, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "ConfigError",
+    "knob",
+    "load_config",
+    "parse_cli",
+    "config_from_dict",
+    "config_to_dict",
+    "save_config",
+    "config_digest",
+    "describe",
+    "fail",
+]
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the message names the key."""
+
+
+def knob(
+    default: Any = MISSING,
+    *,
+    help: str,
+    min: float | None = None,
+    max: float | None = None,
+    choices: typing.Sequence[Any] | None = None,
+    factory: typing.Callable[[], Any] | None = None,
+) -> Any:
+    """Declare a config field with its help text and allowed values (checked by `load_config`)."""
+    metadata = {"help": help, "min": min, "max": max, "choices": tuple(choices) if choices else None}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    if default is MISSING:
+        return field(metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def fail(key: str, message: str) -> typing.NoReturn:
+    """Raise a ConfigError for `key` (used by the stages' cross-field `check` methods)."""
+    raise ConfigError(f"config key '{key}': {message}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def parse_cli(cls: type, argv: typing.Sequence[str], *, section: str | None = None) -> Any:
+    """Build `cls` from `[CONFIG_FILE] key=value ...` as given on a command line."""
+    argv = list(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(describe(cls))
+        raise SystemExit(0)
+    path = None
+    if argv and "=" not in argv[0]:
+        path = argv.pop(0)
+    for word in argv:
+        if "=" not in word:
+            raise ConfigError(f"expected key=value, got '{word}' (only the first argument may be a config file)")
+    return load_config(cls, path, argv, section=section)
+
+
+def load_config(
+    cls: type, path: str | os.PathLike | None, overrides: typing.Sequence[str] = (), *, section: str | None = None
+) -> Any:
+    """Read `path` (TOML or JSON; its `[section]` table if it has one), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_file(Path(path))
+        if section is not None and isinstance(data.get(section), dict):
+            data = data[section]
+    data = json.loads(json.dumps(data))  # deep copy, plain types
+    for word in overrides:
+        key, _, raw = word.partition("=")
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override '{word}' has no key")
+        _set_dotted(data, key, _parse_override_value(raw.strip()))
+    return config_from_dict(cls, data)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"config file '{path}' is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a table at the top level")
+    return data
+
+
+def _parse_override_value(raw: str) -> Any:
+    """`5` -> 5, `[1,2]` -> [1, 2], `true` -> True, `"a b"` -> 'a b', `abc` -> 'abc', `none` -> None."""
+    if raw.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{key}': '{part}' is a value, not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+
+
+def config_from_dict(cls: type, data: dict[str, Any], *, prefix: str = "") -> Any:
+    """Validate a plain dict against dataclass `cls` (recursively) and build it."""
+    assert dataclasses.is_dataclass(cls), cls
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key '{prefix}{unknown[0]}'; allowed keys here: {', '.join(sorted(known))}"
+        )
+    kwargs = {}
+    for name, f in known.items():
+        key = prefix + name
+        if name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ConfigError(f"config key '{key}' is required ({f.metadata.get('help', '')})")
+            continue
+        kwargs[name] = _check_value(key, data[name], hints[name], f.metadata)
+    cfg = cls(**kwargs)
+    check = getattr(cfg, "check", None)
+    if callable(check):
+        check()
+    return cfg
+
+
+def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping[str, Any]) -> Any:
+    value = _coerce(key, value, hint)
+    choices = meta.get("choices")
+    if choices is not None and value is not None:
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if item not in choices:
+                fail(key, f"{item!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
+    lo, hi = meta.get("min"), meta.get("max")
+    if value is not None and (lo is not None or hi is not None):
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if lo is not None and item < lo:
+                fail(key, f"{item!r} is below the minimum {lo}" + (f" (allowed: {lo} to {hi})" if hi is not None else ""))
+            if hi is not None and item > hi:
+                fail(key, f"{item!r} is above the maximum {hi}" + (f" (allowed: {lo} to {hi})" if lo is not None else ""))
+    return value
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        errors = []
+        for arg in non_none:
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        fail(key, f"expected {' or '.join(_type_name(a) for a in non_none)}" + (" or none" if type(None) in args else "") + f", got {value!r}")
+    if value is None:
+        fail(key, f"expected {_type_name(hint)}, got none")
+    if origin is Literal:
+        if value not in args:
+            fail(key, f"{value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return config_from_dict(hint, value, prefix=key + ".")
+    if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
+        if not isinstance(value, list):
+            fail(key, f"expected a list, got {value!r}")
+        item_hint = args[0] if args else Any
+        return [_coerce(f"{key}[{i}]", v, item_hint) for i, v in enumerate(value)]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            fail(key, f"expected a table, got {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            fail(key, f"expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(key, f"expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail(key, f"expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            fail(key, f"expected a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported config type {hint!r} for {key}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving and describing
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain JSON-able data."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def save_config(cfg: Any, path: str | os.PathLike) -> None:
+    """Write the resolved config as JSON (loadable again with `load_config`), atomically."""
+    from common.io import atomic_write_text
+
+    atomic_write_text(str(path), json.dumps(config_to_dict(cfg), indent=2, sort_keys=True) + "\n")
+
+
+def config_digest(cfg_or_dict: Any) -> str:
+    """A short stable hash of a config (or of a plain dict), for provenance and resume checks."""
+    data = cfg_or_dict if isinstance(cfg_or_dict, dict) else config_to_dict(cfg_or_dict)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def describe(cls: type, prefix: str = "") -> str:
+    """One line per key: name, type, default, allowed values and help."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            lines.append(describe(hint, prefix + f.name + "."))
+            continue
+        default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING else "<required>")
+        allowed = ""
+        if f.metadata.get("choices"):
+            allowed = f"  one of {list(f.metadata['choices'])}"
+        elif f.metadata.get("min") is not None or f.metadata.get("max") is not None:
+            allowed = f"  range [{f.metadata.get('min')}, {f.metadata.get('max')}]"
+        lines.append(f"{prefix}{f.name} = {default!r}  ({_type_name(hint)}){allowed}\n    {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""Filesystem helpers shared by every stage: resolve a local path or any `pyarrow.fs` URI, and
+write files atomically (temporary name, fsync, rename) so a kill never leaves a half-written file
+under its final name.
+
+Temporary files are named `<name>.tmp` (or `<name>.<anything>.tmp`); readers ignore them and
+writers clean them up on their next run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any
+
+import pyarrow.fs as pafs
+
+TMP_SUFFIX = ".tmp"
+
+
+def resolve(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) for a local path or a URI such as `s3://bucket/dir`."""
+    text = str(uri_or_path)
+    if "://" in text:
+        fs, path = pafs.FileSystem.from_uri(text)
+        return fs, path.rstrip("/")
+    return pafs.LocalFileSystem(), os.path.abspath(text)
+
+
+def is_local(fs: pafs.FileSystem) -> bool:
+    return isinstance(fs, pafs.LocalFileSystem)
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.rstrip("/") for p in parts if p)
+
+
+def exists(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def read_json(fs: pafs.FileSystem, path: str) -> Any:
+    return json.loads(read_bytes(fs, path))
+
+
+def temp_name(path: str) -> str:
+    """A unique temporary sibling of `path`, ignored by readers until it is renamed."""
+    return f"{path}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+
+
+def commit(fs: pafs.FileSystem, tmp_path: str, final_path: str) -> None:
+    """Make a fully written temporary file visible under its final name (atomic on local disks)."""
+    if is_local(fs):
+        _fsync_file(tmp_path)
+        os.replace(tmp_path, final_path)
+        _fsync_dir(os.path.dirname(final_path))
+    else:
+        fs.move(tmp_path, final_path)
+
+
+def atomic_write_bytes(path: str, data: bytes, fs: pafs.FileSystem | None = None) -> None:
+    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    if fs is None:
+        fs, path = resolve(path)
+    if is_local(fs):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = temp_name(path)
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    commit(fs, tmp, path)
+
+
+def atomic_write_text(path: str, text: str, fs: pafs.FileSystem | None = None) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), fs)
+
+
+def atomic_write_json(path: str, obj: Any, fs: pafs.FileSystem | None = None) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", fs)
+
+
+def remove_temp_files(fs: pafs.FileSystem, directory: str) -> list[str]:
+    """Delete leftover `*.tmp` files directly under `directory` (from a killed writer); return them."""
+    if not exists(fs, directory):
+        return []
+    removed = []
+    for info in fs.get_file_info(pafs.FileSelector(directory, recursive=False)):
+        if info.type == pafs.FileType.File and info.base_name.endswith(TMP_SUFFIX):
+            fs.delete_file(info.path)
+            removed.append(info.path)
+    return removed
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,97 @@
+"""The config loader: TOML + key=value overrides, validated with errors that name the key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+
+from common.config import ConfigError, config_from_dict, config_to_dict, knob, load_config, parse_cli, save_config
+
+
+@dataclass
+class Inner:
+    gamma: float = knob(7.0, help="decay", min=0.1)
+    names: list[str] = knob(factory=list, help="names")
+
+
+@dataclass
+class Stage:
+    lr: float = knob(6e-4, help="learning rate", min=0.0, max=1.0)
+    layers: list[int] = knob(factory=lambda: [1, 16, 31, 46], help="tap ids", min=0)
+    policy: Literal["truncate", "drop"] = knob("truncate", help="length policy")
+    on_error: str = knob("skip", help="what to do", choices=["skip", "fail"])
+    mask_id: int | None = knob(None, help="mask token id")
+    flag: bool = knob(False, help="a flag")
+    inner: Inner = knob(factory=Inner, help="nested")
+    kwargs: dict = knob(factory=dict, help="free table")
+
+    def check(self):
+        if self.flag and self.mask_id is None:
+            raise ConfigError("config key 'mask_id': required when flag is true")
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_file_section_and_overrides(tmp_path):
+    p = write(tmp_path, "[stage]\nlr = 1e-3\n[stage.inner]\ngamma = 5\n[other]\nx = 1\n")
+    cfg = load_config(Stage, p, ["inner.names=[\"a\",\"b\"]", "mask_id=3", "kwargs.enable_thinking=false"], section="stage")
+    assert cfg.lr == 1e-3 and cfg.inner.gamma == 5.0 and isinstance(cfg.inner.gamma, float)
+    assert cfg.inner.names == ["a", "b"] and cfg.mask_id == 3
+    assert cfg.kwargs == {"enable_thinking": False}
+    assert cfg.layers == [1, 16, 31, 46]
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("lrr=1", "unknown config key 'lrr'"),
+        ("inner.gama=1", "unknown config key 'inner.gama'"),
+        ("lr=abc", "'lr': expected a number"),
+        ("lr=2", "'lr': 2.0 is above the maximum 1.0"),
+        ("layers=[1,-2]", "'layers': -2 is below the minimum 0"),
+        ("policy=cut", "'policy': 'cut' is not allowed; choose one of 'truncate', 'drop'"),
+        ("on_error=ignore", "'on_error': 'ignore' is not allowed; choose one of 'skip', 'fail'"),
+        ("flag=yes", "'flag': expected true or false"),
+        ("flag=true", "'mask_id': required when flag is true"),
+        ("layers=3", "'layers': expected a list"),
+        ("inner.gamma=0", "'inner.gamma': 0.0 is below the minimum 0.1"),
+    ],
+)
+def test_bad_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(Stage, None, [override])
+    assert needle in str(err.value)
+
+
+def test_optional_none_and_strings():
+    cfg = load_config(Stage, None, ["mask_id=none", "on_error=fail"])
+    assert cfg.mask_id is None and cfg.on_error == "fail"
+
+
+def test_round_trip_through_saved_json(tmp_path):
+    cfg = load_config(Stage, None, ["lr=0.5", "inner.names=[\"x\"]"])
+    save_config(cfg, tmp_path / "config.json")
+    again = load_config(Stage, tmp_path / "config.json")
+    assert again == cfg
+    assert config_from_dict(Stage, config_to_dict(cfg)) == cfg
+
+
+def test_cli_parsing(tmp_path):
+    p = write(tmp_path, "lr = 0.25\n")
+    assert parse_cli(Stage, [str(p), "flag=false"]).lr == 0.25
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_cli(Stage, [str(p), "stray"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_cli(Stage, [str(tmp_path / "missing.toml")])
+
+
+def test_invalid_toml_is_reported(tmp_path):
+    p = write(tmp_path, "lr = = 1\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(Stage, p)

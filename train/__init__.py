@@ -1,0 +1,1 @@
+"""Training: the DFlash drafter, data stream, loss, loop, checkpoints, eval, export and report."""
