@@ -51,7 +51,7 @@ specdecode: setup
 	$(PY) -m train.specdecode $(ARGS)
 
 report: setup
-	$(PY) -m train.report $(RUN) $(ARGS)
+	$(PY) -m train.report $(RUN) $(OVERRIDES) $(ARGS)
 
 bench-shards: setup
 	$(PY) -m shards.bench $(ARGS)

@@ -1,0 +1,1 @@
+"""Synthetic run directories for the training-health report tests (see `synth.py`)."""
