@@ -83,15 +83,22 @@ def atomic_write_json(path: str, obj: Any, fs: pafs.FileSystem | None = None) ->
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", fs)
 
 
-def remove_temp_files(fs: pafs.FileSystem, directory: str) -> list[str]:
-    """Delete leftover `*.tmp` files directly under `directory` (from a killed writer); return them."""
+def remove_temp_files(fs: pafs.FileSystem, directory: str, prefixes: tuple[str, ...] | None = None) -> list[str]:
+    """Delete leftover `*.tmp` files directly under `directory` (from a killed writer); return them.
+
+    With `prefixes`, only temporary files whose names start with one of them are deleted, so a
+    writer restarting next to other live writers (one per rank) leaves their files alone.
+    """
     if not exists(fs, directory):
         return []
     removed = []
     for info in fs.get_file_info(pafs.FileSelector(directory, recursive=False)):
-        if info.type == pafs.FileType.File and info.base_name.endswith(TMP_SUFFIX):
-            fs.delete_file(info.path)
-            removed.append(info.path)
+        if info.type != pafs.FileType.File or not info.base_name.endswith(TMP_SUFFIX):
+            continue
+        if prefixes is not None and not info.base_name.startswith(tuple(prefixes)):
+            continue
+        fs.delete_file(info.path)
+        removed.append(info.path)
     return removed
 
 

@@ -1,0 +1,94 @@
+"""Command line for shard datasets.
+
+    python -m shards inspect DIR                 provenance, counts, length histogram, bytes/token vs raw bf16
+    python -m shards verify DIR [--no-checksums] every check; one line per problem; exit 1 if any
+    python -m shards show DIR SAMPLE [--tokenizer TOK_DIR] [--positions N]
+                                                 one sample (position or sample id): tokens, top-k, per-tap stats
+    python -m shards merge DIR NAME... [--out manifest.json]
+                                                 combine per-rank manifests in DIR into one
+
+DIR is a local path or any URI pyarrow.fs resolves (s3://..., gs://..., hdfs://...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from shards.describe import inspect_lines, show_lines
+from shards.manifest import MANIFEST_NAME, merge_manifests
+from shards.reader import ShardDataset
+from shards.schema import ShardFormatError
+from shards.verify import verify_dataset
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m shards", description="Inspect, verify, show and merge shard datasets.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="provenance, counts, length histogram, bytes per token")
+    p.add_argument("dir")
+    p.add_argument("--manifest", default=MANIFEST_NAME)
+    p = sub.add_parser("verify", help="check checksums, schema, every sample, counts; exit 1 on any problem")
+    p.add_argument("dir")
+    p.add_argument("--manifest", default=MANIFEST_NAME)
+    p.add_argument("--no-checksums", action="store_true", help="skip hashing the files (faster)")
+    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("show", help="one sample: tokens, top-k of the first positions, per-tap hidden statistics")
+    p.add_argument("dir")
+    p.add_argument("sample", help="position in the dataset (negative from the end) or a sample id")
+    p.add_argument("--manifest", default=MANIFEST_NAME)
+    p.add_argument("--tokenizer", help="local tokenizer directory to decode tokens (no download)")
+    p.add_argument("--positions", type=int, default=8, help="how many positions of top-k to print")
+    p = sub.add_parser("merge", help="combine per-rank manifests into one")
+    p.add_argument("dir")
+    p.add_argument("names", nargs="+", help="manifest file names inside DIR (paths are reduced to their base name)")
+    p.add_argument("--out", default=MANIFEST_NAME)
+    return parser
+
+
+def _load_tokenizer(path: str | None):
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _verify(args) -> int:
+    problems = verify_dataset(args.dir, args.manifest, checksums=not args.no_checksums, progress=not args.no_progress)
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"FAILED: {len(problems)} problem(s) in {args.dir}")
+        return 1
+    ds = ShardDataset(args.dir, args.manifest)
+    print(f"OK: {len(ds)} samples, {ds.manifest['counts']['tokens']} tokens in {len(ds.shards)} shards"
+          + ("" if args.no_checksums else ", checksums match")
+          + ("" if ds.manifest.get("complete") else "; note: the manifest is not marked complete (a writer is running, was killed, or stopped on an error)"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "verify":
+            return _verify(args)
+        if args.command == "inspect":
+            lines = inspect_lines(ShardDataset(args.dir, args.manifest))
+        elif args.command == "show":
+            lines = show_lines(ShardDataset(args.dir, args.manifest), args.sample, _load_tokenizer(args.tokenizer), args.positions)
+        else:
+            merged = merge_manifests(args.dir, [os.path.basename(n) for n in args.names], args.out)
+            counts = merged["counts"]
+            lines = [f"merged {len(args.names)} manifests into {args.out}: {len(merged['shards'])} shards, "
+                     f"{counts['samples']} samples, {counts['tokens']} tokens, complete: {merged['complete']}"]
+    except (ValueError, KeyError, IndexError, FileNotFoundError, ShardFormatError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""`manifest.json`: what a dataset is (provenance, layout, counts, the committed shards), and the
+helpers to create, load, save, compare and merge manifests.
+
+A shard belongs to the dataset only once the manifest lists it, so the manifest is always written
+last and atomically (temporary name, fsync, rename; see `common.io`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from common import io
+from common.hashing import CHECKSUM_ALGO
+from common.provenance import git_sha, tool_version
+from shards.schema import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    SUPPORTED_FORMAT_VERSIONS,
+    ShardFormatError,
+    check_encoding,
+    check_prefix,
+    index_schema,
+)
+
+MANIFEST_NAME = "manifest.json"
+RESERVED_COUNTS = ("samples", "tokens", "loss_tokens")
+SHARD_ENTRY_KEYS = ("file", "index_file", "samples", "tokens", "loss_tokens", "bytes", "checksum", "index_bytes", "index_checksum")
+# These change whenever the code does; a resumed or merged dataset keeps the first writer's values
+# in `provenance` and records every writer's in `writer` / per shard.
+PROVENANCE_KEYS_NOT_COMPARED = ("tool_version", "git_sha")
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def json_normalized(obj: Any, what: str) -> Any:
+    """`obj` as it will read back from JSON (tuples become lists); ValueError if it is not JSON."""
+    try:
+        return json.loads(json.dumps(obj, allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{what} must be JSON-serializable: {err}") from None
+
+
+def new_manifest(*, provenance: dict, encoding: str, hidden_width: int, topk: int) -> dict:
+    """An empty manifest (no shards) for a dataset of this layout."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "complete": False,
+        "provenance": json_normalized(provenance, "provenance"),
+        "encoding": check_encoding(encoding),
+        "hidden_width": int(hidden_width),
+        "topk": int(topk),
+        "checksum_algo": CHECKSUM_ALGO,
+        "counts": {key: 0 for key in RESERVED_COUNTS},
+        "shards": [],
+        "stage_state": {},
+        "writer": {"tool_version": tool_version(), "git_sha": git_sha(), "created": now_iso(), "updated": now_iso()},
+    }
+
+
+def check_manifest(manifest: Any, where: str) -> dict:
+    """Raise ShardFormatError (naming `where`) unless `manifest` is a manifest this code can read."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise ShardFormatError(f"{where}: not a {FORMAT_NAME} manifest (field 'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    version = manifest.get("format_version")
+    if version not in SUPPORTED_FORMAT_VERSIONS:
+        raise ShardFormatError(
+            f"{where}: format_version {version!r} is not supported by this code (it reads {list(SUPPORTED_FORMAT_VERSIONS)}); "
+            "use a newer tool version"
+        )
+    for key in ("encoding", "hidden_width", "topk", "counts", "shards", "provenance"):
+        if key not in manifest:
+            raise ShardFormatError(f"{where}: manifest has no field {key!r}")
+    if manifest["encoding"] not in ("plain", "planes"):
+        raise ShardFormatError(f"{where}: unknown hidden encoding {manifest['encoding']!r}")
+    for position, entry in enumerate(manifest["shards"]):
+        missing = [key for key in SHARD_ENTRY_KEYS if key not in entry]
+        if missing:
+            raise ShardFormatError(f"{where}: shards[{position}] ({entry.get('file', '?')}) has no field(s) {missing}")
+    return manifest
+
+
+def manifest_path(root: str, name: str) -> str:
+    return io.join(root, check_prefix(name, "manifest_name"))
+
+
+def load_manifest(fs: pafs.FileSystem, root: str, name: str = MANIFEST_NAME) -> dict:
+    """The checked manifest `root/name`; FileNotFoundError / ShardFormatError naming the file otherwise."""
+    path = manifest_path(root, name)
+    if not io.exists(fs, path):
+        raise FileNotFoundError(f"{path}: no manifest; not a shard dataset, or no writer has opened it yet")
+    try:
+        manifest = io.read_json(fs, path)
+    except json.JSONDecodeError as err:
+        raise ShardFormatError(f"{path}: manifest is not valid JSON ({err})") from None
+    return check_manifest(manifest, path)
+
+
+def save_manifest(fs: pafs.FileSystem, root: str, name: str, manifest: dict) -> None:
+    manifest["writer"]["updated"] = now_iso()
+    io.atomic_write_json(manifest_path(root, name), manifest, fs)
+
+
+def first_difference(expected: Any, actual: Any, path: str) -> str | None:
+    """The dotted path of the first place two JSON values differ, with both values; None if equal."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        for key in sorted(set(expected) | set(actual), key=str):
+            if key not in expected or key not in actual:
+                return f"{path}.{key}: {expected.get(key, '<absent>')!r} vs {actual.get(key, '<absent>')!r}"
+            diff = first_difference(expected[key], actual[key], f"{path}.{key}")
+            if diff:
+                return diff
+        return None
+    return None if expected == actual else f"{path}: {expected!r} vs {actual!r}"
+
+
+def comparable_provenance(provenance: dict) -> dict:
+    return {k: v for k, v in provenance.items() if k not in PROVENANCE_KEYS_NOT_COMPARED}
+
+
+def layout_difference(manifest: dict, *, provenance: dict, encoding: str, hidden_width: int, topk: int) -> str | None:
+    """The first field in which a dataset's layout and provenance differ from the given ones, or None."""
+    for key, value in (("encoding", encoding), ("hidden_width", hidden_width), ("topk", topk)):
+        if manifest[key] != value:
+            return f"{key}: {manifest[key]!r} vs {value!r}"
+    return first_difference(
+        comparable_provenance(manifest["provenance"]), comparable_provenance(json_normalized(provenance, "provenance")), "provenance"
+    )
+
+
+def extra_counts_of(manifest: dict) -> dict:
+    return {k: v for k, v in manifest["counts"].items() if k not in RESERVED_COUNTS}
+
+
+def read_index(fs: pafs.FileSystem, root: str, entry: dict) -> pa.Table:
+    """The index sidecar of one manifest shard entry (small, uncompressed; never opens the shard)."""
+    path = io.join(root, entry["index_file"])
+    if not io.exists(fs, path):
+        raise FileNotFoundError(f"{path}: index file listed in the manifest is missing")
+    try:
+        with fs.open_input_file(path) as f:
+            table = pa.ipc.open_file(f).read_all()
+    except pa.ArrowException as err:
+        raise ShardFormatError(f"{path}: unreadable index file ({err})") from None
+    if not table.schema.equals(index_schema(), check_metadata=False):
+        raise ShardFormatError(f"{path}: index schema {table.schema.names} does not match the format")
+    if table.num_rows != entry["samples"]:
+        raise ShardFormatError(f"{path}: index has {table.num_rows} rows, manifest says {entry['samples']} samples")
+    return table
+
+
+def _merged_counts(manifests: list[dict]) -> dict:
+    counts: dict = {}
+    for manifest in manifests:
+        for key, value in manifest["counts"].items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                counts[key] = counts.get(key, 0) + value
+    return counts
+
+
+def _refuse_duplicates(fs, root, names, manifests) -> None:
+    seen: dict[str, str] = {}
+    duplicates = []
+    for name, manifest in zip(names, manifests):
+        for entry in manifest["shards"]:
+            for sid in read_index(fs, root, entry).column("sample_id").to_pylist():
+                where = f"{name}:{entry['file']}"
+                if sid in seen:
+                    duplicates.append(f"{sid} in {seen[sid]} and {where}")
+                else:
+                    seen[sid] = where
+    if duplicates:
+        shown = "; ".join(duplicates[:10])
+        raise ValueError(f"merge: {len(duplicates)} sample ids are listed twice (shard them by sample id across ranks): {shown}")
+
+
+def merge_manifests(root: str, names: list[str], out_name: str = MANIFEST_NAME) -> dict:
+    """Combine per-rank manifests in `root` into `out_name`; return the merged manifest.
+
+    Refuses (ValueError naming the manifest and field) if the ranks' layout or provenance differ,
+    a shard file is listed twice, or a sample id appears in more than one place. Counts are summed,
+    `complete` is true only if every rank's is, and each rank's `stage_state` is kept by name.
+    """
+    if not names:
+        raise ValueError("merge: no manifest names given")
+    if out_name in names:
+        raise ValueError(f"merge: output {out_name!r} is also an input")
+    fs, root = io.resolve(root)
+    manifests = [load_manifest(fs, root, name) for name in names]
+    first = manifests[0]
+    for name, manifest in zip(names[1:], manifests[1:]):
+        diff = layout_difference(manifest, provenance=first["provenance"], encoding=first["encoding"], hidden_width=first["hidden_width"], topk=first["topk"])
+        if diff:
+            raise ValueError(f"merge: {name} disagrees with {names[0]} in {diff}")
+    files = [entry["file"] for manifest in manifests for entry in manifest["shards"]]
+    repeated = sorted({f for f in files if files.count(f) > 1})
+    if repeated:
+        raise ValueError(f"merge: shard files listed by more than one manifest: {repeated[:10]} (give each rank its own shard_prefix)")
+    _refuse_duplicates(fs, root, names, manifests)
+    merged = new_manifest(provenance=first["provenance"], encoding=first["encoding"], hidden_width=first["hidden_width"], topk=first["topk"])
+    merged["complete"] = all(m.get("complete", False) for m in manifests)
+    merged["counts"] = _merged_counts(manifests)
+    merged["shards"] = [entry for manifest in manifests for entry in manifest["shards"]]
+    merged["stage_state"] = {"merged_from": {name: m.get("stage_state", {}) for name, m in zip(names, manifests)}}
+    save_manifest(fs, root, out_name, merged)
+    return merged

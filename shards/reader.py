@@ -1,0 +1,231 @@
+"""`ShardDataset`: random access to the samples of a committed dataset.
+
+Only the manifest is read at construction. `ds[i]` opens (memory-maps, for local files) the one
+shard that holds sample `i` and decodes only that sample's record batch. The length index comes
+from the small per-shard index files and never touches a shard file.
+
+Thread safety: each thread keeps its own open readers (a small LRU per thread), so background
+prefetch threads decode in parallel without locks; Arrow releases the GIL while decompressing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import concurrent.futures
+import itertools
+import threading
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from common import io
+from common.hashing import file_checksum
+from shards.manifest import MANIFEST_NAME, load_manifest, read_index
+from shards.schema import Sample, ShardFormatError, decode_sample
+
+
+class ShardDataset:
+    """The samples of the dataset at `root` (a local path or any `pyarrow.fs` URI), in manifest order."""
+
+    def __init__(self, root: str, manifest_name: str = MANIFEST_NAME, verify_checksums: bool = False, max_open_shards: int = 64):
+        self.root_uri = str(root)
+        self.fs, self.root = io.resolve(root)
+        self.manifest_name = manifest_name
+        self.manifest: dict = load_manifest(self.fs, self.root, manifest_name)
+        self.provenance: dict = self.manifest["provenance"]
+        self.encoding: str = self.manifest["encoding"]
+        self.hidden_width: int = self.manifest["hidden_width"]
+        self.topk: int = self.manifest["topk"]
+        self.shards: list[dict] = self.manifest["shards"]
+        self.verify_checksums = verify_checksums
+        self.max_open_shards = max_open_shards
+        self._starts = list(itertools.accumulate((e["samples"] for e in self.shards), initial=0))
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._checked_shards: set[int] = set()
+        self._index: pa.Table | None = None
+        self._position_of_id: dict[str, int] | None = None
+
+    def __getstate__(self) -> dict:
+        # Open readers, locks and thread-locals stay behind (e.g. when sent to a worker process).
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_local", "_lock", "fs")}
+        state["_checked_shards"] = set(self._checked_shards)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.fs = io.resolve(self.root_uri)[0]
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ sizes and the index
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __repr__(self) -> str:
+        return f"ShardDataset({self.root!r}, samples={len(self)}, shards={len(self.shards)}, encoding={self.encoding!r})"
+
+    @property
+    def index(self) -> pa.Table:
+        """[sample_id, n_tokens, n_loss_tokens, shard, row] per sample, in dataset order; `shard`
+        is the position in `manifest["shards"]`. Reads only the index files."""
+        with self._lock:
+            if self._index is None:
+                self._index = self._load_index()
+            return self._index
+
+    @property
+    def n_tokens(self) -> np.ndarray:
+        """int32 [len(ds)]: tokens per sample, in dataset order."""
+        return self.index.column("n_tokens").to_numpy()
+
+    def _load_index(self) -> pa.Table:
+        # Index files are small; reading them concurrently hides latency on remote filesystems.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            tables = list(pool.map(self._read_shard_index, range(len(self.shards))))
+        if not tables:
+            return pa.table({"sample_id": pa.array([], pa.string()), "n_tokens": pa.array([], pa.int32()),
+                             "n_loss_tokens": pa.array([], pa.int32()), "shard": pa.array([], pa.int32()), "row": pa.array([], pa.int32())})
+        return pa.concat_tables(tables)
+
+    def _read_shard_index(self, shard: int) -> pa.Table:
+        entry = self.shards[shard]
+        if self.verify_checksums:
+            self._check_checksum(entry["index_file"], entry["index_checksum"])
+        table = read_index(self.fs, self.root, entry)
+        return pa.table({
+            "sample_id": table.column("sample_id"),
+            "n_tokens": table.column("n_tokens"),
+            "n_loss_tokens": table.column("n_loss_tokens"),
+            "shard": pa.array(np.full(table.num_rows, shard, dtype=np.int32)),
+            "row": table.column("row"),
+        })
+
+    # ------------------------------------------------------------------ samples
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard position, row in shard) of sample `i`; negative `i` counts from the end."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} out of range for a dataset of {n} samples")
+        i %= n
+        shard = bisect.bisect_right(self._starts, i) - 1
+        return shard, i - self._starts[shard]
+
+    def __getitem__(self, i: int) -> Sample:
+        shard, row = self.locate(int(i))
+        return self._read(shard, row)
+
+    def get(self, sample_id: str) -> Sample:
+        """The sample with this id (KeyError if the dataset has none)."""
+        with self._lock:
+            if self._position_of_id is None:
+                ids = self._index_unlocked().column("sample_id").to_pylist()
+                self._position_of_id = {sid: pos for pos, sid in enumerate(ids)}
+        if sample_id not in self._position_of_id:
+            raise KeyError(f"sample id {sample_id!r} is not in {self.root}/{self.manifest_name}")
+        return self[self._position_of_id[sample_id]]
+
+    def _index_unlocked(self) -> pa.Table:
+        if self._index is None:
+            self._index = self._load_index()
+        return self._index
+
+    def __iter__(self) -> Iterator[Sample]:
+        """All samples in a stable order: manifest shard order, then row order."""
+        for shard, entry in enumerate(self.shards):
+            for row in range(entry["samples"]):
+                yield self._read(shard, row)
+
+    def torch(self, i: int, hidden_out=None) -> dict:
+        """Sample `i` as torch tensors: input_ids int32 [T], loss_mask bool [T], hidden bf16 [T, W],
+        topk_ids int32 [T, k], topk_logprobs float32 [T, k].
+
+        Tensors share the decoded buffers (hidden is a bf16 view of the uint16 bit patterns); the
+        only copies are zstd's decompression and, for "planes", joining the two byte planes.
+        With `hidden_out` (a C-contiguous CPU bf16 tensor [>= T, W], e.g. one row of a pinned batch
+        buffer) the hidden states are decoded straight into it and "hidden" is `hidden_out[:T]`.
+        """
+        import torch
+
+        if hidden_out is None:
+            sample = self[i]
+            hidden = _tensor(sample.hidden).view(torch.bfloat16)
+        else:
+            if hidden_out.dtype != torch.bfloat16 or hidden_out.device.type != "cpu" or not hidden_out.is_contiguous():
+                raise ValueError(f"hidden_out: need a contiguous CPU bfloat16 tensor, got {hidden_out.dtype} on {hidden_out.device}")
+            sample = self._read(*self.locate(int(i)), hidden_out=hidden_out.view(torch.uint16).numpy())
+            hidden = hidden_out[: sample.n_tokens]
+        return {
+            "input_ids": _tensor(sample.input_ids),
+            "loss_mask": torch.from_numpy(sample.loss_mask != 0),
+            "hidden": hidden,
+            "topk_ids": _tensor(sample.topk_ids),
+            "topk_logprobs": _tensor(sample.topk_logprobs),
+        }
+
+    # ------------------------------------------------------------------ shard files
+
+    def _read(self, shard: int, row: int, hidden_out: np.ndarray | None = None) -> Sample:
+        reader = self._reader(shard)
+        path = io.join(self.root, self.shards[shard]["file"])
+        try:
+            batch = reader.get_batch(row)
+        except pa.ArrowException as err:
+            raise ShardFormatError(f"{path}: row {row} cannot be read: {err}") from None
+        try:
+            return decode_sample(batch, self.encoding, self.hidden_width, self.topk, hidden_out)
+        except (pa.ArrowException, ShardFormatError) as err:
+            raise ShardFormatError(f"{path}: row {row} cannot be decoded: {err}") from None
+
+    def _reader(self, shard: int) -> pa.ipc.RecordBatchFileReader:
+        cache = getattr(self._local, "readers", None)
+        if cache is None:
+            cache = self._local.readers = collections.OrderedDict()
+        if shard in cache:
+            cache.move_to_end(shard)
+            return cache[shard]
+        reader = self._open(shard)
+        cache[shard] = reader
+        if len(cache) > self.max_open_shards:
+            cache.popitem(last=False)
+        return reader
+
+    def _open(self, shard: int) -> pa.ipc.RecordBatchFileReader:
+        entry = self.shards[shard]
+        path = io.join(self.root, entry["file"])
+        info = self.fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"{path}: shard file listed in the manifest is missing")
+        if info.size != entry["bytes"]:
+            raise ShardFormatError(f"{path}: {info.size} bytes on disk, manifest says {entry['bytes']} (truncated or overwritten)")
+        with self._lock:
+            if self.verify_checksums and shard not in self._checked_shards:
+                self._check_checksum(entry["file"], entry["checksum"])
+                self._checked_shards.add(shard)
+        try:
+            source = pa.memory_map(path, "r") if io.is_local(self.fs) else self.fs.open_input_file(path)
+            reader = pa.ipc.open_file(source)
+        except pa.ArrowException as err:
+            raise ShardFormatError(f"{path}: not a readable Arrow IPC file ({err})") from None
+        if reader.num_record_batches != entry["samples"]:
+            raise ShardFormatError(f"{path}: {reader.num_record_batches} samples in the file, manifest says {entry['samples']}")
+        return reader
+
+    def _check_checksum(self, file: str, expected: str) -> None:
+        path = io.join(self.root, file)
+        actual = file_checksum(self.fs, path)
+        if actual != expected:
+            raise ShardFormatError(f"{path}: checksum {actual} does not match the manifest's {expected} (corrupted file)")
+
+
+def _tensor(array: np.ndarray):
+    """A torch tensor sharing `array`'s memory; copied only if that memory is read-only (a file
+    mapping, which torch could not protect from writes)."""
+    import torch
+
+    return torch.from_numpy(array if array.flags.writeable else array.copy())

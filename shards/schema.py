@@ -1,0 +1,284 @@
+"""What one sample is, how it is laid out in Arrow, and the two lossless encodings of `hidden`.
+
+A shard file holds one record batch per sample, and each batch holds exactly one row, so reading
+sample `row` of a shard is `open_file(...).get_batch(row)` and decodes nothing else. Columns of
+that row (T tokens, W = n_taps * H hidden width, k top-k entries):
+
+    sample_id      string
+    input_ids      list<int32>                       [T]
+    loss_mask      list<uint8>                       [T]
+    hidden         list<fixed_size_list<uint16, W>>  [T, W]   encoding "plain": bf16 bit patterns
+    hidden_hi      list<fixed_size_list<uint8, W>>   [T, W]   encoding "planes": high byte of each bf16
+    hidden_lo      list<fixed_size_list<uint8, W>>   [T, W]   encoding "planes": low byte of each bf16
+    topk_ids       list<fixed_size_list<int32, k>>   [T, k]
+    topk_logprobs  list<fixed_size_list<float32, k>> [T, k]
+
+Arrow IPC compresses every buffer as its own zstd frame, so with "planes" zstd sees the
+sign/exponent bytes (low entropy) apart from the mantissa bytes (nearly random), which is what
+makes the planes smaller. Both encodings are bit-exact. See shards/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pyarrow as pa
+
+FORMAT_NAME = "dflash-shards"
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+ENCODINGS = ("plain", "planes")
+DEFAULT_ENCODING = "planes"  # chosen by measurement: FORMAT.md, "Why these defaults"
+DEFAULT_ZSTD_LEVEL = 1  # chosen by measurement: FORMAT.md, "Why these defaults"
+DEFAULT_SHARD_BYTES = 1 << 30
+SHARD_SUFFIX = ".arrow"
+INDEX_SUFFIX = ".index.arrow"
+TAP_MEANING = "id i = output of decoder layer i = hidden_states[i+1]"
+
+# bf16 is 1 sign, 8 exponent, 7 mantissa bits; an all-ones exponent is Inf or NaN.
+BF16_EXPONENT_MASK = 0x7F80
+
+_META_PREFIX = b"dflash."
+_PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class ShardFormatError(ValueError):
+    """A dataset on disk does not match its manifest or this format (the message names the file)."""
+
+
+@dataclasses.dataclass
+class Sample:
+    """One tokenized sample with its target features, as numpy arrays."""
+
+    sample_id: str
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T], 1 on assistant-response tokens
+    hidden: np.ndarray  # uint16 [T, W], bf16 bit patterns, W = n_taps * H
+    topk_ids: np.ndarray  # int32 [T, k]
+    topk_logprobs: np.ndarray  # float32 [T, k], log_softmax of the true final logits, descending
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(np.count_nonzero(self.loss_mask))
+
+
+def sample_from_torch(sample_id, input_ids, loss_mask, hidden, topk_ids, topk_logprobs) -> Sample:
+    """A `Sample` from CPU torch tensors (hidden in bf16), converting to the stored dtypes.
+
+    The bf16 hidden states are reinterpreted as uint16 bit patterns without rounding.
+    """
+    import torch
+
+    if hidden.dtype != torch.bfloat16:
+        raise ValueError(f"sample {sample_id!r}: field 'hidden': expected a bfloat16 tensor, got {hidden.dtype}")
+    return Sample(
+        sample_id=sample_id,
+        input_ids=input_ids.detach().cpu().to(torch.int32).numpy(),
+        loss_mask=loss_mask.detach().cpu().to(torch.uint8).numpy(),
+        hidden=hidden.detach().cpu().contiguous().view(torch.uint16).numpy(),
+        topk_ids=topk_ids.detach().cpu().to(torch.int32).numpy(),
+        topk_logprobs=topk_logprobs.detach().cpu().to(torch.float32).numpy(),
+    )
+
+
+def check_encoding(encoding: str) -> str:
+    if encoding not in ENCODINGS:
+        raise ValueError(f"hidden_encoding: unknown encoding {encoding!r}; allowed: {', '.join(ENCODINGS)}")
+    return encoding
+
+
+def check_prefix(name: str, what: str) -> str:
+    if not isinstance(name, str) or not _PREFIX_PATTERN.match(name):
+        raise ValueError(f"{what}: {name!r} must be a plain file name of letters, digits, '_', '-', '.'")
+    return name
+
+
+def shard_file_name(prefix: str, number: int) -> str:
+    return f"{prefix}-{number:05d}{SHARD_SUFFIX}"
+
+
+def index_file_name(shard_file: str) -> str:
+    assert shard_file.endswith(SHARD_SUFFIX)
+    return shard_file[: -len(SHARD_SUFFIX)] + INDEX_SUFFIX
+
+
+def shard_number(prefix: str, file_name: str) -> int | None:
+    """The number in `{prefix}-{NNNNN}.arrow`, or None if the name is not one of this prefix's shards."""
+    match = re.fullmatch(re.escape(prefix) + r"-(\d+)" + re.escape(SHARD_SUFFIX), file_name)
+    return int(match.group(1)) if match else None
+
+
+# ----------------------------------------------------------------------------- Arrow schemas
+
+
+def _rows_of(value_type: pa.DataType, width: int) -> pa.DataType:
+    return pa.list_(pa.field("item", pa.list_(pa.field("item", value_type, nullable=False), width), nullable=False))
+
+
+def shard_schema(encoding: str, hidden_width: int, topk: int) -> pa.Schema:
+    """The schema of a shard file; its metadata repeats the encoding and widths so a shard describes itself."""
+    check_encoding(encoding)
+    if encoding == "plain":
+        hidden_fields = [pa.field("hidden", _rows_of(pa.uint16(), hidden_width), nullable=False)]
+    else:
+        hidden_fields = [
+            pa.field("hidden_hi", _rows_of(pa.uint8(), hidden_width), nullable=False),
+            pa.field("hidden_lo", _rows_of(pa.uint8(), hidden_width), nullable=False),
+        ]
+    fields = [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("input_ids", pa.list_(pa.field("item", pa.int32(), nullable=False)), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.field("item", pa.uint8(), nullable=False)), nullable=False),
+        *hidden_fields,
+        pa.field("topk_ids", _rows_of(pa.int32(), topk), nullable=False),
+        pa.field("topk_logprobs", _rows_of(pa.float32(), topk), nullable=False),
+    ]
+    metadata = {
+        _META_PREFIX + b"format": FORMAT_NAME.encode(),
+        _META_PREFIX + b"format_version": str(FORMAT_VERSION).encode(),
+        _META_PREFIX + b"encoding": encoding.encode(),
+        _META_PREFIX + b"hidden_width": str(hidden_width).encode(),
+        _META_PREFIX + b"topk": str(topk).encode(),
+    }
+    return pa.schema(fields, metadata=metadata)
+
+
+def index_schema() -> pa.Schema:
+    """The per-shard index sidecar: one row per sample, in shard row order."""
+    return pa.schema(
+        [
+            pa.field("sample_id", pa.string(), nullable=False),
+            pa.field("n_tokens", pa.int32(), nullable=False),
+            pa.field("n_loss_tokens", pa.int32(), nullable=False),
+            pa.field("row", pa.int32(), nullable=False),
+            # bytes the shard grew by when this sample was written (row 0 also holds the file header)
+            pa.field("nbytes", pa.int64(), nullable=False),
+        ],
+        metadata={_META_PREFIX + b"format": FORMAT_NAME.encode(), _META_PREFIX + b"format_version": str(FORMAT_VERSION).encode()},
+    )
+
+
+# ----------------------------------------------------------------------------- bf16 byte planes
+
+
+def split_planes(hidden_TW: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(high bytes, low bytes) of uint16 values, each uint8 of the same shape; lossless."""
+    hi_TW = np.right_shift(hidden_TW, 8).astype(np.uint8)
+    lo_TW = hidden_TW.astype(np.uint8)  # keeps the low 8 bits
+    return hi_TW, lo_TW
+
+
+def join_planes(hi_TW: np.ndarray, lo_TW: np.ndarray, out_TW: np.ndarray | None = None) -> np.ndarray:
+    """The uint16 values whose high and low bytes are `hi` and `lo` (inverse of `split_planes`),
+    written into `out` if given (two passes, no temporary)."""
+    out_TW = np.left_shift(hi_TW, 8, dtype=np.uint16, out=out_TW)
+    np.bitwise_or(out_TW, lo_TW, out=out_TW)
+    return out_TW
+
+
+def count_nonfinite_bf16(hidden: np.ndarray) -> int:
+    """How many bf16 bit patterns are Inf or NaN."""
+    return int(np.count_nonzero((hidden & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK))
+
+
+def bf16_bits_to_float32(hidden: np.ndarray) -> np.ndarray:
+    """Exact float32 values of bf16 bit patterns (bf16 is the top half of a float32)."""
+    return (hidden.astype(np.uint32) << 16).view(np.float32)
+
+
+# ----------------------------------------------------------------------------- encode / decode
+
+
+def _one_row_list(values: np.ndarray, width: int | None) -> pa.Array:
+    """A one-row list array over `values` ([T] or [T, width]) without copying the numpy data."""
+    flat = pa.array(values.reshape(-1))
+    if width is not None:
+        flat = pa.FixedSizeListArray.from_arrays(flat, width)
+    offsets = pa.array(np.array([0, values.shape[0]], dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, flat)
+
+
+def encode_sample(sample: Sample, schema: pa.Schema, encoding: str) -> pa.RecordBatch:
+    """One record batch of one row holding `sample` (already validated)."""
+    hidden = np.ascontiguousarray(sample.hidden)
+    width = hidden.shape[1]
+    k = sample.topk_ids.shape[1]
+    if encoding == "plain":
+        hidden_columns = [_one_row_list(hidden, width)]
+    else:
+        hi_TW, lo_TW = split_planes(hidden)
+        hidden_columns = [_one_row_list(hi_TW, width), _one_row_list(lo_TW, width)]
+    columns = [
+        pa.array([sample.sample_id], pa.string()),
+        _one_row_list(np.ascontiguousarray(sample.input_ids), None),
+        _one_row_list(np.ascontiguousarray(sample.loss_mask), None),
+        *hidden_columns,
+        _one_row_list(np.ascontiguousarray(sample.topk_ids), k),
+        _one_row_list(np.ascontiguousarray(sample.topk_logprobs), k),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _rows(column: pa.Array, T: int, width: int, name: str) -> np.ndarray:
+    """[T, width] view of a list<fixed_size_list> column, checking it has T positions."""
+    values = _values(column, 2)
+    if values.size != T * width:
+        raise ShardFormatError(f"field {name!r} has {values.size // max(width, 1)} positions of width {width}, input_ids has {T}")
+    return values.reshape(T, width)
+
+
+def _values(column: pa.Array, depth: int) -> np.ndarray:
+    """The flat values of row 0 of a list (depth 1) or list-of-fixed-size-list (depth 2) column,
+    as a numpy view of Arrow's buffer (no copy). The view is writable when Arrow's memory is
+    (decompressed buffers are); it is read-only when it points into a memory-mapped file."""
+    values = column.flatten()
+    if depth == 2:
+        values = values.flatten()
+    if values.null_count:
+        raise ShardFormatError(f"{values.null_count} null values in a non-nullable column")
+    dtype = np.dtype(values.type.to_pandas_dtype())
+    return np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype.itemsize)
+
+
+def decode_sample(batch: pa.RecordBatch, encoding: str, hidden_width: int, topk: int, hidden_out: np.ndarray | None = None) -> Sample:
+    """The `Sample` held by a one-row record batch. Every array is a zero-copy view of the decoded
+    Arrow buffers, except `planes` hidden states, which are joined into one fresh array.
+
+    With `hidden_out` (uint16 [>= T, W], C-contiguous, e.g. a row of a trainer's batch buffer) the
+    hidden states are decoded straight into `hidden_out[:T]`, saving the copy a collate would make.
+    """
+    if batch.num_rows != 1:
+        raise ShardFormatError(f"expected one row per record batch, found {batch.num_rows}")
+    input_ids = _values(batch.column("input_ids"), 1)
+    T = input_ids.shape[0]
+    destination = None
+    if hidden_out is not None:
+        if hidden_out.dtype != np.uint16 or hidden_out.ndim != 2 or hidden_out.shape[1] != hidden_width or hidden_out.shape[0] < T:
+            raise ValueError(f"hidden_out: need uint16 [>= {T}, {hidden_width}], got {hidden_out.dtype} {tuple(hidden_out.shape)}")
+        destination = hidden_out[:T]
+    if encoding == "plain":
+        hidden_TW = _rows(batch.column("hidden"), T, hidden_width, "hidden")
+        if destination is not None:
+            np.copyto(destination, hidden_TW)
+            hidden_TW = destination
+    else:
+        hi = _rows(batch.column("hidden_hi"), T, hidden_width, "hidden_hi")
+        lo = _rows(batch.column("hidden_lo"), T, hidden_width, "hidden_lo")
+        hidden_TW = join_planes(hi, lo, destination)
+    loss_mask = _values(batch.column("loss_mask"), 1)
+    if loss_mask.size != T:
+        raise ShardFormatError(f"field 'loss_mask' has {loss_mask.size} positions, input_ids has {T}")
+    return Sample(
+        sample_id=batch.column("sample_id")[0].as_py(),
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        hidden=hidden_TW,
+        topk_ids=_rows(batch.column("topk_ids"), T, topk, "topk_ids"),
+        topk_logprobs=_rows(batch.column("topk_logprobs"), T, topk, "topk_logprobs"),
+    )

@@ -1,0 +1,189 @@
+"""`verify_dataset`: check a dataset end to end and list every problem, each naming its file (and the
+sample id and row where one sample is concerned).
+
+Checks: the manifest (format version, counts equal the sum over shards, hidden width agrees with
+the provenance's taps), every index file (present, size, checksum, schema, rows, token sums),
+every shard file (present, size, checksum, schema, number of samples), every sample (decodes,
+its id and lengths match the index, field lengths agree, loss mask is 0/1, no NaN/Inf in hidden
+states or log-probs) and that no sample id appears twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+from tqdm import tqdm
+
+from common import io
+from common.hashing import file_checksum
+from shards.manifest import MANIFEST_NAME, RESERVED_COUNTS, load_manifest, manifest_path, read_index
+from shards.schema import ShardFormatError, count_nonfinite_bf16, decode_sample, shard_schema
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a dataset."""
+
+    file: str
+    message: str
+    sample_id: str | None = None
+    row: int | None = None
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.row is not None:
+            where += f" row {self.row}"
+        if self.sample_id is not None:
+            where += f" sample {self.sample_id}"
+        return f"{where}: {self.message}"
+
+
+def _check_manifest_counts(manifest: dict, path: str) -> list[Problem]:
+    problems = []
+    for key in RESERVED_COUNTS:
+        listed = sum(entry.get(key, 0) for entry in manifest["shards"])
+        if manifest["counts"].get(key) != listed:
+            problems.append(Problem(path, f"counts.{key} is {manifest['counts'].get(key)} but the shard entries add up to {listed}"))
+    prov = manifest["provenance"]
+    taps = (prov.get("taps") or {}).get("layer_ids")
+    hidden_size = (prov.get("target") or {}).get("hidden_size")
+    if taps is not None and hidden_size is not None and len(taps) * hidden_size != manifest["hidden_width"]:
+        problems.append(Problem(path, f"hidden_width {manifest['hidden_width']} != {len(taps)} taps x hidden_size {hidden_size}"))
+    if "topk" in prov and prov["topk"] != manifest["topk"]:
+        problems.append(Problem(path, f"topk {manifest['topk']} != provenance topk {prov['topk']}"))
+    return problems
+
+
+def _check_file(fs, path: str, size: int, checksum: str, what: str, checksums: bool) -> list[Problem]:
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        return [Problem(path, f"{what} listed in the manifest is missing")]
+    if info.size != size:
+        return [Problem(path, f"{what} is {info.size} bytes, manifest says {size} (truncated or overwritten)")]
+    if checksums and file_checksum(fs, path) != checksum:
+        return [Problem(path, f"{what} checksum does not match the manifest (corrupted)")]
+    return []
+
+
+def _check_index(fs, root: str, entry: dict, checksums: bool) -> tuple[list[Problem], pa.Table | None]:
+    path = io.join(root, entry["index_file"])
+    problems = _check_file(fs, path, entry["index_bytes"], entry["index_checksum"], "index file", checksums)
+    if problems and "missing" in problems[0].message:
+        return problems, None
+    try:
+        table = read_index(fs, root, entry)
+    except (ShardFormatError, FileNotFoundError) as err:
+        return problems + [Problem(path, str(err).removeprefix(path + ": "))], None
+    if table.column("row").to_pylist() != list(range(table.num_rows)):
+        problems.append(Problem(path, "rows are not 0..n-1 in order"))
+    for column, key in (("n_tokens", "tokens"), ("n_loss_tokens", "loss_tokens")):
+        total = int(pc.sum(table.column(column)).as_py() or 0)
+        if total != entry[key]:
+            problems.append(Problem(path, f"{column} add up to {total}, manifest says {key}={entry[key]}"))
+    return problems, table
+
+
+def _open_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool) -> tuple[list[Problem], pa.ipc.RecordBatchFileReader | None]:
+    path = io.join(root, entry["file"])
+    problems = _check_file(fs, path, entry["bytes"], entry["checksum"], "shard file", checksums)
+    if problems and "missing" in problems[0].message:
+        return problems, None
+    try:
+        source = pa.memory_map(path, "r") if io.is_local(fs) else fs.open_input_file(path)
+        reader = pa.ipc.open_file(source)
+    except (pa.ArrowException, OSError) as err:
+        return problems + [Problem(path, f"cannot be opened as an Arrow IPC file: {err}")], None
+    expected = shard_schema(manifest["encoding"], manifest["hidden_width"], manifest["topk"])
+    if not reader.schema.equals(expected, check_metadata=True):
+        return problems + [Problem(path, f"schema does not match the manifest's layout: {reader.schema.names}")], None
+    if reader.num_record_batches != entry["samples"]:
+        problems.append(Problem(path, f"holds {reader.num_record_batches} samples, manifest says {entry['samples']}"))
+    return problems, reader
+
+
+def _column_length_problems(batch: pa.RecordBatch) -> list[str]:
+    """Fields whose number of positions differs from input_ids' (the writer never stores such a sample)."""
+    T = len(batch.column("input_ids").flatten())
+    messages = []
+    for name in batch.schema.names[2:]:
+        values = batch.column(name).flatten()
+        if len(values) != T:
+            messages.append(f"field {name!r} has {len(values)} positions but input_ids has {T}")
+    return messages
+
+
+def _check_sample(reader, row: int, manifest: dict, index_row: dict | None, path: str) -> list[Problem]:
+    expected_id = index_row["sample_id"] if index_row else None
+    try:
+        batch = reader.get_batch(row)
+        sample_id = batch.column("sample_id")[0].as_py()
+        length_problems = _column_length_problems(batch)
+        if length_problems:
+            return [Problem(path, m, sample_id, row) for m in length_problems]
+        sample = decode_sample(batch, manifest["encoding"], manifest["hidden_width"], manifest["topk"])
+    except (pa.ArrowException, ValueError, IndexError) as err:
+        return [Problem(path, f"cannot be decoded: {err}", expected_id, row)]
+    problems = []
+
+    def report(message):
+        problems.append(Problem(path, message, sample.sample_id, row))
+
+    if index_row is not None:
+        if sample.sample_id != expected_id:
+            report(f"sample id differs from the index's {expected_id}")
+        if sample.n_tokens != index_row["n_tokens"]:
+            report(f"{sample.n_tokens} tokens, index says {index_row['n_tokens']}")
+        if sample.n_loss_tokens != index_row["n_loss_tokens"]:
+            report(f"{sample.n_loss_tokens} loss tokens, index says {index_row['n_loss_tokens']}")
+    if sample.n_tokens == 0:
+        report("empty sequence")
+    if np.any(sample.loss_mask > 1):
+        report("loss_mask has values other than 0/1")
+    bad = count_nonfinite_bf16(sample.hidden)
+    if bad:
+        report(f"hidden has {bad} NaN/Inf values")
+    bad = int(np.count_nonzero(~np.isfinite(sample.topk_logprobs)))
+    if bad:
+        report(f"topk_logprobs has {bad} NaN/Inf values")
+    return problems
+
+
+def _check_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool, decode: bool, bar) -> tuple[list[Problem], list[str]]:
+    """Problems of one shard and its index, and the sample ids the index lists."""
+    problems, index = _check_index(fs, root, entry, checksums)
+    shard_problems, reader = _open_shard(fs, root, entry, manifest, checksums)
+    problems += shard_problems
+    index_rows = index.to_pylist() if index is not None else []
+    if reader is not None and decode:
+        path = io.join(root, entry["file"])
+        for row in range(reader.num_record_batches):
+            index_row = index_rows[row] if row < len(index_rows) else None
+            problems += _check_sample(reader, row, manifest, index_row, path)
+            bar.update(1)
+    return problems, [r["sample_id"] for r in index_rows]
+
+
+def verify_dataset(root: str, manifest_name: str = MANIFEST_NAME, *, checksums: bool = True, decode: bool = True, progress: bool = False) -> list[Problem]:
+    """Every problem found in the dataset at `root` (empty list: the dataset is sound)."""
+    fs, root = io.resolve(root)
+    path = manifest_path(root, manifest_name)
+    try:
+        manifest = load_manifest(fs, root, manifest_name)
+    except (FileNotFoundError, ShardFormatError) as err:
+        return [Problem(path, str(err).removeprefix(path + ": "))]
+    problems = _check_manifest_counts(manifest, path)
+    seen: dict[str, str] = {}
+    total = sum(entry["samples"] for entry in manifest["shards"])
+    with tqdm(total=total, unit="sample", desc="verify", disable=None if progress else True) as bar:
+        for entry in manifest["shards"]:
+            shard_problems, ids = _check_shard(fs, root, entry, manifest, checksums, decode, bar)
+            problems += shard_problems
+            for row, sid in enumerate(ids):
+                if sid in seen:
+                    problems.append(Problem(io.join(root, entry["index_file"]), f"duplicate sample id, also in {seen[sid]}", sid, row))
+                seen.setdefault(sid, entry["file"])
+    return problems

@@ -1,0 +1,402 @@
+"""`ShardWriter`: append validated samples to a dataset, one shard file at a time, so that a kill at
+any moment leaves a dataset whose manifest lists only complete, checksummed shards.
+
+Commit protocol for one shard (see FORMAT.md): the shard and its index are written under `*.tmp`
+names, fsynced and renamed; then the manifest is rewritten atomically. A shard whose rename
+happened but whose manifest update did not is not part of the dataset and is deleted when the
+next writer opens the dataset.
+
+    with ShardWriter(root, provenance=prov, hidden_width=W, topk=k) as w:
+        done = w.committed_ids()
+        for sample in samples:
+            if sample.sample_id not in done:
+                w.write(sample)
+                w.stage_state["position"] = ...   # saved with the next commit
+
+A shard that reached `shard_bytes` is committed at the start of the next `write()` (or at
+`flush()`/`close()`), so `extra_counts` and `stage_state` updated after a `write()` are saved
+together with the samples they describe.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import xxhash
+
+from common import io
+from common.hashing import bytes_digest
+from common.provenance import git_sha, tool_version
+from shards.manifest import (
+    MANIFEST_NAME,
+    RESERVED_COUNTS,
+    extra_counts_of,
+    json_normalized,
+    layout_difference,
+    load_manifest,
+    manifest_path,
+    new_manifest,
+    now_iso,
+    read_index,
+    save_manifest,
+)
+from shards.schema import (
+    DEFAULT_ENCODING,
+    DEFAULT_SHARD_BYTES,
+    DEFAULT_ZSTD_LEVEL,
+    INDEX_SUFFIX,
+    SHARD_SUFFIX,
+    Sample,
+    check_encoding,
+    check_prefix,
+    encode_sample,
+    index_file_name,
+    index_schema,
+    shard_file_name,
+    shard_number,
+    shard_schema,
+)
+from shards.validate import validate_sample
+
+log = logging.getLogger(__name__)
+
+
+class _HashingStream:
+    """A file-like sink for `pa.PythonFile` that hashes and counts bytes on their way to `raw`."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.hasher = xxhash.xxh3_128()
+        self.nbytes = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.hasher.update(view)
+        self.raw.write(view)
+        self.nbytes += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.nbytes
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+            self.closed = True
+
+
+@dataclasses.dataclass
+class _OpenShard:
+    """The shard being written: its temporary file and the index rows of the samples in it."""
+
+    number: int
+    file: str
+    tmp_path: str
+    stream: _HashingStream
+    ipc_writer: pa.ipc.RecordBatchFileWriter
+    sample_ids: list = dataclasses.field(default_factory=list)
+    n_tokens: list = dataclasses.field(default_factory=list)
+    n_loss_tokens: list = dataclasses.field(default_factory=list)
+    nbytes: list = dataclasses.field(default_factory=list)
+
+    def index_table(self) -> pa.Table:
+        columns = [self.sample_ids, self.n_tokens, self.n_loss_tokens, list(range(len(self.sample_ids))), self.nbytes]
+        return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, index_schema())], schema=index_schema())
+
+
+def _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level) -> None:
+    if not isinstance(provenance, dict):
+        raise ValueError(f"provenance: expected a dict, got {type(provenance).__name__}")
+    for name, value in (("hidden_width", hidden_width), ("topk", topk), ("shard_bytes", shard_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    if not isinstance(zstd_level, int) or not 1 <= zstd_level <= 22:
+        raise ValueError(f"zstd_level: expected an integer in 1..22, got {zstd_level!r}")
+    if "topk" in provenance and provenance["topk"] != topk:
+        raise ValueError(f"topk: {topk} but provenance says topk={provenance['topk']}")
+    taps = (provenance.get("taps") or {}).get("layer_ids")
+    hidden_size = (provenance.get("target") or {}).get("hidden_size")
+    if taps is not None and hidden_size is not None and len(taps) * hidden_size != hidden_width:
+        raise ValueError(
+            f"hidden_width: {hidden_width} but provenance has {len(taps)} taps x hidden_size {hidden_size} = {len(taps) * hidden_size}"
+        )
+
+
+class ShardWriter:
+    """Writes samples into zstd Arrow IPC shards under `root` and commits them through the manifest."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        provenance: dict,
+        hidden_width: int,
+        topk: int,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        zstd_level: int = DEFAULT_ZSTD_LEVEL,
+        hidden_encoding: str = DEFAULT_ENCODING,
+        reject_nonfinite: bool = True,
+        manifest_name: str = MANIFEST_NAME,
+        shard_prefix: str = "shard",
+        use_threads: bool = True,
+    ):
+        _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level)
+        self.encoding = check_encoding(hidden_encoding)
+        self.hidden_width, self.topk = hidden_width, topk
+        self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
+        self.reject_nonfinite = reject_nonfinite
+        self.manifest_name = check_prefix(manifest_name, "manifest_name")
+        self.shard_prefix = check_prefix(shard_prefix, "shard_prefix")
+        self.fs, self.root = io.resolve(root)
+        self._vocab_size = (provenance.get("target") or {}).get("vocab_size")
+        self._schema = shard_schema(self.encoding, hidden_width, topk)
+        self._ipc_options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", zstd_level), use_threads=use_threads)
+        self._open_shard: _OpenShard | None = None
+        self._closed = False
+        self.fs.create_dir(self.root, recursive=True)
+        is_new = not io.exists(self.fs, manifest_path(self.root, self.manifest_name))
+        self._manifest, self._committed_ids = self._open_dataset(provenance, is_new)
+        self._refuse_shared_prefix()
+        self._remove_leftovers()
+        if is_new:  # an empty dataset exists (and reads as such) from the moment a writer opens it
+            save_manifest(self.fs, self.root, self.manifest_name, self._manifest)
+        self._ids = set(self._committed_ids)  # committed + in the open shard, to refuse duplicates
+        self._next_number = self._first_free_number()
+        self.extra_counts: collections.Counter = collections.Counter(extra_counts_of(self._manifest))
+        self.stage_state: dict = dict(self._manifest.get("stage_state") or {})
+
+    # ------------------------------------------------------------------ opening / resuming
+
+    def _open_dataset(self, provenance: dict, is_new: bool) -> tuple[dict, set[str]]:
+        """The existing manifest (checked against the given settings) and its sample ids, or a new
+        manifest (saved by the caller once the other checks pass)."""
+        if is_new:
+            return new_manifest(provenance=provenance, encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk), set()
+        manifest = load_manifest(self.fs, self.root, self.manifest_name)
+        diff = layout_difference(manifest, provenance=provenance, encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk)
+        if diff:
+            raise ValueError(
+                f"{manifest_path(self.root, self.manifest_name)}: cannot resume, the dataset differs in {diff} "
+                "(dataset value vs value given); write to a new directory or pass the dataset's settings"
+            )
+        ids: set[str] = set()
+        for entry in manifest["shards"]:
+            ids.update(read_index(self.fs, self.root, entry).column("sample_id").to_pylist())
+        assert len(ids) == sum(e["samples"] for e in manifest["shards"]), "duplicate sample ids in a committed dataset"
+        return manifest, ids
+
+    def _refuse_shared_prefix(self) -> None:
+        """Refuse a prefix whose shards another manifest in this directory lists (and ours does not):
+        we would renumber over, or clean up, that dataset's files. A merged manifest lists ours too."""
+        ours = {entry["file"] for entry in self._manifest["shards"]}
+        for info in self.fs.get_file_info(pafs.FileSelector(self.root, recursive=False)):
+            if not info.base_name.endswith(".json") or info.base_name == self.manifest_name or info.type != pafs.FileType.File:
+                continue
+            try:
+                other = load_manifest(self.fs, self.root, info.base_name)
+            except (ValueError, FileNotFoundError, OSError):
+                continue  # not a shard manifest
+            theirs = [e["file"] for e in other["shards"] if shard_number(self.shard_prefix, e["file"]) is not None and e["file"] not in ours]
+            if theirs:
+                raise ValueError(
+                    f"shard_prefix: {self.shard_prefix!r} is used by {info.path} (e.g. {theirs[0]}); "
+                    "give each manifest in a directory its own shard_prefix"
+                )
+
+    def _remove_leftovers(self) -> None:
+        removed = io.remove_temp_files(self.fs, self.root, prefixes=(f"{self.shard_prefix}-", f"{self.manifest_name}."))
+        if removed:
+            log.info("removed %d leftover temporary files from a killed writer: %s", len(removed), removed)
+
+    def _first_free_number(self) -> int:
+        listed = [shard_number(self.shard_prefix, entry["file"]) for entry in self._manifest["shards"]]
+        next_number = max([n for n in listed if n is not None], default=-1) + 1
+        self._remove_uncommitted_shards(next_number)
+        return next_number
+
+    def _remove_uncommitted_shards(self, next_number: int) -> None:
+        """Delete this prefix's shard/index files numbered past the last committed one: a killed
+        writer renamed them but never listed them, so they are not part of the dataset."""
+        selector = pafs.FileSelector(self.root, recursive=False)
+        for info in self.fs.get_file_info(selector):
+            name = info.base_name
+            shard_name = name[: -len(INDEX_SUFFIX)] + SHARD_SUFFIX if name.endswith(INDEX_SUFFIX) else name
+            number = shard_number(self.shard_prefix, shard_name)
+            if info.type == pafs.FileType.File and number is not None and number >= next_number:
+                log.warning("deleting %s: written by a killed writer but never committed to the manifest", info.path)
+                self.fs.delete_file(info.path)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def manifest(self) -> dict:
+        """The manifest as last committed (a copy is not made; do not modify)."""
+        return self._manifest
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of committed shard and index files plus the shard being written (for progress bars)."""
+        committed = sum(e["bytes"] + e["index_bytes"] for e in self._manifest["shards"])
+        return committed + (self._open_shard.stream.nbytes if self._open_shard is not None else 0)
+
+    def committed_ids(self) -> set[str]:
+        """Sample ids already listed in the manifest (skip these when resuming)."""
+        return set(self._committed_ids)
+
+    def write(self, sample: Sample) -> None:
+        """Validate `sample` and append it to the open shard (ValueError, and nothing written, if invalid)."""
+        self._check_usable()
+        validate_sample(sample, hidden_width=self.hidden_width, topk=self.topk, vocab_size=self._vocab_size, reject_nonfinite=self.reject_nonfinite)
+        if sample.sample_id in self._ids:
+            raise ValueError(f"sample {sample.sample_id!r}: field 'sample_id': duplicate, this id is already in the dataset")
+        batch = encode_sample(sample, self._schema, self.encoding)
+        if self._open_shard is not None and self._open_shard.stream.nbytes >= self.shard_bytes:
+            self._commit_open_shard()
+        shard = self._open_shard or self._start_shard()
+        try:
+            before = shard.stream.nbytes
+            shard.ipc_writer.write_batch(batch)
+            shard.nbytes.append(shard.stream.nbytes - before)
+            shard.sample_ids.append(sample.sample_id)
+            shard.n_tokens.append(sample.n_tokens)
+            shard.n_loss_tokens.append(sample.n_loss_tokens)
+        except BaseException:
+            # The file may now hold a partial record batch: drop the whole uncommitted shard.
+            self._abandon_open_shard()
+            raise
+        self._ids.add(sample.sample_id)
+
+    def flush(self) -> None:
+        """Commit the open shard now (if any) and save `extra_counts` / `stage_state` in the manifest."""
+        self._check_usable()
+        if self._open_shard is not None:
+            self._commit_open_shard()
+        else:
+            self._save_manifest()
+
+    def close(self, complete: bool = True) -> None:
+        """Commit what is open and mark the dataset `complete` (or not). Idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        self._manifest["complete"] = bool(complete)
+        self._save_manifest()
+        self._closed = True
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close(complete=True)
+            return
+        # Samples already written are whole and valid: keep them, but do not mask the original error.
+        try:
+            self.close(complete=False)
+        except Exception:
+            log.exception("could not commit the open shard while handling another error")
+
+    # ------------------------------------------------------------------ shards
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ValueError(f"ShardWriter for {self.root} is closed")
+
+    def _start_shard(self) -> _OpenShard:
+        file = shard_file_name(self.shard_prefix, self._next_number)
+        tmp_path = io.temp_name(io.join(self.root, file))
+        raw = self.fs.open_output_stream(tmp_path, buffer_size=1 << 20)
+        stream = _HashingStream(raw)
+        ipc_writer = pa.ipc.new_file(pa.PythonFile(stream, mode="w"), self._schema, options=self._ipc_options)
+        self._open_shard = _OpenShard(self._next_number, file, tmp_path, stream, ipc_writer)
+        self._next_number += 1
+        return self._open_shard
+
+    def _abandon_open_shard(self) -> None:
+        shard, self._open_shard = self._open_shard, None
+        if shard is None:
+            return
+        self._ids.difference_update(shard.sample_ids)
+        log.error("dropping uncommitted shard %s (%d samples) after a failed write", shard.file, len(shard.sample_ids))
+        try:
+            shard.stream.close()
+            self.fs.delete_file(shard.tmp_path)
+        except Exception:
+            log.exception("could not delete %s; the next writer will", shard.tmp_path)
+
+    def _write_index(self, shard: _OpenShard) -> tuple[str, int, str]:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, index_schema()) as writer:  # uncompressed: tiny and read often
+            writer.write_table(shard.index_table())
+        data = sink.getvalue().to_pybytes()
+        file = index_file_name(shard.file)
+        tmp_path = io.temp_name(io.join(self.root, file))
+        with self.fs.open_output_stream(tmp_path) as f:
+            f.write(data)
+        io.commit(self.fs, tmp_path, io.join(self.root, file))
+        return file, len(data), bytes_digest(data)
+
+    def _commit_open_shard(self) -> None:
+        self._check_user_state()  # before any rename, so a bad counter cannot strand a renamed shard
+        shard, self._open_shard = self._open_shard, None
+        assert shard is not None and shard.sample_ids, "committing an empty shard"
+        try:
+            shard.ipc_writer.close()
+            shard.stream.close()
+            index_file, index_bytes, index_checksum = self._write_index(shard)
+            io.commit(self.fs, shard.tmp_path, io.join(self.root, shard.file))
+        except BaseException:
+            # Not committed: these samples are not in the dataset and may be written again.
+            self._ids.difference_update(shard.sample_ids)
+            raise
+        entry = {
+            "file": shard.file,
+            "index_file": index_file,
+            "samples": len(shard.sample_ids),
+            "tokens": int(sum(shard.n_tokens)),
+            "loss_tokens": int(sum(shard.n_loss_tokens)),
+            "bytes": shard.stream.nbytes,
+            "checksum": shard.stream.hasher.hexdigest(),
+            "index_bytes": index_bytes,
+            "index_checksum": index_checksum,
+            "zstd_level": self.zstd_level,
+            "written": now_iso(),
+            "git_sha": git_sha(),
+        }
+        counts = self._manifest["counts"]
+        counts["samples"] += entry["samples"]
+        counts["tokens"] += entry["tokens"]
+        counts["loss_tokens"] += entry["loss_tokens"]
+        self._manifest["shards"].append(entry)
+        self._manifest["complete"] = False
+        self._committed_ids.update(shard.sample_ids)
+        self._save_manifest()
+
+    def _check_user_state(self) -> dict:
+        """`stage_state` as it will be saved; ValueError naming the key if it or `extra_counts` is invalid."""
+        for key, value in self.extra_counts.items():
+            if not isinstance(key, str) or key in RESERVED_COUNTS:
+                raise ValueError(f"extra_counts: key {key!r} must be a string other than {RESERVED_COUNTS}")
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"extra_counts[{key!r}]: expected an integer, got {value!r}")
+        return json_normalized(self.stage_state, "stage_state")
+
+    def _save_manifest(self) -> None:
+        stage_state = self._check_user_state()
+        counts = {key: self._manifest["counts"][key] for key in RESERVED_COUNTS}
+        counts.update(sorted(self.extra_counts.items()))
+        self._manifest["counts"] = counts
+        self._manifest["stage_state"] = stage_state
+        self._manifest["writer"].update(tool_version=tool_version(), git_sha=git_sha())
+        save_manifest(self.fs, self.root, self.manifest_name, self._manifest)
