@@ -1,0 +1,590 @@
+"""The training data stream: shards -> length-bucketed, token-budget, stride-interleaved batches.
+
+    stream = DataStream(cfg.data, expected=expected_fields)   # refuses an incompatible dataset
+    save_json(run_dir / "data_plan.json", stream.data_plan())
+    stream.load_state_dict(checkpoint_state)                   # optional: resume exactly
+    for batch in stream:                                       # endless; batch.epoch tells the epoch
+        wait = stream.last_wait                                # seconds blocked in that next()
+        ...                                                    # batch.state goes into the checkpoint
+
+What happens, in order:
+1. Sample selection from the shard index alone (no hidden state is read): held-out samples
+   (`is_holdout`, a seed-independent hash of the sample id, shared with eval), samples with too
+   few loss tokens, samples longer than the token budget (`oversize`), then `max_samples` (a
+   nested, uniformly spread subset: the smallest values of a second id hash).
+2. Scheduling (`train/buckets.py`, pure): buckets from configured or quantile boundaries, a fixed
+   batch size per bucket so the padded size stays within the budget, a shuffle per (seed, epoch),
+   stride-based interleaving of the buckets' batches.
+3. Loading: background threads read and collate whole batches (`Batch`, right padding) into pinned
+   memory when CUDA is available; batches reach the consumer in plan order whatever the threads
+   do, so the stream is a pure function of (dataset, config, position).
+
+A position is a small JSON-able dict (`Batch.state`, `DataStream.state_dict()`); loading it into a
+stream on the same dataset and schedule resumes at exactly the next batch. A state from another
+dataset, sample selection, seed, budget or boundaries is refused with the field named. Checkpoint
+the `state` of the last batch trained on, not `state_dict()`, which has moved on if the loop
+fetched ahead.
+
+Errors in the loader threads reach the consumer in `next()`. Unreadable or inconsistent data
+(OSError, ValueError, Arrow errors) follows `on_corrupt`: "fail" raises `DataLoadError` naming the
+sample id and shard file; "skip" drops the sample, records it in `corrupt_samples` and logs the
+file (a batch left empty is skipped whole). Any other exception is re-raised with a note naming the
+sample and shard.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+import xxhash
+
+from common.config import knob, fail
+from train import buckets
+
+__all__ = [
+    "DataConfig",
+    "Batch",
+    "DataStream",
+    "DataLoadError",
+    "is_holdout",
+    "holdout_mask",
+    "check_compatible",
+    "select_samples",
+    "collate",
+    "EXPECTED_FIELDS",
+    "STATE_VERSION",
+]
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_HOLDOUT_SALT = b"dflash-holdout:"
+_SUBSET_SALT = b"dflash-subset:"
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """The `data` table of the train config."""
+
+    shards: str = knob("artifacts/tiny/shards/train", help="shards dataset root (local path or pyarrow.fs URI)")
+    manifest: str = knob("manifest.json", help="manifest file name inside the shards root")
+    verify_checksums: bool = knob(False, help="check every shard's checksum when opening the dataset (slow)")
+    holdout_fraction: float = knob(
+        0.01, help="share of samples held out for eval, chosen by a hash of the sample id (same for every seed)", min=0.0, max=0.5
+    )
+    max_samples: int | None = knob(None, help="train on at most this many samples (a fixed, uniformly spread subset); none = all", min=1)
+    min_loss_tokens: int = knob(
+        0, help="leave out samples with fewer loss tokens (DFlash drops those with < 2 x block_size = 32)", min=0
+    )
+    boundaries: list[int] | None = knob(
+        None, help="length-bucket upper edges, inclusive and strictly increasing; none = quantiles into num_buckets", min=1
+    )
+    num_buckets: int = knob(8, help="number of quantile buckets when boundaries is none (equal repeated quantiles merge)", min=1, max=64)
+    token_budget: int = knob(49152, help="max padded tokens per batch: batch size x longest sample in it", min=1)
+    max_batch_samples: int | None = knob(None, help="cap on samples per batch; none = only the token budget limits", min=1)
+    oversize: str = knob("fail", help="a sample longer than token_budget: fail at start, or skip it (counted in data_plan)", choices=["fail", "skip"])
+    seed: int = knob(0, help="seed of the per-epoch shuffle and interleaving offsets", min=0)
+    prefetch_threads: int = knob(4, help="background threads that read and collate batches", min=1, max=64)
+    prefetch_depth: int = knob(4, help="batches loaded ahead of the consumer (bounds host memory); >= prefetch_threads", min=1, max=256)
+    pin_memory: bool = knob(True, help="collate into pinned host memory (only when CUDA is available)")
+    on_corrupt: str = knob("fail", help="an unreadable sample or shard: fail, or skip it (counted and logged with the file)", choices=["skip", "fail"])
+
+    def check(self) -> None:
+        if self.boundaries is not None:
+            try:
+                buckets.check_boundaries(self.boundaries)
+            except ValueError:
+                fail("data.boundaries", f"must be strictly increasing positive lengths, got {self.boundaries}")
+        if self.prefetch_depth < self.prefetch_threads:
+            fail("data.prefetch_depth", f"{self.prefetch_depth} is below data.prefetch_threads={self.prefetch_threads}; threads beyond the depth would idle")
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch
+
+
+@dataclasses.dataclass
+class Batch:
+    """One training batch, right-padded (the contract of docs/ARCHITECTURE.md)."""
+
+    input_ids: torch.Tensor  # int64 [B, S] (padding: 0)
+    loss_mask: torch.Tensor  # bool [B, S] (False on padding)
+    hidden: torch.Tensor  # bf16 [B, S, W]
+    topk_ids: torch.Tensor  # int64 [B, S, k]
+    topk_logprobs: torch.Tensor  # float32 [B, S, k]
+    lengths: torch.Tensor  # int64 [B]
+    sample_ids: list[str]
+    bucket: int
+    epoch: int
+    state: dict  # data position *after* this batch; resuming from it yields the next batch
+
+    TENSOR_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs", "lengths")
+
+    def to(self, device, non_blocking: bool = True) -> "Batch":
+        """A copy with every tensor on `device` (asynchronous from pinned memory)."""
+        moved = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in self.TENSOR_FIELDS}
+        return dataclasses.replace(self, **moved)
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+class DataLoadError(RuntimeError):
+    """A sample could not be read or did not match the index; names the sample id and shard file."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Holdout and compatibility
+
+
+def _unit_hash(sample_id: str, salt: bytes) -> float:
+    """A uniform number in [0, 1) fixed by the sample id alone."""
+    return xxhash.xxh3_64_intdigest(salt + sample_id.encode("utf-8")) / 2.0**64
+
+
+def is_holdout(sample_id: str, fraction: float) -> bool:
+    """Whether a sample is held out for eval; independent of seed and dataset order, so train and
+    eval agree and a larger fraction holds out a superset."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"holdout fraction must lie in [0, 1], got {fraction}")
+    return _unit_hash(sample_id, _HOLDOUT_SALT) < fraction
+
+
+def holdout_mask(sample_ids: list[str], fraction: float) -> np.ndarray:
+    """`is_holdout` over many ids, as a bool array."""
+    return np.fromiter((is_holdout(s, fraction) for s in sample_ids), dtype=bool, count=len(sample_ids))
+
+
+# expected key -> (path in the manifest, how it must relate to the expected value)
+EXPECTED_FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "layer_ids": (("provenance", "taps", "layer_ids"), "equal"),
+    "hidden_width": (("hidden_width",), "equal"),
+    "hidden_size": (("provenance", "target", "hidden_size"), "equal"),
+    "vocab_size": (("provenance", "target", "vocab_size"), "equal"),
+    "tokenizer_hash": (("provenance", "tokenizer", "hash"), "equal"),
+    "topk": (("topk",), "at_least"),
+    "target_name": (("provenance", "target", "name_or_path"), "equal"),
+    "target_config_hash": (("provenance", "target", "config_hash"), "equal"),
+}
+_MISSING = object()
+
+
+def _lookup(manifest: dict, path: tuple[str, ...]) -> Any:
+    node: Any = manifest
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return [*a] == [*b]
+    return a == b
+
+
+def check_compatible(manifest: dict, expected: dict) -> None:
+    """Refuse a dataset whose manifest disagrees with what the drafter needs.
+
+    `expected` holds any of the keys of `EXPECTED_FIELDS` (an unknown key is an error, so a typo
+    never silently skips a check). `topk` is a minimum (the loss needs at least that many entries);
+    every other field must be equal. A field missing from the manifest is reported too. The
+    manifest must also be complete and self-consistent (hidden_width = n_taps x hidden_size). All
+    problems are reported at once in one ValueError, each naming the manifest field and both values.
+    """
+    unknown = sorted(set(expected) - set(EXPECTED_FIELDS))
+    if unknown:
+        raise ValueError(f"check_compatible: unknown expected field(s) {unknown}; known: {sorted(EXPECTED_FIELDS)}")
+    problems = []
+    if manifest.get("complete") is False:
+        problems.append("manifest field 'complete' is false: the extraction has not finished")
+    for key, want in expected.items():
+        path, rule = EXPECTED_FIELDS[key]
+        where = ".".join(path)
+        have = _lookup(manifest, path)
+        if have is _MISSING:
+            problems.append(f"manifest field '{where}' is missing; the drafter config expects {key}={want!r}")
+        elif rule == "at_least" and not have >= want:
+            problems.append(f"manifest field '{where}' = {have!r} but the drafter config needs {key} >= {want!r}")
+        elif rule == "equal" and not _same(have, want):
+            problems.append(f"manifest field '{where}' = {have!r} but the drafter config expects {key}={want!r}")
+    layer_ids = _lookup(manifest, EXPECTED_FIELDS["layer_ids"][0])
+    hidden_size = _lookup(manifest, EXPECTED_FIELDS["hidden_size"][0])
+    width = _lookup(manifest, EXPECTED_FIELDS["hidden_width"][0])
+    if _MISSING not in (layer_ids, hidden_size, width) and width != len(layer_ids) * hidden_size:
+        problems.append(
+            f"manifest field 'hidden_width' = {width!r} but len(provenance.taps.layer_ids) x provenance.target.hidden_size "
+            f"= {len(layer_ids)} x {hidden_size!r}: the manifest contradicts itself"
+        )
+    if problems:
+        raise ValueError("the shards dataset does not fit this drafter:\n  " + "\n  ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------
+# Sample selection (pure, on index columns)
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Dataset indices chosen for training, in index order, and why the others were left out."""
+
+    indices: np.ndarray  # int64 dataset indices
+    excluded: dict  # reason -> count
+
+
+def select_samples(sample_ids: list[str], n_tokens: np.ndarray, n_loss_tokens: np.ndarray, cfg: DataConfig) -> Selection:
+    """Apply holdout, min_loss_tokens, oversize and max_samples, in that order."""
+    n_tokens = np.asarray(n_tokens, dtype=np.int64)
+    keep = np.ones(len(sample_ids), dtype=bool)
+    excluded = {}
+    held = holdout_mask(sample_ids, cfg.holdout_fraction)
+    excluded["holdout"] = int(held.sum())
+    keep &= ~held
+    few = keep & (np.asarray(n_loss_tokens) < cfg.min_loss_tokens)
+    excluded["min_loss_tokens"] = int(few.sum())
+    keep &= ~few
+    over = keep & (n_tokens > cfg.token_budget)
+    if over.any() and cfg.oversize == "fail":
+        raise ValueError(
+            f"{int(over.sum())} training sample(s) are longer than data.token_budget={cfg.token_budget} "
+            f"(longest {int(n_tokens[over].max())} tokens; first {sample_ids[int(np.flatnonzero(over)[0])]}): "
+            f"raise data.token_budget or set data.oversize='skip'"
+        )
+    excluded["oversize"] = int(over.sum())
+    keep &= ~over
+    indices = np.flatnonzero(keep).astype(np.int64)
+    excluded["max_samples"] = 0
+    if cfg.max_samples is not None and indices.size > cfg.max_samples:
+        rank = np.fromiter((_unit_hash(sample_ids[i], _SUBSET_SALT) for i in indices), dtype=np.float64, count=indices.size)
+        chosen = np.sort(indices[np.argsort(rank, kind="stable")[: cfg.max_samples]])
+        excluded["max_samples"] = int(indices.size - chosen.size)
+        indices = chosen
+    return Selection(indices=indices, excluded=excluded)
+
+
+def _selection_digest(sample_ids: list[str], lengths: np.ndarray) -> str:
+    h = xxhash.xxh3_64()
+    h.update("\n".join(sample_ids).encode("utf-8"))
+    h.update(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# Collation
+
+
+def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: int, state: dict, pin: bool) -> Batch:
+    """Right-pad samples (dicts of `ShardDataset.torch`) into one `Batch`; padding is zero/False."""
+    assert samples, "a batch needs at least one sample"
+    lengths = [int(s["input_ids"].shape[0]) for s in samples]
+    B, S = len(samples), max(lengths)
+    W = int(samples[0]["hidden"].shape[1])
+    k = int(samples[0]["topk_ids"].shape[1])
+
+    def empty(*shape, dtype):
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+    input_ids_BS = empty(B, S, dtype=torch.int64)
+    loss_mask_BS = empty(B, S, dtype=torch.bool)
+    hidden_BSW = empty(B, S, W, dtype=torch.bfloat16)
+    topk_ids_BSk = empty(B, S, k, dtype=torch.int64)
+    topk_logprobs_BSk = empty(B, S, k, dtype=torch.float32)
+    for i, (sample, T) in enumerate(zip(samples, lengths)):
+        # Fill the padding tail explicitly rather than zeroing everything first: the hidden block
+        # is most of the batch's bytes and would otherwise be written twice.
+        for out, name in (
+            (input_ids_BS, "input_ids"),
+            (loss_mask_BS, "loss_mask"),
+            (hidden_BSW, "hidden"),
+            (topk_ids_BSk, "topk_ids"),
+            (topk_logprobs_BSk, "topk_logprobs"),
+        ):
+            out[i, :T].copy_(sample[name])
+            out[i, T:].zero_()
+    return Batch(
+        input_ids=input_ids_BS,
+        loss_mask=loss_mask_BS,
+        hidden=hidden_BSW,
+        topk_ids=topk_ids_BSk,
+        topk_logprobs=topk_logprobs_BSk,
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+        sample_ids=list(sample_ids),
+        bucket=int(bucket),
+        epoch=int(epoch),
+        state=state,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The stream
+
+
+def _open_dataset(cfg: DataConfig):
+    from shards import ShardDataset
+
+    return ShardDataset(cfg.shards, manifest_name=cfg.manifest, verify_checksums=cfg.verify_checksums)
+
+
+class DataStream:
+    """Endless, exactly resumable iterator of `Batch`es over a shards dataset (see the file docstring)."""
+
+    def __init__(self, cfg: DataConfig, dataset=None, *, expected: dict | None = None):
+        self.cfg = cfg
+        self.dataset = dataset if dataset is not None else _open_dataset(cfg)
+        if expected is not None:
+            check_compatible(self.dataset.manifest, expected)
+        index = self.dataset.index
+        all_ids = [str(s) for s in index.column("sample_id").to_pylist()]
+        all_lengths = np.asarray(index.column("n_tokens").to_numpy(), dtype=np.int64)
+        self._shard_of = index.column("shard").to_pylist()
+        self.selection = select_samples(all_ids, all_lengths, index.column("n_loss_tokens").to_numpy(), cfg)
+        self._dataset_index = self.selection.indices
+        self.sample_ids = [all_ids[i] for i in self._dataset_index]
+        self.lengths = all_lengths[self._dataset_index]
+        if self.lengths.size == 0:
+            raise ValueError(f"no training samples left in '{cfg.shards}' after selection (excluded: {self.selection.excluded})")
+        boundaries = cfg.boundaries if cfg.boundaries is not None else buckets.quantile_boundaries(self.lengths, cfg.num_buckets)
+        self.layout = buckets.bucket_layout(self.lengths, boundaries, cfg.token_budget, cfg.max_batch_samples)
+        self._digest = _selection_digest(self.sample_ids, self.lengths)
+        self._pin = bool(cfg.pin_memory and torch.cuda.is_available())
+        self._plans: dict[int, buckets.EpochPlan] = {}
+        self._epoch, self._batch = 0, 0  # position of the next batch handed to the consumer
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: collections.deque[tuple[tuple[int, int], Future]] = collections.deque()
+        self._submit_at = (0, 0)
+        self._corrupt_lock = threading.Lock()
+        self.corrupt_samples: dict[str, set[str]] = {}  # shard file -> ids skipped as unreadable (on_corrupt="skip")
+        self.last_wait = 0.0  # seconds the last __next__ spent blocked
+        self.total_wait = 0.0
+
+    # -- plan ---------------------------------------------------------------------------------
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.layout.steps_per_epoch
+
+    def plan(self, epoch: int) -> buckets.EpochPlan:
+        """The epoch's batches (indices into `self.sample_ids`), cached for the current and next epoch."""
+        if epoch not in self._plans:
+            self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
+            self._plans[epoch] = buckets.plan_epoch(self.layout, self.cfg.seed, epoch)
+        return self._plans[epoch]
+
+    def data_plan(self) -> dict:
+        """What `runs/NAME/data_plan.json` holds: the buckets and what one epoch is made of."""
+        layout, plan = self.layout, self.plan(0)
+        padded = buckets.padded_tokens(self.lengths, plan.batches)
+        return {
+            "version": STATE_VERSION,
+            "shards": self.cfg.shards,
+            "selection_digest": self._digest,
+            "samples_in_index": len(self._shard_of),
+            "samples": int(self.lengths.size),
+            "tokens": int(self.lengths.sum()),
+            "excluded": dict(self.selection.excluded),
+            "boundaries": list(layout.boundaries),
+            "boundaries_from": "config" if self.cfg.boundaries is not None else f"quantiles of {self.cfg.num_buckets}",
+            "token_budget": layout.token_budget,
+            "max_batch_samples": layout.max_batch_samples,
+            "seed": self.cfg.seed,
+            "steps_per_epoch": self.steps_per_epoch,
+            "planned_padding_efficiency": float(self.lengths.sum() / padded.sum()),
+            "planned_budget_use": float(padded.mean() / layout.token_budget),
+            "longest_same_bucket_run": buckets.longest_run(plan.bucket_of_batch),
+            "max_prefix_share_deviation_after_50": buckets.prefix_share_deviation(plan.bucket_of_batch, min_prefix=50),
+            "buckets": buckets.bucket_summary(self.lengths, layout, plan),
+        }
+
+    # -- position -----------------------------------------------------------------------------
+
+    def _identity(self) -> dict:
+        """What a saved position must share with this stream to be resumable here."""
+        return {
+            "version": STATE_VERSION,
+            "selection_digest": self._digest,
+            "samples": int(self.lengths.size),
+            "seed": self.cfg.seed,
+            "token_budget": self.layout.token_budget,
+            "boundaries": list(self.layout.boundaries),
+            "max_batch_samples": self.layout.max_batch_samples,
+        }
+
+    def _state_at(self, epoch: int, batch: int) -> dict:
+        return {**self._identity(), "epoch": epoch, "batch": batch, "plan_digest": self.plan(epoch).digest}
+
+    def _after(self, epoch: int, batch: int) -> tuple[int, int]:
+        return (epoch, batch + 1) if batch + 1 < self.steps_per_epoch else (epoch + 1, 0)
+
+    def state_dict(self) -> dict:
+        """The position of the next batch `next()` will return."""
+        return self._state_at(self._epoch, self._batch)
+
+    def progress(self, state: dict | None = None) -> float:
+        """Epochs done as a fraction (0.0 at the start, 1.0 after one epoch)."""
+        state = state if state is not None else self.state_dict()
+        return state["epoch"] + state["batch"] / self.steps_per_epoch
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` (a `Batch.state` or `state_dict()`); refuse a foreign one."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            found = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"data state: version {found!r} is not supported (expected {STATE_VERSION})")
+        mine = self._identity()
+        for key, why in (
+            ("selection_digest", "another dataset or sample selection (shards, holdout_fraction, max_samples, min_loss_tokens, oversize)"),
+            ("samples", "another dataset or sample selection"),
+            ("seed", "another data.seed"),
+            ("token_budget", "another data.token_budget"),
+            ("boundaries", "other bucket boundaries (data.boundaries / num_buckets)"),
+            ("max_batch_samples", "another data.max_batch_samples"),
+        ):
+            if key not in state:
+                raise ValueError(f"data state: field '{key}' is missing")
+            if state[key] != mine[key]:
+                raise ValueError(f"data state: field '{key}' is {state[key]!r} but this stream has {mine[key]!r}: it was saved with {why}")
+        epoch, batch = state.get("epoch"), state.get("batch")
+        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(batch, int) and 0 <= batch < self.steps_per_epoch):
+            raise ValueError(f"data state: position epoch={epoch!r}, batch={batch!r} is outside 0..{self.steps_per_epoch - 1}")
+        if state.get("plan_digest") != self.plan(epoch).digest:
+            raise ValueError(
+                f"data state: the plan of epoch {epoch} rebuilt here differs from the saved one "
+                f"(plan_digest {state.get('plan_digest')!r} vs {self.plan(epoch).digest!r}); a numpy RNG change?"
+            )
+        self._stop_workers()
+        self._epoch, self._batch = epoch, batch
+        self._submit_at = (epoch, batch)
+
+    # -- iteration ----------------------------------------------------------------------------
+
+    def __iter__(self) -> "DataStream":
+        return self
+
+    def __next__(self) -> Batch:
+        start = time.perf_counter()
+        try:
+            while True:
+                self._top_up()
+                position, future = self._pending.popleft()
+                assert position == (self._epoch, self._batch), (position, self._epoch, self._batch)
+                try:
+                    batch = future.result()
+                except BaseException:
+                    self._stop_workers()
+                    raise
+                self._epoch, self._batch = self._after(*position)
+                self._top_up()
+                if batch is not None:  # None: every sample of that batch was skipped as corrupt
+                    return batch
+        finally:
+            self.last_wait = time.perf_counter() - start
+            self.total_wait += self.last_wait
+
+    def _top_up(self) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self.cfg.prefetch_threads, thread_name_prefix="data")
+            self._submit_at = (self._epoch, self._batch)
+        while len(self._pending) < self.cfg.prefetch_depth:
+            epoch, j = self._submit_at
+            plan = self.plan(epoch)
+            members = plan.batches[j]
+            job = dict(
+                dataset_indices=self._dataset_index[members].tolist(),
+                sample_ids=[self.sample_ids[m] for m in members.tolist()],
+                lengths=self.lengths[members].tolist(),
+                bucket=int(plan.bucket_of_batch[j]),
+                epoch=epoch,
+                state=self._state_at(*self._after(epoch, j)),
+            )
+            self._pending.append(((epoch, j), self._executor.submit(self._load_batch, **job)))
+            self._submit_at = self._after(epoch, j)
+
+    def _load_batch(self, dataset_indices, sample_ids, lengths, bucket, epoch, state) -> Batch | None:
+        samples, kept_ids = [], []
+        for i, sid, n in zip(dataset_indices, sample_ids, lengths):
+            sample = self._load_sample(i, sid, n)
+            if sample is not None:
+                samples.append(sample)
+                kept_ids.append(sid)
+        if not samples:
+            return None
+        return collate(samples, kept_ids, bucket=bucket, epoch=epoch, state=state, pin=self._pin)
+
+    def _load_sample(self, i: int, sample_id: str, n_tokens: int) -> dict | None:
+        try:
+            sample = self.dataset.torch(i)
+            T = int(sample["input_ids"].shape[0])
+            if T != n_tokens:
+                raise ValueError(f"sample has {T} tokens but the index says {n_tokens}")
+            return sample
+        except (OSError, ValueError, pa.ArrowException) as exc:  # what unreadable or inconsistent data raises
+            return self._on_corrupt(i, sample_id, exc)
+        except Exception as exc:
+            exc.add_note(f"while reading sample {sample_id} (dataset index {i}) from shard '{self._shard_name(i)}'")
+            raise
+
+    def _on_corrupt(self, i: int, sample_id: str, exc: Exception) -> None:
+        shard = self._shard_name(i)
+        if self.cfg.on_corrupt == "fail":
+            raise DataLoadError(
+                f"cannot read sample {sample_id} (dataset index {i}) from shard '{shard}' in '{self.cfg.shards}': "
+                f"{type(exc).__name__}: {exc} (set data.on_corrupt='skip' to skip unreadable samples)"
+            ) from exc
+        with self._corrupt_lock:
+            skipped = self.corrupt_samples.setdefault(shard, set())
+            skipped.add(sample_id)
+            count = len(skipped)
+        # The first skip of a shard is a warning; more from the same file would flood the log.
+        level = logging.WARNING if count == 1 else logging.DEBUG
+        log.log(level, "skipping unreadable sample %s of shard '%s' (%d skipped from this file): %s: %s",
+                sample_id, shard, count, type(exc).__name__, exc)
+        return None
+
+    def _shard_name(self, i: int) -> str:
+        shard = self._shard_of[i]
+        if isinstance(shard, int):
+            entries = self.dataset.manifest.get("shards", [])
+            if 0 <= shard < len(entries) and isinstance(entries[shard], dict) and "file" in entries[shard]:
+                return str(entries[shard]["file"])
+        return str(shard)
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    def _stop_workers(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self._executor = None
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Stop the background threads; the position stays, so iterating again restarts them."""
+        self._stop_workers()
+
+    def __enter__(self) -> "DataStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
