@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
 test: setup
@@ -36,13 +36,15 @@ tiny: setup
 	$(PY) -m extract.tiny $(OVERRIDES)
 
 extract: setup
+	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m extract.tiny)
 	$(PY) -m extract $(CONFIG) $(OVERRIDES)
 
 train: setup
+	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny \&\& $(PY) -m extract configs/tiny.toml))
 	$(PY) -m train $(CONFIG) $(if $(RUN),run_name=$(RUN)) $(OVERRIDES)
 
 eval: setup
-	$(PY) -m train.eval $(CKPT) --data $(DATA) $(ARGS)
+	$(PY) -m train.eval $(CKPT) --data $(DATA) $(OVERRIDES) $(ARGS)
 
 export: setup
 	$(PY) -m train.export $(CKPT) $(OUT)
@@ -60,6 +62,7 @@ bench-extract: setup
 	$(PY) -m extract.bench $(ARGS)
 
 bench-train: setup
+	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny \&\& $(PY) -m extract configs/tiny.toml))
 	$(PY) -m train.bench $(ARGS)
 
 reliability: setup

@@ -1,0 +1,131 @@
+"""Read a Hugging Face target checkpoint directory without building the model.
+
+The trainer needs only the target's text-decoder config (widths, rope settings, vocabulary) and two
+frozen tensors (the embedding and `lm_head`); loading a 27B model for that would waste a minute and
+50 GiB. `load_tensors` opens the safetensors files lazily and reads just the requested tensors.
+
+Names are asked for in the plain causal-LM spelling (`model.embed_tokens.weight`,
+`lm_head.weight`, `model.norm.weight`); multimodal checkpoints such as Qwen3.6 store the decoder
+under `model.language_model.` and are found too. `lm_head.weight` falls back to the embedding
+when the config ties the two (or when the checkpoint has no head and does not say it is untied).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+__all__ = ["read_config", "text_config", "load_tensors", "tensor_names", "EMBED", "LM_HEAD"]
+
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_config(target_dir: str | os.PathLike) -> dict:
+    """The checkpoint's `config.json` as a dict (ValueError if missing or not JSON)."""
+    path = Path(target_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"target directory '{target_dir}' has no config.json")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"'{path}' is not valid JSON: {exc}") from None
+
+
+def text_config(target_dir: str | os.PathLike) -> dict:
+    """The text decoder's config: the nested `text_config` of a multimodal checkpoint, else the top level.
+
+    Keys the nested table lacks but the top level has (`tie_word_embeddings`, token ids) are
+    carried over, because multimodal configs keep some of them only at the top.
+    """
+    top = read_config(target_dir)
+    nested = top.get("text_config")
+    if not isinstance(nested, dict):
+        return dict(top)
+    merged = dict(nested)
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if key not in merged and key in top:
+            merged[key] = top[key]
+    merged.setdefault("architectures", top.get("architectures"))
+    return merged
+
+
+def tensor_names(target_dir: str | os.PathLike) -> dict[str, str]:
+    """Every stored tensor name mapped to the file (relative to the directory) that holds it."""
+    root = Path(target_dir)
+    index = root / _INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"'{index}' has no weight_map")
+        return dict(weight_map)
+    files = [root / _SINGLE_FILE] if (root / _SINGLE_FILE).is_file() else sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"target directory '{target_dir}' holds no safetensors weights ({_SINGLE_FILE} or {_INDEX_FILE})")
+    from safetensors import safe_open
+
+    names: dict[str, str] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                names[name] = file.name
+    return names
+
+
+def _candidates(name: str) -> list[str]:
+    """Spellings of a causal-LM tensor name in plain and multimodal checkpoints, most common first."""
+    if name.startswith("model."):
+        rest = name[len("model."):]
+        return [name, f"model.language_model.{rest}", f"language_model.model.{rest}", f"model.text_model.{rest}"]
+    if name.startswith("lm_head."):
+        return [name, f"language_model.{name}", f"model.language_model.{name}"]
+    return [name]
+
+
+def _is_tied(config: dict) -> bool:
+    # transformers' PretrainedConfig default is True when the key is absent.
+    return bool(config.get("tie_word_embeddings", True))
+
+
+def load_tensors(target_dir: str | os.PathLike, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Read only the named tensors (in their stored dtype) from the directory's safetensors files.
+
+    Returns a dict keyed by the names as asked. `lm_head.weight` of a tied model is the embedding.
+    ValueError names the tensor when it cannot be found, and the head when untied but missing.
+    """
+    from safetensors import safe_open
+
+    root = Path(target_dir)
+    stored = tensor_names(root)
+    wanted = list(dict.fromkeys(names))
+    where: dict[str, str] = {}
+    for name in wanted:
+        found = next((c for c in _candidates(name) if c in stored), None)
+        if found is None and name.startswith("lm_head."):
+            config = text_config(root)
+            if not _is_tied(config):
+                raise ValueError(
+                    f"target '{target_dir}': '{name}' is not stored and the config says tie_word_embeddings=false"
+                )
+            found = next((c for c in _candidates(EMBED) if c in stored), None)
+        if found is None:
+            sample = ", ".join(sorted(stored)[:5])
+            raise ValueError(f"target '{target_dir}': no tensor '{name}' (looked for {_candidates(name)}; stored names start: {sample}, ...)")
+        where[name] = found
+
+    # Read each stored tensor once: a tied head is then the very same tensor as the embedding.
+    read: dict[str, torch.Tensor] = {}
+    by_file: dict[str, set[str]] = {}
+    for stored_name in where.values():
+        by_file.setdefault(stored[stored_name], set()).add(stored_name)
+    for file, stored_names in by_file.items():
+        with safe_open(str(root / file), framework="pt") as handle:
+            for stored_name in sorted(stored_names):
+                read[stored_name] = handle.get_tensor(stored_name)
+    return {name: read[where[name]] for name in wanted}

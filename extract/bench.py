@@ -1,0 +1,340 @@
+"""`python -m extract.bench` (`make bench-extract ARGS=...`): extraction throughput on random weights.
+
+Builds a random-weight target of the exact Qwen3.6-27B text shape (`Qwen3_5TextConfig` from the
+checkpoint's `text_config`: 64 layers, 48 Gated DeltaNet + 16 gated attention, hidden 5120,
+vocab 248320) directly on the GPU in bf16, writes a synthetic corpus of token sequences with a
+realistic length mix, and measures in one run on the same micro-batches:
+
+  (a) bare:  the target forward with the tap hooks and the chunked final-logit top-k, nothing else
+  (b) full:  the real extraction (`extract.pipeline.run`): corpus read, batching, device-to-host
+             copies, unpacking, zstd, finished shards on local disk, manifest commits
+
+and prints tok/s, TFLOP/s (2 * N FLOPs per token, N = all parameters of the causal LM), (b)/(a),
+peak GPU memory, host RSS and bytes written, as a table and as JSON (`--out`).
+
+    python -m extract.bench --out bench.json                       # one GPU
+    torchrun --nproc-per-node 2 -m extract.bench --out bench.json  # per-GPU and total
+    python -m extract.bench --shape tiny                           # CPU smoke run, seconds
+
+Not a test: numbers depend on the machine. Whether the `fla` Triton kernels for the Gated DeltaNet
+layers are importable is reported (without them transformers runs a slow PyTorch fallback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import resource
+import shutil
+import sys
+import time
+
+import numpy as np
+import torch
+
+# Qwen/Qwen3.6-27B config.json `text_config` (docs: qwen3.6-27b.md section 1.2).
+QWEN36_27B_TEXT = dict(
+    attention_bias=False, attention_dropout=0.0, attn_output_gate=True, bos_token_id=248044, eos_token_id=248044,
+    pad_token_id=None, full_attention_interval=4, head_dim=256, hidden_act="silu", hidden_size=5120,
+    initializer_range=0.02, intermediate_size=17408, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_num_key_heads=16, linear_value_head_dim=128, linear_num_value_heads=48, max_position_embeddings=262144,
+    mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False, num_attention_heads=24, num_key_value_heads=4,
+    num_hidden_layers=64, partial_rotary_factor=0.25, rms_norm_eps=1e-6,
+    rope_parameters=dict(mrope_interleaved=True, mrope_section=[11, 11, 10], partial_rotary_factor=0.25, rope_theta=10000000, rope_type="default"),
+    tie_word_embeddings=False, use_cache=True, vocab_size=248320,
+)
+# The same architecture (hybrid layers, gated attention, partial rope), small enough for a CPU.
+TINY_TEXT = dict(
+    QWEN36_27B_TEXT, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, linear_key_head_dim=16, linear_num_key_heads=2, linear_value_head_dim=16, linear_num_value_heads=4,
+    vocab_size=4096, bos_token_id=1, eos_token_id=1, max_position_embeddings=4096,
+)
+SHAPES = {
+    "qwen3.6-27b": dict(text=QWEN36_27B_TEXT, layer_ids=[1, 16, 31, 46], tokens=1_000_000, min_len=500, max_len=8000, budget=16384),
+    "tiny": dict(text=TINY_TEXT, layer_ids=[1, 3, 5], tokens=12_000, min_len=32, max_len=400, budget=2048),
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m extract.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.6-27b", help="target shape (tiny runs on CPU in seconds)")
+    p.add_argument("--tokens", type=int, default=None, help="synthetic corpus size in tokens, all ranks together")
+    p.add_argument("--min-len", type=int, default=None, help="shortest sequence")
+    p.add_argument("--max-len", type=int, default=None, help="longest sequence")
+    p.add_argument("--tokens-per-batch", type=int, default=None, help="micro-batch token budget (padded)")
+    p.add_argument("--layer-ids", default=None, help="comma-separated tap ids (default 1,16,31,46)")
+    p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--logits-chunk", type=int, default=1024)
+    p.add_argument("--zstd-level", type=int, default=None, help="default: the shard writer's")
+    p.add_argument("--hidden-encoding", choices=["planes", "plain"], default=None)
+    p.add_argument("--writer-threads", type=int, default=4)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--workdir", default=None, help="where the corpus and shards go (local disk); default /tmp/extract-bench")
+    p.add_argument("--keep", action="store_true", help="keep the written shards")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    shape = SHAPES[args.shape]
+    args.tokens = args.tokens or shape["tokens"]
+    args.min_len = args.min_len or shape["min_len"]
+    args.max_len = args.max_len or shape["max_len"]
+    args.tokens_per_batch = args.tokens_per_batch or shape["budget"]
+    args.layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else shape["layer_ids"]
+    if not 0 < args.min_len <= args.max_len <= args.tokens_per_batch:
+        p.error("need 0 < --min-len <= --max-len <= --tokens-per-batch")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+
+
+def length_mix(total_tokens: int, min_len: int, max_len: int, rng: np.random.Generator) -> list[int]:
+    """Sequence lengths adding up to at least `total_tokens` (less than min_len more): log-uniform
+    between min and max (chat data has many short and some long samples), the last one cut short."""
+    lengths, total = [], 0
+    while total < total_tokens:
+        n = int(np.exp(rng.uniform(np.log(min_len), np.log(max_len + 1))))
+        n = max(min_len, min(max_len, n, total_tokens - total))
+        lengths.append(n)
+        total += n
+    return lengths
+
+
+def write_token_corpus(path: str, lengths: list[int], vocab_size: int, seed: int) -> None:
+    """JSONL of {"input_ids": [...]} records (no `datasets` needed); loss on every token."""
+    rng = np.random.default_rng(seed)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for n in lengths:
+            ids = rng.integers(0, vocab_size, size=n)
+            f.write('{"input_ids": [' + ",".join(map(str, ids.tolist())) + "]}\n")
+    os.replace(tmp, path)
+
+
+def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from extract.target import reach_text_parts
+    from extract.tiny import build_chat_tokenizer
+
+    config = Qwen3_5TextConfig(**text_kwargs)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    # Token ids come pre-made; the tokenizer only supplies pad/eos ids and provenance.
+    tokenizer = build_chat_tokenizer(["benchmark corpus of random token ids " * 8], 300)
+    return reach_text_parts(model, tokenizer, path=""), sum(p.numel() for p in model.parameters())
+
+
+def kernel_report() -> dict:
+    from transformers.utils import import_utils
+
+    fla_spec = importlib.util.find_spec("fla")
+    check = getattr(import_utils, "is_flash_linear_attention_available", None)
+    conv = getattr(import_utils, "is_causal_conv1d_available", None)
+    return {
+        "fla_importable": fla_spec is not None,
+        "fla_used_by_transformers": bool(check()) if check else None,
+        "causal_conv1d_used": bool(conv()) if conv else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure_bare(target, cfg, corpus_path: str, ranks, device: str) -> dict:
+    """(a): hooks + chunked top-k over exactly the micro-batches (b) will run; nothing leaves the GPU."""
+    from extract import corpus as C
+    from extract import pipeline
+    from extract.batching import collate_right_padded, plan_micro_batches
+    from extract.capture import capture
+
+    policy = C.SamplePolicy(cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, {}, target.vocab_size)
+    builder = C.SampleBuilder(target.tokenizer, policy)
+    batches = []
+    for window in pipeline._windows(cfg, C.find_corpus(corpus_path), builder, ranks):
+        lengths = [s.n_tokens for s in window.samples]
+        for plan in plan_micro_batches(lengths, cfg.tokens_per_batch):
+            batches.append(collate_right_padded([torch.from_numpy(window.samples[i].input_ids) for i in plan], 0))
+    if not batches:
+        return {"tokens": 0, "seconds": 0.0, "batches": 0}
+    capture(target, *batches[0], cfg.layer_ids, cfg.topk, cfg.logits_chunk)  # warm-up (kernels, allocator)
+    sync(device)
+    start, tokens = time.perf_counter(), 0
+    for ids, lengths in batches:
+        captured = capture(target, ids, lengths, cfg.layer_ids, cfg.topk, cfg.logits_chunk)
+        tokens += sum(lengths)
+        del captured
+    sync(device)
+    seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": seconds, "batches": len(batches), "padded_tokens": sum(int(i.numel()) for i, _ in batches)}
+
+
+def peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def host_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from common.config import load_config
+    from extract import pipeline
+    from extract.config import ExtractConfig
+
+    ranks = pipeline.Ranks.from_env()
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.shape != "tiny" and not use_cuda:
+        print("extract.bench: the qwen3.6-27b shape needs a GPU; use --shape tiny on a CPU", file=sys.stderr)
+        return 2
+    device = f"cuda:{ranks.local_rank}" if use_cuda else "cpu"
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if use_cuda else torch.float32
+    workdir = os.path.abspath(args.workdir or "/tmp/extract-bench")
+    corpus_path, out_dir = os.path.join(workdir, "corpus.jsonl"), os.path.join(workdir, "shards")
+    shape = SHAPES[args.shape]
+
+    if ranks.rank == 0:
+        os.makedirs(workdir, exist_ok=True)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        lengths = length_mix(args.tokens, args.min_len, args.max_len, np.random.default_rng(args.seed))
+        write_token_corpus(corpus_path, lengths, shape["text"]["vocab_size"], args.seed)
+    ranks.barrier()
+
+    t0 = time.perf_counter()
+    target, n_params = build_random_target(shape["text"], device, dtype)
+    sync(device)
+    build_seconds = time.perf_counter() - t0
+    overrides = [
+        "target=random-weights", f"out_dir={out_dir}", f"corpus={corpus_path}",
+        f"layer_ids={args.layer_ids}", f"topk={args.topk}", f"max_len={args.max_len}", "min_loss_tokens=1",
+        f"tokens_per_batch={args.tokens_per_batch}", f"logits_chunk={args.logits_chunk}", f"writer_threads={args.writer_threads}",
+        f"dtype={'bfloat16' if use_cuda else 'float32'}", f"device={'cuda' if use_cuda else 'cpu'}",
+    ]
+    if args.zstd_level:
+        overrides.append(f"zstd_level={args.zstd_level}")
+    if args.hidden_encoding:
+        overrides.append(f"hidden_encoding={args.hidden_encoding}")
+    cfg = load_config(ExtractConfig, None, overrides)
+
+    reset_peak(device)
+    bare = measure_bare(target, cfg, corpus_path, ranks, device)
+    bare["peak_gpu_gib"] = peak_gib(device)
+
+    reset_peak(device)
+    start = time.perf_counter()
+    summary = pipeline.run(cfg, target=target, ranks=ranks)[None]
+    sync(device)
+    full_seconds = time.perf_counter() - start
+    run = summary.get("this_run", {})
+    full = {
+        "tokens": run.get("tokens", 0), "seconds": full_seconds, "samples": run.get("samples", 0),
+        "peak_gpu_gib": peak_gib(device), "bytes_written": summary["bytes"] if ranks.world == 1 else None,
+        "pad_efficiency": run.get("pad_efficiency"),
+    }
+    result = {
+        "rank": ranks.rank, "bare": bare, "full": full, "host_rss_gib": host_rss_gib(), "build_seconds": build_seconds,
+    }
+    results = gather(result, ranks)
+    if ranks.rank == 0:
+        report = make_report(args, results, n_params, device, summary, kernel_report())
+        print(format_report(report), flush=True)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=2)
+            print(f"wrote {args.out}")
+        if not args.keep:
+            shutil.rmtree(out_dir, ignore_errors=True)
+    return 0
+
+
+def gather(result: dict, ranks) -> list[dict]:
+    if ranks.world == 1:
+        return [result]
+    if not ranks.group:
+        raise SystemExit("extract.bench: several ranks need a process group; start it with torchrun")
+    import torch.distributed as dist
+
+    out = [None] * ranks.world
+    dist.all_gather_object(out, result)
+    return out
+
+
+def make_report(args, results: list[dict], n_params: int, device: str, summary: dict, kernels: dict) -> dict:
+    def rate(part: str, r: dict) -> float:
+        return r[part]["tokens"] / r[part]["seconds"] if r[part]["seconds"] else 0.0
+
+    per_rank = []
+    for r in results:
+        a, b = rate("bare", r), rate("full", r)
+        per_rank.append({
+            "rank": r["rank"], "bare_tok_s": a, "full_tok_s": b, "full_over_bare": b / a if a else None,
+            "bare_tflops": 2 * n_params * a / 1e12, "full_tflops": 2 * n_params * b / 1e12,
+            "bare_tokens": r["bare"]["tokens"], "full_tokens": r["full"]["tokens"],
+            "peak_gpu_gib_bare": r["bare"]["peak_gpu_gib"], "peak_gpu_gib_full": r["full"]["peak_gpu_gib"],
+            "host_rss_gib": r["host_rss_gib"], "pad_efficiency": r["full"]["pad_efficiency"], "model_build_seconds": r["build_seconds"],
+        })
+    wall_a = max(r["bare"]["seconds"] for r in results)
+    wall_b = max(r["full"]["seconds"] for r in results)
+    total_a = sum(r["bare"]["tokens"] for r in results) / wall_a if wall_a else 0.0
+    total_b = sum(r["full"]["tokens"] for r in results) / wall_b if wall_b else 0.0
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": "python -m extract.bench " + " ".join(sys.argv[1:]),
+        "shape": args.shape, "parameters": n_params, "device": gpu, "world_size": len(results),
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__, "kernels": kernels,
+        "settings": {"tokens": args.tokens, "min_len": args.min_len, "max_len": args.max_len, "tokens_per_batch": args.tokens_per_batch,
+                     "layer_ids": args.layer_ids, "topk": args.topk, "logits_chunk": args.logits_chunk, "zstd_level": args.zstd_level,
+                     "hidden_encoding": args.hidden_encoding, "writer_threads": args.writer_threads},
+        "per_rank": per_rank,
+        "total": {"bare_tok_s": total_a, "full_tok_s": total_b, "full_over_bare": total_b / total_a if total_a else None,
+                  "bare_tflops": 2 * n_params * total_a / 1e12, "full_tflops": 2 * n_params * total_b / 1e12},
+        "dataset": {"samples": summary["samples"], "tokens": summary["tokens"], "bytes": summary["bytes"], "bytes_per_token": summary["bytes_per_token"]},
+    }
+
+
+def format_report(report: dict) -> str:
+    def f(x, spec=",.0f"):
+        return "-" if x is None else format(x, spec)
+
+    k = report["kernels"]
+    lines = [
+        f"extract.bench  shape={report['shape']}  params={report['parameters'] / 1e9:.2f}B  device={report['device']} x{report['world_size']}",
+        f"torch {report['torch']}, transformers {report['transformers']}; fla importable: {k['fla_importable']}, used: {k['fla_used_by_transformers']}",
+        "",
+        f"{'rank':>4} {'(a) bare tok/s':>15} {'(b) full tok/s':>15} {'(b)/(a)':>8} {'(a) TFLOP/s':>12} {'(b) TFLOP/s':>12} {'peak GPU GiB':>13} {'host RSS GiB':>13} {'pad eff':>8}",
+    ]
+    for r in report["per_rank"]:
+        lines.append(
+            f"{r['rank']:>4} {f(r['bare_tok_s']):>15} {f(r['full_tok_s']):>15} {f(r['full_over_bare'], '.3f'):>8} {f(r['bare_tflops'], '.1f'):>12} "
+            f"{f(r['full_tflops'], '.1f'):>12} {f(r['peak_gpu_gib_full'], '.1f'):>13} {f(r['host_rss_gib'], '.1f'):>13} {f(r['pad_efficiency'], '.3f'):>8}"
+        )
+    t = report["total"]
+    lines.append(f"{'all':>4} {f(t['bare_tok_s']):>15} {f(t['full_tok_s']):>15} {f(t['full_over_bare'], '.3f'):>8} {f(t['bare_tflops'], '.1f'):>12} {f(t['full_tflops'], '.1f'):>12}")
+    d = report["dataset"]
+    lines += ["", f"dataset: {d['samples']:,} samples, {d['tokens']:,} tokens, {d['bytes'] / 1e9:.2f} GB written = {f(d['bytes_per_token'])} B/token"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""One target forward -> tap hidden states and the top-k of the true final logits.
+
+- Taps: a forward hook on decoder layer `i` receives that layer's output, which is HF
+  `output_hidden_states[i + 1]` (index 0 is the embeddings). Hooks keep only the requested layers
+  (output_hidden_states would keep all 65 of Qwen3.6 alive).
+- Final logits: the base (text) model is called with `use_cache=False`; its `last_hidden_state`
+  is the output of the last layer after the model's own final norm, from the same forward. The
+  model's own `lm_head` (and the model's own post-scaling, `Target.logits_fn`) is applied to it
+  in chunks of `logits_chunk` real positions, so full-vocabulary logits never exist for a batch.
+  Log-probs are `logit - logsumexp(logits)` in float32 (= log_softmax), top-k sorted descending,
+  equal values by ascending id (so the stored top-1 is exactly `logits.argmax(-1)`).
+- Padding: only real positions reach lm_head; per-sample NaN/Inf flags cover real positions only.
+
+`capture` returns device tensors (tests, the bench's bare forward). `Capturer.launch` is the
+pipeline's version: it copies every tap to pinned host memory on a side stream as soon as its
+layer has run, so the copies overlap the rest of the forward, and returns without waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from extract.batching import HostBatch, attention_mask_for
+
+STORE_DTYPE = torch.bfloat16
+
+
+def layer_output(output) -> torch.Tensor:
+    """A decoder layer's hidden-state output (tensor in transformers 5, tuple in older code)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class TapHooks:
+    """Context manager: calls `on_tap(slot, hidden_BTH)` when decoder layer `layer_ids[slot]` returns."""
+
+    def __init__(self, layers: torch.nn.ModuleList, layer_ids: Sequence[int], on_tap: Callable[[int, torch.Tensor], None]):
+        self.layers, self.layer_ids, self.on_tap = layers, list(layer_ids), on_tap
+        self.handles: list = []
+
+    def __enter__(self) -> "TapHooks":
+        for slot, layer_id in enumerate(self.layer_ids):
+            self.handles.append(self.layers[layer_id].register_forward_hook(self._hook(slot)))
+        return self
+
+    def _hook(self, slot: int):
+        def hook(module, args, output):
+            self.on_tap(slot, layer_output(output))
+
+        return hook
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def forward_with_taps(target, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, layer_ids, on_tap) -> torch.Tensor:
+    """Run the base model once; return its final-normed last hidden state [B, T, H]."""
+    with torch.inference_mode(), TapHooks(target.layers, layer_ids, on_tap):
+        out = target.decoder(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+@torch.inference_mode()
+def final_topk(target, hidden_NH: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k ids (int32 [N, k]) and log-probs (float32 [N, k]) of the final logits of normed
+    hidden states, plus a finite flag per position ([N] bool: no NaN/+Inf among the logits)."""
+    N = hidden_NH.shape[0]
+    device = hidden_NH.device
+    ids_NK = torch.empty(N, k, dtype=torch.int32, device=device)
+    logprobs_NK = torch.empty(N, k, dtype=torch.float32, device=device)
+    finite_N = torch.empty(N, dtype=torch.bool, device=device)
+    for start in range(0, N, chunk):
+        end = min(N, start + chunk)
+        logits_CV = target.logits_fn(target.lm_head(hidden_NH[start:end])).float()
+        lse_C = torch.logsumexp(logits_CV, dim=-1)
+        values_CK, ids_CK = ties_lowest_id_first(*torch.topk(logits_CV, k, dim=-1, sorted=True))
+        ids_NK[start:end] = ids_CK.to(torch.int32)
+        logprobs_CK = values_CK - lse_C[:, None]
+        logprobs_NK[start:end] = logprobs_CK
+        # NaN anywhere, or +Inf, makes the log-sum-exp non-finite. -Inf logits are legal (a masked
+        # vocabulary) unless fewer than k are finite, so that one lands in the stored top-k.
+        finite_N[start:end] = torch.isfinite(lse_C) & torch.isfinite(logprobs_CK).all(dim=-1)
+        del logits_CV
+    return ids_NK, logprobs_NK, finite_N
+
+
+def ties_lowest_id_first(values_CK: torch.Tensor, ids_CK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order equal values by ascending token id, as `argmax` does (topk leaves ties in any order;
+    bf16 logits tie often enough to matter for the stored top-1)."""
+    by_id = torch.argsort(ids_CK, dim=-1)
+    values_CK, ids_CK = values_CK.gather(-1, by_id), ids_CK.gather(-1, by_id)
+    order = torch.sort(values_CK, dim=-1, descending=True, stable=True).indices
+    return values_CK.gather(-1, order), ids_CK.gather(-1, order)
+
+
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without making the CPU wait for the GPU (a copy from pageable memory would)."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def packed_positions(lengths: Sequence[int], T: int) -> torch.Tensor:
+    """Flat indices b*T + t of the real positions of a right-padded [B, T] batch, in sample order."""
+    return torch.cat([torch.arange(n, dtype=torch.long) + b * T for b, n in enumerate(lengths)])
+
+
+@dataclasses.dataclass
+class Captured:
+    taps: list[torch.Tensor]  # per tap [B, T, H], model dtype, padding included
+    topk_ids: torch.Tensor  # int32 [N, k], real positions packed in sample order
+    topk_logprobs: torch.Tensor  # float32 [N, k]
+    logits_finite: torch.Tensor  # bool [N]
+    last_hidden: torch.Tensor  # [B, T, H], final-normed
+
+
+def capture(target, input_ids_BT: torch.Tensor, lengths: Sequence[int], layer_ids, topk: int, logits_chunk: int = 1024) -> Captured:
+    """The whole capture on device, synchronously (tests and the benchmark's bare forward)."""
+    B, T = input_ids_BT.shape
+    mask = attention_mask_for(lengths, T)
+    device = target.input_device
+    taps: list = [None] * len(layer_ids)
+
+    def keep(slot: int, hidden: torch.Tensor) -> None:
+        taps[slot] = hidden
+
+    ids = to_device_async(input_ids_BT, device)
+    mask = None if mask is None else to_device_async(mask, device)
+    positions = to_device_async(packed_positions(lengths, T), target.output_device)
+    last = forward_with_taps(target, ids, mask, layer_ids, keep)
+    flat = last.reshape(B * T, -1).to(positions.device).index_select(0, positions)
+    ids, logprobs, finite = final_topk(target, flat, topk, logits_chunk)
+    return Captured(taps, ids, logprobs, finite, last)
+
+
+# ----------------------------------------------------------------------------------------------
+# The pipeline's overlapped capture
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A launched micro-batch: results land in `host` once `wait()` returns."""
+
+    host: HostBatch
+    lengths: list[int]
+    T: int
+    events: list
+    keepalive: list  # device tensors the side-stream copies read; freed after wait()
+
+    def wait(self) -> None:
+        for event in self.events:
+            event.synchronize()
+        self.events, self.keepalive = [], []
+
+    @property
+    def offsets(self) -> list[int]:
+        out, total = [], 0
+        for n in self.lengths:
+            out.append(total)
+            total += n
+        return out
+
+
+class Capturer:
+    """Launches captures whose device-to-host copies overlap compute (CUDA), or copies directly (CPU)."""
+
+    def __init__(self, target, layer_ids: Sequence[int], topk: int, logits_chunk: int):
+        self.target, self.layer_ids, self.topk, self.logits_chunk = target, list(layer_ids), topk, logits_chunk
+        self.out_device = target.output_device
+        self.cuda = self.out_device.type == "cuda"
+        self._side_streams: dict = {}
+
+    @torch.inference_mode()
+    def launch(self, input_ids_BT: torch.Tensor, lengths: list[int], host: HostBatch) -> InFlight:
+        B, T = input_ids_BT.shape
+        target, out_dev = self.target, self.out_device
+        in_dev = target.input_device
+        keepalive: list = []
+        # Every host-to-device copy is queued before the forward, from pinned memory, so none of
+        # them makes the CPU wait for the GPU.
+        mask = attention_mask_for(lengths, T)
+        ids_dev = to_device_async(input_ids_BT, in_dev)
+        mask_dev = None if mask is None else to_device_async(mask, in_dev)
+        positions_N = to_device_async(packed_positions(lengths, T), out_dev)
+        lengths_B = to_device_async(torch.tensor(lengths, dtype=torch.long), out_dev)
+        N = int(positions_N.shape[0])
+        hidden_host = host.hidden_view(B, T)
+        ok_BT = torch.ones(B, T, dtype=torch.bool, device=out_dev)
+
+        def on_tap(slot: int, hidden_BTH: torch.Tensor) -> None:
+            # A copy of its own (not the layer's output tensor): the asynchronous copy to the host
+            # must read these values even if the model later modified its activations in place.
+            stored = hidden_BTH.to(STORE_DTYPE, copy=self.cuda)
+            ok_BT.logical_and_(torch.isfinite(stored).all(dim=-1).to(out_dev))
+            self._to_host(stored, hidden_host[slot], keepalive)
+
+        last_BTH = forward_with_taps(target, ids_dev, mask_dev, self.layer_ids, on_tap)
+        flat_NH = last_BTH.reshape(B * T, -1).to(out_dev).index_select(0, positions_N)  # .to: no-op unless device_map
+        ids_NK, logprobs_NK, finite_N = final_topk(target, flat_NH, self.topk, self.logits_chunk)
+        valid_BT = torch.arange(T, device=out_dev)[None, :] < lengths_B[:, None]
+        hidden_ok_B = (ok_BT | ~valid_BT).all(dim=-1)
+        owner_N = torch.repeat_interleave(torch.arange(B, device=out_dev), lengths_B, output_size=N)
+        bad_B = torch.zeros(B, dtype=torch.int32, device=out_dev).index_add_(0, owner_N, (~finite_N).to(torch.int32))
+        self._to_host(ids_NK, host.topk_ids[:N], keepalive)
+        self._to_host(logprobs_NK, host.topk_logprobs[:N], keepalive)
+        self._to_host(hidden_ok_B, host.hidden_ok[:B], keepalive)
+        self._to_host(bad_B == 0, host.logits_ok[:B], keepalive)
+        events = []
+        for stream in self._side_streams.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return InFlight(host, list(lengths), T, events, keepalive)
+
+    def _to_host(self, src: torch.Tensor, dst: torch.Tensor, keepalive: list) -> None:
+        if src.device.type != "cuda":
+            dst.copy_(src)
+            return
+        stream = self._side_streams.get(src.device)
+        if stream is None:
+            stream = self._side_streams[src.device] = torch.cuda.Stream(src.device)
+        # The side stream starts the copy once everything queued so far (which produced `src`) is done.
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        # Until the copy finishes, `src` must not be freed and its memory handed to later kernels.
+        keepalive.append(src)
+
+
+def unpack_sample(inflight: InFlight, b: int, offset: int, n_taps: int) -> tuple:
+    """(hidden uint16 [L, n_taps*H], topk_ids int32 [L, k], topk_logprobs float32 [L, k], hidden_ok, logits_ok)
+    of sample `b`, copied out of the host buffers (which are reused for the next batch)."""
+    host, L = inflight.host, inflight.lengths[b]
+    B = len(inflight.lengths)
+    taps_SLH = host.hidden_view(B, inflight.T)[:, b, :L, :]
+    hidden_LW = torch.empty(L, n_taps * host.hidden_size, dtype=STORE_DTYPE)
+    hidden_LW.view(L, n_taps, host.hidden_size).copy_(taps_SLH.permute(1, 0, 2))  # [h_id0 | h_id1 | ...] per token
+    topk_ids = host.topk_ids[offset : offset + L].numpy().copy()
+    topk_logprobs = host.topk_logprobs[offset : offset + L].numpy().copy()
+    return hidden_LW.view(torch.uint16).numpy(), topk_ids, topk_logprobs, bool(host.hidden_ok[b]), bool(host.logits_ok[b])

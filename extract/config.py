@@ -1,0 +1,168 @@
+"""`ExtractConfig`: every knob of `python -m extract`, with help text and allowed values.
+
+Loaded from the `[extract]` table of a TOML file plus `key=value` overrides (`common.config`) and
+validated before any model is loaded. Checks that need the target's config (layer ids below the
+layer count) run in `extract.target.check_layer_ids` as soon as `config.json` is read, still
+before any weights are touched.
+
+Keys split in two groups (see `DATASET_KEYS`): those that decide what the dataset holds (target,
+corpus, taps, k, lengths, dtype, encoding) and runtime knobs (batch size, devices, threads...).
+A resumed run must match the stored dataset keys exactly; runtime knobs may change between runs
+(for example a smaller `tokens_per_batch` after an out-of-memory crash).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+from common.config import fail, knob
+
+DEFAULT_LAYER_IDS = [1, 16, 31, 46]
+HIDDEN_ENCODINGS = ("planes", "plain")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+ALLOWED_TEMPLATE_KWARG_TYPES = (bool, int, float, str)
+
+
+@dataclass
+class ExtractConfig:
+    # -- target ------------------------------------------------------------------------------
+    target: str = knob(help="local directory of the target checkpoint (Hugging Face layout: config.json, weights, tokenizer)")
+    out_dir: str = knob(help="output directory, a local or mounted path (shared by all nodes); with `splits`, each split goes to out_dir/NAME")
+    trust_remote_code: bool = knob(False, help="allow code shipped with the checkpoint to run (only for checkpoints you trust)")
+    dtype: Literal["bfloat16", "float16", "float32"] = knob(
+        "bfloat16", help="compute dtype of the target; stored hidden states are always bf16, log-probs float32"
+    )
+    attn_implementation: str = knob("sdpa", help="attention kernel of the full-attention layers", choices=ATTN_IMPLEMENTATIONS)
+    mask_token_id: int | None = knob(
+        None, help="token id DFlash fills draft positions with, recorded in the provenance; default: the tokenizer's mask_token", min=0
+    )
+
+    # -- corpus ------------------------------------------------------------------------------
+    corpus: str = knob("", help="corpus: a .jsonl/.parquet file, a directory of them, a glob, or a saved `datasets` directory")
+    splits: dict = knob(
+        factory=dict,
+        help="several corpora in one run, {name = corpus path}; split NAME is written to out_dir/NAME (leave `corpus` empty)",
+    )
+    corpus_format: Literal["auto", "jsonl", "parquet", "datasets"] = knob(
+        "auto", help="how to read the corpus; auto decides from the file suffix (a directory with dataset_info.json is `datasets`)"
+    )
+    streaming: bool = knob(True, help="read Parquet / datasets corpora as a stream (no cache copy, constant memory)")
+    max_records: int | None = knob(None, help="read only the first N records of the corpus (smoke tests, benchmarks)", min=1)
+    chat_template_kwargs: dict = knob(
+        factory=dict, help="extra variables for the chat template, e.g. {enable_thinking = false}"
+    )
+
+    # -- what is stored ------------------------------------------------------------------------
+    layer_ids: list[int] = knob(
+        factory=lambda: list(DEFAULT_LAYER_IDS),
+        help="tap layers: id i = output of decoder layer i (0-based) = HF output_hidden_states[i+1]",
+        min=0,
+    )
+    topk: int = knob(32, help="how many of the target's top final-logit entries to store per token", min=1, max=4096)
+    max_len: int = knob(3072, help="longest sample in tokens (see length_policy)", min=2, max=1 << 20)
+    length_policy: Literal["truncate", "drop"] = knob("truncate", help="samples over max_len are cut to max_len, or rejected")
+    min_loss_tokens: int = knob(32, help="reject samples with fewer loss (assistant) tokens than this (2 x block size 16)", min=0)
+    hidden_encoding: str | None = knob(
+        None, help="how shards store hidden states; none = the shard writer's default", choices=HIDDEN_ENCODINGS
+    )
+
+    # -- throughput ----------------------------------------------------------------------------
+    tokens_per_batch: int = knob(8192, help="token budget of a micro-batch, counting padding (batch size x longest sample)", min=1)
+    logits_chunk: int = knob(1024, help="positions per lm_head chunk; full-vocabulary logits exist for this many positions at once", min=1)
+    sort_window: int = knob(8192, help="records read ahead and sorted by length before batching", min=1)
+    inflight_batches: int = knob(3, help="micro-batches in flight (pinned host buffers); bounds host memory", min=2, max=64)
+    writer_threads: int = knob(
+        4, help="threads pyarrow uses to zstd-compress shards (one background thread writes; another unpacks results)", min=1, max=256
+    )
+    shard_bytes: int | None = knob(None, help="size at which a shard file is closed, in bytes; none = the shard writer's default", min=1 << 10)
+    zstd_level: int | None = knob(None, help="zstd level of the shards (1 fastest .. 22 smallest); none = the shard writer's default", min=1, max=22)
+
+    # -- devices -------------------------------------------------------------------------------
+    device: str = knob("auto", help="auto (cuda:LOCAL_RANK if a GPU exists, else cpu), cpu, cuda, or cuda:N")
+    gpus_per_replica: int = knob(
+        1, help="GPUs one target replica spans (device_map); process r uses GPUs r*G .. r*G+G-1 of its node", min=1, max=64
+    )
+    device_map: str | None = knob(
+        None, help="accelerate device_map strategy when gpus_per_replica > 1 (default auto)", choices=DEVICE_MAPS
+    )
+
+    # -- behaviour -----------------------------------------------------------------------------
+    on_error: Literal["skip", "fail"] = knob("skip", help="on a bad record: skip it (counted, written to rejects.jsonl) or stop")
+    progress: bool = knob(True, help="show a progress bar (rank 0)")
+    seed: int = knob(0, help="seed for torch (extraction itself draws no random numbers)", min=0)
+
+    def check(self) -> None:
+        if not self.target:
+            fail("target", "must name the target checkpoint directory")
+        if not self.out_dir:
+            fail("out_dir", "must name the output directory")
+        if bool(self.corpus) == bool(self.splits):
+            fail("corpus", "give exactly one of `corpus` (one corpus -> out_dir) or `splits` ({name = path}, each -> out_dir/NAME)")
+        for name, path in self.splits.items():
+            if not isinstance(path, str) or not path:
+                fail(f"splits.{name}", f"expected a corpus path, got {path!r}")
+            if not name or "/" in name or name.startswith("."):
+                fail(f"splits.{name}", "split names become directory names: non-empty, no '/', not starting with '.'")
+        if not self.layer_ids:
+            fail("layer_ids", "needs at least one tap layer")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            dupes = sorted({i for i in self.layer_ids if self.layer_ids.count(i) > 1})
+            fail("layer_ids", f"ids must be unique; repeated: {dupes}")
+        if self.tokens_per_batch < self.max_len:
+            fail("tokens_per_batch", f"{self.tokens_per_batch} is below max_len {self.max_len}; a longest sample must fit one micro-batch")
+        if self.min_loss_tokens > self.max_len:
+            fail("min_loss_tokens", f"{self.min_loss_tokens} exceeds max_len {self.max_len}; no sample could pass")
+        for key, value in self.chat_template_kwargs.items():
+            if not isinstance(value, ALLOWED_TEMPLATE_KWARG_TYPES):
+                fail(f"chat_template_kwargs.{key}", f"expected a boolean, number or string, got {value!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
+            fail("device", f"{self.device!r} is not allowed; use auto, cpu, cuda or cuda:N")
+        if self.device_map is not None and self.gpus_per_replica == 1:
+            warnings.warn("extract: device_map is set but gpus_per_replica is 1; the target stays on one device", stacklevel=2)
+        if self.gpus_per_replica > 1 and self.device == "cpu":
+            fail("gpus_per_replica", "spanning several GPUs needs a GPU device, but device = cpu")
+
+    def split_configs(self) -> dict[str | None, "ExtractConfig"]:
+        """One single-corpus config per output dataset: {None: self} or {name: config for out_dir/name}."""
+        if not self.splits:
+            return {None: self}
+        return {
+            name: dataclasses.replace(self, corpus=path, splits={}, out_dir=_join(self.out_dir, name))
+            for name, path in self.splits.items()
+        }
+
+
+# Keys that decide the content of the dataset. A resume must match them exactly; the others are
+# runtime knobs that may change between runs of the same dataset.
+# The target and the corpus are compared by content digest (see extract.pipeline), not by path, so a
+# moved checkpoint or corpus still resumes.
+DATASET_KEYS = (
+    "dtype",
+    "mask_token_id",
+    "max_records",
+    "chat_template_kwargs",
+    "layer_ids",
+    "topk",
+    "max_len",
+    "length_policy",
+    "min_loss_tokens",
+    "hidden_encoding",
+)
+
+
+def dataset_keys(cfg: ExtractConfig) -> dict:
+    """The dataset-defining part of a config, as plain data (stored in the manifest, compared on resume)."""
+    return {key: getattr(cfg, key) for key in DATASET_KEYS}
+
+
+def _is_cuda_index(device: str) -> bool:
+    head, _, tail = device.partition(":")
+    return head == "cuda" and tail.isdigit()
+
+
+def _join(root: str, name: str) -> str:
+    return root.rstrip("/") + "/" + name

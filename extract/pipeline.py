@@ -1,0 +1,684 @@
+"""The extraction run: ranks, provenance and resume, the forward loop, background writing, merge,
+and the summary.
+
+One process per GPU (`torchrun` / `accelerate launch`; or RANK / WORLD_SIZE env vars and a
+separate `python -m extract.merge`). Every rank reads and tokenizes the whole corpus and keeps the
+samples whose `int(sample_id, 16) % world_size` is its rank, so the finished dataset holds the
+same samples whatever the world size. Records that never get an id (unparseable lines) belong to
+rank `position % world_size`. Rank r writes `r{r:03d}-shard-*.arrow`, `manifest.rank{r:03d}.json`
+and `rejects.rank{r:03d}.jsonl`; when all ranks are done, `manifest.json` and `rejects.jsonl` are
+merged from them.
+
+Resume: rerunning the same command reopens each rank's manifest and skips what it lists; rejects
+are committed with the shards (see `sink.RejectLog`). Batches are planned from every sample of a
+window, committed or not, so a resumed run forms exactly the same micro-batches as an uninterrupted
+one and stores bit-identical values (given deterministic kernels); a batch whose samples are all
+committed is skipped without a forward. A changed dataset setting, target, tokenizer or corpus
+refuses to resume and says what changed; runtime knobs (batch size, devices, threads) may change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from common.config import config_to_dict, save_config
+from common.hashing import file_checksum, json_digest, text_digest, tokenizer_digest
+from common.io import atomic_write_json, atomic_write_text, resolve
+from common.provenance import provenance as tool_provenance
+from extract import corpus as C
+from extract.batching import BufferPool, collate_right_padded, plan_micro_batches
+from extract.capture import Capturer, unpack_sample
+from extract.config import DATASET_KEYS, ExtractConfig
+from extract.sink import Progress, RejectLog, Worker, read_committed_rejects
+from extract.target import Target, check_layer_ids, load_target, read_text_config, target_provenance
+
+log = logging.getLogger("extract")
+
+FINAL_MANIFEST = "manifest.json"
+FINAL_REJECTS = "rejects.jsonl"
+SUMMARY_FILE = "summary.json"
+CONFIG_FILE = "extract_config.json"
+# Reasons that are the corpus's fault; `on_error = fail` stops on these. Length and loss-token
+# filtering and duplicates are policy: counted and listed, never an error.
+POLICY_REASONS = frozenset({C.TOO_LONG, C.TOO_FEW_LOSS_TOKENS, C.DUPLICATE})
+UNEXPECTED = "unexpected_error"
+
+
+# ----------------------------------------------------------------------------------------------
+# Ranks and devices
+
+
+@dataclasses.dataclass
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    group: bool = False  # a torch.distributed process group exists (barrier available)
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
+        group = False
+        if world > 1 and "MASTER_ADDR" in os.environ:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                # gloo: only a barrier at the end; long timeout, since ranks may finish hours apart.
+                dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(hours=48))
+            group = True
+        return cls(rank, world, local_rank, group)
+
+    def barrier(self) -> None:
+        if self.group:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def owns(self, sample_id: str | None, position: int) -> bool:
+        if sample_id is None:
+            return position % self.world == self.rank
+        return int(sample_id, 16) % self.world == self.rank
+
+    @property
+    def names(self) -> dict:
+        r = f"{self.rank:03d}"
+        return {"manifest": f"manifest.rank{r}.json", "prefix": f"r{r}-shard", "rejects": f"rejects.rank{r}.jsonl"}
+
+
+def rank_names(rank: int) -> dict:
+    return Ranks(rank=rank, world=rank + 1).names
+
+
+def resolve_devices(cfg: ExtractConfig, ranks: Ranks) -> dict:
+    """load_target kwargs for this rank: a device, or a device_map over this replica's GPUs."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return {"device": "cpu"}
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {cfg.device!r} asks for a GPU, but torch sees none")
+    per = cfg.gpus_per_replica
+    first = int(cfg.device.split(":")[1]) if ":" in cfg.device else ranks.local_rank * per
+    gpus = list(range(first, first + per))
+    if gpus[-1] >= torch.cuda.device_count():
+        raise ValueError(
+            f"gpus_per_replica: local rank {ranks.local_rank} needs GPUs {gpus}, but this node has {torch.cuda.device_count()}; "
+            "start (GPUs per node / gpus_per_replica) processes per node"
+        )
+    torch.cuda.set_device(first)
+    if per == 1:
+        return {"device": f"cuda:{first}"}
+    max_memory = {i: int(torch.cuda.get_device_properties(i).total_memory * 0.92) for i in gpus}
+    return {"device": f"cuda:{first}", "device_map": cfg.device_map or "auto", "max_memory": max_memory}
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+
+
+def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None = None) -> dict:
+    """Extract every split of `cfg`; returns {split name (or None): summary dict of this rank}."""
+    ranks = ranks or Ranks.from_env()
+    torch.manual_seed(cfg.seed)
+    if target is None:
+        text_config = read_text_config(cfg.target, cfg.trust_remote_code)
+        check_layer_ids(cfg.layer_ids, int(text_config.num_hidden_layers))  # before any weights move
+        devices = resolve_devices(cfg, ranks)
+        t0 = time.perf_counter()
+        target = load_target(cfg.target, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code, **devices)
+        log.info("loaded %s (%s, %d layers) on %s in %.1fs", cfg.target, type(target.model).__name__, target.num_layers, devices, time.perf_counter() - t0)
+    else:
+        check_layer_ids(cfg.layer_ids, target.num_layers)
+    summaries = {}
+    for name, split_cfg in cfg.split_configs().items():
+        summaries[name] = extract_split(split_cfg, target, ranks, label=name)
+    return summaries
+
+
+def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str | None = None) -> dict:
+    """Extract one corpus into `cfg.out_dir` (this rank's share), then merge if all ranks are done."""
+    from shards import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL, ShardWriter, load_manifest
+
+    # The saved config and the provenance name the storage settings actually used.
+    cfg = dataclasses.replace(
+        cfg,
+        hidden_encoding=cfg.hidden_encoding or DEFAULT_ENCODING,
+        zstd_level=cfg.zstd_level or DEFAULT_ZSTD_LEVEL,
+        shard_bytes=cfg.shard_bytes or DEFAULT_SHARD_BYTES,
+    )
+    root = _local_dir(cfg.out_dir)
+    os.makedirs(root, exist_ok=True)
+    corpus = C.find_corpus(cfg.corpus, cfg.corpus_format)
+    fingerprint = corpus_fingerprint(corpus, cfg.max_records)
+    fresh = build_provenance(cfg, target, corpus, fingerprint)
+    fs, _ = resolve(root)
+    names = ranks.names
+
+    done = _already_complete(fs, root, fresh, load_manifest)
+    if done is not None:
+        log.info("%s: already complete (%d samples); nothing to do", root, done["counts"]["samples"])
+        return summarize_dataset(root, done, this_run=None)
+
+    provenance, stage_state = fresh, {}
+    existing = _existing_rank_manifest(root, names["manifest"])
+    if existing is not None:
+        stored = load_manifest(fs, root, existing)
+        _refuse_changed(root, stored, fresh, ranks)
+        # Every rank keeps the provenance of the dataset's first run (merging needs them equal).
+        provenance = stored["provenance"]
+        if existing == names["manifest"]:
+            stage_state = stored.get("stage_state", {})
+    if ranks.rank == 0:
+        save_config(cfg, os.path.join(root, CONFIG_FILE))
+
+    writer_kwargs = dict(shard_bytes=cfg.shard_bytes, zstd_level=cfg.zstd_level, hidden_encoding=cfg.hidden_encoding)
+    hidden_width = len(cfg.layer_ids) * target.hidden_size
+    started = time.time()
+    with ShardWriter(
+        root, provenance=provenance, hidden_width=hidden_width, topk=cfg.topk,
+        manifest_name=names["manifest"], shard_prefix=names["prefix"], **writer_kwargs,
+    ) as writer:
+        writer.stage_state["world_size"] = ranks.world
+        writer.stage_state["rank"] = ranks.rank
+        runs = list(stage_state.get("runs", []))
+        runs.append({"started": _iso(started), "config_digest": json_digest(config_to_dict(cfg)), "runtime": _runtime_keys(cfg)})
+        writer.stage_state["runs"] = runs
+        rejects = RejectLog(os.path.join(root, names["rejects"]), int(writer.stage_state.get("rejects_bytes", 0)))
+        try:
+            run_stats = _extract_into(cfg, target, ranks, corpus, fingerprint, writer, rejects, label)
+        finally:
+            writer.stage_state["rejects_bytes"] = rejects.sync()
+            rejects.close()
+        run_stats["seconds"] = time.time() - started
+        run_stats["rank"], run_stats["world"] = ranks.rank, ranks.world
+        writer.stage_state["runs"][-1].update(finished=_iso(time.time()), **{k: run_stats[k] for k in ("tokens", "samples", "seconds")})
+        writer.stage_state["records_owned"] = run_stats["records_owned"]
+        manifest = writer.manifest
+    _check_coverage(manifest, run_stats)
+    log.info(
+        "rank %d/%d: %s samples (%s tokens) written this run in %.1fs (%.0f tok/s)",
+        ranks.rank, ranks.world, f"{run_stats['samples']:,}", f"{run_stats['tokens']:,}", run_stats["seconds"], run_stats["tokens"] / max(run_stats["seconds"], 1e-9),
+    )
+    merged = finish_ranks(root, ranks)
+    if merged is None:
+        return summarize_dataset(root, load_manifest(fs, root, names["manifest"]), this_run=run_stats, partial=True)
+    return summarize_dataset(root, merged, this_run=run_stats)
+
+
+def _existing_rank_manifest(root: str, own: str) -> str | None:
+    """This rank's manifest if it exists, else another rank's (whose provenance this rank adopts)."""
+    if os.path.exists(os.path.join(root, own)):
+        return own
+    others = sorted(f for f in os.listdir(root) if f.startswith("manifest.rank") and f.endswith(".json"))
+    return others[0] if others else None
+
+
+def _local_dir(out_dir: str) -> str:
+    if "://" in out_dir:
+        raise ValueError(f"out_dir: {out_dir!r} is a URI; extraction writes to a local or mounted path (copy the finished dataset afterwards)")
+    return os.path.abspath(out_dir)
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _runtime_keys(cfg: ExtractConfig) -> dict:
+    data = config_to_dict(cfg)
+    return {k: v for k, v in data.items() if k not in DATASET_KEYS}
+
+
+# ----------------------------------------------------------------------------------------------
+# Provenance and resume checks
+
+
+def corpus_fingerprint(corpus: C.CorpusFiles, max_records: int | None) -> dict:
+    """Content checksums of the corpus files (what a resume compares) and the record count."""
+    files = [{"name": os.path.relpath(f, corpus.root) if corpus.format == "datasets" else os.path.basename(f), "bytes": os.path.getsize(f), "checksum": file_checksum(resolve(f)[0], os.path.abspath(f))} for f in corpus.files]
+    records = C.count_records(corpus)
+    if records is not None and max_records is not None:
+        records = min(records, max_records)
+    return {"files": files, "hash": json_digest([[f["bytes"], f["checksum"]] for f in files]), "records": records}
+
+
+def tokenizer_provenance(tokenizer, mask_token_id: int | None, template_kwargs: dict) -> dict:
+    return {
+        "hash": tokenizer_digest(tokenizer),
+        "chat_template_hash": text_digest(tokenizer.chat_template) if isinstance(getattr(tokenizer, "chat_template", None), str) else None,
+        "chat_template_kwargs": dict(template_kwargs),
+        "mask_token_id": mask_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def build_provenance(cfg: ExtractConfig, target: Target, corpus: C.CorpusFiles, fingerprint: dict) -> dict:
+    from shards import TAP_MEANING
+
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(target.tokenizer, "mask_token_id", None)
+    if mask_id is None:
+        log.warning("no mask token: the tokenizer has none and mask_token_id is not set; the trainer will need one")
+    return {
+        "target": target_provenance(target),
+        "tokenizer": tokenizer_provenance(target.tokenizer, mask_id, cfg.chat_template_kwargs),
+        "taps": {"layer_ids": list(cfg.layer_ids), "meaning": TAP_MEANING},
+        "dtype": "bfloat16",  # of the stored hidden states
+        "compute_dtype": cfg.dtype,
+        "topk": cfg.topk,
+        "max_len": cfg.max_len,
+        "corpus": {"source": cfg.corpus, "format": corpus.format, "hash": fingerprint["hash"], "files": fingerprint["files"], "records": fingerprint["records"]},
+        "extract_config": config_to_dict(cfg),
+        **tool_provenance(),
+    }
+
+
+RESUME_COMPARED = {
+    "target": ("config_hash", "weights_digest", "architecture", "model_type", "num_layers", "hidden_size", "vocab_size"),
+    "tokenizer": ("hash", "chat_template_hash", "mask_token_id", "eos_token_id", "pad_token_id"),
+}
+
+
+def resume_problems(stored: dict, fresh: dict) -> list[str]:
+    """What differs between a dataset's provenance and this run's, in words (empty: may resume)."""
+    problems = []
+    old_cfg, new_cfg = stored.get("extract_config", {}), fresh["extract_config"]
+    for key in DATASET_KEYS:
+        if old_cfg.get(key) != new_cfg.get(key):
+            problems.append(f"config key '{key}' is {old_cfg.get(key)!r} in the dataset but {new_cfg.get(key)!r} now")
+    for part, keys in RESUME_COMPARED.items():
+        for key in keys:
+            old, new = stored.get(part, {}).get(key), fresh[part].get(key)
+            if old != new:
+                problems.append(f"{part} {key} changed: {old!r} in the dataset, {new!r} now ({fresh[part].get('name_or_path', '')})".replace(" ()", ""))
+    old_corpus, new_corpus = stored.get("corpus", {}), fresh["corpus"]
+    if old_corpus.get("hash") != new_corpus["hash"]:
+        old_files = {f["name"]: f for f in old_corpus.get("files", [])}
+        new_files = {f["name"]: f for f in new_corpus["files"]}
+        what = [f"{n} added" for n in new_files.keys() - old_files.keys()] + [f"{n} removed" for n in old_files.keys() - new_files.keys()]
+        what += [f"{n} changed ({old_files[n]['bytes']} -> {new_files[n]['bytes']} bytes)" for n in new_files.keys() & old_files.keys() if old_files[n] != new_files[n]]
+        problems.append(f"corpus content changed: {', '.join(sorted(what)) or 'files renamed or reordered'}")
+    return problems
+
+
+def _refuse_changed(root: str, stored_manifest: dict, fresh: dict, ranks: Ranks) -> None:
+    problems = resume_problems(stored_manifest["provenance"], fresh)
+    world = stored_manifest.get("stage_state", {}).get("world_size")
+    if world is not None and world != ranks.world:
+        problems.append(f"world size is {ranks.world} but the dataset is being extracted by {world} ranks (resume with {world} processes)")
+    if problems:
+        raise ValueError(f"{root}: cannot resume: " + "; ".join(problems) + ". Use the dataset's settings, or write to a new out_dir.")
+    changed = {k: (v, fresh["extract_config"][k]) for k, v in stored_manifest["provenance"].get("extract_config", {}).items() if k not in DATASET_KEYS and fresh["extract_config"].get(k) != v}
+    if changed:
+        log.info("resuming with changed runtime settings (allowed): %s", ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
+
+
+def _already_complete(fs, root: str, fresh: dict, load_manifest) -> dict | None:
+    if not os.path.exists(os.path.join(root, FINAL_MANIFEST)):
+        return None
+    manifest = load_manifest(fs, root, FINAL_MANIFEST)
+    if not manifest.get("complete"):
+        return None
+    problems = resume_problems(manifest["provenance"], fresh)
+    if problems:
+        raise ValueError(f"{root}: holds a finished dataset made with other settings: " + "; ".join(problems) + ". Write to a new out_dir.")
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading: records -> windows of this rank's samples
+
+
+@dataclasses.dataclass
+class Window:
+    span: float  # input positions this window covers (for the progress bar)
+    records_owned: int
+    samples: list  # TokenizedSample, deduplicated, this rank's
+    rejects: list  # Reject, this rank's (including duplicates)
+
+
+def _windows(cfg: ExtractConfig, corpus: C.CorpusFiles, builder: C.SampleBuilder, ranks: Ranks) -> Iterator[Window]:
+    records = C.iter_records(corpus, streaming=cfg.streaming, max_records=cfg.max_records)
+    seen: dict[str, int] = {}
+    end = 0
+    while True:
+        chunk = list(itertools.islice(records, cfg.sort_window))
+        if not chunk:
+            return
+        window = Window(chunk[-1].position + 1 - end, 0, [], [])
+        end = chunk[-1].position + 1
+        for result in _build_guarded(builder, chunk):
+            if not ranks.owns(result.sample_id, result.position):
+                continue
+            window.records_owned += 1
+            if isinstance(result, C.Reject):
+                window.rejects.append(result)
+            elif result.sample_id in seen:
+                window.rejects.append(C.Reject(result.position, result.source, C.DUPLICATE, f"same tokens and loss mask as position {seen[result.sample_id]}", result.sample_id))
+            else:
+                seen[result.sample_id] = result.position
+                window.samples.append(result)
+        yield window
+
+
+def _build_guarded(builder: C.SampleBuilder, chunk: list) -> list:
+    """`builder.build`, but a record that breaks the tokenizer becomes a reject, not a crash."""
+    try:
+        return builder.build(chunk)
+    except C.CorpusError:
+        raise
+    except Exception:  # noqa: BLE001 - find the record(s) responsible, one by one
+        out = []
+        for raw in chunk:
+            try:
+                out.extend(builder.build([raw]))
+            except C.CorpusError:
+                raise
+            except Exception as err:  # noqa: BLE001
+                out.append(C.Reject(raw.position, raw.source, UNEXPECTED, f"{type(err).__name__}: {err}"))
+        return out
+
+
+class _Prefetch:
+    """Runs an iterator in a thread, `depth` items ahead (tokenization overlaps the forwards)."""
+
+    def __init__(self, iterator: Iterator, depth: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(iterator,), name="extract-read", daemon=True)
+        self._thread.start()
+
+    def _run(self, iterator) -> None:
+        try:
+            for item in iterator:
+                if not self._put(("item", item)):
+                    return
+            self._put(("end", None))
+        except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
+            self._put(("error", err))
+
+    def _put(self, entry) -> bool:
+        """Queue `entry` unless the consumer has gone away (then False)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        while True:
+            kind, value = self._queue.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+# ----------------------------------------------------------------------------------------------
+# The forward loop
+
+
+def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer, rejects: RejectLog, label) -> dict:
+    import pyarrow as pa
+    from shards import Sample
+
+    tokenizer = target.tokenizer
+    policy = C.SamplePolicy(cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, cfg.chat_template_kwargs, target.vocab_size)
+    builder = C.SampleBuilder(tokenizer, policy)
+    committed, done_positions = writer.committed_ids(), set(rejects.positions)
+    n_taps = len(cfg.layer_ids)
+    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+    stats = {"records_owned": 0, "samples": 0, "tokens": 0, "batches": 0, "skipped_batches": 0, "padded_tokens": 0}
+    desc = f"extract {label or os.path.basename(cfg.out_dir)}" + (f" rank {ranks.rank}/{ranks.world}" if ranks.world > 1 else "")
+    progress = Progress(fingerprint["records"], desc, enabled=cfg.progress and ranks.rank == 0)
+    capturer = Capturer(target, cfg.layer_ids, cfg.topk, cfg.logits_chunk)
+    pool = BufferPool(
+        cfg.inflight_batches, n_taps=n_taps, hidden_size=target.hidden_size, token_budget=cfg.tokens_per_batch, topk=cfg.topk, pin=capturer.cuda
+    )
+    pa.set_cpu_count(cfg.writer_threads)  # zstd runs on pyarrow's pool while the write thread waits
+
+    def is_done(sample) -> bool:
+        return sample.sample_id in committed or sample.position in done_positions
+
+    def record_reject(reject) -> None:
+        new = rejects.add(reject)
+        if new:
+            key = "duplicates" if reject.reason == C.DUPLICATE else f"rejected.{reject.reason}"
+            writer.extra_counts[key] += 1
+            progress.rejected()
+        if cfg.on_error == "fail" and reject.reason not in POLICY_REASONS:
+            writer.stage_state["rejects_bytes"] = rejects.sync()
+            writer.flush()
+            raise ValueError(
+                f"{reject.source} (position {reject.position}): {reject.reason}: {reject.detail}. "
+                "Stopping because on_error = fail; on_error=skip counts such records and goes on."
+            )
+
+    def write(item) -> None:
+        kind, payload, share = item
+        if kind == "rejects":
+            for reject in payload:
+                record_reject(reject)
+        else:
+            for tokenized, sample, hidden_ok, logits_ok in payload:
+                if not (hidden_ok and logits_ok):
+                    reason = C.NONFINITE_HIDDEN if not hidden_ok else C.NONFINITE_LOGITS
+                    what = "tap hidden states" if not hidden_ok else "final logits"
+                    record_reject(C.Reject(tokenized.position, tokenized.source, reason, f"NaN/Inf in the {what}", tokenized.sample_id))
+                    continue
+                writer.stage_state["rejects_bytes"] = rejects.sync()  # committed with the next shard
+                writer.write(sample)
+                stats["samples"] += 1
+                stats["tokens"] += sample.n_tokens
+                progress.wrote(1, sample.n_tokens, writer.bytes_written)
+        progress.advance(share)
+
+    def assemble(item) -> None:
+        kind, payload, share = item
+        if kind == "rejects":
+            writing.put(item)
+            return
+        inflight, samples, to_write = payload
+        inflight.wait()
+        out = []
+        offsets = inflight.offsets
+        for b, (tokenized, wanted) in enumerate(zip(samples, to_write)):
+            if not wanted:
+                continue
+            hidden, topk_ids, topk_logprobs, hidden_ok, logits_ok = unpack_sample(inflight, b, offsets[b], n_taps)
+            sample = Sample(tokenized.sample_id, tokenized.input_ids, tokenized.loss_mask, hidden, topk_ids, topk_logprobs)
+            out.append((tokenized, sample, hidden_ok, logits_ok))
+        pool.release(inflight.host)
+        writing.put(("samples", out, share))
+
+    def release_discarded(item) -> None:
+        if item[0] == "batch":
+            pool.release(item[1][0].host)
+
+    writing = Worker("write", write, maxsize=2)
+    assembling = Worker("assemble", assemble, maxsize=cfg.inflight_batches, on_discard=release_discarded)
+    windows = _Prefetch(_windows(cfg, corpus, builder, ranks), depth=2)
+    try:
+        for window in windows:
+            stats["records_owned"] += window.records_owned
+            _run_window(window, cfg, capturer, pool, assembling, writing, progress, is_done, pad_id, stats)
+        assembling.finish()
+        writing.finish()
+    except BaseException:
+        windows.close()
+        assembling.abandon()
+        writing.abandon()
+        raise
+    finally:
+        progress.close()
+    stats["bytes"] = writer.bytes_written
+    return stats
+
+
+def _run_window(window: Window, cfg, capturer, pool, assembling, writing, progress, is_done, pad_id, stats) -> None:
+    lengths = [s.n_tokens for s in window.samples]
+    total_tokens = sum(lengths)
+    rejects_share = window.span if not total_tokens else 0.0
+    assembling.put(("rejects", window.rejects, rejects_share), also_check=(writing,))
+    for batch in plan_micro_batches(lengths, cfg.tokens_per_batch):
+        samples = [window.samples[i] for i in batch]
+        share = window.span * sum(lengths[i] for i in batch) / total_tokens
+        to_write = [not is_done(s) for s in samples]
+        if not any(to_write):
+            stats["skipped_batches"] += 1
+            progress.skipped(len(samples))
+            progress.advance(share)
+            continue
+        host = _acquire(pool, assembling, writing)
+        input_ids_BT, batch_lengths = collate_right_padded([torch.from_numpy(s.input_ids) for s in samples], pad_id)
+        inflight = capturer.launch(input_ids_BT, batch_lengths, host)
+        stats["batches"] += 1
+        stats["padded_tokens"] += int(input_ids_BT.numel())
+        assembling.put(("batch", (inflight, samples, to_write), share), also_check=(writing,))
+
+
+def _acquire(pool: BufferPool, *workers):
+    while True:
+        for worker in workers:
+            worker.check()
+        try:
+            return pool.acquire(timeout=0.2)
+        except queue.Empty:
+            continue
+
+
+def _check_coverage(manifest: dict, run_stats: dict) -> None:
+    """Every record this rank owns is a committed sample, a reject or a duplicate, exactly once."""
+    counts = manifest["counts"]
+    accounted = counts["samples"] + sum(v for k, v in counts.items() if k.startswith("rejected.")) + counts.get("duplicates", 0)
+    run_stats["coverage_ok"] = accounted == run_stats["records_owned"]
+    if not run_stats["coverage_ok"]:
+        log.error(
+            "coverage mismatch: this rank owns %d records but the dataset accounts for %d (samples %d + rejects + duplicates); please report this",
+            run_stats["records_owned"], accounted, counts["samples"],
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Merging ranks and the summary
+
+
+def finish_ranks(root: str, ranks: Ranks) -> dict | None:
+    """Merge the rank manifests into manifest.json once every rank is done; the merged manifest, or None."""
+    ranks.barrier()
+    if ranks.group and ranks.rank != 0:
+        return None
+    return merge_ranks(root, ranks.world, required=ranks.group)
+
+
+def merge_ranks(root: str, world: int, *, required: bool = True) -> dict | None:
+    """Merge `manifest.rank*.json` of ranks 0..world-1 into manifest.json and the rejects files
+    into rejects.jsonl. With required=False, returns None if some rank has not finished yet."""
+    from shards import load_manifest, merge_manifests
+
+    fs, root = resolve(root)
+    names = [rank_names(r) for r in range(world)]
+    missing = [n["manifest"] for n in names if not os.path.exists(os.path.join(root, n["manifest"]))]
+    unfinished = missing + [n["manifest"] for n in names if n["manifest"] not in missing and not load_manifest(fs, root, n["manifest"]).get("complete")]
+    if unfinished:
+        if required:
+            raise ValueError(f"{root}: cannot merge, ranks not finished: {', '.join(unfinished)}")
+        log.info("%s: waiting for %s; the last rank to finish merges (or run `python -m extract.merge %s`)", root, ", ".join(unfinished), root)
+        return None
+    extra = sorted(f for f in os.listdir(root) if f.startswith("manifest.rank") and f.endswith(".json") and f not in {n["manifest"] for n in names})
+    if extra:
+        raise ValueError(f"{root}: found {extra} from a run with more ranks; merge with that world size or remove them")
+    merged = merge_manifests(root, [n["manifest"] for n in names], FINAL_MANIFEST)
+    entries = []
+    for n in names:
+        committed = load_manifest(fs, root, n["manifest"]).get("stage_state", {}).get("rejects_bytes", 0)
+        entries += read_committed_rejects(os.path.join(root, n["rejects"]), committed)
+    entries.sort(key=lambda e: e["position"])
+    atomic_write_text(os.path.join(root, FINAL_REJECTS), "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
+    summary = summarize_dataset(root, merged, this_run=None)
+    atomic_write_json(os.path.join(root, SUMMARY_FILE), summary)
+    return merged
+
+
+def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, partial: bool = False) -> dict:
+    counts = manifest["counts"]
+    rejects = {k.split(".", 1)[1]: v for k, v in counts.items() if k.startswith("rejected.")}
+    nbytes = sum(e["bytes"] + e.get("index_bytes", 0) for e in manifest["shards"])
+    summary = {
+        "root": root,
+        "complete": bool(manifest.get("complete")) and not partial,
+        "partial": partial,
+        "samples": counts["samples"],
+        "tokens": counts["tokens"],
+        "loss_tokens": counts["loss_tokens"],
+        "duplicates": counts.get("duplicates", 0),
+        "rejects": dict(sorted(rejects.items(), key=lambda kv: -kv[1])),
+        "records": counts["samples"] + sum(rejects.values()) + counts.get("duplicates", 0),
+        "input_lines": None if partial else manifest["provenance"].get("corpus", {}).get("records"),
+        "shards": len(manifest["shards"]),
+        "bytes": nbytes,
+        "bytes_per_token": nbytes / counts["tokens"] if counts["tokens"] else None,
+    }
+    if this_run is not None:
+        keys = ("rank", "world", "samples", "tokens", "seconds", "batches", "skipped_batches", "padded_tokens", "coverage_ok")
+        summary["this_run"] = {k: this_run[k] for k in keys if k in this_run}
+        if this_run.get("seconds"):
+            summary["this_run"]["tok_per_s"] = this_run["tokens"] / this_run["seconds"]
+        if this_run.get("padded_tokens"):
+            summary["this_run"]["pad_efficiency"] = this_run["tokens"] / this_run["padded_tokens"]
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    """The end-of-run report, in words; says so when a group is empty."""
+    lines = [f"dataset   {summary['root']}" + ("" if summary["complete"] else "  (this rank's part; other ranks still running)" if summary.get("partial") else "  (incomplete)")]
+    line = f"records   {summary['records']:,} accounted for = samples + rejects + duplicates"
+    lines_in = summary.get("input_lines")
+    if lines_in is not None and lines_in != summary["records"]:
+        line += f" (of {lines_in:,} input lines; the other {lines_in - summary['records']:,} are blank)"
+    lines.append(line)
+    if not summary["records"]:
+        lines.append("samples   none: the corpus holds no records")
+    elif summary["samples"]:
+        lines.append(f"samples   {summary['samples']:,} in {summary['shards']} shards; {summary['tokens']:,} tokens, {summary['loss_tokens']:,} loss tokens")
+        lines.append(f"bytes     {summary['bytes'] / 1e6:,.1f} MB on disk = {summary['bytes_per_token']:,.0f} B/token")
+    else:
+        lines.append("samples   none: every record was rejected or a duplicate (see rejects.jsonl)")
+    lines.append(f"duplicates {summary['duplicates']:,}" if summary["duplicates"] else "duplicates none")
+    if summary["rejects"]:
+        lines.append(f"rejects   {sum(summary['rejects'].values()):,}: " + ", ".join(f"{k} {v:,}" for k, v in summary["rejects"].items()))
+    else:
+        lines.append("rejects   none")
+    run = summary.get("this_run")
+    if run is None:
+        lines.append("this run  nothing to do (already complete)")
+    else:
+        who = f" (rank {run['rank']} of {run['world']})" if run.get("world", 1) > 1 else ""
+        line = f"this run{who}  {run['samples']:,} samples, {run['tokens']:,} tokens in {run['seconds']:.1f}s"
+        if run.get("tok_per_s"):
+            line += f" = {run['tok_per_s']:,.0f} tok/s"
+        if run.get("pad_efficiency"):
+            line += f", padding efficiency {run['pad_efficiency']:.1%}"
+        if run.get("skipped_batches"):
+            line += f"; {run['skipped_batches']} batches already committed"
+        lines.append(line)
+        if run.get("coverage_ok") is False:
+            lines.append("WARNING   some records are not accounted for (coverage mismatch); see the log")
+    return "\n".join(lines)

@@ -1,0 +1,912 @@
+"""The built-in tiny default: a small chat corpus made from text shipped with Python, a byte-level
+BPE chat tokenizer trained on it, and a small Qwen3-architecture target trained briefly on it.
+
+Everything is built offline and deterministically by `python -m extract.tiny [key=value ...]`
+(`make tiny`) into `artifacts/tiny/` and cached there (see `build_tiny`).
+
+Chat template (Qwen3 style, on purpose, so the tiny default exercises what the real target does):
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n                  every message
+    <|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n{content}<|im_end|>\\n
+                                                     assistant turns after the last user turn
+    <|im_start|>assistant\\n                            generation prompt, enable_thinking=True
+    <|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n      generation prompt, enable_thinking=False
+
+Like Qwen3, non-thinking mode inserts an empty think block, and the final assistant turn of a
+rendered conversation carries one too (filled from `reasoning_content` when a message has it), so
+a training sample rendered whole matches what the target sees at inference with
+`enable_thinking=False`. Earlier assistant turns of a multi-turn conversation carry no think block
+(Qwen3 drops past reasoning). `enable_thinking` defaults to True, as in Qwen3. `<think>` and
+`</think>` are single added (non-special) tokens; `<|MASK|>` is the tokenizer's `mask_token`, an
+id the target never sees in training (DFlash fills draft positions with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib
+import inspect
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Literal
+
+from common.config import ConfigError, config_to_dict, fail, knob, parse_cli
+
+if TYPE_CHECKING:  # heavy imports stay inside the functions: importing this module does no work
+    import torch
+    import transformers
+
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+MASK_TOKEN = "<|MASK|>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END, MASK_TOKEN]
+THINK_TOKENS = [THINK_OPEN, THINK_CLOSE]
+
+# Qwen2/Qwen3 pre-tokenizer split: contractions, letter runs, single digits, punctuation runs,
+# newlines and whitespace, then byte-level mapping.
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' and loop.index0 > ns.last_query -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' -}}"
+    "{%- if message.get('reasoning_content') -%}{{- message['reasoning_content'].strip('\\n') -}}{%- endif -%}"
+    "{{- '\\n</think>\\n\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+MODEL_MAX_LENGTH = 4096
+
+
+def build_chat_tokenizer(texts: list[str], vocab_size: int) -> "transformers.PreTrainedTokenizerFast":
+    """A deterministic byte-level BPE chat tokenizer trained on `texts`.
+
+    `vocab_size` counts everything: the BPE vocabulary (256 byte symbols + merges) plus the
+    special and think tokens, which come last (as in Qwen: `<|endoftext|>`, `<|im_start|>`,
+    `<|im_end|>`, `<|MASK|>`, `<think>`, `</think>`). On a small corpus the BPE may stop early, so
+    `len(tokenizer)` can be below `vocab_size`; it is never above.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    n_added = len(SPECIAL_TOKENS) + len(THINK_TOKENS)
+    n_bytes = len(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < n_bytes + n_added:
+        raise ValueError(f"vocab_size must be at least {n_bytes + n_added} (256 bytes + {n_added} added tokens), got {vocab_size}")
+    if not texts or not any(texts):
+        raise ValueError("build_chat_tokenizer needs some non-empty training text")
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - n_added,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    # Added after training so they take the last ids, as in Qwen (the mask id is a real, unused id).
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        mask_token=MASK_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=MODEL_MAX_LENGTH,
+        clean_up_tokenization_spaces=False,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    assert len(wrapped) <= vocab_size, (len(wrapped), vocab_size)
+    return wrapped
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus: chat records whose answers are real text shipped with Python
+
+# Standard-library modules whose docstrings feed the corpus. Only modules present in every CPython
+# build and whose documentation does not depend on the platform.
+DOC_MODULES = (
+    "abc", "argparse", "ast", "base64", "bisect", "builtins", "calendar", "cmd", "codecs",
+    "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses",
+    "datetime", "decimal", "difflib", "dis", "doctest", "email", "enum", "filecmp", "fnmatch",
+    "fractions", "ftplib", "functools", "getopt", "glob", "graphlib", "gzip", "hashlib", "heapq",
+    "html", "imaplib", "inspect", "io", "ipaddress", "itertools", "json", "logging", "math",
+    "mimetypes", "netrc", "numbers", "operator", "optparse", "pathlib", "pdb", "pickle",
+    "plistlib", "pprint", "queue", "random", "re", "sched", "secrets", "shlex", "shutil",
+    "smtplib", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap",
+    "threading", "timeit", "tokenize", "trace", "traceback", "types", "typing", "unittest",
+    "urllib.parse", "uuid", "warnings", "wave", "weakref", "zipfile", "zlib",
+)
+BUILTIN_TYPES = ("str", "bytes", "list", "tuple", "dict", "set", "frozenset", "int", "float", "complex", "range")
+
+TOPIC_PROMPTS = (
+    "Explain {title}.",
+    "What does the Python reference say about {title}?",
+    "Can you describe {title} in Python?",
+    "I'm learning Python. How does {title} work?",
+    "Give me a detailed explanation of {title}.",
+    "Tell me about {title}.",
+    "Summarize the documentation on {title}.",
+    "How should I understand {title}?",
+    "Walk me through {title}, please.",
+    "I keep getting confused by {title}. What are the rules?",
+)
+SECTION_PROMPTS = (  # a later part of a topic asked for without context: names the topic
+    "Continue the explanation of {title}.",
+    "What else should I know about {title}?",
+    "What comes next in the documentation on {title}?",
+    "Tell me more about {title}.",
+    "Explain part {part} of the reference on {title}.",
+    "Go deeper into {title}.",
+)
+CONTINUE_PROMPTS = (  # a second turn in the same conversation
+    "Go on.",
+    "Tell me more.",
+    "Please continue.",
+    "What else should I know about {title}?",
+    "And then?",
+    "Continue the explanation of {title}.",
+)
+OBJECT_PROMPTS = (
+    "What does `{name}` do?",
+    "Show me the documentation of `{name}`.",
+    "How is `{name}` used?",
+    "Explain `{name}` briefly.",
+    "What is `{name}`?",
+    "Describe `{name}`.",
+    "I need help with `{name}`. What does it do?",
+    "Quick question: what is `{name}` for?",
+)
+MODULE_PROMPTS = (
+    "Give me an overview of the `{name}` module.",
+    "What is the `{name}` module for?",
+    "Describe the Python `{name}` module.",
+    "What can I do with `{name}`?",
+)
+
+MIN_DOC_CHARS = 40
+MIN_CHUNK_CHARS = 150
+MAX_CHUNK_CHARS = 6000  # about 1.5K tokens with the tiny tokenizer
+MAX_CONVERSATION_CHARS = 7000
+MULTI_TURN_SHARE = 0.25
+TEXT_RECORDS = 8
+
+
+@dataclass(frozen=True)
+class SourceText:
+    """One piece of documentation: a reference topic, a module overview or an object's docstring."""
+
+    kind: Literal["topic", "module", "object"]
+    name: str  # what a user would ask about
+    text: str
+
+
+def python_doc_sources() -> list[SourceText]:
+    """Every source text, in a fixed order: reference topics, then module and object docstrings."""
+    return reference_topics() + module_docstrings() + object_docstrings()
+
+
+def reference_topics() -> list[SourceText]:
+    """The language reference topics of `pydoc_data.topics` (hundreds of KB of real English)."""
+    from pydoc_data.topics import topics
+
+    sources = []
+    for key in sorted(topics):
+        title, body = split_topic_heading(topics[key])
+        if len(body) >= MIN_DOC_CHARS:
+            sources.append(SourceText("topic", title, body))
+    return sources
+
+
+def split_topic_heading(text: str) -> tuple[str, str]:
+    """('The "for" statement', body) from a topic that starts with a title underlined by stars."""
+    lines = text.strip("\n").split("\n")
+    if len(lines) >= 2 and lines[1].startswith("***"):
+        return lines[0].strip(), "\n".join(lines[2:]).strip("\n")
+    return lines[0].strip(), text.strip("\n")
+
+
+def module_docstrings() -> list[SourceText]:
+    sources = []
+    for name in DOC_MODULES:
+        doc = inspect.getdoc(importlib.import_module(name))
+        if doc and len(doc) >= MIN_DOC_CHARS:
+            sources.append(SourceText("module", name, doc))
+    return sources
+
+
+def object_docstrings() -> list[SourceText]:
+    """Docstrings of public functions and classes of `DOC_MODULES` and methods of builtin types,
+    each text once (inherited and shared docstrings are dropped after their first use)."""
+    seen: set[str] = set()
+    sources = []
+    for qualified, obj in documented_objects():
+        doc = inspect.getdoc(obj)
+        if doc and len(doc) >= MIN_DOC_CHARS and doc not in seen:
+            seen.add(doc)
+            sources.append(SourceText("object", qualified, doc))
+    return sources
+
+
+def documented_objects() -> Iterator[tuple[str, Any]]:
+    for type_name in BUILTIN_TYPES:
+        cls = getattr(__import__("builtins"), type_name)
+        for attr in sorted(vars(cls)):
+            if not attr.startswith("_"):
+                yield f"{type_name}.{attr}", getattr(cls, attr)
+    for module_name in DOC_MODULES:
+        module = importlib.import_module(module_name)
+        for attr in sorted(vars(module)):
+            obj = getattr(module, attr)
+            is_api = inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)
+            # Names a module re-exports from elsewhere are documented where they are defined.
+            defined_here = module_name == "builtins" or getattr(obj, "__module__", None) == module.__name__
+            if not attr.startswith("_") and is_api and defined_here:
+                yield (attr if module_name == "builtins" else f"{module_name}.{attr}"), obj
+
+
+def build_corpus(seed: int = 0, heldout_fraction: float = 0.06) -> tuple[list[dict], list[dict]]:
+    """(train, heldout) chat records built from Python's own documentation, deterministically.
+
+    Reference topics are cut at paragraph boundaries into answers of log-uniformly drawn length
+    (150 to 6000 characters), some of them continued over two turns; docstrings give short answers
+    (two of them per conversation now and then) and module overviews give medium ones. A few
+    module overviews are plain `text` records. The split is a stable hash of each record.
+    """
+    if not 0.0 < heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be between 0 and 1, got {heldout_fraction}")
+    rng = random.Random(seed)
+    sources = python_doc_sources()
+    records = []
+    for source in sources:
+        if source.kind == "topic":
+            records += topic_records(source, rng)
+        elif source.kind == "module":
+            records.append(module_record(source, rng))
+    records += object_records([s for s in sources if s.kind == "object"], rng)
+    records += text_records([s for s in sources if s.kind == "module"], rng)
+    rng.shuffle(records)
+    return split_heldout(records, heldout_fraction, seed)
+
+
+def topic_records(source: SourceText, rng: random.Random) -> list[dict]:
+    """The topic cut into answer-sized chunks; consecutive chunks sometimes form one conversation."""
+    chunks = chunk_paragraphs(source.text, rng)
+    records = []
+    i = 0
+    while i < len(chunks):
+        prompt = rng.choice(TOPIC_PROMPTS if i == 0 else SECTION_PROMPTS).format(title=source.name, part=i + 1)
+        messages = [user(prompt), assistant(chunks[i])]
+        fits_two = i + 1 < len(chunks) and len(chunks[i]) + len(chunks[i + 1]) <= MAX_CONVERSATION_CHARS
+        if fits_two and rng.random() < MULTI_TURN_SHARE:
+            messages += [user(rng.choice(CONTINUE_PROMPTS).format(title=source.name)), assistant(chunks[i + 1])]
+            i += 1
+        records.append({"messages": messages})
+        i += 1
+    return records
+
+
+def chunk_paragraphs(text: str, rng: random.Random) -> list[str]:
+    """Consecutive paragraphs grouped into chunks of a log-uniformly drawn target length."""
+    chunks: list[str] = []
+    current: list[str] = []
+    target = draw_chunk_chars(rng)
+    for paragraph in split_long(text.split("\n\n"), MAX_CHUNK_CHARS):
+        size = sum(len(p) + 2 for p in current)
+        if current and size + len(paragraph) > min(target, MAX_CHUNK_CHARS):
+            chunks.append("\n\n".join(current))
+            current, target = [], draw_chunk_chars(rng)
+        current.append(paragraph)
+    if current:
+        chunks.append("\n\n".join(current))
+    # A tail too short to stand alone joins its predecessor when that still fits.
+    if len(chunks) >= 2 and len(chunks[-1]) < MIN_CHUNK_CHARS and len(chunks[-2]) + len(chunks[-1]) <= MAX_CHUNK_CHARS:
+        chunks[-2:] = [chunks[-2] + "\n\n" + chunks[-1]]
+    return [c.strip("\n") for c in chunks if c.strip()]
+
+
+def draw_chunk_chars(rng: random.Random) -> int:
+    return int(math.exp(rng.uniform(math.log(MIN_CHUNK_CHARS), math.log(MAX_CHUNK_CHARS))))
+
+
+def split_long(paragraphs: list[str], max_chars: int) -> list[str]:
+    """Paragraphs longer than `max_chars` (long code listings) cut at line boundaries."""
+    out = []
+    for paragraph in paragraphs:
+        while len(paragraph) > max_chars:
+            cut = paragraph.rfind("\n", 0, max_chars)
+            cut = cut if cut > 0 else max_chars
+            out.append(paragraph[:cut])
+            paragraph = paragraph[cut:].lstrip("\n")
+        if paragraph.strip():
+            out.append(paragraph)
+    return out
+
+
+def module_record(source: SourceText, rng: random.Random) -> dict:
+    answer = split_long([source.text], MAX_CHUNK_CHARS)[0]
+    return {"messages": [user(rng.choice(MODULE_PROMPTS).format(name=source.name)), assistant(answer)]}
+
+
+def object_records(sources: list[SourceText], rng: random.Random) -> list[dict]:
+    """One short question per documented object; now and then two in one conversation."""
+    records = []
+    i = 0
+    while i < len(sources):
+        messages = object_turn(sources[i], rng)
+        if i + 1 < len(sources) and rng.random() < MULTI_TURN_SHARE:
+            messages += object_turn(sources[i + 1], rng)
+            i += 1
+        records.append({"messages": messages})
+        i += 1
+    return records
+
+
+def object_turn(source: SourceText, rng: random.Random) -> list[dict]:
+    answer = split_long([source.text], MAX_CHUNK_CHARS)[0]
+    return [user(rng.choice(OBJECT_PROMPTS).format(name=source.name)), assistant(answer)]
+
+
+def text_records(modules: list[SourceText], rng: random.Random) -> list[dict]:
+    picked = rng.sample(modules, min(TEXT_RECORDS, len(modules)))
+    return [{"text": split_long([m.text], MAX_CHUNK_CHARS)[0]} for m in picked]
+
+
+def user(content: str) -> dict:
+    return {"role": "user", "content": content}
+
+
+def assistant(content: str) -> dict:
+    return {"role": "assistant", "content": content}
+
+
+def split_heldout(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """Held-out membership from a hash of the record itself, so it does not depend on order."""
+    train, heldout = [], []
+    for record in records:
+        digest = hashlib.sha256(f"{seed}|{json.dumps(record, sort_keys=True)}".encode()).digest()
+        (heldout if int.from_bytes(digest[:8], "big") < fraction * 2**64 else train).append(record)
+    return train, heldout
+
+
+def record_texts(records: list[dict]) -> list[str]:
+    """The text a tokenizer should be trained on: each message as `role\\ncontent`, or the text."""
+    texts = []
+    for record in records:
+        if "messages" in record:
+            texts += [f"{m['role']}\n{m['content']}" for m in record["messages"]]
+        else:
+            texts.append(record["text"])
+    return texts
+
+
+def write_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
+    """One record per line, keys sorted, UTF-8: the same records always give the same bytes."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# Build parameters
+
+
+@dataclass
+class TinyConfig:
+    """How `python -m extract.tiny` builds the tiny default (section `[tiny]` of a config file)."""
+
+    out_dir: str = knob("artifacts/tiny", help="where target/, corpus/ and build.json go")
+    seed: int = knob(0, help="seed of the corpus draw, the held-out split, the model init and the batch order", min=0)
+    heldout_fraction: float = knob(0.06, help="share of corpus records held out (offline evaluation, speculative-decoding prompts)", min=0.01, max=0.5)
+    vocab_size: int = knob(4096, help="tokenizer size, special tokens included (an upper bound on a small corpus)", min=300, max=65536)
+    hidden_size: int = knob(256, help="target hidden width", min=16, max=4096)
+    intermediate_size: int = knob(768, help="target MLP width", min=16, max=16384)
+    num_layers: int = knob(8, help="target decoder layers", min=2, max=64)
+    num_heads: int = knob(4, help="attention query heads", min=1, max=64)
+    num_kv_heads: int = knob(2, help="attention key/value heads (divides num_heads)", min=1, max=64)
+    head_dim: int = knob(64, help="width of one attention head", min=8, max=256)
+    n_taps: int = knob(4, help="how many tap layer ids to recommend (evenly spread, never the last layer)", min=1, max=16)
+    steps: int = knob(600, help="optimizer steps of target training", min=0)
+    batch_tokens: int = knob(8192, help="padded tokens per training batch (sequences of similar length are batched together)", min=64)
+    max_len: int = knob(2048, help="longer training sequences are truncated", min=16)
+    lr: float = knob(3e-3, help="peak AdamW learning rate (linear warmup, cosine decay to 10%)", min=0.0, max=1.0)
+    warmup_steps: int = knob(30, help="learning-rate warmup steps", min=0)
+    weight_decay: float = knob(0.1, help="AdamW weight decay on matrices", min=0.0, max=1.0)
+    precision: Literal["auto", "fp32", "bf16"] = knob(
+        "auto", help="training compute: bf16 autocast (fast where the CPU has bf16 instructions), fp32, or auto-detect"
+    )
+    threads: int = knob(0, help="torch threads; 0 = every core this process may use", min=0)
+    force: bool = knob(False, help="rebuild even when a matching build exists")
+
+    def check(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            fail("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        if self.n_taps > self.num_layers - 1:
+            fail("n_taps", f"at most num_layers - 1 = {self.num_layers - 1} (the last layer is never a tap)")
+
+
+def tap_layer_ids(num_layers: int, n_taps: int) -> list[int]:
+    """Evenly spread tap ids, never the last layer: DFlash's rule, from layer 1 to layer L-3
+    (36 layers, 5 taps -> [1, 9, 17, 25, 33], the published Qwen3-8B drafter's; 8 layers, 4 taps ->
+    [1, 2, 4, 5]), widened towards layer 0 and L-2 only when the target is too shallow for that."""
+    if not 1 <= n_taps <= num_layers - 1:
+        raise ValueError(f"n_taps must be between 1 and {num_layers - 1} for {num_layers} layers, got {n_taps}")
+    first, last = 1, num_layers - 3
+    if last - first + 1 < n_taps:
+        first, last = (1, num_layers - 2) if num_layers - 2 >= n_taps else (0, num_layers - 2)
+    if n_taps == 1:
+        return [first]
+    ids = [first + math.floor(i * (last - first) / (n_taps - 1) + 0.5) for i in range(n_taps)]
+    assert len(set(ids)) == n_taps and max(ids) < num_layers - 1, ids
+    return ids
+
+
+def resolve_precision(precision: str) -> str:
+    """'bf16' where the CPU has native bf16 math (autocast is then about twice as fast), else 'fp32'."""
+    if precision != "auto":
+        return precision
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "fp32"
+    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "fp32"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Target: a small Qwen3 trained on the rendered training conversations
+
+
+def render_record(tokenizer, record: dict) -> str:
+    """The text the target is trained on: the chat template for conversations, text + EOS otherwise."""
+    if "messages" in record:
+        return tokenizer.apply_chat_template(record["messages"], tokenize=False)
+    return record["text"] + EOS_TOKEN
+
+
+def encode_records(tokenizer, records: list[dict], max_len: int) -> list[list[int]]:
+    texts = [render_record(tokenizer, r) for r in records]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [ids[:max_len] for ids in encoded]
+
+
+def qwen3_config(cfg: TinyConfig, tokenizer) -> "transformers.Qwen3Config":
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=MODEL_MAX_LENGTH,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},  # Qwen3's value
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,  # like the real target: a separate lm_head
+        bos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def generation_config(tokenizer) -> "transformers.GenerationConfig":
+    from transformers import GenerationConfig
+
+    eos = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(EOS_TOKEN)]
+    return GenerationConfig(
+        bos_token_id=eos[1], eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
+
+
+def length_batches(lengths: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Indices grouped so each batch holds sequences of similar length and at most `batch_tokens`
+    padded tokens (one over-long sequence is a batch of its own); batch order shuffled."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(seqs: list[list[int]], pad_id: int) -> dict[str, "torch.Tensor"]:
+    """Right-padded input ids, attention mask, and labels with -100 on padding."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        attention_mask[row, : len(seq)] = 1
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def endless_batches(seqs: list[list[int]], batch_tokens: int, seed: int) -> Iterator[list[list[int]]]:
+    """Epoch after epoch of length-grouped batches, reshuffled per epoch from (seed, epoch)."""
+    lengths = [len(s) for s in seqs]
+    epoch = 0
+    while True:
+        for batch in length_batches(lengths, batch_tokens, random.Random(f"{seed}/{epoch}")):
+            yield [seqs[i] for i in batch]
+        epoch += 1
+
+
+def learning_rate(step: int, cfg: TinyConfig) -> float:
+    """Linear warmup to `lr`, then cosine decay to a tenth of it at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_optimizer(model, cfg: TinyConfig) -> "torch.optim.Optimizer":
+    import torch
+
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    others = [p for p in model.parameters() if p.ndim < 2]  # norms: no decay
+    groups = [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": others, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train_target(model, seqs: list[list[int]], cfg: TinyConfig, pad_id: int, progress: bool = True) -> list[float]:
+    """Next-token training on every position of the rendered samples; returns the loss per step."""
+    import torch
+    from tqdm.auto import tqdm
+
+    model.train()
+    optimizer = make_optimizer(model, cfg)
+    use_bf16 = resolve_precision(cfg.precision) == "bf16"
+    batches = endless_batches(seqs, cfg.batch_tokens, cfg.seed)
+    losses = []
+    bar = tqdm(range(cfg.steps), desc="train tiny target", unit="step", disable=not progress, dynamic_ncols=True)
+    tokens, start = 0, time.perf_counter()
+    for step in bar:
+        batch = collate(next(batches), pad_id)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        tokens += int(batch["attention_mask"].sum())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+    model.eval()
+    return losses
+
+
+def next_token_accuracy(model, seqs: list[list[int]], batch_tokens: int, pad_id: int) -> tuple[int, int]:
+    """(correct, total) of the model's argmax next-token prediction over every position with a successor."""
+    import torch
+
+    correct = total = 0
+    lengths = [len(s) for s in seqs]
+    with torch.inference_mode():
+        for batch_idx in length_batches(lengths, batch_tokens, random.Random(0)):
+            batch = collate([seqs[i] for i in batch_idx], pad_id)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            predicted, target = logits[:, :-1].argmax(-1), batch["labels"][:, 1:]
+            valid = target != -100
+            correct += int((predicted == target)[valid].sum())
+            total += int(valid.sum())
+    return correct, total
+
+
+def frequency_baseline(train_seqs: list[list[int]], eval_seqs: list[list[int]]) -> tuple[int, float]:
+    """(token, accuracy): always predicting the token most frequent as a training target."""
+    from collections import Counter
+
+    counts = Counter(t for s in train_seqs for t in s[1:])
+    token = min(counts, key=lambda t: (-counts[t], t))
+    targets = [t for s in eval_seqs for t in s[1:]]
+    return token, sum(t == token for t in targets) / max(1, len(targets))
+
+
+def length_summary(seqs: list[list[int]]) -> dict[str, Any]:
+    lengths = sorted(len(s) for s in seqs)
+    if not lengths:
+        return {"records": 0, "tokens": 0}
+    def pick(q: float) -> int:
+        return lengths[round(q * (len(lengths) - 1))]
+    edges = [128, 512, 1024, 2048]
+    buckets = {}
+    for lo, hi in zip([0] + edges, edges + [None]):
+        name = f"{lo}-{hi - 1}" if hi else f"{lo}+"
+        buckets[name] = sum(1 for n in lengths if n >= lo and (hi is None or n < hi))
+    return {
+        "records": len(lengths),
+        "tokens": sum(lengths),
+        "length_min": lengths[0], "length_p10": pick(0.1), "length_p50": pick(0.5),
+        "length_p90": pick(0.9), "length_max": lengths[-1],
+        "records_by_length": buckets,
+    }
+
+
+def build_tiny_target(
+    out_dir: str | os.PathLike,
+    train_records: list[dict],
+    heldout_records: list[dict],
+    cfg: TinyConfig | None = None,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train the tokenizer and a small Qwen3 on `train_records`, save an HF directory to `out_dir`,
+    measure held-out next-token accuracy of the saved (bf16) model, write `tiny_report.json`.
+
+    Returns the report. `out_dir` gets `config.json`, `model.safetensors` (bf16),
+    `generation_config.json`, the tokenizer files with the chat template, and `tiny_report.json`.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+    cfg = cfg or TinyConfig()
+    if not train_records or not heldout_records:
+        raise ValueError("build_tiny_target needs training and held-out records")
+    out = Path(out_dir)
+    started = time.perf_counter()
+    torch.set_num_threads(cfg.threads or usable_cores())
+
+    tokenizer = build_chat_tokenizer(record_texts(train_records), cfg.vocab_size)
+    train_seqs = encode_records(tokenizer, train_records, cfg.max_len)
+    heldout_seqs = encode_records(tokenizer, heldout_records, cfg.max_len)
+
+    torch.manual_seed(cfg.seed)
+    model = Qwen3ForCausalLM(qwen3_config(cfg, tokenizer))
+    model.generation_config = generation_config(tokenizer)
+    losses = train_target(model, train_seqs, cfg, tokenizer.pad_token_id, progress)
+    train_seconds = time.perf_counter() - started
+
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    correct, total = next_token_accuracy(saved, heldout_seqs, cfg.batch_tokens, tokenizer.pad_token_id)
+    probe = train_seqs[: max(1, len(heldout_seqs))]  # as many training samples, to show the train/held-out gap
+    train_correct, train_total = next_token_accuracy(saved, probe, cfg.batch_tokens, tokenizer.pad_token_id)
+    baseline_token, baseline = frequency_baseline(train_seqs, heldout_seqs)
+
+    report = {
+        "heldout_next_token_accuracy": correct / max(1, total),
+        "heldout_positions": total,
+        "train_probe_next_token_accuracy": train_correct / max(1, train_total),
+        "most_frequent_token_accuracy": baseline,
+        "most_frequent_token": tokenizer.convert_ids_to_tokens(baseline_token),
+        "final_train_loss": sum(losses[-20:]) / max(1, len(losses[-20:])) if losses else None,
+        "tap_layer_ids": tap_layer_ids(cfg.num_layers, cfg.n_taps),
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "parameters": sum(p.numel() for p in saved.parameters()),
+        "vocab_size": len(tokenizer),
+        "mask_token": MASK_TOKEN,
+        "mask_token_id": tokenizer.mask_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "im_end_token_id": tokenizer.convert_tokens_to_ids(IM_END),
+        "chat_template": "qwen3-style; enable_thinking=False adds an empty <think> block (see extract/tiny.py)",
+        "precision": resolve_precision(cfg.precision),
+        "threads": torch.get_num_threads(),
+        "train_seconds": round(train_seconds, 1),
+        "corpus": {"train": length_summary(train_seqs), "heldout": length_summary(heldout_seqs)},
+    }
+    (out / "tiny_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# The cached build of artifacts/tiny
+
+BUILD_RECORD = "build.json"
+REQUIRED_FILES = (
+    BUILD_RECORD,
+    "corpus/train.jsonl",
+    "corpus/heldout.jsonl",
+    "target/config.json",
+    "target/generation_config.json",
+    "target/model.safetensors",
+    "target/tokenizer.json",
+    "target/tokenizer_config.json",
+    "target/tiny_report.json",
+)
+# Knobs that change where or how fast the build runs, not what it builds.
+NOT_IN_RECIPE = ("out_dir", "threads", "force")
+
+
+def recipe(cfg: TinyConfig) -> dict[str, Any]:
+    """Everything that decides the artifacts: build parameters, this file's code, and the Python
+    version (its bundled documentation is the corpus). Library versions are left out on purpose:
+    a newer torch gives a slightly different but equally valid target, not a reason to rebuild."""
+    params = {k: v for k, v in config_to_dict(cfg).items() if k not in NOT_IN_RECIPE}
+    params["precision"] = resolve_precision(cfg.precision)
+    return {
+        "params": params,
+        "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
+        "python": sys.version.split()[0],
+    }
+
+
+def recipe_digest(cfg: TinyConfig) -> str:
+    return hashlib.sha256(json.dumps(recipe(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def is_built(out_dir: str | os.PathLike, digest: str) -> bool:
+    """True when `out_dir` holds a finished build of exactly this recipe."""
+    out = Path(out_dir)
+    if not all((out / name).is_file() for name in REQUIRED_FILES):
+        return False
+    try:
+        return json.loads((out / BUILD_RECORD).read_text()).get("recipe_digest") == digest
+    except (OSError, ValueError):
+        return False
+
+
+def build_tiny(cfg: TinyConfig | None = None, *, progress: bool = True) -> Path:
+    """Build the tiny corpus and target into `cfg.out_dir` unless a matching build is there.
+
+    The build happens in a temporary sibling directory that is renamed into place at the end, so a
+    build killed midway never looks finished; its leftovers are removed by the next run. A lock
+    file makes concurrent callers wait for one build instead of racing.
+    """
+    cfg = cfg or TinyConfig()
+    out = Path(cfg.out_dir).resolve()
+    digest = recipe_digest(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(out):
+        if not cfg.force and is_built(out, digest):
+            log(f"tiny default is up to date in {out} (recipe {digest}); nothing to do")
+            return out
+        remove_leftovers(out)
+        tmp = out.with_name(f"{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            build_into(tmp, cfg, digest, progress)
+            replace_dir(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def build_into(tmp: Path, cfg: TinyConfig, digest: str, progress: bool) -> None:
+    started = time.perf_counter()
+    log(f"building the tiny default (recipe {digest}) in {tmp}")
+    train, heldout = build_corpus(cfg.seed, cfg.heldout_fraction)
+    write_jsonl(tmp / "corpus/train.jsonl", train)
+    write_jsonl(tmp / "corpus/heldout.jsonl", heldout)
+    log(f"corpus: {len(train)} train and {len(heldout)} held-out records")
+    report = build_tiny_target(tmp / "target", train, heldout, cfg, progress=progress)
+    record = {
+        "recipe_digest": digest,
+        "recipe": recipe(cfg),
+        "build_seconds": round(time.perf_counter() - started, 1),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (tmp / BUILD_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")  # written last
+    log(summary_lines(report, record["build_seconds"]))
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Put `new` at `final`; an old `final` is moved aside first and deleted after."""
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old.{uuid.uuid4().hex[:8]}.tmp")
+        os.replace(final, old)
+    os.replace(new, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_leftovers(out: Path) -> None:
+    """Delete temporary directories of earlier builds that were killed (the lock is held)."""
+    for leftover in sorted(out.parent.glob(f"{out.name}.*.tmp")):
+        log(f"removing the leftover of an unfinished build: {leftover}")
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def build_lock(out: Path) -> Iterator[None]:
+    with open(out.with_name(f"{out.name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def summary_lines(report: dict[str, Any], seconds: float) -> str:
+    train, heldout = report["corpus"]["train"], report["corpus"]["heldout"]
+    return "\n".join(
+        [
+            f"tiny target: Qwen3, {report['num_layers']} layers, hidden {report['hidden_size']}, "
+            f"{report['parameters'] / 1e6:.2f}M parameters, vocab {report['vocab_size']}, "
+            f"mask token {report['mask_token']} = {report['mask_token_id']}",
+            f"held-out next-token accuracy {report['heldout_next_token_accuracy']:.3f} "
+            f"(most frequent token {report['most_frequent_token_accuracy']:.3f}; "
+            f"training samples {report['train_probe_next_token_accuracy']:.3f})",
+            f"corpus tokens: train {train['tokens']} in {train['records']} records, "
+            f"held-out {heldout['tokens']} in {heldout['records']}",
+            f"tap layer ids {report['tap_layer_ids']}; built in {seconds:.0f} s",
+        ]
+    )
+
+
+def log(message: str) -> None:
+    print(f"[tiny] {message}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse_cli(TinyConfig, argv, section="tiny")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = build_tiny(cfg)
+    log(f"target:  {out / 'target'}  (report: {out / 'target' / 'tiny_report.json'})")
+    log(f"corpus:  {out / 'corpus' / 'train.jsonl'}  {out / 'corpus' / 'heldout.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

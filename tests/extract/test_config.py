@@ -1,0 +1,84 @@
+"""ExtractConfig: defaults, validation that names the key, splits, layer ids against the model."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from common.config import ConfigError, load_config
+from extract.config import DATASET_KEYS, ExtractConfig
+from extract.target import check_layer_ids, read_text_config
+
+BASE = ["target=t", "corpus=c.jsonl", "out_dir=o"]
+
+
+def make(*overrides):
+    return load_config(ExtractConfig, None, [*BASE, *overrides])
+
+
+def test_defaults():
+    cfg = make()
+    assert cfg.layer_ids == [1, 16, 31, 46] and cfg.topk == 32 and cfg.max_len == 3072
+    assert cfg.length_policy == "truncate" and cfg.min_loss_tokens == 32 and cfg.on_error == "skip"
+    assert cfg.dtype == "bfloat16" and cfg.attn_implementation == "sdpa" and cfg.trust_remote_code is False
+    assert cfg.split_configs() == {None: cfg}
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("layer_ids=[1,1,2]", "'layer_ids': ids must be unique; repeated: [1]"),
+        ("layer_ids=[-1]", "'layer_ids': -1 is below the minimum 0"),
+        ("layer_ids=[]", "'layer_ids': needs at least one"),
+        ("topk=0", "'topk': 0 is below the minimum 1"),
+        ("length_policy=cut", "'length_policy': 'cut' is not allowed"),
+        ("on_error=ignore", "'on_error': 'ignore' is not allowed"),
+        ("tokens_per_batch=1000", "'tokens_per_batch': 1000 is below max_len 3072"),
+        ("min_loss_tokens=5000", "'min_loss_tokens': 5000 exceeds max_len"),
+        ("device=gpu", "'device': 'gpu' is not allowed"),
+        ("attn_implementation=fast", "'attn_implementation': 'fast' is not allowed"),
+        ("splits={a=\"x.jsonl\"}", "'corpus': give exactly one of"),
+        ("chat_template_kwargs={x=[1]}", "'chat_template_kwargs.x'"),
+        ("hidden_encoding=raw", "'hidden_encoding': 'raw' is not allowed"),
+    ],
+)
+def test_bad_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as err:
+        make(override)
+    assert needle in str(err.value)
+
+
+def test_splits_become_one_config_per_output():
+    cfg = load_config(ExtractConfig, None, ["target=t", "out_dir=out", 'splits={train="a.jsonl", heldout="b.jsonl"}'])
+    split = cfg.split_configs()
+    assert set(split) == {"train", "heldout"}
+    assert split["train"].corpus == "a.jsonl" and split["train"].out_dir == "out/train" and split["train"].splits == {}
+    with pytest.raises(ConfigError, match="splits.a/b"):
+        load_config(ExtractConfig, None, ["target=t", "out_dir=out", 'splits={"a/b"="x"}'])
+
+
+def test_layer_ids_checked_against_the_model(saved_target):
+    config = read_text_config(saved_target)
+    assert config.num_hidden_layers == 4
+    check_layer_ids([0, 1, 2], 4)
+    with pytest.raises(ConfigError, match=r"'layer_ids': \[4, 9\] out of range: the target has 4 decoder layers"):
+        check_layer_ids([1, 4, 9], 4)
+    with pytest.warns(UserWarning, match="last decoder layer"):
+        check_layer_ids([3], 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_layer_ids([2], 4)
+
+
+def test_shipped_configs_parse():
+    tiny = load_config(ExtractConfig, "configs/tiny.toml", section="extract")
+    assert set(tiny.split_configs()) == {"train", "heldout"} and tiny.out_dir == "artifacts/tiny/shards"
+    real = load_config(ExtractConfig, "configs/qwen3.6-27b.toml", section="extract")
+    assert real.layer_ids == [1, 16, 31, 46] and real.topk == 32 and real.max_len == 3072 and real.dtype == "bfloat16"
+
+
+def test_dataset_keys_are_real_fields():
+    names = set(ExtractConfig.__dataclass_fields__)
+    assert set(DATASET_KEYS) <= names
+    assert "tokens_per_batch" not in DATASET_KEYS and "layer_ids" in DATASET_KEYS

@@ -1,0 +1,244 @@
+"""The whole extraction on a tiny saved Qwen3 target (CPU): a valid dataset with every sample, reject
+and duplicate accounted for; stored values equal a direct unbatched capture; resume after a crash
+is bit-identical; changed settings refuse to resume and say what changed; ranks merge into the
+same dataset as one process; NaN samples and on_error=fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import load_config
+from extract import pipeline
+from extract.capture import capture
+from extract.config import ExtractConfig
+from extract.target import reach_text_parts
+from shards import ShardDataset, verify_dataset
+from tests.extract.conftest import build_model, chat_record, mixed_corpus, write_lines
+
+LAYERS = [0, 1, 2]
+TOPK = 4
+
+
+def make_config(out_dir, corpus, target="unused", **overrides):
+    words = [f"target={target}", f"corpus={corpus}", f"out_dir={out_dir}", f"layer_ids={LAYERS}", f"topk={TOPK}",
+             "max_len=256", "tokens_per_batch=512", "min_loss_tokens=4", "dtype=float32", "device=cpu", "shard_bytes=40000",
+             "progress=false", "sort_window=16", "writer_threads=1"]
+    words += [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in overrides.items()]
+    return load_config(ExtractConfig, None, words)
+
+
+def run(cfg, target, ranks=None):
+    return pipeline.run(cfg, target=target, ranks=ranks or pipeline.Ranks())[None]
+
+
+def samples_by_id(root, manifest_name="manifest.json"):
+    return {s.sample_id: s for s in ShardDataset(root, manifest_name=manifest_name)}
+
+
+def assert_bit_identical(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for sid in a:
+        for field in ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs"):
+            x, y = getattr(a[sid], field), getattr(b[sid], field)
+            assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)), (sid, field)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, loaded_target):
+    """One uninterrupted extraction of the mixed corpus, shared by the tests below."""
+    root = tmp_path_factory.mktemp("baseline")
+    corpus, expected = mixed_corpus(root / "corpus.jsonl")
+    cfg = make_config(root / "out", corpus)
+    summary = run(cfg, loaded_target)
+    return {"root": str(root / "out"), "corpus": corpus, "expected": expected, "summary": summary, "cfg": cfg}
+
+
+def test_dataset_is_valid_and_accounts_for_every_record(baseline):
+    root, summary = baseline["root"], baseline["summary"]
+    assert verify_dataset(root) == []
+    ds = ShardDataset(root)
+    assert ds.manifest["complete"] and len(ds) == summary["samples"] == 24
+    assert summary["rejects"] == baseline["expected"] and summary["duplicates"] == 1
+    assert summary["this_run"]["coverage_ok"] and summary["records"] == 24 + len(baseline["expected"]) + 1
+    assert ds.manifest["counts"]["duplicates"] == 1 and ds.manifest["counts"]["rejected.invalid_json"] == 1
+    # The rejects file names position, source line and reason; the blank line (index 5) is no record.
+    lines = [json.loads(line) for line in open(os.path.join(root, "rejects.jsonl"))]
+    assert sorted(line["reason"] for line in lines) == sorted([*baseline["expected"], "duplicate"])
+    corpus_lines = open(baseline["corpus"]).read().split("\n")
+    for line in lines:
+        assert line["source"] == f"corpus.jsonl:{line['position'] + 1}"
+        assert corpus_lines[line["position"]].strip()
+    assert [line["position"] for line in lines] == sorted(line["position"] for line in lines)
+    text = pipeline.format_summary(summary)
+    for reason in baseline["expected"]:
+        assert reason in text
+    prov = ds.provenance
+    assert prov["taps"]["layer_ids"] == LAYERS and "hidden_states[i+1]" in prov["taps"]["meaning"] and prov["topk"] == TOPK
+    assert prov["target"]["num_layers"] == 4 and prov["extract_config"]["topk"] == TOPK
+    assert json.load(open(os.path.join(root, "extract_config.json")))["layer_ids"] == LAYERS
+
+
+def test_stored_values_equal_an_unbatched_capture(baseline, loaded_target):
+    ds = ShardDataset(baseline["root"])
+    checked = 0
+    for i in range(0, len(ds), 5):
+        stored = ds.torch(i)
+        ids = stored["input_ids"].long()
+        direct = capture(loaded_target, ids[None], [len(ids)], LAYERS, TOPK)
+        expected = torch.cat([t[0] for t in direct.taps], -1).to(torch.bfloat16)
+        assert stored["hidden"].shape == expected.shape  # padding never reaches the shards
+        assert torch.allclose(stored["hidden"].float(), expected.float(), atol=1e-2, rtol=1e-2)
+        assert torch.equal(stored["topk_ids"][:, 0], direct.topk_ids[:, 0])
+        assert torch.allclose(stored["topk_logprobs"], direct.topk_logprobs, atol=1e-4)
+        checked += 1
+    assert checked >= 4
+
+
+def test_rerun_of_a_finished_dataset_does_nothing(baseline, loaded_target):
+    summary = run(baseline["cfg"], loaded_target)
+    assert "this_run" not in summary
+    assert "nothing to do" in pipeline.format_summary(summary) and summary["samples"] == 24
+
+
+def test_crash_then_rerun_is_bit_identical(baseline, loaded_target, tmp_path, monkeypatch):
+    """A run that dies mid-way (after some commits) and is rerun stores exactly the samples of an
+    uninterrupted run, bit for bit, with the same reject and duplicate counts."""
+    from shards import ShardWriter
+
+    cfg = make_config(tmp_path / "out", baseline["corpus"])
+    original, calls = ShardWriter.write, {"n": 0}
+
+    def dying_write(self, sample):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise RuntimeError("simulated crash")
+        return original(self, sample)
+
+    monkeypatch.setattr(ShardWriter, "write", dying_write)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(cfg, loaded_target)
+    monkeypatch.setattr(ShardWriter, "write", original)
+    partial = json.load(open(tmp_path / "out" / "manifest.rank000.json"))
+    assert 0 < partial["counts"]["samples"] < 24 and not partial["complete"]
+    summary = run(cfg, loaded_target)
+    assert summary["this_run"]["samples"] == 24 - partial["counts"]["samples"]
+    assert summary["this_run"]["skipped_batches"] > 0 and summary["this_run"]["coverage_ok"]
+    assert summary["rejects"] == baseline["summary"]["rejects"] and summary["duplicates"] == 1
+    assert_bit_identical(samples_by_id(str(tmp_path / "out")), samples_by_id(baseline["root"]))
+    assert open(tmp_path / "out" / "rejects.jsonl").read() == open(os.path.join(baseline["root"], "rejects.jsonl")).read()
+
+
+def test_changed_settings_refuse_to_resume_and_say_what(baseline, loaded_target, tmp_path, chat_tokenizer):
+    corpus = write_lines(tmp_path / "c.jsonl", [chat_record(random.Random(i), 5, 30) for i in range(6)] + ['{"bad'])
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="position 6"):
+        run(make_config(out, corpus, on_error="fail"), loaded_target)  # stops at the bad last line: a partial dataset
+    with pytest.raises(ValueError, match=r"cannot resume: config key 'topk' is 4 in the dataset but 5 now"):
+        run(make_config(out, corpus, topk=5), loaded_target)
+    with pytest.raises(ValueError, match=r"config key 'layer_ids' is \[0, 1, 2\] in the dataset but \[0, 1\] now"):
+        run(make_config(out, corpus, layer_ids=[0, 1]), loaded_target)
+    other = reach_text_parts(build_model(loaded_target.model.config, seed=1), chat_tokenizer, path="")
+    with pytest.raises(ValueError, match="target config_hash changed|target weights_digest changed"):
+        run(make_config(out, corpus), other)
+    with open(corpus, "a") as f:
+        f.write(json.dumps(chat_record(random.Random(99), 5, 30)) + "\n")
+    with pytest.raises(ValueError, match=r"corpus content changed: c.jsonl changed \(\d+ -> \d+ bytes\)"):
+        run(make_config(out, corpus), loaded_target)
+    # Runtime knobs may change: restore the corpus and resume with another batch size and on_error.
+    lines = open(corpus).read().split("\n")
+    open(corpus, "w").write("\n".join(lines[:-2]) + "\n")
+    summary = run(make_config(out, corpus, tokens_per_batch=300, on_error="skip"), loaded_target)
+    assert summary["complete"] and summary["samples"] == 6 and summary["rejects"] == {"invalid_json": 1}
+
+
+def test_nonfinite_samples_are_rejected_not_stored(tmp_path, loaded_target, chat_tokenizer):
+    model = build_model(loaded_target.model.config)
+    poison_token = chat_tokenizer.convert_tokens_to_ids("fox") if "fox" in chat_tokenizer.get_vocab() else chat_tokenizer.encode(" fox")[0]
+    model.model.embed_tokens.weight[poison_token] = float("nan")
+    target = reach_text_parts(model, chat_tokenizer, path="")
+    rng = random.Random(3)
+    records = [{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the quick dog runs far " * 3}]} for _ in range(1)]
+    records += [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the fox runs far away " * 3}]}]
+    records += [chat_record(rng, 4, 20) for _ in range(3)]
+    corpus = write_lines(tmp_path / "c.jsonl", records)
+    summary = run(make_config(tmp_path / "out", corpus), target)
+    bad = [json.loads(line) for line in open(tmp_path / "out" / "rejects.jsonl")]
+    assert {b["reason"] for b in bad} == {"nonfinite_hidden"} and 1 in {b["position"] for b in bad}
+    assert summary["samples"] + len(bad) == 5
+    for sample in ShardDataset(str(tmp_path / "out")):
+        assert poison_token not in sample.input_ids
+
+
+def test_two_ranks_hold_the_same_samples_as_one(baseline, loaded_target, tmp_path):
+    out = tmp_path / "out"
+    cfg = make_config(out, baseline["corpus"])
+    first = run(cfg, loaded_target, pipeline.Ranks(rank=1, world=2))
+    assert first["partial"] and not os.path.exists(out / "manifest.json")  # rank 0 still missing
+    final = run(cfg, loaded_target, pipeline.Ranks(rank=0, world=2))  # the last rank to finish merges
+    assert final["complete"] and verify_dataset(str(out)) == []
+    two, one = samples_by_id(str(out)), samples_by_id(baseline["root"])
+    assert two.keys() == one.keys()
+    for sid in one:
+        assert np.array_equal(two[sid].input_ids, one[sid].input_ids) and np.array_equal(two[sid].topk_ids[:, 0], one[sid].topk_ids[:, 0])
+        a = torch.from_numpy(two[sid].hidden).view(torch.bfloat16).float()
+        b = torch.from_numpy(one[sid].hidden).view(torch.bfloat16).float()
+        assert torch.allclose(a, b, atol=1e-2, rtol=1e-2)
+    assert final["rejects"] == baseline["summary"]["rejects"] and final["duplicates"] == 1
+    assert open(out / "rejects.jsonl").read() == open(os.path.join(baseline["root"], "rejects.jsonl")).read()
+    ranks = [json.load(open(out / f"manifest.rank00{r}.json"))["counts"]["samples"] for r in (0, 1)]
+    assert min(ranks) > 0 and sum(ranks) == 24
+    # The separately runnable merge step rebuilds the same manifest and rejects file.
+    from extract.merge import main as merge_main
+
+    merged = json.load(open(out / "manifest.json"))
+    rejects = open(out / "rejects.jsonl").read()
+    os.remove(out / "manifest.json")
+    os.remove(out / "rejects.jsonl")
+    assert merge_main([str(out)]) == 0
+    again = json.load(open(out / "manifest.json"))
+    assert again["counts"] == merged["counts"] and again["shards"] == merged["shards"] and open(out / "rejects.jsonl").read() == rejects
+
+
+def test_a_rank_starting_late_adopts_the_datasets_provenance(baseline, loaded_target, tmp_path):
+    """Rank 1 starts for the first time after rank 0 ran with another batch size (a runtime knob):
+    it takes over rank 0's provenance, so the ranks still merge."""
+    out = tmp_path / "out"
+    run(make_config(out, baseline["corpus"], tokens_per_batch=512), loaded_target, pipeline.Ranks(rank=0, world=2))
+    final = run(make_config(out, baseline["corpus"], tokens_per_batch=300), loaded_target, pipeline.Ranks(rank=1, world=2))
+    assert final["complete"] and final["samples"] == 24
+    with pytest.raises(ValueError, match="config key 'topk'"):
+        run(make_config(tmp_path / "other", baseline["corpus"]), loaded_target, pipeline.Ranks(rank=0, world=2))
+        run(make_config(tmp_path / "other", baseline["corpus"], topk=3), loaded_target, pipeline.Ranks(rank=1, world=2))
+
+
+def test_empty_corpus_says_so(tmp_path, loaded_target):
+    corpus = write_lines(tmp_path / "empty.jsonl", [])
+    summary = run(make_config(tmp_path / "out", corpus), loaded_target)
+    assert summary["complete"] and summary["samples"] == 0
+    assert "the corpus holds no records" in pipeline.format_summary(summary)
+
+
+def test_splits_and_cli(tmp_path, saved_target, capsys):
+    from extract.__main__ import main
+
+    rng = random.Random(5)
+    train = write_lines(tmp_path / "train.jsonl", [chat_record(rng, 4, 25) for _ in range(4)])
+    held = write_lines(tmp_path / "held.jsonl", [chat_record(rng, 4, 25) for _ in range(2)])
+    config = tmp_path / "x.toml"
+    config.write_text(
+        f'[extract]\ntarget = "{saved_target}"\nout_dir = "{tmp_path / "out"}"\nsplits = {{ train = "{train}", heldout = "{held}" }}\n'
+        'layer_ids = [1, 2]\ntopk = 3\nmax_len = 128\ntokens_per_batch = 256\nmin_loss_tokens = 4\ndtype = "float32"\ndevice = "cpu"\nprogress = false\n'
+    )
+    assert main([str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "[train]" in out and "[heldout]" in out and "rejects   none" in out
+    assert len(ShardDataset(str(tmp_path / "out" / "train"))) == 4 and len(ShardDataset(str(tmp_path / "out" / "heldout"))) == 2
+    assert main([str(config), "layer_ids=[1,7]"]) == 2
+    assert "'layer_ids': [7] out of range: the target has 4 decoder layers" in capsys.readouterr().err
+    assert main([str(config), "topk=zero"]) == 2

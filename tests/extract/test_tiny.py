@@ -1,0 +1,287 @@
+"""The tiny default: corpus, chat tokenizer, target builder and the cached `python -m extract.tiny` build."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.hashing import tokenizer_digest
+from extract import tiny
+from extract.tiny import (
+    EOS_TOKEN,
+    IM_END,
+    IM_START,
+    MASK_TOKEN,
+    TinyConfig,
+    build_chat_tokenizer,
+    build_corpus,
+    build_tiny,
+    build_tiny_target,
+    record_texts,
+    tap_layer_ids,
+    write_jsonl,
+)
+
+# Sizes that make a whole build take a few seconds.
+TINY_MODEL = dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
+                  num_kv_heads=1, head_dim=16, n_taps=2, steps=2, batch_tokens=2048, warmup_steps=1, threads=1)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return build_corpus(seed=0)
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(corpus):
+    train, _ = corpus
+    return build_chat_tokenizer(record_texts(train[:300]), 600)
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus
+
+
+def test_corpus_is_deterministic_to_the_byte(tmp_path, corpus):
+    train, heldout = corpus
+    write_jsonl(tmp_path / "a.jsonl", train + heldout)
+    again_train, again_heldout = build_corpus(seed=0)
+    write_jsonl(tmp_path / "b.jsonl", again_train + again_heldout)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    other_train, _ = build_corpus(seed=1)
+    assert other_train != train
+
+
+def test_corpus_records_are_valid_chats_with_short_and_long_answers(corpus):
+    train, heldout = corpus
+    assert len(heldout) >= 20 and len(train) > 10 * len(heldout)
+    keys = {json.dumps(r, sort_keys=True) for r in train}
+    assert not any(json.dumps(r, sort_keys=True) in keys for r in heldout)
+    answers, multi_turn, text_records = [], 0, 0
+    for record in train + heldout:
+        if "text" in record:
+            assert set(record) == {"text"} and record["text"].strip()
+            text_records += 1
+            continue
+        assert set(record) == {"messages"}
+        messages = record["messages"]
+        assert len(messages) % 2 == 0 and len(messages) >= 2
+        for i, message in enumerate(messages):
+            assert message["role"] == ("user" if i % 2 == 0 else "assistant")
+            assert isinstance(message["content"], str) and message["content"].strip()
+        answers += [m["content"] for m in messages[1::2]]
+        multi_turn += len(messages) > 2
+    lengths = sorted(len(a) for a in answers)
+    assert lengths[0] < 100 and lengths[-1] > 4000
+    assert sum(n < 500 for n in lengths) > 100 and sum(n > 3000 for n in lengths) > 20
+    assert multi_turn > 50 and 0 < text_records < 20
+    assert len({r["messages"][0]["content"] for r in train if "messages" in r}) > 0.9 * len(train) - text_records
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer and chat template
+
+
+def test_tokenizer_round_trips_text(small_tokenizer):
+    for text in ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode ✓ 日本語 🙂", "  two  spaces\t\ttabs\n\n\n"]:
+        ids = small_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert small_tokenizer.decode(ids) == text
+
+
+def test_tokenizer_special_tokens_and_mask(small_tokenizer):
+    tok = small_tokenizer
+    assert tok.eos_token == EOS_TOKEN and tok.pad_token == EOS_TOKEN and tok.mask_token == MASK_TOKEN
+    assert tok.pad_token_id == tok.eos_token_id
+    n = len(tok)
+    assert n <= 600
+    ids = {t: tok.convert_tokens_to_ids(t) for t in [EOS_TOKEN, IM_START, IM_END, MASK_TOKEN, "<think>", "</think>"]}
+    assert sorted(ids.values()) == list(range(n - 6, n))  # added last, as in Qwen
+    assert tok.mask_token_id == ids[MASK_TOKEN]
+    for token, token_id in ids.items():
+        assert tok(f"a{token}b", add_special_tokens=False)["input_ids"].count(token_id) == 1
+    assert tok("plain text", add_special_tokens=True)["input_ids"] == tok("plain text", add_special_tokens=False)["input_ids"]
+
+
+def test_tokenizer_training_is_deterministic(corpus, small_tokenizer):
+    train, _ = corpus
+    again = build_chat_tokenizer(record_texts(train[:300]), 600)
+    assert tokenizer_digest(again) == tokenizer_digest(small_tokenizer)
+    with pytest.raises(ValueError):
+        build_chat_tokenizer(["some text"], 100)
+
+
+CONVERSATION = [
+    {"role": "user", "content": "What is a tuple?"},
+    {"role": "assistant", "content": "An immutable sequence."},
+    {"role": "user", "content": "Go on."},
+    {"role": "assistant", "content": "It can be hashed."},
+]
+
+
+def test_chat_template_renders_qwen3_style(small_tokenizer):
+    tok = small_tokenizer
+    full = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    assert full == (
+        "<|im_start|>user\nWhat is a tuple?<|im_end|>\n"
+        "<|im_start|>assistant\nAn immutable sequence.<|im_end|>\n"
+        "<|im_start|>user\nGo on.<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nIt can be hashed.<|im_end|>\n"
+    )
+    prompt = CONVERSATION[:3]
+    thinking = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    plain = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert thinking.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert plain == thinking + "<think>\n\n</think>\n\n"
+    # Non-thinking generation prompt + answer = the rendered training sample, token for token.
+    assert full.startswith(plain)
+    as_ids = tok(full, add_special_tokens=False)["input_ids"]
+    assert as_ids[: len(tok(plain, add_special_tokens=False)["input_ids"])] == tok(plain, add_special_tokens=False)["input_ids"]
+    with_reasoning = [CONVERSATION[0], {**CONVERSATION[1], "reasoning_content": "\nShort.\n"}]
+    assert "<think>\nShort.\n</think>\n\nAn immutable" in tok.apply_chat_template(with_reasoning, tokenize=False)
+
+
+def test_tokenizer_survives_save_and_load(tmp_path, small_tokenizer):
+    from transformers import AutoTokenizer
+
+    small_tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer_digest(loaded) == tokenizer_digest(small_tokenizer)
+    assert (loaded.mask_token_id, loaded.eos_token_id, loaded.pad_token_id) == (
+        small_tokenizer.mask_token_id, small_tokenizer.eos_token_id, small_tokenizer.pad_token_id)
+    for kwargs in [{}, {"add_generation_prompt": True, "enable_thinking": False}]:
+        messages = CONVERSATION if not kwargs else CONVERSATION[:3]
+        text = loaded.apply_chat_template(messages, tokenize=False, **kwargs)
+        assert text == small_tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        assert loaded(text)["input_ids"] == small_tokenizer(text)["input_ids"]
+
+
+def test_importing_the_module_is_cheap():
+    code = "import sys, extract.tiny; print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------------------------
+# Target
+
+
+@pytest.mark.parametrize("layers, taps", [(64, 4), (36, 5), (8, 4), (6, 3), (4, 3), (3, 2), (2, 1)])
+def test_tap_layer_ids_are_spread_and_never_the_last_layer(layers, taps):
+    ids = tap_layer_ids(layers, taps)
+    assert len(ids) == taps and ids == sorted(set(ids))
+    assert ids[0] >= 0 and ids[-1] <= layers - 2
+    if layers >= taps + 3:
+        assert ids[0] == 1
+    assert tap_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # the published Qwen3-8B drafter's taps
+
+
+def test_build_tiny_target_writes_a_loadable_hf_directory(tmp_path, corpus):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train, heldout = corpus
+    cfg = TinyConfig(**TINY_MODEL)
+    report = build_tiny_target(tmp_path, train[:60], heldout[:10], cfg, progress=False)
+    for name in ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tiny_report.json"]:
+        assert (tmp_path / name).is_file(), name
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert model.config.model_type == "qwen3" and model.config.num_hidden_layers == 3
+    assert model.config.vocab_size == len(tok) and tok.mask_token == MASK_TOKEN
+    assert model.generation_config.eos_token_id == [tok.convert_tokens_to_ids(IM_END), tok.eos_token_id]
+    ids = tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
+    saved = json.loads((tmp_path / "tiny_report.json").read_text())
+    assert saved == report
+    assert 0.0 <= report["heldout_next_token_accuracy"] <= 1.0 and report["heldout_positions"] > 0
+    assert 0.0 < report["most_frequent_token_accuracy"] < 1.0
+    assert report["tap_layer_ids"] == [0, 1] and report["mask_token_id"] == tok.mask_token_id
+    assert report["corpus"]["train"]["records"] == 60
+
+
+# ----------------------------------------------------------------------------------------------
+# Cached build
+
+
+def fail_if_called(*args, **kwargs):
+    raise AssertionError("the target was rebuilt")
+
+
+def test_build_is_cached_and_a_changed_recipe_rebuilds(tmp_path, monkeypatch, capsys):
+    cfg = TinyConfig(out_dir=str(tmp_path / "tiny"), **TINY_MODEL)
+    out = build_tiny(cfg, progress=False)
+    for name in tiny.REQUIRED_FILES:
+        assert (out / name).is_file(), name
+    assert json.loads((out / "build.json").read_text())["recipe_digest"] == tiny.recipe_digest(cfg)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+    monkeypatch.setattr(tiny, "build_tiny_target", fail_if_called)
+    assert tiny.main([f"out_dir={cfg.out_dir}"] + [f"{k}={v}" for k, v in TINY_MODEL.items()] + ["threads=2"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+    changed = TinyConfig(out_dir=cfg.out_dir, **{**TINY_MODEL, "steps": 3})
+    assert tiny.recipe_digest(changed) != tiny.recipe_digest(cfg)
+    with pytest.raises(AssertionError, match="rebuilt"):
+        build_tiny(changed, progress=False)
+    assert tiny.is_built(out, tiny.recipe_digest(cfg))  # the failed rebuild left the old build intact
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def fake_target(out_dir, train, heldout, cfg, progress=True):
+    """Stands in for the (slow) real target build: writes the files the cache checks."""
+    out = Path(out_dir)
+    out.mkdir(parents=True)
+    for name in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]:
+        (out / name).write_text("{}")
+    report = {"heldout_next_token_accuracy": 0.5, "most_frequent_token_accuracy": 0.1, "train_probe_next_token_accuracy": 0.6,
+              "num_layers": 3, "hidden_size": 32, "parameters": 1, "vocab_size": 400, "mask_token": MASK_TOKEN,
+              "mask_token_id": 399, "tap_layer_ids": [0, 1],
+              "corpus": {"train": {"records": len(train), "tokens": 1}, "heldout": {"records": len(heldout), "tokens": 1}}}
+    (out / "tiny_report.json").write_text(json.dumps(report))
+    return report
+
+
+def test_a_partial_build_is_detected_and_redone(tmp_path, monkeypatch):
+    monkeypatch.setattr(tiny, "build_tiny_target", fake_target)
+    cfg = TinyConfig(out_dir=str(tmp_path / "tiny"), **TINY_MODEL)
+    out = build_tiny(cfg, progress=False)
+    digest = tiny.recipe_digest(cfg)
+    assert tiny.is_built(out, digest)
+
+    (out / "target" / "model.safetensors").unlink()  # damaged after the fact
+    leftover = tmp_path / "tiny.deadbeef.tmp"  # what a build killed midway leaves behind
+    (leftover / "target").mkdir(parents=True)
+    assert not tiny.is_built(out, digest)
+    build_tiny(cfg, progress=False)
+    assert tiny.is_built(out, digest) and not leftover.exists()
+
+
+def test_a_build_that_dies_midway_leaves_nothing_that_looks_finished(tmp_path, monkeypatch):
+    def dies(out_dir, *args, **kwargs):
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiny, "build_tiny_target", dies)
+    cfg = TinyConfig(out_dir=str(tmp_path / "tiny"), **TINY_MODEL)
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny(cfg, progress=False)
+    assert not (tmp_path / "tiny").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_config_checks_name_the_key():
+    from common.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        load_config(TinyConfig, None, ["num_heads=4", "num_kv_heads=3"])
+    with pytest.raises(ConfigError, match="n_taps"):
+        load_config(TinyConfig, None, ["num_layers=4", "n_taps=4"])
+    assert tiny.main(["no_such_key=1"]) == 2

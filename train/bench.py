@@ -1,0 +1,335 @@
+"""`make bench-train ARGS=...`: throughput of the drafter training step (not a test).
+
+    python -m train.bench                       # Qwen3.6-27B widths on CUDA (compiled flex + chunked CE)
+    python -m train.bench --shape tiny          # the same code path at toy widths, runs on CPU in seconds
+    python -m train.bench --out bench.json --rows 2 --seq-len 3072 --anchors 512
+
+Two phases, one final table, JSON to `--out`:
+- `fixed`: one synthetic batch (`--rows` sequences of `--seq-len` tokens, 10% prompt) reused every
+  step, fresh anchors each step (`--anchors` per sequence): the compute ceiling of the step.
+- `stream`: synthetic shards with a realistic length mix (log-normal around 30% of the max length,
+  15% truncated at the max, prompts 10-40%) written with `shards.ShardWriter`, read through
+  `train.data.DataStream` (token-budget batches, buckets, prefetch threads, pinned memory), with
+  the batch block cap `--max-blocks`. Reports the fetch fraction (time blocked waiting for data).
+
+FLOPs are counted per step from that step's real tokens and blocks (padding excluded), matmuls only:
+    fc                     2 x (2 F D) per context token           forward + weight grad (input needs none)
+    context k/v proj       3 x (2 D 2GE) x L per context token      forward + input grad + weight grad
+    block layer matmuls    3 x 2 L (D HE + D 2GE + HE D + 3 D I) per block token
+    attention              3 x 4 E H L per (query, visible key) pair; a block query sees anchor + K keys
+    lm_head                2 x (2 D V) per loss row                forward + input grad (frozen: no weight grad)
+with D hidden, F = taps x target hidden, H/G heads, E head dim, I intermediate, L layers, V vocab,
+K block size. Backward counts 2x forward (attention recomputation in flash backward is not counted).
+MFU = FLOPs / step time / peak, peak = 790 TFLOP/s (a plain bf16 8192^3 matmul on one H200).
+
+Hidden states in the synthetic shards are Gaussian bf16 slices of one random pool (writing ~8 GB of
+fresh random numbers would dominate the run); their compression ratio is close to real features'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from common.config import load_config
+from train.blocks import Blocks
+from train.config import TrainConfig
+from train.loop import Run, train_step
+from train.loss import chunk_loss_and_grad
+from train.model import DFlashDrafter, DrafterConfig, TargetHead
+
+PEAK_FLOPS = 790e12
+
+SHAPES = {
+    # Qwen3.6-27B (qwen3.6-27b.md §1): the drafter has the target's widths, 5 layers, 4 taps.
+    "27b": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46], rope_theta=1e7,
+                partial_rotary_factor=0.25, max_position_embeddings=262144, seq_len=3072, anchors=512, rows=2,
+                token_budget=6144, max_blocks=1024, samples=160),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 vocab_size=1024, num_target_layers=8, target_layer_ids=[1, 3, 5, 6], rope_theta=1e6,
+                 partial_rotary_factor=1.0, max_position_embeddings=4096, seq_len=256, anchors=32, rows=2,
+                 token_budget=1024, max_blocks=64, samples=48),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def step_flops(cfg: DrafterConfig, blocks: Blocks, context_tokens: int) -> dict[str, float]:
+    """The step's useful matmul FLOPs by part (see the module docstring)."""
+    D, I, L, V, F = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.feature_width
+    H, G, E, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.block_size
+    keep = blocks.keep_BN
+    block_tokens = int(keep.sum()) * K
+    pairs = int(((blocks.anchors_BN + K) * keep).sum()) * K
+    per_block_token_fwd = 2 * L * (D * H * E + D * 2 * G * E + H * E * D + 3 * D * I)
+    return {
+        "fc": 2 * 2 * F * D * context_tokens,
+        "context_kv": 3 * 2 * D * 2 * G * E * L * context_tokens,
+        "block_matmuls": 3 * per_block_token_fwd * block_tokens,
+        "attention": 3 * 4 * E * H * L * pairs,
+        "lm_head": 2 * 2 * D * V * int(blocks.loss_rows_M.numel()),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic data
+
+
+def synthetic_batch(rows: int, seq_len: int, vocab: int, width: int, topk: int, seed: int = 0):
+    from train.data import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab - 1, (rows, seq_len), generator=g)
+    loss_mask = torch.zeros(rows, seq_len, dtype=torch.bool)
+    loss_mask[:, seq_len // 10:] = True
+    hidden = (torch.randn(rows, seq_len, width, generator=g) * 0.8).to(torch.bfloat16)
+    topk_ids = torch.randint(0, vocab - 1, (rows, seq_len, topk), generator=g)
+    logprobs = torch.log_softmax(torch.randn(rows, seq_len, topk, generator=g), -1).sort(-1, descending=True).values
+    if torch.cuda.is_available():
+        hidden = hidden.pin_memory()
+    return Batch(input_ids=input_ids, loss_mask=loss_mask, hidden=hidden, topk_ids=topk_ids, topk_logprobs=logprobs,
+                 lengths=torch.full((rows,), seq_len), sample_ids=[f"synthetic-{i}" for i in range(rows)], bucket=0,
+                 epoch=0, state={})
+
+
+def length_mix(n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
+    """Log-normal lengths around 30% of max_len, 15% truncated at max_len: a few long samples, many short."""
+    lengths = rng.lognormal(math.log(0.3 * max_len), 0.7, n)
+    lengths[rng.random(n) < 0.15] = max_len
+    return np.clip(lengths, 64 if max_len >= 256 else 8, max_len).astype(np.int64)
+
+
+def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: int = 32, seed: int = 0) -> dict:
+    """Synthetic shards with the shape's provenance (reused when `root` already holds a complete set)."""
+    from shards import Sample, ShardWriter
+    from common.hashing import sample_id
+
+    H, taps = shape["hidden_size"], shape["target_layer_ids"]
+    width = len(taps) * H
+    provenance = {
+        "target": {"name_or_path": "synthetic", "num_layers": shape["num_target_layers"], "hidden_size": H, "vocab_size": shape["vocab_size"]},
+        "tokenizer": {"hash": "synthetic", "mask_token_id": shape["vocab_size"] - 1},
+        "taps": {"layer_ids": list(taps), "meaning": "id i = output of decoder layer i = hidden_states[i+1]"},
+        "dtype": "bfloat16", "topk": topk, "max_len": max_len,
+    }
+    manifest_path = os.path.join(root, "manifest.json")
+    if os.path.exists(manifest_path):
+        manifest = json.load(open(manifest_path))
+        if manifest.get("complete") and manifest.get("counts", {}).get("samples") == n and manifest.get("hidden_width") == width:
+            return manifest
+    rng = np.random.default_rng(seed)
+    lengths = length_mix(n, max_len, rng)
+    pool = (torch.randn(int(max_len * width * 1.5), generator=torch.Generator().manual_seed(seed)) * 0.8)
+    pool = pool.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    start = time.perf_counter()
+    with ShardWriter(root, provenance=provenance, hidden_width=width, topk=topk) as writer:
+        for T in lengths.tolist():
+            ids = rng.integers(0, shape["vocab_size"] - 1, T).astype(np.int32)
+            lm = (np.arange(T) >= int(T * rng.uniform(0.1, 0.4))).astype(np.uint8)
+            offset = int(rng.integers(0, pool.size - T * width))
+            hidden = pool[offset:offset + T * width].reshape(T, width)
+            topk_ids = rng.integers(0, shape["vocab_size"] - 1, (T, topk)).astype(np.int32)
+            logprobs = -np.sort(rng.exponential(1.0, (T, topk)).astype(np.float32), 1)
+            writer.write(Sample(sample_id(ids, lm), ids, lm, hidden, topk_ids, logprobs))
+    print(f"wrote {n} synthetic samples ({int(lengths.sum())} tokens) to {root} in {time.perf_counter() - start:.1f}s", flush=True)
+    return json.load(open(manifest_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Runner
+
+
+def build_run(args, shape: dict, device: torch.device, stream=None, workdir: str = ".") -> Run:
+    use_compile = args.compile if args.compile is not None else device.type == "cuda"
+    overrides = [f"loss.num_anchors={args.anchors}", f"loss.chunk_rows={args.chunk_rows}", f"model.attention={args.attention}",
+                 f"loss.max_blocks={args.max_blocks}", "optim.lr=1e-4"]
+    cfg = load_config(TrainConfig, None, overrides)
+    drafter_cfg = DrafterConfig(
+        num_hidden_layers=args.layers, mask_token_id=shape["vocab_size"] - 1, block_size=16,
+        **{k: v for k, v in shape.items() if k in {f.name for f in dataclasses.fields(DrafterConfig)}},
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        drafter = DFlashDrafter(drafter_cfg)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    V, D = shape["vocab_size"], shape["hidden_size"]
+    head = TargetHead(torch.randn(V, D, device=device, dtype=dtype) * 0.02, torch.randn(V, D, device=device, dtype=dtype) * 0.02)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
+    forward, chunk_fn = drafter, chunk_loss_and_grad
+    if use_compile:
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
+        forward = torch.compile(drafter)
+        chunk_fn = torch.compile(chunk_loss_and_grad, dynamic=True)
+    return Run(cfg=cfg, run_dir=workdir, device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+               drafter_cfg=drafter_cfg, drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
+               total_steps=10**9, warmup_steps=0, chunk_fn=chunk_fn)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_phase(name: str, run: Run, next_batch, steps: int, warmup: int, wait_of=lambda: 0.0) -> dict:
+    """Time `steps` steps after `warmup` untimed ones (compilation, allocator warm-up)."""
+    device = run.device
+    times, waits, flops, ctx_tokens, block_tokens, losses = [], [], [], [], [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(1, warmup + steps + 1):
+        _sync(device)
+        start = time.perf_counter()
+        batch = next_batch()
+        wait = wait_of()
+        result = train_step(run, batch, step)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if result.skipped:
+            raise RuntimeError(f"{name}: step {step} was skipped ({result.skip_reason})")
+        if step > warmup:
+            times.append(elapsed)
+            waits.append(wait)
+            real = int(batch.lengths.sum())
+            flops.append(step_flops(run.drafter_cfg, result.blocks, real))
+            ctx_tokens.append(real)
+            block_tokens.append(result.block_tokens)
+            losses.append(result.loss)
+        print(f"  {name} step {step}: {elapsed:.3f}s loss {result.loss:.3f} blocks {result.block_tokens // 16}"
+              f"{' (warmup)' if step <= warmup else ''}", flush=True)
+    total_time = sum(times)
+    parts = {k: sum(f[k] for f in flops) / len(flops) for k in flops[0]}
+    flop_step = sum(parts.values())
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {
+        "phase": name, "steps": steps, "step_s_mean": total_time / steps, "step_s_median": statistics.median(times),
+        "step_s_max": max(times), "context_tok_s": sum(ctx_tokens) / total_time, "block_tok_s": sum(block_tokens) / total_time,
+        "tflop_per_step": flop_step / 1e12, "tflop_s": sum(sum(f.values()) for f in flops) / total_time / 1e12,
+        "mfu": sum(sum(f.values()) for f in flops) / total_time / PEAK_FLOPS, "fetch_frac": sum(waits) / total_time,
+        "peak_mem_gib": peak, "flops_by_part_per_step": parts, "mean_context_tokens": sum(ctx_tokens) / steps,
+        "mean_block_tokens": sum(block_tokens) / steps, "last_loss": losses[-1],
+    }
+
+
+def print_table(results: list[dict], header: dict) -> None:
+    print("\n" + " ".join(f"{k}={v}" for k, v in header.items()))
+    cols = ("phase", "steps", "step_s_median", "step_s_max", "context_tok_s", "block_tok_s", "tflop_per_step", "tflop_s", "mfu", "fetch_frac", "peak_mem_gib")
+    print(" | ".join(f"{c:>14}" for c in cols))
+    for r in results:
+        if "error" in r:
+            print(f"{r['phase']:>14} | error: {r['error']}")
+            continue
+        cells = []
+        for c in cols:
+            v = r[c]
+            cells.append(f"{v:>14.3%}" if c in ("mfu", "fetch_frac") else f"{v:>14.4g}" if isinstance(v, float) else f"{v:>14}")
+        print(" | ".join(cells))
+    for r in results:
+        if "flops_by_part_per_step" in r:
+            parts = ", ".join(f"{k} {v / 1e12:.4g}" for k, v in r["flops_by_part_per_step"].items())
+            print(f"{r['phase']}: TFLOP per step by part: {parts} (peak {PEAK_FLOPS / 1e12:.0f} TFLOP/s)")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="27b")
+    p.add_argument("--phases", default="fixed,stream", help="comma list of: fixed, stream")
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--rows", type=int, help="sequences in the fixed batch")
+    p.add_argument("--anchors", type=int, help="anchors per sequence (num_anchors)")
+    p.add_argument("--max-blocks", type=int, help="block cap per batch in the stream phase")
+    p.add_argument("--token-budget", type=int, help="data.token_budget of the stream phase")
+    p.add_argument("--samples", type=int, help="synthetic samples written for the stream phase")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per phase")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per phase (compilation)")
+    p.add_argument("--chunk-rows", type=int, default=2048)
+    p.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
+    p.add_argument("--compile", dest="compile", action="store_true", default=None)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--prefetch-threads", type=int, default=8)
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dflash-bench-train"))
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    shape = SHAPES[args.shape]
+    for key in ("seq_len", "rows", "anchors", "max_blocks", "token_budget", "samples"):
+        if getattr(args, key) is None:
+            setattr(args, key, shape[key])
+    tiny = args.shape == "tiny"
+    args.steps = args.steps if args.steps is not None else (3 if tiny else 20)
+    args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 4)
+    return args, shape
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, shape = parse_args(sys.argv[1:] if argv is None else argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and args.shape != "tiny":
+        print("note: no CUDA device; the 27b shape on CPU would take hours. Use --shape tiny here.", file=sys.stderr)
+        return 2
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    width = len(shape["target_layer_ids"]) * shape["hidden_size"]
+    header = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "seq_len": args.seq_len, "rows": args.rows, "anchors": args.anchors,
+              "layers": args.layers, "attention": args.attention, "compile": args.compile if args.compile is not None else device.type == "cuda",
+              "chunk_rows": args.chunk_rows}
+    print(json.dumps(header), flush=True)
+    results = []
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if "fixed" in phases:
+        try:
+            run = build_run(args, shape, device, workdir=args.workdir)
+            batch = synthetic_batch(args.rows, args.seq_len, shape["vocab_size"], width, 32)
+            results.append(run_phase("fixed", run, lambda: batch, args.steps, args.warmup))
+            print(f"drafter parameters: {run.drafter.num_parameters() / 1e9:.3f} B", flush=True)
+            del run
+        except Exception as exc:  # noqa: BLE001 - report and go on to the next phase
+            traceback.print_exc()
+            results.append({"phase": "fixed", "error": f"{type(exc).__name__}: {exc}"})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "stream" in phases:
+        try:
+            from train.data import DataConfig, DataStream
+
+            root = os.path.join(args.workdir, f"shards-{args.shape}")
+            write_synthetic_shards(root, shape, args.samples, args.seq_len)
+            data_cfg = DataConfig(shards=root, token_budget=args.token_budget, num_buckets=4, holdout_fraction=0.0,
+                                  prefetch_threads=args.prefetch_threads, prefetch_depth=max(args.prefetch_threads, 8))
+            stream = DataStream(data_cfg)
+            run = build_run(args, shape, device, stream=stream, workdir=args.workdir)
+            try:
+                results.append(run_phase("stream", run, lambda: next(stream), args.steps, args.warmup, lambda: stream.last_wait))
+            finally:
+                stream.close()
+            results[-1]["data_plan"] = {k: v for k, v in stream.data_plan().items() if k != "buckets"}
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            results.append({"phase": "stream", "error": f"{type(exc).__name__}: {exc}"})
+    print_table(results, header)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"header": header, "results": results}, f, indent=2)
+        print(f"wrote {args.out}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Training blocks: anchor sampling, block inputs, labels and loss weights (dflash.md §3.4-§3.6).
+
+For a sequence with tokens x[0..L-1] and an anchor a, the block is
+
+    block ids    [x[a], MASK, MASK, ..., MASK]          (K = block_size tokens)
+    positions    a, a+1, ..., a+K-1                     (absolute, same frame as the context 0..S-1)
+    label at k   topk_ids[a+k-1, 0]   for k = 1..K-1    (the target's own top-1 for the token at a+k;
+                                                          ablation: the data token x[a+k])
+    weight at k  exp(-(k-1)/gamma)    for k >= 1, 0 at k = 0 (the anchor carries no loss),
+                 0 where a+k >= L (past the end) or loss_mask[a+k] is 0 (not a response token).
+
+Anchor rule: a is a candidate iff loss_mask[a] and loss_mask[a+1] (so a+1 < L). The anchor is a
+response token because at inference it is the token the target just produced; requiring a+1 to be
+a response token guarantees every block has at least one weighted label. Blocks near the end are
+kept (their labels past the end get weight 0), as in SpecForge HEAD, so short answers still train.
+Up to `num_anchors` anchors per sequence are drawn uniformly without replacement (iid uniform
+keys, top-n) from a seeded generator, then sorted; rows with fewer candidates are padded with
+`keep = False` blocks that see nothing and carry no weight. Optionally `max_blocks` caps the
+blocks of a whole batch (each row's count scaled down proportionally): under a token budget a
+batch of many short samples would otherwise carry several times the block tokens (and memory)
+of a batch of a few long ones.
+
+Everything here runs on CPU tensors of the batch before they move to the device: the labels and
+weights are gathered here, so the [B, S, k] top-k arrays never need to go to the GPU.
+
+Shape legend: B rows, S padded length, N blocks per row, K block size, Q = N*K, P = S + Q, k top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["Blocks", "make_blocks", "position_weights", "default_gamma", "anchor_candidates", "anchors_per_row", "sample_anchors", "step_generator"]
+
+# gamma per block size from the paper's Eq. 4 (via SpecForge / Model-Optimizer help texts).
+_PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's decay for a block size; ValueError for a size it gives none for."""
+    if block_size not in _PAPER_GAMMA:
+        raise ValueError(f"no default loss gamma for block size {block_size} (known: {sorted(_PAPER_GAMMA)}); set loss.gamma")
+    return _PAPER_GAMMA[block_size]
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k for k = 0..K-1: 0 at the anchor, exp(-(k-1)/gamma) after it. float32 [K]."""
+    k = torch.arange(block_size, dtype=torch.float64)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w.float()
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The anchor generator of one optimizer step: a pure function of (seed, step), so resume is exact."""
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) % (2**63 - 1))
+
+
+@dataclasses.dataclass
+class Blocks:
+    """The block side of one batch. All tensors on the same device."""
+
+    anchors_BN: torch.Tensor      # int64, anchor position of each block (0 for padding blocks)
+    keep_BN: torch.Tensor         # bool, False for padding blocks
+    block_ids_BQ: torch.Tensor    # int64, [x[a], MASK...] per block; all MASK for padding blocks
+    position_ids_BP: torch.Tensor  # int64, context 0..S-1 then a..a+K-1 per block
+    labels_BQ: torch.Tensor       # int64, label of each block token (0 where weight is 0)
+    weights_BQ: torch.Tensor      # float32, loss weight of each block token
+    loss_rows_M: torch.Tensor     # int64, flat indices into B*Q of the tokens with weight > 0
+    num_blocks: int               # kept (non-padding) blocks, counted on the host
+    soft_ids_BQk: torch.Tensor | None = None       # int64, target top-k ids behind each label (KL ablation)
+    soft_logprobs_BQk: torch.Tensor | None = None  # float32, their log-probs
+
+    def to(self, device, non_blocking: bool = False) -> "Blocks":
+        moved = {
+            f.name: (v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v)
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
+        }
+        return Blocks(**moved)
+
+
+def anchor_candidates(loss_mask_BS: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    """bool [B, S]: positions a with loss_mask[a] and loss_mask[a+1], a+1 < length."""
+    B, S = loss_mask_BS.shape
+    inside_BS = torch.arange(S)[None, :] < lengths_B[:, None]
+    mask_BS = loss_mask_BS.bool() & inside_BS
+    next_BS = torch.zeros_like(mask_BS)
+    next_BS[:, :-1] = mask_BS[:, 1:]
+    return mask_BS & next_BS
+
+
+def anchors_per_row(counts_B: torch.Tensor, num_anchors: int, max_blocks: int | None) -> torch.Tensor:
+    """How many anchors each row gets: min(num_anchors, its candidates), scaled down proportionally
+    (floor, at least 1 where a row has any) when the batch would exceed `max_blocks` in total."""
+    quota_B = counts_B.clamp(max=num_anchors)
+    total = int(quota_B.sum())
+    if max_blocks is not None and total > max_blocks:
+        quota_B = torch.minimum(quota_B, (quota_B * max_blocks // total).clamp(min=1))
+    return quota_B
+
+
+def sample_anchors(
+    candidates_BS: torch.Tensor, num_anchors: int, generator: torch.Generator, max_blocks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors_BN, keep_BN): up to `num_anchors` candidates per row, uniform without replacement, sorted.
+
+    N = the largest row quota (at least 1, so shapes never collapse); see `anchors_per_row`.
+    """
+    B, S = candidates_BS.shape
+    quota_B = anchors_per_row(candidates_BS.sum(dim=1), num_anchors, max_blocks)
+    N = max(1, int(quota_B.max()) if B else 0)
+    keys_BS = torch.rand((B, S), generator=generator)
+    keys_BS = torch.where(candidates_BS, keys_BS, torch.full_like(keys_BS, -1.0))
+    chosen_BN = keys_BS.topk(N, dim=1).indices
+    keep_BN = torch.arange(N)[None, :] < quota_B[:, None]
+    # Sort the kept anchors by position (padding sorts last): neighbouring blocks then share
+    # context tiles, which lets flex skip more of the mask.
+    order_key_BN = torch.where(keep_BN, chosen_BN, torch.full_like(chosen_BN, S + 1))
+    order_BN = order_key_BN.argsort(dim=1)
+    anchors_BN = torch.where(keep_BN, chosen_BN.gather(1, order_BN), torch.zeros_like(chosen_BN))
+    return anchors_BN, keep_BN
+
+
+def make_blocks(
+    input_ids_BS: torch.Tensor,
+    loss_mask_BS: torch.Tensor,
+    lengths_B: torch.Tensor,
+    topk_ids_BSk: torch.Tensor,
+    *,
+    block_size: int,
+    num_anchors: int,
+    gamma: float,
+    mask_token_id: int,
+    generator: torch.Generator,
+    labels: str = "target",
+    topk_logprobs_BSk: torch.Tensor | None = None,
+    soft_targets: bool = False,
+    max_blocks: int | None = None,
+) -> Blocks:
+    """Sample anchors and build the block inputs, labels and weights of one batch (CPU tensors)."""
+    if labels not in ("target", "data"):
+        raise ValueError(f"labels must be 'target' or 'data', got {labels!r}")
+    B, S = input_ids_BS.shape
+    K = block_size
+    anchors_BN, keep_BN = sample_anchors(anchor_candidates(loss_mask_BS, lengths_B), num_anchors, generator, max_blocks)
+    N = anchors_BN.shape[1]
+    offsets_K = torch.arange(K)
+
+    block_ids_BNK = torch.full((B, N, K), int(mask_token_id), dtype=torch.long)
+    first_BN = input_ids_BS.long().gather(1, anchors_BN)
+    block_ids_BNK[:, :, 0] = torch.where(keep_BN, first_BN, torch.full_like(first_BN, int(mask_token_id)))
+
+    target_pos_BNK = anchors_BN[:, :, None] + offsets_K        # the token each block position predicts
+    in_seq_BNK = target_pos_BNK < lengths_B[:, None, None]
+    safe_pos_BNK = target_pos_BNK.clamp(max=S - 1)
+    label_mask_BNK = loss_mask_BS.bool().gather(1, safe_pos_BNK.view(B, -1)).view(B, N, K)
+    valid_BNK = keep_BN[:, :, None] & in_seq_BNK & label_mask_BNK & (offsets_K >= 1)
+    weights_BNK = position_weights(K, gamma)[None, None, :] * valid_BNK
+
+    # Target top-1 for the token at a+k is stored at row a+k-1 (topk rows predict the next token).
+    row_BNK = (target_pos_BNK - 1).clamp(min=0, max=S - 1)
+    if labels == "target":
+        labels_BNK = topk_ids_BSk[:, :, 0].long().gather(1, row_BNK.view(B, -1)).view(B, N, K)
+    else:
+        labels_BNK = input_ids_BS.long().gather(1, safe_pos_BNK.view(B, -1)).view(B, N, K)
+    labels_BNK = torch.where(valid_BNK, labels_BNK, torch.zeros_like(labels_BNK))
+
+    soft_ids = soft_logprobs = None
+    if soft_targets:
+        assert topk_logprobs_BSk is not None
+        k = topk_ids_BSk.shape[-1]
+        index_BQk = row_BNK.view(B, -1, 1).expand(-1, -1, k)
+        soft_ids = topk_ids_BSk.long().gather(1, index_BQk)
+        soft_logprobs = topk_logprobs_BSk.float().gather(1, index_BQk)
+
+    context_pos_BS = torch.arange(S).expand(B, S)
+    position_ids_BP = torch.cat((context_pos_BS, target_pos_BNK.view(B, -1)), dim=1)
+    return Blocks(
+        anchors_BN=anchors_BN,
+        keep_BN=keep_BN,
+        block_ids_BQ=block_ids_BNK.view(B, -1),
+        position_ids_BP=position_ids_BP,
+        labels_BQ=labels_BNK.view(B, -1),
+        weights_BQ=weights_BNK.view(B, -1).float(),
+        loss_rows_M=valid_BNK.view(-1).nonzero().view(-1),
+        num_blocks=int(keep_BN.sum()),
+        soft_ids_BQk=soft_ids,
+        soft_logprobs_BQk=soft_logprobs,
+    )
+

@@ -1,0 +1,421 @@
+"""The DFlash drafter (dflash.md §1) and the target's frozen embedding + lm_head.
+
+The drafter is a stack of Qwen3-style decoder layers run over the block tokens only. The target's
+tap features of the context are projected once (`fc`, then `hidden_norm`) and injected as extra
+keys/values at every layer through that layer's own `k_proj`/`v_proj` (+ `k_norm`, + RoPE at the
+context positions). The context never enters the residual stream and is never a query.
+Parameter names are the published ones (`fc`, `hidden_norm`, `layers.N.…`, `norm`), so a state
+dict saves as a z-lab compatible `model.safetensors` with no renaming.
+
+Shape legend (suffixes of tensor names):
+    B batch (sequences)          S context length (tokens of the sequence)
+    Q block tokens per row (= anchors x block_size)   P = S + Q positions
+    D drafter hidden size        F = n_taps x target hidden (tap feature width)
+    H query heads   G key/value heads   E head_dim   R rotary dims (<= E)
+    V vocabulary    M selected block tokens (loss rows)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.attention import attend
+
+__all__ = ["DrafterConfig", "DFlashDrafter", "TargetHead", "RotaryEmbedding", "apply_rotary", "rope_settings"]
+
+# rope types whose frequencies depend only on the config (not on the running sequence length).
+_STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+def rope_settings(target_cfg: dict) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling or None, partial_rotary_factor) from a target text config.
+
+    Reads both spellings: transformers 5 `rope_parameters` and the older top-level `rope_theta` /
+    `rope_scaling` / `partial_rotary_factor`. Qwen3.6's M-RoPE (`mrope_section`) is ordinary 1-D
+    RoPE for text, where the three position streams are equal, so its M-RoPE keys are dropped.
+    """
+    params = target_cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        params = {}
+    theta = target_cfg.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise ValueError("target config has no rope_theta (neither top level nor rope_parameters)")
+    factor = target_cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    scaling = target_cfg.get("rope_scaling")
+    if scaling is None:
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            drop = {"rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
+            scaling = {k: v for k, v in params.items() if k not in drop}
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(theta), (dict(scaling) if scaling else None), float(factor if factor is not None else 1.0)
+
+
+@dataclasses.dataclass
+class DrafterConfig:
+    """The published DFlash config fields (dflash.md §2.1) that define the drafter's shape."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    target_hidden_size: int | None = None  # None = hidden_size (the published drafters)
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.check()
+
+    def check(self) -> None:
+        """ValueError naming the field for a shape that cannot work."""
+        positive = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers", "block_size")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"drafter config '{name}' must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"drafter config 'block_size' must be >= 2, got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"drafter config 'num_attention_heads' ({self.num_attention_heads}) must be a multiple of "
+                f"'num_key_value_heads' ({self.num_key_value_heads})"
+            )
+        if not self.target_layer_ids:
+            raise ValueError("drafter config 'target_layer_ids' is empty")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"drafter config 'target_layer_ids' has duplicates: {self.target_layer_ids}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"drafter config 'target_layer_ids' {bad} outside 0..{self.num_target_layers - 1}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"drafter config 'mask_token_id' {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"drafter config 'partial_rotary_factor' must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(f"drafter config: rotary dims head_dim*partial_rotary_factor = {self.rotary_dim} must be even and >= 2")
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if kind not in _STATIC_ROPE_TYPES:
+            raise ValueError(f"drafter config 'rope_scaling': rope_type {kind!r} is not supported (supported: {', '.join(_STATIC_ROPE_TYPES)})")
+        if self.hidden_act != "silu":
+            raise ValueError(f"drafter config 'hidden_act' must be 'silu' (Qwen3 MLP), got {self.hidden_act!r}")
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def feature_width(self) -> int:
+        """F: the width of one token's stored tap features."""
+        return self.n_taps * (self.target_hidden_size or self.hidden_size)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_target(
+        cls,
+        target_cfg: dict,
+        layer_ids: list[int],
+        *,
+        num_layers: int = 5,
+        block_size: int = 16,
+        mask_token_id: int,
+        **widths: Any,
+    ) -> "DrafterConfig":
+        """A drafter for a target text config: the target's widths and rope unless `widths` override them.
+
+        `widths` may set hidden_size, intermediate_size, num_attention_heads, num_key_value_heads,
+        head_dim, initializer_range (None values are ignored). A hidden size other than the target's
+        is allowed: `fc` then maps n_taps x target hidden -> drafter hidden, but the frozen
+        embedding and lm_head are the target's, so they must match the drafter's width.
+        """
+        theta, scaling, factor = rope_settings(target_cfg)
+        hidden = int(target_cfg["hidden_size"])
+        heads = int(target_cfg["num_attention_heads"])
+        values = dict(
+            hidden_size=hidden,
+            intermediate_size=int(target_cfg["intermediate_size"]),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(target_cfg.get("num_key_value_heads") or heads),
+            head_dim=int(target_cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(target_cfg["vocab_size"]),
+            target_layer_ids=list(layer_ids),
+            num_target_layers=int(target_cfg["num_hidden_layers"]),
+            mask_token_id=int(mask_token_id),
+            block_size=block_size,
+            rms_norm_eps=float(target_cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            partial_rotary_factor=factor,
+            max_position_embeddings=int(target_cfg.get("max_position_embeddings", 40960)),
+            hidden_act=str(target_cfg.get("hidden_act", "silu")),
+            initializer_range=float(target_cfg.get("initializer_range", 0.02)),
+        )
+        values.update({k: v for k, v in widths.items() if v is not None})
+        if values["hidden_size"] != hidden:
+            values["target_hidden_size"] = hidden
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DrafterConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+
+
+def _rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [R/2], attention scaling) for the config's rope settings."""
+    dim = cfg.rotary_dim
+    if cfg.rope_scaling is None:
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, 1.0
+    # Scaled variants: transformers' own formulas, so the drafter matches what serving engines compute.
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(cfg.rope_scaling)
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    params.update(rope_type=kind, rope_theta=cfg.rope_theta, partial_rotary_factor=cfg.partial_rotary_factor)
+    hf = Qwen3Config(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=params,
+    )
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf, None)
+    assert inv_freq.numel() * 2 == dim, (inv_freq.shape, dim)
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin [B, P, R] for absolute positions (R = rotary dims; the rest of each head passes through)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = _rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids_BP: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs_BPh = position_ids_BP[..., None].float() * self.inv_freq.float()
+        angles_BPR = torch.cat((freqs_BPh, freqs_BPh), dim=-1)
+        return (angles_BPR.cos() * self.attention_scaling).to(dtype), (angles_BPR.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x_BhTE: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor) -> torch.Tensor:
+    """Rotate the first R dims of every head (partial rotary as in Qwen3.5/3.6); the rest pass through."""
+    rot = cos_BTR.shape[-1]
+    cos, sin = cos_BTR[:, None], sin_BTR[:, None]
+    if rot == x_BhTE.shape[-1]:
+        return x_BhTE * cos + _rotate_half(x_BhTE) * sin
+    x_rot, x_pass = x_BhTE[..., :rot], x_BhTE[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalize in float32, scale by `weight` (initialized to 1)."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """GQA with per-head q/k RMSNorm; keys/values = [projected context | block tokens]."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x_BQD, context_BSD, cos_BPR, sin_BPR, attn_mask) -> torch.Tensor:
+        B, Q, _ = x_BQD.shape
+        S = context_BSD.shape[1]
+        # One projection over [context | block]: the same k/v weights serve both (dflash.md §1.2).
+        kv_in_BPD = torch.cat((context_BSD.to(x_BQD.dtype), x_BQD), dim=1) if S else x_BQD
+        q_BHQE = self.q_norm(self.q_proj(x_BQD).view(B, Q, self.heads, self.head_dim)).transpose(1, 2)
+        k_BGPE = self.k_norm(self.k_proj(kv_in_BPD).view(B, S + Q, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v_BGPE = self.v_proj(kv_in_BPD).view(B, S + Q, self.kv_heads, self.head_dim).transpose(1, 2)
+        q_BHQE = apply_rotary(q_BHQE, cos_BPR[:, S:], sin_BPR[:, S:])
+        k_BGPE = apply_rotary(k_BGPE, cos_BPR, sin_BPR)
+        # The fp32 norm weights promote q/k to fp32 and flex_attention ignores autocast: run the
+        # attention in the compute dtype (that of cos/sin) explicitly.
+        dtype = cos_BPR.dtype
+        out_BHQE = attend(q_BHQE.to(dtype), k_BGPE.to(dtype), v_BGPE.to(dtype), attn_mask)
+        return self.o_proj(out_BHQE.transpose(1, 2).reshape(B, Q, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h_BQD, context_BSD, cos_BPR, sin_BPR, attn_mask) -> torch.Tensor:
+        # The context is not normed here: it was normed once by hidden_norm (dflash.md §1.2).
+        h_BQD = h_BQD + self.self_attn(self.input_layernorm(h_BQD), context_BSD, cos_BPR, sin_BPR, attn_mask)
+        return h_BQD + self.mlp(self.post_attention_layernorm(h_BQD))
+
+
+class DFlashDrafter(nn.Module):
+    """`drafter(noise_embedding_BQD, target_hidden_BSF, position_ids_BP, attn_mask) -> hidden_BQD`.
+
+    `position_ids_BP` holds the positions of the S context tokens, then of the Q block tokens.
+    `attn_mask` is a flex `BlockMask`, a dense bool [B, 1, Q, S+Q] (True = may attend), or None
+    (everything visible, as at inference). The output is the final-normed hidden state; logits
+    are the target's `lm_head` of it (`TargetHead.logits`).
+    """
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.feature_width, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """HF `post_init` for Qwen3: linear weights ~ N(0, initializer_range), biases 0, norms 1."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def project_context(self, target_hidden_BSF: torch.Tensor) -> torch.Tensor:
+        if not torch.is_autocast_enabled(target_hidden_BSF.device.type):
+            target_hidden_BSF = target_hidden_BSF.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(target_hidden_BSF))
+
+    def forward(self, noise_embedding_BQD, target_hidden_BSF, position_ids_BP, attn_mask=None) -> torch.Tensor:
+        B, Q, _ = noise_embedding_BQD.shape
+        S = target_hidden_BSF.shape[1]
+        assert position_ids_BP.shape == (B, S + Q), (position_ids_BP.shape, B, S, Q)
+        context_BSD = self.project_context(target_hidden_BSF)
+        # The residual stream stays in the master dtype (fp32); under autocast only the matmuls run in
+        # the compute dtype, which is the frozen embedding's (bf16 on GPU).
+        autocast = torch.is_autocast_enabled(noise_embedding_BQD.device.type)
+        compute_dtype = noise_embedding_BQD.dtype if autocast else self.fc.weight.dtype
+        h_BQD = noise_embedding_BQD.to(self.fc.weight.dtype)
+        cos_BPR, sin_BPR = self.rotary_emb(position_ids_BP, compute_dtype)
+        for layer in self.layers:
+            h_BQD = layer(h_BQD, context_BSD, cos_BPR, sin_BPR, attn_mask)
+        return self.norm(h_BQD)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# The target's frozen embedding and lm_head
+
+
+class TargetHead(nn.Module):
+    """The target's embedding and lm_head, frozen (buffers, so no optimizer or checkpoint sees them)."""
+
+    def __init__(self, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> None:
+        super().__init__()
+        assert embed_VD.ndim == 2 and lm_head_VD.shape == embed_VD.shape, (embed_VD.shape, lm_head_VD.shape)
+        self.register_buffer("embed_VD", embed_VD.detach(), persistent=False)
+        # A tied head is the same storage; keep it shared so memory is not doubled.
+        self.register_buffer("lm_head_VD", lm_head_VD.detach(), persistent=False)
+
+    @classmethod
+    def from_pretrained(cls, target_dir: str, dtype: torch.dtype = torch.float32) -> "TargetHead":
+        from common.hf_target import EMBED, LM_HEAD, load_tensors
+
+        tensors = load_tensors(target_dir, [EMBED, LM_HEAD])
+        embed = tensors[EMBED].to(dtype)
+        head = tensors[LM_HEAD]
+        head = embed if head.data_ptr() == tensors[EMBED].data_ptr() else head.to(dtype)
+        return cls(embed, head)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_VD.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_VD.shape[1]
+
+    @torch.no_grad()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_VD)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits (for small inputs, evaluation and tests; training uses `train.loss`)."""
+        return F.linear(hidden.to(self.lm_head_VD.dtype), self.lm_head_VD)
+
+
+def param_count_flops(cfg: DrafterConfig) -> dict[str, float]:
+    """Matmul parameter counts per token (for FLOP estimates): per block token and per context token."""
+    D, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_out, kv_out = cfg.num_attention_heads * E, cfg.num_key_value_heads * E
+    per_block_token = cfg.num_hidden_layers * (D * q_out + 2 * D * kv_out + q_out * D + 3 * D * I)
+    per_context_token = cfg.feature_width * D + cfg.num_hidden_layers * 2 * D * kv_out
+    return {"block": float(per_block_token), "context": float(per_context_token)}
+
