@@ -46,7 +46,7 @@ import torch
 from common.config import load_config
 from train.blocks import Blocks
 from train.config import TrainConfig
-from train.loop import Run, train_step
+from train.loop import Run, compile_step_functions, train_step
 from train.loss import chunk_loss_and_grad
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
@@ -172,11 +172,7 @@ def build_run(args, shape: dict, device: torch.device, stream=None, workdir: str
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
     forward, chunk_fn = drafter, chunk_loss_and_grad
     if use_compile:
-        from torch._dynamo import config as dynamo_config
-
-        dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
-        forward = torch.compile(drafter)
-        chunk_fn = torch.compile(chunk_loss_and_grad, dynamic=True)
+        forward, chunk_fn = compile_step_functions(drafter)
     return Run(cfg=cfg, run_dir=workdir, device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
                drafter_cfg=drafter_cfg, drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
                total_steps=10**9, warmup_steps=0, chunk_fn=chunk_fn)

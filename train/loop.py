@@ -204,6 +204,25 @@ class StepResult:
     blocks: Blocks | None = None  # the host-side blocks of the step (for FLOP counts and debugging)
 
 
+
+def compile_step_functions(drafter: torch.nn.Module):
+    """torch.compile the drafter and the loss chunk for training on batches of varying shape.
+
+    Batches come from length buckets, so shapes change from step to step: compile with dynamic
+    shapes from the first step (one compile instead of a static one followed by a dynamic one),
+    and allow enough cached graphs for the few shape families that remain.
+    """
+    from torch._dynamo import config as dynamo_config
+    from torch._inductor import config as inductor_config
+
+    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
+    # torch 2.11's Inductor asserts in its memory-coalescing tiling analysis on some dynamic-shape
+    # kernels of this model (seen on an H200: AssertionError in tiling_utils.get_pw_red_splits);
+    # the analysis only picks tile shapes, so turning it off costs little and avoids the crash.
+    if hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
+        inductor_config.triton.coalesce_tiling_analysis = False
+    return torch.compile(drafter, dynamic=True), torch.compile(chunk_loss_and_grad, dynamic=True)
+
 @dataclasses.dataclass
 class Run:
     """Everything the loop needs, built by `prepare` (and restored from a checkpoint when resuming)."""
@@ -245,9 +264,7 @@ class Run:
             weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda",
         )
         total = cfg.optim.max_steps or max(1, round(cfg.optim.epochs * stream.steps_per_epoch))
-        forward, chunk_fn = drafter, chunk_loss_and_grad
-        if cfg.compile:
-            forward, chunk_fn = torch.compile(drafter), torch.compile(chunk_loss_and_grad, dynamic=True)
+        forward, chunk_fn = compile_step_functions(drafter) if cfg.compile else (drafter, chunk_loss_and_grad)
         run = cls(
             cfg=cfg, run_dir=_make_run_dir(cfg), device=device, autocast_dtype=autocast_dtype, drafter_cfg=target.drafter_cfg,
             drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
