@@ -1,8 +1,262 @@
-"""Loading a target model and capturing its tap layers, shared by extraction and speculative decoding.
+"""Load a target model and capture its tap layers: shared by extraction (`extract/`) and real
+speculative decoding (`train/specdecode.py`), so both read the same features the same way.
 
-TEMPORARY: re-exports the implementation from `extract/` while that stage is being finished; the code
-moves here (and `extract/` imports it from here) at integration, so `train/` never imports `extract/`.
+Any Hugging Face causal LM from a local directory is reduced to what these need: the text
+decoder's layers, its final norm and `lm_head`. Multimodal checkpoints such as Qwen3.6-27B
+(`Qwen3_5ForConditionalGeneration`) are loaded through `AutoModelForCausalLM`, which gives the
+text-only class (`Qwen3_5ForCausalLM`: no vision tower, layers at `model.model.layers`); if a
+checkpoint has no causal-LM mapping, the image-text class is loaded and its text decoder reached
+with `get_decoder()`.
+
+Taps: a forward hook on decoder layer `i` receives that layer's output, which is HF
+`output_hidden_states[i + 1]` (index 0 is the embeddings).
+
+`read_text_config` + `check_layer_ids` run before any weights are loaded, so a bad tap list fails in
+a second, not after minutes of loading.
 """
 
-from extract.capture import TapHooks, layer_output  # noqa: F401
-from extract.target import TAP_MEANING, Target, check_layer_ids, load_target, reach_text_parts  # noqa: F401
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from common.config import fail
+from common.hashing import json_digest
+from common.hf_target import read_config
+
+LAYER_CONTAINERS = ("layers", "h", "blocks", "block")
+FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DIGEST_SAMPLE_BYTES = 1 << 20
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded target reduced to the parts extraction touches."""
+
+    model: nn.Module  # the causal LM (text) or the multimodal wrapper
+    decoder: nn.Module  # base text model: forward(input_ids, attention_mask, use_cache) -> last_hidden_state (final-normed)
+    layers: nn.ModuleList
+    final_norm: nn.Module
+    lm_head: nn.Module
+    text_config: object
+    tokenizer: object
+    path: str
+    logits_fn: Callable[[torch.Tensor], torch.Tensor]  # lm_head output -> the model's final logits
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
+    @property
+    def input_device(self) -> torch.device:
+        return self.decoder.get_input_embeddings().weight.device
+
+    @property
+    def output_device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+
+# ----------------------------------------------------------------------------------------------
+# Before loading: config and layer ids
+
+
+def read_text_config(path: str, trust_remote_code: bool = False):
+    """The text decoder's `PretrainedConfig` (the nested text config of multimodal checkpoints)."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"target: '{path}' is not a directory (a local Hugging Face checkpoint is needed; nothing is downloaded). "
+            "The built-in tiny default is built by `make tiny`."
+        )
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return config.get_text_config()
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    """ConfigError naming `layer_ids` unless every id is a decoder layer; warn on the last layer."""
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        fail("layer_ids", f"{bad} out of range: the target has {num_layers} decoder layers, so ids must lie in 0..{num_layers - 1}")
+    if num_layers - 1 in layer_ids:
+        warnings.warn(
+            f"extract: layer_ids taps the last decoder layer ({num_layers - 1}). Its raw output is stored; note that HF "
+            f"output_hidden_states[{num_layers}] is the final-normed state instead, and DFlash taps normally stop at L-3.",
+            stacklevel=2,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_target(
+    path: str,
+    *,
+    dtype: str = "bfloat16",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    device: str | torch.device = "cpu",
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
+) -> Target:
+    """Load weights and tokenizer from `path` onto `device` (or across GPUs with `device_map`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = dict(dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    if device_map is not None:
+        kwargs.update(device_map=device_map, max_memory=max_memory)
+    else:
+        kwargs.update(device_map={"": str(device)})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except ValueError as err:
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return reach_text_parts(model, tokenizer, path)
+
+
+def reach_text_parts(model: nn.Module, tokenizer=None, path: str = "") -> Target:
+    """Find the text decoder, its layers, final norm and lm_head in a loaded model (any wrapper)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = _find_layers(decoder)
+    final_norm = _find_attr(decoder, FINAL_NORMS, nn.Module)
+    lm_head = model.get_output_embeddings()
+    if layers is None or final_norm is None or lm_head is None:
+        missing = [n for n, m in (("decoder layers", layers), ("final norm", final_norm), ("lm_head", lm_head)) if m is None]
+        raise ValueError(f"target: cannot find the {', '.join(missing)} of {type(model).__name__} (decoder {type(decoder).__name__})")
+    text_config = model.config.get_text_config()
+    expected = getattr(text_config, "num_hidden_layers", len(layers))
+    assert len(layers) == expected, f"{type(decoder).__name__} has {len(layers)} layers but its config says {expected}"
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return Target(model, decoder, layers, final_norm, lm_head, text_config, tokenizer, path, final_logits_fn(text_config))
+
+
+def _find_attr(module: nn.Module, names, kind):
+    for name in names:
+        child = getattr(module, name, None)
+        if isinstance(child, kind):
+            return child
+    return None
+
+
+def _find_layers(decoder: nn.Module) -> nn.ModuleList | None:
+    found = _find_attr(decoder, LAYER_CONTAINERS, nn.ModuleList)
+    if found is None and isinstance(getattr(decoder, "decoder", None), nn.Module):  # OPT-style nesting
+        found = _find_attr(decoder.decoder, LAYER_CONTAINERS, nn.ModuleList)
+    return found
+
+
+def final_logits_fn(text_config) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the causal LM does to `lm_head`'s output before returning logits (most models: nothing).
+
+    Covers the scalings transformers models apply after lm_head: Gemma-2/3 soft-capping, Cohere's
+    `logit_scale`, Granite's `logits_scaling`.
+    """
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    scale = getattr(text_config, "logit_scale", None)
+    divide = getattr(text_config, "logits_scaling", None)
+
+    def apply(logits: torch.Tensor) -> torch.Tensor:
+        if scale is not None and getattr(text_config, "model_type", "").startswith("cohere"):
+            logits = logits * scale
+        if divide is not None:
+            logits = logits / divide
+        if softcap is not None:
+            logits = torch.tanh(logits.float() / softcap) * softcap
+        return logits
+
+    return apply
+
+
+# ----------------------------------------------------------------------------------------------
+# Provenance
+
+
+def weights_digest(path: str) -> str:
+    """A fast fingerprint of the weight files: names, sizes, and 1 MiB from the start, middle and
+    end of each (hashing 55 GB would take minutes; any other checkpoint differs in these bytes)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    names = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".pt", ".index.json")))
+    for name in names:
+        full = os.path.join(path, name)
+        size = os.path.getsize(full)
+        h.update(f"{name}:{size}|".encode())
+        with open(full, "rb") as f:
+            for at in sorted({0, max(0, size // 2 - _DIGEST_SAMPLE_BYTES // 2), max(0, size - _DIGEST_SAMPLE_BYTES)}):
+                f.seek(at)
+                h.update(f.read(_DIGEST_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def target_provenance(target: Target) -> dict:
+    top = read_config(target.path) if target.path else target.model.config.to_dict()
+    architectures = top.get("architectures") or getattr(target.model.config, "architectures", None) or [type(target.model).__name__]
+    return {
+        "name_or_path": target.path,
+        "revision": getattr(target.model.config, "_commit_hash", None),
+        "config_hash": json_digest(top),
+        "weights_digest": weights_digest(target.path) if target.path else None,
+        "architecture": architectures[0],
+        "loaded_as": type(target.model).__name__,
+        "model_type": getattr(target.text_config, "model_type", None),
+        "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Tap hooks
+
+
+def layer_output(output) -> torch.Tensor:
+    """A decoder layer's hidden-state output (tensor in transformers 5, tuple in older code)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class TapHooks:
+    """Context manager: calls `on_tap(slot, hidden_BTH)` when decoder layer `layer_ids[slot]` returns."""
+
+    def __init__(self, layers: torch.nn.ModuleList, layer_ids: Sequence[int], on_tap: Callable[[int, torch.Tensor], None]):
+        self.layers, self.layer_ids, self.on_tap = layers, list(layer_ids), on_tap
+        self.handles: list = []
+
+    def __enter__(self) -> "TapHooks":
+        for slot, layer_id in enumerate(self.layer_ids):
+            self.handles.append(self.layers[layer_id].register_forward_hook(self._hook(slot)))
+        return self
+
+    def _hook(self, slot: int):
+        def hook(module, args, output):
+            self.on_tap(slot, layer_output(output))
+
+        return hook
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

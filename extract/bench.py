@@ -118,7 +118,7 @@ def write_token_corpus(path: str, lengths: list[int], vocab_size: int, seed: int
 def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
-    from extract.target import reach_text_parts
+    from common.target import reach_text_parts
     from extract.tiny import build_chat_tokenizer
 
     config = Qwen3_5TextConfig(**text_kwargs)

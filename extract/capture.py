@@ -23,38 +23,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from common.target import TapHooks, layer_output  # noqa: F401 - re-exported for extract callers
 from extract.batching import HostBatch, attention_mask_for
 
 STORE_DTYPE = torch.bfloat16
-
-
-def layer_output(output) -> torch.Tensor:
-    """A decoder layer's hidden-state output (tensor in transformers 5, tuple in older code)."""
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-class TapHooks:
-    """Context manager: calls `on_tap(slot, hidden_BTH)` when decoder layer `layer_ids[slot]` returns."""
-
-    def __init__(self, layers: torch.nn.ModuleList, layer_ids: Sequence[int], on_tap: Callable[[int, torch.Tensor], None]):
-        self.layers, self.layer_ids, self.on_tap = layers, list(layer_ids), on_tap
-        self.handles: list = []
-
-    def __enter__(self) -> "TapHooks":
-        for slot, layer_id in enumerate(self.layer_ids):
-            self.handles.append(self.layers[layer_id].register_forward_hook(self._hook(slot)))
-        return self
-
-    def _hook(self, slot: int):
-        def hook(module, args, output):
-            self.on_tap(slot, layer_output(output))
-
-        return hook
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
 
 def forward_with_taps(target, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, layer_ids, on_tap) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Loaded from the `[extract]` table of a TOML file plus `key=value` overrides (`common.config`) and
 validated before any model is loaded. Checks that need the target's config (layer ids below the
-layer count) run in `extract.target.check_layer_ids` as soon as `config.json` is read, still
+layer count) run in `common.target.check_layer_ids` as soon as `config.json` is read, still
 before any weights are touched.
 
 Keys split in two groups (see `DATASET_KEYS`): those that decide what the dataset holds (target,

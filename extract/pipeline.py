@@ -41,7 +41,7 @@ from extract.batching import BufferPool, collate_right_padded, plan_micro_batche
 from extract.capture import Capturer, unpack_sample
 from extract.config import DATASET_KEYS, ExtractConfig
 from extract.sink import Progress, RejectLog, Worker, read_committed_rejects
-from extract.target import Target, check_layer_ids, load_target, read_text_config, target_provenance
+from common.target import Target, check_layer_ids, load_target, read_text_config, target_provenance
 
 log = logging.getLogger("extract")
 

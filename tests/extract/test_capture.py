@@ -10,7 +10,7 @@ import torch
 
 from extract.batching import HostBatch
 from extract.capture import Capturer, capture, final_topk, unpack_sample
-from extract.target import final_logits_fn, reach_text_parts
+from common.target import final_logits_fn, reach_text_parts
 from tests.extract.conftest import build_model, qwen35_text_config
 
 MODELS = ["qwen3_model", "qwen35_model"]

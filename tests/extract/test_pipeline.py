@@ -17,7 +17,7 @@ from common.config import load_config
 from extract import pipeline
 from extract.capture import capture
 from extract.config import ExtractConfig
-from extract.target import reach_text_parts
+from common.target import reach_text_parts
 from shards import ShardDataset, verify_dataset
 from tests.extract.conftest import build_model, chat_record, mixed_corpus, write_lines
 

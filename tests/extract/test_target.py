@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from extract.capture import capture
-from extract.target import load_target, read_text_config, reach_text_parts, target_provenance, weights_digest
+from common.target import load_target, read_text_config, reach_text_parts, target_provenance, weights_digest
 from tests.extract.conftest import qwen35_text_config
 
 
