@@ -59,22 +59,36 @@ def attention_mask_for(lengths: Sequence[int], T: int) -> torch.Tensor | None:
     return (torch.arange(T)[None, :] < lengths_B[:, None]).long()
 
 
+HIDDEN_LAYOUTS = ("planes", "plain")  # the shard encodings (shards.ENCODINGS)
+
+
 class HostBatch:
     """Host buffers sized for any micro-batch under the token budget (pinned when a GPU is used,
-    so device-to-host copies run asynchronously on a side stream)."""
+    so device-to-host copies run asynchronously on a side stream).
 
-    def __init__(self, *, n_taps: int, hidden_size: int, token_budget: int, topk: int, pin: bool):
-        self.n_taps, self.hidden_size, self.token_budget = n_taps, hidden_size, token_budget
-        self.hidden = torch.empty(n_taps * token_budget * hidden_size, dtype=torch.bfloat16, pin_memory=pin)
+    The hidden states arrive in the layout the shards store (`Capturer` arranges them on the
+    device), so a sample's rows are one contiguous block that goes to the writer without a copy:
+    encoding "planes": uint8 [2, B, T, W], the high bytes of every bf16, then the low bytes;
+    encoding "plain": bf16 [B, T, W]. W = n_taps * hidden_size, taps concatenated per token."""
+
+    def __init__(self, *, n_taps: int, hidden_size: int, token_budget: int, topk: int, pin: bool, encoding: str = "planes"):
+        if encoding not in HIDDEN_LAYOUTS:
+            raise ValueError(f"hidden_encoding: unknown encoding {encoding!r}; allowed: {', '.join(HIDDEN_LAYOUTS)}")
+        self.n_taps, self.hidden_size, self.token_budget, self.encoding = n_taps, hidden_size, token_budget, encoding
+        self.width = n_taps * hidden_size
+        self.hidden = torch.empty(2 * token_budget * self.width, dtype=torch.uint8, pin_memory=pin)  # 2 bytes per bf16
         self.topk_ids = torch.empty(token_budget, topk, dtype=torch.int32, pin_memory=pin)
         self.topk_logprobs = torch.empty(token_budget, topk, dtype=torch.float32, pin_memory=pin)
         self.hidden_ok = torch.empty(token_budget, dtype=torch.bool, pin_memory=pin)  # per sample
         self.logits_ok = torch.empty(token_budget, dtype=torch.bool, pin_memory=pin)  # per sample
 
     def hidden_view(self, B: int, T: int) -> torch.Tensor:
-        """[n_taps, B, T, H] view: each tap's block is contiguous, so one copy fills it."""
+        """planes: uint8 [2, B, T, W]; plain: bf16 [B, T, W] (one contiguous block, so one copy fills it)."""
         assert B * T <= self.token_budget, (B, T, self.token_budget)
-        return self.hidden[: self.n_taps * B * T * self.hidden_size].view(self.n_taps, B, T, self.hidden_size)
+        used = self.hidden[: 2 * B * T * self.width]
+        if self.encoding == "planes":
+            return used.view(2, B, T, self.width)
+        return used.view(torch.bfloat16).view(B, T, self.width)
 
     @property
     def nbytes(self) -> int:
@@ -96,3 +110,7 @@ class BufferPool:
 
     def release(self, host: HostBatch) -> None:
         self._free.put(host)
+
+    def available(self) -> int:
+        """Buffers free right now (tests, diagnostics)."""
+        return self._free.qsize()

@@ -12,13 +12,18 @@
 - Padding: only real positions reach lm_head; per-sample NaN/Inf flags cover real positions only.
 
 `capture` returns device tensors (tests, the bench's bare forward). `Capturer.launch` is the
-pipeline's version: it copies every tap to pinned host memory on a side stream as soon as its
-layer has run, so the copies overlap the rest of the forward, and returns without waiting.
+pipeline's version: it arranges the taps on the device in the layout the shards store (taps
+concatenated per token; for the `planes` encoding, split into high and low bytes), copies that
+block to pinned host memory on a side stream as soon as the last tap layer has run, so the copy
+overlaps the rest of the forward, and returns without waiting. The host then hands each sample's
+rows to the shard writer as views: no copy, no byte-plane split and no NaN/Inf scan on the host
+(the per-sample finite flags come from the device, computed on the stored bf16 values).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,6 +32,8 @@ from common.target import TapHooks, layer_output  # noqa: F401 - re-exported for
 from extract.batching import HostBatch, attention_mask_for
 
 STORE_DTYPE = torch.bfloat16
+# Byte planes are cut from a byte view of the bf16 values: (low, high) per value in memory.
+assert sys.byteorder == "little", "byte-plane layout assumes a little-endian host (as are CUDA devices)"
 
 
 def forward_with_taps(target, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, layer_ids, on_tap) -> torch.Tensor:
@@ -161,16 +168,26 @@ class Capturer:
         lengths_B = to_device_async(torch.tensor(lengths, dtype=torch.long), out_dev)
         N = int(positions_N.shape[0])
         hidden_host = host.hidden_view(B, T)
+        # On a GPU the taps are assembled in a device buffer of the host layout, then copied in one
+        # piece; on a CPU they go straight into the host buffer.
+        staging = torch.empty(hidden_host.shape, dtype=hidden_host.dtype, device=out_dev) if self.cuda else hidden_host
         ok_BT = torch.ones(B, T, dtype=torch.bool, device=out_dev)
+        arrived: list[int] = []
 
         def on_tap(slot: int, hidden_BTH: torch.Tensor) -> None:
-            # A copy of its own (not the layer's output tensor): the asynchronous copy to the host
-            # must read these values even if the model later modified its activations in place.
-            stored = hidden_BTH.to(STORE_DTYPE, copy=self.cuda)
+            stored = hidden_BTH.to(STORE_DTYPE)
+            # The finite flags are computed on exactly the bf16 values stored, so the writer need
+            # not scan them again.
             ok_BT.logical_and_(torch.isfinite(stored).all(dim=-1).to(out_dev))
-            self._to_host(stored, hidden_host[slot], keepalive)
+            # Copied into the staging buffer at once (in stream order), so the model may modify
+            # its activations in place afterwards.
+            put_tap(staging, slot, stored, host.encoding)
+            arrived.append(slot)
+            if len(arrived) == len(self.layer_ids) and self.cuda:
+                self._to_host(staging, hidden_host, keepalive)
 
         last_BTH = forward_with_taps(target, ids_dev, mask_dev, self.layer_ids, on_tap)
+        assert sorted(arrived) == list(range(len(self.layer_ids))), f"tap hooks fired for slots {arrived}"
         flat_NH = last_BTH.reshape(B * T, -1).to(out_dev).index_select(0, positions_N)  # .to: no-op unless device_map
         ids_NK, logprobs_NK, finite_N = final_topk(target, flat_NH, self.topk, self.logits_chunk)
         valid_BT = torch.arange(T, device=out_dev)[None, :] < lengths_B[:, None]
@@ -203,14 +220,31 @@ class Capturer:
         keepalive.append(src)
 
 
-def unpack_sample(inflight: InFlight, b: int, offset: int, n_taps: int) -> tuple:
-    """(hidden uint16 [L, n_taps*H], topk_ids int32 [L, k], topk_logprobs float32 [L, k], hidden_ok, logits_ok)
-    of sample `b`, copied out of the host buffers (which are reused for the next batch)."""
+def put_tap(staging: torch.Tensor, slot: int, stored_BTH: torch.Tensor, encoding: str) -> None:
+    """Write one tap's bf16 values [B, T, H] into its columns of a buffer in the host layout
+    (`HostBatch.hidden_view`): planes uint8 [2, B, T, W], plain bf16 [B, T, W]."""
+    H = stored_BTH.shape[-1]
+    cols = slice(slot * H, (slot + 1) * H)
+    if encoding == "plain":
+        staging[:, :, cols].copy_(stored_BTH)
+        return
+    pairs_BTH2 = stored_BTH.contiguous().view(torch.uint8).unflatten(-1, (H, 2))  # (low, high) byte of each value
+    staging[0, :, :, cols].copy_(pairs_BTH2[..., 1])
+    staging[1, :, :, cols].copy_(pairs_BTH2[..., 0])
+
+
+def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
+    """(hidden, topk_ids int32 [L, k], topk_logprobs float32 [L, k], hidden_ok, logits_ok) of sample
+    `b` as views of the host buffers, no copy: valid until the buffer goes back to the pool.
+    `hidden` is `shards.HiddenPlanes` (uint8 [L, W] each) for the planes layout, else uint16 [L, W]."""
+    from shards import HiddenPlanes
+
     host, L = inflight.host, inflight.lengths[b]
-    B = len(inflight.lengths)
-    taps_SLH = host.hidden_view(B, inflight.T)[:, b, :L, :]
-    hidden_LW = torch.empty(L, n_taps * host.hidden_size, dtype=STORE_DTYPE)
-    hidden_LW.view(L, n_taps, host.hidden_size).copy_(taps_SLH.permute(1, 0, 2))  # [h_id0 | h_id1 | ...] per token
-    topk_ids = host.topk_ids[offset : offset + L].numpy().copy()
-    topk_logprobs = host.topk_logprobs[offset : offset + L].numpy().copy()
-    return hidden_LW.view(torch.uint16).numpy(), topk_ids, topk_logprobs, bool(host.hidden_ok[b]), bool(host.logits_ok[b])
+    rows = host.hidden_view(len(inflight.lengths), inflight.T)
+    if host.encoding == "planes":
+        hidden = HiddenPlanes(rows[0, b, :L].numpy(), rows[1, b, :L].numpy())
+    else:
+        hidden = rows[b, :L].view(torch.uint16).numpy()
+    topk_ids = host.topk_ids[offset : offset + L].numpy()
+    topk_logprobs = host.topk_logprobs[offset : offset + L].numpy()
+    return hidden, topk_ids, topk_logprobs, bool(host.hidden_ok[b]), bool(host.logits_ok[b])

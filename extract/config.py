@@ -74,7 +74,9 @@ class ExtractConfig:
     tokens_per_batch: int = knob(8192, help="token budget of a micro-batch, counting padding (batch size x longest sample)", min=1)
     logits_chunk: int = knob(1024, help="positions per lm_head chunk; full-vocabulary logits exist for this many positions at once", min=1)
     sort_window: int = knob(8192, help="records read ahead and sorted by length before batching", min=1)
-    inflight_batches: int = knob(3, help="micro-batches in flight (pinned host buffers); bounds host memory", min=2, max=64)
+    inflight_batches: int = knob(
+        4, help="micro-batches in flight (pinned host buffers, each on loan until its samples are written); bounds host memory", min=2, max=64
+    )
     writer_threads: int = knob(
         4, help="threads pyarrow uses to zstd-compress shards (one background thread writes; another unpacks results)", min=1, max=256
     )
@@ -105,8 +107,10 @@ class ExtractConfig:
         for name, path in self.splits.items():
             if not isinstance(path, str) or not path:
                 fail(f"splits.{name}", f"expected a corpus path, got {path!r}")
-            if not name or "/" in name or name.startswith("."):
-                fail(f"splits.{name}", "split names become directory names: non-empty, no '/', not starting with '.'")
+            if not name or "/" in name or name.startswith(".") or "\x00" in name:
+                fail(f"splits.{name}", "split names become directory names: non-empty, no '/' or NUL, not starting with '.'")
+            if len(name.encode("utf-8")) > 128:  # filesystems stop at 255 bytes per name
+                fail(f"splits.{name[:40]}...", f"a split name becomes a directory name: at most 128 bytes, got {len(name.encode('utf-8'))}")
         if not self.layer_ids:
             fail("layer_ids", "needs at least one tap layer")
         if len(set(self.layer_ids)) != len(self.layer_ids):

@@ -32,13 +32,13 @@ from collections.abc import Iterator
 
 import torch
 
-from common.config import config_to_dict, save_config
+from common.config import config_to_dict, fail, save_config
 from common.hashing import file_checksum, json_digest, text_digest, tokenizer_digest
-from common.io import atomic_write_json, atomic_write_text, resolve
+from common.io import atomic_write_json, atomic_write_text, remove_temp_files, resolve
 from common.provenance import provenance as tool_provenance
 from extract import corpus as C
-from extract.batching import BufferPool, collate_right_padded, plan_micro_batches
-from extract.capture import Capturer, unpack_sample
+from extract.batching import BufferPool, HostBatch, collate_right_padded, plan_micro_batches
+from extract.capture import Capturer, sample_views
 from extract.config import DATASET_KEYS, ExtractConfig
 from extract.sink import Progress, RejectLog, Worker, read_committed_rejects
 from common.target import Target, check_layer_ids, load_target, read_text_config, target_provenance
@@ -135,16 +135,24 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     if target is None:
         text_config = read_text_config(cfg.target, cfg.trust_remote_code)
         check_layer_ids(cfg.layer_ids, int(text_config.num_hidden_layers))  # before any weights move
+        check_topk(cfg.topk, getattr(text_config, "vocab_size", None))
         devices = resolve_devices(cfg, ranks)
         t0 = time.perf_counter()
         target = load_target(cfg.target, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code, **devices)
         log.info("loaded %s (%s, %d layers) on %s in %.1fs", cfg.target, type(target.model).__name__, target.num_layers, devices, time.perf_counter() - t0)
     else:
         check_layer_ids(cfg.layer_ids, target.num_layers)
+    check_topk(cfg.topk, target.vocab_size)
     summaries = {}
     for name, split_cfg in cfg.split_configs().items():
         summaries[name] = extract_split(split_cfg, target, ranks, label=name)
     return summaries
+
+
+def check_topk(topk: int, vocab_size: int | None) -> None:
+    """ConfigError naming `topk` if the target's vocabulary has fewer entries (torch.topk would fail mid-run)."""
+    if vocab_size is not None and topk > int(vocab_size):
+        fail("topk", f"{topk} exceeds the target's vocabulary of {vocab_size} tokens")
 
 
 def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str | None = None) -> dict:
@@ -169,6 +177,9 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
     done = _already_complete(fs, root, fresh, load_manifest)
     if done is not None:
         log.info("%s: already complete (%d samples); nothing to do", root, done["counts"]["samples"])
+        if not os.path.exists(os.path.join(root, SUMMARY_FILE)):  # killed between manifest.json and summary.json
+            remove_merge_leftovers(root)
+            return write_summary(root, done)
         return summarize_dataset(root, done, this_run=None)
 
     provenance, stage_state = fresh, {}
@@ -208,8 +219,9 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
         manifest = writer.manifest
     _check_coverage(manifest, run_stats)
     log.info(
-        "rank %d/%d: %s samples (%s tokens) written this run in %.1fs (%.0f tok/s)",
+        "rank %d/%d: %s samples (%s tokens) written this run in %.1fs (%.0f tok/s); write thread busy %.0f%% of it",
         ranks.rank, ranks.world, f"{run_stats['samples']:,}", f"{run_stats['tokens']:,}", run_stats["seconds"], run_stats["tokens"] / max(run_stats["seconds"], 1e-9),
+        100 * run_stats.get("write_busy_seconds", 0.0) / max(run_stats["seconds"], 1e-9),
     )
     merged = finish_ranks(root, ranks)
     if merged is None:
@@ -435,9 +447,158 @@ class _Prefetch:
 # The forward loop
 
 
+class HostPath:
+    """The host side of the forward loop, in two worker threads (see `sink.Worker`):
+
+        "assemble": wait for a micro-batch's device-to-host copy and cut its samples out of the
+                    pinned buffer as views (the device already laid them out as stored: no copy)
+        "write":    reject the samples the device flagged non-finite; write the others with
+                    `ShardWriter.write(..., hidden_known_finite=True)` (the flags cover exactly the
+                    stored bf16 values; zstd runs in pyarrow's threads); counters; then give the
+                    buffer back to the pool
+
+    A buffer returns to the pool only when every sample cut from it is written (or its batch is
+    dropped after an error), so the pool bounds the batches on the host and a slow writer slows
+    the forward loop down. `extract.bench_host` measures this class on synthetic batches.
+    """
+
+    def __init__(self, writer, rejects: RejectLog, pool: BufferPool, progress: Progress, stats: dict, *, on_error: str, depth: int):
+        self.writer, self.rejects, self.pool, self.progress, self.stats = writer, rejects, pool, progress, stats
+        self.on_error = on_error
+        self.writing = Worker("write", self._write, maxsize=2, on_discard=self._release)
+        self.assembling = Worker("assemble", self._assemble, maxsize=depth, on_discard=self._release)
+
+    # -- the forward loop's side
+
+    def acquire(self) -> HostBatch:
+        """A free buffer, waiting while all are in flight but re-raising a worker's error."""
+        while True:
+            self.check()
+            try:
+                return self.pool.acquire(timeout=0.2)
+            except queue.Empty:
+                continue
+
+    def put_rejects(self, rejects: list, share: float) -> None:
+        self.assembling.put(("rejects", rejects, share), also_check=(self.writing,))
+
+    def put_batch(self, inflight, samples: list, to_write: list[bool], share: float) -> None:
+        lease = _Lease(self.pool, inflight.host)
+        try:
+            self.assembling.put(("batch", (lease, inflight, samples, to_write), share), also_check=(self.writing,))
+        except BaseException:
+            inflight.wait()  # a worker failed: take the buffer back, once the device is done writing into it
+            lease.release()
+            raise
+
+    def check(self) -> None:
+        self.assembling.check()
+        self.writing.check()
+
+    def finish(self) -> None:
+        self.assembling.finish()
+        self.writing.finish()
+
+    def abandon(self) -> None:
+        self.assembling.abandon()
+        self.writing.abandon()
+
+    # -- worker threads
+
+    def _assemble(self, item) -> None:
+        kind, payload, share = item
+        if kind == "rejects":
+            self.writing.put(item)
+            return
+        lease, inflight, samples, to_write = payload
+        inflight.wait()
+        self.writing.put(("samples", (lease, self.cut(inflight, samples, to_write)), share))
+
+    def _write(self, item) -> None:
+        kind, payload, share = item
+        if kind == "rejects":
+            for reject in payload:
+                self.record_reject(reject)
+        else:
+            lease, out = payload
+            try:
+                self.store(out)
+            finally:
+                lease.release()  # the views into the buffer are dead from here on
+        self.progress.advance(share)
+
+    # -- the work itself (also called directly by extract.bench_host)
+
+    @staticmethod
+    def cut(inflight, samples: list, to_write: list[bool]) -> list[tuple]:
+        """(tokenized, Sample of views into the buffer, hidden_ok, logits_ok) of each wanted sample of a landed batch."""
+        from shards import Sample
+
+        out = []
+        offsets = inflight.offsets
+        for b, (tokenized, wanted) in enumerate(zip(samples, to_write)):
+            if wanted:
+                hidden, topk_ids, topk_logprobs, hidden_ok, logits_ok = sample_views(inflight, b, offsets[b])
+                sample = Sample(tokenized.sample_id, tokenized.input_ids, tokenized.loss_mask, hidden, topk_ids, topk_logprobs)
+                out.append((tokenized, sample, hidden_ok, logits_ok))
+        return out
+
+    def store(self, out: list[tuple]) -> None:
+        """Write (or reject) the samples `cut` returned, in order."""
+        for tokenized, sample, hidden_ok, logits_ok in out:
+            self._write_sample(tokenized, sample, hidden_ok, logits_ok)
+
+    def _write_sample(self, tokenized, sample, hidden_ok: bool, logits_ok: bool) -> None:
+        if not (hidden_ok and logits_ok):
+            reason = C.NONFINITE_HIDDEN if not hidden_ok else C.NONFINITE_LOGITS
+            what = "tap hidden states" if not hidden_ok else "final logits"
+            self.record_reject(C.Reject(tokenized.position, tokenized.source, reason, f"NaN/Inf in the {what}", tokenized.sample_id))
+            return
+        writer = self.writer
+        writer.stage_state["rejects_bytes"] = self.rejects.sync()  # committed with the next shard
+        writer.write(sample, hidden_known_finite=True)
+        self.stats["samples"] += 1
+        self.stats["tokens"] += sample.n_tokens
+        self.progress.wrote(1, sample.n_tokens, writer.bytes_written)
+
+    def record_reject(self, reject) -> None:
+        new = self.rejects.add(reject)
+        if new:
+            key = "duplicates" if reject.reason == C.DUPLICATE else f"rejected.{reject.reason}"
+            self.writer.extra_counts[key] += 1
+            self.progress.rejected()
+        if self.on_error == "fail" and reject.reason not in POLICY_REASONS:
+            self.writer.stage_state["rejects_bytes"] = self.rejects.sync()
+            self.writer.flush()
+            raise ValueError(
+                f"{reject.source} (position {reject.position}): {reject.reason}: {reject.detail}. "
+                "Stopping because on_error = fail; on_error=skip counts such records and goes on."
+            )
+
+    @staticmethod
+    def _release(item) -> None:
+        """A dropped item (after an error) gives its buffer back."""
+        if item[0] in ("batch", "samples"):
+            item[1][0].release()
+
+
+class _Lease:
+    """A pool buffer on loan to one batch; `release` gives it back once, however often it is called
+    (the write thread's `finally` and a worker's discard handler may both reach it)."""
+
+    def __init__(self, pool: BufferPool, host: HostBatch):
+        self._pool, self._host = pool, host
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            host, self._host = self._host, None
+        if host is not None:
+            self._pool.release(host)
+
+
 def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer, rejects: RejectLog, label) -> dict:
     import pyarrow as pa
-    from shards import Sample
 
     tokenizer = target.tokenizer
     policy = C.SamplePolicy(cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, cfg.chat_template_kwargs, target.vocab_size)
@@ -450,93 +611,40 @@ def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer
     progress = Progress(fingerprint["records"], desc, enabled=cfg.progress and ranks.rank == 0)
     capturer = Capturer(target, cfg.layer_ids, cfg.topk, cfg.logits_chunk)
     pool = BufferPool(
-        cfg.inflight_batches, n_taps=n_taps, hidden_size=target.hidden_size, token_budget=cfg.tokens_per_batch, topk=cfg.topk, pin=capturer.cuda
+        cfg.inflight_batches, n_taps=n_taps, hidden_size=target.hidden_size, token_budget=cfg.tokens_per_batch, topk=cfg.topk,
+        pin=capturer.cuda, encoding=writer.encoding,
     )
     pa.set_cpu_count(cfg.writer_threads)  # zstd runs on pyarrow's pool while the write thread waits
 
     def is_done(sample) -> bool:
         return sample.sample_id in committed or sample.position in done_positions
 
-    def record_reject(reject) -> None:
-        new = rejects.add(reject)
-        if new:
-            key = "duplicates" if reject.reason == C.DUPLICATE else f"rejected.{reject.reason}"
-            writer.extra_counts[key] += 1
-            progress.rejected()
-        if cfg.on_error == "fail" and reject.reason not in POLICY_REASONS:
-            writer.stage_state["rejects_bytes"] = rejects.sync()
-            writer.flush()
-            raise ValueError(
-                f"{reject.source} (position {reject.position}): {reject.reason}: {reject.detail}. "
-                "Stopping because on_error = fail; on_error=skip counts such records and goes on."
-            )
-
-    def write(item) -> None:
-        kind, payload, share = item
-        if kind == "rejects":
-            for reject in payload:
-                record_reject(reject)
-        else:
-            for tokenized, sample, hidden_ok, logits_ok in payload:
-                if not (hidden_ok and logits_ok):
-                    reason = C.NONFINITE_HIDDEN if not hidden_ok else C.NONFINITE_LOGITS
-                    what = "tap hidden states" if not hidden_ok else "final logits"
-                    record_reject(C.Reject(tokenized.position, tokenized.source, reason, f"NaN/Inf in the {what}", tokenized.sample_id))
-                    continue
-                writer.stage_state["rejects_bytes"] = rejects.sync()  # committed with the next shard
-                writer.write(sample)
-                stats["samples"] += 1
-                stats["tokens"] += sample.n_tokens
-                progress.wrote(1, sample.n_tokens, writer.bytes_written)
-        progress.advance(share)
-
-    def assemble(item) -> None:
-        kind, payload, share = item
-        if kind == "rejects":
-            writing.put(item)
-            return
-        inflight, samples, to_write = payload
-        inflight.wait()
-        out = []
-        offsets = inflight.offsets
-        for b, (tokenized, wanted) in enumerate(zip(samples, to_write)):
-            if not wanted:
-                continue
-            hidden, topk_ids, topk_logprobs, hidden_ok, logits_ok = unpack_sample(inflight, b, offsets[b], n_taps)
-            sample = Sample(tokenized.sample_id, tokenized.input_ids, tokenized.loss_mask, hidden, topk_ids, topk_logprobs)
-            out.append((tokenized, sample, hidden_ok, logits_ok))
-        pool.release(inflight.host)
-        writing.put(("samples", out, share))
-
-    def release_discarded(item) -> None:
-        if item[0] == "batch":
-            pool.release(item[1][0].host)
-
-    writing = Worker("write", write, maxsize=2)
-    assembling = Worker("assemble", assemble, maxsize=cfg.inflight_batches, on_discard=release_discarded)
+    host_path = HostPath(writer, rejects, pool, progress, stats, on_error=cfg.on_error, depth=cfg.inflight_batches)
     windows = _Prefetch(_windows(cfg, corpus, builder, ranks), depth=2)
     try:
         for window in windows:
             stats["records_owned"] += window.records_owned
-            _run_window(window, cfg, capturer, pool, assembling, writing, progress, is_done, pad_id, stats)
-        assembling.finish()
-        writing.finish()
+            _run_window(window, cfg, capturer, host_path, progress, is_done, pad_id, stats)
+        host_path.finish()
     except BaseException:
         windows.close()
-        assembling.abandon()
-        writing.abandon()
+        host_path.abandon()
         raise
     finally:
         progress.close()
     stats["bytes"] = writer.bytes_written
+    # Seconds each host thread spent working (or blocked downstream): a write thread busy all the
+    # run means the host path, not the GPU, set the pace.
+    stats["write_busy_seconds"] = host_path.writing.busy_seconds
+    stats["assemble_busy_seconds"] = host_path.assembling.busy_seconds
     return stats
 
 
-def _run_window(window: Window, cfg, capturer, pool, assembling, writing, progress, is_done, pad_id, stats) -> None:
+def _run_window(window: Window, cfg, capturer, host_path: HostPath, progress, is_done, pad_id, stats) -> None:
     lengths = [s.n_tokens for s in window.samples]
     total_tokens = sum(lengths)
     rejects_share = window.span if not total_tokens else 0.0
-    assembling.put(("rejects", window.rejects, rejects_share), also_check=(writing,))
+    host_path.put_rejects(window.rejects, rejects_share)
     for batch in plan_micro_batches(lengths, cfg.tokens_per_batch):
         samples = [window.samples[i] for i in batch]
         share = window.span * sum(lengths[i] for i in batch) / total_tokens
@@ -546,22 +654,12 @@ def _run_window(window: Window, cfg, capturer, pool, assembling, writing, progre
             progress.skipped(len(samples))
             progress.advance(share)
             continue
-        host = _acquire(pool, assembling, writing)
+        host = host_path.acquire()
         input_ids_BT, batch_lengths = collate_right_padded([torch.from_numpy(s.input_ids) for s in samples], pad_id)
         inflight = capturer.launch(input_ids_BT, batch_lengths, host)
         stats["batches"] += 1
         stats["padded_tokens"] += int(input_ids_BT.numel())
-        assembling.put(("batch", (inflight, samples, to_write), share), also_check=(writing,))
-
-
-def _acquire(pool: BufferPool, *workers):
-    while True:
-        for worker in workers:
-            worker.check()
-        try:
-            return pool.acquire(timeout=0.2)
-        except queue.Empty:
-            continue
+        host_path.put_batch(inflight, samples, to_write, share)
 
 
 def _check_coverage(manifest: dict, run_stats: dict) -> None:
@@ -605,16 +703,30 @@ def merge_ranks(root: str, world: int, *, required: bool = True) -> dict | None:
     extra = sorted(f for f in os.listdir(root) if f.startswith("manifest.rank") and f.endswith(".json") and f not in {n["manifest"] for n in names})
     if extra:
         raise ValueError(f"{root}: found {extra} from a run with more ranks; merge with that world size or remove them")
-    merged = merge_manifests(root, [n["manifest"] for n in names], FINAL_MANIFEST)
+    remove_merge_leftovers(root)
+    # rejects.jsonl before manifest.json: a complete manifest.json makes a rerun stop at once
+    # ("already complete"), so everything else the merge writes must exist by then.
     entries = []
     for n in names:
         committed = load_manifest(fs, root, n["manifest"]).get("stage_state", {}).get("rejects_bytes", 0)
         entries += read_committed_rejects(os.path.join(root, n["rejects"]), committed)
     entries.sort(key=lambda e: e["position"])
     atomic_write_text(os.path.join(root, FINAL_REJECTS), "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
-    summary = summarize_dataset(root, merged, this_run=None)
-    atomic_write_json(os.path.join(root, SUMMARY_FILE), summary)
+    merged = merge_manifests(root, [n["manifest"] for n in names], FINAL_MANIFEST)
+    write_summary(root, merged)
     return merged
+
+
+def remove_merge_leftovers(root: str) -> None:
+    """Temporaries of the merged files left by a killed merge (the shard writers clean only their own)."""
+    fs, root = resolve(root)
+    remove_temp_files(fs, root, prefixes=tuple(f"{name}." for name in (FINAL_REJECTS, FINAL_MANIFEST, SUMMARY_FILE, CONFIG_FILE)))
+
+
+def write_summary(root: str, manifest: dict) -> dict:
+    summary = summarize_dataset(root, manifest, this_run=None)
+    atomic_write_json(os.path.join(root, SUMMARY_FILE), summary)
+    return summary
 
 
 def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, partial: bool = False) -> dict:
@@ -643,6 +755,8 @@ def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, parti
             summary["this_run"]["tok_per_s"] = this_run["tokens"] / this_run["seconds"]
         if this_run.get("padded_tokens"):
             summary["this_run"]["pad_efficiency"] = this_run["tokens"] / this_run["padded_tokens"]
+        if this_run.get("seconds") and "write_busy_seconds" in this_run:
+            summary["this_run"]["write_thread_busy"] = this_run["write_busy_seconds"] / this_run["seconds"]
     return summary
 
 

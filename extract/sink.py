@@ -2,10 +2,12 @@
 progress display.
 
     main thread:      read windows, plan micro-batches, launch target forwards (never waits on I/O)
-    "assemble":       wait for a batch's device-to-host copies, cut per-sample arrays out of the
-                      pinned buffers, give the buffers back
-    "write":          NaN/Inf checks, `ShardWriter.write` (zstd in pyarrow, which releases the GIL),
-                      rejects, counters
+    "assemble":       wait for a batch's device-to-host copy, cut per-sample views out of the
+                      pinned buffer (no copy: the device laid the rows out as the shards store them)
+    "write":          rejects (NaN/Inf flags come from the device), `ShardWriter.write` (zstd in
+                      pyarrow's threads, which release the GIL), counters, then give the buffer back
+
+(`pipeline.HostPath` wires these up.)
 
 Queues are bounded and the pinned buffers are a fixed pool, so memory stays bounded and a slow
 disk slows the forward loop down instead of filling RAM. The first exception in a worker is kept
@@ -132,8 +134,11 @@ class RejectLog:
     def sync(self) -> int:
         """Make every added line durable; return the file's length (what a commit may claim)."""
         if self._dirty:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except OSError as err:  # fsync errors name no file
+                raise OSError(err.errno, err.strerror or str(err), self.path) from err
             self._dirty = False
         return self._file.tell()
 

@@ -52,7 +52,7 @@ def _load_tokenizer(path: str | None):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
 
 def _verify(args) -> int:

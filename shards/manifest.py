@@ -2,7 +2,9 @@
 helpers to create, load, save, compare and merge manifests.
 
 A shard belongs to the dataset only once the manifest lists it, so the manifest is always written
-last and atomically (temporary name, fsync, rename; see `common.io`).
+last and atomically (temporary name, fsync, rename; see `common.io`). Every save also stores
+`manifest_checksum`, the xxh3-128 of the manifest's own content, so that a damaged byte anywhere in
+it (a count, a checksum, a provenance field) is detected when it is loaded.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from common import io
-from common.hashing import CHECKSUM_ALGO
+from common.hashing import CHECKSUM_ALGO, text_digest
 from common.provenance import git_sha, tool_version
 from shards.schema import (
     FORMAT_NAME,
@@ -28,6 +30,7 @@ from shards.schema import (
 )
 
 MANIFEST_NAME = "manifest.json"
+MANIFEST_CHECKSUM_KEY = "manifest_checksum"
 RESERVED_COUNTS = ("samples", "tokens", "loss_tokens")
 SHARD_ENTRY_KEYS = ("file", "index_file", "samples", "tokens", "loss_tokens", "bytes", "checksum", "index_bytes", "index_checksum")
 # These change whenever the code does; a resumed or merged dataset keeps the first writer's values
@@ -87,6 +90,18 @@ def check_manifest(manifest: Any, where: str) -> dict:
     return manifest
 
 
+def manifest_digest(manifest: dict) -> str:
+    """xxh3-128 of the manifest's content (canonical JSON, without its `manifest_checksum`)."""
+    content = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM_KEY}
+    return text_digest(json.dumps(content, sort_keys=True))
+
+
+def seal(manifest: dict) -> dict:
+    """Set `manifest_checksum` to the digest of the content (done by every save)."""
+    manifest[MANIFEST_CHECKSUM_KEY] = manifest_digest(manifest)
+    return manifest
+
+
 def manifest_path(root: str, name: str) -> str:
     return io.join(root, check_prefix(name, "manifest_name"))
 
@@ -98,14 +113,16 @@ def load_manifest(fs: pafs.FileSystem, root: str, name: str = MANIFEST_NAME) -> 
         raise FileNotFoundError(f"{path}: no manifest; not a shard dataset, or no writer has opened it yet")
     try:
         manifest = io.read_json(fs, path)
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
         raise ShardFormatError(f"{path}: manifest is not valid JSON ({err})") from None
+    if isinstance(manifest, dict) and MANIFEST_CHECKSUM_KEY in manifest and manifest[MANIFEST_CHECKSUM_KEY] != manifest_digest(manifest):
+        raise ShardFormatError(f"{path}: manifest content does not match its manifest_checksum (corrupted, or edited by hand)")
     return check_manifest(manifest, path)
 
 
 def save_manifest(fs: pafs.FileSystem, root: str, name: str, manifest: dict) -> None:
     manifest["writer"]["updated"] = now_iso()
-    io.atomic_write_json(manifest_path(root, name), manifest, fs)
+    io.atomic_write_json(manifest_path(root, name), seal(manifest), fs)
 
 
 def first_difference(expected: Any, actual: Any, path: str) -> str | None:
@@ -147,7 +164,8 @@ def read_index(fs: pafs.FileSystem, root: str, entry: dict) -> pa.Table:
     try:
         with fs.open_input_file(path) as f:
             table = pa.ipc.open_file(f).read_all()
-    except pa.ArrowException as err:
+        table.validate(full=True)  # offsets and UTF-8 of the ids: Arrow does not check them on read
+    except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged data too
         raise ShardFormatError(f"{path}: unreadable index file ({err})") from None
     if not table.schema.equals(index_schema(), check_metadata=False):
         raise ShardFormatError(f"{path}: index schema {table.schema.names} does not match the format")

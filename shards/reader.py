@@ -175,11 +175,12 @@ class ShardDataset:
         path = io.join(self.root, self.shards[shard]["file"])
         try:
             batch = reader.get_batch(row)
-        except pa.ArrowException as err:
+            batch.validate(full=True)  # damaged offsets would otherwise crash or mislead the decoding
+        except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged zstd data
             raise ShardFormatError(f"{path}: row {row} cannot be read: {err}") from None
         try:
             return decode_sample(batch, self.encoding, self.hidden_width, self.topk, hidden_out)
-        except (pa.ArrowException, ShardFormatError) as err:
+        except (pa.ArrowException, OSError, ShardFormatError) as err:
             raise ShardFormatError(f"{path}: row {row} cannot be decoded: {err}") from None
 
     def _reader(self, shard: int) -> pa.ipc.RecordBatchFileReader:
@@ -210,7 +211,7 @@ class ShardDataset:
         try:
             source = pa.memory_map(path, "r") if io.is_local(self.fs) else self.fs.open_input_file(path)
             reader = pa.ipc.open_file(source)
-        except pa.ArrowException as err:
+        except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged data too
             raise ShardFormatError(f"{path}: not a readable Arrow IPC file ({err})") from None
         if reader.num_record_batches != entry["samples"]:
             raise ShardFormatError(f"{path}: {reader.num_record_batches} samples in the file, manifest says {entry['samples']}")

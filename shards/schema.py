@@ -39,6 +39,7 @@ TAP_MEANING = "id i = output of decoder layer i = hidden_states[i+1]"
 
 # bf16 is 1 sign, 8 exponent, 7 mantissa bits; an all-ones exponent is Inf or NaN.
 BF16_EXPONENT_MASK = 0x7F80
+_SCAN_BLOCK = 1 << 20  # values per block of the NaN/Inf scan (2 MB of uint16: stays in cache)
 
 _META_PREFIX = b"dflash."
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -55,7 +56,7 @@ class Sample:
     sample_id: str
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T], 1 on assistant-response tokens
-    hidden: np.ndarray  # uint16 [T, W], bf16 bit patterns, W = n_taps * H
+    hidden: np.ndarray  # uint16 [T, W], bf16 bit patterns, W = n_taps * H (writing: or HiddenPlanes)
     topk_ids: np.ndarray  # int32 [T, k]
     topk_logprobs: np.ndarray  # float32 [T, k], log_softmax of the true final logits, descending
 
@@ -167,6 +168,25 @@ def index_schema() -> pa.Schema:
 # ----------------------------------------------------------------------------- bf16 byte planes
 
 
+@dataclasses.dataclass(frozen=True)
+class HiddenPlanes:
+    """Hidden states already split into the byte planes that the `planes` encoding stores:
+    `hi = u16 >> 8`, `lo = u16 & 0xFF`, each uint8 [T, W]. A `Sample.hidden` may be one of these
+    on the way into a `ShardWriter` (extract splits on the GPU, so the writer stores the planes
+    as they are, without a host pass); readers always return uint16."""
+
+    hi: np.ndarray  # uint8 [T, W]
+    lo: np.ndarray  # uint8 [T, W]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.hi.shape
+
+    def join(self) -> np.ndarray:
+        """The uint16 bit patterns (a new array)."""
+        return join_planes(self.hi, self.lo)
+
+
 def split_planes(hidden_TW: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(high bytes, low bytes) of uint16 values, each uint8 of the same shape; lossless."""
     hi_TW = np.right_shift(hidden_TW, 8).astype(np.uint8)
@@ -184,7 +204,25 @@ def join_planes(hi_TW: np.ndarray, lo_TW: np.ndarray, out_TW: np.ndarray | None 
 
 def count_nonfinite_bf16(hidden: np.ndarray) -> int:
     """How many bf16 bit patterns are Inf or NaN."""
-    return int(np.count_nonzero((hidden & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK))
+    flat = hidden.reshape(-1)
+    # In blocks through two reused scratch arrays: whole-array temporaries of a long sample are
+    # hundreds of MB of fresh pages (page faults cost more than the arithmetic).
+    masked = np.empty(min(flat.size, _SCAN_BLOCK), dtype=flat.dtype)
+    flags = np.empty(masked.size, dtype=bool)
+    bad = 0
+    for start in range(0, flat.size, _SCAN_BLOCK):
+        block = flat[start : start + _SCAN_BLOCK]
+        n = block.size
+        np.bitwise_and(block, BF16_EXPONENT_MASK, out=masked[:n])
+        np.equal(masked[:n], BF16_EXPONENT_MASK, out=flags[:n])
+        bad += int(np.count_nonzero(flags[:n]))
+    return bad
+
+
+def count_nonfinite_planes(hi: np.ndarray, lo: np.ndarray) -> int:
+    """How many bf16 values given as byte planes are Inf or NaN (exponent all ones: the low 7 bits
+    of the high byte and the top bit of the low byte)."""
+    return int(np.count_nonzero(((hi & 0x7F) == 0x7F) & (lo >= 0x80)))
 
 
 def bf16_bits_to_float32(hidden: np.ndarray) -> np.ndarray:
@@ -205,15 +243,18 @@ def _one_row_list(values: np.ndarray, width: int | None) -> pa.Array:
 
 
 def encode_sample(sample: Sample, schema: pa.Schema, encoding: str) -> pa.RecordBatch:
-    """One record batch of one row holding `sample` (already validated)."""
-    hidden = np.ascontiguousarray(sample.hidden)
+    """One record batch of one row holding `sample` (already validated). Its hidden states may be
+    uint16 or `HiddenPlanes`; the Arrow arrays are views of the numpy data wherever the layout
+    allows (planes given as planes, uint16 stored plain), so the only pass is zstd's."""
+    hidden = sample.hidden
     width = hidden.shape[1]
     k = sample.topk_ids.shape[1]
     if encoding == "plain":
-        hidden_columns = [_one_row_list(hidden, width)]
+        hidden_TW = hidden.join() if isinstance(hidden, HiddenPlanes) else np.ascontiguousarray(hidden)
+        hidden_columns = [_one_row_list(hidden_TW, width)]
     else:
-        hi_TW, lo_TW = split_planes(hidden)
-        hidden_columns = [_one_row_list(hi_TW, width), _one_row_list(lo_TW, width)]
+        hi_TW, lo_TW = (hidden.hi, hidden.lo) if isinstance(hidden, HiddenPlanes) else split_planes(hidden)
+        hidden_columns = [_one_row_list(np.ascontiguousarray(hi_TW), width), _one_row_list(np.ascontiguousarray(lo_TW), width)]
     columns = [
         pa.array([sample.sample_id], pa.string()),
         _one_row_list(np.ascontiguousarray(sample.input_ids), None),

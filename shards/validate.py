@@ -1,12 +1,17 @@
 """Checks a `Sample` must pass before the writer stores it; each failure is a ValueError naming the
 sample and the field, raised before anything of that sample is written.
+
+The NaN/Inf scan of the hidden states is the one check that reads every stored byte. A caller that
+has already checked exactly the values it hands over (extract checks the bf16 taps on the GPU and
+never writes a sample that failed) may say so with `hidden_known_finite=True`; every other check
+still runs.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from shards.schema import Sample, count_nonfinite_bf16
+from shards.schema import HiddenPlanes, Sample, count_nonfinite_bf16, count_nonfinite_planes
 
 # log_softmax in float32 can round the top log-prob of a near-certain token a hair above 0.
 LOGPROB_MAX = 1e-3
@@ -25,11 +30,27 @@ def _check_array(sample_id, name: str, value, dtype, ndim: int) -> None:
         _fail(sample_id, name, f"expected {ndim} dimensions, got shape {tuple(value.shape)}")
 
 
+def _check_hidden(sample_id, hidden) -> None:
+    if not isinstance(hidden, HiddenPlanes):
+        _check_array(sample_id, "hidden", hidden, np.uint16, 2)
+        return
+    _check_array(sample_id, "hidden.hi", hidden.hi, np.uint8, 2)
+    _check_array(sample_id, "hidden.lo", hidden.lo, np.uint8, 2)
+    if hidden.hi.shape != hidden.lo.shape:
+        _fail(sample_id, "hidden", f"byte planes differ in shape: hi {tuple(hidden.hi.shape)}, lo {tuple(hidden.lo.shape)}")
+
+
+def _count_nonfinite_hidden(hidden) -> int:
+    if isinstance(hidden, HiddenPlanes):
+        return count_nonfinite_planes(hidden.hi, hidden.lo)
+    return count_nonfinite_bf16(hidden)
+
+
 def _check_shapes(sample: Sample, hidden_width: int, topk: int) -> None:
     sid = sample.sample_id
     _check_array(sid, "input_ids", sample.input_ids, np.int32, 1)
     _check_array(sid, "loss_mask", sample.loss_mask, np.uint8, 1)
-    _check_array(sid, "hidden", sample.hidden, np.uint16, 2)
+    _check_hidden(sid, sample.hidden)
     _check_array(sid, "topk_ids", sample.topk_ids, np.int32, 2)
     _check_array(sid, "topk_logprobs", sample.topk_logprobs, np.float32, 2)
     T = sample.input_ids.shape[0]
@@ -46,7 +67,7 @@ def _check_shapes(sample: Sample, hidden_width: int, topk: int) -> None:
             _fail(sid, name, f"has {getattr(sample, name).shape[1]} entries per position but the dataset's topk is {topk}")
 
 
-def _check_values(sample: Sample, vocab_size: int | None, reject_nonfinite: bool) -> None:
+def _check_values(sample: Sample, vocab_size: int | None, reject_nonfinite: bool, hidden_known_finite: bool) -> None:
     sid = sample.sample_id
     if np.any(sample.loss_mask > 1):
         _fail(sid, "loss_mask", "values must be 0 or 1")
@@ -56,7 +77,7 @@ def _check_values(sample: Sample, vocab_size: int | None, reject_nonfinite: bool
         if low < 0 or (vocab_size is not None and high >= vocab_size):
             _fail(sid, name, f"token ids must lie in [0, {vocab_size}), found range [{low}, {high}]")
     if reject_nonfinite:
-        bad = count_nonfinite_bf16(sample.hidden)
+        bad = 0 if hidden_known_finite else _count_nonfinite_hidden(sample.hidden)
         if bad:
             _fail(sid, "hidden", f"{bad} NaN/Inf values (reject_nonfinite is on)")
         bad = int(np.count_nonzero(~np.isfinite(sample.topk_logprobs)))
@@ -70,11 +91,15 @@ def _check_values(sample: Sample, vocab_size: int | None, reject_nonfinite: bool
         _fail(sid, "topk_logprobs", "each position's top-k must be sorted by descending log-probability")
 
 
-def validate_sample(sample, *, hidden_width: int, topk: int, vocab_size: int | None = None, reject_nonfinite: bool = True) -> None:
-    """Raise ValueError naming the sample and field if `sample` cannot be stored as is."""
+def validate_sample(
+    sample, *, hidden_width: int, topk: int, vocab_size: int | None = None, reject_nonfinite: bool = True, hidden_known_finite: bool = False
+) -> None:
+    """Raise ValueError naming the sample and field if `sample` cannot be stored as is.
+
+    `hidden_known_finite=True` skips the NaN/Inf scan of `sample.hidden` (the caller checked it)."""
     if not isinstance(sample, Sample):
         raise ValueError(f"expected a shards.Sample, got {type(sample).__name__}")
     if not isinstance(sample.sample_id, str) or not sample.sample_id:
         raise ValueError(f"sample {sample.sample_id!r}: field 'sample_id': must be a non-empty string")
     _check_shapes(sample, hidden_width, topk)
-    _check_values(sample, vocab_size, reject_nonfinite)
+    _check_values(sample, vocab_size, reject_nonfinite, hidden_known_finite)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from common import io
 from common.hashing import file_checksum
-from shards.manifest import MANIFEST_NAME, RESERVED_COUNTS, load_manifest, manifest_path, read_index
+from shards.manifest import MANIFEST_CHECKSUM_KEY, MANIFEST_NAME, RESERVED_COUNTS, load_manifest, manifest_path, read_index
 from shards.schema import ShardFormatError, count_nonfinite_bf16, decode_sample, shard_schema
 
 
@@ -120,12 +120,13 @@ def _check_sample(reader, row: int, manifest: dict, index_row: dict | None, path
     expected_id = index_row["sample_id"] if index_row else None
     try:
         batch = reader.get_batch(row)
+        batch.validate(full=True)  # damaged offsets would otherwise crash or mislead the decoding below
         sample_id = batch.column("sample_id")[0].as_py()
         length_problems = _column_length_problems(batch)
         if length_problems:
             return [Problem(path, m, sample_id, row) for m in length_problems]
         sample = decode_sample(batch, manifest["encoding"], manifest["hidden_width"], manifest["topk"])
-    except (pa.ArrowException, ValueError, IndexError) as err:
+    except (pa.ArrowException, OSError, ValueError, IndexError) as err:  # pyarrow raises OSError for zstd data errors
         return [Problem(path, f"cannot be decoded: {err}", expected_id, row)]
     problems = []
 
@@ -176,6 +177,8 @@ def verify_dataset(root: str, manifest_name: str = MANIFEST_NAME, *, checksums: 
     except (FileNotFoundError, ShardFormatError) as err:
         return [Problem(path, str(err).removeprefix(path + ": "))]
     problems = _check_manifest_counts(manifest, path)
+    if MANIFEST_CHECKSUM_KEY not in manifest:  # every save writes it; without it, damage to the manifest goes unseen
+        problems.append(Problem(path, f"manifest has no {MANIFEST_CHECKSUM_KEY}: written by an older version, or the field was damaged or removed"))
     seen: dict[str, str] = {}
     total = sum(entry["samples"] for entry in manifest["shards"])
     with tqdm(total=total, unit="sample", desc="verify", disable=None if progress else True) as bar:

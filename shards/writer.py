@@ -254,10 +254,17 @@ class ShardWriter:
         """Sample ids already listed in the manifest (skip these when resuming)."""
         return set(self._committed_ids)
 
-    def write(self, sample: Sample) -> None:
-        """Validate `sample` and append it to the open shard (ValueError, and nothing written, if invalid)."""
+    def write(self, sample: Sample, *, hidden_known_finite: bool = False) -> None:
+        """Validate `sample` and append it to the open shard (ValueError, and nothing written, if invalid).
+
+        `sample.hidden` may be uint16 or `HiddenPlanes` (stored as is by the `planes` encoding).
+        `hidden_known_finite=True`: the caller has checked these exact hidden values for NaN/Inf
+        (extract does, on the GPU), so the writer skips its own scan of them; all other checks run."""
         self._check_usable()
-        validate_sample(sample, hidden_width=self.hidden_width, topk=self.topk, vocab_size=self._vocab_size, reject_nonfinite=self.reject_nonfinite)
+        validate_sample(
+            sample, hidden_width=self.hidden_width, topk=self.topk, vocab_size=self._vocab_size,
+            reject_nonfinite=self.reject_nonfinite, hidden_known_finite=hidden_known_finite,
+        )
         if sample.sample_id in self._ids:
             raise ValueError(f"sample {sample.sample_id!r}: field 'sample_id': duplicate, this id is already in the dataset")
         batch = encode_sample(sample, self._schema, self.encoding)
@@ -271,9 +278,11 @@ class ShardWriter:
             shard.sample_ids.append(sample.sample_id)
             shard.n_tokens.append(sample.n_tokens)
             shard.n_loss_tokens.append(sample.n_loss_tokens)
-        except BaseException:
+        except BaseException as err:
             # The file may now hold a partial record batch: drop the whole uncommitted shard.
             self._abandon_open_shard()
+            if isinstance(err, OSError) and not err.filename:  # pyarrow's write errors do not name the file
+                raise OSError(err.errno, err.strerror or str(err), shard.tmp_path) from err
             raise
         self._ids.add(sample.sample_id)
 

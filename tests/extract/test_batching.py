@@ -44,4 +44,4 @@ def test_buffer_pool_bounds_what_is_in_flight():
         pool.acquire(timeout=0.01)
     pool.release(a)
     assert pool.acquire(timeout=0.01) is a
-    assert a.hidden_view(2, 4).shape == (2, 2, 4, 4) and isinstance(b, HostBatch)
+    assert a.hidden_view(2, 4).shape == (2, 2, 4, 8) and isinstance(b, HostBatch)  # [planes, B, T, n_taps * H]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from extract.batching import HostBatch
-from extract.capture import Capturer, capture, final_topk, unpack_sample
+from extract.capture import Capturer, capture, final_topk, sample_views
 from common.target import final_logits_fn, reach_text_parts
 from tests.extract.conftest import build_model, qwen35_text_config
 
@@ -92,7 +92,8 @@ def test_right_padded_batch_equals_unpadded_single_samples(request, model_name):
     inflight = Capturer(target, layer_ids, k, logits_chunk=16).launch(ids_BT, lengths, host)
     inflight.wait()
     for b, seq in enumerate(seqs):
-        hidden, topk_ids, topk_logprobs, hidden_ok, logits_ok = unpack_sample(inflight, b, inflight.offsets[b], 3)
+        planes, topk_ids, topk_logprobs, hidden_ok, logits_ok = sample_views(inflight, b, inflight.offsets[b])
+        hidden = planes.join()
         alone = capture(target, seq[None], [len(seq)], layer_ids, k)
         expected = torch.cat([t[0] for t in alone.taps], dim=-1).to(torch.bfloat16)
         assert hidden.shape == (len(seq), 3 * model.config.hidden_size) and hidden.dtype == np.uint16
@@ -103,13 +104,18 @@ def test_right_padded_batch_equals_unpadded_single_samples(request, model_name):
         assert hidden_ok and logits_ok
 
 
-def test_hidden_layout_is_taps_concatenated_in_order(qwen3_model):
+@pytest.mark.parametrize("encoding", ["planes", "plain"])
+def test_hidden_layout_is_taps_concatenated_in_order(qwen3_model, encoding):
+    """Both host layouts hold exactly the bf16 bits of the taps, concatenated in layer_ids order."""
     target = reach_text_parts(qwen3_model)
     ids = torch.randint(0, qwen3_model.config.vocab_size, (1, 12))
-    host = HostBatch(n_taps=2, hidden_size=64, token_budget=64, topk=2, pin=False)
+    host = HostBatch(n_taps=2, hidden_size=64, token_budget=64, topk=2, pin=False, encoding=encoding)
     inflight = Capturer(target, [2, 0], 2, 8).launch(ids, [12], host)  # deliberately not sorted
     inflight.wait()
-    hidden = torch.from_numpy(unpack_sample(inflight, 0, 0, 2)[0]).view(torch.bfloat16)
+    view = sample_views(inflight, 0, 0)[0]
+    bits = view.join() if encoding == "planes" else view
+    assert bits.dtype == np.uint16 and bits.shape == (12, 128)
+    hidden = torch.from_numpy(bits).view(torch.bfloat16)
     ref = reference(qwen3_model, ids).hidden_states
     assert torch.equal(hidden[:, :64], ref[3][0].to(torch.bfloat16))
     assert torch.equal(hidden[:, 64:], ref[1][0].to(torch.bfloat16))
@@ -125,14 +131,14 @@ def test_nonfinite_flags_are_per_sample(qwen3_model):
     host = HostBatch(n_taps=1, hidden_size=64, token_budget=64, topk=2, pin=False)
     inflight = Capturer(target, [1], 2, 8).launch(ids, [10, 10, 10], host)
     inflight.wait()
-    flags = [unpack_sample(inflight, b, inflight.offsets[b], 1)[3:] for b in range(3)]
+    flags = [sample_views(inflight, b, inflight.offsets[b])[3:] for b in range(3)]
     assert flags == [(True, True), (False, False), (True, True)]
     # Infinite logits alone (finite hidden states) are caught too.
     model2 = build_model(qwen3_model.config)
     model2.lm_head.weight[3] = float("inf")
     inflight = Capturer(reach_text_parts(model2), [1], 2, 8).launch(ids[:1], [10], host)
     inflight.wait()
-    assert unpack_sample(inflight, 0, 0, 1)[3:] == (True, False)
+    assert sample_views(inflight, 0, 0)[3:] == (True, False)
 
 
 def test_final_logits_follow_the_models_own_scaling():

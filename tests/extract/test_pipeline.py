@@ -114,11 +114,11 @@ def test_crash_then_rerun_is_bit_identical(baseline, loaded_target, tmp_path, mo
     cfg = make_config(tmp_path / "out", baseline["corpus"])
     original, calls = ShardWriter.write, {"n": 0}
 
-    def dying_write(self, sample):
+    def dying_write(self, sample, **kwargs):
         calls["n"] += 1
         if calls["n"] == 9:
             raise RuntimeError("simulated crash")
-        return original(self, sample)
+        return original(self, sample, **kwargs)
 
     monkeypatch.setattr(ShardWriter, "write", dying_write)
     with pytest.raises(RuntimeError, match="simulated crash"):
