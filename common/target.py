@@ -84,6 +84,8 @@ def read_text_config(path: str, trust_remote_code: bool = False):
             f"target: '{path}' is not a directory (a local Hugging Face checkpoint is needed; nothing is downloaded). "
             "The built-in tiny default is built by `make tiny`."
         )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"target: '{path}' has no config.json; it is not a Hugging Face checkpoint directory")
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     return config.get_text_config()
 

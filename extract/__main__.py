@@ -6,7 +6,9 @@
     python -m extract --help                                    # every key with its help
 
 Reads the `[extract]` table of CONFIG; see extract/config.py. User errors (bad config, missing
-files, a resume with changed settings) print one line naming the problem and exit with status 2.
+files, a resume with changed settings) print one line naming the problem and exit with status 2;
+an I/O error (full disk, EIO) prints one line and exits with status 4: every shard committed before
+it stays in the dataset, and rerunning the same command resumes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # user errors: config, corpus, target, resume refusals, on_error=fail
         print(f"extract: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # full disk, I/O errors: the manifest still lists only complete shards
+        print(f"extract: I/O error, stopping: {err}. Shards committed before it are intact; rerun the same command to resume.", file=sys.stderr)
+        return 4
     if ranks.rank == 0:
         for name, summary in summaries.items():
             print(("" if name is None else f"[{name}]\n") + pipeline.format_summary(summary), flush=True)

@@ -32,6 +32,7 @@ import gzip
 import io
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -59,6 +60,7 @@ TOO_FEW_LOSS_TOKENS = "too_few_loss_tokens"
 DUPLICATE = "duplicate"
 NONFINITE_HIDDEN = "nonfinite_hidden"
 NONFINITE_LOGITS = "nonfinite_logits"
+INVALID_TEXT = "invalid_text"
 
 # Placeholders that stand in for message contents when rendering the template's skeleton; private
 # use code points, which no template strips or rewrites.
@@ -215,11 +217,27 @@ def _parse_json_line(raw: bytes, position: int, source: str) -> RawRecord:
     except UnicodeDecodeError as err:
         return RawRecord(position, source, error=(INVALID_JSON, f"not UTF-8: {err}"))
     try:
-        return RawRecord(position, source, json.loads(text))
+        record = json.loads(text)
     except json.JSONDecodeError as err:
         return RawRecord(position, source, error=(INVALID_JSON, f"{err.msg} at column {err.colno}"))
     except RecursionError:
         return RawRecord(position, source, error=(INVALID_JSON, "nested too deeply"))
+    surrogate = _LONE_SURROGATE_ESCAPE.search(text)
+    if surrogate and _holds_lone_surrogate(record):
+        # JSON's \udXXX escapes can spell half of a UTF-16 pair, which is no text: tokenizers fail on it.
+        return RawRecord(position, source, error=(INVALID_TEXT, f"a string holds a lone UTF-16 surrogate ({surrogate.group(0)}), which is not valid Unicode text"))
+    return RawRecord(position, source, record)
+
+
+_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _holds_lone_surrogate(record: Any) -> bool:
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def count_jsonl_records(files: list[str]) -> int:

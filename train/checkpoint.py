@@ -3,7 +3,9 @@
     runs/NAME/checkpoints/step-00000100/
         model.safetensors      the drafter, published parameter names (fc, hidden_norm, layers.N..., norm)
         optimizer.pt           AdamW state_dict (tensors and numbers only: torch.load(weights_only=True))
-        state.json             step, data position, RNG states, counters, the resolved train config
+        state.json             step, data position, RNG states, counters, the resolved train config,
+                               and the size and xxh3-128 of the other three files plus a checksum
+                               of its own content, so `load_checkpoint` detects any damaged byte
         drafter_config.json    DrafterConfig (what export and eval rebuild the model from)
 
 A save first takes a snapshot on the training thread: every tensor is copied to host memory (on
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -32,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 __all__ = [
     "Snapshot",
@@ -45,6 +49,8 @@ __all__ = [
     "rng_state",
     "restore_rng_state",
     "checkpoint_name",
+    "verify_checkpoint",
+    "CheckpointSaveError",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,9 @@ log = logging.getLogger(__name__)
 _FINAL = re.compile(r"^step-(\d{8})$")
 _TMP_MARK = ".tmp-"
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, DRAFTER_CONFIG_FILE = "model.safetensors", "optimizer.pt", "state.json", "drafter_config.json"
+# state.json keys that make a checkpoint self-checking: {file: {"bytes", "xxh3_128"}} of the other
+# files, and the xxh3-128 of state.json's own content without this key (see `verify_checkpoint`).
+FILE_CHECKSUMS_KEY, STATE_CHECKSUM_KEY = "file_checksums", "state_checksum"
 
 
 def checkpoint_name(step: int) -> str:
@@ -142,14 +151,30 @@ def take_snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Opti
 # Writing
 
 
-def _fsync_path(path: Path) -> None:
+def _fsync_path(path: Path, *, directory: bool = False) -> None:
     fd = os.open(str(path), os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as exc:
+        # Some filesystems cannot fsync a directory (EINVAL); a file that cannot be made durable
+        # (EIO, ENOSPC) must fail the save, or a checkpoint could be renamed into place unwritten.
+        if not (directory and exc.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
     finally:
         os.close(fd)
+
+
+def _file_digest(path: Path) -> dict:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, "xxh3_128": h.hexdigest()}
+
+
+def _state_digest(state: dict) -> str:
+    content = {k: v for k, v in state.items() if k != STATE_CHECKSUM_KEY}
+    return xxhash.xxh3_128_hexdigest(json.dumps(content, sort_keys=True).encode("utf-8"))
 
 
 def _write_files(snapshot: Snapshot, directory: Path) -> None:
@@ -158,8 +183,11 @@ def _write_files(snapshot: Snapshot, directory: Path) -> None:
     save_file({k: v.contiguous() for k, v in snapshot.model.items()}, str(directory / MODEL_FILE), metadata={"format": "pt"})
     torch.save(snapshot.optimizer, directory / OPTIMIZER_FILE)
     (directory / DRAFTER_CONFIG_FILE).write_text(json.dumps(snapshot.drafter_config, indent=2, sort_keys=True) + "\n")
+    state = dict(snapshot.state)
+    state[FILE_CHECKSUMS_KEY] = {name: _file_digest(directory / name) for name in (MODEL_FILE, OPTIMIZER_FILE, DRAFTER_CONFIG_FILE)}
+    state[STATE_CHECKSUM_KEY] = _state_digest(state)
     # state.json last: a directory is only ever renamed complete, but this keeps even the tmp one readable in order.
-    (directory / STATE_FILE).write_text(json.dumps(snapshot.state, sort_keys=True) + "\n")
+    (directory / STATE_FILE).write_text(json.dumps(state, sort_keys=True) + "\n")
 
 
 def write_checkpoint(root: str | os.PathLike, snapshot: Snapshot, keep_last: int | None = None) -> Path:
@@ -174,7 +202,7 @@ def write_checkpoint(root: str | os.PathLike, snapshot: Snapshot, keep_last: int
         _write_files(snapshot, tmp)
         for file in tmp.iterdir():
             _fsync_path(file)
-        _fsync_path(tmp)
+        _fsync_path(tmp, directory=True)
         if final.exists():  # same step saved again (a resumed run that stopped right away): replace it
             old = root / f"{final.name}{_TMP_MARK}old-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)
@@ -182,14 +210,27 @@ def write_checkpoint(root: str | os.PathLike, snapshot: Snapshot, keep_last: int
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync_path(root)
+        _fsync_path(root, directory=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep_last is not None:
         for _, old_dir in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old_dir, ignore_errors=True)
+            _remove_checkpoint(old_dir)
     return final
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint directory, first renaming it to a temporary name: a kill during the
+    deletion then leaves a `.tmp-` directory (ignored, removed by the next run), never a listed
+    checkpoint with some of its files gone."""
+    doomed = path.with_name(f"{path.name}{_TMP_MARK}prune-{uuid.uuid4().hex[:8]}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A background checkpoint save failed (full disk, I/O error); names the last complete checkpoint."""
 
 
 class CheckpointWriter:
@@ -227,7 +268,11 @@ class CheckpointWriter:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"checkpoint save under {self.root} failed: {error}") from error
+            last = latest_checkpoint(self.root)
+            raise CheckpointSaveError(
+                f"checkpoint save under {self.root} failed: {error}; "
+                + (f"the last complete checkpoint is {last}" if last else "no complete checkpoint exists yet")
+            ) from error
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,16 +309,65 @@ def remove_partial_checkpoints(root: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: {what} is missing") from None
+    except ValueError as exc:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
+        raise ValueError(f"{path}: {what} is not valid JSON (corrupted?): {exc}") from None
+
+
+def verify_checkpoint(path: str | os.PathLike, files: tuple[str, ...] = (MODEL_FILE, OPTIMIZER_FILE, DRAFTER_CONFIG_FILE)) -> dict:
+    """Check a checkpoint's state.json against its own checksum and `files` against the sizes and
+    checksums it lists; return the state. ValueError naming the damaged file.
+
+    A checkpoint written before checksums existed (neither key in state.json) is not checked.
+    Damage to a key name itself is caught too: one key alone present is an error.
+    """
+    path = Path(path)
+    state = _read_json(path / STATE_FILE, "checkpoint state")
+    if not isinstance(state, dict):
+        raise ValueError(f"{path / STATE_FILE}: expected a JSON object (corrupted?)")
+    sums, own = state.get(FILE_CHECKSUMS_KEY), state.get(STATE_CHECKSUM_KEY)
+    if sums is None and own is None:
+        return state
+    if own != _state_digest(state) or not isinstance(sums, dict):
+        raise ValueError(f"{path / STATE_FILE}: content does not match its checksum (corrupted or edited)")
+    for name in files:
+        file, want = path / name, sums.get(name)
+        if not isinstance(want, dict):
+            raise ValueError(f"{path / STATE_FILE}: lists no checksum for {name}")
+        if not file.is_file():
+            raise ValueError(f"{file}: missing from the checkpoint")
+        size = file.stat().st_size
+        if size != want.get("bytes"):
+            raise ValueError(f"{file}: {size} bytes, {STATE_FILE} says {want.get('bytes')} (truncated or overwritten)")
+        if _file_digest(file)["xxh3_128"] != want.get("xxh3_128"):
+            raise ValueError(f"{file}: checksum does not match {STATE_FILE} (corrupted file)")
+    return state
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
-    """{'model', 'optimizer', 'state', 'drafter_config'} of a checkpoint directory (safe loaders only)."""
+    """{'model', 'optimizer', 'state', 'drafter_config'} of a checkpoint directory (safe loaders only),
+    after `verify_checkpoint`; ValueError naming the file if anything is damaged."""
     from safetensors.torch import load_file
 
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise ValueError(f"'{path}' is not a checkpoint directory (no {STATE_FILE})")
+    state = verify_checkpoint(path)
+    try:
+        model = load_file(str(path / MODEL_FILE), device=str(map_location))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"{path / MODEL_FILE}: cannot be read: {type(exc).__name__}: {exc}") from None
+    try:
+        optimizer = torch.load(path / OPTIMIZER_FILE, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unpickling errors, zip errors, missing file
+        raise ValueError(f"{path / OPTIMIZER_FILE}: cannot be read with torch.load(weights_only=True): {type(exc).__name__}: {exc}") from None
     return {
-        "model": load_file(str(path / MODEL_FILE), device=str(map_location)),
-        "optimizer": torch.load(path / OPTIMIZER_FILE, map_location=map_location, weights_only=True),
-        "state": json.loads((path / STATE_FILE).read_text()),
-        "drafter_config": json.loads((path / DRAFTER_CONFIG_FILE).read_text()),
+        "model": model,
+        "optimizer": optimizer,
+        "state": state,
+        "drafter_config": _read_json(path / DRAFTER_CONFIG_FILE, "drafter config"),
     }

@@ -24,6 +24,7 @@ from train.data import DataConfig
 __all__ = ["ModelConfig", "LossConfig", "OptimConfig", "CheckpointConfig", "LogConfig", "TrainConfig", "RESUME_FREE_KEYS", "resume_conflicts"]
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+MAX_NAME_CHARS = 128
 
 
 @dataclass
@@ -122,6 +123,8 @@ class TrainConfig:
     def check(self) -> None:
         if self.run_name is not None and (not _PLAIN_NAME.match(self.run_name) or self.run_name in (".", "..")):
             fail("run_name", f"{self.run_name!r} must be a plain name (letters, digits, '.', '_', '-'; no path separators)")
+        if self.run_name is not None and len(self.run_name) > MAX_NAME_CHARS:  # a directory name; filesystems stop at 255 bytes
+            fail("run_name", f"{len(self.run_name)} characters; at most {MAX_NAME_CHARS}")
         if self.loss.gamma is None:
             try:
                 self.loss.gamma = default_gamma(self.model.block_size)

@@ -220,10 +220,11 @@ def _read_json_file(path: Path, what: str) -> Any:
 
 def read_checkpoint(path: str | Path) -> CheckpointInfo:
     """Metadata of a checkpoint (or of a run directory's latest one); ValueError naming the file."""
-    from train.checkpoint import DRAFTER_CONFIG_FILE, STATE_FILE
+    from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, verify_checkpoint
     from train.model import DrafterConfig
 
     ckpt = resolve_checkpoint_dir(path)
+    verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE))  # names a damaged file before anything is loaded
     state = _read_json_file(ckpt / STATE_FILE, "checkpoint state")
     config_file = ckpt / DRAFTER_CONFIG_FILE
     if not config_file.is_file():

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint
+from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
 from train.model import DFlashDrafter, DrafterConfig, rope_settings
 
 __all__ = [
@@ -271,6 +271,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     from common.provenance import git_sha, tool_version
 
     ckpt = resolve_checkpoint(checkpoint)
+    if (ckpt / STATE_FILE).is_file():
+        verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE))  # names a damaged file
     try:
         cfg = DrafterConfig.from_dict(json.loads((ckpt / DRAFTER_CONFIG_FILE).read_text()))
     except (ValueError, TypeError) as exc:
@@ -289,11 +291,25 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     return export_drafter(state, cfg, out_dir, dtype=dtype, token_ids=token_ids, info=info)
 
 
-def load_exported(export_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"):
-    """The exported drafter through transformers' remote-code path (what serving code does), in eval mode."""
-    from transformers import AutoModel
+def load_exported(
+    export_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+):
+    """An exported drafter, in eval mode.
 
-    model = AutoModel.from_pretrained(str(export_dir), trust_remote_code=True, dtype=dtype)
+    By default it is built by this project's own model code (`train/dflash_hf.py`, the file every
+    export ships as dflash.py): nothing from the directory but config.json and the weights is used,
+    so a drafter directory from elsewhere runs no code. `trust_remote_code=True` goes through
+    transformers' remote-code path instead (what serving code does: the directory's dflash.py runs).
+    """
+    if trust_remote_code:
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(str(export_dir), trust_remote_code=trust_remote_code, dtype=dtype)
+    else:
+        from train.dflash_hf import DFlashDraftModel
+
+        model = DFlashDraftModel.from_pretrained(str(export_dir), dtype=dtype)
     if type(model).__name__ != ARCHITECTURE:
         raise ValueError(f"'{export_dir}' loaded as {type(model).__name__}, not {ARCHITECTURE} (is auto_map missing?)")
     return model.to(device).eval().requires_grad_(False)

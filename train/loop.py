@@ -80,7 +80,8 @@ def _load_tokenizer(target_dir: str):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(target_dir)
+    # trust_remote_code=False, not the default None: None asks on the terminal (and hangs a batch job)
+    return AutoTokenizer.from_pretrained(target_dir, trust_remote_code=False)
 
 
 def resolve_mask_token(provenance: dict, tokenizer, configured: int | None) -> tuple[int, str]:
@@ -351,7 +352,8 @@ def _make_run_dir(cfg: TrainConfig) -> Path:
     name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     out = Path(cfg.out_dir).resolve()
     run_dir = (out / name).resolve()
-    assert run_dir.parent == out, (run_dir, out)  # run_name is checked to be a plain name
+    if run_dir.parent != out:  # run_name is a plain name, so only a symlink out_dir/NAME gets here
+        raise ValueError(f"config key 'run_name': '{out / name}' leads to '{run_dir}', outside out_dir '{out}'; choose another run_name")
     if cfg.run_name is None:
         cfg.run_name = name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -519,12 +521,17 @@ def train(cfg: TrainConfig, *, stream: DataStream | None = None) -> dict:
         run.stream.close()
         with contextlib.suppress(RuntimeError):
             saver.wait()
+    # data.on_corrupt=skip: unreadable samples skipped by this process, per shard file.
+    corrupt = {shard: len(ids) for shard, ids in sorted(getattr(run.stream, "corrupt_samples", {}).items())}
+    if corrupt:
+        log.warning("skipped %d unreadable samples (data.on_corrupt=skip), per shard file: %s", sum(corrupt.values()), corrupt)
     return {
         "run_dir": str(run.run_dir),
         "steps": run.step,
         "total_steps": run.total_steps,
         "tokens": run.tokens,
         "nonfinite_total": run.nonfinite_total,
+        "corrupt_samples": corrupt,
         "last_checkpoint": str(saver.last_saved) if saver.last_saved else None,
     }
 

@@ -884,6 +884,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m train.specdecode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="target checkpoint directory (Hugging Face layout)")
     parser.add_argument("--drafter", required=True, help="exported drafter directory (python -m train.export)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="build the drafter with the dflash.py its directory ships (runs that code); default: this project's model code")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompts", default=None, help=f"JSONL of {{\"messages\": [...]}} records (default: {DEFAULT_PROMPTS})")
     source.add_argument("--data", default=None, help="shard dataset: prompts = the tokens before each sample's first response")
@@ -957,7 +959,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     try:
-        drafter = load_exported(args.drafter, dtype=dtype, device=args.device)
+        drafter = load_exported(args.drafter, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
         target_obj = load_target(args.target, dtype=args.dtype, device=args.device)
         target = SpecTarget(target_obj, drafter.target_layer_ids, stop_token_ids(target_obj))
         if target_obj.hidden_size != int(drafter.config.hidden_size):

@@ -9,6 +9,7 @@ import pytest
 
 from shards import ShardDataset, ShardFormatError, ShardWriter, verify_dataset
 from shards.__main__ import main
+from shards.manifest import seal
 from tests.shards.synth import TOPK, WIDTH, make_sample, provenance
 
 
@@ -63,9 +64,10 @@ def test_missing_index_file_is_reported_with_the_file(dataset):
 
 
 def edit_manifest(root, change):
+    """A deliberate edit: the manifest's content checksum is recomputed (seal), so only `change` is wrong."""
     manifest = json.loads((root / "manifest.json").read_text())
     change(manifest)
-    (root / "manifest.json").write_text(json.dumps(manifest))
+    (root / "manifest.json").write_text(json.dumps(seal(manifest)))
 
 
 def test_manifest_total_that_disagrees_is_reported(dataset):

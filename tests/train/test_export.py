@@ -67,7 +67,7 @@ def test_exported_model_equals_training_model(tmp_path, name):
     cfg = tiny_config(**CONFIGS[name])
     model = random_drafter(cfg)
     export_drafter(model.state_dict(), cfg, tmp_path / name, dtype="float32")
-    exported = load_exported(tmp_path / name)
+    exported = load_exported(tmp_path / name, trust_remote_code=True)
     assert type(exported).__name__ == "DFlashDraftModel"
 
     S, Q = 11, 4
@@ -96,7 +96,7 @@ def test_exported_model_takes_the_training_mask_for_many_blocks(tmp_path):
     cfg = tiny_config()
     model = random_drafter(cfg, seed=1)
     export_drafter(model.state_dict(), cfg, tmp_path / "e", dtype="float32")
-    exported = load_exported(tmp_path / "e")
+    exported = load_exported(tmp_path / "e", trust_remote_code=True)
     S, K = 12, cfg.block_size
     anchors, keep = torch.tensor([[3, 7, 10], [5, 0, 0]]), torch.tensor([[True, True, True], [True, False, False]])
     positions = torch.cat([torch.arange(S).expand(2, S), (anchors[:, :, None] + torch.arange(K)).view(2, -1)], 1)
@@ -118,7 +118,7 @@ def test_context_cache_equals_recomputing_the_whole_context(tmp_path):
     cfg = tiny_config(block_size=4)
     model = random_drafter(cfg, seed=2)
     export_drafter(model.state_dict(), cfg, tmp_path / "e", dtype="float32")
-    exported = load_exported(tmp_path / "e")
+    exported = load_exported(tmp_path / "e", trust_remote_code=True)
     features = torch.randn(1, 20, cfg.feature_width)
     K = cfg.block_size
     cache = DynamicCache()
@@ -187,7 +187,7 @@ def test_weight_file_holds_exactly_the_published_drafter_tensors(tmp_path):
     for n, tensor in model.state_dict().items():
         assert torch.equal(loaded[n], tensor.bfloat16())
     # Loading the bf16 export in float32 gives exactly the rounded weights.
-    exported = load_exported(out, dtype=torch.float32)
+    exported = load_exported(out, dtype=torch.float32, trust_remote_code=True)
     for n, tensor in exported.state_dict().items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, loaded[n].float()), n
 
@@ -229,7 +229,7 @@ def test_cli_exports_a_checkpoint_or_a_run(tmp_path, capsys):
     with torch.no_grad():
         expected = model(noise, hidden, positions)
         for out in ("by_ckpt", "by_run"):
-            got = load_exported(tmp_path / out)(position_ids=positions, noise_embedding=noise, target_hidden=hidden)
+            got = load_exported(tmp_path / out, trust_remote_code=True)(position_ids=positions, noise_embedding=noise, target_hidden=hidden)
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     # Exporting again over an earlier export replaces it.
     assert main([str(ckpt), str(tmp_path / "by_ckpt")]) == 0
