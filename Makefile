@@ -13,6 +13,8 @@ RUN ?=
 # Everything given as NAME=value on the command line, except the variables this Makefile itself reads.
 OVERRIDES := $(filter-out CONFIG=% RUN=% PYTHON=% CKPT=% DATA=% OUT=% ARGS=%,$(MAKEOVERRIDES))
 export PYTHONUNBUFFERED := 1
+# torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
+export OMP_WAIT_POLICY := PASSIVE
 
 .PHONY: setup test demo extract train eval export specdecode report tiny bench-shards bench-extract bench-train reliability clean
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +28,16 @@ from extract.tiny import (
     write_jsonl,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 # Sizes that make a whole build take a few seconds.
 TINY_MODEL = dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
                   num_kv_heads=1, head_dim=16, n_taps=2, steps=2, batch_tokens=2048, warmup_steps=1, threads=1)
+
+
+@pytest.fixture(autouse=True)
+def _restore_omp_env(monkeypatch):
+    # tiny.main sets OMP_WAIT_POLICY for the torch it is about to load; undo that after each test.
+    monkeypatch.setenv("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +63,22 @@ def test_corpus_is_deterministic_to_the_byte(tmp_path, corpus):
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
     other_train, _ = build_corpus(seed=1)
     assert other_train != train
+
+
+def test_corpus_and_tokenizer_are_the_same_in_another_process(tmp_path, corpus, small_tokenizer):
+    train, heldout = corpus
+    write_jsonl(tmp_path / "here.jsonl", train + heldout)
+    code = (
+        "import sys; from extract import tiny; from common.hashing import tokenizer_digest\n"
+        "train, heldout = tiny.build_corpus(seed=0)\n"
+        "tiny.write_jsonl(sys.argv[1], train + heldout)\n"
+        "print(tokenizer_digest(tiny.build_chat_tokenizer(tiny.record_texts(train[:300]), 600)))\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "TOKENIZERS_PARALLELISM": "true"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "there.jsonl")], capture_output=True, text=True,
+                         check=True, cwd=REPO, env=env)
+    assert (tmp_path / "there.jsonl").read_bytes() == (tmp_path / "here.jsonl").read_bytes()
+    assert out.stdout.strip() == tokenizer_digest(small_tokenizer)
 
 
 def test_corpus_records_are_valid_chats_with_short_and_long_answers(corpus):
@@ -162,8 +186,7 @@ def test_tokenizer_survives_save_and_load(tmp_path, small_tokenizer):
 
 def test_importing_the_module_is_cheap():
     code = "import sys, extract.tiny; print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
 
 
@@ -205,6 +228,10 @@ def test_build_tiny_target_writes_a_loadable_hf_directory(tmp_path, corpus):
     assert report["tap_layer_ids"] == [0, 1] and report["mask_token_id"] == tok.mask_token_id
     assert report["corpus"]["train"]["records"] == 60
 
+    build_tiny_target(tmp_path / "again", train[:60], heldout[:10], cfg, progress=False)
+    for name in ["model.safetensors", "tokenizer.json", "config.json"]:
+        assert (tmp_path / "again" / name).read_bytes() == (tmp_path / name).read_bytes(), name
+
 
 # ----------------------------------------------------------------------------------------------
 # Cached build
@@ -241,6 +268,7 @@ def fake_target(out_dir, train, heldout, cfg, progress=True):
     for name in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]:
         (out / name).write_text("{}")
     report = {"heldout_next_token_accuracy": 0.5, "most_frequent_token_accuracy": 0.1, "train_probe_next_token_accuracy": 0.6,
+              "heldout_answer_next_token_accuracy": 0.4, "most_frequent_token_answer_accuracy": 0.1,
               "num_layers": 3, "hidden_size": 32, "parameters": 1, "vocab_size": 400, "mask_token": MASK_TOKEN,
               "mask_token_id": 399, "tap_layer_ids": [0, 1],
               "corpus": {"train": {"records": len(train), "tokens": 1}, "heldout": {"records": len(heldout), "tokens": 1}}}
@@ -285,3 +313,26 @@ def test_config_checks_name_the_key():
     with pytest.raises(ConfigError, match="n_taps"):
         load_config(TinyConfig, None, ["num_layers=4", "n_taps=4"])
     assert tiny.main(["no_such_key=1"]) == 2
+
+
+def test_assistant_masks_mark_exactly_the_answers(corpus, small_tokenizer):
+    train, _ = corpus
+    records = [r for r in train if len(r.get("messages", [])) > 2][:3] + [r for r in train if "text" in r][:1]
+    seqs = tiny.encode_records(small_tokenizer, records, 4096)
+    masks = tiny.assistant_masks(small_tokenizer, records, 4096)
+    for record, ids, mask in zip(records, seqs, masks):
+        assert len(mask) == len(ids)
+        answers = "".join(m["content"] + IM_END for m in record.get("messages", []) if m["role"] == "assistant")
+        assert small_tokenizer.decode([t for t, keep in zip(ids, mask) if keep]) == answers
+
+
+def test_length_batches_cover_every_sequence_once_within_the_budget():
+    import random
+
+    lengths = [random.Random(i).randint(1, 600) for i in range(300)] + [900]
+    batches = tiny.length_batches(lengths, 1024, random.Random(0))
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * tiny.padded_width(max(lengths[i] for i in batch)) <= 1024
+    assert batches == tiny.length_batches(lengths, 1024, random.Random(0))
+    assert batches != tiny.length_batches(lengths, 1024, random.Random(1))
