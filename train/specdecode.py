@@ -143,6 +143,15 @@ class Generation:
     def taus(self) -> list[int]:
         return [r.tau for r in self.rounds]
 
+    def end_round(self, round_: "Round", t0: float, t1: float, t2: float, t3: float) -> None:
+        """Book one draft-verify round: its record, its verifying target forward, and where its time
+        went (t0 draft t1 verify t2 rollback t3)."""
+        self.rounds.append(round_)
+        self.target_forwards += 1
+        self.draft_s += t1 - t0
+        self.verify_s += t2 - t1
+        self.rollback_s += t3 - t2
+
     @property
     def mean_tau(self) -> float | None:
         return sum(self.taus) / len(self.taus) if self.rounds else None
@@ -406,14 +415,10 @@ def speculative_generate(target: SpecTarget, proposer: Proposer, prompt_ids: Seq
             _, _, cache = target.forward(block_1Q[:, :verified], cache, taps=False)
             result.target_forwards += 1
         t3 = time.perf_counter()
-        result.rounds.append(Round(start=anchor, accepted=accepted, committed=len(committed), tau=round_tau(drafts, committed)))
+        result.end_round(Round(start=anchor, accepted=accepted, committed=len(committed), tau=round_tau(drafts, committed)), t0, t1, t2, t3)
         tokens.extend(committed)
         new_features_1SF = features_1TF[:, :verified]
         anchor += verified
-        result.target_forwards += 1
-        result.draft_s += t1 - t0
-        result.verify_s += t2 - t1
-        result.rollback_s += t3 - t2
         if stopped:
             break
     result.stop = "eos" if tokens[-1] in target.stop_ids else "length"
@@ -508,15 +513,11 @@ def ddtree_generate(target: SpecTarget, proposer: DFlashProposer, prompt_ids: Se
         rows = torch.tensor([0] + [i + 1 for i in path])  # root and accepted nodes in the verify input
         compact_cache(cache, torch.cat((torch.arange(anchor), anchor + rows)))
         t3 = time.perf_counter()
-        result.rounds.append(Round(start=anchor, accepted=len(path), committed=len(committed),
-                                   tau=1 + min(len(path), len(committed))))
+        result.end_round(Round(start=anchor, accepted=len(path), committed=len(committed), tau=1 + min(len(path), len(committed))),
+                         t0, t1, t2, t3)
         tokens.extend(committed)
         new_features_1SF = features_1TF[:, rows.to(features_1TF.device)]
         anchor += len(path) + 1
-        result.target_forwards += 1
-        result.draft_s += t1 - t0
-        result.verify_s += t2 - t1
-        result.rollback_s += t3 - t2
         if stopped:
             break
     result.stop = "eos" if tokens[-1] in target.stop_ids else "length"
