@@ -1,7 +1,8 @@
 """Command line for shard datasets.
 
     python -m shards inspect DIR                 provenance, counts, length histogram, bytes/token vs raw bf16
-    python -m shards verify DIR [--no-checksums] every check; one line per problem; exit 1 if any
+    python -m shards verify DIR [--no-checksums] every check (each sample against its checksum too); one line
+                                                 per problem; exit 1 if any
     python -m shards show DIR SAMPLE [--tokenizer TOK_DIR] [--positions N]
                                                  one sample (position or sample id): tokens, top-k, per-tap stats
     python -m shards merge DIR NAME... [--out manifest.json]
@@ -16,7 +17,7 @@ import argparse
 import os
 import sys
 
-from shards.describe import inspect_lines, show_lines
+from shards.describe import inspect_lines, show_lines, unchecked_shards
 from shards.manifest import MANIFEST_NAME, merge_manifests
 from shards.reader import ShardDataset
 from shards.schema import ShardFormatError
@@ -32,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check checksums, schema, every sample, counts; exit 1 on any problem")
     p.add_argument("dir")
     p.add_argument("--manifest", default=MANIFEST_NAME)
-    p.add_argument("--no-checksums", action="store_true", help="skip hashing the files (faster)")
+    p.add_argument("--no-checksums", action="store_true", help="skip hashing whole files (faster; samples are still checked)")
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("show", help="one sample: tokens, top-k of the first positions, per-tap hidden statistics")
     p.add_argument("dir")
@@ -62,10 +63,14 @@ def _verify(args) -> int:
     if problems:
         print(f"FAILED: {len(problems)} problem(s) in {args.dir}")
         return 1
-    ds = ShardDataset(args.dir, args.manifest)
+    ds = ShardDataset(args.dir, args.manifest, verify_samples=False)  # only for the summary line
     print(f"OK: {len(ds)} samples, {ds.manifest['counts']['tokens']} tokens in {len(ds.shards)} shards"
           + ("" if args.no_checksums else ", checksums match")
           + ("" if ds.manifest.get("complete") else "; note: the manifest is not marked complete (a writer is running, was killed, or stopped on an error)"))
+    unchecked = unchecked_shards(ds.shards)
+    if unchecked:
+        print(f"note: {len(unchecked)} of {len(ds.shards)} shards were written before per-sample checksums (format version 1): "
+              "training reads their samples unchecked" + ("" if args.no_checksums else "; their whole-file checksums match"))
     return 0
 
 
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             return _verify(args)
         if args.command == "inspect":
-            lines = inspect_lines(ShardDataset(args.dir, args.manifest))
+            lines = inspect_lines(ShardDataset(args.dir, args.manifest, verify_samples=False))  # its checksum line says it
         elif args.command == "show":
             lines = show_lines(ShardDataset(args.dir, args.manifest), args.sample, _load_tokenizer(args.tokenizer), args.positions)
         else:

@@ -7,7 +7,10 @@ storage, on synthetic samples shaped like the Qwen3.6-27B case (4 taps x 5120 bf
 
 For each zstd level, with and without byte planes, it writes the samples with `ShardWriter` and
 reads every sample back with `ShardDataset.torch` into a preallocated batch buffer (hidden states
-are decoded straight into it; the other fields are copied), as a trainer's collate does. The same samples are also stored
+are decoded straight into it; the other fields are copied), as a trainer's collate does, with the
+per-sample checksums checked (the default) and, in alternating passes, without them: the
+"per-sample check" column is the extra read time. The last lines time xxh3-64 and xxh3-128 over
+the record-batch bytes alone. The same samples are also stored
 one file per sample with `torch.save` (SpecForge; optionally gzip level 6, SpecForge's
 `--compress`) and with safetensors (speculators), and read back the same way.
 
@@ -36,7 +39,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shards.describe import raw_bytes_per_token
+from shards.manifest import read_index
 from shards.reader import ShardDataset
+from shards.sample_checksums import SampleRanges
 from shards.schema import Sample
 from shards.synthetic import realistic_samples
 from shards.writer import ShardWriter
@@ -48,7 +53,8 @@ class Result:
     stored_bytes: int
     files: int
     write_cpu_s: float
-    read_cpu_s: float  # per pass over all samples
+    read_cpu_s: float  # per pass over all samples (shards: per-sample checksums checked, the default)
+    read_unchecked_cpu_s: float | None = None  # shards: the same pass with verify_samples=False
 
 
 def _tensors(sample: Sample) -> dict[str, torch.Tensor]:
@@ -103,16 +109,39 @@ def bench_shards(samples, root, encoding, level, collate, repeats) -> Result:
             for sample in samples:
                 w.write(sample)
 
-    def read():
-        ds = ShardDataset(root)
+    def read(verify_samples: bool):
+        ds = ShardDataset(root, verify_samples=verify_samples)
         for i in range(len(ds)):
             t = ds.torch(i, hidden_out=collate.hidden)  # decodes into the buffer: the copy below is a no-op
             collate.take(t["hidden"], t["topk_ids"], t["topk_logprobs"], t["input_ids"], t["loss_mask"])
 
     write_s = _cpu_time(write)
-    read_s = min(_cpu_time(read) for _ in range(repeats))
+    # Alternating passes, so a change in machine load hits both alike; the fastest of each counts.
+    checked, unchecked = [], []
+    for _ in range(repeats):
+        checked.append(_cpu_time(lambda: read(True)))
+        unchecked.append(_cpu_time(lambda: read(False)))
     stored, files = _dir_bytes(root)
-    return Result(f"shards zstd-{level} {encoding}", stored, files, write_s, read_s)
+    return Result(f"shards zstd-{level} {encoding}", stored, files, write_s, min(checked), min(unchecked))
+
+
+def hash_speeds(root: str, repeats: int) -> dict[str, float]:
+    """GB per CPU-second of xxh3-64 and xxh3-128 over every sample's record-batch bytes (page cache)."""
+    import xxhash
+
+    ds = ShardDataset(root)
+    buffers = []
+    for entry in ds.shards:
+        path = os.path.join(root, entry["file"])
+        ranges = SampleRanges.from_index(read_index(ds.fs, ds.root, entry), entry["bytes"], entry["index_file"])
+        source = pa.memory_map(path)
+        buffers += [ranges.read(source, row, path) for row in range(entry["samples"])]
+    total = sum(b.size for b in buffers)
+    speeds = {}
+    for name, fn in (("xxh3_64", xxhash.xxh3_64_intdigest), ("xxh3_128", xxhash.xxh3_128_intdigest)):
+        seconds = min(_cpu_time(lambda: [fn(b) for b in buffers]) for _ in range(max(3, repeats)))
+        speeds[name] = total / 1e9 / seconds
+    return speeds
 
 
 def bench_torch_save(samples, root, collate, repeats, gzip_level=None) -> Result:
@@ -174,14 +203,19 @@ def _warm_up(samples, root, collate) -> None:
 def format_table(results: list[Result], tokens: int, raw: dict[str, int]) -> list[str]:
     raw_total = tokens * raw["all"]
     lines = [
-        "| format | bytes/token | vs raw bf16 hidden | vs raw all fields | write MB/s per core | read+decode tok/s per core | files |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| format | bytes/token | vs raw bf16 hidden | vs raw all fields | write MB/s per core | read+decode tok/s per core "
+        "| per-sample check | files |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         per_token = r.stored_bytes / tokens
+        check = "-" if r.read_unchecked_cpu_s is None else (
+            f"+{(r.read_cpu_s - r.read_unchecked_cpu_s) / r.read_unchecked_cpu_s:.1%} "
+            f"({(r.read_cpu_s - r.read_unchecked_cpu_s) / tokens * 1e6:.2f} us/token)"
+        )
         lines.append(
             f"| {r.name} | {per_token:,.0f} | {per_token / raw['hidden']:.3f} | {per_token / raw['all']:.3f} | "
-            f"{raw_total / 1e6 / r.write_cpu_s:,.0f} | {tokens / r.read_cpu_s:,.0f} | {r.files} |"
+            f"{raw_total / 1e6 / r.write_cpu_s:,.0f} | {tokens / r.read_cpu_s:,.0f} | {check} | {r.files} |"
         )
     return lines
 
@@ -193,7 +227,7 @@ def _parse_args(argv):
     p.add_argument("--taps", type=int, default=4)
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--topk", type=int, default=32)
-    p.add_argument("--levels", default="1,3,6", help="zstd levels, comma separated")
+    p.add_argument("--levels", default="1,3,6", help="zstd levels, comma separated (the first one's data also times the hashes)")
     p.add_argument("--repeats", type=int, default=2, help="read passes; the fastest is reported")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed at the end)")
     p.add_argument("--no-gzip", action="store_true", help="skip the slow torch.save + gzip baseline")
@@ -221,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             for encoding in ("plain", "planes"):
                 results.append(bench_shards(samples, os.path.join(scratch, f"z{level}-{encoding}"), encoding, level, collate, args.repeats))
                 print(f"  done: {results[-1].name}", flush=True)
+        speeds = hash_speeds(os.path.join(scratch, f"z{levels[0]}-planes"), args.repeats)
         results.append(bench_torch_save(samples, os.path.join(scratch, "torch"), collate, args.repeats))
         if not args.no_gzip:
             results.append(bench_torch_save(samples, os.path.join(scratch, "torch-gz"), collate, args.repeats, gzip_level=6))
@@ -235,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{os.cpu_count()} logical CPUs, pyarrow {pa.__version__}, torch {torch.__version__}; one thread; "
           f"speeds per CPU-second; {time.time() - started:.0f} s wall")
     print("\n".join(format_table(results, tokens, raw)))
+    print(f"per-sample checksum alone, over the zstd-{levels[0]} planes record batches from the page cache: "
+          + ", ".join(f"{name} {gbps:.1f} GB/s" for name, gbps in speeds.items()) + " per core")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 from common import io
-from shards.manifest import RESERVED_COUNTS
+from shards.manifest import RESERVED_COUNTS, SAMPLE_CHECKSUM_ALGO_KEY
 from shards.reader import ShardDataset
 from shards.schema import Sample, bf16_bits_to_float32, count_nonfinite_bf16
 
@@ -46,6 +46,23 @@ def length_histogram(n_tokens: np.ndarray, width: int = 40) -> list[str]:
     return lines
 
 
+def unchecked_shards(entries: list[dict]) -> list[str]:
+    """Files of the shards written before per-sample checksums (format version 1)."""
+    return [e["file"] for e in entries if SAMPLE_CHECKSUM_ALGO_KEY not in e]
+
+
+def checksum_line(ds: ShardDataset) -> str:
+    """What a reader checks on every read of this dataset."""
+    unchecked = unchecked_shards(ds.shards)
+    algos = sorted({e[SAMPLE_CHECKSUM_ALGO_KEY] for e in ds.shards if SAMPLE_CHECKSUM_ALGO_KEY in e})
+    if not ds.shards:
+        return "checksums  (no shards)"
+    if not unchecked:
+        return f"checksums  every sample checked against its {'/'.join(algos)} on every read (all {len(ds.shards)} shards)"
+    return (f"checksums  {len(unchecked)} of {len(ds.shards)} shards written before per-sample checksums (format version 1): "
+            "their samples are read unchecked; `python -m shards verify` checks their whole-file checksums")
+
+
 def inspect_lines(ds: ShardDataset) -> list[str]:
     """Provenance, counts, sizes vs raw bf16, and the length histogram of a dataset."""
     m = ds.manifest
@@ -68,6 +85,7 @@ def inspect_lines(ds: ShardDataset) -> list[str]:
     extra = {k: v for k, v in counts.items() if k not in RESERVED_COUNTS}
     lines.append(f"extra      {', '.join(f'{k}={v}' for k, v in extra.items()) if extra else '(none)'}")
     lines.append(f"files      {len(ds.shards)} shards, {_human_bytes(shard_bytes)} (+ {_human_bytes(index_bytes)} of index files)")
+    lines.append(checksum_line(ds))
     if tokens:
         per_token = shard_bytes / tokens
         lines.append(

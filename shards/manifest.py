@@ -17,8 +17,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from common import io
-from common.hashing import CHECKSUM_ALGO, text_digest
+from common.hashing import CHECKSUM_ALGO, bytes_digest, text_digest
 from common.provenance import git_sha, tool_version
+from shards.sample_checksums import SAMPLE_CHECKSUM_ALGOS
 from shards.schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -32,6 +33,9 @@ from shards.schema import (
 MANIFEST_NAME = "manifest.json"
 MANIFEST_CHECKSUM_KEY = "manifest_checksum"
 RESERVED_COUNTS = ("samples", "tokens", "loss_tokens")
+# Optional in a shard entry: the per-sample checksum algorithm of its index (absent: format version 1
+# shards, whose samples are read without a per-sample check).
+SAMPLE_CHECKSUM_ALGO_KEY = "sample_checksum_algo"
 SHARD_ENTRY_KEYS = ("file", "index_file", "samples", "tokens", "loss_tokens", "bytes", "checksum", "index_bytes", "index_checksum")
 # These change whenever the code does; a resumed or merged dataset keeps the first writer's values
 # in `provenance` and records every writer's in `writer` / per shard.
@@ -156,19 +160,33 @@ def extra_counts_of(manifest: dict) -> dict:
     return {k: v for k, v in manifest["counts"].items() if k not in RESERVED_COUNTS}
 
 
-def read_index(fs: pafs.FileSystem, root: str, entry: dict) -> pa.Table:
-    """The index sidecar of one manifest shard entry (small, uncompressed; never opens the shard)."""
+def read_index(fs: pafs.FileSystem, root: str, entry: dict, *, check_checksum: bool = False) -> pa.Table:
+    """The index sidecar of one manifest shard entry (small, uncompressed; never opens the shard).
+
+    `check_checksum`: compare the file's xxh3-128 with the entry's `index_checksum` first (cheap:
+    the whole file is read anyway). The table has the per-sample checksum columns when the entry's
+    `sample_checksum_algo` says so (format version 2), and lacks them for older shards."""
     path = io.join(root, entry["index_file"])
     if not io.exists(fs, path):
         raise FileNotFoundError(f"{path}: index file listed in the manifest is missing")
+    algo = entry.get(SAMPLE_CHECKSUM_ALGO_KEY)
+    if algo is not None and algo not in SAMPLE_CHECKSUM_ALGOS:
+        raise ShardFormatError(f"{path}: unknown per-sample checksum algorithm {algo!r} in the manifest (this code knows {list(SAMPLE_CHECKSUM_ALGOS)})")
     try:
         with fs.open_input_file(path) as f:
-            table = pa.ipc.open_file(f).read_all()
+            data = f.read()
+    except OSError as err:
+        raise ShardFormatError(f"{path}: unreadable index file ({err})") from None
+    if check_checksum and bytes_digest(data) != entry["index_checksum"]:
+        raise ShardFormatError(f"{path}: index file checksum does not match the manifest's {entry['index_checksum']} (corrupted file)")
+    try:
+        table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
         table.validate(full=True)  # offsets and UTF-8 of the ids: Arrow does not check them on read
     except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged data too
         raise ShardFormatError(f"{path}: unreadable index file ({err})") from None
-    if not table.schema.equals(index_schema(), check_metadata=False):
-        raise ShardFormatError(f"{path}: index schema {table.schema.names} does not match the format")
+    expected = index_schema(sample_checksums=algo is not None)
+    if not table.schema.equals(expected, check_metadata=False):
+        raise ShardFormatError(f"{path}: index schema {table.schema.names} does not match the format (expected {expected.names})")
     if table.num_rows != entry["samples"]:
         raise ShardFormatError(f"{path}: index has {table.num_rows} rows, manifest says {entry['samples']} samples")
     return table

@@ -4,6 +4,13 @@ Only the manifest is read at construction. `ds[i]` opens (memory-maps, for local
 shard that holds sample `i` and decodes only that sample's record batch. The length index comes
 from the small per-shard index files and never touches a shard file.
 
+Integrity, by default (`verify_samples=True`): every index file is checked against its checksum in
+the manifest when it is loaded, and every sample's record batch bytes against their xxh3-64 in the
+index before they are decoded (`shards/sample_checksums.py`); a mismatch raises ShardFormatError
+naming the file, the sample and its row. Shards written before format version 2 have no
+per-sample checksums: their samples are read unchecked, with one warning per dataset.
+`verify_checksums=True` also hashes each whole shard file on its first open (slow on big shards).
+
 Thread safety: each thread keeps its own open readers (a small LRU per thread), so background
 prefetch threads decode in parallel without locks; Arrow releases the GIL while decompressing.
 """
@@ -13,7 +20,9 @@ from __future__ import annotations
 import bisect
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
+import logging
 import threading
 from typing import Iterator
 
@@ -23,14 +32,32 @@ import pyarrow.fs as pafs
 
 from common import io
 from common.hashing import file_checksum
-from shards.manifest import MANIFEST_NAME, load_manifest, read_index
-from shards.schema import Sample, ShardFormatError, decode_sample
+from shards.manifest import MANIFEST_NAME, SAMPLE_CHECKSUM_ALGO_KEY, load_manifest, read_index
+from shards.sample_checksums import SampleRanges, decode_message
+from shards.schema import Sample, ShardFormatError, decode_sample, shard_schema
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _OpenShardFile:
+    """One thread's handle on a shard file: the file (memory map or input file) and its IPC reader."""
+
+    source: pa.NativeFile
+    reader: pa.ipc.RecordBatchFileReader
 
 
 class ShardDataset:
     """The samples of the dataset at `root` (a local path or any `pyarrow.fs` URI), in manifest order."""
 
-    def __init__(self, root: str, manifest_name: str = MANIFEST_NAME, verify_checksums: bool = False, max_open_shards: int = 64):
+    def __init__(
+        self,
+        root: str,
+        manifest_name: str = MANIFEST_NAME,
+        verify_checksums: bool = False,
+        max_open_shards: int = 64,
+        verify_samples: bool = True,
+    ):
         self.root_uri = str(root)
         self.fs, self.root = io.resolve(root)
         self.manifest_name = manifest_name
@@ -41,13 +68,27 @@ class ShardDataset:
         self.topk: int = self.manifest["topk"]
         self.shards: list[dict] = self.manifest["shards"]
         self.verify_checksums = verify_checksums
+        self.verify_samples = verify_samples
         self.max_open_shards = max_open_shards
+        self._schema = shard_schema(self.encoding, self.hidden_width, self.topk)  # decodes checked samples
         self._starts = list(itertools.accumulate((e["samples"] for e in self.shards), initial=0))
         self._local = threading.local()
         self._lock = threading.Lock()
         self._checked_shards: set[int] = set()
         self._index: pa.Table | None = None
         self._position_of_id: dict[str, int] | None = None
+        self._ranges: dict[int, SampleRanges] = {}  # shard -> its samples' byte ranges and checksums
+        if verify_samples:
+            self._warn_unchecked_shards()
+
+    def _warn_unchecked_shards(self) -> None:
+        unchecked = [e["file"] for e in self.shards if SAMPLE_CHECKSUM_ALGO_KEY not in e]
+        if unchecked:
+            log.warning(
+                "%s: %d of %d shards (e.g. %s) were written before per-sample checksums (format version 1); their samples "
+                "are read without a per-sample check. `python -m shards verify` checks their whole-file checksums.",
+                io.join(self.root, self.manifest_name), len(unchecked), len(self.shards), unchecked[0],
+            )
 
     def __getstate__(self) -> dict:
         # Open readers, locks and thread-locals stay behind (e.g. when sent to a worker process).
@@ -94,9 +135,10 @@ class ShardDataset:
 
     def _read_shard_index(self, shard: int) -> pa.Table:
         entry = self.shards[shard]
-        if self.verify_checksums:
-            self._check_checksum(entry["index_file"], entry["index_checksum"])
-        table = read_index(self.fs, self.root, entry)
+        table = read_index(self.fs, self.root, entry, check_checksum=self.verify_checksums or self.verify_samples)
+        if self.verify_samples and SAMPLE_CHECKSUM_ALGO_KEY in entry:
+            # A plain dict store: atomic, and a race only loads the same small table twice.
+            self._ranges[shard] = SampleRanges.from_index(table, entry["bytes"], io.join(self.root, entry["index_file"]))
         return pa.table({
             "sample_id": table.column("sample_id"),
             "n_tokens": table.column("n_tokens"),
@@ -171,19 +213,37 @@ class ShardDataset:
     # ------------------------------------------------------------------ shard files
 
     def _read(self, shard: int, row: int, hidden_out: np.ndarray | None = None) -> Sample:
-        reader = self._reader(shard)
+        ranges = self._sample_ranges(shard)
+        opened = self._reader(shard)
         path = io.join(self.root, self.shards[shard]["file"])
         try:
-            batch = reader.get_batch(row)
+            if ranges is None:
+                batch = opened.reader.get_batch(row)
+            else:
+                data = ranges.read(opened.source, row, path)
+                ranges.check(data, row, path)  # ShardFormatError naming file, sample and row
+                batch = decode_message(data, self._schema)
             batch.validate(full=True)  # damaged offsets would otherwise crash or mislead the decoding
         except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged zstd data
             raise ShardFormatError(f"{path}: row {row} cannot be read: {err}") from None
         try:
-            return decode_sample(batch, self.encoding, self.hidden_width, self.topk, hidden_out)
+            sample = decode_sample(batch, self.encoding, self.hidden_width, self.topk, hidden_out)
         except (pa.ArrowException, OSError, ShardFormatError) as err:
             raise ShardFormatError(f"{path}: row {row} cannot be decoded: {err}") from None
+        if ranges is not None and sample.sample_id != ranges.sample_id(row):
+            raise ShardFormatError(f"{path}: row {row} holds sample {sample.sample_id}, the index says {ranges.sample_id(row)}")
+        return sample
 
-    def _reader(self, shard: int) -> pa.ipc.RecordBatchFileReader:
+    def _sample_ranges(self, shard: int) -> SampleRanges | None:
+        """The shard's per-sample byte ranges and checksums (loading its index once), or None when
+        samples are not checked: `verify_samples` is off, or the shard predates per-sample checksums."""
+        if not self.verify_samples or SAMPLE_CHECKSUM_ALGO_KEY not in self.shards[shard]:
+            return None
+        if shard not in self._ranges:
+            self._read_shard_index(shard)
+        return self._ranges[shard]
+
+    def _reader(self, shard: int) -> _OpenShardFile:
         cache = getattr(self._local, "readers", None)
         if cache is None:
             cache = self._local.readers = collections.OrderedDict()
@@ -196,7 +256,7 @@ class ShardDataset:
             cache.popitem(last=False)
         return reader
 
-    def _open(self, shard: int) -> pa.ipc.RecordBatchFileReader:
+    def _open(self, shard: int) -> _OpenShardFile:
         entry = self.shards[shard]
         path = io.join(self.root, entry["file"])
         info = self.fs.get_file_info(path)
@@ -215,7 +275,7 @@ class ShardDataset:
             raise ShardFormatError(f"{path}: not a readable Arrow IPC file ({err})") from None
         if reader.num_record_batches != entry["samples"]:
             raise ShardFormatError(f"{path}: {reader.num_record_batches} samples in the file, manifest says {entry['samples']}")
-        return reader
+        return _OpenShardFile(source, reader)
 
     def _check_checksum(self, file: str, expected: str) -> None:
         path = io.join(self.root, file)

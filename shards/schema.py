@@ -1,8 +1,9 @@
 """What one sample is, how it is laid out in Arrow, and the two lossless encodings of `hidden`.
 
 A shard file holds one record batch per sample, and each batch holds exactly one row, so reading
-sample `row` of a shard is `open_file(...).get_batch(row)` and decodes nothing else. Columns of
-that row (T tokens, W = n_taps * H hidden width, k top-k entries):
+sample `row` of a shard is `open_file(...).get_batch(row)` and decodes nothing else (the reader
+decodes the same record batch from the byte range the index gives, once its checksum matches; see
+`shards/sample_checksums.py`). Columns of that row (T tokens, W = n_taps * H hidden width, k top-k entries):
 
     sample_id      string
     input_ids      list<int32>                       [T]
@@ -27,8 +28,10 @@ import numpy as np
 import pyarrow as pa
 
 FORMAT_NAME = "dflash-shards"
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+# 2: index files carry each sample's byte range and xxh3-64 (FORMAT.md, "Versioning"); shard files
+# are laid out as in 1, and version-1 datasets still read (without the per-sample check).
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
 ENCODINGS = ("plain", "planes")
 DEFAULT_ENCODING = "planes"  # chosen by measurement: FORMAT.md, "Why these defaults"
 DEFAULT_ZSTD_LEVEL = 1  # chosen by measurement: FORMAT.md, "Why these defaults"
@@ -122,8 +125,9 @@ def _rows_of(value_type: pa.DataType, width: int) -> pa.DataType:
     return pa.list_(pa.field("item", pa.list_(pa.field("item", value_type, nullable=False), width), nullable=False))
 
 
-def shard_schema(encoding: str, hidden_width: int, topk: int) -> pa.Schema:
-    """The schema of a shard file; its metadata repeats the encoding and widths so a shard describes itself."""
+def shard_schema(encoding: str, hidden_width: int, topk: int, format_version: int = FORMAT_VERSION) -> pa.Schema:
+    """The schema of a shard file; its metadata repeats the encoding and widths so a shard describes
+    itself, and names the format version of the writer that wrote it."""
     check_encoding(encoding)
     if encoding == "plain":
         hidden_fields = [pa.field("hidden", _rows_of(pa.uint16(), hidden_width), nullable=False)]
@@ -142,7 +146,7 @@ def shard_schema(encoding: str, hidden_width: int, topk: int) -> pa.Schema:
     ]
     metadata = {
         _META_PREFIX + b"format": FORMAT_NAME.encode(),
-        _META_PREFIX + b"format_version": str(FORMAT_VERSION).encode(),
+        _META_PREFIX + b"format_version": str(format_version).encode(),
         _META_PREFIX + b"encoding": encoding.encode(),
         _META_PREFIX + b"hidden_width": str(hidden_width).encode(),
         _META_PREFIX + b"topk": str(topk).encode(),
@@ -150,17 +154,30 @@ def shard_schema(encoding: str, hidden_width: int, topk: int) -> pa.Schema:
     return pa.schema(fields, metadata=metadata)
 
 
-def index_schema() -> pa.Schema:
-    """The per-shard index sidecar: one row per sample, in shard row order."""
+def shard_schema_matches(schema: pa.Schema, encoding: str, hidden_width: int, topk: int) -> bool:
+    """True if `schema` is the shard schema of this layout, written by any supported format version."""
+    return any(schema.equals(shard_schema(encoding, hidden_width, topk, v), check_metadata=True) for v in SUPPORTED_FORMAT_VERSIONS)
+
+
+def index_schema(sample_checksums: bool = True) -> pa.Schema:
+    """The per-shard index sidecar: one row per sample, in shard row order. Version 1 indexes end
+    at `nbytes`; version 2 adds each sample's byte range and checksum (`shards/sample_checksums.py`)."""
+    fields = [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("n_tokens", pa.int32(), nullable=False),
+        pa.field("n_loss_tokens", pa.int32(), nullable=False),
+        pa.field("row", pa.int32(), nullable=False),
+        # bytes the shard grew by when this sample was written (row 0 also holds the file header)
+        pa.field("nbytes", pa.int64(), nullable=False),
+    ]
+    if sample_checksums:
+        fields += [
+            pa.field("offset", pa.int64(), nullable=False),  # where the sample's record batch message starts in the shard file
+            pa.field("length", pa.int64(), nullable=False),  # its bytes: metadata + body, up to where the next one starts
+            pa.field("xxh3_64", pa.uint64(), nullable=False),  # xxh3-64 of those bytes
+        ]
     return pa.schema(
-        [
-            pa.field("sample_id", pa.string(), nullable=False),
-            pa.field("n_tokens", pa.int32(), nullable=False),
-            pa.field("n_loss_tokens", pa.int32(), nullable=False),
-            pa.field("row", pa.int32(), nullable=False),
-            # bytes the shard grew by when this sample was written (row 0 also holds the file header)
-            pa.field("nbytes", pa.int64(), nullable=False),
-        ],
+        fields,
         metadata={_META_PREFIX + b"format": FORMAT_NAME.encode(), _META_PREFIX + b"format_version": str(FORMAT_VERSION).encode()},
     )
 

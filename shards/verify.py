@@ -2,10 +2,12 @@
 sample id and row where one sample is concerned).
 
 Checks: the manifest (format version, counts equal the sum over shards, hidden width agrees with
-the provenance's taps), every index file (present, size, checksum, schema, rows, token sums),
-every shard file (present, size, checksum, schema, number of samples), every sample (decodes,
-its id and lengths match the index, field lengths agree, loss mask is 0/1, no NaN/Inf in hidden
-states or log-probs) and that no sample id appears twice.
+the provenance's taps), every index file (present, size, checksum, schema, rows, token sums, the
+per-sample byte ranges follow one another inside the shard), every shard file (present, size,
+checksum, schema, number of samples), every sample (its bytes match their xxh3-64 in the index,
+it decodes, its id and lengths match the index, field lengths agree, loss mask is 0/1, no NaN/Inf
+in hidden states or log-probs) and that no sample id appears twice. Shards written before format
+version 2 have no per-sample checksums; their samples are decoded through the file's footer.
 """
 
 from __future__ import annotations
@@ -20,8 +22,17 @@ from tqdm import tqdm
 
 from common import io
 from common.hashing import file_checksum
-from shards.manifest import MANIFEST_CHECKSUM_KEY, MANIFEST_NAME, RESERVED_COUNTS, load_manifest, manifest_path, read_index
-from shards.schema import ShardFormatError, count_nonfinite_bf16, decode_sample, shard_schema
+from shards.manifest import (
+    MANIFEST_CHECKSUM_KEY,
+    MANIFEST_NAME,
+    RESERVED_COUNTS,
+    SAMPLE_CHECKSUM_ALGO_KEY,
+    load_manifest,
+    manifest_path,
+    read_index,
+)
+from shards.sample_checksums import SampleRanges, decode_message
+from shards.schema import ShardFormatError, count_nonfinite_bf16, decode_sample, shard_schema, shard_schema_matches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +98,18 @@ def _check_index(fs, root: str, entry: dict, checksums: bool) -> tuple[list[Prob
     return problems, table
 
 
-def _open_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool) -> tuple[list[Problem], pa.ipc.RecordBatchFileReader | None]:
+def _sample_ranges(entry: dict, index: pa.Table | None, path: str) -> tuple[list[Problem], SampleRanges | None]:
+    """The shard's per-sample ranges (None for a version-1 shard or an unreadable index)."""
+    if index is None or SAMPLE_CHECKSUM_ALGO_KEY not in entry:
+        return [], None
+    try:
+        return [], SampleRanges.from_index(index, entry["bytes"], path)
+    except ShardFormatError as err:
+        return [Problem(path, str(err).removeprefix(path + ": "))], None
+
+
+def _open_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool) -> tuple[list[Problem], tuple | None]:
+    """Problems found opening a shard file, and (source, IPC reader) when it opens."""
     path = io.join(root, entry["file"])
     problems = _check_file(fs, path, entry["bytes"], entry["checksum"], "shard file", checksums)
     if problems and "missing" in problems[0].message:
@@ -97,12 +119,11 @@ def _open_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool) -> 
         reader = pa.ipc.open_file(source)
     except (pa.ArrowException, OSError) as err:
         return problems + [Problem(path, f"cannot be opened as an Arrow IPC file: {err}")], None
-    expected = shard_schema(manifest["encoding"], manifest["hidden_width"], manifest["topk"])
-    if not reader.schema.equals(expected, check_metadata=True):
+    if not shard_schema_matches(reader.schema, manifest["encoding"], manifest["hidden_width"], manifest["topk"]):
         return problems + [Problem(path, f"schema does not match the manifest's layout: {reader.schema.names}")], None
     if reader.num_record_batches != entry["samples"]:
         problems.append(Problem(path, f"holds {reader.num_record_batches} samples, manifest says {entry['samples']}"))
-    return problems, reader
+    return problems, (source, reader)
 
 
 def _column_length_problems(batch: pa.RecordBatch) -> list[str]:
@@ -116,16 +137,28 @@ def _column_length_problems(batch: pa.RecordBatch) -> list[str]:
     return messages
 
 
-def _check_sample(reader, row: int, manifest: dict, index_row: dict | None, path: str) -> list[Problem]:
+def _read_batch(source, reader, ranges: SampleRanges | None, row: int, manifest: dict, path: str) -> pa.RecordBatch:
+    """Sample `row`'s record batch: from the index's byte range once its checksum matches (ShardFormatError
+    naming the sample otherwise), or through the file's footer for a version-1 shard."""
+    if ranges is None:
+        return reader.get_batch(row)
+    data = ranges.read(source, row, path)
+    ranges.check(data, row, path)
+    return decode_message(data, shard_schema(manifest["encoding"], manifest["hidden_width"], manifest["topk"]))
+
+
+def _check_sample(opened, ranges: SampleRanges | None, row: int, manifest: dict, index_row: dict | None, path: str) -> list[Problem]:
     expected_id = index_row["sample_id"] if index_row else None
     try:
-        batch = reader.get_batch(row)
+        batch = _read_batch(*opened, ranges, row, manifest, path)
         batch.validate(full=True)  # damaged offsets would otherwise crash or mislead the decoding below
         sample_id = batch.column("sample_id")[0].as_py()
         length_problems = _column_length_problems(batch)
         if length_problems:
             return [Problem(path, m, sample_id, row) for m in length_problems]
         sample = decode_sample(batch, manifest["encoding"], manifest["hidden_width"], manifest["topk"])
+    except ShardFormatError as err:  # a per-sample checksum mismatch; the Problem names the sample and row itself
+        return [Problem(path, str(err).removeprefix(path + ": ").removeprefix(f"sample {expected_id} (row {row}): "), expected_id, row)]
     except (pa.ArrowException, OSError, ValueError, IndexError) as err:  # pyarrow raises OSError for zstd data errors
         return [Problem(path, f"cannot be decoded: {err}", expected_id, row)]
     problems = []
@@ -153,23 +186,32 @@ def _check_sample(reader, row: int, manifest: dict, index_row: dict | None, path
     return problems
 
 
-def _check_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool, decode: bool, bar) -> tuple[list[Problem], list[str]]:
+def _check_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool, decode: bool, sample_checksums: bool, bar) -> tuple[list[Problem], list[str]]:
     """Problems of one shard and its index, and the sample ids the index lists."""
     problems, index = _check_index(fs, root, entry, checksums)
-    shard_problems, reader = _open_shard(fs, root, entry, manifest, checksums)
+    range_problems, ranges = _sample_ranges(entry, index, io.join(root, entry["index_file"]))
+    problems += range_problems
+    shard_problems, opened = _open_shard(fs, root, entry, manifest, checksums)
     problems += shard_problems
     index_rows = index.to_pylist() if index is not None else []
-    if reader is not None and decode:
+    if opened is not None and decode:
         path = io.join(root, entry["file"])
-        for row in range(reader.num_record_batches):
+        for row in range(opened[1].num_record_batches):
             index_row = index_rows[row] if row < len(index_rows) else None
-            problems += _check_sample(reader, row, manifest, index_row, path)
+            checked = ranges if sample_checksums and index_row is not None else None
+            problems += _check_sample(opened, checked, row, manifest, index_row, path)
             bar.update(1)
     return problems, [r["sample_id"] for r in index_rows]
 
 
-def verify_dataset(root: str, manifest_name: str = MANIFEST_NAME, *, checksums: bool = True, decode: bool = True, progress: bool = False) -> list[Problem]:
-    """Every problem found in the dataset at `root` (empty list: the dataset is sound)."""
+def verify_dataset(
+    root: str, manifest_name: str = MANIFEST_NAME, *, checksums: bool = True, decode: bool = True, sample_checksums: bool = True,
+    progress: bool = False,
+) -> list[Problem]:
+    """Every problem found in the dataset at `root` (empty list: the dataset is sound).
+
+    `checksums`: hash every whole file against the manifest; `sample_checksums`: check each sample's
+    bytes against its checksum in the index before decoding it (shards of format version 2)."""
     fs, root = io.resolve(root)
     path = manifest_path(root, manifest_name)
     try:
@@ -183,7 +225,7 @@ def verify_dataset(root: str, manifest_name: str = MANIFEST_NAME, *, checksums: 
     total = sum(entry["samples"] for entry in manifest["shards"])
     with tqdm(total=total, unit="sample", desc="verify", disable=None if progress else True) as bar:
         for entry in manifest["shards"]:
-            shard_problems, ids = _check_shard(fs, root, entry, manifest, checksums, decode, bar)
+            shard_problems, ids = _check_shard(fs, root, entry, manifest, checksums, decode, sample_checksums, bar)
             problems += shard_problems
             for row, sid in enumerate(ids):
                 if sid in seen:

@@ -4,7 +4,9 @@ any moment leaves a dataset whose manifest lists only complete, checksummed shar
 Commit protocol for one shard (see FORMAT.md): the shard and its index are written under `*.tmp`
 names, fsynced and renamed; then the manifest is rewritten atomically. A shard whose rename
 happened but whose manifest update did not is not part of the dataset and is deleted when the
-next writer opens the dataset.
+next writer opens the dataset. Every sample's record batch is also hashed on its way to the file:
+its byte range and xxh3-64 go into the index, and readers check them on every read
+(`shards/sample_checksums.py`).
 
     with ShardWriter(root, provenance=prov, hidden_width=W, topk=k) as w:
         done = w.committed_ids()
@@ -34,6 +36,7 @@ from common.provenance import git_sha, tool_version
 from shards.manifest import (
     MANIFEST_NAME,
     RESERVED_COUNTS,
+    SAMPLE_CHECKSUM_ALGO_KEY,
     extra_counts_of,
     json_normalized,
     layout_difference,
@@ -44,10 +47,13 @@ from shards.manifest import (
     read_index,
     save_manifest,
 )
+from shards.sample_checksums import HEADER_PROBE_BYTES, SAMPLE_CHECKSUM_ALGO, record_batches_start
+from shards.sample_checksums import new_hasher as new_sample_hasher
 from shards.schema import (
     DEFAULT_ENCODING,
     DEFAULT_SHARD_BYTES,
     DEFAULT_ZSTD_LEVEL,
+    FORMAT_VERSION,
     INDEX_SUFFIX,
     SHARD_SUFFIX,
     Sample,
@@ -66,20 +72,53 @@ log = logging.getLogger(__name__)
 
 
 class _HashingStream:
-    """A file-like sink for `pa.PythonFile` that hashes and counts bytes on their way to `raw`."""
+    """A file-like sink for `pa.PythonFile` that hashes and counts bytes on their way to `raw`: the
+    whole file (xxh3-128, for the manifest) and, between `begin_sample()` and `end_sample()`, the
+    one record batch written in between (xxh3-64, for the index; see `shards/sample_checksums.py`)."""
 
     def __init__(self, raw):
         self.raw = raw
         self.hasher = xxhash.xxh3_128()
         self.nbytes = 0
         self.closed = False
+        self._head = bytearray()  # the file's first bytes, until they tell where record batches start
+        self.batches_start: int | None = None
+        self._sample_hasher = new_sample_hasher()
+        self._sample_from: int | None = None  # file offset where the sample being written started
 
     def write(self, data) -> int:
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         self.hasher.update(view)
+        self._hash_sample_part(view)
         self.raw.write(view)
         self.nbytes += view.nbytes
         return view.nbytes
+
+    def _hash_sample_part(self, view: memoryview) -> None:
+        """Feed the sample hasher the bytes of `view` (at file offset `self.nbytes`) that belong to a
+        record batch: pyarrow writes the file header (magic + schema) together with the first batch."""
+        if self.batches_start is None:
+            self._head += view[: HEADER_PROBE_BYTES - len(self._head)]
+            if len(self._head) == HEADER_PROBE_BYTES:
+                self.batches_start = record_batches_start(bytes(self._head))
+        if self._sample_from is None or self.batches_start is None:
+            return  # outside a sample, or still inside the header (at least 16 bytes long)
+        skip = max(0, self.batches_start - self.nbytes)
+        if skip < view.nbytes:
+            self._sample_hasher.update(view[skip:])
+
+    def begin_sample(self) -> None:
+        assert self._sample_from is None, "begin_sample twice"
+        self._sample_hasher.reset()
+        self._sample_from = self.nbytes
+
+    def end_sample(self) -> tuple[int, int, int]:
+        """(offset, length, xxh3-64) of the record batch written since `begin_sample()`."""
+        assert self._sample_from is not None and self.batches_start is not None, "end_sample without a record batch"
+        offset = max(self._sample_from, self.batches_start)
+        self._sample_from = None
+        assert self.nbytes > offset, "no record batch bytes were written"
+        return offset, self.nbytes - offset, self._sample_hasher.intdigest()
 
     def tell(self) -> int:
         return self.nbytes
@@ -109,10 +148,25 @@ class _OpenShard:
     n_tokens: list = dataclasses.field(default_factory=list)
     n_loss_tokens: list = dataclasses.field(default_factory=list)
     nbytes: list = dataclasses.field(default_factory=list)
+    offsets: list = dataclasses.field(default_factory=list)
+    lengths: list = dataclasses.field(default_factory=list)
+    checksums: list = dataclasses.field(default_factory=list)
+
+    def add(self, sample: Sample, nbytes: int, offset: int, length: int, checksum: int) -> None:
+        """Record the index row of a sample just written."""
+        self.sample_ids.append(sample.sample_id)
+        self.n_tokens.append(sample.n_tokens)
+        self.n_loss_tokens.append(sample.n_loss_tokens)
+        self.nbytes.append(nbytes)
+        self.offsets.append(offset)
+        self.lengths.append(length)
+        self.checksums.append(checksum)
 
     def index_table(self) -> pa.Table:
-        columns = [self.sample_ids, self.n_tokens, self.n_loss_tokens, list(range(len(self.sample_ids))), self.nbytes]
-        return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, index_schema())], schema=index_schema())
+        columns = [self.sample_ids, self.n_tokens, self.n_loss_tokens, list(range(len(self.sample_ids))), self.nbytes,
+                   self.offsets, self.lengths, self.checksums]
+        schema = index_schema()
+        return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, schema)], schema=schema)
 
 
 def _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level) -> None:
@@ -273,11 +327,10 @@ class ShardWriter:
         shard = self._open_shard or self._start_shard()
         try:
             before = shard.stream.nbytes
+            shard.stream.begin_sample()
             shard.ipc_writer.write_batch(batch)
-            shard.nbytes.append(shard.stream.nbytes - before)
-            shard.sample_ids.append(sample.sample_id)
-            shard.n_tokens.append(sample.n_tokens)
-            shard.n_loss_tokens.append(sample.n_loss_tokens)
+            offset, length, checksum = shard.stream.end_sample()
+            shard.add(sample, shard.stream.nbytes - before, offset, length, checksum)
         except BaseException as err:
             # The file may now hold a partial record batch: drop the whole uncommitted shard.
             self._abandon_open_shard()
@@ -379,6 +432,7 @@ class ShardWriter:
             "checksum": shard.stream.hasher.hexdigest(),
             "index_bytes": index_bytes,
             "index_checksum": index_checksum,
+            SAMPLE_CHECKSUM_ALGO_KEY: SAMPLE_CHECKSUM_ALGO,
             "zstd_level": self.zstd_level,
             "written": now_iso(),
             "git_sha": git_sha(),
@@ -388,6 +442,9 @@ class ShardWriter:
         counts["tokens"] += entry["tokens"]
         counts["loss_tokens"] += entry["loss_tokens"]
         self._manifest["shards"].append(entry)
+        # A version-1 dataset being resumed now holds a version-2 index: readers that predate
+        # per-sample checksums must refuse it by its version, not stumble on the new columns.
+        self._manifest["format_version"] = FORMAT_VERSION
         self._manifest["complete"] = False
         self._committed_ids.update(shard.sample_ids)
         self._save_manifest()

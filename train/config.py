@@ -138,6 +138,7 @@ class TrainConfig:
 RESUME_FREE_KEYS = (
     "resume", "stop_after", "run_name", "out_dir", "log", "checkpoint", "compile",
     "data.prefetch_threads", "data.prefetch_depth", "data.pin_memory", "data.verify_checksums",
+    "data.verify_samples",
 )
 
 

@@ -4,9 +4,11 @@ to docs/reliability.md and exits non-zero if any scenario fails.
     python -m tests.reliability                      every scenario at full size (real processes)
     python -m tests.reliability --only 1,2 --seed 3  some scenarios, another seed
     python -m tests.reliability --quick              small counts in forked processes (checks the suite itself)
+    python -m tests.reliability --only 3 --update    rerun scenario 3 and replace its figures in docs/reliability.md
 
-The report is written only by a run of every scenario (or with --out); failed runs keep their
-work directory for inspection and say where it is.
+The report is written only by a run of every scenario (or with --out, or --update for some
+scenarios of an existing report); failed runs keep their work directory for inspection and say
+where it is.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from tests.reliability import bad_inputs, corruption, extract_kills, io_errors, security, train_kills
 from tests.reliability.outcome import Outcome
-from tests.reliability.report import write_report
+from tests.reliability.report import update_report, write_report
 from tests.reliability.world import REPO, build_world
 
 FULL = {"extract_kills": 30, "train_kills": 22, "corruption_trials": 60, "record_examples": 1500, "config_examples": 500,
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7, help="seed of the kill moments, damaged bytes and generated inputs")
     parser.add_argument("--quick", action="store_true", help="small counts, forked processes")
     parser.add_argument("--out", default=None, help="report path (default docs/reliability.md when every scenario runs)")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only these scenarios' rows and details in the existing report (docs/reliability.md or --out)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
     only = sorted({int(x) for x in args.only.split(",") if x.strip()})
@@ -87,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      - {line[:400]}", flush=True)
     seconds = time.time() - started
     out = args.out or (str(REPO / "docs" / "reliability.md") if only == [1, 2, 3, 4, 5, 6] and not args.quick else None)
-    if out:
+    if args.update and not args.quick:
+        out = args.out or str(REPO / "docs" / "reliability.md")
+        update_report(Path(out), outcomes, command=command, date=date, seed=args.seed)
+        print(f"updated scenario(s) {only} in {out}", flush=True)
+    elif out:
         write_report(Path(out), outcomes, command=command, date=date, seed=args.seed, sizes=sizes, seconds=seconds)
         print(f"wrote {out}", flush=True)
     failed = [o for o in outcomes if not o.passed]

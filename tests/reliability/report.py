@@ -48,11 +48,13 @@ processes.
 3. **Corruption.** One random byte XORed with a random value, or the file truncated at a random
    length, in a copy of the dataset (shard, index or manifest) or of a checkpoint (each of its four
    files). Detected means: `verify` reports a problem naming the file *and* the trainer's data
-   stream with `data.verify_checksums=true` stops with an error naming it (dataset files), or
-   `load_checkpoint` refuses naming the file (checkpoints; a resume through `train()` is tried once
-   per file kind). The trainer with checksums off (the default) is observed, not judged; see below.
-   Then a run with `data.on_corrupt=skip` trains one epoch past a damaged shard and must count
-   exactly that shard's samples.
+   stream with `data.verify_checksums=true` stops with an error naming it *and* the stream with the
+   default settings (per-sample checksums on, whole-file checksums off) stops naming it or reads
+   exactly the intact data (the damaged bytes are never read) (dataset files), or `load_checkpoint`
+   refuses naming the file (checkpoints; a resume through `train()` is tried once per file kind).
+   The stream with every check off (`data.verify_samples=false`) is observed, not judged; see
+   above. Then runs with `data.on_corrupt=skip` train one epoch past a damaged shard and must count
+   exactly that shard's samples, or exactly one sample for a byte flipped inside one sample.
 4. **Full disk and I/O errors.** ENOSPC or EIO injected in-process at one point of the write path
    while the real CLI entry point runs; it must stop with one line on stderr naming the error and
    the file (no traceback), keep the last good state (committed samples verify and match; every
@@ -73,7 +75,7 @@ processes.
 `tests/reliability/test_*.py` run every scenario small, in forked processes (the target is loaded
 once per test process): one kill in each of the shard-written, shard-renamed, manifest-update and
 merge windows; kills in a half-written checkpoint file, after a checkpoint rename and in the middle
-of pruning; 5 damaged dataset files and 5 damaged checkpoint files plus the two `on_corrupt=skip`
+of pruning; 5 damaged dataset files and 5 damaged checkpoint files plus the three `on_corrupt=skip`
 runs; ENOSPC in shard data and in a manifest update, in a checkpoint file and EIO in a checkpoint
 fsync; 80 generated records, one fuzzed corpus, every bad value of every config key, the semantic
 and mismatched-shard cases; every security check. The fixes the suite led to have their own
@@ -103,6 +105,19 @@ def _git_sha() -> str:
         return "unknown"
 
 
+def _row(o) -> str:
+    return f"| {o.number} | {o.scenario} | {ISSUE_FIGURES[o.number]} | {o.figure} | {'yes' if o.passed else '**no**'} | {o.seconds:.0f} s |"
+
+
+def _details(o) -> list[str]:
+    lines = [f"**{o.number}. {o.scenario}.**", ""]
+    lines += [f"- {d}" for d in o.details]
+    if o.failures:
+        lines.append(f"- FAILURES ({len(o.failures)}):")
+        lines += [f"  - {f[:500]}" for f in o.failures[:30]]
+    return lines + [""]
+
+
 def write_report(path: Path, outcomes: list, *, command: str, date: str, seed: int, sizes: dict, seconds: float) -> None:
     lines = [
         "# Reliability figures",
@@ -118,16 +133,31 @@ def write_report(path: Path, outcomes: list, *, command: str, date: str, seed: i
         "| # | scenario | figure asked for | result | passed | time |",
         "|---|---|---|---|---|---:|",
     ]
-    for o in outcomes:
-        lines.append(f"| {o.number} | {o.scenario} | {ISSUE_FIGURES[o.number]} | {o.figure} | {'yes' if o.passed else '**no**'} | {o.seconds:.0f} s |")
+    lines += [_row(o) for o in outcomes]
     lines += ["", "## Details", ""]
     for o in outcomes:
-        lines.append(f"**{o.number}. {o.scenario}.**")
-        lines.append("")
-        lines += [f"- {d}" for d in o.details]
-        if o.failures:
-            lines.append(f"- FAILURES ({len(o.failures)}):")
-            lines += [f"  - {f[:500]}" for f in o.failures[:30]]
-        lines.append("")
+        lines += _details(o)
     lines.append(HOW)
     path.write_text("\n".join(lines) + "\n")
+
+
+def update_report(path: Path, outcomes: list, *, command: str, date: str, seed: int) -> None:
+    """Replace the rows and details of the scenarios just rerun in an existing full report, say so
+    in its header (with the command, date and code of the rerun), and refresh the fixed text."""
+    lines = path.read_text().splitlines()
+    numbers = ",".join(str(o.number) for o in outcomes)
+    for o in outcomes:
+        rows = [i for i, line in enumerate(lines) if line.startswith(f"| {o.number} | ")]
+        starts = [i for i, line in enumerate(lines) if line.startswith(f"**{o.number}. ")]
+        assert len(rows) == 1 and len(starts) == 1, f"{path}: no row or details of scenario {o.number} to update"
+        lines[rows[0]] = _row(o)
+        end = next(i for i in range(starts[0] + 1, len(lines)) if lines[i].startswith(("**", "## ")))
+        lines[starts[0] : end] = _details(o)
+    rerun = (f"- Rerun of scenario(s) {numbers} (their rows and details below): `.venv/bin/{command}` on {date}, "
+             f"git {_git_sha()}, seed {seed}; {sum(o.passed for o in outcomes)}/{len(outcomes)} passed. "
+             "The other scenarios' figures are from the full run above.")
+    lines = [line for line in lines if not line.startswith(f"- Rerun of scenario(s) {numbers} ")]
+    result = next(i for i, line in enumerate(lines) if line.startswith("- Result: "))
+    lines.insert(result + 1, rerun)
+    how = lines.index(HOW.splitlines()[0])
+    path.write_text("\n".join(lines[:how]) + "\n" + HOW + "\n")
