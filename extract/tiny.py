@@ -5,14 +5,27 @@ Everything is built offline and deterministically by `python -m extract.tiny [ke
 (`make tiny`, knobs in `TinyConfig`) and cached; a second run with the same recipe does nothing:
 
     artifacts/tiny/corpus/train.jsonl, heldout.jsonl   chat records {"messages": [...]} (a few {"text": ...})
+    artifacts/tiny/corpus/train_regen.jsonl,           the same user turns answered by the trained target
+                          heldout_regen.jsonl          itself, greedily (dflash.md §3.1; the tiny default's data)
     artifacts/tiny/target/                             HF directory: config.json, model.safetensors (bf16),
                                                        generation_config.json, tokenizer files, chat template,
-                                                       tiny_report.json (accuracies, tap ids, token ids, corpus sizes)
+                                                       tiny_report.json (accuracies, tap ids, token ids, corpus sizes,
+                                                       regeneration counts, lengths and time)
     artifacts/tiny/build.json                          recipe digest; written last
 
 Library use: `build_tiny(TinyConfig(...)) -> Path`, `build_corpus(seed, heldout_fraction)`,
 `build_chat_tokenizer(texts, vocab_size)`, `build_tiny_target(out_dir, train, heldout, cfg)`,
-`tap_layer_ids(num_layers, n_taps)`.
+`regenerate_corpus(target_dir, train, heldout, cfg)`, `regenerate_records(model, tokenizer, records,
+max_new_tokens)`, `tap_layer_ids(num_layers, n_taps)`.
+
+Target-regenerated answers: each user turn is rendered as `train.specdecode` renders prompts
+(`add_generation_prompt=True`, `enable_thinking=False`) and answered by the saved target (float32,
+as extraction and speculative decoding run it) with greedy decoding until `<|im_end|>`/EOS or
+`regen_max_new_tokens`; multi-turn records are answered turn by turn. So the held-out first answers
+are exactly what target-only greedy decoding produces from the speculative-decoding prompts, and
+offline τ on them estimates online τ (dflash.md §4.3). (An earlier answer of a multi-turn record was
+generated after the empty think block, which the template drops from past turns: only a
+conversation's last answer is exactly the greedy continuation of its rendered prefix.)
 
 Chat template (Qwen3 style, on purpose, so the tiny default exercises what the real target does):
 
@@ -503,6 +516,8 @@ class TinyConfig:
     lr: float = knob(3e-3, help="peak AdamW learning rate (linear warmup, cosine decay to 10%)", min=0.0, max=1.0)
     warmup_steps: int = knob(40, help="learning-rate warmup steps", min=0)
     weight_decay: float = knob(0.1, help="AdamW weight decay on matrices", min=0.0, max=1.0)
+    regen_max_new_tokens: int = knob(256, help="cap on each target-regenerated answer (greedy answers that hit it are truncated)", min=1, max=4096)
+    regen_batch: int = knob(128, help="prompts per batch of the greedy regeneration (left-padded; larger is faster on CPU up to ~128)", min=1)
     precision: Literal["auto", "fp32", "bf16"] = knob(
         "auto", help="training compute: bf16 autocast (fast where the CPU has bf16 instructions), fp32, or auto-detect"
     )
@@ -885,6 +900,223 @@ def torch_threads() -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# Target-regenerated corpus (dflash.md §3.1): the corpus prompts answered by the target itself
+#
+# DFlash trains on the target's own answers to user prompts. Offline τ equals online greedy τ only
+# where the data tokens are the target's greedy continuation (dflash.md §4.3), and the tiny target's
+# own answers (generic, repetitive) are what a drafter can learn, unlike documentation text the
+# target predicts poorly. So every user turn is re-answered by the saved target, greedily, on the
+# prompt rendered exactly as `train.specdecode.prompts_from_jsonl` renders it.
+
+REGEN_FILES = {"train": "corpus/train_regen.jsonl", "heldout": "corpus/heldout_regen.jsonl"}
+
+
+def answer_prompt(tokenizer, messages: list[dict]) -> str:
+    """The conversation so far as the target sees it before it answers: the chat template with the
+    generation prompt, non-thinking (train.specdecode's rendering of prompts)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+
+
+def conversation_turns(record: dict) -> list[list[dict]]:
+    """The non-assistant messages before each assistant answer, one list per answer; [] when the
+    record has no user turn to answer ({"text": ...} records)."""
+    turns: list[list[dict]] = []
+    pending: list[dict] = []
+    for message in record.get("messages", []):
+        if message["role"] != "assistant":
+            pending.append({"role": message["role"], "content": message["content"]})
+        elif pending:
+            turns.append(pending)
+            pending = []
+    return turns if turns and any(m["role"] == "user" for m in turns[0]) else []
+
+
+def answer_stop_ids(model, tokenizer) -> set[int]:
+    """Ids that end an answer: the generation config's EOS ids and the tokenizer's (as specdecode stops)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def regenerate_records(
+    model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 64, *, progress: bool = False
+) -> tuple[list[dict], dict[str, Any]]:
+    """(records, stats): every record's user turns answered by `model`'s greedy decoding.
+
+    A record keeps its user (and system) turns; each assistant answer is replaced, turn by turn,
+    by the target's greedy continuation of the conversation so far (earlier answers already
+    regenerated), cut before the stop token or at `max_new_tokens`. Records without a user turn
+    are skipped; a record with an answer that would be empty is dropped; both are counted. An
+    answer whose text would tokenize differently is cut to its longest prefix that tokenizes back
+    to the same ids, so extraction reads exactly the tokens the target generated.
+    """
+    stop_ids = answer_stop_ids(model, tokenizer)
+    turns = [conversation_turns(r) for r in records]
+    conversations: list[list[dict] | None] = [[] if t else None for t in turns]
+    stats: dict[str, Any] = {"records_in": len(records), "skipped_no_user_turn": sum(not t for t in turns),
+                             "dropped_empty_answer": 0, "answers": 0, "answers_at_cap": 0, "answers_cut_to_round_trip": 0}
+    lengths: list[int] = []
+    for depth in range(max(map(len, turns), default=0)):
+        todo = [i for i, c in enumerate(conversations) if c is not None and depth < len(turns[i])]
+        if not todo:  # every longer conversation was dropped at an earlier turn
+            break
+        texts = [answer_prompt(tokenizer, conversations[i] + turns[i][depth]) for i in todo]
+        prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        answers = greedy_answers(model, prompt_ids, max_new_tokens, batch_size, stop_ids, tokenizer.pad_token_id,
+                                 desc=f"regenerate answers (turn {depth + 1})" if progress else None)
+        for i, text, ids, (answer, stopped) in zip(todo, texts, prompt_ids, answers):
+            kept = round_trip_length(tokenizer, text, ids, answer)
+            if kept == 0:  # the target ends its turn at once: nothing to learn from this record
+                conversations[i] = None
+                stats["dropped_empty_answer"] += 1
+                continue
+            stats["answers"] += 1
+            stats["answers_at_cap"] += not stopped
+            stats["answers_cut_to_round_trip"] += kept < len(answer)
+            lengths.append(kept)
+            content = tokenizer.decode(answer[:kept], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            conversations[i] = conversations[i] + turns[i][depth] + [assistant(content)]
+    out = [{"messages": c} for c in conversations if c is not None]
+    stats.update(records_out=len(out), answer_tokens=sum(lengths), answer_length=quantiles(lengths))
+    return out, stats
+
+
+def round_trip_length(tokenizer, prompt_text: str, prompt_ids: list[int], answer: list[int]) -> int:
+    """How many leading `answer` tokens survive being written as text after `prompt_text` and
+    tokenized again (a model may emit a split that BPE would merge, e.g. at the prompt's end)."""
+    def survives(n: int) -> bool:
+        text = tokenizer.decode(answer[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return tokenizer(prompt_text + text, add_special_tokens=False)["input_ids"] == prompt_ids + answer[:n]
+
+    if survives(len(answer)):
+        return len(answer)
+    # Tokens up to the first difference usually survive; merges across the cut may need a step back.
+    again = tokenizer(prompt_text + tokenizer.decode(answer, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+                      add_special_tokens=False)["input_ids"]
+    first = next((n for n, (a, b) in enumerate(zip(again, prompt_ids + answer)) if a != b), min(len(again), len(prompt_ids) + len(answer)))
+    for n in range(min(len(answer), max(0, first - len(prompt_ids))), 0, -1):
+        if survives(n):
+            return n
+    return 0
+
+
+def quantiles(values: list[int]) -> dict[str, int]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {name: ordered[round(q * (len(ordered) - 1))] for name, q in (("min", 0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1))}
+
+
+def greedy_answers(
+    model, prompts: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set[int], pad_id: int, desc: str | None = None
+) -> list[tuple[list[int], bool]]:
+    """(tokens before the first stop token, whether a stop token came) of greedy decoding per prompt,
+    at most `max_new_tokens` generated; prompts batched by length (less padding), results in order."""
+    from tqdm.auto import tqdm
+
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    batches = [order[at : at + batch_size] for at in range(0, len(order), batch_size)]
+    results: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
+    for batch in tqdm(batches, desc=desc, unit="batch", disable=desc is None, dynamic_ncols=True):
+        for i, answer in zip(batch, greedy_batch(model, [prompts[i] for i in batch], max_new_tokens, stop_ids, pad_id)):
+            results[i] = answer
+    return results
+
+
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int) -> list[tuple[list[int], bool]]:
+    """Greedy decoding of left-padded prompts with a KV cache. Position ids count each row's real
+    tokens and padding is masked out, so every row decodes as it would alone. Finished rows are
+    dropped from the batch once a quarter of it has finished."""
+    import torch
+
+    rows, width = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    # transformers renamed `past_key_values` to `cache` (5.2x); pass whichever this version takes.
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    tokens: list[list[int]] = [[] for _ in prompts]
+    stopped = [False] * rows
+    alive = list(range(rows))  # batch row -> prompt index
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        last = positions[:, -1:]
+        for step in range(max_new_tokens):
+            cache, next_ids = cache_of(out), out.logits[:, -1].argmax(-1)
+            for row, token in zip(alive, next_ids.tolist()):
+                if stopped[row]:
+                    continue
+                if token in stop_ids:
+                    stopped[row] = True
+                else:
+                    tokens[row].append(token)
+            running = [n for n, row in enumerate(alive) if not stopped[row]]
+            if not running or step == max_new_tokens - 1:
+                break
+            if 4 * (len(alive) - len(running)) >= len(alive):
+                keep = torch.tensor(running)
+                cache.batch_select_indices(keep)
+                mask, last, next_ids = mask[keep], last[keep], next_ids[keep]
+                alive = [alive[n] for n in running]
+            mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
+            last = last + 1
+            out = model(input_ids=next_ids[:, None], attention_mask=mask, position_ids=last, use_cache=True, **{cache_kwarg: cache})
+    return [(t, s) for t, s in zip(tokens, stopped)]
+
+
+def cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def regenerate_corpus(
+    target_dir: str | os.PathLike, train: list[dict], heldout: list[dict], cfg: TinyConfig | None = None, *, progress: bool = True
+) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """(train, heldout, report) of the target-regenerated corpus, answered by the target saved in
+    `target_dir`, loaded as extraction and speculative decoding load it (float32 from the bf16 file).
+
+    The report has counts and lengths per split, the time taken, and the share of held-out answer
+    tokens that equal the target's teacher-forced greedy prediction (about 1: the data is the
+    target's greedy continuation; the misses are the `<|im_end|>` closing answers cut at the cap).
+    """
+    import torch
+    from common.target import load_target
+
+    cfg = cfg or TinyConfig()
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads or usable_cores())
+    try:
+        target = load_target(str(target_dir), dtype="float32")
+        model, tokenizer = target.model, target.tokenizer
+        started = time.perf_counter()
+        splits = {}
+        for name, records in (("train", train), ("heldout", heldout)):
+            splits[name] = regenerate_records(model, tokenizer, records, cfg.regen_max_new_tokens, cfg.regen_batch, progress=progress)
+        seconds = time.perf_counter() - started
+        report = {"max_new_tokens": cfg.regen_max_new_tokens, "seconds": round(seconds, 1), "threads": torch_threads(),
+                  "files": dict(REGEN_FILES)}
+        for name, (records, stats) in splits.items():
+            report[name] = {**stats, "tokens": length_summary(encode_records(tokenizer, records, cfg.max_len))}
+        report["heldout_answer_greedy_agreement"] = greedy_agreement(model, tokenizer, splits["heldout"][0], cfg.max_len)
+        return splits["train"][0], splits["heldout"][0], report
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def greedy_agreement(model, tokenizer, records: list[dict], max_len: int) -> float:
+    """Share of answer tokens that equal the model's greedy next token given the data before them."""
+    seqs = encode_records(tokenizer, records, max_len)
+    masks = assistant_masks(tokenizer, records, max_len)
+    correct, total = next_token_accuracy(model, seqs, EVAL_BATCH_TOKENS, tokenizer.pad_token_id, masks)
+    return correct / max(1, total)
+
+
+# ----------------------------------------------------------------------------------------------
 # The cached build of artifacts/tiny
 
 BUILD_RECORD = "build.json"
@@ -892,6 +1124,7 @@ REQUIRED_FILES = (
     BUILD_RECORD,
     "corpus/train.jsonl",
     "corpus/heldout.jsonl",
+    *REGEN_FILES.values(),
     "target/config.json",
     "target/generation_config.json",
     "target/model.safetensors",
@@ -964,6 +1197,12 @@ def build_into(tmp: Path, cfg: TinyConfig, digest: str, progress: bool) -> None:
     write_jsonl(tmp / "corpus/heldout.jsonl", heldout)
     log(f"corpus: {len(train)} train and {len(heldout)} held-out records")
     report = build_tiny_target(tmp / "target", train, heldout, cfg, progress=progress)
+    log(f"target trained in {report['train_seconds']:.0f} s; regenerating the answers with it")
+    train_regen, heldout_regen, regen = regenerate_corpus(tmp / "target", train, heldout, cfg, progress=progress)
+    write_jsonl(tmp / REGEN_FILES["train"], train_regen)
+    write_jsonl(tmp / REGEN_FILES["heldout"], heldout_regen)
+    report["regenerated_corpus"] = regen
+    (tmp / "target/tiny_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     record = {
         "recipe_digest": digest,
         "recipe": recipe(cfg),
@@ -1016,9 +1255,27 @@ def summary_lines(report: dict[str, Any], seconds: float) -> str:
             f"(most frequent token: {report['most_frequent_token_answer_accuracy']:.3f})",
             f"corpus tokens: train {train['tokens']} in {train['records']} records, "
             f"held-out {heldout['tokens']} in {heldout['records']}",
+            *regen_summary_lines(report.get("regenerated_corpus")),
             f"tap layer ids {report['tap_layer_ids']}; built in {seconds:.0f} s",
         ]
     )
+
+
+def regen_summary_lines(regen: dict[str, Any] | None) -> list[str]:
+    if not regen:
+        return []
+    train, heldout = regen["train"], regen["heldout"]
+    dropped = train["dropped_empty_answer"] + heldout["dropped_empty_answer"]
+    skipped = train["skipped_no_user_turn"] + heldout["skipped_no_user_turn"]
+    answers = train["answers"] + heldout["answers"]
+    at_cap = train["answers_at_cap"] + heldout["answers_at_cap"]
+    return [
+        f"target-regenerated corpus: {train['records_out']} train and {heldout['records_out']} held-out records "
+        f"({dropped} dropped: empty answer; {skipped} without a user turn skipped), {answers} greedy answers, "
+        f"median {train['answer_length'].get('p50')} tokens, {at_cap} cut at {regen['max_new_tokens']}; "
+        f"{regen['seconds']:.0f} s",
+        f"held-out regenerated answer tokens equal to the target's greedy token: {regen['heldout_answer_greedy_agreement']:.4f}",
+    ]
 
 
 def log(message: str) -> None:
@@ -1037,7 +1294,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = build_tiny(cfg)
     log(f"target:  {out / 'target'}  (report: {out / 'target' / 'tiny_report.json'})")
-    log(f"corpus:  {out / 'corpus' / 'train.jsonl'}  {out / 'corpus' / 'heldout.jsonl'}")
+    log(f"corpus:  {out / 'corpus' / 'train.jsonl'}  {out / 'corpus' / 'heldout.jsonl'}  (real text)")
+    log(f"         {out / REGEN_FILES['train']}  {out / REGEN_FILES['heldout']}  (target-regenerated answers)")
     return 0
 
 

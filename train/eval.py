@@ -27,6 +27,12 @@ These are averages over blocks (anchors), not the per-response mean of per-round
 benchmarks report, and the labels are the target's greedy tokens *given the data prefix*: they equal
 online greedy decoding only where the data is the target's own greedy output (§4.3).
 
+Most-frequent-label baseline, on the same blocks (JSON `baseline`, rows `most-frequent-label
+baseline: ...`): a draft-free "drafter" whose distribution at every depth of every block is the
+frequency of the labels at the valid positions of these very blocks. Its chain drafts the most
+frequent label everywhere (the best any constant draft does on these blocks), its DDTree holds
+the most frequent labels. A drafter is only worth its margin over this.
+
 Data. If `--data` is the dataset the run trained on (same manifest digest as in run.json, or the
 same path), only its held-out split is evaluated (`is_holdout` with the run's
 `data.holdout_fraction`; with two runs the smaller fraction, so no sample either run trained on is
@@ -72,7 +78,7 @@ from torch import Tensor, nn
 
 from common.config import ConfigError, config_to_dict, describe, fail, knob, load_config
 from common.hashing import json_digest
-from train.acceptance import ChainBlocks, chain_blocks, summarize_blocks, summarize_by_group
+from train.acceptance import ChainBlocks, chain_blocks, summarize_blocks, summarize_by_group, valid_mask
 from train.ddtree import ddtree_taus, draft_topk
 
 __all__ = [
@@ -92,6 +98,8 @@ __all__ = [
     "block_targets",
     "run_blocks",
     "summarize_model",
+    "label_frequency_topk",
+    "label_baseline",
     "metric_ratios",
     "bucket_table",
     "evaluate_checkpoints",
@@ -105,6 +113,9 @@ _SUBSET_SALT = b"dflash-eval-subset:"
 _ANCHOR_SALT = b"dflash-eval-anchors:"
 # Forwards whose DDTree scoring may still be queued behind the GPU (each holds its top-k tensors).
 _SCORING_BACKLOG = 4
+BASELINE_NAME = "most-frequent-label baseline"
+# Blocks per scoring call of the baseline (its per-depth top-k is the same for every block).
+_BASELINE_CHUNK = 4096
 # Metrics whose second/first ratio is reported (counts and histograms are the same blocks for both).
 _NOT_RATIOED = ("n_blocks", "n_cut", "n_samples", "position_count", "conditional_count", "tau_histogram")
 
@@ -870,6 +881,47 @@ def summarize_model(table: BlockTable, scores: DraftScores, buckets: Sequence[di
     return {"overall": overall, "buckets": out_buckets}
 
 
+def label_frequency_topk(table: BlockTable, k: int) -> tuple[Tensor, Tensor]:
+    """(log-frequency float32, id int64), each [min(k, distinct labels)], of the labels at the valid
+    positions of the blocks, most frequent first (ties: the smaller id first)."""
+    n_draft = table.target_ids_ND.shape[1]
+    if table.n_blocks == 0:
+        return torch.zeros(0), torch.zeros(0, dtype=torch.long)
+    labels = table.target_ids_ND[valid_mask(table.valid_len_N, n_draft)]
+    counts = torch.bincount(labels)
+    ids = counts.nonzero().view(-1)  # ascending, so the stable sort breaks ties by id
+    ids = ids[torch.sort(counts[ids], descending=True, stable=True).indices[:k]]
+    return (counts[ids].double() / labels.numel()).log().float(), ids
+
+
+def label_baseline(table: BlockTable, budgets: Sequence[int], topk: int) -> DraftScores:
+    """Scores of the draft-free baseline on the blocks of `table`: at every depth of every block,
+    the label frequency of these blocks (see the module docstring)."""
+    n_draft = table.target_ids_ND.shape[1]
+    budgets = sorted(set(budgets))
+    lp_k, ids_k = label_frequency_topk(table, topk)
+    parts = []
+    for start in range(0, table.n_blocks, _BASELINE_CHUNK):
+        rows = slice(start, start + _BASELINE_CHUNK)
+        n = table.target_ids_ND[rows].shape[0]
+        # The same top-k at every depth of every block: a broadcast view, not n x D copies.
+        parts.append(score_drafts(lp_k.expand(n, n_draft, -1), ids_k.expand(n, n_draft, -1), table.target_ids_ND[rows],
+                                  table.valid_len_N[rows], budgets, BASELINE_NAME))
+    return DraftScores.concat(parts, n_draft, budgets)
+
+
+def baseline_report(table: BlockTable, budgets: Sequence[int], topk: int, buckets: Sequence[dict]) -> dict:
+    """The JSON `baseline` entry: what it is, its token, and its summaries like a checkpoint's."""
+    lp_k, ids_k = label_frequency_topk(table, topk)
+    return {
+        "name": BASELINE_NAME,
+        "token": int(ids_k[0]) if ids_k.numel() else None,
+        "token_share": float(lp_k[0].exp()) if lp_k.numel() else None,
+        "description": "chain: always the most frequent label of these blocks; DDTree: the label frequencies at every depth",
+        **summarize_model(table, label_baseline(table, budgets, topk), buckets),
+    }
+
+
 def _ratio(a: Any, b: Any) -> Any:
     if isinstance(a, list) and isinstance(b, list):
         return [_ratio(x, y) for x, y in zip(a, b)]
@@ -932,6 +984,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
     eval_start = time.perf_counter()
     table, scores = run_blocks(models, data, cfg, runtime, bucket_of_sample)
     seconds = time.perf_counter() - eval_start
+    baseline = baseline_report(table, cfg.budgets, cfg.topk, buckets)
     n_draft = block_sizes[0] - 1
     out = Path(cfg.out) if cfg.out else default_out_path(infos, data.name)
     cfg = dataclasses.replace(cfg, out=str(out))
@@ -964,6 +1017,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
              "step": info.step, "target": target, "checked_fields": fields, **summarize_model(table, s, buckets)}
             for info, target, fields, s in zip(infos, targets, checked, scores)
         ],
+        "baseline": baseline,
         "notes": _notes(data, n_draft, cfg),
         "device": str(runtime.device),
         "precision": str(runtime.autocast_dtype or torch.float32).replace("torch.", ""),
@@ -1025,6 +1079,13 @@ def metric_rows(budgets: Sequence[int], n_draft: int, headline_only: bool = Fals
     return rows
 
 
+def baseline_rows(budgets: Sequence[int]) -> list[tuple[str, str, int | None]]:
+    """(row label, summary key, list index or None) of the baseline's rows."""
+    name = BASELINE_NAME
+    return ([(f"{name}: tau chain", "tau", None), (f"{name}: acc k=1", "position_acceptance", 0)]
+            + [(f"{name}: tau DDTree-{b}", f"ddtree_tau_{b}", None) for b in budgets])
+
+
 def _value(summary: dict, key: str, index: int | None) -> Any:
     value = summary.get(key)
     if index is not None and isinstance(value, list):
@@ -1066,8 +1127,29 @@ def _single_table(report: dict) -> str:
     if len(report["buckets"]) > 1:
         columns += [(b["label"], s) for b, s in zip(report["buckets"], ckpt["buckets"])]
     header = ["metric"] + [name for name, _ in columns]
-    rows = [[label] + [_bucket_cell(s, key, index) for _, s in columns] for label, key, index in metric_rows(report["budgets"], n_draft)]
+    specs = metric_rows(report["budgets"], n_draft)
+    rows = [[label] + [_bucket_cell(s, key, index) for _, s in columns] for label, key, index in specs]
+    baseline = report.get("baseline")  # absent from reports written before it existed
+    if baseline:
+        # Right after the drafter's headline rows, so the two read together.
+        at = next(i for i, (_, key, _) in enumerate(specs) if key == "all_accepted") + 1
+        summaries = [baseline["overall"]] + (baseline["buckets"] if len(columns) > 1 else [])
+        rows[at:at] = [[label] + [_bucket_cell(s, key, index) for s in summaries] for label, key, index in baseline_rows(report["budgets"])]
     return _grid(header, rows)
+
+
+def _baseline_line(report: dict) -> list[str]:
+    """The header line that says what the baseline is (and, with two checkpoints, its overall numbers)."""
+    baseline = report.get("baseline")
+    if not baseline or baseline.get("token") is None:
+        return []
+    line = (f"  baseline   {baseline['name']}: always token {baseline['token']} ({100 * baseline['token_share']:.1f}% of "
+            f"these blocks' labels); DDTree over the label frequencies")
+    if len(report["checkpoints"]) == 1:
+        return [line]
+    overall = baseline["overall"]
+    numbers = ", ".join(f"{label.split(': ', 1)[1]} {_cell(_value(overall, key, index))}" for label, key, index in baseline_rows(report["budgets"]))
+    return [line, f"             on the same blocks for A and B: {numbers}"]
 
 
 def _pair_table(first: dict, second: dict, ratio: dict, rows_spec) -> str:
@@ -1090,6 +1172,7 @@ def render_report(report: dict) -> str:
     lines.append(f"  buckets    {data['boundaries_from']}: " + ", ".join(
         f"{b['label']} ({b['n_samples']} samples)" for b in report["buckets"]))
     lines += [f"  note       {note}" for note in report["notes"]]
+    lines += _baseline_line(report)
     lines.append("")
     if len(ckpts) == 1:
         lines.append(_single_table(report))

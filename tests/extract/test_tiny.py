@@ -233,6 +233,61 @@ def test_build_tiny_target_writes_a_loadable_hf_directory(tmp_path, corpus):
         assert (tmp_path / "again" / name).read_bytes() == (tmp_path / name).read_bytes(), name
 
 
+def test_an_answer_bpe_would_merge_is_cut_to_what_tokenizes_back(small_tokenizer):
+    tok = small_tokenizer
+    prompt = tiny.answer_prompt(tok, [{"role": "user", "content": "Say it."}])
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    word = next(t for t, i in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]) if len(t) >= 4 and t.isalpha())
+    pieces = [tok.convert_tokens_to_ids(c) for c in word]  # one token per letter: BPE would merge them
+    whole = tok(prompt + "ok", add_special_tokens=False)["input_ids"][len(prompt_ids):]
+    assert tiny.round_trip_length(tok, prompt, prompt_ids, whole) == len(whole)
+    kept = tiny.round_trip_length(tok, prompt, prompt_ids, whole + pieces)
+    assert len(whole) <= kept < len(whole) + len(pieces)
+    text = tok.decode((whole + pieces)[:kept], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert tok(prompt + text, add_special_tokens=False)["input_ids"] == prompt_ids + (whole + pieces)[:kept]
+
+
+def test_regenerated_answers_are_the_targets_greedy_decoding(tmp_path, corpus):
+    """Against transformers' own `generate` (greedy), one prompt at a time; the batched, left-padded
+    decoding must not change a token, and the saved text must tokenize back to the generated ids."""
+    from common.target import load_target
+
+    train, heldout = corpus
+    # Trained a little, so its greedy text is words (a near-random model emits pieces BPE would merge).
+    build_tiny_target(tmp_path, train[:200], heldout[:10], TinyConfig(**{**TINY_MODEL, "steps": 60}), progress=False)
+    target = load_target(str(tmp_path), dtype="float32")
+    model, tok = target.model, target.tokenizer
+    multi_turn = {"messages": [{"role": "user", "content": "Describe `os.path`."}, {"role": "assistant", "content": "x"},
+                               {"role": "user", "content": "And `os.sep`?"}, {"role": "assistant", "content": "y"}]}
+    records = heldout[:7] + [multi_turn, {"text": "plain text has no user turn"}]
+    out, stats = tiny.regenerate_records(model, tok, records, max_new_tokens=12, batch_size=3)
+    alone, _ = tiny.regenerate_records(model, tok, records, max_new_tokens=12, batch_size=1)
+    assert out == alone
+    assert stats["skipped_no_user_turn"] == 1
+    assert stats["records_out"] + stats["dropped_empty_answer"] + stats["skipped_no_user_turn"] == len(records) == stats["records_in"]
+    assert len(out) == stats["records_out"] >= 4
+
+    stop = sorted(tiny.answer_stop_ids(model, tok))
+    checked = 0
+    for record in out:
+        messages = record["messages"]
+        assert [m["role"] for m in messages[::2]] == ["user"] * (len(messages) // 2)
+        for turn in range(1, len(messages), 2):
+            prompt = tiny.answer_prompt(tok, messages[:turn])
+            prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            answer_ids = tok(prompt + messages[turn]["content"], add_special_tokens=False)["input_ids"]
+            assert answer_ids[: len(prompt_ids)] == prompt_ids and len(answer_ids) > len(prompt_ids)
+            with torch.no_grad():
+                generated = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                           do_sample=False, max_new_tokens=12, eos_token_id=stop, pad_token_id=tok.pad_token_id)
+            reference = generated[0, len(prompt_ids):].tolist()
+            reference = reference[: next((i for i, t in enumerate(reference) if t in stop), len(reference))]
+            new = answer_ids[len(prompt_ids):]
+            assert new == reference[: len(new)], (prompt, new, reference)
+            checked += 1
+    assert checked == stats["answers"] and checked >= len(out)
+
+
 # ----------------------------------------------------------------------------------------------
 # Cached build
 
@@ -273,11 +328,17 @@ def fake_target(out_dir, train, heldout, cfg, progress=True):
               "mask_token_id": 399, "tap_layer_ids": [0, 1],
               "corpus": {"train": {"records": len(train), "tokens": 1}, "heldout": {"records": len(heldout), "tokens": 1}}}
     (out / "tiny_report.json").write_text(json.dumps(report))
-    return report
+    return {**report, "train_seconds": 0.0}
+
+
+def fake_regeneration(target_dir, train, heldout, cfg=None, progress=True):
+    """Stands in for the greedy re-answering, which needs a real target."""
+    return train, heldout, {}
 
 
 def test_a_partial_build_is_detected_and_redone(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny, "build_tiny_target", fake_target)
+    monkeypatch.setattr(tiny, "regenerate_corpus", fake_regeneration)
     cfg = TinyConfig(out_dir=str(tmp_path / "tiny"), **TINY_MODEL)
     out = build_tiny(cfg, progress=False)
     digest = tiny.recipe_digest(cfg)

@@ -38,6 +38,8 @@ from train.eval import (
     select_eval_data,
     summarize_model,
     bucket_table,
+    label_baseline,
+    label_frequency_topk,
 )
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
@@ -264,6 +266,27 @@ def test_batched_evaluation_equals_a_one_block_at_a_time_loop(tiny):
         assert all(torch.equal(scores2[0].ddtree_tau[b], scores[0].ddtree_tau[b]) for b in (8, 16, 32, 64))
 
 
+def test_most_frequent_label_baseline_on_the_same_blocks(tiny):
+    data, buckets, table, _ = evaluate([random_drafter_model()], tiny, eval_config("max_samples=8"), boundaries=[25])
+    labels = [int(y) for row, n in zip(table.target_ids_ND, table.valid_len_N) for y in row[: int(n)]]
+    counts = {y: labels.count(y) for y in set(labels)}
+    order = sorted(counts, key=lambda y: (-counts[y], y))  # most frequent first, ties: smaller id
+    lp, ids = label_frequency_topk(table, 5)
+    assert ids.tolist() == order[:5]
+    assert torch.allclose(lp.exp(), torch.tensor([counts[y] / len(labels) for y in order[:5]]))
+
+    summary = summarize_model(table, label_baseline(table, [8, 64], 64), buckets)["overall"]
+    best = order[0]
+    streaks = []
+    for row, n in zip(table.target_ids_ND.tolist(), table.valid_len_N.tolist()):
+        streaks.append(next((j for j, y in enumerate(row[:n]) if y != best), n))
+    assert summary["tau"] == pytest.approx(1 + np.mean(streaks))
+    k1 = [row[0] == best for row, n in zip(table.target_ids_ND.tolist(), table.valid_len_N.tolist()) if n >= 1]
+    assert summary["position_acceptance"][0] == pytest.approx(np.mean(k1))
+    # A tree over the label frequencies holds the chain of the most frequent label: never worse.
+    assert summary["ddtree_tau_64"] >= summary["tau"] and summary["ddtree_tau_8"] <= summary["ddtree_tau_64"]
+
+
 def run_cli(capsys, *argv):
     code = main([str(a) for a in argv] + ["progress=false", "load_threads=1"])
     captured = capsys.readouterr()
@@ -310,6 +333,11 @@ def test_cli_on_a_trained_run_holdout_buckets_and_json(tiny, tmp_path, capsys):
     # Every metric the summary has is in the table, overall, with the JSON's value.
     tau_line = next(line for line in table.splitlines() if line.startswith("tau chain "))
     assert tau_line.split()[2] == f"{ckpt['overall']['tau']:.3f}"
+    baseline = report["baseline"]
+    assert baseline["overall"]["n_blocks"] == ckpt["overall"]["n_blocks"]  # the same blocks as the drafter
+    base_line = next(line for line in lines if line.startswith("most-frequent-label baseline: tau chain"))
+    assert base_line.split()[4] == f"{baseline['overall']['tau']:.3f}"
+    assert f"always token {baseline['token']}" in table
     for b in (8, 16, 32, 64):
         line = next(line for line in table.splitlines() if line.startswith(f"tau DDTree-{b} "))
         assert line.split()[2] == f"{ckpt['overall'][f'ddtree_tau_{b}']:.3f}"

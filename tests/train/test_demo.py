@@ -1,0 +1,77 @@
+"""`make demo` (train.demo): the steps it runs, in order, and its closing summary read from their outputs.
+
+The demo's steps themselves are each tested elsewhere; a whole demo takes minutes (`make demo`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from train import demo
+
+
+def fake_outputs(root, run="demo"):
+    (root / "artifacts/tiny/target").mkdir(parents=True)
+    (root / "artifacts/tiny/target/tiny_report.json").write_text(json.dumps(
+        {"num_layers": 8, "parameters": 2_600_000, "heldout_next_token_accuracy": 0.25, "most_frequent_token_accuracy": 0.05}))
+    run_dir = root / "runs" / run
+    run_dir.mkdir(parents=True)
+    overall = {"n_blocks": 900, "tau": 2.5, "position_acceptance": [0.6] + [0.1] * 14, "ddtree_tau_8": 3.0, "ddtree_tau_64": 4.0}
+    baseline = {"n_blocks": 900, "tau": 1.05, "position_acceptance": [0.04] + [0.0] * 14, "ddtree_tau_8": 1.2, "ddtree_tau_64": 1.4}
+    (run_dir / "eval_heldout.json").write_text(json.dumps({"checkpoints": [{"overall": overall}], "baseline": {"overall": baseline}}))
+    (run_dir / "specdecode.json").write_text(json.dumps({
+        "summary": {"prompts": 8, "tau": 2.25, "lossless": True, "speedup": 0.5,
+                    "spec": {"decode_tokens_per_s": 100.0}, "baseline": {"decode_tokens_per_s": 200.0}},
+        "config": {"max_new_tokens": 96}, "agreement": {"offline_tau_at_rounds": 2.25}}))
+
+
+def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def fake_run(args, **kwargs):
+        calls.append(args[1:])
+        if args[1:3] == ["-m", "train.report"]:  # the last step: everything before it has written its files
+            fake_outputs(tmp_path)
+        return subprocess.CompletedProcess(args, 0)
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    assert demo.main([]) == 0
+    modules = [c[1] for c in calls]
+    assert modules == ["extract.tiny", "extract", "train", "train.eval", "train.export", "train.specdecode", "train.report"]
+    train_args, eval_args, spec_args = calls[2], calls[3], calls[5]
+    assert "run_name=demo" in train_args and any(a.startswith("optim.epochs=") for a in train_args)
+    assert eval_args[2] == "runs/demo" and eval_args[eval_args.index("--data") + 1] == "artifacts/tiny/shards/heldout"
+    assert spec_args[spec_args.index("--drafter") + 1] == "runs/demo/export" == calls[4][3]
+
+    out = capsys.readouterr().out
+    rows = {line.strip().rsplit(None, 2)[0]: line.split()[-2:] for line in out.splitlines()
+            if line.strip().startswith(("tau, ", "acceptance at k=1"))}
+    assert rows["tau, chain of 15"] == ["2.500", "1.050"] and rows["acceptance at k=1"] == ["0.600", "0.040"]
+    assert rows["tau, DDTree-64"] == ["4.000", "1.400"] and "tau, DDTree-16" not in rows  # only the budgets evaluated
+    assert "tau 2.250" in out and "identical to target-only greedy decoding: True" in out and "= 0.50x" in out
+    summary = json.loads((tmp_path / "runs/demo/demo_summary.json").read_text())
+    assert summary["eval"]["tau"] == 2.5 and summary["eval_baseline"]["acceptance_k1"] == 0.04
+    assert set(summary["timings_s"]) == {"tiny target + corpus", "extraction", "drafter training", "offline evaluation",
+                                         "export", "speculative decoding", "report"}
+
+
+def test_a_failing_step_stops_the_demo_and_names_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(demo.subprocess, "run", lambda args, **kw: subprocess.CompletedProcess(args, 3 if args[2] == "extract" else 0))
+    with pytest.raises(SystemExit, match="step 'extraction' failed \\(exit 3\\)"):
+        demo.main([])
+
+
+def test_missing_outputs_read_as_not_available(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = demo.summary_text(demo.summarize("runs/none", {"x": 1.0}))
+    assert "n/a" in text and "tau, chain of 15" in text
+
+
+def test_bad_run_name_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="run"):
+        demo.main(["run=../elsewhere"])

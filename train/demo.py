@@ -1,0 +1,173 @@
+"""`make demo`: the whole pipeline on the built-in tiny default, on CPU, in one command.
+
+    python -m train.demo [run=demo] [epochs=2] [prompts=8] [new_tokens=96]
+
+Steps, each the project's own command (so the demo proves the CLIs users run):
+  1. build the tiny target and corpus if absent          python -m extract.tiny
+  2. extract train + held-out shards (resumes if done)     python -m extract configs/tiny.toml
+  3. train a drafter for a few minutes                     python -m train configs/tiny.toml ...
+  4. evaluate it offline on the held-out shards            python -m train.eval RUN --data .../heldout
+  5. export it for serving and decode speculatively        python -m train.export / train.specdecode
+  6. write the training-health report                      python -m train.report RUN
+and prints where everything is, with the measured numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from common.config import knob, parse_cli
+
+TINY = "artifacts/tiny"
+CONFIG = "configs/tiny.toml"
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    run: str = knob("demo", help="run name under runs/ (a plain name)")
+    epochs: float = knob(2.0, help="training epochs over the tiny train split (the schedule runs to completion)", min=0.1, max=100)
+    eval_anchors: int = knob(16, help="anchors per held-out sequence in the offline evaluation", min=1)
+    prompts: int = knob(8, help="held-out prompts for real speculative decoding", min=1)
+    new_tokens: int = knob(96, help="tokens generated per prompt", min=1)
+    fresh: bool = knob(True, help="delete an earlier run of the same name first (the tiny target and shards are kept: they are cached)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_cli(DemoConfig, sys.argv[1:] if argv is None else argv)
+    if "/" in cfg.run or cfg.run in ("", ".", ".."):
+        raise SystemExit(f"config key 'run': {cfg.run!r} must be a plain name")
+    run_dir = os.path.join("runs", cfg.run)
+    if cfg.fresh and os.path.isdir(run_dir):
+        shutil.rmtree(run_dir)
+    timings: dict[str, float] = {}
+    heldout = f"{TINY}/shards/heldout"
+    export_dir = os.path.join(run_dir, "export")
+    step(timings, "tiny target + corpus", ["-m", "extract.tiny"])
+    step(timings, "extraction", ["-m", "extract", CONFIG])
+    step(timings, "drafter training", ["-m", "train", CONFIG, f"run_name={cfg.run}", f"optim.epochs={cfg.epochs}"])
+    step(timings, "offline evaluation", ["-m", "train.eval", run_dir, "--data", heldout, "--out", f"{run_dir}/eval_heldout.json",
+                                         f"max_anchors={cfg.eval_anchors}"])
+    step(timings, "export", ["-m", "train.export", run_dir, export_dir])
+    step(timings, "speculative decoding", ["-m", "train.specdecode", "--target", f"{TINY}/target", "--drafter", export_dir,
+                                           "--prompts", f"{TINY}/corpus/heldout_regen.jsonl", "--num-prompts", str(cfg.prompts),
+                                           "--max-new-tokens", str(cfg.new_tokens), "--agreement", "--agreement-bf16",
+                                           "--out", f"{run_dir}/specdecode.json"])
+    step(timings, "report", ["-m", "train.report", run_dir])
+    summary = summarize(run_dir, timings)
+    with open(os.path.join(run_dir, "demo_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print_summary(summary, run_dir, export_dir)
+    return 0
+
+
+def step(timings: dict[str, float], name: str, args: list[str]) -> None:
+    print(f"\n=== {name}: python {' '.join(args)}", flush=True)
+    start = time.time()
+    result = subprocess.run([sys.executable, *args])
+    timings[name] = time.time() - start
+    if result.returncode != 0:
+        raise SystemExit(f"demo: step '{name}' failed (exit {result.returncode}); its output is above")
+
+
+def summarize(run_dir: str, timings: dict[str, float]) -> dict:
+    """The numbers the README quotes, read back from the files the steps wrote."""
+    report = _read_json(f"{TINY}/target/tiny_report.json")
+    target_keys = ("heldout_next_token_accuracy", "most_frequent_token_accuracy", "heldout_answer_next_token_accuracy",
+                   "most_frequent_token_answer_accuracy", "parameters", "num_layers", "hidden_size", "vocab_size", "tap_layer_ids")
+    evaluation = _read_json(f"{run_dir}/eval_heldout.json")
+    spec = _read_json(f"{run_dir}/specdecode.json")
+    checkpoints = evaluation.get("checkpoints") or [{}]
+    return {
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        "total_s": round(sum(timings.values()), 1),
+        "target": {k: report[k] for k in target_keys if k in report},
+        "eval": _pick_eval(checkpoints[0].get("overall", {})),
+        "eval_baseline": _pick_eval((evaluation.get("baseline") or {}).get("overall", {})),
+        "specdecode": _pick_spec(spec),
+    }
+
+
+def _pick_eval(overall: dict) -> dict:
+    keys = ("n_blocks", "tau", "all_accepted", "ddtree_tau_8", "ddtree_tau_16", "ddtree_tau_32", "ddtree_tau_64")
+    picked = {k: overall[k] for k in keys if k in overall}
+    acceptance = overall.get("position_acceptance") or []
+    if acceptance:
+        picked["acceptance_k1"] = acceptance[0]
+    return picked
+
+
+def _pick_spec(spec: dict) -> dict:
+    summary, config = spec.get("summary", {}), spec.get("config", {})
+    agreement = spec.get("agreement", {})
+    return {
+        "prompts": summary.get("prompts"), "max_new_tokens": config.get("max_new_tokens"), "tau": summary.get("tau"),
+        "lossless": summary.get("lossless"), "speedup": summary.get("speedup"),
+        "spec_tokens_per_s": summary.get("spec", {}).get("decode_tokens_per_s"),
+        "target_tokens_per_s": summary.get("baseline", {}).get("decode_tokens_per_s"),
+        "offline_tau_at_rounds_bf16": agreement.get("offline_tau_at_rounds"),
+    }
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _num(value, spec: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def summary_text(summary: dict) -> str:
+    """The closing lines of the demo: timings and the measured numbers, drafter against baselines."""
+    timings = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in summary["timings_s"].items())
+    target, ev, base, spec = summary["target"], summary["eval"], summary["eval_baseline"], summary["specdecode"]
+    budgets = [b for b in (8, 16, 32, 64) if f"ddtree_tau_{b}" in ev]
+    rows = [("acceptance at k=1", "acceptance_k1"), ("tau, chain of 15", "tau")] + [(f"tau, DDTree-{b}", f"ddtree_tau_{b}") for b in budgets]
+    lines = [
+        "=" * 78,
+        f"demo finished in {summary['total_s'] / 60:.1f} min ({timings})",
+        "",
+        f"tiny target ({target.get('num_layers')} layers, {_num(target.get('parameters', 0) / 1e6, '.1f')} M parameters): "
+        f"held-out next-token accuracy {_num(target.get('heldout_next_token_accuracy'))} "
+        f"(always the most frequent token: {_num(target.get('most_frequent_token_accuracy'))})",
+        "",
+        f"drafter, offline on the held-out shards ({ev.get('n_blocks', 0)} blocks; labels = the target's top-1):",
+        f"  {'':<22}{'drafter':>10}{'most-frequent-label baseline':>31}",
+    ]
+    lines += [f"  {label:<22}{_num(ev.get(key)):>10}{_num(base.get(key)):>31}" for label, key in rows]
+    lines += [
+        "",
+        f"drafter, online: real speculative decoding, {spec.get('prompts')} held-out prompts x {spec.get('max_new_tokens')} tokens, CPU fp32:",
+        f"  tau {_num(spec.get('tau'))} (offline tau of the same rounds, bf16 features: {_num(spec.get('offline_tau_at_rounds_bf16'))}); "
+        f"output identical to target-only greedy decoding: {spec.get('lossless')}",
+        f"  {_num(spec.get('spec_tokens_per_s'), '.0f')} tok/s against {_num(spec.get('target_tokens_per_s'), '.0f')} tok/s for the "
+        f"target alone = {_num(spec.get('speedup'), '.2f')}x (a 2.6 M-parameter target costs no more per forward than its drafter;",
+        "  speed-ups need a target whose forward costs far more than the drafter's, e.g. the 27B on a GPU)",
+    ]
+    return "\n".join(lines)
+
+
+def print_summary(summary: dict, run_dir: str, export_dir: str) -> None:
+    print("\n" + summary_text(summary))
+    print("\nwhere things are")
+    print(f"  tiny target + corpus   {TINY}/target, {TINY}/corpus")
+    print(f"  shards                 {TINY}/shards/train, {TINY}/shards/heldout   (python -m shards inspect DIR)")
+    print(f"  run                    {run_dir}/ (config.json, metrics.jsonl, checkpoints/)")
+    print(f"  offline evaluation     {run_dir}/eval_heldout.json")
+    print(f"  exported drafter       {export_dir}/ (config.json, model.safetensors, dflash.py)")
+    print(f"  speculative decoding   {run_dir}/specdecode.json")
+    print(f"  training-health report {run_dir}/report.md (+ report_*.png)")
+    print(f"  this summary           {run_dir}/demo_summary.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
