@@ -254,6 +254,7 @@ def main(argv=None) -> int:
         "tokens": run.get("tokens", 0), "seconds": full_seconds, "samples": run.get("samples", 0),
         "peak_gpu_gib": peak_gib(device), "bytes_written": summary["bytes"] if ranks.world == 1 else None,
         "pad_efficiency": run.get("pad_efficiency"), "write_thread_busy": run.get("write_thread_busy"),
+        "commit_busy": run.get("commit_busy"),
     }
 
     reset_peak(device)
@@ -301,7 +302,7 @@ def make_report(args, results: list[dict], n_params: int, device: str, summary: 
             "bare_tokens": r["bare"]["tokens"], "full_tokens": r["full"]["tokens"],
             "peak_gpu_gib_bare": r["bare"]["peak_gpu_gib"], "peak_gpu_gib_full": r["full"]["peak_gpu_gib"],
             "host_rss_gib": r["host_rss_gib"], "pad_efficiency": r["full"]["pad_efficiency"], "model_build_seconds": r["build_seconds"],
-            "write_thread_busy": r["full"].get("write_thread_busy"), "warmup_seconds": r.get("warmup_seconds"),
+            "write_thread_busy": r["full"].get("write_thread_busy"), "commit_busy": r["full"].get("commit_busy"), "warmup_seconds": r.get("warmup_seconds"),
             "warmup_tok_s": r["bare"]["tokens"] / r["warmup_seconds"] if r.get("warmup_seconds") else None,
         })
     wall_a = max(r["bare"]["seconds"] for r in results)
@@ -333,13 +334,13 @@ def format_report(report: dict) -> str:
         f"extract.bench  shape={report['shape']}  params={report['parameters'] / 1e9:.2f}B  device={report['device']} x{report['world_size']}",
         f"torch {report['torch']}, transformers {report['transformers']}; fla importable: {k['fla_importable']}, used: {k['fla_used_by_transformers']}",
         "",
-        f"{'rank':>4} {'(a) bare tok/s':>15} {'(b) full tok/s':>15} {'(b)/(a)':>8} {'(a) TFLOP/s':>12} {'(b) TFLOP/s':>12} {'peak GPU GiB':>13} {'host RSS GiB':>13} {'pad eff':>8} {'write busy':>10}",
+        f"{'rank':>4} {'(a) bare tok/s':>15} {'(b) full tok/s':>15} {'(b)/(a)':>8} {'(a) TFLOP/s':>12} {'(b) TFLOP/s':>12} {'peak GPU GiB':>13} {'host RSS GiB':>13} {'pad eff':>8} {'write busy':>10} {'of it commit':>12}",
     ]
     for r in report["per_rank"]:
         lines.append(
             f"{r['rank']:>4} {f(r['bare_tok_s']):>15} {f(r['full_tok_s']):>15} {f(r['full_over_bare'], '.3f'):>8} {f(r['bare_tflops'], '.1f'):>12} "
             f"{f(r['full_tflops'], '.1f'):>12} {f(r['peak_gpu_gib_full'], '.1f'):>13} {f(r['host_rss_gib'], '.1f'):>13} {f(r['pad_efficiency'], '.3f'):>8} "
-            f"{f(r.get('write_thread_busy'), '.0%'):>10}"
+            f"{f(r.get('write_thread_busy'), '.0%'):>10} {f(r.get('commit_busy'), '.0%'):>12}"
         )
     t = report["total"]
     lines.append(f"{'all':>4} {f(t['bare_tok_s']):>15} {f(t['full_tok_s']):>15} {f(t['full_over_bare'], '.3f'):>8} {f(t['bare_tflops'], '.1f'):>12} {f(t['full_tflops'], '.1f'):>12}")

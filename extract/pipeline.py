@@ -219,9 +219,11 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
         manifest = writer.manifest
     _check_coverage(manifest, run_stats)
     log.info(
-        "rank %d/%d: %s samples (%s tokens) written this run in %.1fs (%.0f tok/s); write thread busy %.0f%% of it",
+        "rank %d/%d: %s samples (%s tokens) written this run in %.1fs (%.0f tok/s); write thread busy %.0f%% of it "
+        "(committing shards: fsync, index, rename, manifest %.0f%%)",
         ranks.rank, ranks.world, f"{run_stats['samples']:,}", f"{run_stats['tokens']:,}", run_stats["seconds"], run_stats["tokens"] / max(run_stats["seconds"], 1e-9),
         100 * run_stats.get("write_busy_seconds", 0.0) / max(run_stats["seconds"], 1e-9),
+        100 * run_stats.get("commit_seconds", 0.0) / max(run_stats["seconds"], 1e-9),
     )
     merged = finish_ranks(root, ranks)
     if merged is None:
@@ -636,6 +638,7 @@ def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer
     # Seconds each host thread spent working (or blocked downstream): a write thread busy all the
     # run means the host path, not the GPU, set the pace.
     stats["write_busy_seconds"] = host_path.writing.busy_seconds
+    stats["commit_seconds"] = writer.commit_seconds  # part of the write thread's: fsync, rename, manifest
     stats["assemble_busy_seconds"] = host_path.assembling.busy_seconds
     return stats
 
@@ -757,6 +760,7 @@ def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, parti
             summary["this_run"]["pad_efficiency"] = this_run["tokens"] / this_run["padded_tokens"]
         if this_run.get("seconds") and "write_busy_seconds" in this_run:
             summary["this_run"]["write_thread_busy"] = this_run["write_busy_seconds"] / this_run["seconds"]
+            summary["this_run"]["commit_busy"] = this_run.get("commit_seconds", 0.0) / this_run["seconds"]
     return summary
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -218,6 +219,9 @@ class ShardWriter:
         self._ipc_options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", zstd_level), use_threads=use_threads)
         self._open_shard: _OpenShard | None = None
         self._closed = False
+        # Seconds spent committing shards (close, fsync, index, rename, manifest): with `write` the
+        # caller can tell a writer bound by compression from one bound by the disk's flushes.
+        self.commit_seconds = 0.0
         self.fs.create_dir(self.root, recursive=True)
         is_new = not io.exists(self.fs, manifest_path(self.root, self.manifest_name))
         self._manifest, self._committed_ids = self._open_dataset(provenance, is_new)
@@ -410,6 +414,13 @@ class ShardWriter:
         return file, len(data), bytes_digest(data)
 
     def _commit_open_shard(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._commit_open_shard_now()
+        finally:
+            self.commit_seconds += time.perf_counter() - started
+
+    def _commit_open_shard_now(self) -> None:
         self._check_user_state()  # before any rename, so a bad counter cannot strand a renamed shard
         shard, self._open_shard = self._open_shard, None
         assert shard is not None and shard.sample_ids, "committing an empty shard"

@@ -77,6 +77,7 @@ import xxhash
 from torch import Tensor, nn
 
 from common.config import ConfigError, config_to_dict, describe, fail, knob, load_config
+from common.device import autocast_dtype, resolve_device
 from common.hashing import json_digest
 from train.acceptance import ChainBlocks, chain_blocks, summarize_blocks, summarize_by_group, valid_mask
 from train.ddtree import ddtree_taus, draft_topk
@@ -551,15 +552,9 @@ class Runtime:
 
     @classmethod
     def from_config(cls, cfg: EvalConfig) -> "Runtime":
-        if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-            if not torch.cuda.is_available():
-                raise ValueError("config key 'device': cuda was asked for but no CUDA device is available")
-            device = torch.device("cuda")
-        else:
-            device = torch.device("cpu")
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+        device = resolve_device(cfg.device)
         attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
-        return cls(device, torch.bfloat16 if bf16 else None, attention, score_in_background=device.type == "cuda")
+        return cls(device, autocast_dtype(cfg.precision, device), attention, score_in_background=device.type == "cuda")
 
     def blocks_per_forward(self, cfg: EvalConfig) -> int:
         if cfg.blocks_per_forward is not None:

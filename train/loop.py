@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from common.config import config_digest, config_to_dict, save_config
+from common.device import autocast_dtype, resolve_device
 from common.hashing import json_digest, tokenizer_digest
 from common.hf_target import text_config
 from common.io import atomic_write_json, exists, join, resolve
@@ -177,16 +178,10 @@ def _open_stream(cfg: TrainConfig) -> DataStream:
 
 def _device_and_precision(cfg: TrainConfig) -> tuple[torch.device, torch.dtype | None]:
     """The device, and the autocast dtype (None = plain fp32)."""
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("config key 'device': cuda was asked for but no CUDA device is available")
-        device = torch.device("cuda")
-    else:
-        device = torch.device("cpu")
+    device = resolve_device(cfg.device)
     if cfg.model.attention == "flex" and device.type == "cpu":
         raise ValueError("config key 'model.attention': flex has no backward on CPU; use sdpa or auto")
-    use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-    return device, (torch.bfloat16 if use_bf16 else None)
+    return device, autocast_dtype(cfg.precision, device)
 
 
 # ----------------------------------------------------------------------------------------------

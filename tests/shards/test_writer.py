@@ -90,6 +90,17 @@ def test_duplicate_sample_id_is_refused_across_shards_and_sessions(tmp_path):
     assert len(ShardDataset(str(tmp_path / "ds"))) == 2
 
 
+def test_commit_time_is_counted_per_committed_shard(tmp_path):
+    w = open_writer(tmp_path / "ds", shard_bytes=1)
+    w.write(make_sample(0))
+    assert w.commit_seconds == 0.0  # nothing committed yet: the shard is still open
+    w.write(make_sample(1))  # the first shard is full: committed before this sample goes in
+    after_one = w.commit_seconds
+    assert after_one > 0.0
+    w.close()
+    assert w.commit_seconds > after_one
+
+
 def test_nonfinite_values_are_stored_when_rejecting_is_off(tmp_path):
     bad = _nan_hidden(make_sample(3))
     with open_writer(tmp_path / "ds", reject_nonfinite=False) as w:
