@@ -70,6 +70,8 @@ def parse_args(argv):
     p.add_argument("--writer-threads", type=int, default=4, help="pyarrow compression threads (the pipeline's writer_threads)")
     p.add_argument("--inflight-batches", type=int, default=4, help="host buffers (the pipeline's inflight_batches)")
     p.add_argument("--shard-bytes", type=int, default=None, help="default: the shard writer's (1 GiB)")
+    p.add_argument("--write-behind-bytes", type=int, default=None,
+                   help="early write-back every this many bytes of a shard; 0 = off; default: the shard writer's (64 MiB)")
     p.add_argument("--path", choices=["current", "legacy", "both"], default="both")
     p.add_argument("--mode", choices=["serial", "pipelined", "both"], default="both")
     p.add_argument("--dir", default=None, help="where shards are written (local disk; deleted afterwards)")
@@ -209,6 +211,8 @@ def open_writer(root: str, args, width: int):
     from shards import ShardWriter
 
     kwargs = {"shard_bytes": args.shard_bytes} if args.shard_bytes else {}
+    if args.write_behind_bytes is not None:
+        kwargs["write_behind_bytes"] = args.write_behind_bytes or None
     return ShardWriter(root, provenance={}, hidden_width=width, topk=args.topk, manifest_name="manifest.rank000.json",
                        shard_prefix="r000-shard", **kwargs)
 

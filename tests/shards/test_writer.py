@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -88,6 +89,43 @@ def test_duplicate_sample_id_is_refused_across_shards_and_sessions(tmp_path):
         with pytest.raises(ValueError, match=make_sample(1).sample_id):
             w.write(make_sample(1))
     assert len(ShardDataset(str(tmp_path / "ds"))) == 2
+
+
+def test_local_shards_are_written_back_while_being_written(tmp_path, monkeypatch):
+    from shards import writer as writer_module
+
+    synced = []
+    real_fdatasync = os.fdatasync
+
+    def counting_fdatasync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(writer_module.os, "fdatasync", counting_fdatasync)
+    samples = [make_sample(i) for i in range(8)]
+    with open_writer(tmp_path / "ds", write_behind_bytes=1024) as w:
+        for s in samples:
+            w.write(s)
+    assert w.write_behind_syncs == len(synced) >= 2
+    # Each sync was of an open shard's temporary file (committed shards have their final names).
+    assert all(path.endswith(io.TMP_SUFFIX) and "shard" in os.path.basename(path) for path in synced), synced
+    assert verify_dataset(str(tmp_path / "ds")) == []
+    ds = ShardDataset(str(tmp_path / "ds"))
+    for i, s in enumerate(samples):
+        assert_same(ds[i], s)
+
+    # Early write-back is best effort: if it fails, the writer goes on (the commit's fsync still runs).
+    def failing_fdatasync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(writer_module.os, "fdatasync", failing_fdatasync)
+    with open_writer(tmp_path / "ds2", write_behind_bytes=1024) as w:
+        for s in samples:
+            w.write(s)
+    assert w.write_behind_syncs == 0 and len(ShardDataset(str(tmp_path / "ds2"))) == len(samples)
+
+    with pytest.raises(ValueError, match="write_behind_bytes"):
+        open_writer(tmp_path / "ds3", write_behind_bytes=0)
 
 
 def test_commit_time_is_counted_per_committed_shard(tmp_path):
