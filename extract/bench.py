@@ -75,7 +75,8 @@ def parse_args(argv):
     p.add_argument("--workdir", default=None, help="where the corpus and shards go (local disk); default /tmp/extract-bench")
     p.add_argument("--keep", action="store_true", help="keep the written shards")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="measure cold: skip the untimed bare pass over every micro-batch that first tunes kernels for each shape")
+                   help="skip the untimed bare pass that first tunes kernels for each shape: (b) then runs cold and "
+                        "(a) warm after it, so (b)/(a) reads low")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)

@@ -217,6 +217,9 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
         writer.stage_state["runs"][-1].update(finished=_iso(time.time()), **{k: run_stats[k] for k in ("tokens", "samples", "seconds")})
         writer.stage_state["records_owned"] = run_stats["records_owned"]
         manifest = writer.manifest
+    # The last shard is committed as the writer closes: count it in the run's time and commit share.
+    run_stats["seconds"] = time.time() - started
+    run_stats["commit_seconds"] = writer.commit_seconds
     _check_coverage(manifest, run_stats)
     log.info(
         "rank %d/%d: %s samples (%s tokens) written this run in %.1fs (%.0f tok/s); write thread busy %.0f%% of it "
@@ -638,7 +641,6 @@ def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer
     # Seconds each host thread spent working (or blocked downstream): a write thread busy all the
     # run means the host path, not the GPU, set the pace.
     stats["write_busy_seconds"] = host_path.writing.busy_seconds
-    stats["commit_seconds"] = writer.commit_seconds  # part of the write thread's: fsync, rename, manifest
     stats["assemble_busy_seconds"] = host_path.assembling.busy_seconds
     return stats
 

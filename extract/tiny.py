@@ -956,7 +956,7 @@ def regenerate_records(
     turns = [conversation_turns(r) for r in records]
     conversations: list[list[dict] | None] = [[] if t else None for t in turns]
     stats: dict[str, Any] = {"records_in": len(records), "skipped_no_user_turn": sum(not t for t in turns),
-                             "dropped_empty_answer": 0, "answers": 0, "answers_at_cap": 0, "answers_cut_to_round_trip": 0}
+                             "dropped_empty_answer": 0, "dropped_no_round_trip": 0, "answers": 0, "answers_at_cap": 0, "answers_cut_to_round_trip": 0}
     lengths: list[int] = []
     for depth in range(max(map(len, turns), default=0)):
         todo = [i for i, c in enumerate(conversations) if c is not None and depth < len(turns[i])]
@@ -968,9 +968,10 @@ def regenerate_records(
                                  desc=f"regenerate answers (turn {depth + 1})" if progress else None)
         for i, text, ids, (answer, stopped) in zip(todo, texts, prompt_ids, answers):
             kept = round_trip_length(tokenizer, text, ids, answer)
-            if kept == 0:  # the target ends its turn at once: nothing to learn from this record
+            if kept == 0:  # nothing to learn from this record
                 conversations[i] = None
-                stats["dropped_empty_answer"] += 1
+                # the target ended its turn at once, or its first token would merge into the prompt
+                stats["dropped_empty_answer" if not answer else "dropped_no_round_trip"] += 1
                 continue
             stats["answers"] += 1
             stats["answers_at_cap"] += not stopped
@@ -984,22 +985,15 @@ def regenerate_records(
 
 
 def round_trip_length(tokenizer, prompt_text: str, prompt_ids: list[int], answer: list[int]) -> int:
-    """How many leading `answer` tokens survive being written as text after `prompt_text` and
-    tokenized again (a model may emit a split that BPE would merge, e.g. at the prompt's end)."""
+    """The longest n such that the first n `answer` tokens, written as text after `prompt_text` and
+    tokenized again, give back exactly `prompt_ids + answer[:n]` (a model may emit a split that BPE
+    would merge). Tried from the longest down: survival is not monotone in n (a prefix cut past the
+    first difference can survive again), and only the few answers that do not survive whole pay."""
     def survives(n: int) -> bool:
         text = tokenizer.decode(answer[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return tokenizer(prompt_text + text, add_special_tokens=False)["input_ids"] == prompt_ids + answer[:n]
 
-    if survives(len(answer)):
-        return len(answer)
-    # Tokens up to the first difference usually survive; merges across the cut may need a step back.
-    again = tokenizer(prompt_text + tokenizer.decode(answer, skip_special_tokens=False, clean_up_tokenization_spaces=False),
-                      add_special_tokens=False)["input_ids"]
-    first = next((n for n, (a, b) in enumerate(zip(again, prompt_ids + answer)) if a != b), min(len(again), len(prompt_ids) + len(answer)))
-    for n in range(min(len(answer), max(0, first - len(prompt_ids))), 0, -1):
-        if survives(n):
-            return n
-    return 0
+    return next((n for n in range(len(answer), 0, -1) if survives(n)), 0)
 
 
 def quantiles(values: list[int]) -> dict[str, int]:
@@ -1266,12 +1260,14 @@ def regen_summary_lines(regen: dict[str, Any] | None) -> list[str]:
         return []
     train, heldout = regen["train"], regen["heldout"]
     dropped = train["dropped_empty_answer"] + heldout["dropped_empty_answer"]
+    no_round_trip = train["dropped_no_round_trip"] + heldout["dropped_no_round_trip"]
     skipped = train["skipped_no_user_turn"] + heldout["skipped_no_user_turn"]
     answers = train["answers"] + heldout["answers"]
     at_cap = train["answers_at_cap"] + heldout["answers_at_cap"]
     return [
         f"target-regenerated corpus: {train['records_out']} train and {heldout['records_out']} held-out records "
-        f"({dropped} dropped: empty answer; {skipped} without a user turn skipped), {answers} greedy answers, "
+        f"(dropped: {dropped} with an empty answer, {no_round_trip} whose answer does not survive tokenization; "
+        f"{skipped} without a user turn skipped), {answers} greedy answers, "
         f"median {train['answer_length'].get('p50')} tokens, {at_cap} cut at {regen['max_new_tokens']}; "
         f"{regen['seconds']:.0f} s",
         f"held-out regenerated answer tokens equal to the target's greedy token: {regen['heldout_answer_greedy_agreement']:.4f}",

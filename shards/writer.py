@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -84,16 +85,25 @@ class _WriteBehind:
     thread: seconds during which no sample is written. Here, every `every_bytes` written, a
     background thread fdatasyncs the file (through its own descriptor: on Linux that flushes every
     dirty page of the file), so the disk works while zstd does, and the fsync at commit finds little
-    left. Best effort: the fsync at commit remains the guarantee; a failed early sync is only logged.
+    left. A write-back error is raised by the next write or at commit, never only logged: Linux
+    reports it to one fsync, so the commit's own fsync would not see it again.
     """
+
+    # errnos that mean "this file system does not do that", not "your data was lost"
+    _UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EROFS}
 
     def __init__(self, path: str, every_bytes: int):
         self.path, self.every_bytes = path, every_bytes
         self.syncs = 0
+        self.enabled = hasattr(os, "fdatasync")
         self._since = 0
         self._thread: threading.Thread | None = None
+        self._error: OSError | None = None
 
     def wrote(self, nbytes: int) -> None:
+        self.raise_error()
+        if not self.enabled:
+            return
         self._since += nbytes
         if self._since < self.every_bytes or (self._thread is not None and self._thread.is_alive()):
             return  # one sync at a time: a slow disk is not asked again before the last one ends
@@ -110,11 +120,25 @@ class _WriteBehind:
                 os.close(fd)
             self.syncs += 1
         except OSError as err:
-            log.warning("early write-back of %s failed (%s); the fsync at commit still applies", self.path, err)
+            if err.errno in self._UNSUPPORTED:
+                self.enabled = False
+                log.info("early write-back is not supported for %s (%s); the fsync at commit does it all", self.path, err)
+            else:
+                self._error = err
 
-    def wait(self) -> None:
+    def raise_error(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise OSError(err.errno, f"writing {self.path} back to disk failed: {err.strerror or err}", self.path)
+
+    def join(self) -> None:
         if self._thread is not None:
             self._thread.join()
+
+    def wait(self) -> None:
+        """Wait for a sync in progress; raise its error, if any."""
+        self.join()
+        self.raise_error()
 
 
 class _HashingStream:
@@ -178,12 +202,16 @@ class _HashingStream:
     def flush(self) -> None:
         self.raw.flush()
 
-    def close(self) -> None:
-        if not self.closed:
-            self.raw.close()
-            self.closed = True
-        if self.write_behind is not None:
-            self.write_behind.wait()  # before the caller's fsync, rename or delete
+    def close(self, check: bool = True) -> None:
+        """Close the file and wait for its write-back; `check`: raise a write-back error (not when
+        the file is being thrown away)."""
+        try:
+            if not self.closed:
+                self.raw.close()
+                self.closed = True
+        finally:
+            if self.write_behind is not None:
+                self.write_behind.wait() if check else self.write_behind.join()
 
 
 @dataclasses.dataclass
@@ -261,7 +289,9 @@ class ShardWriter:
         self.encoding = check_encoding(hidden_encoding)
         self.hidden_width, self.topk = hidden_width, topk
         self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
-        if write_behind_bytes is not None and (not isinstance(write_behind_bytes, int) or write_behind_bytes < 1):
+        if write_behind_bytes is not None and (
+            not isinstance(write_behind_bytes, int) or isinstance(write_behind_bytes, bool) or write_behind_bytes < 1
+        ):
             raise ValueError(f"write_behind_bytes: expected a positive integer or None, got {write_behind_bytes!r}")
         self.write_behind_bytes = write_behind_bytes
         self.reject_nonfinite = reject_nonfinite
@@ -452,7 +482,7 @@ class ShardWriter:
         self._ids.difference_update(shard.sample_ids)
         log.error("dropping uncommitted shard %s (%d samples) after a failed write", shard.file, len(shard.sample_ids))
         try:
-            shard.stream.close()
+            shard.stream.close(check=False)
             self.fs.delete_file(shard.tmp_path)
         except Exception:
             log.exception("could not delete %s; the next writer will", shard.tmp_path)

@@ -30,8 +30,8 @@ online greedy decoding only where the data is the target's own greedy output (§
 Most-frequent-label baseline, on the same blocks (JSON `baseline`, rows `most-frequent-label
 baseline: ...`): a draft-free "drafter" whose distribution at every depth of every block is the
 frequency of the labels at the valid positions of these very blocks. Its chain drafts the most
-frequent label everywhere (the best any constant draft does on these blocks), its DDTree holds
-the most frequent labels. A drafter is only worth its margin over this.
+frequent label everywhere, its DDTree holds the most frequent labels at every depth. A drafter is
+only worth its margin over this.
 
 Data. If `--data` is the dataset the run trained on (same manifest digest as in run.json, or the
 same path), only its held-out split is evaluated (`is_holdout` with the run's

@@ -59,6 +59,14 @@ def baseline(tmp_path_factory, loaded_target):
     return {"root": str(root / "out"), "corpus": corpus, "expected": expected, "summary": summary, "cfg": cfg}
 
 
+def test_the_last_shards_commit_is_timed_too(tmp_path, loaded_target):
+    # One shard, committed as the writer closes: its commit counts in the run's commit share.
+    corpus, _ = mixed_corpus(tmp_path / "corpus.jsonl")
+    summary = run(make_config(tmp_path / "out", corpus, shard_bytes=1 << 30), loaded_target)
+    assert len(ShardDataset(str(tmp_path / "out")).shards) == 1
+    assert 0 < summary["this_run"]["commit_busy"] < 1
+
+
 def test_dataset_is_valid_and_accounts_for_every_record(baseline):
     root, summary = baseline["root"], baseline["summary"]
     assert verify_dataset(root) == []

@@ -5,8 +5,10 @@ uncommitted files cleaned up, and any pyarrow filesystem (not only local paths).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import threading
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -98,7 +100,7 @@ def test_local_shards_are_written_back_while_being_written(tmp_path, monkeypatch
     real_fdatasync = os.fdatasync
 
     def counting_fdatasync(fd):
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), threading.current_thread()))
         real_fdatasync(fd)
 
     monkeypatch.setattr(writer_module.os, "fdatasync", counting_fdatasync)
@@ -107,25 +109,45 @@ def test_local_shards_are_written_back_while_being_written(tmp_path, monkeypatch
         for s in samples:
             w.write(s)
     assert w.write_behind_syncs == len(synced) >= 2
-    # Each sync was of an open shard's temporary file (committed shards have their final names).
-    assert all(path.endswith(io.TMP_SUFFIX) and "shard" in os.path.basename(path) for path in synced), synced
+    # Each sync was of an open shard's temporary file, and off the writing thread.
+    assert all(path.endswith(io.TMP_SUFFIX) and "shard" in os.path.basename(path) for path, _ in synced), synced
+    assert all(thread is not threading.main_thread() for _, thread in synced)
     assert verify_dataset(str(tmp_path / "ds")) == []
     ds = ShardDataset(str(tmp_path / "ds"))
     for i, s in enumerate(samples):
         assert_same(ds[i], s)
 
-    # Early write-back is best effort: if it fails, the writer goes on (the commit's fsync still runs).
-    def failing_fdatasync(fd):
-        raise OSError(5, "Input/output error")
-
-    monkeypatch.setattr(writer_module.os, "fdatasync", failing_fdatasync)
-    with open_writer(tmp_path / "ds2", write_behind_bytes=1024) as w:
-        for s in samples:
-            w.write(s)
-    assert w.write_behind_syncs == 0 and len(ShardDataset(str(tmp_path / "ds2"))) == len(samples)
-
     with pytest.raises(ValueError, match="write_behind_bytes"):
         open_writer(tmp_path / "ds3", write_behind_bytes=0)
+    with pytest.raises(ValueError, match="write_behind_bytes"):
+        open_writer(tmp_path / "ds3", write_behind_bytes=True)
+
+
+def test_a_failed_early_write_back_fails_the_shard_not_just_a_log_line(tmp_path, monkeypatch):
+    # Linux reports a write-back error to one fsync only: the commit's fsync would not see it again.
+    from shards import writer as writer_module
+
+    def failing_fdatasync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(writer_module.os, "fdatasync", failing_fdatasync)
+    w = open_writer(tmp_path / "ds", write_behind_bytes=1024)
+    with pytest.raises(OSError, match="writing .*shard.* back to disk failed") as caught:
+        for i in range(8):
+            w.write(make_sample(i))
+        w.flush()
+    assert caught.value.errno == errno.EIO
+    assert len(ShardDataset(str(tmp_path / "ds"))) == 0  # the failed shard was never committed
+
+    # A file system that cannot fdatasync (EINVAL) just goes without early write-back.
+    def unsupported(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(writer_module.os, "fdatasync", unsupported)
+    with open_writer(tmp_path / "ds2", write_behind_bytes=1024) as w2:
+        for i in range(8):
+            w2.write(make_sample(i))
+    assert w2.write_behind_syncs == 0 and len(ShardDataset(str(tmp_path / "ds2"))) == 8
 
 
 def test_commit_time_is_counted_per_committed_shard(tmp_path):

@@ -283,8 +283,8 @@ def test_most_frequent_label_baseline_on_the_same_blocks(tiny):
     assert summary["tau"] == pytest.approx(1 + np.mean(streaks))
     k1 = [row[0] == best for row, n in zip(table.target_ids_ND.tolist(), table.valid_len_N.tolist()) if n >= 1]
     assert summary["position_acceptance"][0] == pytest.approx(np.mean(k1))
-    # A tree over the label frequencies holds the chain of the most frequent label: never worse.
-    assert summary["ddtree_tau_64"] >= summary["tau"] and summary["ddtree_tau_8"] <= summary["ddtree_tau_64"]
+    # Best-first trees grow by adding nodes: a larger budget never accepts less.
+    assert summary["ddtree_tau_8"] <= summary["ddtree_tau_64"]
 
 
 def run_cli(capsys, *argv):
