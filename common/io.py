@@ -63,6 +63,20 @@ def commit(fs: pafs.FileSystem, tmp_path: str, final_path: str) -> None:
         fs.move(tmp_path, final_path)
 
 
+def replace_local_dir(new: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Put the finished local directory `new` at `final`: an old `final` is renamed aside first
+    (to a temporary name) and deleted after, so `final` is never a mix of the two."""
+    import shutil
+
+    old = None
+    if os.path.exists(final):
+        old = temp_name(f"{os.fspath(final)}.old")
+        os.replace(final, old)
+    os.replace(new, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def atomic_write_bytes(path: str, data: bytes, fs: pafs.FileSystem | None = None) -> None:
     """Write `data` to `path` so that readers see either the old file or the whole new one."""
     if fs is None:

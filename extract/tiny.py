@@ -1177,7 +1177,9 @@ def build_tiny(cfg: TinyConfig | None = None, *, progress: bool = True) -> Path:
         tmp = out.with_name(f"{out.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             build_into(tmp, cfg, digest, progress)
-            replace_dir(tmp, out)
+            from common.io import replace_local_dir  # here: pyarrow need not load for a cached build
+
+            replace_local_dir(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -1205,17 +1207,6 @@ def build_into(tmp: Path, cfg: TinyConfig, digest: str, progress: bool) -> None:
     }
     (tmp / BUILD_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")  # written last
     log(summary_lines(report, record["build_seconds"]))
-
-
-def replace_dir(new: Path, final: Path) -> None:
-    """Put `new` at `final`; an old `final` is moved aside first and deleted after."""
-    old = None
-    if final.exists():
-        old = final.with_name(f"{final.name}.old.{uuid.uuid4().hex[:8]}.tmp")
-        os.replace(final, old)
-    os.replace(new, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_leftovers(out: Path) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from common.io import replace_local_dir
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
 from train.model import DFlashDrafter, DrafterConfig, rope_settings
 
@@ -209,13 +210,7 @@ def export_drafter(
         shutil.copyfile(MODEL_CODE, tmp / CODE_FILE)
         (tmp / INFO_FILE).write_text(json.dumps(info or {}, indent=2, sort_keys=True) + "\n")
         _make_readable(tmp)
-        old = None
-        if out.exists():
-            old = out.with_name(f"{out.name}.old-{uuid.uuid4().hex[:8]}.tmp")
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_local_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

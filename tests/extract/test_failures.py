@@ -21,6 +21,7 @@ from extract import corpus as C
 from extract import pipeline, sink
 from extract.config import ExtractConfig
 from tests.extract.conftest import mixed_corpus
+from tests.reliability.faults import ModuleProxy
 
 
 def make_config(out_dir, corpus, **overrides):
@@ -109,15 +110,10 @@ def test_a_failed_fsync_of_the_rejects_file_names_it(tmp_path, monkeypatch):
     log = sink.RejectLog(str(tmp_path / "rejects.rank000.jsonl"), 0)
     log.add(C.Reject(0, "c.jsonl:1", C.INVALID_JSON, "broken"))
 
-    class FailingOs:
-        def __getattr__(self, name):
-            return getattr(os, name)
+    def failing_fsync(fd):
+        raise OSError(errno.EIO, "Input/output error")
 
-        @staticmethod
-        def fsync(fd):
-            raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(sink, "os", FailingOs())
+    monkeypatch.setattr(sink, "os", ModuleProxy(os, fsync=failing_fsync))
     with pytest.raises(OSError) as err:
         log.sync()
     assert err.value.errno == errno.EIO and err.value.filename == str(tmp_path / "rejects.rank000.jsonl")

@@ -22,7 +22,7 @@ from pathlib import Path
 from tests.reliability import faults
 from tests.reliability.datasets import RANK_MANIFEST, compare, killed_extraction_state, sample_bytes
 from tests.reliability.outcome import Outcome
-from tests.reliability.runner import run_stage
+from tests.reliability.runner import run_stage, watch_after_count
 from tests.reliability.world import World
 
 # "random" four times: of 30 kills, 8 land at moments the parent picks, 2 in each hooked window.
@@ -44,14 +44,7 @@ def random_watch(out: Path, rng: random.Random, total: int, run_seconds: float):
     """A parent-side kill moment: after k committed samples plus 0-30 ms, or a random time."""
     if rng.random() < 0.5:
         threshold, delay = rng.randint(1, max(1, total - 1)), rng.uniform(0.0, 0.03)
-        seen_at = []
-
-        def watch(elapsed: float) -> bool:
-            if not seen_at and committed_samples(out) >= threshold:
-                seen_at.append(elapsed)
-            return bool(seen_at) and elapsed >= seen_at[0] + delay
-
-        return watch
+        return watch_after_count(lambda: committed_samples(out), threshold, delay)
     moment = rng.uniform(0.0, run_seconds)
     return lambda elapsed: elapsed >= moment
 

@@ -132,7 +132,7 @@ def read_log(path: Path) -> tuple[list[dict], dict]:
     return fired, found
 
 
-class _Proxy:
+class ModuleProxy:
     """A stand-in for a module (os, shutil) inside one project module, with some functions replaced."""
 
     def __init__(self, real, **overrides):
@@ -245,7 +245,7 @@ def _hook_rejects() -> None:
         hit("rejects_fsync")  # like os.fsync's own errors, this one names no file
         return os.fsync(fd)
 
-    _patch(sink, "os", _Proxy(os, fsync=fsync))
+    _patch(sink, "os", ModuleProxy(os, fsync=fsync))
 
 
 _STEP_DIR = re.compile(r"^step-\d{8}$")
@@ -310,7 +310,7 @@ def _hook_checkpoints() -> None:
         if _STEP_DIR.match(Path(dst).name):
             hit("ckpt_renamed", str(dst))
 
-    _patch(checkpoint, "os", _Proxy(os, fsync=fsync, replace=replace))
+    _patch(checkpoint, "os", ModuleProxy(os, fsync=fsync, replace=replace))
 
     def rmtree(path, *args, **kwargs):
         path = Path(path)
@@ -320,7 +320,7 @@ def _hook_checkpoints() -> None:
             fire("ckpt_prune", str(path))
         return shutil.rmtree(path, *args, **kwargs)
 
-    _patch(checkpoint, "shutil", _Proxy(shutil, rmtree=rmtree))
+    _patch(checkpoint, "shutil", ModuleProxy(shutil, rmtree=rmtree))
 
     real_write_files = checkpoint._write_files
 

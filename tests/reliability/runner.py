@@ -27,6 +27,19 @@ from tests.reliability.world import REPO, World, child_env
 MODES = ("process", "fork")
 
 
+def watch_after_count(count: Callable[[], int], threshold: int, delay: float) -> Callable[[float], bool]:
+    """A `watch` that fires `delay` seconds after `count()` (committed samples, logged steps, ...)
+    first reaches `threshold`."""
+    seen_at: list[float] = []
+
+    def watch(elapsed: float) -> bool:
+        if not seen_at and count() >= threshold:
+            seen_at.append(elapsed)
+        return bool(seen_at) and elapsed >= seen_at[0] + delay
+
+    return watch
+
+
 @dataclasses.dataclass
 class ChildResult:
     status: int  # exit code, or -N for a death by signal N

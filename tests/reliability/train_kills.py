@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tests.reliability import faults
 from tests.reliability.outcome import Outcome
-from tests.reliability.runner import run_stage
+from tests.reliability.runner import run_stage, watch_after_count
 from tests.reliability.world import World
 
 # "random" three times: of 22 kills, about 6 land at moments the parent picks.
@@ -41,14 +41,7 @@ def logged_steps(run_dir: Path) -> int:
 
 def random_watch(run_dir: Path, rng: random.Random, steps: int):
     threshold, delay = rng.randint(1, steps - 1), rng.uniform(0.0, 0.03)
-    seen_at = []
-
-    def watch(elapsed: float) -> bool:
-        if not seen_at and logged_steps(run_dir) >= threshold:
-            seen_at.append(elapsed)
-        return bool(seen_at) and elapsed >= seen_at[0] + delay
-
-    return watch
+    return watch_after_count(lambda: logged_steps(run_dir), threshold, delay)
 
 
 def check_checkpoints(run_dir: Path) -> list[str]:

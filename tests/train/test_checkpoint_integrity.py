@@ -18,6 +18,7 @@ import pytest
 from train import checkpoint as ck
 from tests.train.test_checkpoint import snap, tiny_model
 from tests.train.test_loop import config, tiny  # noqa: F401 - `tiny` is a fixture
+from tests.reliability.faults import ModuleProxy
 
 
 @pytest.fixture
@@ -65,15 +66,10 @@ def test_a_failed_fsync_fails_the_save_naming_the_file(tmp_path, monkeypatch):
     model, optimizer = tiny_model()
     ck.write_checkpoint(tmp_path, snap(model, optimizer, 1))
 
-    class FailingOs:
-        def __getattr__(self, name):
-            return getattr(os, name)
+    def failing_fsync(fd):
+        raise OSError(errno.EIO, "Input/output error")
 
-        @staticmethod
-        def fsync(fd):
-            raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(ck, "os", FailingOs())
+    monkeypatch.setattr(ck, "os", ModuleProxy(os, fsync=failing_fsync))
     with pytest.raises(OSError) as err:
         ck.write_checkpoint(tmp_path, snap(model, optimizer, 2))
     assert err.value.errno == errno.EIO and ".tmp-" in err.value.filename
