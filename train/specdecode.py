@@ -700,7 +700,8 @@ def chained_anchors(tau_N: torch.Tensor, first: int, end: int) -> list[int]:
 
 
 def agreement(target: SpecTarget, drafter: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-              *, feature_dtype: torch.dtype | None = None, progress: bool = False) -> dict:
+              *, feature_dtype: torch.dtype | None = None, progress: bool = False,
+              generations: Sequence[Generation] | None = None) -> dict:
     """Online τ against offline chain τ on the target's own greedy continuations of `prompts`.
 
     Per prompt: speculative decoding gives the continuation and the online rounds; the whole
@@ -732,10 +733,12 @@ def agreement(target: SpecTarget, drafter: nn.Module, prompts: Sequence[Sequence
     from tqdm.auto import tqdm
 
     B = int(drafter.block_size)
-    proposer = DFlashProposer(drafter, target)
+    if generations is not None and len(generations) != len(prompts):
+        raise ValueError(f"agreement: {len(generations)} generations for {len(prompts)} prompts")
+    proposer = DFlashProposer(drafter, target) if generations is None else None
     per_prompt = []
     for index, prompt in enumerate(tqdm(prompts, desc="agreement", unit="prompt", disable=not progress)):
-        gen = speculative_generate(target, proposer, prompt, max_new_tokens)
+        gen = speculative_generate(target, proposer, prompt, max_new_tokens) if generations is None else generations[index]
         if not gen.rounds:
             continue
         ids_T = torch.tensor(list(prompt) + gen.tokens, dtype=torch.long)
@@ -983,10 +986,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result.pop("generations")
-    if args.agreement:
+    generations = result.pop("generations")
+    if args.agreement:  # on the very rounds the benchmark decoded, not a second decoding
         result["agreement"] = agreement(target, drafter, prompts, args.max_new_tokens,
-                                        feature_dtype=torch.bfloat16 if args.agreement_bf16 else None, progress=True)
+                                        feature_dtype=torch.bfloat16 if args.agreement_bf16 else None, progress=True,
+                                        generations=generations)
         if samples is not None:
             result["agreement"].update(corpus_offline_tau(drafter, target, samples))
     import transformers

@@ -319,6 +319,11 @@ def test_offline_tau_at_round_starts_equals_online_tau(trained):
     # The online rounds really are a subset: recompute them by hand for the first prompt.
     spec = speculative_generate(target, DFlashProposer(drafter, target), prompts[0], 60)
     assert sum(spec.taus) / len(spec.taus) == pytest.approx(result["per_prompt"][0]["online_tau"])
+    # Given the generations a benchmark already decoded, it reuses them and finds the same.
+    gens = [speculative_generate(target, DFlashProposer(drafter, target), p, 60) for p in prompts]
+    assert agreement(target, drafter, prompts, 60, generations=gens) == result
+    with pytest.raises(ValueError, match="generations"):
+        agreement(target, drafter, prompts, 60, generations=gens[:1])
 
 
 def test_shard_prompts_and_corpus_offline_tau(trained, tmp_path):
