@@ -200,12 +200,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if value is None and type(None) in args:
             return None
         non_none = [a for a in args if a is not type(None)]
-        errors = []
         for arg in non_none:
             try:
                 return _coerce(key, value, arg)
-            except ConfigError as exc:
-                errors.append(str(exc))
+            except ConfigError:
+                continue  # the message below names every type the key takes
         fail(key, f"expected {' or '.join(_type_name(a) for a in non_none)}" + (" or none" if type(None) in args else "") + f", got {value!r}")
     if value is None:
         fail(key, f"expected {_type_name(hint)}, got none")

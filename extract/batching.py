@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from shards.schema import check_encoding
+
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """Group sample indices, longest first, so that batch size x longest length <= token_budget.
@@ -59,9 +61,6 @@ def attention_mask_for(lengths: Sequence[int], T: int) -> torch.Tensor | None:
     return (torch.arange(T)[None, :] < lengths_B[:, None]).long()
 
 
-HIDDEN_LAYOUTS = ("planes", "plain")  # the shard encodings (shards.ENCODINGS)
-
-
 class HostBatch:
     """Host buffers sized for any micro-batch under the token budget (pinned when a GPU is used,
     so device-to-host copies run asynchronously on a side stream).
@@ -72,8 +71,7 @@ class HostBatch:
     encoding "plain": bf16 [B, T, W]. W = n_taps * hidden_size, taps concatenated per token."""
 
     def __init__(self, *, n_taps: int, hidden_size: int, token_budget: int, topk: int, pin: bool, encoding: str = "planes"):
-        if encoding not in HIDDEN_LAYOUTS:
-            raise ValueError(f"hidden_encoding: unknown encoding {encoding!r}; allowed: {', '.join(HIDDEN_LAYOUTS)}")
+        check_encoding(encoding)
         self.n_taps, self.hidden_size, self.token_budget, self.encoding = n_taps, hidden_size, token_budget, encoding
         self.width = n_taps * hidden_size
         self.hidden = torch.empty(2 * token_budget * self.width, dtype=torch.uint8, pin_memory=pin)  # 2 bytes per bf16

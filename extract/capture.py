@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from common.target import TapHooks, layer_output  # noqa: F401 - re-exported for extract callers
+from common.target import TapHooks
 from extract.batching import HostBatch, attention_mask_for
 
 STORE_DTYPE = torch.bfloat16

@@ -21,6 +21,7 @@ from common.hashing import CHECKSUM_ALGO, bytes_digest, text_digest
 from common.provenance import git_sha, tool_version
 from shards.sample_checksums import SAMPLE_CHECKSUM_ALGOS
 from shards.schema import (
+    ENCODINGS,
     FORMAT_NAME,
     FORMAT_VERSION,
     SUPPORTED_FORMAT_VERSIONS,
@@ -85,7 +86,7 @@ def check_manifest(manifest: Any, where: str) -> dict:
     for key in ("encoding", "hidden_width", "topk", "counts", "shards", "provenance"):
         if key not in manifest:
             raise ShardFormatError(f"{where}: manifest has no field {key!r}")
-    if manifest["encoding"] not in ("plain", "planes"):
+    if manifest["encoding"] not in ENCODINGS:
         raise ShardFormatError(f"{where}: unknown hidden encoding {manifest['encoding']!r}")
     for position, entry in enumerate(manifest["shards"]):
         missing = [key for key in SHARD_ENTRY_KEYS if key not in entry]

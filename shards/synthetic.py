@@ -60,8 +60,7 @@ def realistic_topk(rng: np.random.Generator, n_tokens: int, topk: int, vocab: in
     top1 = rng.beta(2.0, 1.0, (n_tokens, 1))
     rest = rng.dirichlet(np.full(topk, 0.3), n_tokens) * (1.0 - top1) * 0.9  # 10% of the rest lies past the top-k
     probs = np.concatenate([top1, rest[:, : topk - 1]], axis=1)
-    logprobs = -np.sort(-np.log(np.maximum(probs, 1e-30)), axis=1)
-    logprobs = np.sort(logprobs, axis=1)[:, ::-1].astype(np.float32)
+    logprobs = -np.sort(-np.log(np.maximum(probs, 1e-30)), axis=1).astype(np.float32)  # descending
     ids = rng.integers(0, vocab, (n_tokens, topk), dtype=np.int32)
     return ids, np.ascontiguousarray(logprobs)
 

@@ -34,8 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 import xxhash
+
+from common.hashing import file_checksum
 
 __all__ = [
     "Snapshot",
@@ -57,6 +60,7 @@ log = logging.getLogger(__name__)
 
 _FINAL = re.compile(r"^step-(\d{8})$")
 _TMP_MARK = ".tmp-"
+_LOCAL_FS = pafs.LocalFileSystem()
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, DRAFTER_CONFIG_FILE = "model.safetensors", "optimizer.pt", "state.json", "drafter_config.json"
 # state.json keys that make a checkpoint self-checking: {file: {"bytes", "xxh3_128"}} of the other
 # files, and the xxh3-128 of state.json's own content without this key (see `verify_checkpoint`).
@@ -165,11 +169,7 @@ def _fsync_path(path: Path, *, directory: bool = False) -> None:
 
 
 def _file_digest(path: Path) -> dict:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-    return {"bytes": path.stat().st_size, "xxh3_128": h.hexdigest()}
+    return {"bytes": path.stat().st_size, "xxh3_128": file_checksum(_LOCAL_FS, str(path))}
 
 
 def _state_digest(state: dict) -> str:

@@ -82,3 +82,11 @@ def test_dataset_keys_are_real_fields():
     names = set(ExtractConfig.__dataclass_fields__)
     assert set(DATASET_KEYS) <= names
     assert "tokens_per_batch" not in DATASET_KEYS and "layer_ids" in DATASET_KEYS
+
+
+def test_hidden_encoding_choices_are_the_shard_formats():
+    # extract.config keeps its own literal so that loading a config does not import pyarrow.
+    from extract.config import HIDDEN_ENCODINGS
+    from shards.schema import ENCODINGS
+
+    assert sorted(HIDDEN_ENCODINGS) == sorted(ENCODINGS)
