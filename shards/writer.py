@@ -493,10 +493,7 @@ class ShardWriter:
             writer.write_table(shard.index_table())
         data = sink.getvalue().to_pybytes()
         file = index_file_name(shard.file)
-        tmp_path = io.temp_name(io.join(self.root, file))
-        with self.fs.open_output_stream(tmp_path) as f:
-            f.write(data)
-        io.commit(self.fs, tmp_path, io.join(self.root, file))
+        io.atomic_write_bytes(io.join(self.root, file), data, self.fs)
         return file, len(data), bytes_digest(data)
 
     def _commit_open_shard(self) -> None:
