@@ -30,6 +30,7 @@ __all__ = [
     "parse_cli",
     "config_from_dict",
     "config_to_dict",
+    "flatten_dotted",
     "save_config",
     "config_digest",
     "describe",
@@ -251,6 +252,20 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     """The resolved config as plain JSON-able data."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def flatten_dotted(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{"loss": {"gamma": 7}} -> {"loss.gamma": 7} (the keys of `key=value` overrides); lists and
+    empty tables stay values; anything but a dict gives {} (or {prefix: data} under a prefix)."""
+    if not isinstance(data, dict):
+        return {prefix.rstrip("."): data} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import fail, knob
+from common.config import fail, flatten_dotted, knob
 from train.blocks import default_gamma
 from train.data import DataConfig
 
@@ -142,20 +142,9 @@ RESUME_FREE_KEYS = (
 )
 
 
-def flatten(data: dict, prefix: str = "") -> dict:
-    """{'a': {'b': 1}} -> {'a.b': 1}."""
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value and key != "rope_scaling":
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
     """Dotted keys whose values differ between two config dicts, except the resume-free ones."""
-    a, b = flatten(saved), flatten(current)
+    a, b = flatten_dotted(saved), flatten_dotted(current)
     keys = sorted(set(a) | set(b))
     free = lambda k: any(k == p or k.startswith(p + ".") for p in RESUME_FREE_KEYS)  # noqa: E731
     return [f"{k}: checkpoint {a.get(k, '<absent>')!r} vs now {b.get(k, '<absent>')!r}" for k in keys if not free(k) and a.get(k) != b.get(k)]

@@ -409,13 +409,3 @@ class TargetHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits (for small inputs, evaluation and tests; training uses `train.loss`)."""
         return F.linear(hidden.to(self.lm_head_VD.dtype), self.lm_head_VD)
-
-
-def param_count_flops(cfg: DrafterConfig) -> dict[str, float]:
-    """Matmul parameter counts per token (for FLOP estimates): per block token and per context token."""
-    D, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q_out, kv_out = cfg.num_attention_heads * E, cfg.num_key_value_heads * E
-    per_block_token = cfg.num_hidden_layers * (D * q_out + 2 * D * kv_out + q_out * D + 3 * D * I)
-    per_context_token = cfg.feature_width * D + cfg.num_hidden_layers * 2 * D * kv_out
-    return {"block": float(per_block_token), "context": float(per_context_token)}
-

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.config import flatten_dotted
 from train.report_analysis import RunAnalysis, mean_of
 from train.report_config import ReportConfig
-from train.report_load import Run, flatten, matches_any
+from train.report_load import Run, matches_any
 
 __all__ = ["ConfigDiff", "compare_configs", "CommonPoint", "compare_at_common"]
 
@@ -45,8 +46,8 @@ def compare_configs(runs: list[Run], cfg: ReportConfig) -> list[ConfigDiff]:
 
 def _comparable(run: Run) -> dict[str, object]:
     """The flattened config, plus the data provenance from run.json (other shards = another experiment)."""
-    values = flatten(run.config)
-    info = flatten(run.run_info or {}, "run.")
+    values = flatten_dotted(run.config)
+    info = flatten_dotted(run.run_info or {}, "run.")
     values.update({k: v for k, v in info.items() if "manifest" in k or "shards" in k})
     return values
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Metrics", "BucketPlan", "DataPlan", "Run", "load_run", "resolve_run_dir", "parse_metrics_lines", "read_data_plan", "flatten", "FLOAT_KEYS"]
+__all__ = ["Metrics", "BucketPlan", "DataPlan", "Run", "load_run", "resolve_run_dir", "parse_metrics_lines", "read_data_plan", "FLOAT_KEYS"]
 
 FLOAT_KEYS = (
     "epoch", "time", "loss", "streak", "tau", "grad_norm", "lr", "tokens", "batch_tokens",
@@ -355,19 +355,6 @@ def _apply_boundaries(buckets: list[BucketPlan], edges: Any) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Configs
-
-
-def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    """{"loss": {"gamma": 7}} -> {"loss.gamma": 7}; lists stay values."""
-    if not isinstance(data, dict):
-        return {prefix.rstrip("."): data} if prefix else {}
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def matches_any(key: str, patterns: list[str]) -> bool:
