@@ -166,6 +166,15 @@ def _unit_hash(sample_id: str, salt: bytes) -> float:
     return xxhash.xxh3_64_intdigest(salt + sample_id.encode("utf-8")) / 2.0**64
 
 
+def spread_subset(sample_ids, positions: np.ndarray, n: int | None, salt: bytes) -> np.ndarray:
+    """At most `n` of `positions` (ascending): those whose ids hash smallest under `salt`, so the
+    subset is fixed by the ids alone and nested as `n` grows."""
+    if n is None or positions.size <= n:
+        return positions
+    rank = np.fromiter((_unit_hash(sample_ids[i], salt) for i in positions), dtype=np.float64, count=positions.size)
+    return np.sort(positions[np.argsort(rank, kind="stable")[:n]])
+
+
 def is_holdout(sample_id: str, fraction: float) -> bool:
     """Whether a sample is held out for eval; independent of seed and dataset order, so train and
     eval agree and a larger fraction holds out a superset."""
@@ -280,8 +289,7 @@ def select_samples(sample_ids: list[str], n_tokens: np.ndarray, n_loss_tokens: n
     indices = np.flatnonzero(keep).astype(np.int64)
     excluded["max_samples"] = 0
     if cfg.max_samples is not None and indices.size > cfg.max_samples:
-        rank = np.fromiter((_unit_hash(sample_ids[i], _SUBSET_SALT) for i in indices), dtype=np.float64, count=indices.size)
-        chosen = np.sort(indices[np.argsort(rank, kind="stable")[: cfg.max_samples]])
+        chosen = spread_subset(sample_ids, indices, cfg.max_samples, _SUBSET_SALT)
         excluded["max_samples"] = int(indices.size - chosen.size)
         indices = chosen
     return Selection(indices=indices, excluded=excluded)

@@ -329,22 +329,10 @@ class EvalData:
         return int(self.indices.size)
 
 
-def _unit_hash(text: str, salt: bytes) -> float:
-    return xxhash.xxh3_64_intdigest(salt + text.encode("utf-8")) / 2.0**64
-
-
-def _spread_subset(sample_ids: Sequence[str], positions: np.ndarray, max_samples: int | None) -> np.ndarray:
-    """At most `max_samples` of `positions`: the smallest id hashes (fixed, nested as it grows)."""
-    if max_samples is None or positions.size <= max_samples:
-        return positions
-    rank = np.fromiter((_unit_hash(sample_ids[i], _SUBSET_SALT) for i in positions), dtype=np.float64, count=positions.size)
-    return np.sort(positions[np.argsort(rank, kind="stable")[:max_samples]])
-
-
 def select_eval_data(dataset, root: str, *, split: str, holdout_fraction: float | None, max_samples: int | None,
                      split_reason: str = "") -> EvalData:
     """The samples of `dataset` to evaluate: all, or its `is_holdout(id, holdout_fraction)` split."""
-    from train.data import holdout_mask
+    from train.data import holdout_mask, spread_subset
 
     index = dataset.index
     all_ids = [str(s) for s in index.column("sample_id").to_pylist()]
@@ -361,7 +349,7 @@ def select_eval_data(dataset, root: str, *, split: str, holdout_fraction: float 
         chosen = np.arange(len(all_ids), dtype=np.int64)
     else:
         raise AssertionError(split)
-    chosen = _spread_subset(all_ids, chosen, max_samples)
+    chosen = spread_subset(all_ids, chosen, max_samples, _SUBSET_SALT)
     if chosen.size == 0:
         raise ValueError(f"no samples to evaluate in '{root}' (split={split}, holdout_fraction={holdout_fraction}, {len(all_ids)} in the dataset)")
     name = Path(str(root).rstrip("/")).name or "data"
