@@ -236,8 +236,8 @@ def read_checkpoint(path: str | Path) -> CheckpointInfo:
     from train.model import DrafterConfig
 
     ckpt = resolve_checkpoint_dir(path)
-    verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE))  # names a damaged file before anything is loaded
-    state = _read_json_file(ckpt / STATE_FILE, "checkpoint state")
+    # Names a damaged file before anything is loaded; returns state.json, already parsed.
+    state = verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE))
     config_file = ckpt / DRAFTER_CONFIG_FILE
     if not config_file.is_file():
         raise ValueError(f"checkpoint '{ckpt}' has no {DRAFTER_CONFIG_FILE}")

@@ -266,8 +266,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     from common.provenance import git_sha, tool_version
 
     ckpt = resolve_checkpoint(checkpoint)
+    step = None
     if (ckpt / STATE_FILE).is_file():
-        verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE))  # names a damaged file
+        step = verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE)).get("step")  # names a damaged file
     try:
         cfg = DrafterConfig.from_dict(json.loads((ckpt / DRAFTER_CONFIG_FILE).read_text()))
     except (ValueError, TypeError) as exc:
@@ -276,11 +277,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     check_weights(state, cfg, str(ckpt / MODEL_FILE))
     target = target or _run_target(ckpt)
     token_ids = target_token_ids(target, cfg) if target and Path(target, "config.json").is_file() else None
-    step = None
-    try:
-        step = json.loads((ckpt / STATE_FILE).read_text()).get("step")
-    except (OSError, ValueError):
-        pass
     info = {"checkpoint": str(ckpt.resolve()), "step": step, "target": target, "dtype": dtype,
             "git_sha": git_sha(), "tool_version": tool_version()}
     return export_drafter(state, cfg, out_dir, dtype=dtype, token_ids=token_ids, info=info)
