@@ -258,10 +258,6 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=self._run, args=(snapshot,), name=f"ckpt-{snapshot.step}", daemon=False)
         self._thread.start()
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()

@@ -139,11 +139,6 @@ class Batch:
 
     TENSOR_FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs", "lengths")
 
-    def to(self, device, non_blocking: bool = True) -> "Batch":
-        """A copy with every tensor on `device` (asynchronous from pinned memory)."""
-        moved = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in self.TENSOR_FIELDS}
-        return dataclasses.replace(self, **moved)
-
     @property
     def real_tokens(self) -> int:
         return int(self.lengths.sum())
