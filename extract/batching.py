@@ -10,6 +10,7 @@ Padded positions are dropped when results are unpacked; they never reach the sha
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -66,14 +67,20 @@ class HostBatch:
     so device-to-host copies run asynchronously on a side stream).
 
     The hidden states arrive in the layout the shards store (`Capturer` arranges them on the
-    device), so a sample's rows are one contiguous block that goes to the writer without a copy:
-    encoding "planes": uint8 [2, B, T, W], the high bytes of every bf16, then the low bytes;
-    encoding "plain": bf16 [B, T, W]. W = n_taps * hidden_size, taps concatenated per token."""
+    device), so each column piece of a sample's rows is one contiguous block that goes to the writer
+    without a copy: encoding "planes": uint8 [2, S, B, T, W / S], the high bytes of every bf16, then
+    the low bytes, each in the dataset's `hidden_split` S column pieces (one per tap by default);
+    encoding "plain": bf16 [B, T, W] (the writer cuts the pieces). W = n_taps * hidden_size, taps
+    concatenated per token."""
 
-    def __init__(self, *, n_taps: int, hidden_size: int, token_budget: int, topk: int, pin: bool, encoding: str = "planes"):
+    def __init__(
+        self, *, n_taps: int, hidden_size: int, token_budget: int, topk: int, pin: bool, encoding: str = "planes", hidden_split: int = 1
+    ):
         check_encoding(encoding)
         self.n_taps, self.hidden_size, self.token_budget, self.encoding = n_taps, hidden_size, token_budget, encoding
         self.width = n_taps * hidden_size
+        assert self.width % hidden_split == 0, (self.width, hidden_split)
+        self.hidden_split = hidden_split
         self.hidden = torch.empty(2 * token_budget * self.width, dtype=torch.uint8, pin_memory=pin)  # 2 bytes per bf16
         self.topk_ids = torch.empty(token_budget, topk, dtype=torch.int32, pin_memory=pin)
         self.topk_logprobs = torch.empty(token_budget, topk, dtype=torch.float32, pin_memory=pin)
@@ -81,11 +88,11 @@ class HostBatch:
         self.logits_ok = torch.empty(token_budget, dtype=torch.bool, pin_memory=pin)  # per sample
 
     def hidden_view(self, B: int, T: int) -> torch.Tensor:
-        """planes: uint8 [2, B, T, W]; plain: bf16 [B, T, W] (one contiguous block, so one copy fills it)."""
+        """planes: uint8 [2, S, B, T, W / S]; plain: bf16 [B, T, W] (one contiguous block, so one copy fills it)."""
         assert B * T <= self.token_budget, (B, T, self.token_budget)
         used = self.hidden[: 2 * B * T * self.width]
         if self.encoding == "planes":
-            return used.view(2, B, T, self.width)
+            return used.view(2, self.hidden_split, B, T, self.width // self.hidden_split)
         return used.view(torch.bfloat16).view(B, T, self.width)
 
     @property
@@ -94,21 +101,34 @@ class HostBatch:
 
 
 class BufferPool:
-    """A fixed set of `HostBatch`es; `acquire` blocks while all are in flight (bounded memory and
-    back-pressure: the forward loop waits for the writer, never the other way round)."""
+    """At most `count` `HostBatch`es; `acquire` blocks while all are in flight (bounded memory and
+    back-pressure: the forward loop waits for the writer, never the other way round).
+
+    Buffers are allocated on first need, not up front: pinning several GiB takes the host a while,
+    and this way only the first buffer delays the first forward; the others are pinned while the
+    GPU already computes."""
 
     def __init__(self, count: int, **host_batch_kwargs):
         self._free: queue.Queue[HostBatch] = queue.Queue()
-        for _ in range(count):
-            self._free.put(HostBatch(**host_batch_kwargs))
-        self.count = count
+        self._kwargs = host_batch_kwargs
+        self._lock = threading.Lock()
+        self.count, self.created = count, 0
 
     def acquire(self, timeout: float | None = None) -> HostBatch:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self.created < self.count:
+                host = HostBatch(**self._kwargs)  # may fail (pinned memory): then nothing is counted
+                self.created += 1
+                return host
         return self._free.get(timeout=timeout)
 
     def release(self, host: HostBatch) -> None:
         self._free.put(host)
 
     def available(self) -> int:
-        """Buffers free right now (tests, diagnostics)."""
-        return self._free.qsize()
+        """Buffers free right now, or still to be allocated (tests, diagnostics)."""
+        return self._free.qsize() + self.count - self.created

@@ -30,6 +30,7 @@ import platform
 import resource
 import shutil
 import sys
+import threading
 import time
 
 import numpy as np
@@ -77,6 +78,9 @@ def parse_args(argv):
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed bare pass that first tunes kernels for each shape: (b) then runs cold and "
                         "(a) warm after it, so (b)/(a) reads low")
+    p.add_argument("--variant", action="append", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="run (b) once more with these extract config overrides, e.g. launch_ahead_layers=4 or "
+                        "gil_switch_interval=0.0005 (repeatable; (b) runs once per --variant, in order; default: once as configured)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -86,6 +90,9 @@ def parse_args(argv):
     args.max_len = args.max_len or shape["max_len"]
     args.tokens_per_batch = args.tokens_per_batch or shape["budget"]
     args.layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else shape["layer_ids"]
+    args.variants = [[kv for kv in v.split(",") if kv] for v in args.variant] if args.variant else [[]]
+    if any(not all("=" in kv for kv in v) for v in args.variants):
+        p.error("--variant: expected KEY=VALUE pairs separated by commas")
     if not 0 < args.min_len <= args.max_len <= args.tokens_per_batch:
         p.error("need 0 < --min-len <= --max-len <= --tokens-per-batch")
     return args
@@ -107,15 +114,33 @@ def length_mix(total_tokens: int, min_len: int, max_len: int, rng: np.random.Gen
     return lengths
 
 
-def write_token_corpus(path: str, lengths: list[int], vocab_size: int, seed: int) -> None:
-    """JSONL of {"input_ids": [...]} records (no `datasets` needed); loss on every token."""
+def write_token_corpus(path: str, lengths: list[int], vocab_size: int, seed: int, world: int = 1) -> list[int]:
+    """JSONL of {"input_ids": [...]} records (no `datasets` needed); loss on every token. Returns the
+    tokens each of `world` ranks will own.
+
+    Ranks own samples by a hash of their tokens, so over a few hundred samples of 500-8000 tokens
+    their shares differ by several percent (the spread shrinks as one over the square root of the
+    sample count: nothing over a real corpus) and the slowest rank sets a short run's pace. With
+    several ranks, each sequence's ids are therefore drawn again until the sample falls to the rank
+    that owns the fewest tokens so far: every rank gets the same length mix and the same tokens
+    within one sequence."""
+    from common.hashing import sample_id
+
     rng = np.random.default_rng(seed)
+    owned = [0] * world
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         for n in lengths:
-            ids = rng.integers(0, vocab_size, size=n)
+            neediest = owned.index(min(owned))
+            while True:
+                ids = rng.integers(0, vocab_size, size=n).astype(np.int32)
+                owner = int(sample_id(ids, np.ones(n, dtype=np.uint8)), 16) % world
+                if world == 1 or owner == neediest:
+                    break
+            owned[owner] += n
             f.write('{"input_ids": [' + ",".join(map(str, ids.tolist())) + "]}\n")
     os.replace(tmp, path)
+    return owned
 
 
 def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype):
@@ -190,6 +215,71 @@ def measure_bare(target, cfg, batches: list, device: str) -> dict:
     return {"tokens": tokens, "seconds": seconds, "batches": len(batches), "padded_tokens": sum(int(i.numel()) for i, _ in batches)}
 
 
+class GilProbe:
+    """How long a thread waits for the GIL: a thread sleeps 1 ms (releasing the GIL) over and over
+    and records by how much each wake-up overshoots. On an idle interpreter that is the OS timer's
+    slack (tens of microseconds); when another thread keeps the GIL, it approaches Python's switch
+    interval (5 ms by default), which every GIL-releasing call of the write thread would pay too."""
+
+    SLEEP = 0.001
+
+    def __init__(self):
+        self.delays: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            time.sleep(self.SLEEP)
+            self.delays.append(time.perf_counter() - start - self.SLEEP)
+
+    def __enter__(self) -> "GilProbe":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.delays:
+            return {"wakeups": 0}
+        d = np.array(self.delays) * 1e3
+        return {"wakeups": int(d.size), "mean_ms": float(d.mean()), "p50_ms": float(np.percentile(d, 50)),
+                "p99_ms": float(np.percentile(d, 99)), "max_ms": float(d.max())}
+
+
+def process_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_full(cfg, target, ranks, device: str, overrides: list[str]) -> tuple[dict, dict]:
+    """(b) once: the real extraction into a fresh `cfg.out_dir`; (measurements, dataset summary)."""
+    from extract import pipeline
+
+    if ranks.rank == 0:
+        shutil.rmtree(cfg.out_dir, ignore_errors=True)
+    ranks.barrier()
+    reset_peak(device)
+    cpu0, start = process_cpu_seconds(), time.perf_counter()
+    with GilProbe() as probe:
+        summary = pipeline.run(cfg, target=target, ranks=ranks)[None]
+        sync(device)
+    seconds, cpu = time.perf_counter() - start, process_cpu_seconds() - cpu0
+    run = summary.get("this_run", {})
+    full = {
+        "tokens": run.get("tokens", 0), "seconds": seconds, "samples": run.get("samples", 0),
+        "peak_gpu_gib": peak_gib(device), "bytes_written": summary["bytes"] if ranks.world == 1 else None,
+        "pad_efficiency": run.get("pad_efficiency"), "overrides": overrides,
+        "process_cpu_cores": cpu / seconds if seconds else None, "gil_probe": probe.summary(),
+        "startup_seconds": run.get("startup_seconds"), "drain_seconds": run.get("drain_seconds"),
+        **{k: v for k, v in run.items() if k.startswith("write") or k.startswith("commit")},
+    }
+    return full, summary
+
+
 def peak_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
 
@@ -226,7 +316,8 @@ def main(argv=None) -> int:
         os.makedirs(workdir, exist_ok=True)
         shutil.rmtree(out_dir, ignore_errors=True)
         lengths = length_mix(args.tokens, args.min_len, args.max_len, np.random.default_rng(args.seed))
-        write_token_corpus(corpus_path, lengths, shape["text"]["vocab_size"], args.seed)
+        owned = write_token_corpus(corpus_path, lengths, shape["text"]["vocab_size"], args.seed, ranks.world)
+        print(f"corpus: {len(lengths)} sequences, {sum(lengths):,} tokens; per rank: {', '.join(f'{n:,}' for n in owned)}", file=sys.stderr)
     ranks.barrier()
 
     t0 = time.perf_counter()
@@ -243,7 +334,8 @@ def main(argv=None) -> int:
         overrides.append(f"zstd_level={args.zstd_level}")
     if args.hidden_encoding:
         overrides.append(f"hidden_encoding={args.hidden_encoding}")
-    cfg = load_config(ExtractConfig, None, overrides)
+    cfgs = [load_config(ExtractConfig, None, overrides + variant) for variant in args.variants]  # all checked before any work
+    cfg = cfgs[0]
 
     # Kernels are tuned (and Triton kernels compiled) on the first use of each sequence shape, which
     # cost the first pass over these micro-batches about a third of its time on an H200 (4.9 K tok/s
@@ -252,25 +344,19 @@ def main(argv=None) -> int:
     # before (a), so anything still cold counts against (b): (b)/(a) is never flattered.
     batches = bare_batches(target, cfg, corpus_path, ranks)
     warmup = measure_bare(target, cfg, batches, device) if args.warmup else None
-    reset_peak(device)
-    start = time.perf_counter()
-    summary = pipeline.run(cfg, target=target, ranks=ranks)[None]
-    sync(device)
-    full_seconds = time.perf_counter() - start
-    run = summary.get("this_run", {})
-    full = {
-        "tokens": run.get("tokens", 0), "seconds": full_seconds, "samples": run.get("samples", 0),
-        "peak_gpu_gib": peak_gib(device), "bytes_written": summary["bytes"] if ranks.world == 1 else None,
-        "pad_efficiency": run.get("pad_efficiency"), "write_thread_busy": run.get("write_thread_busy"),
-        "commit_busy": run.get("commit_busy"),
-    }
+    fulls = []
+    for variant, variant_cfg in zip(args.variants, cfgs):
+        full, summary = run_full(variant_cfg, target, ranks, device, variant)
+        fulls.append(full)
 
     reset_peak(device)
-    bare = measure_bare(target, cfg, batches, device)
+    with GilProbe() as probe:
+        bare = measure_bare(target, cfg, batches, device)
     bare["peak_gpu_gib"] = peak_gib(device)
+    bare["gil_probe"] = probe.summary()
     result = {
-        "rank": ranks.rank, "bare": bare, "full": full, "host_rss_gib": host_rss_gib(), "build_seconds": build_seconds,
-        "warmup_seconds": warmup["seconds"] if warmup else None,
+        "rank": ranks.rank, "bare": bare, "full": fulls[0], "full_variants": fulls, "host_rss_gib": host_rss_gib(),
+        "build_seconds": build_seconds, "warmup_seconds": warmup["seconds"] if warmup else None,
     }
     results = gather(result, ranks)
     if ranks.rank == 0:
@@ -298,25 +384,40 @@ def gather(result: dict, ranks) -> list[dict]:
 
 
 def make_report(args, results: list[dict], n_params: int, device: str, summary: dict, kernels: dict) -> dict:
-    def rate(part: str, r: dict) -> float:
-        return r[part]["tokens"] / r[part]["seconds"] if r[part]["seconds"] else 0.0
+    def rate(part: dict) -> float:
+        return part["tokens"] / part["seconds"] if part["seconds"] else 0.0
 
-    per_rank = []
-    for r in results:
-        a, b = rate("bare", r), rate("full", r)
-        per_rank.append({
-            "rank": r["rank"], "bare_tok_s": a, "full_tok_s": b, "full_over_bare": b / a if a else None,
-            "bare_tflops": 2 * n_params * a / 1e12, "full_tflops": 2 * n_params * b / 1e12,
-            "bare_tokens": r["bare"]["tokens"], "full_tokens": r["full"]["tokens"],
-            "peak_gpu_gib_bare": r["bare"]["peak_gpu_gib"], "peak_gpu_gib_full": r["full"]["peak_gpu_gib"],
-            "host_rss_gib": r["host_rss_gib"], "pad_efficiency": r["full"]["pad_efficiency"], "model_build_seconds": r["build_seconds"],
-            "write_thread_busy": r["full"].get("write_thread_busy"), "commit_busy": r["full"].get("commit_busy"), "warmup_seconds": r.get("warmup_seconds"),
-            "warmup_tok_s": r["bare"]["tokens"] / r["warmup_seconds"] if r.get("warmup_seconds") else None,
-        })
-    wall_a = max(r["bare"]["seconds"] for r in results)
-    wall_b = max(r["full"]["seconds"] for r in results)
-    total_a = sum(r["bare"]["tokens"] for r in results) / wall_a if wall_a else 0.0
-    total_b = sum(r["full"]["tokens"] for r in results) / wall_b if wall_b else 0.0
+    def per_rank_rows(variant: int) -> list[dict]:
+        rows = []
+        for r in results:
+            full = r["full_variants"][variant]
+            a, b = rate(r["bare"]), rate(full)
+            rows.append({
+                "rank": r["rank"], "bare_tok_s": a, "full_tok_s": b, "full_over_bare": b / a if a else None,
+                "bare_tflops": 2 * n_params * a / 1e12, "full_tflops": 2 * n_params * b / 1e12,
+                "bare_tokens": r["bare"]["tokens"], "full_tokens": full["tokens"],
+                "peak_gpu_gib_bare": r["bare"]["peak_gpu_gib"], "peak_gpu_gib_full": full["peak_gpu_gib"],
+                "host_rss_gib": r["host_rss_gib"], "pad_efficiency": full["pad_efficiency"], "model_build_seconds": r["build_seconds"],
+                "write_thread_busy": full.get("write_thread_busy"), "commit_busy": full.get("commit_busy"),
+                "write_thread_cpu": full.get("write_thread_cpu"), "process_cpu_cores": full.get("process_cpu_cores"),
+                "writer_timings": {k: v for k, v in full.items() if k.startswith("writer_")},
+                "gil_probe_full": full.get("gil_probe"), "gil_probe_bare": r["bare"].get("gil_probe"),
+                "warmup_seconds": r.get("warmup_seconds"), "bare_seconds": r["bare"]["seconds"], "full_seconds": full["seconds"],
+                "full_startup_seconds": full.get("startup_seconds"), "full_drain_seconds": full.get("drain_seconds"),
+                "warmup_tok_s": r["bare"]["tokens"] / r["warmup_seconds"] if r.get("warmup_seconds") else None,
+            })
+        return rows
+
+    def totals(variant: int) -> dict:
+        wall_a = max(r["bare"]["seconds"] for r in results)
+        wall_b = max(r["full_variants"][variant]["seconds"] for r in results)
+        total_a = sum(r["bare"]["tokens"] for r in results) / wall_a if wall_a else 0.0
+        total_b = sum(r["full_variants"][variant]["tokens"] for r in results) / wall_b if wall_b else 0.0
+        return {"bare_tok_s": total_a, "full_tok_s": total_b, "full_over_bare": total_b / total_a if total_a else None,
+                "bare_tflops": 2 * n_params * total_a / 1e12, "full_tflops": 2 * n_params * total_b / 1e12}
+
+    variants = [{"overrides": results[0]["full_variants"][v]["overrides"], "per_rank": per_rank_rows(v), "total": totals(v)}
+                for v in range(len(results[0]["full_variants"]))]
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -325,10 +426,11 @@ def make_report(args, results: list[dict], n_params: int, device: str, summary: 
         "torch": torch.__version__, "transformers": __import__("transformers").__version__, "kernels": kernels,
         "settings": {"tokens": args.tokens, "min_len": args.min_len, "max_len": args.max_len, "tokens_per_batch": args.tokens_per_batch,
                      "layer_ids": args.layer_ids, "topk": args.topk, "logits_chunk": args.logits_chunk, "zstd_level": args.zstd_level,
-                     "hidden_encoding": args.hidden_encoding, "writer_threads": args.writer_threads, "warmup": args.warmup},
-        "per_rank": per_rank,
-        "total": {"bare_tok_s": total_a, "full_tok_s": total_b, "full_over_bare": total_b / total_a if total_a else None,
-                  "bare_tflops": 2 * n_params * total_a / 1e12, "full_tflops": 2 * n_params * total_b / 1e12},
+                     "hidden_encoding": args.hidden_encoding, "writer_threads": args.writer_threads, "warmup": args.warmup,
+                     "variants": args.variants},
+        "per_rank": variants[0]["per_rank"],
+        "total": variants[0]["total"],
+        "variants": variants,
         "dataset": {"samples": summary["samples"], "tokens": summary["tokens"], "bytes": summary["bytes"], "bytes_per_token": summary["bytes_per_token"]},
     }
 
@@ -341,17 +443,35 @@ def format_report(report: dict) -> str:
     lines = [
         f"extract.bench  shape={report['shape']}  params={report['parameters'] / 1e9:.2f}B  device={report['device']} x{report['world_size']}",
         f"torch {report['torch']}, transformers {report['transformers']}; fla importable: {k['fla_importable']}, used: {k['fla_used_by_transformers']}",
-        "",
-        f"{'rank':>4} {'(a) bare tok/s':>15} {'(b) full tok/s':>15} {'(b)/(a)':>8} {'(a) TFLOP/s':>12} {'(b) TFLOP/s':>12} {'peak GPU GiB':>13} {'host RSS GiB':>13} {'pad eff':>8} {'write busy':>10} {'of it commit':>12}",
     ]
-    for r in report["per_rank"]:
-        lines.append(
-            f"{r['rank']:>4} {f(r['bare_tok_s']):>15} {f(r['full_tok_s']):>15} {f(r['full_over_bare'], '.3f'):>8} {f(r['bare_tflops'], '.1f'):>12} "
-            f"{f(r['full_tflops'], '.1f'):>12} {f(r['peak_gpu_gib_full'], '.1f'):>13} {f(r['host_rss_gib'], '.1f'):>13} {f(r['pad_efficiency'], '.3f'):>8} "
-            f"{f(r.get('write_thread_busy'), '.0%'):>10} {f(r.get('commit_busy'), '.0%'):>12}"
-        )
-    t = report["total"]
-    lines.append(f"{'all':>4} {f(t['bare_tok_s']):>15} {f(t['full_tok_s']):>15} {f(t['full_over_bare'], '.3f'):>8} {f(t['bare_tflops'], '.1f'):>12} {f(t['full_tflops'], '.1f'):>12}")
+    for variant in report["variants"]:
+        lines += [
+            "",
+            "(b) with " + (", ".join(variant["overrides"]) or "the settings above"),
+            f"{'rank':>4} {'(a) bare tok/s':>15} {'(b) full tok/s':>15} {'(b)/(a)':>8} {'(a) TFLOP/s':>12} {'(b) TFLOP/s':>12} {'peak GPU GiB':>13} "
+            f"{'host RSS GiB':>13} {'pad eff':>8} {'write busy':>10} {'of it commit':>12} {'write CPU':>9} {'cores':>6}",
+        ]
+        for r in variant["per_rank"]:
+            lines.append(
+                f"{r['rank']:>4} {f(r['bare_tok_s']):>15} {f(r['full_tok_s']):>15} {f(r['full_over_bare'], '.3f'):>8} {f(r['bare_tflops'], '.1f'):>12} "
+                f"{f(r['full_tflops'], '.1f'):>12} {f(r['peak_gpu_gib_full'], '.1f'):>13} {f(r['host_rss_gib'], '.1f'):>13} {f(r['pad_efficiency'], '.3f'):>8} "
+                f"{f(r.get('write_thread_busy'), '.0%'):>10} {f(r.get('commit_busy'), '.0%'):>12} {f(r.get('write_thread_cpu'), '.0%'):>9} "
+                f"{f(r.get('process_cpu_cores'), '.1f'):>6}"
+            )
+        t = variant["total"]
+        lines.append(f"{'all':>4} {f(t['bare_tok_s']):>15} {f(t['full_tok_s']):>15} {f(t['full_over_bare'], '.3f'):>8} {f(t['bare_tflops'], '.1f'):>12} {f(t['full_tflops'], '.1f'):>12}")
+        for r in variant["per_rank"]:
+            timings = ", ".join(f"{key.removeprefix('writer_')} {value:,.0f}" if key.endswith("_calls") else f"{key.removeprefix('writer_')} {value:.0%}"
+                                for key, value in r["writer_timings"].items())
+            gil_b, gil_a = r.get("gil_probe_full") or {}, r.get("gil_probe_bare") or {}
+            lines.append(
+                f"  rank {r['rank']}: (b) took {f(r['full_seconds'], '.1f')} s, of it {f(r['full_startup_seconds'], '.1f')} s from the call to the first "
+                f"forward and {f(r['full_drain_seconds'], '.1f')} s after the last forward was launched; (a) took {f(r['bare_seconds'], '.1f')} s"
+            )
+            lines.append(
+                f"  rank {r['rank']}: writer time shares: {timings or '-'}; GIL wait (1 ms sleeps) during (b): mean {f(gil_b.get('mean_ms'), '.2f')} ms, "
+                f"p99 {f(gil_b.get('p99_ms'), '.2f')} ms; during (a): mean {f(gil_a.get('mean_ms'), '.2f')} ms, p99 {f(gil_a.get('p99_ms'), '.2f')} ms"
+            )
     warm = [r["warmup_tok_s"] for r in report["per_rank"] if r.get("warmup_tok_s")]
     if warm:
         lines += ["", "untimed warm-up pass (bare forward, cold kernels) per rank: " + ", ".join(f"{f(x)} tok/s" for x in warm)]

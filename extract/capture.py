@@ -13,7 +13,8 @@
 
 `capture` returns device tensors (tests, the bench's bare forward). `Capturer.launch` is the
 pipeline's version: it arranges the taps on the device in the layout the shards store (taps
-concatenated per token; for the `planes` encoding, split into high and low bytes), copies that
+concatenated per token; for the `planes` encoding, split into high and low bytes, each in the
+dataset's column pieces), copies that
 block to pinned host memory on a side stream as soon as the last tap layer has run, so the copy
 overlaps the rest of the forward, and returns without waiting. The host then hands each sample's
 rows to the shard writer as views: no copy, no byte-plane split and no NaN/Inf scan on the host
@@ -22,6 +23,7 @@ rows to the shard writer as views: no copy, no byte-plane split and no NaN/Inf s
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 from collections.abc import Callable, Sequence
@@ -120,6 +122,44 @@ def capture(target, input_ids_BT: torch.Tensor, lengths: Sequence[int], layer_id
 # The pipeline's overlapped capture
 
 
+class LaunchThrottle:
+    """Keeps the host at most `ahead` decoder layers in front of the GPU (0: off).
+
+    Without a limit the forward loop runs ahead until the driver's launch queue is full, and from
+    then on each launch waits inside the driver. This waits instead on an event recorded `ahead`
+    layers earlier, with the GIL released and the thread asleep, so the host threads that write
+    shards get the interpreter whenever they need it. The events carry over from one forward to the
+    next, so the limit also holds across micro-batches."""
+
+    def __init__(self, layers, ahead: int):
+        self.layers, self.ahead = layers, ahead
+        self._events: collections.deque = collections.deque()
+        self._handles: list = []
+        self._devices: dict = {}
+
+    def __enter__(self) -> "LaunchThrottle":
+        if self.ahead > 0:
+            self._handles = [layer.register_forward_pre_hook(self._before_layer) for layer in self.layers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before_layer(self, module, args) -> None:
+        device = self._devices.get(id(module))
+        if device is None:
+            device = self._devices[id(module)] = next(module.parameters()).device
+        if device.type != "cuda":
+            return
+        event = torch.cuda.Event(blocking=True)
+        event.record(torch.cuda.current_stream(device))
+        self._events.append(event)
+        while len(self._events) > self.ahead:
+            self._events.popleft().synchronize()
+
+
 @dataclasses.dataclass
 class InFlight:
     """A launched micro-batch: results land in `host` once `wait()` returns."""
@@ -147,11 +187,12 @@ class InFlight:
 class Capturer:
     """Launches captures whose device-to-host copies overlap compute (CUDA), or copies directly (CPU)."""
 
-    def __init__(self, target, layer_ids: Sequence[int], topk: int, logits_chunk: int):
+    def __init__(self, target, layer_ids: Sequence[int], topk: int, logits_chunk: int, launch_ahead_layers: int = 0):
         self.target, self.layer_ids, self.topk, self.logits_chunk = target, list(layer_ids), topk, logits_chunk
         self.out_device = target.output_device
         self.cuda = self.out_device.type == "cuda"
         self._side_streams: dict = {}
+        self.throttle = LaunchThrottle(target.layers, launch_ahead_layers if self.cuda else 0)
 
     @torch.inference_mode()
     def launch(self, input_ids_BT: torch.Tensor, lengths: list[int], host: HostBatch) -> InFlight:
@@ -186,7 +227,8 @@ class Capturer:
             if len(arrived) == len(self.layer_ids) and self.cuda:
                 self._to_host(staging, hidden_host, keepalive)
 
-        last_BTH = forward_with_taps(target, ids_dev, mask_dev, self.layer_ids, on_tap)
+        with self.throttle:
+            last_BTH = forward_with_taps(target, ids_dev, mask_dev, self.layer_ids, on_tap)
         assert sorted(arrived) == list(range(len(self.layer_ids))), f"tap hooks fired for slots {arrived}"
         flat_NH = last_BTH.reshape(B * T, -1).to(out_dev).index_select(0, positions_N)  # .to: no-op unless device_map
         ids_NK, logprobs_NK, finite_N = final_topk(target, flat_NH, self.topk, self.logits_chunk)
@@ -222,27 +264,34 @@ class Capturer:
 
 def put_tap(staging: torch.Tensor, slot: int, stored_BTH: torch.Tensor, encoding: str) -> None:
     """Write one tap's bf16 values [B, T, H] into its columns of a buffer in the host layout
-    (`HostBatch.hidden_view`): planes uint8 [2, B, T, W], plain bf16 [B, T, W]."""
+    (`HostBatch.hidden_view`): planes uint8 [2, S, B, T, W / S], plain bf16 [B, T, W]."""
     H = stored_BTH.shape[-1]
-    cols = slice(slot * H, (slot + 1) * H)
+    start, end = slot * H, (slot + 1) * H  # the tap's columns of the full width W
     if encoding == "plain":
-        staging[:, :, cols].copy_(stored_BTH)
+        staging[:, :, start:end].copy_(stored_BTH)
         return
     pairs_BTH2 = stored_BTH.contiguous().view(torch.uint8).unflatten(-1, (H, 2))  # (low, high) byte of each value
-    staging[0, :, :, cols].copy_(pairs_BTH2[..., 1])
-    staging[1, :, :, cols].copy_(pairs_BTH2[..., 0])
+    width = staging.shape[-1]
+    for piece in range(start // width, (end - 1) // width + 1):  # the column pieces the tap overlaps
+        first, last = max(start, piece * width), min(end, (piece + 1) * width)
+        source = pairs_BTH2[:, :, first - start : last - start]
+        columns = slice(first - piece * width, last - piece * width)
+        staging[0, piece, :, :, columns].copy_(source[..., 1])
+        staging[1, piece, :, :, columns].copy_(source[..., 0])
 
 
 def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
     """(hidden, topk_ids int32 [L, k], topk_logprobs float32 [L, k], hidden_ok, logits_ok) of sample
     `b` as views of the host buffers, no copy: valid until the buffer goes back to the pool.
-    `hidden` is `shards.HiddenPlanes` (uint8 [L, W] each) for the planes layout, else uint16 [L, W]."""
+    `hidden` is `shards.HiddenPlanes` (each plane a tuple of S column pieces uint8 [L, W / S]) for
+    the planes layout, else uint16 [L, W]."""
     from shards import HiddenPlanes
 
     host, L = inflight.host, inflight.lengths[b]
     rows = host.hidden_view(len(inflight.lengths), inflight.T)
     if host.encoding == "planes":
-        hidden = HiddenPlanes(rows[0, b, :L].numpy(), rows[1, b, :L].numpy())
+        pieces = range(host.hidden_split)
+        hidden = HiddenPlanes(tuple(rows[0, j, b, :L].numpy() for j in pieces), tuple(rows[1, j, b, :L].numpy() for j in pieces))
     else:
         hidden = rows[b, :L].view(torch.uint16).numpy()
     topk_ids = host.topk_ids[offset : offset + L].numpy()

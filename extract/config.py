@@ -80,6 +80,14 @@ class ExtractConfig:
     writer_threads: int = knob(
         4, help="threads pyarrow uses to zstd-compress shards (one background thread writes; another unpacks results)", min=1, max=256
     )
+    launch_ahead_layers: int = knob(
+        0, help="GPU: the host launches at most this many decoder layers ahead of the GPU and waits for it with the GIL "
+        "released (0 = no limit: launches block in the driver once its queue is full)", min=0, max=4096,
+    )
+    gil_switch_interval: float | None = knob(
+        None, help="sys.setswitchinterval during the extraction, in seconds (how soon a thread waiting for the GIL gets it); "
+        "none = Python's own (5 ms)", min=1e-6, max=1.0,
+    )
     shard_bytes: int | None = knob(None, help="size at which a shard file is closed, in bytes; none = the shard writer's default", min=1 << 10)
     zstd_level: int | None = knob(None, help="zstd level of the shards (1 fastest .. 22 smallest); none = the shard writer's default", min=1, max=22)
 

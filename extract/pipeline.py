@@ -27,6 +27,7 @@ import logging
 import os
 import queue
 import threading
+import sys
 import time
 from collections.abc import Iterator
 
@@ -144,8 +145,14 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
         check_layer_ids(cfg.layer_ids, target.num_layers)
     check_topk(cfg.topk, target.vocab_size)
     summaries = {}
-    for name, split_cfg in cfg.split_configs().items():
-        summaries[name] = extract_split(split_cfg, target, ranks, label=name)
+    python_interval = sys.getswitchinterval()
+    if cfg.gil_switch_interval is not None:
+        sys.setswitchinterval(cfg.gil_switch_interval)
+    try:
+        for name, split_cfg in cfg.split_configs().items():
+            summaries[name] = extract_split(split_cfg, target, ranks, label=name)
+    finally:
+        sys.setswitchinterval(python_interval)
     return summaries
 
 
@@ -166,6 +173,7 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
         zstd_level=cfg.zstd_level or DEFAULT_ZSTD_LEVEL,
         shard_bytes=cfg.shard_bytes or DEFAULT_SHARD_BYTES,
     )
+    entered = time.perf_counter()  # the summary's startup_seconds count from here
     root = _local_dir(cfg.out_dir)
     os.makedirs(root, exist_ok=True)
     corpus = C.find_corpus(cfg.corpus, cfg.corpus_format)
@@ -208,7 +216,7 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
         writer.stage_state["runs"] = runs
         rejects = RejectLog(os.path.join(root, names["rejects"]), int(writer.stage_state.get("rejects_bytes", 0)))
         try:
-            run_stats = _extract_into(cfg, target, ranks, corpus, fingerprint, writer, rejects, label)
+            run_stats = _extract_into(cfg, target, ranks, corpus, fingerprint, writer, rejects, label, entered)
         finally:
             writer.stage_state["rejects_bytes"] = rejects.sync()
             rejects.close()
@@ -220,6 +228,7 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
     # The last shard is committed as the writer closes: count it in the run's time and commit share.
     run_stats["seconds"] = time.time() - started
     run_stats["commit_seconds"] = writer.commit_seconds
+    run_stats["writer_timings"] = dict(writer.timings)
     _check_coverage(manifest, run_stats)
     log.info(
         "rank %d/%d: %s samples (%s tokens) written this run in %.1fs (%.0f tok/s); write thread busy %.0f%% of it "
@@ -602,7 +611,7 @@ class _Lease:
             self._pool.release(host)
 
 
-def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer, rejects: RejectLog, label) -> dict:
+def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer, rejects: RejectLog, label, entered: float) -> dict:
     import pyarrow as pa
 
     tokenizer = target.tokenizer
@@ -614,10 +623,10 @@ def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer
     stats = {"records_owned": 0, "samples": 0, "tokens": 0, "batches": 0, "skipped_batches": 0, "padded_tokens": 0}
     desc = f"extract {label or os.path.basename(cfg.out_dir)}" + (f" rank {ranks.rank}/{ranks.world}" if ranks.world > 1 else "")
     progress = Progress(fingerprint["records"], desc, enabled=cfg.progress and ranks.rank == 0)
-    capturer = Capturer(target, cfg.layer_ids, cfg.topk, cfg.logits_chunk)
+    capturer = Capturer(target, cfg.layer_ids, cfg.topk, cfg.logits_chunk, cfg.launch_ahead_layers)
     pool = BufferPool(
         cfg.inflight_batches, n_taps=n_taps, hidden_size=target.hidden_size, token_budget=cfg.tokens_per_batch, topk=cfg.topk,
-        pin=capturer.cuda, encoding=writer.encoding,
+        pin=capturer.cuda, encoding=writer.encoding, hidden_split=writer.hidden_split,
     )
     pa.set_cpu_count(cfg.writer_threads)  # zstd runs on pyarrow's pool while the write thread waits
 
@@ -630,7 +639,12 @@ def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer
         for window in windows:
             stats["records_owned"] += window.records_owned
             _run_window(window, cfg, capturer, host_path, progress, is_done, pad_id, stats)
+        launched_all = time.perf_counter()
         host_path.finish()
+        # Fixed costs around the forwards, which a long run amortizes: setting up until the first
+        # forward is launched, and writing what is still in flight after the last one is launched.
+        stats["startup_seconds"] = stats.pop("first_launch_at", launched_all) - entered
+        stats["drain_seconds"] = time.perf_counter() - launched_all
     except BaseException:
         windows.close()
         host_path.abandon()
@@ -641,6 +655,7 @@ def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer
     # Seconds each host thread spent working (or blocked downstream): a write thread busy all the
     # run means the host path, not the GPU, set the pace.
     stats["write_busy_seconds"] = host_path.writing.busy_seconds
+    stats["write_cpu_seconds"] = host_path.writing.busy_cpu_seconds
     stats["assemble_busy_seconds"] = host_path.assembling.busy_seconds
     return stats
 
@@ -660,6 +675,7 @@ def _run_window(window: Window, cfg, capturer, host_path: HostPath, progress, is
             progress.advance(share)
             continue
         host = host_path.acquire()
+        stats.setdefault("first_launch_at", time.perf_counter())
         input_ids_BT, batch_lengths = collate_right_padded([torch.from_numpy(s.input_ids) for s in samples], pad_id)
         inflight = capturer.launch(input_ids_BT, batch_lengths, host)
         stats["batches"] += 1
@@ -754,7 +770,8 @@ def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, parti
         "bytes_per_token": nbytes / counts["tokens"] if counts["tokens"] else None,
     }
     if this_run is not None:
-        keys = ("rank", "world", "samples", "tokens", "seconds", "batches", "skipped_batches", "padded_tokens", "coverage_ok")
+        keys = ("rank", "world", "samples", "tokens", "seconds", "batches", "skipped_batches", "padded_tokens", "coverage_ok",
+                "startup_seconds", "drain_seconds")
         summary["this_run"] = {k: this_run[k] for k in keys if k in this_run}
         if this_run.get("seconds"):
             summary["this_run"]["tok_per_s"] = this_run["tokens"] / this_run["seconds"]
@@ -763,6 +780,10 @@ def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, parti
         if this_run.get("seconds") and "write_busy_seconds" in this_run:
             summary["this_run"]["write_thread_busy"] = this_run["write_busy_seconds"] / this_run["seconds"]
             summary["this_run"]["commit_busy"] = this_run.get("commit_seconds", 0.0) / this_run["seconds"]
+            summary["this_run"]["write_thread_cpu"] = this_run.get("write_cpu_seconds", 0.0) / this_run["seconds"]
+            for key, value in this_run.get("writer_timings", {}).items():
+                share = value if key.endswith("_calls") else value / this_run["seconds"]
+                summary["this_run"]["writer_" + key.removesuffix("_seconds")] = share
     return summary
 
 

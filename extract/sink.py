@@ -37,6 +37,7 @@ class Worker:
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.error: BaseException | None = None
         self.busy_seconds = 0.0
+        self.busy_cpu_seconds = 0.0  # CPU time of this thread while busy (pyarrow's pool not counted)
         self.thread = threading.Thread(target=self._run, name=f"extract-{name}", daemon=True)
         self.thread.start()
 
@@ -48,13 +49,14 @@ class Worker:
             if self.error is not None:
                 self._discard(item)
                 continue
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 self.handle(item)
             except BaseException as err:  # noqa: BLE001 - handed to the main thread
                 self.error = err
                 self._discard(item)
             self.busy_seconds += time.perf_counter() - start
+            self.busy_cpu_seconds += time.thread_time() - start_cpu
 
     def _discard(self, item) -> None:
         if self.on_discard is not None:

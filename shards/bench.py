@@ -3,9 +3,9 @@ storage, on synthetic samples shaped like the Qwen3.6-27B case (4 taps x 5120 bf
 
     make bench-shards ARGS="--samples 8 --tokens 512"
     python -m shards.bench [--samples N] [--tokens T] [--taps 4] [--hidden 5120] [--topk 32]
-                           [--levels 1,3,6] [--repeats 2] [--dir DIR] [--no-gzip]
+                           [--levels 1,3,6] [--splits 1,4] [--repeats 2] [--dir DIR] [--no-gzip]
 
-For each zstd level, with and without byte planes, it writes the samples with `ShardWriter` and
+For each zstd level, with and without byte planes, unsplit and in column pieces (`hidden_split`), it writes the samples with `ShardWriter` and
 reads every sample back with `ShardDataset.torch` into a preallocated batch buffer (hidden states
 are decoded straight into it; the other fields are copied), as a trainer's collate does, with the
 per-sample checksums checked (the default) and, in alternating passes, without them: the
@@ -100,12 +100,12 @@ def _cpu_time(fn) -> float:
     return time.process_time() - start
 
 
-def bench_shards(samples, root, encoding, level, collate, repeats) -> Result:
+def bench_shards(samples, root, encoding, level, collate, repeats, split: int = 1) -> Result:
     width, topk = samples[0].hidden.shape[1], samples[0].topk_ids.shape[1]
 
     def write():
         with ShardWriter(root, provenance={}, hidden_width=width, topk=topk, zstd_level=level, hidden_encoding=encoding,
-                         use_threads=False, shard_bytes=1 << 34) as w:
+                         use_threads=False, shard_bytes=1 << 34, hidden_split=split) as w:
             for sample in samples:
                 w.write(sample)
 
@@ -122,7 +122,8 @@ def bench_shards(samples, root, encoding, level, collate, repeats) -> Result:
         checked.append(_cpu_time(lambda: read(True)))
         unchecked.append(_cpu_time(lambda: read(False)))
     stored, files = _dir_bytes(root)
-    return Result(f"shards zstd-{level} {encoding}", stored, files, write_s, min(checked), min(unchecked))
+    name = f"shards zstd-{level} {encoding}" + (f", {split} pieces" if split > 1 else "")
+    return Result(name, stored, files, write_s, min(checked), min(unchecked))
 
 
 def hash_speeds(root: str, repeats: int) -> dict[str, float]:
@@ -228,6 +229,8 @@ def _parse_args(argv):
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--levels", default="1,3,6", help="zstd levels, comma separated (the first one's data also times the hashes)")
+    p.add_argument("--splits", default=None,
+                   help="hidden_split values, comma separated (column pieces per hidden plane; default: 1 and one per tap)")
     p.add_argument("--repeats", type=int, default=2, help="read passes; the fastest is reported")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed at the end)")
     p.add_argument("--no-gzip", action="store_true", help="skip the slow torch.save + gzip baseline")
@@ -241,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
     levels = [int(level) for level in args.levels.split(",")]
+    splits = [int(x) for x in args.splits.split(",")] if args.splits else sorted({1, args.taps})
     width = args.taps * args.hidden
     samples = realistic_samples(args.samples, args.tokens, args.taps, args.hidden, args.topk, seed=args.seed)
     tokens = sum(s.n_tokens for s in samples)
@@ -253,9 +257,11 @@ def main(argv: list[str] | None = None) -> None:
         _warm_up(samples[:1], os.path.join(scratch, "warm-up"), collate)
         for level in levels:
             for encoding in ("plain", "planes"):
-                results.append(bench_shards(samples, os.path.join(scratch, f"z{level}-{encoding}"), encoding, level, collate, args.repeats))
-                print(f"  done: {results[-1].name}", flush=True)
-        speeds = hash_speeds(os.path.join(scratch, f"z{levels[0]}-planes"), args.repeats)
+                for split in splits:
+                    root = os.path.join(scratch, f"z{level}-{encoding}-s{split}")
+                    results.append(bench_shards(samples, root, encoding, level, collate, args.repeats, split))
+                    print(f"  done: {results[-1].name}", flush=True)
+        speeds = hash_speeds(os.path.join(scratch, f"z{levels[0]}-planes-s{splits[0]}"), args.repeats)
         results.append(bench_torch_save(samples, os.path.join(scratch, "torch"), collate, args.repeats))
         if not args.no_gzip:
             results.append(bench_torch_save(samples, os.path.join(scratch, "torch-gz"), collate, args.repeats, gzip_level=6))

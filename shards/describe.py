@@ -75,7 +75,8 @@ def inspect_lines(ds: ShardDataset) -> list[str]:
     lines = [
         f"dataset    {io.join(ds.root, ds.manifest_name)}",
         f"format     {m['format']} v{m['format_version']}, complete: {'yes' if m.get('complete') else 'NO'}",
-        f"layout     encoding {ds.encoding}, hidden_width {ds.hidden_width}, topk {ds.topk}, zstd level(s) {levels or '-'}",
+        f"layout     encoding {ds.encoding}, hidden_width {ds.hidden_width} in {ds.hidden_split} column piece(s), topk {ds.topk}, "
+        f"zstd level(s) {levels or '-'}",
         f"written by {m['writer'].get('tool_version')} at {m['writer'].get('git_sha')}, updated {m['writer'].get('updated')}",
         "provenance",
         *("  " + line for line in json.dumps(ds.provenance, indent=2, sort_keys=True).splitlines()),

@@ -22,11 +22,13 @@ from common.provenance import git_sha, tool_version
 from shards.sample_checksums import SAMPLE_CHECKSUM_ALGOS
 from shards.schema import (
     ENCODINGS,
+    FIRST_SPLIT_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
     SUPPORTED_FORMAT_VERSIONS,
     ShardFormatError,
     check_encoding,
+    check_hidden_split,
     check_prefix,
     index_schema,
 )
@@ -55,7 +57,17 @@ def json_normalized(obj: Any, what: str) -> Any:
         raise ValueError(f"{what} must be JSON-serializable: {err}") from None
 
 
-def new_manifest(*, provenance: dict, encoding: str, hidden_width: int, topk: int) -> dict:
+def hidden_split_of(manifest: dict) -> int:
+    """The dataset's `hidden_split` (manifests before format version 3 have none: 1)."""
+    return manifest.get("hidden_split", 1)
+
+
+def layout_of(manifest: dict) -> dict:
+    """The dataset's layout as keyword arguments (encoding, hidden_width, topk, hidden_split)."""
+    return {"encoding": manifest["encoding"], "hidden_width": manifest["hidden_width"], "topk": manifest["topk"], "hidden_split": hidden_split_of(manifest)}
+
+
+def new_manifest(*, provenance: dict, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1) -> dict:
     """An empty manifest (no shards) for a dataset of this layout."""
     return {
         "format": FORMAT_NAME,
@@ -65,6 +77,7 @@ def new_manifest(*, provenance: dict, encoding: str, hidden_width: int, topk: in
         "encoding": check_encoding(encoding),
         "hidden_width": int(hidden_width),
         "topk": int(topk),
+        "hidden_split": check_hidden_split(hidden_split, int(hidden_width)),
         "checksum_algo": CHECKSUM_ALGO,
         "counts": {key: 0 for key in RESERVED_COUNTS},
         "shards": [],
@@ -88,6 +101,12 @@ def check_manifest(manifest: Any, where: str) -> dict:
             raise ShardFormatError(f"{where}: manifest has no field {key!r}")
     if manifest["encoding"] not in ENCODINGS:
         raise ShardFormatError(f"{where}: unknown hidden encoding {manifest['encoding']!r}")
+    try:
+        check_hidden_split(hidden_split_of(manifest), manifest["hidden_width"])
+    except ValueError as err:
+        raise ShardFormatError(f"{where}: {err}") from None
+    if hidden_split_of(manifest) != 1 and version < FIRST_SPLIT_VERSION:
+        raise ShardFormatError(f"{where}: hidden_split {hidden_split_of(manifest)} in a format_version {version} manifest (split hidden columns are version 3)")
     for position, entry in enumerate(manifest["shards"]):
         missing = [key for key in SHARD_ENTRY_KEYS if key not in entry]
         if missing:
@@ -147,11 +166,12 @@ def comparable_provenance(provenance: dict) -> dict:
     return {k: v for k, v in provenance.items() if k not in PROVENANCE_KEYS_NOT_COMPARED}
 
 
-def layout_difference(manifest: dict, *, provenance: dict, encoding: str, hidden_width: int, topk: int) -> str | None:
+def layout_difference(manifest: dict, *, provenance: dict, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1) -> str | None:
     """The first field in which a dataset's layout and provenance differ from the given ones, or None."""
-    for key, value in (("encoding", encoding), ("hidden_width", hidden_width), ("topk", topk)):
-        if manifest[key] != value:
-            return f"{key}: {manifest[key]!r} vs {value!r}"
+    layout = layout_of(manifest)
+    for key, value in (("encoding", encoding), ("hidden_width", hidden_width), ("topk", topk), ("hidden_split", hidden_split)):
+        if layout[key] != value:
+            return f"{key}: {layout[key]!r} vs {value!r}"
     return first_difference(
         comparable_provenance(manifest["provenance"]), comparable_provenance(json_normalized(provenance, "provenance")), "provenance"
     )
@@ -233,7 +253,7 @@ def merge_manifests(root: str, names: list[str], out_name: str = MANIFEST_NAME) 
     manifests = [load_manifest(fs, root, name) for name in names]
     first = manifests[0]
     for name, manifest in zip(names[1:], manifests[1:]):
-        diff = layout_difference(manifest, provenance=first["provenance"], encoding=first["encoding"], hidden_width=first["hidden_width"], topk=first["topk"])
+        diff = layout_difference(manifest, provenance=first["provenance"], **layout_of(first))
         if diff:
             raise ValueError(f"merge: {name} disagrees with {names[0]} in {diff}")
     files = [entry["file"] for manifest in manifests for entry in manifest["shards"]]
@@ -241,7 +261,7 @@ def merge_manifests(root: str, names: list[str], out_name: str = MANIFEST_NAME) 
     if repeated:
         raise ValueError(f"merge: shard files listed by more than one manifest: {repeated[:10]} (give each rank its own shard_prefix)")
     _refuse_duplicates(fs, root, names, manifests)
-    merged = new_manifest(provenance=first["provenance"], encoding=first["encoding"], hidden_width=first["hidden_width"], topk=first["topk"])
+    merged = new_manifest(provenance=first["provenance"], **layout_of(first))
     merged["complete"] = all(m.get("complete", False) for m in manifests)
     merged["counts"] = _merged_counts(manifests)
     merged["shards"] = [entry for manifest in manifests for entry in manifest["shards"]]

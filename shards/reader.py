@@ -32,9 +32,9 @@ import pyarrow.fs as pafs
 
 from common import io
 from common.hashing import file_checksum
-from shards.manifest import MANIFEST_NAME, SAMPLE_CHECKSUM_ALGO_KEY, load_manifest, read_index
+from shards.manifest import MANIFEST_NAME, SAMPLE_CHECKSUM_ALGO_KEY, hidden_split_of, load_manifest, read_index
 from shards.sample_checksums import SampleRanges, decode_message
-from shards.schema import Sample, ShardFormatError, decode_sample, shard_schema
+from shards.schema import Sample, ShardFormatError, decode_sample, shard_schema, shard_schema_matches
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,12 @@ class ShardDataset:
         self.encoding: str = self.manifest["encoding"]
         self.hidden_width: int = self.manifest["hidden_width"]
         self.topk: int = self.manifest["topk"]
+        self.hidden_split: int = hidden_split_of(self.manifest)
         self.shards: list[dict] = self.manifest["shards"]
         self.verify_checksums = verify_checksums
         self.verify_samples = verify_samples
         self.max_open_shards = max_open_shards
-        self._schema = shard_schema(self.encoding, self.hidden_width, self.topk)  # decodes checked samples
+        self._schema = shard_schema(self.encoding, self.hidden_width, self.topk, hidden_split=self.hidden_split)  # decodes checked samples
         self._starts = list(itertools.accumulate((e["samples"] for e in self.shards), initial=0))
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -227,7 +228,7 @@ class ShardDataset:
         except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged zstd data
             raise ShardFormatError(f"{path}: row {row} cannot be read: {err}") from None
         try:
-            sample = decode_sample(batch, self.encoding, self.hidden_width, self.topk, hidden_out)
+            sample = decode_sample(batch, self.encoding, self.hidden_width, self.topk, hidden_out, self.hidden_split)
         except (pa.ArrowException, OSError, ShardFormatError) as err:
             raise ShardFormatError(f"{path}: row {row} cannot be decoded: {err}") from None
         if ranges is not None and sample.sample_id != ranges.sample_id(row):
@@ -273,6 +274,8 @@ class ShardDataset:
             reader = pa.ipc.open_file(source)
         except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged data too
             raise ShardFormatError(f"{path}: not a readable Arrow IPC file ({err})") from None
+        if not shard_schema_matches(reader.schema, self.encoding, self.hidden_width, self.topk, self.hidden_split):
+            raise ShardFormatError(f"{path}: the file's schema does not match the manifest's layout (damaged, or another dataset's file)")
         if reader.num_record_batches != entry["samples"]:
             raise ShardFormatError(f"{path}: {reader.num_record_batches} samples in the file, manifest says {entry['samples']}")
         return _OpenShardFile(source, reader)

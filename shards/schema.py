@@ -14,9 +14,15 @@ decodes the same record batch from the byte range the index gives, once its chec
     topk_ids       list<fixed_size_list<int32, k>>   [T, k]
     topk_logprobs  list<fixed_size_list<float32, k>> [T, k]
 
+With `hidden_split` S > 1 (format version 3; extract uses one piece per tap) each hidden column is
+stored as S columns of width W / S, left to right: `hidden_hi.0` .. `hidden_hi.{S-1}`, then
+`hidden_lo.0` .. (or `hidden.0` ..).
+
 Arrow IPC compresses every buffer as its own zstd frame, so with "planes" zstd sees the
 sign/exponent bytes (low entropy) apart from the mantissa bytes (nearly random), which is what
-makes the planes smaller. Both encodings are bit-exact. See shards/FORMAT.md.
+makes the planes smaller; per-tap pieces give zstd bytes of one layer's statistics at a time
+(smaller again) and separate frames that pyarrow compresses and decompresses on several cores.
+Both encodings are bit-exact. See shards/FORMAT.md.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ import pyarrow as pa
 FORMAT_NAME = "dflash-shards"
 # 2: index files carry each sample's byte range and xxh3-64 (FORMAT.md, "Versioning"); shard files
 # are laid out as in 1, and version-1 datasets still read (without the per-sample check).
-FORMAT_VERSION = 2
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+# 3: hidden columns may be split into `hidden_split` pieces of equal width (one per tap).
+FORMAT_VERSION = 3
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+FIRST_SPLIT_VERSION = 3
 ENCODINGS = ("plain", "planes")
 DEFAULT_ENCODING = "planes"  # chosen by measurement: FORMAT.md, "Why these defaults"
 DEFAULT_ZSTD_LEVEL = 1  # chosen by measurement: FORMAT.md, "Why these defaults"
@@ -43,6 +51,7 @@ TAP_MEANING = "id i = output of decoder layer i = hidden_states[i+1]"
 # bf16 is 1 sign, 8 exponent, 7 mantissa bits; an all-ones exponent is Inf or NaN.
 BF16_EXPONENT_MASK = 0x7F80
 _SCAN_BLOCK = 1 << 20  # values per block of the NaN/Inf scan (2 MB of uint16: stays in cache)
+_JOIN_BLOCK_VALUES = 1 << 19  # values per block when joining split byte planes (1 MB of uint16)
 
 _META_PREFIX = b"dflash."
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -97,6 +106,22 @@ def check_encoding(encoding: str) -> str:
     return encoding
 
 
+def check_hidden_split(hidden_split, hidden_width: int) -> int:
+    """`hidden_split` if it is a positive integer dividing `hidden_width`, else ValueError naming it."""
+    if not isinstance(hidden_split, int) or isinstance(hidden_split, bool) or hidden_split < 1 or hidden_width % hidden_split:
+        raise ValueError(f"hidden_split: expected a positive integer that divides hidden_width {hidden_width}, got {hidden_split!r}")
+    return hidden_split
+
+
+def hidden_field_names(encoding: str, hidden_split: int) -> list[str]:
+    """The hidden columns of a shard, in schema order: per stored array (`hidden`, or `hidden_hi`
+    then `hidden_lo`), its pieces left to right; unsplit (S = 1) columns keep the bare name."""
+    bases = ["hidden"] if encoding == "plain" else ["hidden_hi", "hidden_lo"]
+    if hidden_split == 1:
+        return bases
+    return [f"{base}.{piece}" for base in bases for piece in range(hidden_split)]
+
+
 def check_prefix(name: str, what: str) -> str:
     if not isinstance(name, str) or not _PREFIX_PATTERN.match(name):
         raise ValueError(f"{what}: {name!r} must be a plain file name of letters, digits, '_', '-', '.'")
@@ -125,17 +150,17 @@ def _rows_of(value_type: pa.DataType, width: int) -> pa.DataType:
     return pa.list_(pa.field("item", pa.list_(pa.field("item", value_type, nullable=False), width), nullable=False))
 
 
-def shard_schema(encoding: str, hidden_width: int, topk: int, format_version: int = FORMAT_VERSION) -> pa.Schema:
-    """The schema of a shard file; its metadata repeats the encoding and widths so a shard describes
-    itself, and names the format version of the writer that wrote it."""
+def shard_schema(encoding: str, hidden_width: int, topk: int, format_version: int = FORMAT_VERSION, hidden_split: int = 1) -> pa.Schema:
+    """The schema of a shard file; its metadata repeats the encoding, widths and split so a shard
+    describes itself, and names the format version of the writer that wrote it."""
     check_encoding(encoding)
-    if encoding == "plain":
-        hidden_fields = [pa.field("hidden", _rows_of(pa.uint16(), hidden_width), nullable=False)]
-    else:
-        hidden_fields = [
-            pa.field("hidden_hi", _rows_of(pa.uint8(), hidden_width), nullable=False),
-            pa.field("hidden_lo", _rows_of(pa.uint8(), hidden_width), nullable=False),
-        ]
+    check_hidden_split(hidden_split, hidden_width)
+    assert hidden_split == 1 or format_version >= FIRST_SPLIT_VERSION, (hidden_split, format_version)
+    value_type = pa.uint16() if encoding == "plain" else pa.uint8()
+    hidden_fields = [
+        pa.field(name, _rows_of(value_type, hidden_width // hidden_split), nullable=False)
+        for name in hidden_field_names(encoding, hidden_split)
+    ]
     fields = [
         pa.field("sample_id", pa.string(), nullable=False),
         pa.field("input_ids", pa.list_(pa.field("item", pa.int32(), nullable=False)), nullable=False),
@@ -151,12 +176,18 @@ def shard_schema(encoding: str, hidden_width: int, topk: int, format_version: in
         _META_PREFIX + b"hidden_width": str(hidden_width).encode(),
         _META_PREFIX + b"topk": str(topk).encode(),
     }
+    if format_version >= FIRST_SPLIT_VERSION:
+        metadata[_META_PREFIX + b"hidden_split"] = str(hidden_split).encode()
     return pa.schema(fields, metadata=metadata)
 
 
-def shard_schema_matches(schema: pa.Schema, encoding: str, hidden_width: int, topk: int) -> bool:
+def shard_schema_matches(schema: pa.Schema, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1) -> bool:
     """True if `schema` is the shard schema of this layout, written by any supported format version."""
-    return any(schema.equals(shard_schema(encoding, hidden_width, topk, v), check_metadata=True) for v in SUPPORTED_FORMAT_VERSIONS)
+    return any(
+        schema.equals(shard_schema(encoding, hidden_width, topk, v, hidden_split), check_metadata=True)
+        for v in SUPPORTED_FORMAT_VERSIONS
+        if hidden_split == 1 or v >= FIRST_SPLIT_VERSION
+    )
 
 
 def index_schema(sample_checksums: bool = True) -> pa.Schema:
@@ -188,20 +219,49 @@ def index_schema(sample_checksums: bool = True) -> pa.Schema:
 @dataclasses.dataclass(frozen=True)
 class HiddenPlanes:
     """Hidden states already split into the byte planes that the `planes` encoding stores:
-    `hi = u16 >> 8`, `lo = u16 & 0xFF`, each uint8 [T, W]. A `Sample.hidden` may be one of these
-    on the way into a `ShardWriter` (extract splits on the GPU, so the writer stores the planes
-    as they are, without a host pass); readers always return uint16."""
+    `hi = u16 >> 8`, `lo = u16 & 0xFF`. A `Sample.hidden` may be one of these on the way into a
+    `ShardWriter` (extract splits on the GPU, so the writer stores the planes as they are, without
+    a host pass); readers always return uint16.
 
-    hi: np.ndarray  # uint8 [T, W]
-    lo: np.ndarray  # uint8 [T, W]
+    Each plane is uint8 [T, W], or a tuple of its column pieces uint8 [T, W / S] left to right (extract
+    hands over one piece per tap, as the device laid them out, so a split dataset needs no copy)."""
+
+    hi: np.ndarray | tuple[np.ndarray, ...]
+    lo: np.ndarray | tuple[np.ndarray, ...]
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.hi.shape
+    def shape(self) -> tuple[int, int]:
+        return plane_shape(self.hi)
 
     def join(self) -> np.ndarray:
-        """The uint16 bit patterns (a new array)."""
-        return join_planes(self.hi, self.lo)
+        """The uint16 bit patterns [T, W] (a new array)."""
+        return join_planes(whole_plane(self.hi), whole_plane(self.lo))
+
+
+def plane_shape(plane) -> tuple[int, int]:
+    """(T, W) of a plane given whole or as column pieces."""
+    if isinstance(plane, tuple):
+        return (plane[0].shape[0], sum(piece.shape[1] for piece in plane))
+    return plane.shape
+
+
+def whole_plane(plane) -> np.ndarray:
+    """A plane given whole or as column pieces, as one [T, W] array (a copy only for pieces)."""
+    if not isinstance(plane, tuple):
+        return plane
+    return np.ascontiguousarray(plane[0]) if len(plane) == 1 else np.concatenate(plane, axis=1)
+
+
+def column_pieces(array, hidden_split: int) -> list[np.ndarray]:
+    """`hidden_split` C-contiguous column pieces of equal width of an array given whole or as pieces:
+    views when the given pieces already match, copies otherwise."""
+    if isinstance(array, tuple) and len(array) == hidden_split:
+        return [np.ascontiguousarray(piece) for piece in array]
+    whole = whole_plane(array)
+    if hidden_split == 1:
+        return [np.ascontiguousarray(whole)]
+    width = whole.shape[1] // hidden_split
+    return [np.ascontiguousarray(whole[:, j * width : (j + 1) * width]) for j in range(hidden_split)]
 
 
 def split_planes(hidden_TW: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -259,24 +319,24 @@ def _one_row_list(values: np.ndarray, width: int | None) -> pa.Array:
     return pa.ListArray.from_arrays(offsets, flat)
 
 
-def encode_sample(sample: Sample, schema: pa.Schema, encoding: str) -> pa.RecordBatch:
+def encode_sample(sample: Sample, schema: pa.Schema, encoding: str, hidden_split: int = 1) -> pa.RecordBatch:
     """One record batch of one row holding `sample` (already validated). Its hidden states may be
     uint16 or `HiddenPlanes`; the Arrow arrays are views of the numpy data wherever the layout
-    allows (planes given as planes, uint16 stored plain), so the only pass is zstd's."""
+    allows (planes given as planes in the dataset's pieces, uint16 stored plain and unsplit), so
+    the only pass is zstd's."""
     hidden = sample.hidden
-    width = hidden.shape[1]
     k = sample.topk_ids.shape[1]
     if encoding == "plain":
-        hidden_TW = hidden.join() if isinstance(hidden, HiddenPlanes) else np.ascontiguousarray(hidden)
-        hidden_columns = [_one_row_list(hidden_TW, width)]
+        bits = hidden.join() if isinstance(hidden, HiddenPlanes) else hidden
+        stored = column_pieces(bits, hidden_split)
     else:
-        hi_TW, lo_TW = (hidden.hi, hidden.lo) if isinstance(hidden, HiddenPlanes) else split_planes(hidden)
-        hidden_columns = [_one_row_list(np.ascontiguousarray(hi_TW), width), _one_row_list(np.ascontiguousarray(lo_TW), width)]
+        hi, lo = (hidden.hi, hidden.lo) if isinstance(hidden, HiddenPlanes) else split_planes(hidden)
+        stored = column_pieces(hi, hidden_split) + column_pieces(lo, hidden_split)
     columns = [
         pa.array([sample.sample_id], pa.string()),
         _one_row_list(np.ascontiguousarray(sample.input_ids), None),
         _one_row_list(np.ascontiguousarray(sample.loss_mask), None),
-        *hidden_columns,
+        *[_one_row_list(piece, piece.shape[1]) for piece in stored],
         _one_row_list(np.ascontiguousarray(sample.topk_ids), k),
         _one_row_list(np.ascontiguousarray(sample.topk_logprobs), k),
     ]
@@ -304,9 +364,41 @@ def _values(column: pa.Array, depth: int) -> np.ndarray:
     return np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype.itemsize)
 
 
-def decode_sample(batch: pa.RecordBatch, encoding: str, hidden_width: int, topk: int, hidden_out: np.ndarray | None = None) -> Sample:
+def _decode_hidden(batch: pa.RecordBatch, encoding: str, T: int, hidden_width: int, hidden_split: int, destination) -> np.ndarray:
+    """uint16 [T, W] from the hidden columns: a view of the Arrow buffer for unsplit `plain` without a
+    destination, else written into `destination` (or a new array) piece by piece."""
+    names = hidden_field_names(encoding, hidden_split)
+    width = hidden_width // hidden_split
+    columns = [_rows(batch.column(name), T, width, name) for name in names]
+    if encoding == "plain" and hidden_split == 1 and destination is None:
+        return columns[0]
+    out_TW = destination if destination is not None else np.empty((T, hidden_width), dtype=np.uint16)
+    if encoding == "plain" or hidden_split == 1:
+        for j in range(hidden_split):
+            part_TW = out_TW[:, j * width : (j + 1) * width]
+            if encoding == "plain":
+                np.copyto(part_TW, columns[j])
+            else:
+                join_planes(columns[j], columns[hidden_split + j], part_TW)
+        return out_TW
+    # Joined a block of rows at a time in a small contiguous buffer, then copied into the piece's
+    # columns: joining straight into the strided columns costs numpy ~40% more (measured).
+    rows = max(1, _JOIN_BLOCK_VALUES // width)
+    block_RW = np.empty((min(T, rows), width), dtype=np.uint16)
+    for start in range(0, T, rows):
+        stop = min(T, start + rows)
+        joined = block_RW[: stop - start]
+        for j in range(hidden_split):
+            join_planes(columns[j][start:stop], columns[hidden_split + j][start:stop], joined)
+            out_TW[start:stop, j * width : (j + 1) * width] = joined
+    return out_TW
+
+
+def decode_sample(
+    batch: pa.RecordBatch, encoding: str, hidden_width: int, topk: int, hidden_out: np.ndarray | None = None, hidden_split: int = 1
+) -> Sample:
     """The `Sample` held by a one-row record batch. Every array is a zero-copy view of the decoded
-    Arrow buffers, except `planes` hidden states, which are joined into one fresh array.
+    Arrow buffers, except `planes` (or split) hidden states, which are joined into one fresh array.
 
     With `hidden_out` (uint16 [>= T, W], C-contiguous, e.g. a row of a trainer's batch buffer) the
     hidden states are decoded straight into `hidden_out[:T]`, saving the copy a collate would make.
@@ -320,15 +412,7 @@ def decode_sample(batch: pa.RecordBatch, encoding: str, hidden_width: int, topk:
         if hidden_out.dtype != np.uint16 or hidden_out.ndim != 2 or hidden_out.shape[1] != hidden_width or hidden_out.shape[0] < T:
             raise ValueError(f"hidden_out: need uint16 [>= {T}, {hidden_width}], got {hidden_out.dtype} {tuple(hidden_out.shape)}")
         destination = hidden_out[:T]
-    if encoding == "plain":
-        hidden_TW = _rows(batch.column("hidden"), T, hidden_width, "hidden")
-        if destination is not None:
-            np.copyto(destination, hidden_TW)
-            hidden_TW = destination
-    else:
-        hi = _rows(batch.column("hidden_hi"), T, hidden_width, "hidden_hi")
-        lo = _rows(batch.column("hidden_lo"), T, hidden_width, "hidden_lo")
-        hidden_TW = join_planes(hi, lo, destination)
+    hidden_TW = _decode_hidden(batch, encoding, T, hidden_width, hidden_split, destination)
     loss_mask = _values(batch.column("loss_mask"), 1)
     if loss_mask.size != T:
         raise ShardFormatError(f"field 'loss_mask' has {loss_mask.size} positions, input_ids has {T}")

@@ -30,19 +30,31 @@ def _check_array(sample_id, name: str, value, dtype, ndim: int) -> None:
         _fail(sample_id, name, f"expected {ndim} dimensions, got shape {tuple(value.shape)}")
 
 
+def _plane_pieces(plane) -> tuple:
+    return plane if isinstance(plane, tuple) else (plane,)
+
+
 def _check_hidden(sample_id, hidden) -> None:
     if not isinstance(hidden, HiddenPlanes):
         _check_array(sample_id, "hidden", hidden, np.uint16, 2)
         return
-    _check_array(sample_id, "hidden.hi", hidden.hi, np.uint8, 2)
-    _check_array(sample_id, "hidden.lo", hidden.lo, np.uint8, 2)
-    if hidden.hi.shape != hidden.lo.shape:
-        _fail(sample_id, "hidden", f"byte planes differ in shape: hi {tuple(hidden.hi.shape)}, lo {tuple(hidden.lo.shape)}")
+    for name in ("hi", "lo"):
+        pieces = _plane_pieces(getattr(hidden, name))
+        if not pieces:
+            _fail(sample_id, f"hidden.{name}", "no column pieces")
+        for j, piece in enumerate(pieces):
+            _check_array(sample_id, f"hidden.{name}" + (f"[{j}]" if len(pieces) > 1 else ""), piece, np.uint8, 2)
+        if len({piece.shape[0] for piece in pieces}) > 1:
+            _fail(sample_id, f"hidden.{name}", f"column pieces differ in length: {[tuple(p.shape) for p in pieces]}")
+    hi_shapes = [p.shape for p in _plane_pieces(hidden.hi)]
+    lo_shapes = [p.shape for p in _plane_pieces(hidden.lo)]
+    if hi_shapes != lo_shapes:
+        _fail(sample_id, "hidden", f"byte planes differ in shape: hi {hi_shapes}, lo {lo_shapes}")
 
 
 def _count_nonfinite_hidden(hidden) -> int:
     if isinstance(hidden, HiddenPlanes):
-        return count_nonfinite_planes(hidden.hi, hidden.lo)
+        return sum(count_nonfinite_planes(hi, lo) for hi, lo in zip(_plane_pieces(hidden.hi), _plane_pieces(hidden.lo)))
     return count_nonfinite_bf16(hidden)
 
 

@@ -27,6 +27,7 @@ from shards.manifest import (
     MANIFEST_NAME,
     RESERVED_COUNTS,
     SAMPLE_CHECKSUM_ALGO_KEY,
+    layout_of,
     load_manifest,
     manifest_path,
     read_index,
@@ -119,11 +120,19 @@ def _open_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool) -> 
         reader = pa.ipc.open_file(source)
     except (pa.ArrowException, OSError) as err:
         return problems + [Problem(path, f"cannot be opened as an Arrow IPC file: {err}")], None
-    if not shard_schema_matches(reader.schema, manifest["encoding"], manifest["hidden_width"], manifest["topk"]):
-        return problems + [Problem(path, f"schema does not match the manifest's layout: {reader.schema.names}")], None
+    if not shard_schema_matches(reader.schema, **layout_of(manifest)):
+        return problems + [Problem(path, f"schema does not match the manifest's layout: {_field_names(reader.schema)}")], None
     if reader.num_record_batches != entry["samples"]:
         problems.append(Problem(path, f"holds {reader.num_record_batches} samples, manifest says {entry['samples']}"))
     return problems, (source, reader)
+
+
+def _field_names(schema: pa.Schema) -> str:
+    """The schema's field names for a message (a damaged name may not even be UTF-8)."""
+    try:
+        return str(schema.names)
+    except UnicodeDecodeError:
+        return "(field names are not valid UTF-8: damaged)"
 
 
 def _column_length_problems(batch: pa.RecordBatch) -> list[str]:
@@ -144,7 +153,7 @@ def _read_batch(source, reader, ranges: SampleRanges | None, row: int, manifest:
         return reader.get_batch(row)
     data = ranges.read(source, row, path)
     ranges.check(data, row, path)
-    return decode_message(data, shard_schema(manifest["encoding"], manifest["hidden_width"], manifest["topk"]))
+    return decode_message(data, shard_schema(**layout_of(manifest)))
 
 
 def _check_sample(opened, ranges: SampleRanges | None, row: int, manifest: dict, index_row: dict | None, path: str) -> list[Problem]:
@@ -156,7 +165,8 @@ def _check_sample(opened, ranges: SampleRanges | None, row: int, manifest: dict,
         length_problems = _column_length_problems(batch)
         if length_problems:
             return [Problem(path, m, sample_id, row) for m in length_problems]
-        sample = decode_sample(batch, manifest["encoding"], manifest["hidden_width"], manifest["topk"])
+        layout = layout_of(manifest)
+        sample = decode_sample(batch, layout["encoding"], layout["hidden_width"], layout["topk"], hidden_split=layout["hidden_split"])
     except ShardFormatError as err:  # a per-sample checksum mismatch; the Problem names the sample and row itself
         return [Problem(path, str(err).removeprefix(path + ": ").removeprefix(f"sample {expected_id} (row {row}): "), expected_id, row)]
     except (pa.ArrowException, OSError, ValueError, IndexError) as err:  # pyarrow raises OSError for zstd data errors

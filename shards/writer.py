@@ -42,6 +42,7 @@ from shards.manifest import (
     RESERVED_COUNTS,
     SAMPLE_CHECKSUM_ALGO_KEY,
     extra_counts_of,
+    hidden_split_of,
     json_normalized,
     layout_difference,
     load_manifest,
@@ -62,6 +63,7 @@ from shards.schema import (
     SHARD_SUFFIX,
     Sample,
     check_encoding,
+    check_hidden_split,
     check_prefix,
     encode_sample,
     index_file_name,
@@ -146,9 +148,10 @@ class _HashingStream:
     whole file (xxh3-128, for the manifest) and, between `begin_sample()` and `end_sample()`, the
     one record batch written in between (xxh3-64, for the index; see `shards/sample_checksums.py`)."""
 
-    def __init__(self, raw, write_behind: _WriteBehind | None = None):
+    def __init__(self, raw, write_behind: _WriteBehind | None = None, timings: collections.Counter | None = None):
         self.raw = raw
         self.write_behind = write_behind
+        self.timings = timings if timings is not None else collections.Counter()
         self.hasher = xxhash.xxh3_128()
         self.nbytes = 0
         self.closed = False
@@ -158,6 +161,7 @@ class _HashingStream:
         self._sample_from: int | None = None  # file offset where the sample being written started
 
     def write(self, data) -> int:
+        started = time.perf_counter()
         view = memoryview(data).cast("B")
         self.hasher.update(view)
         self._hash_sample_part(view)
@@ -165,6 +169,8 @@ class _HashingStream:
         self.nbytes += view.nbytes
         if self.write_behind is not None:
             self.write_behind.wrote(view.nbytes)
+        self.timings["stream_calls"] += 1
+        self.timings["stream_seconds"] += time.perf_counter() - started
         return view.nbytes
 
     def _hash_sample_part(self, view: memoryview) -> None:
@@ -266,8 +272,20 @@ def _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level) 
         )
 
 
+def default_hidden_split(provenance: dict, hidden_width: int) -> int:
+    """One piece per tap when the provenance names the taps (their statistics differ with depth, so
+    per-tap zstd frames are smaller, and pyarrow compresses the pieces in parallel), else 1."""
+    taps = (provenance.get("taps") or {}).get("layer_ids")
+    if taps and hidden_width % len(taps) == 0:
+        return len(taps)
+    return 1
+
+
 class ShardWriter:
-    """Writes samples into zstd Arrow IPC shards under `root` and commits them through the manifest."""
+    """Writes samples into zstd Arrow IPC shards under `root` and commits them through the manifest.
+
+    `hidden_split`: column pieces per hidden plane (FORMAT.md, "Column pieces"); None = the dataset's
+    own when resuming one, else one per tap when the provenance names the taps, else 1."""
 
     def __init__(
         self,
@@ -284,8 +302,11 @@ class ShardWriter:
         shard_prefix: str = "shard",
         use_threads: bool = True,
         write_behind_bytes: int | None = DEFAULT_WRITE_BEHIND_BYTES,
+        hidden_split: int | None = None,
     ):
         _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level)
+        if hidden_split is not None:
+            check_hidden_split(hidden_split, hidden_width)
         self.encoding = check_encoding(hidden_encoding)
         self.hidden_width, self.topk = hidden_width, topk
         self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
@@ -299,17 +320,22 @@ class ShardWriter:
         self.shard_prefix = check_prefix(shard_prefix, "shard_prefix")
         self.fs, self.root = io.resolve(root)
         self._vocab_size = (provenance.get("target") or {}).get("vocab_size")
-        self._schema = shard_schema(self.encoding, hidden_width, topk)
+        self.hidden_split = hidden_split  # settled by _open_dataset
         self._ipc_options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", zstd_level), use_threads=use_threads)
         self._open_shard: _OpenShard | None = None
         self._closed = False
         # Seconds spent committing shards (close, fsync, index, rename, manifest): with `write` the
         # caller can tell a writer bound by compression from one bound by the disk's flushes.
         self.commit_seconds = 0.0
+        # Where `write` spends its time: all of it (`write_seconds`), of it in the record batch's
+        # zstd and file write (`batch_seconds`), of that in the Python file stream (`stream_seconds`:
+        # hashing and the file write, `stream_calls` calls; the rest is zstd and waits).
+        self.timings: collections.Counter = collections.Counter()
         self.write_behind_syncs = 0  # early write-back requests that completed (local shards only)
         self.fs.create_dir(self.root, recursive=True)
         is_new = not io.exists(self.fs, manifest_path(self.root, self.manifest_name))
         self._manifest, self._committed_ids = self._open_dataset(provenance, is_new)
+        self._schema = shard_schema(self.encoding, hidden_width, topk, hidden_split=self.hidden_split)
         self._refuse_shared_prefix()
         self._remove_leftovers()
         if is_new:  # an empty dataset exists (and reads as such) from the moment a writer opens it
@@ -323,11 +349,19 @@ class ShardWriter:
 
     def _open_dataset(self, provenance: dict, is_new: bool) -> tuple[dict, set[str]]:
         """The existing manifest (checked against the given settings) and its sample ids, or a new
-        manifest (saved by the caller once the other checks pass)."""
+        manifest (saved by the caller once the other checks pass). Settles `hidden_split`: the
+        dataset's when resuming one and none was given, else one piece per tap (`default_hidden_split`)."""
         if is_new:
-            return new_manifest(provenance=provenance, encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk), set()
+            if self.hidden_split is None:
+                self.hidden_split = default_hidden_split(provenance, self.hidden_width)
+            layout = dict(encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk, hidden_split=self.hidden_split)
+            return new_manifest(provenance=provenance, **layout), set()
         manifest = load_manifest(self.fs, self.root, self.manifest_name)
-        diff = layout_difference(manifest, provenance=provenance, encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk)
+        if self.hidden_split is None:
+            self.hidden_split = hidden_split_of(manifest)
+        diff = layout_difference(
+            manifest, provenance=provenance, encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk, hidden_split=self.hidden_split
+        )
         if diff:
             raise ValueError(
                 f"{manifest_path(self.root, self.manifest_name)}: cannot resume, the dataset differs in {diff} "
@@ -404,20 +438,29 @@ class ShardWriter:
         `hidden_known_finite=True`: the caller has checked these exact hidden values for NaN/Inf
         (extract does, on the GPU), so the writer skips its own scan of them; all other checks run."""
         self._check_usable()
+        started = time.perf_counter()
+        try:
+            self._write(sample, hidden_known_finite)
+        finally:
+            self.timings["write_seconds"] += time.perf_counter() - started
+
+    def _write(self, sample: Sample, hidden_known_finite: bool) -> None:
         validate_sample(
             sample, hidden_width=self.hidden_width, topk=self.topk, vocab_size=self._vocab_size,
             reject_nonfinite=self.reject_nonfinite, hidden_known_finite=hidden_known_finite,
         )
         if sample.sample_id in self._ids:
             raise ValueError(f"sample {sample.sample_id!r}: field 'sample_id': duplicate, this id is already in the dataset")
-        batch = encode_sample(sample, self._schema, self.encoding)
+        batch = encode_sample(sample, self._schema, self.encoding, self.hidden_split)
         if self._open_shard is not None and self._open_shard.stream.nbytes >= self.shard_bytes:
             self._commit_open_shard()
         shard = self._open_shard or self._start_shard()
         try:
             before = shard.stream.nbytes
             shard.stream.begin_sample()
+            batch_started = time.perf_counter()
             shard.ipc_writer.write_batch(batch)
+            self.timings["batch_seconds"] += time.perf_counter() - batch_started
             offset, length, checksum = shard.stream.end_sample()
             shard.add(sample, shard.stream.nbytes - before, offset, length, checksum)
         except BaseException as err:
@@ -469,7 +512,7 @@ class ShardWriter:
         tmp_path = io.temp_name(io.join(self.root, file))
         raw = self.fs.open_output_stream(tmp_path, buffer_size=1 << 20)
         write_behind = _WriteBehind(tmp_path, self.write_behind_bytes) if self.write_behind_bytes and io.is_local(self.fs) else None
-        stream = _HashingStream(raw, write_behind)
+        stream = _HashingStream(raw, write_behind, self.timings)
         ipc_writer = pa.ipc.new_file(pa.PythonFile(stream, mode="w"), self._schema, options=self._ipc_options)
         self._open_shard = _OpenShard(self._next_number, file, tmp_path, stream, ipc_writer)
         self._next_number += 1
@@ -540,6 +583,7 @@ class ShardWriter:
         # A version-1 dataset being resumed now holds a version-2 index: readers that predate
         # per-sample checksums must refuse it by its version, not stumble on the new columns.
         self._manifest["format_version"] = FORMAT_VERSION
+        self._manifest["hidden_split"] = self.hidden_split  # absent before version 3
         self._manifest["complete"] = False
         self._committed_ids.update(shard.sample_ids)
         self._save_manifest()

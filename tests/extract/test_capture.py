@@ -88,7 +88,7 @@ def test_right_padded_batch_equals_unpadded_single_samples(request, model_name):
     ids_BT = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
     for b, s in enumerate(seqs):
         ids_BT[b, : len(s)] = s
-    host = HostBatch(n_taps=3, hidden_size=model.config.hidden_size, token_budget=256, topk=k, pin=False)
+    host = HostBatch(n_taps=3, hidden_size=model.config.hidden_size, token_budget=256, topk=k, pin=False, hidden_split=3)
     inflight = Capturer(target, layer_ids, k, logits_chunk=16).launch(ids_BT, lengths, host)
     inflight.wait()
     for b, seq in enumerate(seqs):
@@ -104,15 +104,18 @@ def test_right_padded_batch_equals_unpadded_single_samples(request, model_name):
         assert hidden_ok and logits_ok
 
 
-@pytest.mark.parametrize("encoding", ["planes", "plain"])
-def test_hidden_layout_is_taps_concatenated_in_order(qwen3_model, encoding):
-    """Both host layouts hold exactly the bf16 bits of the taps, concatenated in layer_ids order."""
+@pytest.mark.parametrize("encoding,split", [("planes", 1), ("planes", 2), ("planes", 8), ("plain", 1)])
+def test_hidden_layout_is_taps_concatenated_in_order(qwen3_model, encoding, split):
+    """Both host layouts hold exactly the bf16 bits of the taps, concatenated in layer_ids order,
+    whatever the column pieces (one per tap, or several per tap)."""
     target = reach_text_parts(qwen3_model)
     ids = torch.randint(0, qwen3_model.config.vocab_size, (1, 12))
-    host = HostBatch(n_taps=2, hidden_size=64, token_budget=64, topk=2, pin=False, encoding=encoding)
+    host = HostBatch(n_taps=2, hidden_size=64, token_budget=64, topk=2, pin=False, encoding=encoding, hidden_split=split)
     inflight = Capturer(target, [2, 0], 2, 8).launch(ids, [12], host)  # deliberately not sorted
     inflight.wait()
     view = sample_views(inflight, 0, 0)[0]
+    if encoding == "planes":
+        assert len(view.hi) == len(view.lo) == split and all(p.shape == (12, 128 // split) and p.flags.c_contiguous for p in view.hi)
     bits = view.join() if encoding == "planes" else view
     assert bits.dtype == np.uint16 and bits.shape == (12, 128)
     hidden = torch.from_numpy(bits).view(torch.bfloat16)

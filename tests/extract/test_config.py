@@ -41,6 +41,8 @@ def test_defaults():
         ("splits={a=\"x.jsonl\"}", "'corpus': give exactly one of"),
         ("chat_template_kwargs={x=[1]}", "'chat_template_kwargs.x'"),
         ("hidden_encoding=raw", "'hidden_encoding': 'raw' is not allowed"),
+        ("gil_switch_interval=0", "'gil_switch_interval'"),
+        ("launch_ahead_layers=-1", "'launch_ahead_layers'"),
     ],
 )
 def test_bad_values_name_the_key(override, needle):

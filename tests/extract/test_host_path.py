@@ -36,7 +36,8 @@ def plain_path_dataset(cfg, target, root) -> dict:
     from shards import Sample
 
     with ShardWriter(root, provenance={}, hidden_width=len(cfg.layer_ids) * target.hidden_size, topk=cfg.topk, shard_bytes=cfg.shard_bytes,
-                     hidden_encoding=cfg.hidden_encoding or "planes", manifest_name=names["manifest"], shard_prefix=names["prefix"]) as writer:
+                     hidden_encoding=cfg.hidden_encoding or "planes", manifest_name=names["manifest"], shard_prefix=names["prefix"],
+                     hidden_split=len(cfg.layer_ids)) as writer:  # extract's default: one piece per tap
         for window in pipeline._windows(cfg, C.find_corpus(cfg.corpus), builder, pipeline.Ranks()):
             lengths = [s.n_tokens for s in window.samples]
             for plan in plan_micro_batches(lengths, cfg.tokens_per_batch):
@@ -126,9 +127,9 @@ class Harness:
     W_TAPS, H, K = 2, 8, 3
 
     def __init__(self, root, buffers: int):
-        self.writer = ShardWriter(root, provenance={}, hidden_width=self.W_TAPS * self.H, topk=self.K)
+        self.writer = ShardWriter(root, provenance={}, hidden_width=self.W_TAPS * self.H, topk=self.K, hidden_split=self.W_TAPS)
         self.rejects = RejectLog(os.path.join(root, "rejects.jsonl"), 0)
-        self.pool = BufferPool(buffers, n_taps=self.W_TAPS, hidden_size=self.H, token_budget=64, topk=self.K, pin=False)
+        self.pool = BufferPool(buffers, n_taps=self.W_TAPS, hidden_size=self.H, token_budget=64, topk=self.K, pin=False, hidden_split=self.W_TAPS)
         self.path = pipeline.HostPath(self.writer, self.rejects, self.pool, Progress(None, "t", False), {"samples": 0, "tokens": 0},
                                       on_error="skip", depth=2)
         self.rng = np.random.default_rng(0)
@@ -144,8 +145,8 @@ class Harness:
             mask = np.ones(L, dtype=np.uint8)
             tokenized = C.TokenizedSample(position + b, f"t:{position + b}", sample_id(ids, mask), ids, mask)
             bits = self.rng.integers(0, 0x3F00, (L, self.W_TAPS * self.H), dtype=np.uint16)  # finite bf16 patterns
-            planes[0, b, :L] = torch.from_numpy((bits >> 8).astype(np.uint8))
-            planes[1, b, :L] = torch.from_numpy((bits & 0xFF).astype(np.uint8))
+            for plane, values in enumerate(((bits >> 8).astype(np.uint8), (bits & 0xFF).astype(np.uint8))):
+                planes[plane, :, b, :L] = torch.from_numpy(values).unflatten(-1, (self.W_TAPS, self.H)).transpose(0, 1)
             host.topk_ids[offset : offset + L] = 1
             host.topk_logprobs[offset : offset + L] = -1.0
             self.expected[tokenized.sample_id] = bits

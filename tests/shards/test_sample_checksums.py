@@ -29,7 +29,7 @@ from shards import ShardDataset, ShardFormatError, ShardWriter, verify_dataset
 from shards.__main__ import main
 from shards.describe import inspect_lines
 from shards.manifest import SAMPLE_CHECKSUM_ALGO_KEY, read_index, seal
-from shards.schema import index_schema, shard_schema
+from shards.schema import FORMAT_VERSION, encode_sample, index_schema, shard_schema
 from tests.shards.synth import TOPK, WIDTH, assert_same, make_sample, provenance
 
 N_SAMPLES = 10
@@ -90,25 +90,28 @@ def rewrite_index(root: Path, manifest: dict, position: int, table: pa.Table) ->
 
 
 def downgrade_to_version_1(root: Path) -> None:
-    """Make a dataset exactly what the version-1 writer wrote: 5-column indexes, shard schemas that
-    say version 1, no `sample_checksum_algo` in the shard entries, format_version 1."""
+    """Make a dataset exactly what the version-1 writer wrote: unsplit hidden columns, 5-column
+    indexes, shard schemas that say version 1, no `sample_checksum_algo` in the shard entries and
+    no `hidden_split` in the manifest, format_version 1."""
     manifest = manifest_of(root)
+    samples = list(ShardDataset(str(root)))
+    schema = shard_schema(manifest["encoding"], manifest["hidden_width"], manifest["topk"], format_version=1)
+    first = 0
     for position, entry in enumerate(manifest["shards"]):
         old_schema = index_schema(sample_checksums=False)
         table = read_index(*resolve(str(root)), entry).select(old_schema.names).cast(old_schema)
         rewrite_index(root, manifest, position, table)
-        path = root / entry["file"]
-        batches = pa.ipc.open_file(pa.py_buffer(path.read_bytes())).read_all().to_batches()
-        schema = shard_schema(manifest["encoding"], manifest["hidden_width"], manifest["topk"], format_version=1)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, schema, options=pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", 1))) as writer:
-            for batch in batches:
-                writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))
+            for i in range(first, first + entry["samples"]):
+                writer.write_batch(encode_sample(samples[i], schema, manifest["encoding"]))
+        first += entry["samples"]
         data = sink.getvalue().to_pybytes()
-        path.write_bytes(data)
+        (root / entry["file"]).write_bytes(data)
         entry.update(bytes=len(data), checksum=bytes_digest(data))
         del entry[SAMPLE_CHECKSUM_ALGO_KEY]
     manifest["format_version"] = 1
+    del manifest["hidden_split"]
     save_manifest(root, manifest)
 
 
@@ -123,7 +126,7 @@ def test_ranges_tile_the_record_batch_region_and_decode_like_the_footer(tmp_path
     message to the end-of-stream marker, each decoding to the batch the footer points at."""
     root = write_dataset(tmp_path / encoding, encoding)
     manifest = manifest_of(root)
-    assert manifest["format_version"] == 2 and len(manifest["shards"]) >= 3
+    assert manifest["format_version"] == FORMAT_VERSION and len(manifest["shards"]) >= 3
     for entry in manifest["shards"]:
         assert entry[SAMPLE_CHECKSUM_ALGO_KEY] == "xxh3_64"
         data = (root / entry["file"]).read_bytes()
@@ -310,7 +313,7 @@ def test_resuming_a_version_1_dataset_adds_checked_shards(dataset):
     old_shards = len(manifest_of(dataset)["shards"])
     write_dataset(dataset, indices=range(N_SAMPLES, N_SAMPLES + 6))
     manifest = manifest_of(dataset)
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == FORMAT_VERSION and manifest["hidden_split"] == 1  # the dataset's layout is kept
     checked = [SAMPLE_CHECKSUM_ALGO_KEY in e for e in manifest["shards"]]
     assert checked == [False] * old_shards + [True] * (len(checked) - old_shards), checked
     ds = ShardDataset(str(dataset))
