@@ -165,6 +165,7 @@ def check_topk(topk: int, vocab_size: int | None) -> None:
 def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str | None = None) -> dict:
     """Extract one corpus into `cfg.out_dir` (this rank's share), then merge if all ranks are done."""
     from shards import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL, ShardWriter, load_manifest
+    from shards.manifest import hidden_split_of
 
     # The saved config and the provenance name the storage settings actually used.
     cfg = dataclasses.replace(
@@ -190,10 +191,12 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
             return write_summary(root, done)
         return summarize_dataset(root, done, this_run=None)
 
-    provenance, stage_state = fresh, {}
+    provenance, stage_state, hidden_split = fresh, {}, None
     existing = _existing_rank_manifest(root, names["manifest"])
     if existing is not None:
         stored = load_manifest(fs, root, existing)
+        # A rank that starts after others (or resumes) writes the dataset's layout, never its own default.
+        hidden_split = hidden_split_of(stored)
         _refuse_changed(root, stored, fresh, ranks)
         # Every rank keeps the provenance of the dataset's first run (merging needs them equal).
         provenance = stored["provenance"]
@@ -207,7 +210,7 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
     started = time.time()
     with ShardWriter(
         root, provenance=provenance, hidden_width=hidden_width, topk=cfg.topk,
-        manifest_name=names["manifest"], shard_prefix=names["prefix"], **writer_kwargs,
+        manifest_name=names["manifest"], shard_prefix=names["prefix"], hidden_split=hidden_split, **writer_kwargs,
     ) as writer:
         writer.stage_state["world_size"] = ranks.world
         writer.stage_state["rank"] = ranks.rank

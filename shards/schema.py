@@ -108,7 +108,8 @@ def check_encoding(encoding: str) -> str:
 
 def check_hidden_split(hidden_split, hidden_width: int) -> int:
     """`hidden_split` if it is a positive integer dividing `hidden_width`, else ValueError naming it."""
-    if not isinstance(hidden_split, int) or isinstance(hidden_split, bool) or hidden_split < 1 or hidden_width % hidden_split:
+    if (not isinstance(hidden_split, int) or isinstance(hidden_split, bool) or hidden_split < 1
+            or not isinstance(hidden_width, int) or hidden_width % hidden_split):
         raise ValueError(f"hidden_split: expected a positive integer that divides hidden_width {hidden_width}, got {hidden_split!r}")
     return hidden_split
 

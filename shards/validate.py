@@ -46,6 +46,8 @@ def _check_hidden(sample_id, hidden) -> None:
             _check_array(sample_id, f"hidden.{name}" + (f"[{j}]" if len(pieces) > 1 else ""), piece, np.uint8, 2)
         if len({piece.shape[0] for piece in pieces}) > 1:
             _fail(sample_id, f"hidden.{name}", f"column pieces differ in length: {[tuple(p.shape) for p in pieces]}")
+        if len({piece.shape[1] for piece in pieces}) > 1:
+            _fail(sample_id, f"hidden.{name}", f"column pieces differ in width: {[tuple(p.shape) for p in pieces]}")
     hi_shapes = [p.shape for p in _plane_pieces(hidden.hi)]
     lo_shapes = [p.shape for p in _plane_pieces(hidden.lo)]
     if hi_shapes != lo_shapes:

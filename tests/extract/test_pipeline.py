@@ -183,6 +183,22 @@ def test_nonfinite_samples_are_rejected_not_stored(tmp_path, loaded_target, chat
         assert poison_token not in sample.input_ids
 
 
+def test_a_rank_joining_an_older_dataset_writes_its_layout(baseline, loaded_target, tmp_path, monkeypatch):
+    """Rank 1 of a dataset begun by an older version (unsplit hidden columns) starts with no manifest of
+    its own: it must take the dataset's split from rank 0's manifest, or the final merge refuses."""
+    import shards.writer
+
+    out = tmp_path / "out"
+    cfg = make_config(out, baseline["corpus"])
+    with monkeypatch.context() as patch:
+        patch.setattr(shards.writer, "default_hidden_split", lambda provenance, width: 1)  # what older versions wrote
+        run(cfg, loaded_target, pipeline.Ranks(rank=0, world=2))
+    final = run(cfg, loaded_target, pipeline.Ranks(rank=1, world=2))
+    assert final["complete"] and verify_dataset(str(out)) == []
+    manifests = [json.load(open(out / name)) for name in ("manifest.rank000.json", "manifest.rank001.json", "manifest.json")]
+    assert [m["hidden_split"] for m in manifests] == [1, 1, 1]
+
+
 def test_two_ranks_hold_the_same_samples_as_one(baseline, loaded_target, tmp_path):
     out = tmp_path / "out"
     cfg = make_config(out, baseline["corpus"])

@@ -102,9 +102,13 @@ def test_pieces_of_the_wrong_shape_are_refused_before_anything_is_written(tmp_pa
     sample = cut(make_sample(0), 2)
     short = dataclasses.replace(sample, hidden=HiddenPlanes((sample.hidden.hi[0], sample.hidden.hi[1][:-1]), sample.hidden.lo))
     wrong_type = dataclasses.replace(sample, hidden=HiddenPlanes((sample.hidden.hi[0], sample.hidden.hi[1].astype(np.uint16)), sample.hidden.lo))
+    whole_hi, whole_lo = np.concatenate(sample.hidden.hi, axis=1), np.concatenate(sample.hidden.lo, axis=1)
+    narrow = dataclasses.replace(sample, hidden=HiddenPlanes((whole_hi[:, :3], whole_hi[:, 3:]), (whole_lo[:, :3], whole_lo[:, 3:])))
     with ShardWriter(tmp_path / "ds", provenance=provenance(), hidden_width=WIDTH, topk=TOPK) as w:
         with pytest.raises(ValueError, match="column pieces differ in length"):
             w.write(short)
+        with pytest.raises(ValueError, match="column pieces differ in width"):
+            w.write(narrow)
         with pytest.raises(ValueError, match=r"hidden.hi\[1\].*uint8"):
             w.write(wrong_type)
         w.write(sample)
@@ -147,3 +151,15 @@ def test_joining_split_planes_in_row_blocks_covers_every_row(tmp_path, monkeypat
     ds = ShardDataset(str(tmp_path / "ds"))
     for i, sample in enumerate(samples):
         assert_same(ds[i], sample)
+
+
+@pytest.mark.parametrize("width", ["16", None])
+def test_a_manifest_with_a_width_that_is_not_a_number_is_refused_naming_the_file(tmp_path, width):
+    root = tmp_path / "ds"
+    write(root, [make_sample(0)])
+    path = root / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["hidden_width"] = width
+    path.write_text(json.dumps(seal(manifest)))
+    with pytest.raises(ValueError, match="manifest.json.*hidden_split"):
+        ShardDataset(str(root))
