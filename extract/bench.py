@@ -250,11 +250,6 @@ class GilProbe:
                 "p99_ms": float(np.percentile(d, 99)), "max_ms": float(d.max())}
 
 
-def process_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run_full(cfg, target, ranks, device: str, overrides: list[str]) -> tuple[dict, dict]:
     """(b) once: the real extraction into a fresh `cfg.out_dir`; (measurements, dataset summary)."""
     from extract import pipeline
@@ -263,11 +258,11 @@ def run_full(cfg, target, ranks, device: str, overrides: list[str]) -> tuple[dic
         shutil.rmtree(cfg.out_dir, ignore_errors=True)
     ranks.barrier()
     reset_peak(device)
-    cpu0, start = process_cpu_seconds(), time.perf_counter()
+    cpu0, start = time.process_time(), time.perf_counter()  # CPU of all threads of this process
     with GilProbe() as probe:
         summary = pipeline.run(cfg, target=target, ranks=ranks)[None]
         sync(device)
-    seconds, cpu = time.perf_counter() - start, process_cpu_seconds() - cpu0
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
     run = summary.get("this_run", {})
     full = {
         "tokens": run.get("tokens", 0), "seconds": seconds, "samples": run.get("samples", 0),
@@ -355,7 +350,7 @@ def main(argv=None) -> int:
     bare["peak_gpu_gib"] = peak_gib(device)
     bare["gil_probe"] = probe.summary()
     result = {
-        "rank": ranks.rank, "bare": bare, "full": fulls[0], "full_variants": fulls, "host_rss_gib": host_rss_gib(),
+        "rank": ranks.rank, "bare": bare, "full_variants": fulls, "host_rss_gib": host_rss_gib(),
         "build_seconds": build_seconds, "warmup_seconds": warmup["seconds"] if warmup else None,
     }
     results = gather(result, ranks)

@@ -101,12 +101,13 @@ def check_manifest(manifest: Any, where: str) -> dict:
             raise ShardFormatError(f"{where}: manifest has no field {key!r}")
     if manifest["encoding"] not in ENCODINGS:
         raise ShardFormatError(f"{where}: unknown hidden encoding {manifest['encoding']!r}")
+    split = hidden_split_of(manifest)
     try:
-        check_hidden_split(hidden_split_of(manifest), manifest["hidden_width"])
+        check_hidden_split(split, manifest["hidden_width"])
     except ValueError as err:
         raise ShardFormatError(f"{where}: {err}") from None
-    if hidden_split_of(manifest) != 1 and version < FIRST_SPLIT_VERSION:
-        raise ShardFormatError(f"{where}: hidden_split {hidden_split_of(manifest)} in a format_version {version} manifest (split hidden columns are version 3)")
+    if split != 1 and version < FIRST_SPLIT_VERSION:
+        raise ShardFormatError(f"{where}: hidden_split {split} in a format_version {version} manifest (split hidden columns are version 3)")
     for position, entry in enumerate(manifest["shards"]):
         missing = [key for key in SHARD_ENTRY_KEYS if key not in entry]
         if missing:

@@ -239,11 +239,15 @@ class HiddenPlanes:
         return join_planes(whole_plane(self.hi), whole_plane(self.lo))
 
 
+def plane_pieces(plane) -> tuple[np.ndarray, ...]:
+    """The column pieces of a plane given whole (one piece) or as pieces."""
+    return plane if isinstance(plane, tuple) else (plane,)
+
+
 def plane_shape(plane) -> tuple[int, int]:
     """(T, W) of a plane given whole or as column pieces."""
-    if isinstance(plane, tuple):
-        return (plane[0].shape[0], sum(piece.shape[1] for piece in plane))
-    return plane.shape
+    pieces = plane_pieces(plane)
+    return (pieces[0].shape[0], sum(piece.shape[1] for piece in pieces))
 
 
 def whole_plane(plane) -> np.ndarray:
@@ -374,14 +378,12 @@ def _decode_hidden(batch: pa.RecordBatch, encoding: str, T: int, hidden_width: i
     if encoding == "plain" and hidden_split == 1 and destination is None:
         return columns[0]
     out_TW = destination if destination is not None else np.empty((T, hidden_width), dtype=np.uint16)
-    if encoding == "plain" or hidden_split == 1:
-        for j in range(hidden_split):
-            part_TW = out_TW[:, j * width : (j + 1) * width]
-            if encoding == "plain":
-                np.copyto(part_TW, columns[j])
-            else:
-                join_planes(columns[j], columns[hidden_split + j], part_TW)
+    if encoding == "plain":
+        for j, column in enumerate(columns):
+            np.copyto(out_TW[:, j * width : (j + 1) * width], column)
         return out_TW
+    if hidden_split == 1:
+        return join_planes(columns[0], columns[1], out_TW)
     # Joined a block of rows at a time in a small contiguous buffer, then copied into the piece's
     # columns: joining straight into the strided columns costs numpy ~40% more (measured).
     rows = max(1, _JOIN_BLOCK_VALUES // width)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shards.schema import HiddenPlanes, Sample, count_nonfinite_bf16, count_nonfinite_planes
+from shards.schema import HiddenPlanes, Sample, count_nonfinite_bf16, count_nonfinite_planes, plane_pieces
 
 # log_softmax in float32 can round the top log-prob of a near-certain token a hair above 0.
 LOGPROB_MAX = 1e-3
@@ -30,16 +30,12 @@ def _check_array(sample_id, name: str, value, dtype, ndim: int) -> None:
         _fail(sample_id, name, f"expected {ndim} dimensions, got shape {tuple(value.shape)}")
 
 
-def _plane_pieces(plane) -> tuple:
-    return plane if isinstance(plane, tuple) else (plane,)
-
-
 def _check_hidden(sample_id, hidden) -> None:
     if not isinstance(hidden, HiddenPlanes):
         _check_array(sample_id, "hidden", hidden, np.uint16, 2)
         return
     for name in ("hi", "lo"):
-        pieces = _plane_pieces(getattr(hidden, name))
+        pieces = plane_pieces(getattr(hidden, name))
         if not pieces:
             _fail(sample_id, f"hidden.{name}", "no column pieces")
         for j, piece in enumerate(pieces):
@@ -48,15 +44,15 @@ def _check_hidden(sample_id, hidden) -> None:
             _fail(sample_id, f"hidden.{name}", f"column pieces differ in length: {[tuple(p.shape) for p in pieces]}")
         if len({piece.shape[1] for piece in pieces}) > 1:
             _fail(sample_id, f"hidden.{name}", f"column pieces differ in width: {[tuple(p.shape) for p in pieces]}")
-    hi_shapes = [p.shape for p in _plane_pieces(hidden.hi)]
-    lo_shapes = [p.shape for p in _plane_pieces(hidden.lo)]
+    hi_shapes = [p.shape for p in plane_pieces(hidden.hi)]
+    lo_shapes = [p.shape for p in plane_pieces(hidden.lo)]
     if hi_shapes != lo_shapes:
         _fail(sample_id, "hidden", f"byte planes differ in shape: hi {hi_shapes}, lo {lo_shapes}")
 
 
 def _count_nonfinite_hidden(hidden) -> int:
     if isinstance(hidden, HiddenPlanes):
-        return sum(count_nonfinite_planes(hi, lo) for hi, lo in zip(_plane_pieces(hidden.hi), _plane_pieces(hidden.lo)))
+        return sum(count_nonfinite_planes(hi, lo) for hi, lo in zip(plane_pieces(hidden.hi), plane_pieces(hidden.lo)))
     return count_nonfinite_bf16(hidden)
 
 

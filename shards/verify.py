@@ -165,8 +165,7 @@ def _check_sample(opened, ranges: SampleRanges | None, row: int, manifest: dict,
         length_problems = _column_length_problems(batch)
         if length_problems:
             return [Problem(path, m, sample_id, row) for m in length_problems]
-        layout = layout_of(manifest)
-        sample = decode_sample(batch, layout["encoding"], layout["hidden_width"], layout["topk"], hidden_split=layout["hidden_split"])
+        sample = decode_sample(batch, **layout_of(manifest))
     except ShardFormatError as err:  # a per-sample checksum mismatch; the Problem names the sample and row itself
         return [Problem(path, str(err).removeprefix(path + ": ").removeprefix(f"sample {expected_id} (row {row}): "), expected_id, row)]
     except (pa.ArrowException, OSError, ValueError, IndexError) as err:  # pyarrow raises OSError for zstd data errors
