@@ -179,7 +179,7 @@ def test_a_not_a_sample_object_is_refused(tmp_path):
     [
         ({"hidden_width": WIDTH + 1}, "hidden_width"),
         ({"topk": TOPK + 1}, "topk"),
-        ({"hidden_encoding": "fp8"}, "hidden_encoding"),
+        ({"hidden_encoding": "fp6"}, "hidden_encoding"),  # fp8 is a storage tier since format version 4
         ({"zstd_level": 0}, "zstd_level"),
         ({"shard_bytes": 0}, "shard_bytes"),
         ({"shard_prefix": "a/b"}, "shard_prefix"),
