@@ -104,10 +104,14 @@ class Projection:
         taps = h.unflatten(-1, (self.n_taps, self.tap_width))
         return torch.cat([self.apply_tap(i, taps[..., i, :]) for i in range(self.n_taps)], dim=-1)
 
+    def back_tap(self, tap: int, z: torch.Tensor) -> torch.Tensor:
+        """P_iᵀ z_i: [..., r_t] -> float32 [..., H]."""
+        return z.float() @ self.blocks[tap]
+
     def back(self, z: torch.Tensor) -> torch.Tensor:
         """Pᵀ·z: [..., n_taps * r_t] -> float32 [..., F] (the reconstruction of h in the taps' space)."""
         pieces = z.float().unflatten(-1, (self.n_taps, self.rank))
-        return torch.cat([pieces[..., i, :] @ self.blocks[i] for i in range(self.n_taps)], dim=-1)
+        return torch.cat([self.back_tap(i, pieces[..., i, :]) for i in range(self.n_taps)], dim=-1)
 
     def fold(self, weight_DR: torch.Tensor) -> torch.Tensor:
         """A linear map on projected features W' [D, r] as one on full features: W' P [D, F], in float32."""
@@ -131,8 +135,17 @@ class SecondMoments:
             self.sums = torch.zeros(self.n_taps, self.tap_width, self.tap_width, dtype=torch.float64, device=h_NH.device)
         h = h_NH.reshape(-1, self.tap_width).to(self.sums.device, torch.float64)
         self.sums[tap].addmm_(h.t(), h)
+        self._eigen = None
         if tap == 0:
             self.tokens += int(h.shape[0])
+
+    def eigen(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(eigenvalues [n_taps, H] descending, clamped >= 0; eigenvectors [n_taps, H, H] as columns),
+        computed once per state of the sums."""
+        if getattr(self, "_eigen", None) is None:
+            values, vectors = torch.linalg.eigh(self.sums)  # ascending, per tap
+            self._eigen = (values.flip(-1).clamp_min(0.0), vectors.flip(-1))
+        return self._eigen
 
     def add(self, h_NF: torch.Tensor) -> None:
         """Add tokens [N, F] of all taps, concatenated."""
@@ -154,9 +167,7 @@ def fit_projection(moments: SecondMoments, spec: ProjectionSpec, *, multiple: in
     `spec`, rounded up to a multiple of `multiple` (a 4-bit encoding's group size) and at most H."""
     if moments.sums is None or moments.tokens == 0:
         raise ValueError("projection: the calibration pass saw no tokens")
-    eigenvalues, eigenvectors = torch.linalg.eigh(moments.sums)  # ascending, per tap
-    eigenvalues = eigenvalues.flip(-1).clamp_min(0.0)
-    eigenvectors = eigenvectors.flip(-1)
+    eigenvalues, eigenvectors = moments.eigen()
     totals = eigenvalues.sum(-1)
     shares = eigenvalues.cumsum(-1) / torch.where(totals > 0, totals, torch.ones_like(totals))[:, None]
     H = moments.tap_width

@@ -67,8 +67,10 @@ def _check_manifest_counts(manifest: dict, path: str) -> list[Problem]:
     prov = manifest["provenance"]
     taps = (prov.get("taps") or {}).get("layer_ids")
     hidden_size = (prov.get("target") or {}).get("hidden_size")
-    if taps is not None and hidden_size is not None and len(taps) * hidden_size != manifest["hidden_width"]:
-        problems.append(Problem(path, f"hidden_width {manifest['hidden_width']} != {len(taps)} taps x hidden_size {hidden_size}"))
+    projection = projection_of(manifest)
+    width, what = (projection["in_width"], "projection in_width") if projection else (manifest["hidden_width"], "hidden_width")
+    if taps is not None and hidden_size is not None and len(taps) * hidden_size != width:
+        problems.append(Problem(path, f"{what} {width} != {len(taps)} taps x hidden_size {hidden_size}"))
     if "topk" in prov and prov["topk"] != manifest["topk"]:
         problems.append(Problem(path, f"topk {manifest['topk']} != provenance topk {prov['topk']}"))
     for entry in manifest["shards"]:

@@ -42,6 +42,10 @@ class ModelConfig:
     mask_token_id: int | None = knob(
         None, help="mask token id; used only when neither the shards' provenance nor the target tokenizer has one (a conflict is an error)", min=0
     )
+    projection: str = knob(
+        "auto", help="storage tier: which projected features fc reads; auto = the dataset's projection if it has one, "
+        "none = full tap features only (a projected dataset is refused), or a projection checksum the dataset must have"
+    )
     hidden_size: int | None = knob(None, help="drafter hidden size; none = the target's (the frozen embedding/lm_head must match it)", min=1)
     intermediate_size: int | None = knob(None, help="MLP width; none = the target's", min=1)
     num_attention_heads: int | None = knob(None, help="query heads; none = the target's", min=1)

@@ -128,7 +128,7 @@ class Batch:
 
     input_ids: torch.Tensor  # int64 [B, S] (padding: 0)
     loss_mask: torch.Tensor  # bool [B, S] (False on padding)
-    hidden: torch.Tensor  # bf16 [B, S, W]
+    hidden: torch.Tensor  # bf16 [B, S, W]; quantized datasets: train.tiers.CompactHidden (.to(device) -> that tensor)
     topk_ids: torch.Tensor  # int64 [B, S, k]
     topk_logprobs: torch.Tensor  # float32 [B, S, k]
     lengths: torch.Tensor  # int64 [B]
@@ -216,17 +216,26 @@ def check_compatible(manifest: dict, expected: dict) -> None:
     """Refuse a dataset whose manifest disagrees with what the drafter needs.
 
     `expected` holds any of the keys of `EXPECTED_FIELDS` (an unknown key is an error, so a typo
-    never silently skips a check). `topk` is a minimum (the loss needs at least that many entries);
+    never silently skips a check), and may hold `projection`: the drafter's projection identity
+    ({checksum, in_width, out_width}) or None for full tap features (storage tiers, `train.tiers`).
+    Shards whose encodings differ from the dataset's are always refused. `topk` is a minimum (the loss needs at least that many entries);
     every other field must be equal. A field missing from the manifest is reported too. The
     manifest must also be complete and self-consistent (hidden_width = n_taps x hidden_size). All
     problems are reported at once in one ValueError, each naming the manifest field and both values.
     """
+    from train.tiers import mixed_encoding_problems, projection_problems
+
+    expected = dict(expected)
+    projection = expected.pop("projection", _MISSING)  # the drafter's projection identity, or None
     unknown = sorted(set(expected) - set(EXPECTED_FIELDS))
     if unknown:
-        raise ValueError(f"check_compatible: unknown expected field(s) {unknown}; known: {sorted(EXPECTED_FIELDS)}")
+        raise ValueError(f"check_compatible: unknown expected field(s) {unknown}; known: {sorted(EXPECTED_FIELDS) + ['projection']}")
     problems = []
     if manifest.get("complete") is False:
         problems.append("manifest field 'complete' is false: the extraction has not finished")
+    problems += mixed_encoding_problems(manifest)
+    if projection is not _MISSING:
+        problems += projection_problems(manifest, projection)
     for key, want in expected.items():
         path, rule = EXPECTED_FIELDS[key]
         where = ".".join(path)
@@ -240,6 +249,8 @@ def check_compatible(manifest: dict, expected: dict) -> None:
     layer_ids = _lookup(manifest, EXPECTED_FIELDS["layer_ids"][0])
     hidden_size = _lookup(manifest, EXPECTED_FIELDS["hidden_size"][0])
     width = _lookup(manifest, EXPECTED_FIELDS["hidden_width"][0])
+    if isinstance(manifest.get("projection"), dict):
+        width = manifest["projection"].get("in_width", _MISSING)  # the projection reads the taps' features
     if _MISSING not in (layer_ids, hidden_size, width) and width != len(layer_ids) * hidden_size:
         problems.append(
             f"manifest field 'hidden_width' = {width!r} but len(provenance.taps.layer_ids) x provenance.target.hidden_size "
@@ -302,7 +313,12 @@ def _selection_digest(sample_ids: list[str], lengths: np.ndarray) -> str:
 
 
 def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: int, state: dict, pin: bool) -> Batch:
-    """Right-pad samples (dicts of `ShardDataset.torch`) into one `Batch`; padding is zero/False."""
+    """Right-pad samples (dicts of `ShardDataset.torch`) into one `Batch`; padding is zero/False.
+    Quantized hidden states (`QuantizedHidden`, from `ShardDataset.compact`) stay compact: the batch
+    holds a `train.tiers.CompactHidden`, dequantized on the device by the step."""
+    from shards.quant import QuantizedHidden
+    from train.tiers import collate_compact
+
     assert samples, "a batch needs at least one sample"
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     B, S = len(samples), max(lengths)
@@ -312,9 +328,10 @@ def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: i
     def empty(*shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
+    compact = isinstance(samples[0]["hidden"], QuantizedHidden)
     input_ids_BS = empty(B, S, dtype=torch.int64)
     loss_mask_BS = empty(B, S, dtype=torch.bool)
-    hidden_BSW = empty(B, S, W, dtype=torch.bfloat16)
+    hidden_BSW = collate_compact([s["hidden"] for s in samples], S, pin) if compact else empty(B, S, W, dtype=torch.bfloat16)
     topk_ids_BSk = empty(B, S, k, dtype=torch.int64)
     topk_logprobs_BSk = empty(B, S, k, dtype=torch.float32)
     for i, (sample, T) in enumerate(zip(samples, lengths)):
@@ -323,7 +340,7 @@ def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: i
         for out, name in (
             (input_ids_BS, "input_ids"),
             (loss_mask_BS, "loss_mask"),
-            (hidden_BSW, "hidden"),
+            *(() if compact else ((hidden_BSW, "hidden"),)),
             (topk_ids_BSk, "topk_ids"),
             (topk_logprobs_BSk, "topk_logprobs"),
         ):
@@ -539,7 +556,7 @@ class DataStream:
 
     def _load_sample(self, i: int, sample_id: str, n_tokens: int) -> dict | None:
         try:
-            sample = self.dataset.torch(i)
+            sample = self._compact_sample(i) if getattr(self.dataset, "quant", None) is not None else self.dataset.torch(i)
             T = int(sample["input_ids"].shape[0])
             if T != n_tokens:
                 raise ValueError(f"sample has {T} tokens but the index says {n_tokens}")
@@ -549,6 +566,17 @@ class DataStream:
         except Exception as exc:
             exc.add_note(f"while reading sample {sample_id} (dataset index {i}) from shard '{self._shard_name(i)}'")
             raise
+
+    def _compact_sample(self, i: int) -> dict:
+        """A quantized sample as stored (codes and scales; dequantized later, on the step's device)."""
+        sample = self.dataset.compact(i)
+        return {
+            "input_ids": torch.from_numpy(np.array(sample.input_ids)),
+            "loss_mask": torch.from_numpy(sample.loss_mask != 0),
+            "hidden": sample.hidden,
+            "topk_ids": torch.from_numpy(np.array(sample.topk_ids)),
+            "topk_logprobs": torch.from_numpy(np.array(sample.topk_logprobs)),
+        }
 
     def _on_corrupt(self, i: int, sample_id: str, exc: Exception) -> None:
         shard = self._shard_name(i)

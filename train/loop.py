@@ -131,9 +131,10 @@ def expected_fields(drafter_cfg: DrafterConfig, target_cfg: dict, tokenizer, top
     expected = {
         "layer_ids": list(drafter_cfg.target_layer_ids),
         "hidden_size": hidden,
-        "hidden_width": drafter_cfg.n_taps * hidden,
+        "hidden_width": drafter_cfg.feature_width,
         "vocab_size": int(target_cfg["vocab_size"]),
         "topk": topk_needed,
+        "projection": drafter_cfg.projection,
     }
     if tokenizer is not None:
         expected["tokenizer_hash"] = tokenizer_digest(tokenizer)
@@ -153,6 +154,7 @@ class Target:
 def resolve_target(cfg: TrainConfig, manifest: dict) -> Target:
     """Find the target, derive the drafter config, and refuse shards that do not fit it (naming the field)."""
     from train.data import check_compatible
+    from train.tiers import drafter_projection
 
     provenance = manifest.get("provenance") or {}
     path = cfg.model.target or (provenance.get("target") or {}).get("name_or_path")
@@ -162,6 +164,8 @@ def resolve_target(cfg: TrainConfig, manifest: dict) -> Target:
     tokenizer = _load_tokenizer(path)
     mask_token_id, mask_source = resolve_mask_token(provenance, tokenizer, cfg.model.mask_token_id)
     drafter_cfg = build_drafter_config(cfg, target_cfg, provenance, mask_token_id)
+    # Storage tiers: fc reads the dataset's projected features when it has them (train.tiers).
+    drafter_cfg = dataclasses.replace(drafter_cfg, projection=drafter_projection(cfg.model.projection, manifest))
     check_compatible(manifest, expected_fields(drafter_cfg, target_cfg, tokenizer, topk_needed=1))
     return Target(str(path), target_cfg, mask_source, drafter_cfg)
 

@@ -81,6 +81,9 @@ class DrafterConfig:
     hidden_act: str = "silu"
     initializer_range: float = 0.02
     target_hidden_size: int | None = None  # None = hidden_size (the published drafters)
+    # Storage tier: fc reads projected features P·h ({checksum, in_width, out_width} of the dataset's
+    # projection, shards/projection.py); the export folds P into fc. None = the taps themselves.
+    projection: dict | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -116,6 +119,10 @@ class DrafterConfig:
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         if kind not in _STATIC_ROPE_TYPES:
             raise ValueError(f"drafter config 'rope_scaling': rope_type {kind!r} is not supported (supported: {', '.join(_STATIC_ROPE_TYPES)})")
+        if self.projection is not None:
+            full = self.n_taps * (self.target_hidden_size or self.hidden_size)
+            if not isinstance(self.projection, dict) or self.projection.get("in_width") != full or not self.projection.get("out_width"):
+                raise ValueError(f"drafter config 'projection' must map the {full} tap features (n_taps x target hidden), got {self.projection!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"drafter config 'hidden_act' must be 'silu' (Qwen3 MLP), got {self.hidden_act!r}")
 
@@ -125,7 +132,9 @@ class DrafterConfig:
 
     @property
     def feature_width(self) -> int:
-        """F: the width of one token's stored tap features."""
+        """F: the width of one token's stored tap features (of the projected ones, with a projection)."""
+        if self.projection is not None:
+            return int(self.projection["out_width"])
         return self.n_taps * (self.target_hidden_size or self.hidden_size)
 
     @property
