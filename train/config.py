@@ -42,7 +42,7 @@ class ModelConfig:
     mask_token_id: int | None = knob(
         None, help="mask token id; used only when neither the shards' provenance nor the target tokenizer has one (a conflict is an error)", min=0
     )
-    projection: str = knob(
+    projection: str | None = knob(
         "auto", help="storage tier: which projected features fc reads; auto = the dataset's projection if it has one, "
         "none = full tap features only (a projected dataset is refused), or a projection checksum the dataset must have"
     )

@@ -153,6 +153,7 @@ class EvalConfig:
         None, help="sequence-length bucket upper edges (inclusive, strictly increasing); none = the run's data_plan.json boundaries (one bucket if it has none)", min=1
     )
     target: str | None = knob(None, help="target checkpoint directory for the frozen embedding and lm_head; none = the one the run was trained with")
+    projection: str | None = knob(None, help="a drafter trained on projected features, evaluated on full ones: the projection file to fold into fc; none = its training dataset's")
     device: Literal["auto", "cpu", "cuda"] = knob("auto", help="auto = cuda when available")
     precision: Literal["auto", "bf16", "fp32"] = knob("auto", help="bf16 autocast or fp32; auto = bf16 on CUDA, fp32 on CPU")
     attention: Literal["auto", "flex", "sdpa"] = knob("auto", help="attention kernel for the many-block mask: auto = flex on CUDA, sdpa (dense mask) on CPU")
@@ -192,6 +193,7 @@ class CheckpointInfo:
     drafter_config: Any  # train.model.DrafterConfig
     run_info: dict  # run.json ({} if absent)
     data_plan: dict | None  # data_plan.json
+    fold: Any = None  # shards.projection.Projection folded into fc at load (projected drafter, full-feature data)
 
     @property
     def label(self) -> str:
@@ -293,7 +295,10 @@ def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device,
     cfg = info.drafter_config
     drafter = DFlashDrafter(cfg)
     try:
-        drafter.load_state_dict(load_file(str(info.path / MODEL_FILE)))
+        state = load_file(str(info.path / MODEL_FILE))
+        if info.fold is not None:  # trained on projected features, evaluated on full ones: fc = fc'·P
+            state["fc.weight"] = info.fold.fold(state["fc.weight"]).to(state["fc.weight"].dtype)
+        drafter.load_state_dict(state)
     except RuntimeError as exc:
         raise ValueError(f"'{info.path / MODEL_FILE}' does not match its drafter_config.json: {exc}") from None
     head = TargetHead.from_pretrained(target_dir, dtype=head_dtype)
@@ -411,6 +416,7 @@ def expected_manifest_fields(info: CheckpointInfo, train_manifest: dict | None) 
         "hidden_width": int(cfg.feature_width),
         "vocab_size": int(cfg.vocab_size),
         "topk": 1,
+        "projection": cfg.projection,
     }
     provenance = (train_manifest or {}).get("provenance") or {}
     tokenizer_hash = (provenance.get("tokenizer") or {}).get("hash")
@@ -939,6 +945,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
     """Evaluate one or two checkpoints on `cfg.data`; returns (report, JSON path written)."""
     from common.provenance import git_sha, tool_version
     from shards import ShardDataset
+    from train.tiers import for_data
 
     started = time.time()
     if not 1 <= len(checkpoints) <= 2:
@@ -954,6 +961,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot open the shards dataset '{cfg.data}' (config key 'data'): {exc}") from None
     manifest = dataset.manifest
+    infos = [for_data(info, manifest, cfg.projection) for info in infos]  # storage tiers: fold P where the data is full
     checked = [check_data_fits(info, cfg.data, manifest) for info in infos]
     split, fraction, reason = choose_split(cfg, infos, cfg.data, manifest)
     data = select_eval_data(dataset, cfg.data, split=split, holdout_fraction=fraction, max_samples=cfg.max_samples, split_reason=reason)

@@ -259,26 +259,40 @@ def target_token_ids(target_dir: str, cfg: DrafterConfig) -> dict:
     return {key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
-def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bfloat16", target: str | None = None) -> Path:
-    """Export a training checkpoint (or a run's latest one). Token ids come from `target` or the run's target."""
+def export_checkpoint(
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bfloat16", target: str | None = None,
+    projection: str | None = None,
+) -> Path:
+    """Export a training checkpoint (or a run's latest one). Token ids come from `target` or the run's target.
+
+    A drafter trained on projected features (a storage tier) is exported with P folded into fc
+    (fc = fc'·P, in float32), so it reads full tap features like any DFlash drafter; P comes from
+    the run's training dataset, or from the file `projection`."""
     from safetensors.torch import load_file
 
     from common.provenance import git_sha, tool_version
+    from train.tiers import fold_projection, projection_for_drafter
 
     ckpt = resolve_checkpoint(checkpoint)
-    step = None
+    step, train_config = None, {}
     if (ckpt / STATE_FILE).is_file():
-        step = verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE)).get("step")  # names a damaged file
+        saved = verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE))  # names a damaged file
+        step, train_config = saved.get("step"), saved.get("config") or {}
     try:
         cfg = DrafterConfig.from_dict(json.loads((ckpt / DRAFTER_CONFIG_FILE).read_text()))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"'{ckpt / DRAFTER_CONFIG_FILE}': {exc}") from None
     state = load_file(str(ckpt / MODEL_FILE))
     check_weights(state, cfg, str(ckpt / MODEL_FILE))
+    folded = None
+    if cfg.projection is not None:
+        folded = cfg.projection["checksum"]
+        p = projection_for_drafter(cfg, (train_config.get("data") or {}).get("shards"), projection)
+        state, cfg = fold_projection(state, cfg, p)
     target = target or _run_target(ckpt)
     token_ids = target_token_ids(target, cfg) if target and Path(target, "config.json").is_file() else None
     info = {"checkpoint": str(ckpt.resolve()), "step": step, "target": target, "dtype": dtype,
-            "git_sha": git_sha(), "tool_version": tool_version()}
+            "git_sha": git_sha(), "tool_version": tool_version(), "folded_projection": folded}
     return export_drafter(state, cfg, out_dir, dtype=dtype, token_ids=token_ids, info=info)
 
 
@@ -312,13 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="directory to write the Hugging Face export into")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype in model.safetensors (published: bfloat16)")
     parser.add_argument("--target", default=None, help="target checkpoint directory for bos/eos ids and a shape check (default: the run's)")
+    parser.add_argument("--projection", default=None,
+                        help="drafters trained on projected features: the projection file to fold into fc (default: the training dataset's)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
-        out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, target=args.target)
-    except ValueError as exc:
+        out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, target=args.target, projection=args.projection)
+    except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     config = json.loads((out / CONFIG_FILE).read_text())

@@ -125,7 +125,7 @@ def drafter_projection(choice: str, manifest: dict) -> dict | None:
     have = manifest.get("projection")
     if choice == "auto":
         return None if have is None else projection_identity(have)
-    if choice == "none":
+    if choice is None or choice == "none":
         return None  # a projected dataset is then refused by projection_problems
     if have is not None and have.get("checksum") == choice:
         return projection_identity(have)
@@ -183,3 +183,14 @@ def projection_for_drafter(cfg, shards_root: str | None, override: str | None = 
         raise ValueError(f"the drafter was trained with projection {want}, dataset '{shards_root}' now holds {entry.get('checksum')}: "
                          "pass the right projection file (--projection PATH)")
     return load_projection(shards_root, entry)
+
+
+def for_data(info, manifest: dict, override: str | None = None):
+    """An eval `CheckpointInfo` adapted to the data: a drafter trained on projected features meets
+    full-feature data with P folded into fc (the exported drafter, in effect); on projected data it
+    stays as trained (`check_compatible` then requires the same projection)."""
+    cfg = info.drafter_config
+    if cfg.projection is None or manifest.get("projection") is not None:
+        return info
+    projection = projection_for_drafter(cfg, info.train_value("data.shards"), override)
+    return dataclasses.replace(info, drafter_config=dataclasses.replace(cfg, projection=None), fold=projection)
