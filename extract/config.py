@@ -21,7 +21,7 @@ from typing import Literal
 from common.config import fail, knob
 
 DEFAULT_LAYER_IDS = [1, 16, 31, 46]
-HIDDEN_ENCODINGS = ("planes", "plain")
+HIDDEN_ENCODINGS = ("planes", "plain")  # the lossless ones; storage tiers: shards.quant.parse_encoding
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 ALLOWED_TEMPLATE_KWARG_TYPES = (bool, int, float, str)
@@ -67,7 +67,15 @@ class ExtractConfig:
     length_policy: Literal["truncate", "drop"] = knob("truncate", help="samples over max_len are cut to max_len, or rejected")
     min_loss_tokens: int = knob(32, help="reject samples with fewer loss (assistant) tokens than this (2 x block size 16)", min=0)
     hidden_encoding: str | None = knob(
-        None, help="how shards store hidden states; none = the shard writer's default", choices=HIDDEN_ENCODINGS
+        None, help="how shards store hidden states: planes / plain (lossless), or a storage tier quantized on the GPU: fp8, "
+        "int4-gG, nf4-gG (shards/FORMAT.md, 'Storage tiers'); none = the shard writer's default (planes)"
+    )
+    projection: str | None = knob(
+        None, help="storage tier: store P·h instead of the taps, P fitted by PCA on a calibration pass (pca:rank=R per tap, "
+        "pca:variance=V), or a projection file to reuse; the export folds P into fc; none = the taps themselves"
+    )
+    calibration_samples: int = knob(
+        256, help="with projection = pca:...: the first this many samples of the corpus make the calibration pass (on rank 0)", min=1
     )
 
     # -- throughput ----------------------------------------------------------------------------
@@ -135,6 +143,21 @@ class ExtractConfig:
             fail("device", f"{self.device!r} is not allowed; use auto, cpu, cuda or cuda:N")
         if self.device_map is not None and self.gpus_per_replica == 1:
             warnings.warn("extract: device_map is set but gpus_per_replica is 1; the target stays on one device", stacklevel=2)
+        if self.hidden_encoding is not None and self.hidden_encoding not in HIDDEN_ENCODINGS:
+            from shards.quant import canonical_encoding  # only for storage tiers: a lossless config imports no pyarrow
+
+            try:
+                self.hidden_encoding = canonical_encoding(self.hidden_encoding)
+            except ValueError:
+                fail("hidden_encoding", f"{self.hidden_encoding!r} is not allowed; allowed: planes, plain (lossless), fp8, int4-gG, nf4-gG "
+                     "(G = 4-bit group size in 16..1024, int4 / nf4 alone = 64)")
+        if self.projection is not None and self.projection.startswith("pca:"):
+            from shards.projection import parse_projection_spec
+
+            try:
+                parse_projection_spec(self.projection)
+            except ValueError as err:
+                fail("projection", str(err).removeprefix("projection: "))
         if self.gpus_per_replica > 1 and self.device == "cpu":
             fail("gpus_per_replica", "spanning several GPUs needs a GPU device, but device = cpu")
 
@@ -163,6 +186,7 @@ DATASET_KEYS = (
     "length_policy",
     "min_loss_tokens",
     "hidden_encoding",
+    "projection",  # (calibration_samples is not: a resumed run keeps the dataset's projection file)
 )
 
 

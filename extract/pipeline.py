@@ -39,7 +39,8 @@ from common.io import atomic_write_json, atomic_write_text, remove_temp_files, r
 from common.provenance import provenance as tool_provenance
 from extract import corpus as C
 from extract.batching import BufferPool, HostBatch, collate_right_padded, plan_micro_batches
-from extract.capture import Capturer, sample_views
+from extract.calibrate import ensure_projection
+from extract.capture import Capturer, sample_views, tier_for
 from extract.config import DATASET_KEYS, ExtractConfig
 from extract.sink import Progress, RejectLog, Worker, read_committed_rejects
 from common.target import Target, check_layer_ids, load_target, read_text_config, target_provenance
@@ -205,8 +206,10 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
     if ranks.rank == 0:
         save_config(cfg, os.path.join(root, CONFIG_FILE))
 
-    writer_kwargs = dict(shard_bytes=cfg.shard_bytes, zstd_level=cfg.zstd_level, hidden_encoding=cfg.hidden_encoding)
-    hidden_width = len(cfg.layer_ids) * target.hidden_size
+    # Storage tier with projection: P is settled (calibration pass, or reused) before any shard.
+    projection, projection_entry = ensure_projection(cfg, target, ranks, root)
+    writer_kwargs = dict(shard_bytes=cfg.shard_bytes, zstd_level=cfg.zstd_level, hidden_encoding=cfg.hidden_encoding, projection=projection_entry)
+    hidden_width = projection.out_width if projection is not None else len(cfg.layer_ids) * target.hidden_size
     started = time.time()
     with ShardWriter(
         root, provenance=provenance, hidden_width=hidden_width, topk=cfg.topk,
@@ -626,10 +629,10 @@ def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer
     stats = {"records_owned": 0, "samples": 0, "tokens": 0, "batches": 0, "skipped_batches": 0, "padded_tokens": 0}
     desc = f"extract {label or os.path.basename(cfg.out_dir)}" + (f" rank {ranks.rank}/{ranks.world}" if ranks.world > 1 else "")
     progress = Progress(fingerprint["records"], desc, enabled=cfg.progress and ranks.rank == 0)
-    capturer = Capturer(target, cfg.layer_ids, cfg.topk, cfg.logits_chunk, cfg.launch_ahead_layers)
+    capturer = Capturer(target, cfg.layer_ids, cfg.topk, cfg.logits_chunk, cfg.launch_ahead_layers, tier=tier_for(writer, target.output_device))
     pool = BufferPool(
         cfg.inflight_batches, n_taps=n_taps, hidden_size=target.hidden_size, token_budget=cfg.tokens_per_batch, topk=cfg.topk,
-        pin=capturer.cuda, encoding=writer.encoding, hidden_split=writer.hidden_split,
+        pin=capturer.cuda, encoding=writer.encoding, hidden_split=writer.hidden_split, stored_width=writer.hidden_width,
     )
     pa.set_cpu_count(cfg.writer_threads)  # zstd runs on pyarrow's pool while the write thread waits
 

@@ -239,6 +239,7 @@ class QuantizedHidden:
     codes: tuple[np.ndarray, ...]
     scales: tuple[np.ndarray, ...]
     width: int  # W, values per token
+    error: "ErrorSums | None" = None  # reconstruction error sums, when the encoder measured them
 
     @property
     def spec(self) -> QuantSpec:

@@ -274,6 +274,7 @@ class HiddenPlanes:
 
     hi: np.ndarray | tuple[np.ndarray, ...]
     lo: np.ndarray | tuple[np.ndarray, ...]
+    error: object = None  # shards.quant.ErrorSums of projected features (their reconstruction error), if measured
 
     @property
     def shape(self) -> tuple[int, int]:

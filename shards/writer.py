@@ -505,7 +505,8 @@ class ShardWriter:
 
     def _write(self, sample: Sample, hidden_known_finite: bool, hidden_error: ErrorSums | None) -> None:
         sample, own_error = self._to_stored_hidden(sample)
-        hidden_error = hidden_error if hidden_error is not None else own_error
+        for measured in (own_error, getattr(getattr(sample, "hidden", None), "error", None)):
+            hidden_error = hidden_error if hidden_error is not None else measured
         validate_sample(
             sample, hidden_width=self.hidden_width, topk=self.topk, vocab_size=self._vocab_size,
             reject_nonfinite=self.reject_nonfinite, hidden_known_finite=hidden_known_finite,
