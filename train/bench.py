@@ -150,6 +150,22 @@ def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: i
     return json.load(open(manifest_path))
 
 
+def tier_shards(root: str, tier: str) -> str:
+    """The synthetic shards in storage tier `tier` (transcoded once, cached next to them)."""
+    if tier == "planes":
+        return root
+    from shards.transcode import TranscodeConfig, transcode
+
+    out = f"{root}-{tier}"
+    manifest = os.path.join(out, "manifest.json")
+    if not (os.path.exists(manifest) and json.load(open(manifest)).get("complete")):
+        started = time.perf_counter()
+        cfg = load_config(TranscodeConfig, None, [f"encoding={tier}", f"threads={max(2, (os.cpu_count() or 2) // 2)}", "verify=false", "progress=false"])
+        transcode(root, out, cfg)
+        print(f"transcoded the synthetic shards to {tier} in {time.perf_counter() - started:.1f}s", flush=True)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Runner
 
@@ -260,6 +276,9 @@ def parse_args(argv):
     p.add_argument("--compile", dest="compile", action="store_true", default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--prefetch-threads", type=int, default=8)
+    p.add_argument("--tiers", default="planes",
+                   help="storage tiers of the stream phase, comma list (planes = lossless; fp8, int4-gG, nf4-gG: the synthetic shards "
+                        "transcoded, `python -m shards transcode`); every tier streams through the same compiled drafter")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dflash-bench-train"))
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -302,23 +321,31 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "stream" in phases:
-        try:
-            from train.data import DataConfig, DataStream
-
-            root = os.path.join(args.workdir, f"shards-{args.shape}")
-            write_synthetic_shards(root, shape, args.samples, args.seq_len)
-            data_cfg = DataConfig(shards=root, token_budget=args.token_budget, num_buckets=4, holdout_fraction=0.0,
-                                  prefetch_threads=args.prefetch_threads, prefetch_depth=max(args.prefetch_threads, 8))
-            stream = DataStream(data_cfg)
-            run = build_run(args, shape, device, stream=stream, workdir=args.workdir)
+        run = None
+        for i, tier in enumerate(t.strip() for t in args.tiers.split(",") if t.strip()):
+            name = "stream" if tier == "planes" else f"stream-{tier}"
             try:
-                results.append(run_phase("stream", run, lambda: next(stream), args.steps, args.warmup, lambda: stream.last_wait))
-            finally:
-                stream.close()
-            results[-1]["data_plan"] = {k: v for k, v in stream.data_plan().items() if k != "buckets"}
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            results.append({"phase": "stream", "error": f"{type(exc).__name__}: {exc}"})
+                from train.data import DataConfig, DataStream
+
+                root = os.path.join(args.workdir, f"shards-{args.shape}")
+                write_synthetic_shards(root, shape, args.samples, args.seq_len)
+                root = tier_shards(root, tier)
+                data_cfg = DataConfig(shards=root, token_budget=args.token_budget, num_buckets=4, holdout_fraction=0.0,
+                                      prefetch_threads=args.prefetch_threads, prefetch_depth=max(args.prefetch_threads, 8))
+                stream = DataStream(data_cfg)
+                # One drafter (one compilation) for every tier: only where the batches come from changes.
+                run = run or build_run(args, shape, device, stream=stream, workdir=args.workdir)
+                warmup = args.warmup if i == 0 else min(args.warmup, 2)
+                try:
+                    results.append(run_phase(name, run, lambda: next(stream), args.steps, warmup, lambda: stream.last_wait))
+                finally:
+                    stream.close()
+                results[-1]["data_plan"] = {k: v for k, v in stream.data_plan().items() if k != "buckets"}
+                results[-1]["tier"] = {"encoding": stream.dataset.encoding, "shard_bytes_per_token": sum(e["bytes"] for e in stream.dataset.shards)
+                                       / stream.dataset.manifest["counts"]["tokens"]}
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                results.append({"phase": name, "error": f"{type(exc).__name__}: {exc}"})
     print_table(results, header)
     if args.out:
         with open(args.out, "w") as f:
