@@ -3,6 +3,7 @@
 #   make test                                   the test suite
 #   make extract [CONFIG=configs/x.toml] [key=value ...]
 #   make train   [CONFIG=configs/x.toml] [RUN=name] [key=value ...]
+#   make tiers   [CONFIG=configs/x.toml] [key=value ...]   compare storage tiers (python -m train.choose_tier)
 # key=value words on the make command line are passed through to the stage's config loader.
 
 PYTHON ?= python3
@@ -16,7 +17,7 @@ export PYTHONUNBUFFERED := 1
 # torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup test demo extract train eval export specdecode report tiny bench-shards bench-extract bench-train reliability clean
+.PHONY: setup test demo extract train eval export specdecode report tiny tiers bench-shards bench-tiers bench-extract bench-train reliability clean
 
 setup: $(VENV)/.installed
 
@@ -59,6 +60,14 @@ report: setup
 
 bench-shards: setup
 	$(PY) -m shards.bench $(ARGS)
+
+bench-tiers: setup
+	$(PY) -m shards.bench_tiers $(ARGS)
+
+# Storage tiers side by side: transcode, train (two seeds each), evaluate against lossless, decode online.
+tiers: setup
+	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny && $(PY) -m extract configs/tiny.toml))
+	$(PY) -m train.choose_tier $(CONFIG) $(OVERRIDES)
 
 bench-extract: setup
 	$(PY) -m extract.bench $(ARGS)

@@ -211,15 +211,17 @@ def test_partial_acceptance_tau_and_summary():
 # A drafter with real acceptance: trained for a few seconds on the target's greedy text
 
 
-def train_drafter(target: SpecTarget, prompts: list[list[int]], new_tokens: int, steps: int) -> DFlashDrafter:
+def train_drafter(target: SpecTarget, prompts: list[list[int]], new_tokens: int, steps: int, config: DrafterConfig | None = None,
+                  features_of=lambda features_TF: features_TF) -> DFlashDrafter:
     """The training recipe in miniature (train.blocks anchors/labels, the training mask, weighted CE on
-    the target's greedy top-1) on the target's own greedy continuations of `prompts`."""
+    the target's greedy top-1) on the target's own greedy continuations of `prompts`; `features_of`
+    maps the target's tap features to what the drafter (of `config`) reads."""
     rows = []
     for prompt in prompts:
         gen = greedy_generate(target, prompt, new_tokens)
         ids = torch.tensor(prompt + gen.tokens)
         greedy, features = target.teacher_forced(ids[None])
-        rows.append((ids, greedy, features.float(), len(prompt)))
+        rows.append((ids, greedy, features_of(features.float()), len(prompt)))
     S = max(len(r[0]) for r in rows)
     input_ids = torch.zeros(len(rows), S, dtype=torch.long)
     loss_mask = torch.zeros(len(rows), S, dtype=torch.bool)
@@ -231,7 +233,7 @@ def train_drafter(target: SpecTarget, prompts: list[list[int]], new_tokens: int,
         input_ids[i, :n], topk[i, :n, 0], hidden[i, :n] = ids, greedy, features
         loss_mask[i, prompt_len:n] = True
     torch.manual_seed(0)
-    drafter = DFlashDrafter(drafter_config())
+    drafter = DFlashDrafter(config or drafter_config())
     embed = target.embed_VD.float()
     head = target.target.lm_head.weight.float()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)

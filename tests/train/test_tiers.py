@@ -16,7 +16,6 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.config import load_config
@@ -26,9 +25,7 @@ from shards.manifest import RESERVED_COUNTS, load_manifest, save_manifest
 from shards.projection import SecondMoments, fit_projection, load_projection, parse_projection_spec
 from shards.transcode import TranscodeConfig, transcode
 from tests.train.test_loop import config, tiny  # noqa: F401  (the fixture)
-from tests.train.test_specdecode import LAYER_IDS, MASK, B, drafter_config, random_prompts, tiny_qwen3
-from train.attention import build_dense_mask
-from train.blocks import make_blocks
+from tests.train.test_specdecode import LAYER_IDS, B, drafter_config, random_prompts, tiny_qwen3, train_drafter
 from train.data import DataStream
 from train.eval import EvalConfig, evaluate_checkpoints
 from train.export import export_checkpoint, export_drafter, load_exported
@@ -167,19 +164,14 @@ def test_online_decoding_with_the_export_on_full_features_equals_the_projected_m
     target features are those of the trained model reading P·h (float64, so no rounding differs)."""
     target = SpecTarget.from_model(tiny_qwen3(seed=0, dtype=torch.float64), LAYER_IDS, stop_ids=[])
     prompts = random_prompts(3, lengths=(5, 9, 14), seed=11)
-    rows = []
-    for prompt in prompts:
-        ids = torch.tensor(prompt + greedy_generate(target, prompt, 40).tokens)
-        greedy, features = target.teacher_forced(ids[None])
-        rows.append((ids, greedy, features.float(), len(prompt)))
-    projection = fitted_projection(torch.cat([r[2] for r in rows]), n_taps=2, rank=12)
+    features = [target.teacher_forced(torch.tensor(p + greedy_generate(target, p, 40).tokens)[None])[1].float() for p in prompts]
+    projection = fitted_projection(torch.cat(features), n_taps=2, rank=12)
     cfg = drafter_config(projection=identity(projection))
-    drafter = train_projected(cfg, rows, projection, target)
+    drafter = train_drafter(target, prompts, 40, steps=80, config=cfg, features_of=projection.apply)
     state, full_cfg = fold_projection(drafter.state_dict(), cfg, projection)
     export_drafter(state, full_cfg, tmp_path / "export", dtype="float32")
     exported = load_exported(tmp_path / "export", dtype=torch.float64)
-    projecting = ProjectingDrafter(exported, drafter.fc.weight.detach().double(), projection.to("cpu"))
-    projection.blocks = projection.blocks.double()
+    projecting = ProjectingDrafter(exported, drafter.fc.weight.detach().double(), projection)
     taus = []
     for prompt in prompts:
         full = speculative_generate(target, DFlashProposer(exported, target), prompt, 40)
@@ -188,37 +180,6 @@ def test_online_decoding_with_the_export_on_full_features_equals_the_projected_m
         assert full.taus == projected.taus
         taus += full.taus
     assert sum(taus) / len(taus) > 1.5, taus  # the drafter accepts: the comparison covers real rounds
-
-
-def train_projected(cfg, rows, projection, target, steps: int = 80) -> DFlashDrafter:
-    S = max(len(r[0]) for r in rows)
-    input_ids = torch.zeros(len(rows), S, dtype=torch.long)
-    loss_mask = torch.zeros(len(rows), S, dtype=torch.bool)
-    topk = torch.zeros(len(rows), S, 1, dtype=torch.long)
-    hidden = torch.zeros(len(rows), S, projection.out_width)
-    for i, (ids, greedy, features, prompt_len) in enumerate(rows):
-        n = len(ids)
-        input_ids[i, :n], topk[i, :n, 0], hidden[i, :n] = ids, greedy, projection.apply(features)
-        loss_mask[i, prompt_len:n] = True
-    lengths = torch.tensor([len(r[0]) for r in rows])
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg)
-    embed, head = target.embed_VD.float(), target.target.lm_head.weight.float()
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        blocks = make_blocks(input_ids, loss_mask, lengths, topk, block_size=B, num_anchors=12, gamma=7.0,
-                             mask_token_id=MASK, generator=generator)
-        out = drafter(F.embedding(blocks.block_ids_BQ, embed), hidden, blocks.position_ids_BP,
-                      build_dense_mask(blocks.anchors_BN, blocks.keep_BN, S, B))
-        rows_M = blocks.loss_rows_M
-        logits = out.reshape(-1, out.shape[-1])[rows_M] @ head.T
-        weights = blocks.weights_BQ.reshape(-1)[rows_M]
-        loss = (F.cross_entropy(logits, blocks.labels_BQ.reshape(-1)[rows_M], reduction="none") * weights).sum() / weights.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return drafter.eval()
 
 
 def test_projected_run_exports_folded_and_evaluates_on_full_features_as_on_its_own(tiny, tmp_path):  # noqa: F811
