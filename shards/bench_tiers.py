@@ -7,12 +7,12 @@ channels of `shards/synthetic.py`) or on the samples of an existing lossless dat
 
 A tier is `ENCODING` or `ENCODING@pca:rank=R` / `ENCODING@pca:variance=V` (projected first; the
 projection is fitted on the first half of the samples and applied to all). For each tier the samples
-are encoded (`shards.tiers.encode_features`) and written with `ShardWriter` twice, with zstd level 1
-and (to see what zstd buys) with the smallest possible zstd effect measured as the stored arrays' raw
-size; reported: bytes/token of the shard files, the ratio to raw bf16 of the full features, the
+are encoded (`shards.tiers.encode_features`) and written with `ShardWriter` (zstd level 1); what zstd
+buys is measured against the raw size of the stored arrays; reported: bytes/token of the shard files, the ratio to raw bf16 of the full features, the
 zstd saving, relative RMS error per tap and its worst channel, the error of the massive-activation
-channels and of the channels that share a 4-bit group with one, and CPU time to encode and to read
-(decode + dequantize) per token on one thread.
+channels and of the channels that share a 4-bit group with one, and CPU time per token on one
+thread to encode, to read dequantized to bf16 (`ShardDataset.torch`) and to read compact
+(`ShardDataset.compact`, what the trainer's loader does for a quantized dataset).
 """
 
 from __future__ import annotations
@@ -104,8 +104,12 @@ def bench_tier(samples, tier: str, root: str, n_taps: int, hidden: int, topk: in
     shard_bytes = sum(e["bytes"] + e["index_bytes"] for e in ds.shards)
     start = time.process_time()
     for i in range(len(ds)):
-        ds.torch(i)
+        ds.torch(i)  # dequantized to bf16 on the CPU (eval, inspect)
     read_s = time.process_time() - start
+    start = time.process_time()
+    for i in range(len(ds)):
+        ds.compact(i)  # as the trainer's loader reads a quantized dataset (dequantized later, on the device)
+    compact_s = time.process_time() - start
     raw = raw_bytes_per_token(n_taps * hidden, topk)
     other = (raw["all"] - raw["hidden"]) * tokens  # ids, mask and top-k stored alongside, before zstd
     result = {
@@ -113,6 +117,7 @@ def bench_tier(samples, tier: str, root: str, n_taps: int, hidden: int, topk: in
         "bytes_per_token": shard_bytes / tokens, "ratio_to_raw_bf16": shard_bytes / tokens / raw["hidden"],
         "unzstd_bytes_per_token": (raw_stored + other) / tokens, "zstd_saving": 1 - shard_bytes / (raw_stored + other),
         "encode_us_per_token": encode_s / tokens * 1e6, "read_us_per_token": read_s / tokens * 1e6,
+        "read_compact_us_per_token": compact_s / tokens * 1e6,
         "explained": projection.info["explained"] if projection else None,
     }
     if error.tokens:
@@ -124,9 +129,9 @@ def bench_tier(samples, tier: str, root: str, n_taps: int, hidden: int, topk: in
             G = spec.group_size
             neighbours = np.unique(np.concatenate([np.arange(c // G * G, c // G * G + G) for c in massive_idx]))
             neighbours = np.setdiff1d(neighbours, massive_idx)
-            result["massive_group_neighbours_median_rel_rms"] = float(np.median(rel_c[neighbours]))
+            result["massive_group_neighbours_median_rel_rms"] = float(np.median(rel_c[neighbours])) if neighbours.size else None
             others = np.setdiff1d(np.arange(n_taps * hidden), np.concatenate([neighbours, massive_idx]))
-            result["other_channels_median_rel_rms"] = float(np.median(rel_c[others]))
+            result["other_channels_median_rel_rms"] = float(np.median(rel_c[others])) if others.size else None  # every group holds one
     return result
 
 
@@ -147,8 +152,8 @@ def load_dataset_samples(path: str, limit: int | None):
 
 def format_table(results: list[dict]) -> list[str]:
     lines = ["| tier | bytes/token | vs raw bf16 | without zstd | zstd saves | rel. RMS per tap | worst channel rel. RMS "
-             "| massive ch. | their 4-bit group (median) | other ch. (median) | encode µs/tok | read µs/tok |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| massive ch. | their 4-bit group (median) | other ch. (median) | encode µs/tok | read bf16 µs/tok | read compact µs/tok |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         taps = r.get("taps")
         rel = " / ".join(f"{t['rel_rms']:.4f}" for t in taps) if taps else "0 (exact)"
@@ -160,7 +165,7 @@ def format_table(results: list[dict]) -> list[str]:
         lines.append(f"| {r['tier']} | {r['bytes_per_token']:,.0f} | {r['ratio_to_raw_bf16']:.3f} | {r['unzstd_bytes_per_token']:,.0f} | "
                      f"{r['zstd_saving']:.1%} | {rel} | {worst:.3f} | {opt('massive_channels_rel_rms')} | "
                      f"{opt('massive_group_neighbours_median_rel_rms')} | {opt('other_channels_median_rel_rms')} | "
-                     f"{r['encode_us_per_token']:.1f} | {r['read_us_per_token']:.1f} |")
+                     f"{r['encode_us_per_token']:.1f} | {r['read_us_per_token']:.1f} | {r['read_compact_us_per_token']:.1f} |")
     return lines
 
 

@@ -64,6 +64,7 @@ class TranscodeConfig:
     zstd_level: int = knob(DEFAULT_ZSTD_LEVEL, help="zstd level of DST's shards", min=1, max=22)
     shard_bytes: int = knob(DEFAULT_SHARD_BYTES, help="size at which a DST shard is committed, in bytes", min=1 << 10)
     threads: int = knob(2, help="threads that read and encode samples ahead of the writer (zstd uses pyarrow's pool)", min=1, max=256)
+    device: str = knob("cpu", help="where samples are projected, quantized and measured, and the PCA fitted: cpu, cuda or cuda:N")
     manifest: str = knob(MANIFEST_NAME, help="manifest file name of SRC (DST's is manifest.json)")
     verify: bool = knob(True, help="verify DST at the end (every sample and whole-file checksum)")
     progress: bool = knob(True, help="show a progress bar")
@@ -80,6 +81,8 @@ class TranscodeConfig:
                 parse_projection_spec(self.projection)
             except ValueError as err:
                 fail("projection", str(err).removeprefix("projection: "))
+        if not (self.device == "cpu" or self.device == "cuda" or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            fail("device", f"{self.device!r} is not allowed; use cpu, cuda or cuda:N")
 
 
 def calibration_indices(ds: ShardDataset, n: int) -> list[int]:
@@ -120,7 +123,7 @@ def _projection(cfg: TranscodeConfig, ds: ShardDataset, dst_root: str, n_taps: i
     if cfg.projection.startswith("pca:"):
         spec = parse_encoding(cfg.encoding)
         multiple = spec.group_size if spec is not None and spec.four_bit else 1
-        projection = fit_on_dataset(ds, cfg.projection, cfg.calibration_samples, n_taps, multiple)
+        projection = fit_on_dataset(ds, cfg.projection, cfg.calibration_samples, n_taps, multiple, device=cfg.device)
         return projection, save_projection(dst_root, projection)
     projection, data = load_projection_file(cfg.projection)
     if projection.in_width != ds.hidden_width:
@@ -130,7 +133,8 @@ def _projection(cfg: TranscodeConfig, ds: ShardDataset, dst_root: str, n_taps: i
 
 def _encode(ds: ShardDataset, i: int, cfg: TranscodeConfig, pieces: int, projection: Projection | None):
     sample = ds[i]
-    stored, error = encode_features(sample.hidden, cfg.encoding, pieces, projection, what=f"sample {sample.sample_id!r}: field 'hidden'")
+    stored, error = encode_features(sample.hidden, cfg.encoding, pieces, projection, what=f"sample {sample.sample_id!r}: field 'hidden'",
+                                    device=cfg.device)
     return dataclasses.replace(sample, hidden=stored), error
 
 
@@ -154,6 +158,7 @@ def transcode(src: str, dst: str, cfg: TranscodeConfig) -> dict:
         "tool": "python -m shards transcode",
     }
     width = projection.out_width if projection is not None else ds.hidden_width
+    projection = projection.to(cfg.device) if projection is not None else None
     with ShardWriter(dst, provenance=provenance, hidden_width=width, topk=ds.topk, hidden_encoding=cfg.encoding,
                      zstd_level=cfg.zstd_level, shard_bytes=cfg.shard_bytes, projection=entry) as writer:
         done = writer.committed_ids()

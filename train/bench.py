@@ -160,7 +160,9 @@ def tier_shards(root: str, tier: str) -> str:
     manifest = os.path.join(out, "manifest.json")
     if not (os.path.exists(manifest) and json.load(open(manifest)).get("complete")):
         started = time.perf_counter()
-        cfg = load_config(TranscodeConfig, None, [f"encoding={tier}", f"threads={max(2, (os.cpu_count() or 2) // 2)}", "verify=false", "progress=false"])
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        cfg = load_config(TranscodeConfig, None, [f"encoding={tier}", f"threads={max(2, (os.cpu_count() or 2) // 2)}", "verify=false",
+                                                  "progress=false", f"device={device}"])
         transcode(root, out, cfg)
         print(f"transcoded the synthetic shards to {tier} in {time.perf_counter() - started:.1f}s", flush=True)
     return out

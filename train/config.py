@@ -146,9 +146,13 @@ RESUME_FREE_KEYS = (
 )
 
 
+# Keys added after runs already existed: a checkpoint without one had this value.
+ADDED_KEY_DEFAULTS = {"model.projection": "auto"}
+
+
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
     """Dotted keys whose values differ between two config dicts, except the resume-free ones."""
-    a, b = flatten_dotted(saved), flatten_dotted(current)
+    a, b = {**ADDED_KEY_DEFAULTS, **flatten_dotted(saved)}, flatten_dotted(current)
     keys = sorted(set(a) | set(b))
     free = lambda k: any(k == p or k.startswith(p + ".") for p in RESUME_FREE_KEYS)  # noqa: E731
     return [f"{k}: checkpoint {a.get(k, '<absent>')!r} vs now {b.get(k, '<absent>')!r}" for k in keys if not free(k) and a.get(k) != b.get(k)]

@@ -89,3 +89,13 @@ def test_nonfinite_samples_are_rejected_in_a_quantized_extraction(tmp_path, load
     bad = [json.loads(line) for line in open(tmp_path / "out" / "rejects.jsonl")]
     assert [b["reason"] for b in bad] == ["nonfinite_hidden"] and summary["samples"] == 3
     assert verify_dataset(str(tmp_path / "out")) == []
+
+
+def test_tier_settings_are_checked_by_key(tmp_path):
+    from common.config import ConfigError
+
+    assert make_config(tmp_path, "c.jsonl", hidden_encoding="nf4").hidden_encoding == "nf4-g64"  # the stored name
+    with pytest.raises(ConfigError, match="config key 'hidden_encoding': 'fp7' is not allowed"):
+        make_config(tmp_path, "c.jsonl", hidden_encoding="fp7")
+    with pytest.raises(ConfigError, match="config key 'projection': rank must be a positive integer"):
+        make_config(tmp_path, "c.jsonl", projection="pca:rank=0")

@@ -119,3 +119,29 @@ def test_sigkill_midway_then_rerun_leaves_a_verified_dataset_with_every_sample_o
     assert out.manifest["complete"] and verify_dataset(dst) == []
     for i in (0, len(killed) - 1, len(killed), n - 1):
         assert np.array_equal(out[i].hidden, quantize_bf16_bits(source[i].hidden, "nf4-g16", TAPS).bf16_bits())
+
+
+def test_inspect_shows_the_tier_bytes_and_error_per_tap(tmp_path, capsys):
+    src = lossless(tmp_path / "src", 6)
+    transcode(str(src), str(tmp_path / "dst"), settings("encoding=fp8", "projection=pca:rank=8", "calibration_samples=3"))
+    assert shards_main(["inspect", str(tmp_path / "dst")]) == 0
+    out = capsys.readouterr().out
+    assert "tier       projected to 16 features + fp8" in out and "projection 64 -> 16 features" in out
+    assert "raw bf16 hidden is 128 B/token" in out  # against the full 2 x 32 features, not the stored 16
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 ")) and len(line.split()) == 5]
+    assert len(rows) == TAPS and all(0 < float(row[2]) < 1.5 for row in rows)  # rel. RMS per tap, recorded at encode
+    assert shards_main(["inspect", str(src)]) == 0
+    assert "tier       lossless (planes)" in capsys.readouterr().out
+
+
+def test_verify_catches_a_damaged_projection_file(tmp_path):
+    src = lossless(tmp_path / "src", 4)
+    transcode(str(src), str(tmp_path / "dst"), settings("encoding=planes", "projection=pca:rank=8", "calibration_samples=2"))
+    path = tmp_path / "dst" / "projection.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    problems = [str(p) for p in verify_dataset(tmp_path / "dst")]
+    assert problems and "projection file checksum does not match" in problems[0]
+    with pytest.raises(ValueError, match="does not match the manifest's size/checksum"):
+        load_projection(str(tmp_path / "dst"), ShardDataset(tmp_path / "dst").projection)
