@@ -264,6 +264,7 @@ def run_full(cfg, target, ranks, device: str, overrides: list[str]) -> tuple[dic
         sync(device)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
     run = summary.get("this_run", {})
+    tier = _tier_facts(cfg.out_dir) if ranks.rank == 0 else None
     full = {
         "tokens": run.get("tokens", 0), "seconds": seconds, "samples": run.get("samples", 0),
         "peak_gpu_gib": peak_gib(device), "bytes_written": summary["bytes"] if ranks.world == 1 else None,
@@ -271,8 +272,23 @@ def run_full(cfg, target, ranks, device: str, overrides: list[str]) -> tuple[dic
         "process_cpu_cores": cpu / seconds if seconds else None, "gil_probe": probe.summary(),
         "startup_seconds": run.get("startup_seconds"), "drain_seconds": run.get("drain_seconds"),
         **{k: v for k, v in run.items() if k.startswith("write") or k.startswith("commit")},
+        "tier": tier,
     }
     return full, summary
+
+
+def _tier_facts(out_dir: str) -> dict | None:
+    """Encoding, projection and the reconstruction error per tap recorded in the written dataset."""
+    from shards import ShardDataset
+    from shards.describe import reconstruction_by_tap
+
+    try:
+        ds = ShardDataset(out_dir, verify_samples=False)
+    except (OSError, ValueError):
+        return None
+    taps, tokens, _ = reconstruction_by_tap(ds.shards)
+    return {"encoding": ds.encoding, "projection": (ds.projection or {}).get("spec"), "error_tokens": tokens,
+            "rel_rms_per_tap": [t["rel_rms"] for t in taps], "worst_channel_rel_rms": [t["worst_channel_rel_rms"] for t in taps]}
 
 
 def fit_projections_once(cfgs: list, target, ranks, workdir: str) -> tuple[list, list]:
@@ -433,7 +449,7 @@ def make_report(args, results: list[dict], n_params: int, device: str, summary: 
                 "full_startup_seconds": full.get("startup_seconds"), "full_drain_seconds": full.get("drain_seconds"),
                 "warmup_tok_s": r["bare"]["tokens"] / r["warmup_seconds"] if r.get("warmup_seconds") else None,
                 "full_bytes_per_token": full["bytes_written"] / full["tokens"] if full.get("bytes_written") and full["tokens"] else None,
-                "calibration": full.get("calibration"),
+                "calibration": full.get("calibration"), "tier": full.get("tier"),
             })
         return rows
 
@@ -493,8 +509,11 @@ def format_report(report: dict) -> str:
         t = variant["total"]
         lines.append(f"{'all':>4} {f(t['bare_tok_s']):>15} {f(t['full_tok_s']):>15} {f(t['full_over_bare'], '.3f'):>8} {f(t['bare_tflops'], '.1f'):>12} {f(t['full_tflops'], '.1f'):>12}")
         bpt = [r["full_bytes_per_token"] for r in variant["per_rank"] if r.get("full_bytes_per_token")]
+        tier = variant["per_rank"][0].get("tier") or {}
+        error = ", ".join(f"{x:.4f}" for x in tier.get("rel_rms_per_tap") or []) or "none (lossless)"
         lines.append(f"  (b) against the first variant: {f(t.get('full_over_first_variant'), '.3f')} of its tok/s; written "
-                     + (f"{f(sum(bpt) / len(bpt))} B/token" if bpt else "- B/token"))
+                     + (f"{f(sum(bpt) / len(bpt))} B/token" if bpt else "- B/token")
+                     + f"; tier {tier.get('encoding', '-')}{' + ' + tier['projection'] if tier.get('projection') else ''}, relative RMS error per tap {error}")
         for r in variant["per_rank"]:
             if r.get("calibration") and r["calibration"].get("seconds") is not None:
                 c = r["calibration"]
