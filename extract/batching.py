@@ -120,9 +120,8 @@ class HostBatch:
         if self.quant is not None:
             code_bytes = S * B * T * self.quant.code_width(piece)
             codes = block[:code_bytes].view(S, B, T, self.quant.code_width(piece))
-            scale_dtype = torch.int16 if self.quant.four_bit else torch.int8
-            scales = block[code_bytes:].view(scale_dtype).view(S, B, T, self.quant.scale_width(piece))
-            return codes, (scales.view(torch.uint16) if self.quant.four_bit else scales)
+            scale_dtype = torch.int16 if self.quant.four_bit else torch.int8  # int16: bf16 bits (uint16 on disk)
+            return codes, block[code_bytes:].view(scale_dtype).view(S, B, T, self.quant.scale_width(piece))
         if self.encoding == "planes":
             return block.view(2, S, B, T, piece)
         return block.view(torch.bfloat16).view(B, T, self.stored_width)

@@ -275,6 +275,7 @@ class CurrentRun:
         """The buffer of a quantized micro-batch: codes and scales per piece, top-k, flags, and the
         per-sample reconstruction error sums the device computes (zeros here: only their cost counts)."""
         from extract.capture import InFlight
+        from shards.quant import scales_to_torch
 
         codes, scales = host.hidden_view(B, T)  # [S, B, T, code width], [S, B, T, scale width]
         host.error_rows(B).zero_()
@@ -283,7 +284,7 @@ class CurrentRun:
             L = tokenized.n_tokens
             for j, (c, g) in enumerate(zip(self.syn.quantized.codes, self.syn.quantized.scales)):
                 codes[j, b, :L] = torch.from_numpy(c[rows])
-                scales[j, b, :L] = torch.from_numpy(g[rows])
+                scales[j, b, :L] = scales_to_torch(g[rows])
             host.topk_ids[offset : offset + L] = torch.from_numpy(self.syn.topk_ids[rows])
             host.topk_logprobs[offset : offset + L] = torch.from_numpy(self.syn.topk_logprobs[rows])
             offset += L

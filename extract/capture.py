@@ -360,11 +360,11 @@ def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
         sums = host.error_rows(len(inflight.lengths))
         error = ErrorSums(sums[0, b].numpy(), sums[1, b].numpy(), L)
     if host.quant is not None:
-        from shards.quant import QuantizedHidden
+        from shards.quant import QuantizedHidden, scales_to_numpy
 
         codes, scales = rows
-        hidden = QuantizedHidden(host.encoding, tuple(codes[j, b, :L].numpy() for j in pieces), tuple(scales[j, b, :L].numpy() for j in pieces),
-                                 host.stored_width, error)
+        hidden = QuantizedHidden(host.encoding, tuple(codes[j, b, :L].numpy() for j in pieces),
+                                 tuple(scales_to_numpy(scales[j, b, :L]) for j in pieces), host.stored_width, error)
     elif host.encoding == "planes":
         hidden = HiddenPlanes(tuple(rows[0, j, b, :L].numpy() for j in pieces), tuple(rows[1, j, b, :L].numpy() for j in pieces), error)
     else:

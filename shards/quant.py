@@ -175,7 +175,8 @@ def _levels(kind: str, device) -> torch.Tensor:
 
 
 def lut4_encode(x: torch.Tensor, spec: QuantSpec, *, check_finite: bool = True, what: str = "hidden") -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed 4-bit codes uint8 [..., n/2], bf16 scales as uint16 [..., n/G]) of x [..., n]."""
+    """(packed 4-bit codes uint8 [..., n/2], bf16 scales as their bits in int16 [..., n/G]) of x [..., n].
+    (Torch keeps the bits in int16, which every device copies; numpy and Arrow see them as uint16.)"""
     x = x.float()
     n, G = x.shape[-1], spec.group_size
     groups = x.unflatten(-1, (n // G, G))
@@ -188,11 +189,11 @@ def lut4_encode(x: torch.Tensor, spec: QuantSpec, *, check_finite: bool = True, 
     levels = _levels(spec.kind, x.device)
     codes = torch.bucketize(unit, (levels[1:] + levels[:-1]) / 2).to(torch.uint8).flatten(-2)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, scale.view(torch.uint16)
+    return packed, scale.view(torch.int16)
 
 
 def lut4_decode(packed: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Values [..., n] of packed 4-bit codes [..., n/2] with bf16 scales (uint16 bits) [..., n/G]."""
+    """Values [..., n] of packed 4-bit codes [..., n/2] with bf16 scales (their bits, int16 or uint16) [..., n/G]."""
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
     values = _levels(spec.kind, packed.device)[codes]
     s = scales.view(torch.bfloat16).float()
@@ -257,7 +258,7 @@ class QuantizedHidden:
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The values [T, W] as a CPU tensor."""
-        pairs = [(torch.from_numpy(c), torch.from_numpy(s)) for c, s in zip(self.codes, self.scales)]
+        pairs = [(torch.from_numpy(c), scales_to_torch(s)) for c, s in zip(self.codes, self.scales)]
         return decode_pieces(pairs, self.spec, dtype)
 
     def bf16_bits(self) -> np.ndarray:
@@ -271,7 +272,18 @@ def quantize_bf16_bits(hidden_TW: np.ndarray, encoding: str, pieces: int, *, wha
     assert spec is not None, encoding
     values = torch.from_numpy(np.ascontiguousarray(hidden_TW)).view(torch.bfloat16)
     pairs = encode_pieces(values, spec, pieces, what=what)
-    return QuantizedHidden(spec.name, tuple(c.numpy() for c, _ in pairs), tuple(s.numpy() for _, s in pairs), int(hidden_TW.shape[1]))
+    return QuantizedHidden(spec.name, tuple(c.numpy() for c, _ in pairs), tuple(scales_to_numpy(s) for _, s in pairs), int(hidden_TW.shape[1]))
+
+
+def scales_to_numpy(scales: torch.Tensor) -> np.ndarray:
+    """Scales as the format stores them: int8 exponents, or bf16 bits as uint16 (from torch's int16)."""
+    array = scales.cpu().numpy()
+    return array.view(np.uint16) if array.dtype == np.int16 else array
+
+
+def scales_to_torch(array: np.ndarray) -> torch.Tensor:
+    """The inverse of `scales_to_numpy` (bf16 bits back in int16, the dtype torch copies everywhere)."""
+    return torch.from_numpy(array.view(np.int16) if array.dtype == np.uint16 else array)
 
 
 def e4m3_half_step(scaled: torch.Tensor) -> torch.Tensor:

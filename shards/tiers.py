@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from shards.projection import Projection
-from shards.quant import ErrorSums, QuantizedHidden, decode_pieces, encode_pieces, error_sums_of, parse_encoding
+from shards.quant import ErrorSums, QuantizedHidden, decode_pieces, encode_pieces, error_sums_of, parse_encoding, scales_to_numpy
 
 
 def encode_features(
@@ -28,16 +28,16 @@ def encode_features(
     hidden_TF = hidden_TF.to(device) if device is not None else hidden_TF
     spec = parse_encoding(encoding)
     if projection is None and spec is None:
-        return hidden_TF.to(torch.bfloat16).view(torch.uint16).cpu().numpy(), None
+        return hidden_TF.to(torch.bfloat16).cpu().view(torch.uint16).numpy(), None
     z = projection.apply(hidden_TF) if projection is not None else hidden_TF.float()
     if spec is None:
         stored_bf16 = z.to(torch.bfloat16)
         if not bool(torch.isfinite(stored_bf16).all()):
             raise ValueError(f"{what}: NaN/Inf in the projected features")
-        stored, z_hat = stored_bf16.view(torch.uint16).cpu().numpy(), stored_bf16.float()
+        stored, z_hat = stored_bf16.cpu().view(torch.uint16).numpy(), stored_bf16.float()
     else:
         pairs = encode_pieces(z, spec, pieces, what=what)
-        stored = QuantizedHidden(spec.name, tuple(c.cpu().numpy() for c, _ in pairs), tuple(s.cpu().numpy() for _, s in pairs), int(z.shape[-1]))
+        stored = QuantizedHidden(spec.name, tuple(c.cpu().numpy() for c, _ in pairs), tuple(scales_to_numpy(s) for _, s in pairs), int(z.shape[-1]))
         z_hat = decode_pieces(pairs, spec, torch.float32)
     if not with_error:
         return stored, None

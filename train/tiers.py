@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from shards.quant import QuantizedHidden, decode_pieces, parse_encoding
+from shards.quant import QuantizedHidden, decode_pieces, parse_encoding, scales_to_torch
 
 PROJECTION_CHOICES_HELP = "auto = the dataset's projection (if any), none = refuse a projected dataset, or a projection checksum"
 
@@ -71,10 +71,11 @@ def collate_compact(samples: list[QuantizedHidden], S: int, pin: bool) -> Compac
 
     def stack(arrays: list[np.ndarray]) -> torch.Tensor:
         width = arrays[0].shape[1]
-        out = torch.empty((B, S, width), dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=pin)
+        # bf16 scale bits travel as int16 (torch copies that dtype to every device; uint16 on disk).
+        out = torch.empty((B, S, width), dtype=scales_to_torch(arrays[0][:0]).dtype, pin_memory=pin)
         # Filled through numpy (a plain memcpy): torch's copy would start OpenMP teams in every loader
         # thread, whose spinning workers slowed the step down several-fold on a small machine.
-        view = out.view(torch.int16).numpy().view(arrays[0].dtype) if out.dtype == torch.uint16 else out.numpy()
+        view = out.numpy().view(arrays[0].dtype)
         for i, array in enumerate(arrays):
             T = array.shape[0]
             view[i, :T] = array
