@@ -170,8 +170,16 @@ def fp8_decode(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype 
     return values.to(dtype)
 
 
-def _levels(kind: str, device) -> torch.Tensor:
-    return torch.tensor(CODEBOOKS[kind], dtype=torch.float32, device=device)
+_LEVELS: dict = {}  # (kind, device) -> (levels, midpoints): made once, since a host-to-device copy waits for the GPU
+
+
+def _levels(kind: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the codebook's 16 levels, the 15 midpoints between neighbours) on `device`."""
+    key = (kind, str(device))
+    if key not in _LEVELS:
+        levels = torch.tensor(CODEBOOKS[kind], dtype=torch.float32, device=device)
+        _LEVELS[key] = (levels, (levels[1:] + levels[:-1]) / 2)
+    return _LEVELS[key]
 
 
 def lut4_encode(x: torch.Tensor, spec: QuantSpec, *, check_finite: bool = True, what: str = "hidden") -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,8 +194,7 @@ def lut4_encode(x: torch.Tensor, spec: QuantSpec, *, check_finite: bool = True, 
     scale = amax.to(torch.bfloat16)
     s = scale.float().unsqueeze(-1)
     unit = torch.where(s > 0, groups / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(groups)).clamp(-1.0, 1.0)
-    levels = _levels(spec.kind, x.device)
-    codes = torch.bucketize(unit, (levels[1:] + levels[:-1]) / 2).to(torch.uint8).flatten(-2)
+    codes = torch.bucketize(unit, _levels(spec.kind, x.device)[1]).to(torch.uint8).flatten(-2)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, scale.view(torch.int16)
 
@@ -195,7 +202,7 @@ def lut4_encode(x: torch.Tensor, spec: QuantSpec, *, check_finite: bool = True, 
 def lut4_decode(packed: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Values [..., n] of packed 4-bit codes [..., n/2] with bf16 scales (their bits, int16 or uint16) [..., n/G]."""
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
-    values = _levels(spec.kind, packed.device)[codes]
+    values = _levels(spec.kind, packed.device)[0][codes]
     s = scales.view(torch.bfloat16).float()
     values = (values.unflatten(-1, (s.shape[-1], spec.group_size)) * s.unsqueeze(-1)).flatten(-2)
     return values.to(dtype)
