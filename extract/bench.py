@@ -391,6 +391,9 @@ def main(argv=None) -> int:
         full, summary = run_full(variant_cfg, target, ranks, device, variant)
         full["calibration"] = calibration
         fulls.append(full)
+        if ranks.rank == 0:  # a line per variant as it finishes (kept if a time limit stops the run later)
+            print(f"(b) {', '.join(variant) or 'as configured'}: {full['tokens'] / full['seconds']:,.0f} tok/s over {full['tokens']:,} tokens, "
+                  f"{(full['bytes_written'] or 0) / max(full['tokens'], 1):,.0f} B/token; tier {json.dumps(full.get('tier'))}", flush=True)
 
     reset_peak(device)
     with GilProbe() as probe:

@@ -345,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
                 results[-1]["data_plan"] = {k: v for k, v in stream.data_plan().items() if k != "buckets"}
                 results[-1]["tier"] = {"encoding": stream.dataset.encoding, "shard_bytes_per_token": sum(e["bytes"] for e in stream.dataset.shards)
                                        / stream.dataset.manifest["counts"]["tokens"]}
+                print(f"{name}: fetch fraction {results[-1]['fetch_frac']:.3%}, step median {results[-1]['step_s_median']:.3f} s, "
+                      f"{results[-1]['tier']['shard_bytes_per_token']:,.0f} B/token", flush=True)
+                if args.out:  # after every tier, so a time limit keeps what was measured
+                    with open(args.out, "w") as f:
+                        json.dump({"header": header, "results": results}, f, indent=2)
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 results.append({"phase": name, "error": f"{type(exc).__name__}: {exc}"})
