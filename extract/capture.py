@@ -269,6 +269,8 @@ class Capturer:
         arrived: list[int] = []
         tier = self.tier
         if tier is not None:
+            # Scales are per token per column piece, and the device writes one tap into one piece.
+            assert host.hidden_split == len(self.layer_ids), (host.hidden_split, self.layer_ids)
             valid_BT = torch.arange(T, device=out_dev)[None, :] < lengths_B[:, None]
             errors_2BW = torch.empty(2, B, host.width, dtype=torch.float32, device=out_dev)
 
