@@ -155,9 +155,14 @@ class ExtractConfig:
             from shards.projection import parse_projection_spec
 
             try:
-                parse_projection_spec(self.projection)
+                spec = parse_projection_spec(self.projection)
             except ValueError as err:
                 fail("projection", str(err).removeprefix("projection: "))
+            from shards.quant import parse_encoding
+
+            quant = parse_encoding(self.hidden_encoding or "planes")
+            if spec.rank is not None and quant is not None and quant.four_bit and spec.rank % quant.group_size:
+                fail("projection", f"rank {spec.rank} per tap is not a multiple of {quant.name}'s group size {quant.group_size}")
         if self.gpus_per_replica > 1 and self.device == "cpu":
             fail("gpus_per_replica", "spanning several GPUs needs a GPU device, but device = cpu")
 

@@ -164,7 +164,8 @@ def _canonical_signs(vectors_HR: torch.Tensor) -> torch.Tensor:
 
 def fit_projection(moments: SecondMoments, spec: ProjectionSpec, *, multiple: int = 1, info: dict | None = None) -> Projection:
     """P from the calibration sums: per tap the top eigenvectors of sum h hᵀ; the rank per tap from
-    `spec`, rounded up to a multiple of `multiple` (a 4-bit encoding's group size) and at most H."""
+    `spec`: as given (ValueError unless a multiple of `multiple`, a 4-bit encoding's group size), or the
+    smallest that keeps the variance share in every tap, rounded up to a multiple of `multiple`; at most H."""
     if moments.sums is None or moments.tokens == 0:
         raise ValueError("projection: the calibration pass saw no tokens")
     eigenvalues, eigenvectors = moments.eigen()
@@ -173,6 +174,9 @@ def fit_projection(moments: SecondMoments, spec: ProjectionSpec, *, multiple: in
     H = moments.tap_width
     if spec.rank is not None:
         rank = spec.rank
+        if rank % multiple:  # a rank asked for is kept, or refused: never changed behind the user's back
+            raise ValueError(f"projection: rank {rank} per tap is not a multiple of the 4-bit group size {multiple}; "
+                             f"ask for pca:rank={-(-rank // multiple) * multiple}, or a smaller group")
     else:
         needed = [int(torch.searchsorted(shares[i], torch.tensor(spec.variance - 1e-12, dtype=shares.dtype, device=shares.device))) + 1
                   for i in range(moments.n_taps)]

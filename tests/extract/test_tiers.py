@@ -99,6 +99,8 @@ def test_tier_settings_are_checked_by_key(tmp_path):
         make_config(tmp_path, "c.jsonl", hidden_encoding="fp7")
     with pytest.raises(ConfigError, match="config key 'projection': rank must be a positive integer"):
         make_config(tmp_path, "c.jsonl", projection="pca:rank=0")
+    with pytest.raises(ConfigError, match="config key 'projection': rank 40 per tap is not a multiple of nf4-g64's group size 64"):
+        make_config(tmp_path, "c.jsonl", hidden_encoding="nf4", projection="pca:rank=40")
 
 
 def test_two_ranks_share_rank_0s_projection_and_merge(lossless, loaded_target, tmp_path):

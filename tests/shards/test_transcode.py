@@ -145,3 +145,11 @@ def test_verify_catches_a_damaged_projection_file(tmp_path):
     assert problems and "projection file checksum does not match" in problems[0]
     with pytest.raises(ValueError, match="does not match the manifest's size/checksum"):
         load_projection(str(tmp_path / "dst"), ShardDataset(tmp_path / "dst").projection)
+
+
+def test_a_rank_that_a_4bit_group_does_not_divide_is_refused_not_changed(tmp_path):
+    src = lossless(tmp_path / "src", 3)
+    with pytest.raises(ValueError, match=r"rank 8 per tap is not a multiple of the 4-bit group size 16; ask for pca:rank=16"):
+        transcode(str(src), str(tmp_path / "dst"), settings("encoding=nf4-g16", "projection=pca:rank=8"))
+    transcode(str(src), str(tmp_path / "dst2"), settings("encoding=nf4-g16", "projection=pca:variance=0.5"))  # a share: rounded up
+    assert ShardDataset(tmp_path / "dst2").projection["rank_per_tap"] % 16 == 0
