@@ -255,42 +255,42 @@ class CurrentRun:
         from extract.capture import InFlight
 
         B, T = len(batch), max(t.n_tokens for t, _ in batch)
+        put_hidden = self._hidden_filler(host, B, T)
+        offset = 0
+        for b, (tokenized, rows) in enumerate(batch):
+            L = tokenized.n_tokens
+            put_hidden(b, L, rows)
+            host.topk_ids[offset : offset + L] = torch.from_numpy(self.syn.topk_ids[rows])
+            host.topk_logprobs[offset : offset + L] = torch.from_numpy(self.syn.topk_logprobs[rows])
+            offset += L
+        host.hidden_ok[:B] = True
+        host.logits_ok[:B] = True
+        return InFlight(host, [t.n_tokens for t, _ in batch], T, events=[], keepalive=[])
+
+    def _hidden_filler(self, host, B: int, T: int):
+        """put(b, L, rows): sample b's hidden rows in the buffer's layout: byte planes, or for a
+        quantized encoding codes and scales per piece (and zero reconstruction error sums, which
+        the device would compute: only their cost on the host counts here)."""
         if host.quant is not None:
-            return self._fill_quantized(host, batch, B, T)
+            from shards.quant import scales_to_torch
+
+            codes, scales = host.hidden_view(B, T)  # [S, B, T, code width], [S, B, T, scale width]
+            host.error_rows(B).zero_()
+
+            def put_quantized(b: int, L: int, rows) -> None:
+                for j, (c, g) in enumerate(zip(self.syn.quantized.codes, self.syn.quantized.scales)):
+                    codes[j, b, :L] = torch.from_numpy(c[rows])
+                    scales[j, b, :L] = scales_to_torch(g[rows])
+
+            return put_quantized
         planes = host.hidden_view(B, T)  # [2, S, B, T, W / S]
         S, piece_width = planes.shape[1], planes.shape[-1]
-        offset = 0
-        for b, (tokenized, rows) in enumerate(batch):
-            L = tokenized.n_tokens
+
+        def put_planes(b: int, L: int, rows) -> None:
             for plane, values_TW in enumerate((self.syn.hi_TW, self.syn.lo_TW)):
                 planes[plane, :, b, :L] = torch.from_numpy(values_TW[rows]).unflatten(-1, (S, piece_width)).transpose(0, 1)
-            host.topk_ids[offset : offset + L] = torch.from_numpy(self.syn.topk_ids[rows])
-            host.topk_logprobs[offset : offset + L] = torch.from_numpy(self.syn.topk_logprobs[rows])
-            offset += L
-        host.hidden_ok[:B] = True
-        host.logits_ok[:B] = True
-        return InFlight(host, [t.n_tokens for t, _ in batch], T, events=[], keepalive=[])
 
-    def _fill_quantized(self, host, batch, B: int, T: int):
-        """The buffer of a quantized micro-batch: codes and scales per piece, top-k, flags, and the
-        per-sample reconstruction error sums the device computes (zeros here: only their cost counts)."""
-        from extract.capture import InFlight
-        from shards.quant import scales_to_torch
-
-        codes, scales = host.hidden_view(B, T)  # [S, B, T, code width], [S, B, T, scale width]
-        host.error_rows(B).zero_()
-        offset = 0
-        for b, (tokenized, rows) in enumerate(batch):
-            L = tokenized.n_tokens
-            for j, (c, g) in enumerate(zip(self.syn.quantized.codes, self.syn.quantized.scales)):
-                codes[j, b, :L] = torch.from_numpy(c[rows])
-                scales[j, b, :L] = scales_to_torch(g[rows])
-            host.topk_ids[offset : offset + L] = torch.from_numpy(self.syn.topk_ids[rows])
-            host.topk_logprobs[offset : offset + L] = torch.from_numpy(self.syn.topk_logprobs[rows])
-            offset += L
-        host.hidden_ok[:B] = True
-        host.logits_ok[:B] = True
-        return InFlight(host, [t.n_tokens for t, _ in batch], T, events=[], keepalive=[])
+        return put_planes
 
     def close(self) -> None:
         self.path.finish()
