@@ -3,12 +3,13 @@
     cfg = parse_cli(TrainConfig, ["configs/tiny.toml", "loss.gamma=5", "run_name=abl"], section="train")
 
 Nested tables: `model` (drafter shape and target), `data` (the data stream, `train.data.DataConfig`),
-`loss` (blocks and objective), `optim` (optimizer and schedule), `checkpoint`, `log`. Values that
+`loss` (blocks and objective), `optim` (optimizer and schedule), `checkpoint`, `log`, `distributed`. Values that
 depend on the block size (the default gamma) are resolved in `check`, so the saved config.json
 holds the numbers that were used.
 
 `RESUME_FREE_KEYS` lists the keys that may differ between a checkpoint and the run resuming it
-(where to stop, how often to save, logging); any other difference is refused by name.
+(where to stop, how often to save, logging, how a step is spread over processes); any other
+difference is refused by name.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from common.config import fail, flatten_dotted, knob
 from train.blocks import default_gamma
 from train.data import DataConfig
 
-__all__ = ["ModelConfig", "LossConfig", "OptimConfig", "CheckpointConfig", "LogConfig", "TrainConfig", "RESUME_FREE_KEYS", "resume_conflicts"]
+__all__ = ["ModelConfig", "LossConfig", "OptimConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TrainConfig", "RESUME_FREE_KEYS", "resume_conflicts"]
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 MAX_NAME_CHARS = 128
@@ -102,6 +103,19 @@ class LogConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Data parallel (`torchrun --nproc-per-node N -m train ...`; docs/ARCHITECTURE.md). The tokens
+    of an optimizer step are fixed by data.token_budget whatever the world size: each global batch is
+    split by tokens into world_size x accumulation micro-batches, so runs that differ only here are
+    the same ablation."""
+
+    accumulation: int = knob(1, help="micro-batches per process per optimizer step (gradient accumulation); 1 GPU with N matches N GPUs with 1", min=1, max=1024)
+    backend: Literal["auto", "nccl", "gloo"] = knob("auto", help="torch.distributed backend for gradients: auto = nccl on CUDA, gloo on CPU")
+    timeout_s: float = knob(600.0, help="a collective waiting longer than this fails the run (a hung or lost rank); checkpoints stay, rerun resumes", min=1.0)
+    bucket_mb: int = knob(100, help="DDP gradient bucket size in MiB (all-reduce granularity, overlapped with backward)", min=1, max=4096)
+
+
+@dataclass
 class TrainConfig:
     run_name: str | None = knob(None, help="run directory name under out_dir (a plain name); none = run-YYYYmmdd-HHMMSS")
     out_dir: str = knob("runs", help="directory that holds the run directories")
@@ -119,6 +133,7 @@ class TrainConfig:
     optim: OptimConfig = knob(factory=OptimConfig, help="optimizer and schedule")
     checkpoint: CheckpointConfig = knob(factory=CheckpointConfig, help="checkpoints")
     log: LogConfig = knob(factory=LogConfig, help="logging")
+    distributed: DistributedConfig = knob(factory=DistributedConfig, help="data parallel over several processes / GPUs / nodes")
 
     def check(self) -> None:
         if self.run_name is not None and (not _PLAIN_NAME.match(self.run_name) or self.run_name in (".", "..")):
@@ -138,7 +153,7 @@ class TrainConfig:
 RESUME_FREE_KEYS = (
     "resume", "stop_after", "run_name", "out_dir", "log", "checkpoint", "compile",
     "data.prefetch_threads", "data.prefetch_depth", "data.pin_memory", "data.verify_checksums",
-    "data.verify_samples",
+    "data.verify_samples", "distributed",
 )
 
 
