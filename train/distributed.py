@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import json
 import logging
 import os
@@ -195,9 +196,12 @@ class Dist:
             return module
         from torch.nn.parallel import DistributedDataParallel
 
+        # The drafter's only buffer (rotary inv_freq) is a constant: no need to broadcast it every forward.
+        no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                          else {"broadcast_buffers": False})  # torch < 2.13
         ddp = DistributedDataParallel(
             module, device_ids=[self.device] if self.device is not None and self.device.type == "cuda" else None,
-            bucket_cap_mb=self.bucket_mb, gradient_as_bucket_view=True, broadcast_buffers=False,
+            bucket_cap_mb=self.bucket_mb, gradient_as_bucket_view=True, **no_buffer_sync,
         )
         ddp.register_comm_hook(None, _allreduce_sum)
         self._ddp = ddp

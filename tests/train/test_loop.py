@@ -38,7 +38,8 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=raw, mask_token="<|MASK|>", unk_token="t0")
 
 
-def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_token_id=MASK_ID):
+def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_token_id=MASK_ID, nan_at=None):
+    """n tiny samples; `nan_at`: the index of one whose hidden states are all NaN (written unchecked)."""
     prov = {
         "target": {"name_or_path": str(target_dir), "num_layers": LAYERS, "hidden_size": H, "vocab_size": V},
         "tokenizer": {"hash": tokenizer_hash, "mask_token_id": mask_token_id},
@@ -46,12 +47,15 @@ def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_to
         "dtype": "bfloat16", "topk": TOPK,
     }
     rng = np.random.default_rng(seed)
-    with ShardWriter(str(root), provenance=prov, hidden_width=len(TAPS) * H, topk=TOPK, shard_bytes=1 << 15) as writer:
-        for _ in range(n):
+    with ShardWriter(str(root), provenance=prov, hidden_width=len(TAPS) * H, topk=TOPK, shard_bytes=1 << 15,
+                     reject_nonfinite=nan_at is None) as writer:
+        for index in range(n):
             T = int(rng.integers(12, 41))
             ids = rng.integers(0, V - 1, T).astype(np.int32)
             lm = (np.arange(T) >= T // 4).astype(np.uint8)
             hidden = (rng.normal(0, 1, (T, len(TAPS) * H)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            if index == nan_at:
+                hidden[:] = 0x7FC0  # bf16 NaN
             top1 = np.roll(ids, -1)  # a learnable "target": the next data token
             topk = np.stack([top1] + [rng.integers(0, V - 1, T) for _ in range(TOPK - 1)], 1).astype(np.int32)
             logprobs = -np.sort(rng.exponential(1.0, (T, TOPK)).astype(np.float32), 1)
