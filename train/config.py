@@ -112,7 +112,11 @@ class DistributedConfig:
     accumulation: int = knob(1, help="micro-batches per process per optimizer step (gradient accumulation); 1 GPU with N matches N GPUs with 1", min=1, max=1024)
     backend: Literal["auto", "nccl", "gloo"] = knob("auto", help="torch.distributed backend for gradients: auto = nccl on CUDA, gloo on CPU")
     timeout_s: float = knob(600.0, help="a collective waiting longer than this fails the run (a hung or lost rank); checkpoints stay, rerun resumes", min=1.0)
-    bucket_mb: int = knob(100, help="DDP gradient bucket size in MiB (all-reduce granularity, overlapped with backward)", min=1, max=4096)
+    ddp_compile: Literal["outer", "inner"] = knob(
+        "outer", help="with compile=true: outer = torch.compile(DDP(drafter)), Dynamo cuts the graph at the gradient buckets so the all-reduce "
+        "overlaps the backward; inner = DDP(torch.compile(drafter)), one graph, the all-reduce after the backward (a fallback)"
+    )
+    bucket_mb: int = knob(250, help="DDP gradient bucket size in MiB: all-reduce granularity, overlapped with backward (under torch.compile each bucket is one graph piece: few large buckets)", min=1, max=4096)
 
 
 @dataclass

@@ -108,7 +108,7 @@ class Dist:
     device: torch.device | None = None  # this rank's device (cuda:LOCAL_RANK), None = the caller's choice
     backend: str | None = None  # None: no process group
     timeout_s: float = 600.0
-    bucket_mb: int = 100
+    bucket_mb: int = 250
     peers: list[dict] = dataclasses.field(default_factory=list)  # per rank: host, pid, local_rank, device
     host_group: object = None  # gloo group for the host-side reductions
     _ddp: object = None

@@ -59,7 +59,7 @@ from train.loss import LossOutput, block_loss, chunk_loss_and_grad
 from train.metrics import MetricsLog, truncate_after
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
-__all__ = ["lr_at", "train", "train_step", "Run", "StepResult", "TrainingAborted", "resolve_mask_token", "build_drafter_config"]
+__all__ = ["lr_at", "train", "train_step", "step_functions", "Run", "StepResult", "TrainingAborted", "resolve_mask_token", "build_drafter_config"]
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,16 @@ def compile_step_functions(drafter: torch.nn.Module):
         inductor_config.triton.coalesce_tiling_analysis = False
     return torch.compile(drafter, dynamic=True), torch.compile(chunk_loss_and_grad, dynamic=True)
 
+def step_functions(drafter: torch.nn.Module, dist: Dist, compile: bool, ddp_compile: str = "outer"):
+    """(forward module, loss chunk function): the drafter in DDP when there is a process group (its
+    weights broadcast from rank 0), compiled around or inside DDP (`distributed.ddp_compile`)."""
+    if compile and ddp_compile == "inner":
+        compiled, chunk_fn = compile_step_functions(drafter)
+        return dist.wrap(compiled), chunk_fn
+    module = dist.wrap(drafter)
+    return compile_step_functions(module) if compile else (module, chunk_loss_and_grad)
+
+
 @dataclasses.dataclass
 class Run:
     """Everything the loop needs, built by `prepare` (and restored from a checkpoint when resuming)."""
@@ -280,8 +290,7 @@ class Run:
             weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda",
         )
         total = cfg.optim.max_steps or max(1, round(cfg.optim.epochs * stream.steps_per_epoch))
-        module = dist.wrap(drafter)  # DDP under torchrun (its weights broadcast from rank 0); the drafter itself otherwise
-        forward, chunk_fn = compile_step_functions(module) if cfg.compile else (module, chunk_loss_and_grad)
+        forward, chunk_fn = step_functions(drafter, dist, cfg.compile, cfg.distributed.ddp_compile)
         run = cls(
             cfg=cfg, run_dir=_make_run_dir(cfg, dist), device=device, autocast_dtype=autocast_dtype, drafter_cfg=target.drafter_cfg,
             drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
