@@ -18,9 +18,11 @@ Why DDP and not FSDP2: the 27B drafter's trainable state (1.81 B parameters: fp3
 gradients 7.2 GB, AdamW moments 14.5 GB) plus the frozen embedding and lm_head (2 x 2.5 GB bf16) and
 the activations of one 6,144-token micro-batch peaked at 58.8 GiB on one H200, so every rank fits a
 full replica on a 96 GB GPU with room to spare; FSDP2 would shard the ~29 GB of model state but adds
-an all-gather of the weights in forward and again in backward (1.5x DDP's traffic) and sharded
-checkpoints, for memory the run does not need. DDP overlaps its one all-reduce per step with the
-backward (bucketed, gradients as bucket views: no extra copy).
+an all-gather of every layer's weights before its forward and again before its backward (three
+collectives instead of one, two of them in the way of compute) and sharded checkpoints, for memory
+the run does not need. DDP overlaps its one all-reduce per step with the backward (bucketed,
+gradients as bucket views: no second copy, though the 7.2 GB of buckets stay allocated between
+steps where the plain trainer frees its gradients).
 
 Faults: every collective has a timeout (`distributed.timeout_s`); a collective that fails (a peer
 died: gloo sees the connection drop at once; or the timeout) becomes `PeerLost`, whose message

@@ -55,7 +55,7 @@ class ReportConfig:
     max_fetch_frac: float = knob(0.1, help="alarm when the median share of step time spent waiting for data exceeds this", min=0.0, max=1.0)
     # --- comparing runs
     ablated: list[str] = knob(factory=list, help="config keys the compared runs are meant to differ in (dotted, shell-style wildcards allowed), e.g. ablated=loss.gamma,optim.lr")
-    config_ignore: list[str] = knob(factory=lambda: ["run_name", "out_dir", "resume", "stop_after", "log", "checkpoint"], help="config keys (or whole tables) that may differ between compared runs without an alarm: bookkeeping that does not change what is trained")
+    config_ignore: list[str] = knob(factory=lambda: ["run_name", "out_dir", "resume", "stop_after", "log", "checkpoint", "distributed"], help="config keys (or whole tables) that may differ between compared runs without an alarm: bookkeeping that does not change what is trained (distributed: how many GPUs and micro-steps compute the same steps)")
     # --- output
     out: str | None = knob(None, help="directory for report.md and the plots; default: the first run directory")
     plots: bool = knob(True, help="write PNG plots (false: report.md and the summary only)")

@@ -316,3 +316,22 @@ def test_sigkill_without_a_launcher_the_survivor_names_the_lost_rank(tiny, tmp_p
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
+    """`train.bench --ddp 2` (the GPU measurement of issues 16 and 17) runs on CPU: both rows train
+    the same global batches (same tokens and FLOPs per step), the torchrun row reports each rank."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "train.bench", "--shape", "tiny", "--phases", "stream", "--ddp", "2", "--layers", "1",
+         "--steps", "2", "--warmup", "1", "--prefetch-threads", "1", "--workdir", str(tmp_path), "--out", str(out)],
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["phase"]: r for r in json.loads(out.read_text())["results"]}
+    plain, ddp = rows["stream"], rows["stream-ddp2"]
+    assert (plain["world_size"], ddp["world_size"]) == (1, 2) and [r["rank"] for r in ddp["per_rank"]] == [0, 1]
+    assert ddp["mean_context_tokens"] == plain["mean_context_tokens"] and ddp["mean_block_tokens"] == plain["mean_block_tokens"]
+    assert ddp["tflop_per_step"] == pytest.approx(plain["tflop_per_step"], rel=1e-12)
+    assert set(ddp["vs_stream"]) == {"step_s_median", "step_s_mean", "context_tok_s"}
+    assert "stream-ddp2 / stream: step time" in done.stdout
