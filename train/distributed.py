@@ -134,6 +134,8 @@ class Dist:
         if not 0 <= rank < world:
             raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
         if "MASTER_ADDR" not in os.environ:
+            if world == 1:  # a scheduler that sets RANK=0 WORLD_SIZE=1 for every job: a plain run
+                return cls.single(cfg.accumulation)
             raise ValueError("RANK and WORLD_SIZE are set but MASTER_ADDR is not: start the run with torchrun or accelerate launch")
         if device.type == "cuda":
             if local_rank >= torch.cuda.device_count():

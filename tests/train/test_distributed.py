@@ -8,7 +8,8 @@ any split stays within float tolerance of the unsplit run; the run files record 
 resume with the same world size is bit-exact, with another world size continues at the same step
 and sample position; a non-finite part on one rank skips the step on every rank; SIGKILL of one
 rank stops the others within seconds with a message naming it (under torchrun and without it),
-and rerunning the same command finishes the run.
+and rerunning the same command finishes the run; `train.bench --ddp` times the same work in
+process and under torchrun.
 """
 
 from __future__ import annotations
@@ -151,6 +152,28 @@ def test_every_sample_once_per_epoch_across_ranks(tiny):
     finally:
         for s in streams:
             s.close()
+
+
+def test_launch_detection_and_what_counts_as_a_lost_peer(monkeypatch):
+    from train.config import DistributedConfig
+    from train.data import DataLoadError
+    from train.distributed import Dist, PeerLost
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    plain = Dist.from_env(DistributedConfig(accumulation=3), torch.device("cpu"))
+    assert (plain.world_size, plain.accumulation, plain.initialized, plain.split) == (1, 3, False, RankSplit(3, (0, 1, 2)))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # some schedulers set these for every job: still a plain run
+    assert not Dist.from_env(DistributedConfig(), torch.device("cpu")).initialized
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        Dist.from_env(DistributedConfig(), torch.device("cpu"))
+    gloo_error = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2971: Connection reset by peer")
+    two = Dist(rank=0, world_size=2)
+    assert two.is_comm_failure(gloo_error) and two.is_comm_failure(PeerLost("x"))
+    assert not two.is_comm_failure(DataLoadError("cannot read sample: Connection reset by peer"))  # the project's own errors
+    assert not two.is_comm_failure(ValueError("timed out")) and not plain.is_comm_failure(gloo_error)
 
 
 # ----------------------------------------------------------------------------------------------
