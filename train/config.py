@@ -60,7 +60,7 @@ class LossConfig:
 
     num_anchors: int = knob(512, help="blocks per sequence, sampled without replacement from eligible response positions", min=1)
     max_blocks: int | None = knob(
-        None, help="cap on blocks per batch (all rows); rows' anchor counts shrink proportionally beyond it; bounds the memory of batches of many short samples; none = no cap", min=1
+        None, help="cap on blocks per batch (all rows; per optimizer step when data parallel); rows' anchor counts shrink proportionally beyond it; bounds the memory of batches of many short samples; none = no cap", min=1
     )
     gamma: float | None = knob(None, help="position decay w_k = exp(-(k-1)/gamma); none = paper value for the block size (7 for 16, 5 for 10, 4 for 8)", min=0.01)
     labels: Literal["target", "data"] = knob("target", help="label of block position k: the target's stored top-1 for token a+k (default) or the data token itself (ablation)")

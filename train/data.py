@@ -106,7 +106,8 @@ class DataConfig:
         None, help="length-bucket upper edges, inclusive and strictly increasing; none = quantiles into num_buckets", min=1
     )
     num_buckets: int = knob(8, help="number of quantile buckets when boundaries is none (equal repeated quantiles merge)", min=1, max=64)
-    token_budget: int = knob(49152, help="max padded tokens per batch: batch size x longest sample in it", min=1)
+    token_budget: int = knob(49152, help="max padded tokens per batch (= per optimizer step): batch size x longest sample in it; "
+                             "data parallel splits each batch over world_size x distributed.accumulation micro-batches", min=1)
     max_batch_samples: int | None = knob(None, help="cap on samples per batch; none = only the token budget limits", min=1)
     oversize: str = knob("fail", help="a sample longer than token_budget: fail at start, or skip it (counted in data_plan)", choices=["fail", "skip"])
     seed: int = knob(0, help="seed of the per-epoch shuffle and interleaving offsets", min=0)
