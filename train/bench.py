@@ -46,7 +46,7 @@ import torch
 from common.config import load_config
 from train.blocks import Blocks
 from train.config import TrainConfig
-from train.loop import Run, compile_step_functions, train_step
+from train.loop import Run, choose_run_kernels, compile_step_functions, train_step
 from train.loss import chunk_loss_and_grad
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
@@ -157,24 +157,24 @@ def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: i
 def build_run(args, shape: dict, device: torch.device, stream=None, workdir: str = ".") -> Run:
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     overrides = [f"loss.num_anchors={args.anchors}", f"loss.chunk_rows={args.chunk_rows}", f"model.attention={args.attention}",
-                 f"loss.max_blocks={args.max_blocks}", "optim.lr=1e-4"]
+                 f"loss.max_blocks={args.max_blocks}", "optim.lr=1e-4", f"device={device.type}", f"compile={str(use_compile).lower()}"]
     cfg = load_config(TrainConfig, None, overrides)
     drafter_cfg = DrafterConfig(
         num_hidden_layers=args.layers, mask_token_id=shape["vocab_size"] - 1, block_size=16,
         **{k: v for k, v in shape.items() if k in {f.name for f in dataclasses.fields(DrafterConfig)}},
     )
+    kernels = choose_run_kernels(cfg, drafter_cfg)
     torch.manual_seed(0)
     with torch.device(device):
         drafter = DFlashDrafter(drafter_cfg)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = kernels.autocast_dtype or torch.float32
     V, D = shape["vocab_size"], shape["hidden_size"]
     head = TargetHead(torch.randn(V, D, device=device, dtype=dtype) * 0.02, torch.randn(V, D, device=device, dtype=dtype) * 0.02)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
     forward, chunk_fn = drafter, chunk_loss_and_grad
-    if use_compile:
+    if kernels.compile:
         forward, chunk_fn = compile_step_functions(drafter)
-    return Run(cfg=cfg, run_dir=workdir, device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-               drafter_cfg=drafter_cfg, drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
+    return Run(cfg=cfg, run_dir=workdir, kernels=kernels, drafter_cfg=drafter_cfg, drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
                total_steps=10**9, warmup_steps=0, chunk_fn=chunk_fn)
 
 
@@ -292,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     if "fixed" in phases:
         try:
             run = build_run(args, shape, device, workdir=args.workdir)
+            print(run.kernels.describe(), flush=True)
             batch = synthetic_batch(args.rows, args.seq_len, shape["vocab_size"], width, 32)
-            results.append(run_phase("fixed", run, lambda: batch, args.steps, args.warmup))
+            results.append(run_phase("fixed", run, lambda: batch, args.steps, args.warmup) | {"kernels": run.kernels.to_dict()})
             print(f"drafter parameters: {run.drafter.num_parameters() / 1e9:.3f} B", flush=True)
             del run
         except Exception as exc:  # noqa: BLE001 - report and go on to the next phase
@@ -311,8 +312,10 @@ def main(argv: list[str] | None = None) -> int:
                                   prefetch_threads=args.prefetch_threads, prefetch_depth=max(args.prefetch_threads, 8))
             stream = DataStream(data_cfg)
             run = build_run(args, shape, device, stream=stream, workdir=args.workdir)
+            print(run.kernels.describe(), flush=True)
             try:
-                results.append(run_phase("stream", run, lambda: next(stream), args.steps, args.warmup, lambda: stream.last_wait))
+                results.append(run_phase("stream", run, lambda: next(stream), args.steps, args.warmup, lambda: stream.last_wait)
+                               | {"kernels": run.kernels.to_dict()})
             finally:
                 stream.close()
             results[-1]["data_plan"] = {k: v for k, v in stream.data_plan().items() if k != "buckets"}

@@ -49,7 +49,7 @@ class ModelConfig:
     head_dim: int | None = knob(None, help="head dim; none = the target's", min=1)
     initializer_range: float | None = knob(None, help="init std of linear weights; none = the target's (0.02 for Qwen)", min=0.0)
     attention: Literal["auto", "flex", "sdpa"] = knob(
-        "auto", help="attention kernel with the DFlash mask: flex (compiled on CUDA), sdpa with a dense mask, auto = flex on CUDA, sdpa on CPU (flex has no CPU backward)"
+        "auto", help="attention kernel with the DFlash mask: flex (compiled on CUDA), sdpa with a dense mask, auto = flex where its CUDA kernel works for the head dim (16..256, Triton), else sdpa (train.kernels; the choice is logged)"
     )
 
 
@@ -108,7 +108,7 @@ class TrainConfig:
     seed: int = knob(0, help="seed of the drafter init and of the anchor sampling", min=0)
     device: Literal["auto", "cpu", "cuda"] = knob("auto", help="auto = cuda when available")
     precision: Literal["auto", "bf16", "fp32"] = knob("auto", help="bf16 autocast with fp32 master weights, or fp32; auto = bf16 on CUDA, fp32 on CPU")
-    compile: bool = knob(False, help="torch.compile the drafter and the loss chunk (CUDA)")
+    compile: bool = knob(False, help="torch.compile the drafter and the loss chunk (needs Triton on CUDA, a C++ compiler on CPU; refused with the reason where it cannot work)")
     resume: str = knob(
         "auto", help="auto: continue from the run's latest checkpoint if there is one; never: refuse an existing run; or a checkpoint directory"
     )

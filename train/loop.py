@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 
 from common.config import config_digest, config_to_dict, save_config
-from common.device import autocast_dtype, resolve_device
+from common.device import resolve_device
 from common.hashing import json_digest, tokenizer_digest
 from common.hf_target import text_config
 from common.io import atomic_write_json, exists, join, resolve
 from common.provenance import git_sha, tool_version
-from train.attention import build_block_mask, build_dense_mask
 from train.blocks import Blocks, make_blocks, step_generator
 from train.checkpoint import (
     CheckpointWriter,
@@ -45,6 +44,7 @@ from train.checkpoint import (
 )
 from train.config import TrainConfig, resume_conflicts
 from train.data import Batch, DataStream
+from train.kernels import TRAIN_KEYS, KernelPlan, OnKernels, choose_kernels
 from train.loss import LossOutput, block_loss, chunk_loss_and_grad
 from train.metrics import MetricsLog, truncate_after
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
@@ -176,12 +176,10 @@ def _open_stream(cfg: TrainConfig) -> DataStream:
     return DataStream(cfg.data)
 
 
-def _device_and_precision(cfg: TrainConfig) -> tuple[torch.device, torch.dtype | None]:
-    """The device, and the autocast dtype (None = plain fp32)."""
-    device = resolve_device(cfg.device)
-    if cfg.model.attention == "flex" and device.type == "cpu":
-        raise ValueError("config key 'model.attention': flex has no backward on CPU; use sdpa or auto")
-    return device, autocast_dtype(cfg.precision, device)
+def choose_run_kernels(cfg: TrainConfig, drafter_cfg: DrafterConfig) -> KernelPlan:
+    """Device, autocast, attention kernel and compilation for this run (train.kernels; logged once)."""
+    return choose_kernels(cfg.device, cfg.precision, cfg.model.attention, cfg.compile, [drafter_cfg.head_dim],
+                          training=True, keys=TRAIN_KEYS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,13 +218,12 @@ def compile_step_functions(drafter: torch.nn.Module):
     return torch.compile(drafter, dynamic=True), torch.compile(chunk_loss_and_grad, dynamic=True)
 
 @dataclasses.dataclass
-class Run:
+class Run(OnKernels):
     """Everything the loop needs, built by `prepare` (and restored from a checkpoint when resuming)."""
 
     cfg: TrainConfig
     run_dir: Path
-    device: torch.device
-    autocast_dtype: torch.dtype | None
+    kernels: KernelPlan  # device, autocast dtype, attention kernel, compile
     drafter_cfg: DrafterConfig
     drafter: DFlashDrafter
     forward: torch.nn.Module  # the drafter, or its torch.compile wrapper
@@ -243,9 +240,11 @@ class Run:
 
     @classmethod
     def prepare(cls, cfg: TrainConfig, *, stream: DataStream | None = None) -> "Run":
-        device, autocast_dtype = _device_and_precision(cfg)
+        resolve_device(cfg.device)  # a missing GPU is reported before the data is opened
         stream = stream if stream is not None else _open_stream(cfg)
         target = resolve_target(cfg, stream.dataset.manifest)  # refuses incompatible shards
+        kernels = choose_run_kernels(cfg, target.drafter_cfg)  # refuses a kernel that cannot work, before anything runs
+        device, autocast_dtype = kernels.device, kernels.autocast_dtype
         torch.manual_seed(cfg.seed)
         with torch.device(device):  # initialize in place: a 27B-width drafter is 7 GB of fp32 on the host otherwise
             drafter = DFlashDrafter(target.drafter_cfg)
@@ -260,9 +259,9 @@ class Run:
             weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda",
         )
         total = cfg.optim.max_steps or max(1, round(cfg.optim.epochs * stream.steps_per_epoch))
-        forward, chunk_fn = compile_step_functions(drafter) if cfg.compile else (drafter, chunk_loss_and_grad)
+        forward, chunk_fn = compile_step_functions(drafter) if kernels.compile else (drafter, chunk_loss_and_grad)
         run = cls(
-            cfg=cfg, run_dir=_make_run_dir(cfg), device=device, autocast_dtype=autocast_dtype, drafter_cfg=target.drafter_cfg,
+            cfg=cfg, run_dir=_make_run_dir(cfg), kernels=kernels, drafter_cfg=target.drafter_cfg,
             drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
             total_steps=total, warmup_steps=round(cfg.optim.warmup_ratio * total), chunk_fn=chunk_fn,
         )
@@ -332,6 +331,7 @@ class Run:
             "steps_per_epoch": self.stream.steps_per_epoch,
             "device": str(self.device),
             "precision": str(self.autocast_dtype or torch.float32).replace("torch.", ""),
+            "kernels": self.kernels.to_dict(),
         })
         info.setdefault("start_time", time.time())
         info.setdefault("starts", []).append({
@@ -359,19 +359,6 @@ def _make_run_dir(cfg: TrainConfig) -> Path:
 # One step
 
 
-def _autocast(run: Run):
-    if run.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(run.device.type, dtype=run.autocast_dtype)
-
-
-def _attention_mask(run: Run, anchors_BN, keep_BN, context_len: int):
-    kind = run.cfg.model.attention
-    if kind == "flex" or (kind == "auto" and run.device.type == "cuda"):
-        return build_block_mask(anchors_BN, keep_BN, context_len, run.drafter_cfg.block_size)
-    return build_dense_mask(anchors_BN, keep_BN, context_len, run.drafter_cfg.block_size)
-
-
 def train_step(run: Run, batch: Batch, step: int) -> StepResult:
     """One optimizer step on one batch (or a skipped one); see the module docstring."""
     cfg, K = run.cfg, run.drafter_cfg.block_size
@@ -388,8 +375,8 @@ def train_step(run: Run, batch: Batch, step: int) -> StepResult:
         return StepResult(None, None, lr, True, "no loss positions in batch", None, block_tokens, blocks)
     blocks = blocks.to(run.device, non_blocking=True)
     hidden_BSF = batch.hidden.to(run.device, non_blocking=True)
-    mask = _attention_mask(run, blocks.anchors_BN, blocks.keep_BN, hidden_BSF.shape[1])
-    with _autocast(run):
+    mask = run.kernels.mask(blocks.anchors_BN, blocks.keep_BN, hidden_BSF.shape[1], K)
+    with run.kernels.autocast():
         out_BQD = run.forward(run.head.embed(blocks.block_ids_BQ), hidden_BSF, blocks.position_ids_BP, mask)
         stats = block_loss(
             out_BQD, run.head.lm_head_VD, blocks, chunk_rows=cfg.loss.chunk_rows,

@@ -1,4 +1,5 @@
-"""Offline evaluation (`train.eval`) on CPU with a tiny target, tiny synthetic shards and a real run.
+"""Offline evaluation (`train.eval`) with a tiny target, tiny synthetic shards and a real run: the
+block-level tests run on the CPU; the trainer run and the CLI tests use device=auto (CUDA on a GPU host).
 
 Proves: an oracle drafter (its predictions forced to equal the labels) gets τ = 16 and every block
 fully accepted, a drafter forced wrong gets τ = 1; the batched evaluation of a real tiny drafter
@@ -41,6 +42,7 @@ from train.eval import (
     label_baseline,
     label_frequency_topk,
 )
+from train.kernels import KernelPlan
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
 V, H, LAYERS, TAPS, TOPK = 64, 32, 4, [0, 2], 4
@@ -149,7 +151,7 @@ def evaluate(models, tiny, cfg, boundaries=(), background=False):
     ds = ShardDataset(str(tiny / "shards"))
     data = select_eval_data(ds, str(tiny / "shards"), split="all", holdout_fraction=None, max_samples=cfg.max_samples)
     buckets, bucket_of_sample = bucket_table(list(boundaries), data.lengths)
-    runtime = Runtime(torch.device("cpu"), None, "sdpa", score_in_background=background)
+    runtime = Runtime(KernelPlan(torch.device("cpu"), None, "sdpa", False, "test"), score_in_background=background)
     table, scores = run_blocks(models, data, cfg, runtime, bucket_of_sample)
     return data, buckets, table, scores
 
@@ -314,7 +316,13 @@ def test_cli_on_a_trained_run_holdout_buckets_and_json(tiny, tmp_path, capsys):
     assert data["samples"] == held.size and data["manifest_digest"] == json_digest(ds.manifest)
     resolved = config_from_dict(EvalConfig, report["config"])  # the resolved config loads back
     assert resolved.data == str(tiny / "shards") and resolved.split == "holdout" and resolved.holdout_fraction == 0.25
-    assert resolved.out == str(out) and resolved.device == "cpu" and resolved.attention == "sdpa" and resolved.blocks_per_forward == 128
+    # device=auto: on a GPU host the CLI evaluates on CUDA (bf16, 512 blocks per forward), elsewhere on the CPU.
+    # The drafter's head_dim 8 is below what flex's CUDA kernel takes, so auto picks sdpa on both, saying why.
+    on_cuda = torch.cuda.is_available()
+    assert resolved.out == str(out) and resolved.device == ("cuda" if on_cuda else "cpu") and resolved.attention == "sdpa"
+    assert resolved.blocks_per_forward == (512 if on_cuda else 128)
+    assert report["kernels"]["attention"] == "sdpa" and ("head_dim >= 16" in report["kernels"]["reason"] if on_cuda else "on cpu" in report["kernels"]["reason"])
+    assert f"attention sdpa ({report['kernels']['reason']})" in table
     ckpt = report["checkpoints"][0]
     assert ckpt["path"] == str(run_dir / "checkpoints" / "step-00000002") and ckpt["step"] == 2
 
