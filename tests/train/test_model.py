@@ -70,7 +70,10 @@ def test_partial_rotary_matches_qwen3_5_for_the_27b_rope():
     hf_cfg = Qwen3_5TextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
                                rope_parameters=dict(QWEN36_TEXT["rope_parameters"]))
     positions = torch.tensor([[0, 1, 2, 3000, 70000]])
-    ref_cos, ref_sin = modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(hf_cfg)(torch.zeros(1, dtype=torch.float32), positions)
+    # Text-only M-RoPE: the three position streams (t, h, w) are equal. transformers 5.17 takes them only
+    # as [3, batch, T]; later versions also broadcast [batch, T]. Both get the same numbers from [3, batch, T].
+    streams = positions[None].expand(3, -1, -1)
+    ref_cos, ref_sin = modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(hf_cfg)(torch.zeros(1, dtype=torch.float32), streams)
     cos, sin = RotaryEmbedding(cfg)(positions, torch.float32)
     assert cos.shape[-1] == 64
     torch.testing.assert_close(cos, ref_cos)
