@@ -435,7 +435,8 @@ def test_prompts_are_first_user_turns_with_the_generation_prompt(tmp_path):
     assert len(prompts_from_jsonl(path, tokenizer, limit=1)) == 1
 
 
-def test_cli_end_to_end(tmp_path, capsys):
+def cli_inputs(tmp_path, n_prompts: int = 3):
+    """A saved tiny target with a tokenizer, an exported random drafter and a prompts file, as the CLI takes them."""
     from transformers import GenerationConfig
 
     tokenizer = word_tokenizer()
@@ -445,7 +446,12 @@ def test_cli_end_to_end(tmp_path, capsys):
     tokenizer.save_pretrained(tmp_path / "target")
     export_drafter(DFlashDrafter(drafter_config()).state_dict(), drafter_config(), tmp_path / "drafter")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"}]}) + "\n" for i in range(3)))
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"}]}) + "\n" for i in range(n_prompts)))
+    return prompts
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    prompts = cli_inputs(tmp_path)
     out = tmp_path / "result.json"
     code = main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
                  "--max-new-tokens", "24", "--num-prompts", "2", "--out", str(out), "--agreement", "--threads", "1"])
