@@ -281,6 +281,7 @@ class EvalModel:
     head: nn.Module  # TargetHead: .embed(ids), .logits(hidden)
     block_size: int
     mask_token_id: int
+    mask_rules: dict | None = None  # {layer type: train.attention.MaskRule}; None = all full_attention
 
 
 def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device, head_dtype: torch.dtype) -> EvalModel:
@@ -302,7 +303,7 @@ def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device,
             f"target '{target_dir}' has embedding [{head.vocab_size}, {head.hidden_size}] but the drafter of '{info.path}' "
             f"needs [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}]; set target= to the run's target"
         )
-    return EvalModel(drafter.to(device).eval(), head.to(device), cfg.block_size, cfg.mask_token_id)
+    return EvalModel(drafter.to(device).eval(), head.to(device), cfg.block_size, cfg.mask_token_id, cfg.mask_rules)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -631,13 +632,12 @@ def forward_inputs(pieces: Sequence[Piece], block_size: int, mask_token_id: int)
     return ForwardInputs(hidden_RSF, block_ids_RNK.view(R, N * K), position_ids_RP, anchors_RN, keep_RN)
 
 
-def _attention_mask(inputs: ForwardInputs, block_size: int, runtime: Runtime):
-    from train.attention import build_block_mask, build_dense_mask
+def _attention_mask(inputs: ForwardInputs, block_size: int, runtime: Runtime, rules: dict | None = None):
+    from train.attention import MaskRule, build_layer_masks
 
     S = inputs.hidden_RSF.shape[1]
-    if runtime.attention == "flex":
-        return build_block_mask(inputs.anchors_RN, inputs.keep_RN, S, block_size)
-    return build_dense_mask(inputs.anchors_RN, inputs.keep_RN, S, block_size)
+    rules = rules or {"full_attention": MaskRule()}
+    return build_layer_masks(runtime.attention, inputs.anchors_RN, inputs.keep_RN, S, block_size, rules)
 
 
 @torch.no_grad()
@@ -649,7 +649,7 @@ def draft_topk_for_pieces(model: EvalModel, pieces: Sequence[Piece], runtime: Ru
     inputs = forward_inputs(pieces, K, model.mask_token_id)
     device = runtime.device
     moved = ForwardInputs(*(getattr(inputs, f.name).to(device, non_blocking=True) for f in dataclasses.fields(inputs)))
-    mask = _attention_mask(moved, K, runtime)
+    mask = _attention_mask(moved, K, runtime, model.mask_rules)
     R, N = moved.anchors_RN.shape
     with runtime.autocast():
         hidden_RQD = model.model(model.head.embed(moved.block_ids_RQ), moved.hidden_RSF, moved.position_ids_RP, mask)
