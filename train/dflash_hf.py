@@ -411,6 +411,8 @@ class DFlashDraftModel(PreTrainedModel):
         """
         if input_ids.ndim != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"spec_generate takes one prompt: input_ids [1, T], got {tuple(input_ids.shape)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"spec_generate: max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise ValueError("spec_generate: temperature and top_k must be >= 0 and top_p in (0, 1]")
         self.eval()
