@@ -2,6 +2,7 @@
 
     python -m train.bench                       # Qwen3.6-27B widths on CUDA (compiled flex + chunked CE)
     python -m train.bench --shape tiny          # the same code path at toy widths, runs on CPU in seconds
+    python -m train.bench --shape 27b-zlab      # the published z-lab layout (configs/qwen3.6-27b-zlab.toml)
     python -m train.bench --out bench.json --rows 2 --seq-len 3072 --anchors 512
 
 Two phases, one final table, JSON to `--out`:
@@ -16,7 +17,8 @@ FLOPs are counted per step from that step's real tokens and blocks (padding excl
     fc                     2 x (2 F D) per context token           forward + weight grad (input needs none)
     context k/v proj       3 x (2 D 2GE) x L per context token      forward + input grad + weight grad
     block layer matmuls    3 x 2 L (D HE + D 2GE + HE D + 3 D I) per block token
-    attention              3 x 4 E H L per (query, visible key) pair; a block query sees anchor + K keys
+    attention              3 x 4 E H per (query, visible key) pair and layer; a block query sees anchor + K keys
+                           (full_attention), at most the sliding window (sliding_attention)
     lm_head                2 x (2 D V) per loss row                forward + input grad (frozen: no weight grad)
 with D hidden, F = taps x target hidden, H/G heads, E head dim, I intermediate, L layers, V vocab,
 K block size. Backward counts 2x forward (attention recomputation in flash backward is not counted).
@@ -44,6 +46,7 @@ import numpy as np
 import torch
 
 from common.config import load_config
+from train.attention import visible_pairs
 from train.blocks import Blocks
 from train.config import TrainConfig
 from train.loop import Run, choose_run_kernels, compile_step_functions, train_step
@@ -56,12 +59,24 @@ SHAPES = {
     # Qwen3.6-27B (qwen3.6-27b.md §1): the drafter has the target's widths, 5 layers, 4 taps.
     "27b": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
                 vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46], rope_theta=1e7,
-                partial_rotary_factor=0.25, max_position_embeddings=262144, seq_len=3072, anchors=512, rows=2,
+                partial_rotary_factor=1.0, max_position_embeddings=262144, seq_len=3072, anchors=512, rows=2,
                 token_budget=6144, max_blocks=1024, samples=160),
+    # configs/qwen3.6-27b-zlab.toml: the published z-lab layout (5 taps, 32/8 heads of 128, 4 sliding + 1 full).
+    "27b-zlab": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46, 61], rope_theta=1e7,
+                     partial_rotary_factor=1.0, max_position_embeddings=262144, layer_types="sliding_then_full",
+                     sliding_window=2048, sliding_in_block="causal", seq_len=4096, anchors=512, rows=2,
+                     token_budget=8192, max_blocks=1024, samples=160),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  vocab_size=1024, num_target_layers=8, target_layer_ids=[1, 3, 5, 6], rope_theta=1e6,
                  partial_rotary_factor=1.0, max_position_embeddings=4096, seq_len=256, anchors=32, rows=2,
                  token_budget=1024, max_blocks=64, samples=48),
+    # The 27b-zlab layout at toy widths (a window shorter than the sequences): a CPU check of that path.
+    "tiny-zlab": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      vocab_size=1024, num_target_layers=8, target_layer_ids=[1, 2, 3, 5, 6], rope_theta=1e6,
+                      partial_rotary_factor=1.0, max_position_embeddings=4096, layer_types="sliding_then_full",
+                      sliding_window=64, sliding_in_block="causal", seq_len=256, anchors=32, rows=2,
+                      token_budget=1024, max_blocks=64, samples=48),
 }
 
 
@@ -75,13 +90,16 @@ def step_flops(cfg: DrafterConfig, blocks: Blocks, context_tokens: int) -> dict[
     H, G, E, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.block_size
     keep = blocks.keep_BN
     block_tokens = int(keep.sum()) * K
-    pairs = int(((blocks.anchors_BN + K) * keep).sum()) * K
+    # Visible (query, key) pairs summed over the layers: a sliding layer sees at most its window.
+    rules = cfg.mask_rules
+    pairs_by_type = {t: visible_pairs(blocks.anchors_BN, keep, K, rule) for t, rule in rules.items()}
+    pair_layers = sum(pairs_by_type[t] for t in cfg.layer_types)
     per_block_token_fwd = 2 * L * (D * H * E + D * 2 * G * E + H * E * D + 3 * D * I)
     return {
         "fc": 2 * 2 * F * D * context_tokens,
         "context_kv": 3 * 2 * D * 2 * G * E * L * context_tokens,
         "block_matmuls": 3 * per_block_token_fwd * block_tokens,
-        "attention": 3 * 4 * E * H * L * pairs,
+        "attention": 3 * 4 * E * H * pair_layers,
         "lm_head": 2 * 2 * D * V * int(blocks.loss_rows_M.numel()),
     }
 
@@ -267,7 +285,7 @@ def parse_args(argv):
     for key in ("seq_len", "rows", "anchors", "max_blocks", "token_budget", "samples"):
         if getattr(args, key) is None:
             setattr(args, key, shape[key])
-    tiny = args.shape == "tiny"
+    tiny = args.shape.startswith("tiny")
     args.steps = args.steps if args.steps is not None else (3 if tiny else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 4)
     return args, shape
@@ -276,8 +294,8 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args, shape = parse_args(sys.argv[1:] if argv is None else argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and args.shape != "tiny":
-        print("note: no CUDA device; the 27b shape on CPU would take hours. Use --shape tiny here.", file=sys.stderr)
+    if device.type == "cpu" and not args.shape.startswith("tiny"):
+        print("note: no CUDA device; the 27b shapes on CPU would take hours. Use --shape tiny here.", file=sys.stderr)
         return 2
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -285,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     header = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "seq_len": args.seq_len, "rows": args.rows, "anchors": args.anchors,
               "layers": args.layers, "attention": args.attention, "compile": args.compile if args.compile is not None else device.type == "cuda",
-              "chunk_rows": args.chunk_rows}
+              "chunk_rows": args.chunk_rows, "taps": len(shape["target_layer_ids"]),
+              "layer_types": shape.get("layer_types", "full"), "sliding_window": shape.get("sliding_window"),
+              "heads": f"{shape['num_attention_heads']}/{shape['num_key_value_heads']}x{shape['head_dim']}"}
     print(json.dumps(header), flush=True)
     results = []
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]

@@ -283,6 +283,7 @@ class EvalModel:
     head: nn.Module  # TargetHead: .embed(ids), .logits(hidden)
     block_size: int
     mask_token_id: int
+    mask_rules: dict | None = None  # {layer type: train.attention.MaskRule}; None = all full_attention
 
 
 def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device, head_dtype: torch.dtype) -> EvalModel:
@@ -304,7 +305,7 @@ def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device,
             f"target '{target_dir}' has embedding [{head.vocab_size}, {head.hidden_size}] but the drafter of '{info.path}' "
             f"needs [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}]; set target= to the run's target"
         )
-    return EvalModel(drafter.to(device).eval(), head.to(device), cfg.block_size, cfg.mask_token_id)
+    return EvalModel(drafter.to(device).eval(), head.to(device), cfg.block_size, cfg.mask_token_id, cfg.mask_rules)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -642,7 +643,7 @@ def draft_topk_for_pieces(model: EvalModel, pieces: Sequence[Piece], runtime: Ru
     inputs = forward_inputs(pieces, K, model.mask_token_id)
     device = runtime.device
     moved = ForwardInputs(*(getattr(inputs, f.name).to(device, non_blocking=True) for f in dataclasses.fields(inputs)))
-    mask = runtime.kernels.mask(moved.anchors_RN, moved.keep_RN, moved.hidden_RSF.shape[1], K)
+    mask = runtime.kernels.mask(moved.anchors_RN, moved.keep_RN, moved.hidden_RSF.shape[1], K, model.mask_rules)
     R, N = moved.anchors_RN.shape
     with runtime.autocast():
         hidden_RQD = model.model(model.head.embed(moved.block_ids_RQ), moved.hidden_RSF, moved.position_ids_RP, mask)

@@ -3,7 +3,7 @@ evaluation (`train.eval`) and the bench: device, autocast dtype, attention kerne
 
     plan = choose_kernels(device="auto", precision="auto", attention="auto", compile=False,
                           head_dims=[drafter_cfg.head_dim], training=True, keys=TRAIN_KEYS)
-    mask = plan.mask(anchors_BN, keep_BN, context_len, block_size)   # flex BlockMask or dense bool mask
+    mask = plan.mask(anchors_BN, keep_BN, context_len, block_size, drafter_cfg.mask_rules)  # {layer type: flex BlockMask or dense mask}
     with plan.autocast(): ...
 
 `attention = auto` takes flex only where its kernel works for the head size and the device, else
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from common.device import autocast_dtype, resolve_device
-from train.attention import build_block_mask, build_dense_mask
+from train.attention import build_block_mask, build_dense_mask, build_layer_masks
 
 __all__ = ["KernelKeys", "KernelPlan", "OnKernels", "TRAIN_KEYS", "EVAL_KEYS", "choose_kernels", "flex_problem", "compile_problem",
            "FLEX_MIN_HEAD_DIM", "FLEX_TUNED_MAX_HEAD_DIM"]
@@ -72,11 +72,14 @@ class KernelPlan:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def mask(self, anchors_BN: torch.Tensor, keep_BN: torch.Tensor, context_len: int, block_size: int):
-        """The DFlash training mask in the form the chosen kernel takes (train.attention.attend runs either)."""
-        if self.attention == "flex":
-            return build_block_mask(anchors_BN, keep_BN, context_len, block_size)
-        return build_dense_mask(anchors_BN, keep_BN, context_len, block_size)
+    def mask(self, anchors_BN: torch.Tensor, keep_BN: torch.Tensor, context_len: int, block_size: int,
+             rules: dict | None = None):
+        """The DFlash training mask in the form the chosen kernel takes (train.attention.attend runs either):
+        {layer type: mask} for a drafter's `DrafterConfig.mask_rules`, or one full-attention mask without rules."""
+        if rules is not None:
+            return build_layer_masks(self.attention, anchors_BN, keep_BN, context_len, block_size, rules)
+        build = build_block_mask if self.attention == "flex" else build_dense_mask
+        return build(anchors_BN, keep_BN, context_len, block_size)
 
     @property
     def precision(self) -> str:

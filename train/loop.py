@@ -48,6 +48,7 @@ from train.kernels import TRAIN_KEYS, KernelPlan, OnKernels, choose_kernels
 from train.loss import LossOutput, block_loss, chunk_loss_and_grad
 from train.metrics import MetricsLog, truncate_after
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.warm_start import check_init_from, config_differences, warm_start
 
 __all__ = ["lr_at", "train", "train_step", "Run", "StepResult", "TrainingAborted", "resolve_mask_token", "build_drafter_config"]
 
@@ -120,6 +121,8 @@ def build_drafter_config(cfg: TrainConfig, target_cfg: dict, provenance: dict, m
             target_cfg, layer_ids, num_layers=m.num_layers, block_size=m.block_size, mask_token_id=mask_token_id,
             hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_attention_heads=m.num_attention_heads,
             num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, initializer_range=m.initializer_range,
+            layer_types=m.layer_types, sliding_window=m.sliding_window, sliding_in_block=m.sliding_in_block,
+            rope_theta=m.rope_theta, rope_scaling=m.rope_scaling, partial_rotary_factor=m.partial_rotary_factor,
         )
     except ValueError as exc:
         raise ValueError(f"config table 'model': {exc}") from None
@@ -245,6 +248,8 @@ class Run(OnKernels):
         target = resolve_target(cfg, stream.dataset.manifest)  # refuses incompatible shards
         kernels = choose_run_kernels(cfg, target.drafter_cfg)  # refuses a kernel that cannot work, before anything runs
         device, autocast_dtype = kernels.device, kernels.autocast_dtype
+        if cfg.model.init_from and Path(cfg.model.init_from).exists():
+            check_init_from(cfg.model.init_from, target.drafter_cfg)  # before the run directory exists
         torch.manual_seed(cfg.seed)
         with torch.device(device):  # initialize in place: a 27B-width drafter is 7 GB of fp32 on the host otherwise
             drafter = DFlashDrafter(target.drafter_cfg)
@@ -266,7 +271,9 @@ class Run(OnKernels):
             total_steps=total, warmup_steps=round(cfg.optim.warmup_ratio * total), chunk_fn=chunk_fn,
         )
         resumed_from = run._maybe_resume()
-        run._write_run_files(target, resumed_from)
+        # A resumed run has its weights from the checkpoint (init_from may be gone by then).
+        init_from = warm_start(drafter, cfg.model.init_from) if cfg.model.init_from and resumed_from is None else None
+        run._write_run_files(target, resumed_from, init_from)
         return run
 
     # -- resume -------------------------------------------------------------------------------
@@ -294,6 +301,9 @@ class Run(OnKernels):
         conflicts = resume_conflicts(ckpt["state"]["config"], config_to_dict(self.cfg))
         if conflicts:
             raise ValueError(f"checkpoint '{path}' was made with another config; differing keys:\n  " + "\n  ".join(conflicts))
+        differences = config_differences(DrafterConfig.from_dict(ckpt["drafter_config"]), self.drafter_cfg, "the checkpoint")
+        if differences:
+            raise ValueError(f"checkpoint '{path}' holds another drafter than this config builds:\n  " + "\n  ".join(differences))
         self.drafter.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         state = ckpt["state"]
@@ -313,7 +323,7 @@ class Run(OnKernels):
 
     # -- run files ----------------------------------------------------------------------------
 
-    def _write_run_files(self, target: Target, resumed_from: Path | None) -> None:
+    def _write_run_files(self, target: Target, resumed_from: Path | None, init_from: dict | None = None) -> None:
         save_config(self.cfg, self.run_dir / "config.json")
         atomic_write_json(str(self.run_dir / "data_plan.json"), self.stream.data_plan())
         info_path = self.run_dir / "run.json"
@@ -333,6 +343,8 @@ class Run(OnKernels):
             "precision": str(self.autocast_dtype or torch.float32).replace("torch.", ""),
             "kernels": self.kernels.to_dict(),
         })
+        if init_from is not None:
+            info.setdefault("init_from", init_from)  # the weights the run started from (a resume keeps the first record)
         info.setdefault("start_time", time.time())
         info.setdefault("starts", []).append({
             "time": time.time(), "git_sha": git_sha(), "tool_version": tool_version(), "step": self.step,
@@ -375,7 +387,7 @@ def train_step(run: Run, batch: Batch, step: int) -> StepResult:
         return StepResult(None, None, lr, True, "no loss positions in batch", None, block_tokens, blocks)
     blocks = blocks.to(run.device, non_blocking=True)
     hidden_BSF = batch.hidden.to(run.device, non_blocking=True)
-    mask = run.kernels.mask(blocks.anchors_BN, blocks.keep_BN, hidden_BSF.shape[1], K)
+    mask = run.kernels.mask(blocks.anchors_BN, blocks.keep_BN, hidden_BSF.shape[1], K, run.drafter_cfg.mask_rules)
     with run.kernels.autocast():
         out_BQD = run.forward(run.head.embed(blocks.block_ids_BQ), hidden_BSF, blocks.position_ids_BP, mask)
         stats = block_loss(

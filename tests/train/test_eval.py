@@ -109,10 +109,10 @@ def eval_config(*overrides) -> EvalConfig:
     return load_config(EvalConfig, None, ["progress=false", "load_threads=1", *overrides])
 
 
-def random_drafter_model() -> EvalModel:
+def random_drafter_model(**layout) -> EvalModel:
     torch.manual_seed(1)
     cfg = DrafterConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=8, vocab_size=V, target_layer_ids=TAPS, num_target_layers=LAYERS, mask_token_id=MASK_ID)
+                        head_dim=8, vocab_size=V, target_layer_ids=TAPS, num_target_layers=LAYERS, mask_token_id=MASK_ID, **layout)
     drafter = DFlashDrafter(cfg).eval()
     # Larger weights than the init so the random drafter's top-k is peaked and varied, not near-uniform.
     with torch.no_grad():
@@ -120,7 +120,7 @@ def random_drafter_model() -> EvalModel:
             if p.ndim == 2:
                 p.normal_(0.0, 0.2)
     head = TargetHead(torch.randn(V, H), torch.randn(V, H) * 0.3)
-    return EvalModel(drafter, head, K, MASK_ID)
+    return EvalModel(drafter, head, K, MASK_ID, cfg.mask_rules)
 
 
 class PositionOracle(nn.Module):
@@ -266,6 +266,17 @@ def test_batched_evaluation_equals_a_one_block_at_a_time_loop(tiny):
         assert torch.equal(scores2[0].draft_ids_ND, scores[0].draft_ids_ND)
         assert torch.allclose(scores2[0].top1_logprob_ND, scores[0].top1_logprob_ND, atol=1e-5)
         assert all(torch.equal(scores2[0].ddtree_tau[b], scores[0].ddtree_tau[b]) for b in (8, 16, 32, 64))
+
+
+@pytest.mark.parametrize("sliding_in_block", ["causal", "bidirectional"])
+def test_batched_evaluation_with_sliding_layers_equals_one_block_at_a_time(tiny, sliding_in_block):
+    """Offline evaluation of a sliding_then_full drafter (window 6, shorter than most contexts) runs many
+    blocks per forward under the per-type training masks; each block alone at inference agrees."""
+    model = random_drafter_model(layer_types="sliding_then_full", sliding_window=6, sliding_in_block=sliding_in_block)
+    data, _, table, scores = evaluate([model], tiny, eval_config("max_samples=4", "blocks_per_forward=9"))
+    rows = brute_force_blocks(model, data.dataset, range(data.n_samples), data.indices)
+    assert table.anchor_N.tolist() == [r["anchor"] for r in rows] and max(r["anchor"] for r in rows) > 6
+    assert torch.equal(scores[0].draft_ids_ND, torch.stack([r["draft"] for r in rows]))
 
 
 def test_most_frequent_label_baseline_on_the_same_blocks(tiny):
