@@ -1,6 +1,7 @@
 # One entry point per job. Every target depends on `setup`, so a fresh clone needs no manual step.
 #   make demo                                   the whole pipeline on the built-in tiny default (CPU)
 #   make test                                   the test suite
+#   make test-gpu                               only the GPU tier (pytest -m gpu): the CUDA paths, on a GPU host
 #   make extract [CONFIG=configs/x.toml] [key=value ...]
 #   make train   [CONFIG=configs/x.toml] [RUN=name] [key=value ...]
 # key=value words on the make command line are passed through to the stage's config loader.
@@ -16,7 +17,7 @@ export PYTHONUNBUFFERED := 1
 # torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup test demo extract train eval export specdecode report tiny bench-shards bench-extract bench-train reliability clean
+.PHONY: setup test test-gpu demo extract train eval export specdecode report tiny bench-shards bench-extract bench-train reliability clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +31,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q -n 2 $(ARGS)
+
+# Four workers: most of the tier's time is torch.compile / Triton compilation, which is CPU-bound.
+test-gpu: setup
+	$(PY) -m pytest -q -n 4 -rs -m gpu tests/gpu $(ARGS)
 
 demo: setup
 	$(PY) -m train.demo $(OVERRIDES)

@@ -2,6 +2,7 @@
 
     python -m train.bench                       # Qwen3.6-27B widths on CUDA (compiled flex + chunked CE)
     python -m train.bench --shape tiny          # the same code path at toy widths, runs on CPU in seconds
+    python -m train.bench --shape 27b-zlab      # the published z-lab layout (configs/qwen3.6-27b-zlab.toml)
     python -m train.bench --out bench.json --rows 2 --seq-len 3072 --anchors 512
     python -m train.bench --phases stream --ddp 1      # plain trainer, then world size 1 under torchrun (DDP), one table
     python -m train.bench --phases stream --token-budget 12288 --max-blocks 2048 --accumulation 2 --ddp 2
@@ -19,7 +20,8 @@ FLOPs are counted per step from that step's real tokens and blocks (padding excl
     fc                     2 x (2 F D) per context token           forward + weight grad (input needs none)
     context k/v proj       3 x (2 D 2GE) x L per context token      forward + input grad + weight grad
     block layer matmuls    3 x 2 L (D HE + D 2GE + HE D + 3 D I) per block token
-    attention              3 x 4 E H L per (query, visible key) pair; a block query sees anchor + K keys
+    attention              3 x 4 E H per (query, visible key) pair and layer; a block query sees anchor + K keys
+                           (full_attention), at most the sliding window (sliding_attention)
     lm_head                2 x (2 D V) per loss row                forward + input grad (frozen: no weight grad)
 with D hidden, F = taps x target hidden, H/G heads, E head dim, I intermediate, L layers, V vocab,
 K block size. Backward counts 2x forward (attention recomputation in flash backward is not counted).
@@ -57,11 +59,12 @@ import numpy as np
 import torch
 
 from common.config import load_config
+from train.attention import visible_pairs
 from train.blocks import Blocks
 from train.config import DistributedConfig, TrainConfig
 from train.data import Share
 from train.distributed import Dist
-from train.loop import Run, step_functions, train_step
+from train.loop import Run, choose_run_kernels, step_functions, train_step
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
 PEAK_FLOPS = 790e12
@@ -71,12 +74,24 @@ SHAPES = {
     # Qwen3.6-27B (qwen3.6-27b.md §1): the drafter has the target's widths, 5 layers, 4 taps.
     "27b": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
                 vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46], rope_theta=1e7,
-                partial_rotary_factor=0.25, max_position_embeddings=262144, seq_len=3072, anchors=512, rows=2,
+                partial_rotary_factor=1.0, max_position_embeddings=262144, seq_len=3072, anchors=512, rows=2,
                 token_budget=6144, max_blocks=1024, samples=160),
+    # configs/qwen3.6-27b-zlab.toml: the published z-lab layout (5 taps, 32/8 heads of 128, 4 sliding + 1 full).
+    "27b-zlab": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46, 61], rope_theta=1e7,
+                     partial_rotary_factor=1.0, max_position_embeddings=262144, layer_types="sliding_then_full",
+                     sliding_window=2048, sliding_in_block="causal", seq_len=4096, anchors=512, rows=2,
+                     token_budget=8192, max_blocks=1024, samples=160),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  vocab_size=1024, num_target_layers=8, target_layer_ids=[1, 3, 5, 6], rope_theta=1e6,
                  partial_rotary_factor=1.0, max_position_embeddings=4096, seq_len=256, anchors=32, rows=2,
                  token_budget=1024, max_blocks=64, samples=48),
+    # The 27b-zlab layout at toy widths (a window shorter than the sequences): a CPU check of that path.
+    "tiny-zlab": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      vocab_size=1024, num_target_layers=8, target_layer_ids=[1, 2, 3, 5, 6], rope_theta=1e6,
+                      partial_rotary_factor=1.0, max_position_embeddings=4096, layer_types="sliding_then_full",
+                      sliding_window=64, sliding_in_block="causal", seq_len=256, anchors=32, rows=2,
+                      token_budget=1024, max_blocks=64, samples=48),
 }
 
 
@@ -90,13 +105,16 @@ def step_flops(cfg: DrafterConfig, blocks: Blocks, context_tokens: int) -> dict[
     H, G, E, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.block_size
     keep = blocks.keep_BN
     block_tokens = int(keep.sum()) * K
-    pairs = int(((blocks.anchors_BN + K) * keep).sum()) * K
+    # Visible (query, key) pairs summed over the layers: a sliding layer sees at most its window.
+    rules = cfg.mask_rules
+    pairs_by_type = {t: visible_pairs(blocks.anchors_BN, keep, K, rule) for t, rule in rules.items()}
+    pair_layers = sum(pairs_by_type[t] for t in cfg.layer_types)
     per_block_token_fwd = 2 * L * (D * H * E + D * 2 * G * E + H * E * D + 3 * D * I)
     return {
         "fc": 2 * 2 * F * D * context_tokens,
         "context_kv": 3 * 2 * D * 2 * G * E * L * context_tokens,
         "block_matmuls": 3 * per_block_token_fwd * block_tokens,
-        "attention": 3 * 4 * E * H * L * pairs,
+        "attention": 3 * 4 * E * H * pair_layers,
         "lm_head": 2 * 2 * D * V * int(blocks.loss_rows_M.numel()),
     }
 
@@ -172,24 +190,25 @@ def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: i
 def build_run(args, shape: dict, device: torch.device, stream=None, workdir: str = ".", dist: Dist | None = None) -> Run:
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     overrides = [f"loss.num_anchors={args.anchors}", f"loss.chunk_rows={args.chunk_rows}", f"model.attention={args.attention}",
-                 f"loss.max_blocks={args.max_blocks}", "optim.lr=1e-4"]
+                 f"loss.max_blocks={args.max_blocks}", "optim.lr=1e-4", f"device={device.type}", f"compile={str(use_compile).lower()}"]
     cfg = load_config(TrainConfig, None, overrides)
     drafter_cfg = DrafterConfig(
         num_hidden_layers=args.layers, mask_token_id=shape["vocab_size"] - 1, block_size=16,
         **{k: v for k, v in shape.items() if k in {f.name for f in dataclasses.fields(DrafterConfig)}},
     )
+    dist = dist if dist is not None else Dist.single(args.accumulation)
+    kernels = choose_run_kernels(cfg, drafter_cfg, dist)  # under --ddp: this rank's GPU
+    device = kernels.device
     torch.manual_seed(0)
     with torch.device(device):
         drafter = DFlashDrafter(drafter_cfg)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = kernels.autocast_dtype or torch.float32
     V, D = shape["vocab_size"], shape["hidden_size"]
     head = TargetHead(torch.randn(V, D, device=device, dtype=dtype) * 0.02, torch.randn(V, D, device=device, dtype=dtype) * 0.02)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
-    dist = dist if dist is not None else Dist.single(args.accumulation)
-    forward, chunk_fn = step_functions(drafter, dist, use_compile, args.ddp_compile)
-    return Run(cfg=cfg, run_dir=workdir, device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-               drafter_cfg=drafter_cfg, drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
-               total_steps=10**9, warmup_steps=0, chunk_fn=chunk_fn, dist=dist)
+    forward, chunk_fn = step_functions(drafter, dist, kernels.compile, args.ddp_compile)
+    return Run(cfg=cfg, run_dir=workdir, kernels=kernels, drafter_cfg=drafter_cfg, drafter=drafter, forward=forward, head=head,
+               optimizer=optimizer, stream=stream, total_steps=10**9, warmup_steps=0, chunk_fn=chunk_fn, dist=dist)
 
 
 def _sync(device):
@@ -322,7 +341,7 @@ def parse_args(argv):
     for key in ("seq_len", "rows", "anchors", "max_blocks", "token_budget", "samples"):
         if getattr(args, key) is None:
             setattr(args, key, shape[key])
-    tiny = args.shape == "tiny"
+    tiny = args.shape.startswith("tiny")
     args.steps = args.steps if args.steps is not None else (3 if tiny else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 4)
     return args, shape
@@ -340,10 +359,13 @@ def stream_phase(args, shape: dict, device: torch.device, dist: Dist, name: str)
                           prefetch_threads=args.prefetch_threads, prefetch_depth=max(args.prefetch_threads, 8))
     stream = DataStream(data_cfg, split=dist.split)
     run = build_run(args, shape, device, stream=stream, workdir=args.workdir, dist=dist)
+    if dist.is_main:
+        print(run.kernels.describe(), flush=True)
     try:
         result = run_phase(name, run, lambda: next(stream), args.steps, args.warmup, lambda: stream.last_wait)
     finally:
         stream.close()
+    result["kernels"] = run.kernels.to_dict()
     result["data_plan"] = {k: v for k, v in stream.data_plan().items() if k != "buckets"}
     return result
 
@@ -396,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args, shape)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and args.shape != "tiny":
-        print("note: no CUDA device; the 27b shape on CPU would take hours. Use --shape tiny here.", file=sys.stderr)
+    if device.type == "cpu" and not args.shape.startswith("tiny"):
+        print("note: no CUDA device; the 27b shapes on CPU would take hours. Use --shape tiny here.", file=sys.stderr)
         return 2
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -406,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
               "gpus": torch.cuda.device_count(), "torch": torch.__version__, "seq_len": args.seq_len, "rows": args.rows,
               "anchors": args.anchors, "layers": args.layers, "attention": args.attention,
               "compile": args.compile if args.compile is not None else device.type == "cuda", "chunk_rows": args.chunk_rows,
+              "taps": len(shape["target_layer_ids"]), "layer_types": shape.get("layer_types", "full"),
+              "sliding_window": shape.get("sliding_window"),
+              "heads": f"{shape['num_attention_heads']}/{shape['num_key_value_heads']}x{shape['head_dim']}",
               "token_budget": args.token_budget, "max_blocks": args.max_blocks, "accumulation": args.accumulation,
               "ddp": args.ddp, "bucket_mb": args.bucket_mb, "ddp_compile": args.ddp_compile}
     print(json.dumps(header), flush=True)
@@ -414,8 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     if "fixed" in phases:
         try:
             run = build_run(args, shape, device, workdir=args.workdir, dist=Dist.single())
+            print(run.kernels.describe(), flush=True)
             batch = synthetic_batch(args.rows, args.seq_len, shape["vocab_size"], width, 32)
-            results.append(run_phase("fixed", run, lambda: batch, args.steps, args.warmup))
+            results.append(run_phase("fixed", run, lambda: batch, args.steps, args.warmup) | {"kernels": run.kernels.to_dict()})
             print(f"drafter parameters: {run.drafter.num_parameters() / 1e9:.3f} B", flush=True)
             del run
         except Exception as exc:  # noqa: BLE001 - report and go on to the next phase

@@ -50,8 +50,40 @@ class ModelConfig:
     head_dim: int | None = knob(None, help="head dim; none = the target's", min=1)
     initializer_range: float | None = knob(None, help="init std of linear weights; none = the target's (0.02 for Qwen)", min=0.0)
     attention: Literal["auto", "flex", "sdpa"] = knob(
-        "auto", help="attention kernel with the DFlash mask: flex (compiled on CUDA), sdpa with a dense mask, auto = flex on CUDA, sdpa on CPU (flex has no CPU backward)"
+        "auto", help="attention kernel with the DFlash mask: flex (compiled on CUDA), sdpa with a dense mask, auto = flex where its CUDA kernel works for the head dim (16..256, Triton), else sdpa (train.kernels; the choice is logged)"
     )
+    layer_types: list[str] | str = knob(
+        "full", help="attention type per drafter layer: a list of full_attention / sliding_attention, or a preset: "
+        "full, sliding, sliding_then_full (all sliding but the last: the published Qwen3.6 layout)"
+    )
+    sliding_window: int | None = knob(None, help="keys a sliding_attention query sees, its own position included (2048 in the published Qwen3.6 drafter); required with sliding layers", min=1)
+    sliding_in_block: Literal["causal", "bidirectional"] = knob(
+        "causal", help="sliding_attention layers inside the block: causal (what vLLM and SGLang serve) or bidirectional "
+        "(z-lab's earlier reference code: every layer non-causal, the window limits the context only); docs/serving.md"
+    )
+    rope_theta: float | None = knob(None, help="drafter rope theta; none = the target's", min=1.0)
+    rope_scaling: dict | None = knob(
+        None, help="drafter rope scaling as a table, e.g. {rope_type = \"yarn\", factor = 4.0, original_max_position_embeddings = 32768}; none = the target's (static types only)"
+    )
+    partial_rotary_factor: float = knob(
+        1.0, help="share of each head's dims the drafter's rope rotates; 1.0 (all) by default, never the target's own factor (docs/serving.md, Rope)", min=0.01, max=1.0
+    )
+    init_from: str | None = knob(
+        None, help="warm start: a DFlash drafter directory (config.json + model.safetensors, e.g. a published drafter or an export) "
+        "whose weights start the run; it must match this run's drafter exactly (taps, mask id, block, layer types, widths, rope)"
+    )
+
+    def check(self) -> None:
+        from train.model import SLIDING_ATTENTION, resolve_layer_types
+
+        try:
+            types = resolve_layer_types(self.layer_types, self.num_layers)
+        except ValueError as exc:
+            fail("model.layer_types", str(exc))
+        if SLIDING_ATTENTION in types and self.sliding_window is None:
+            fail("model.sliding_window", "required: model.layer_types has sliding_attention layers")
+        if SLIDING_ATTENTION not in types and self.sliding_window is not None:
+            fail("model.sliding_window", f"set, but model.layer_types {self.layer_types!r} has no sliding_attention layer")
 
 
 @dataclass
@@ -126,7 +158,7 @@ class TrainConfig:
     seed: int = knob(0, help="seed of the drafter init and of the anchor sampling", min=0)
     device: Literal["auto", "cpu", "cuda"] = knob("auto", help="auto = cuda when available")
     precision: Literal["auto", "bf16", "fp32"] = knob("auto", help="bf16 autocast with fp32 master weights, or fp32; auto = bf16 on CUDA, fp32 on CPU")
-    compile: bool = knob(False, help="torch.compile the drafter and the loss chunk (CUDA)")
+    compile: bool = knob(False, help="torch.compile the drafter and the loss chunk (needs Triton on CUDA, a C++ compiler on CPU; refused with the reason where it cannot work)")
     resume: str = knob(
         "auto", help="auto: continue from the run's latest checkpoint if there is one; never: refuse an existing run; or a checkpoint directory"
     )
@@ -162,9 +194,19 @@ RESUME_FREE_KEYS = (
 
 
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
-    """Dotted keys whose values differ between two config dicts, except the resume-free ones."""
+    """Dotted keys whose values differ between two config dicts, except the resume-free ones.
+
+    A key the checkpoint does not have (a knob added after it was written) is no conflict when it
+    holds its default now, nor when it is a `model.` key: the drafter those build is compared with
+    the checkpoint's own drafter_config.json on load (`train.loop.Run.load`).
+    """
+    from common.config import config_to_dict
+
     a, b = flatten_dotted(saved), flatten_dotted(current)
+    defaults = flatten_dotted(config_to_dict(TrainConfig()))
     keys = sorted(set(a) | set(b))
     free = lambda k: any(k == p or k.startswith(p + ".") for p in RESUME_FREE_KEYS)  # noqa: E731
-    return [f"{k}: checkpoint {a.get(k, '<absent>')!r} vs now {b.get(k, '<absent>')!r}" for k in keys if not free(k) and a.get(k) != b.get(k)]
+    added = lambda k: k not in a and k in b and (b[k] == defaults.get(k, object()) or k.startswith("model."))  # noqa: E731
+    return [f"{k}: checkpoint {a.get(k, '<absent>')!r} vs now {b.get(k, '<absent>')!r}" for k in keys
+            if not free(k) and not added(k) and a.get(k) != b.get(k)]
 

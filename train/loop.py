@@ -35,12 +35,11 @@ import numpy as np
 import torch
 
 from common.config import config_digest, config_to_dict, save_config
-from common.device import autocast_dtype, resolve_device
+from common.device import resolve_device
 from common.hashing import json_digest, tokenizer_digest
 from common.hf_target import text_config
 from common.io import atomic_write_json, exists, join, resolve
 from common.provenance import git_sha, tool_version
-from train.attention import build_block_mask, build_dense_mask
 from train.blocks import Blocks, anchor_candidates, anchors_per_row, make_blocks, step_generator
 from train.checkpoint import (
     CheckpointWriter,
@@ -55,9 +54,11 @@ from train.config import TrainConfig, resume_conflicts
 from train.buckets import RankSplit, split_summary
 from train.data import Batch, DataStream, Share
 from train.distributed import Dist
+from train.kernels import TRAIN_KEYS, KernelPlan, OnKernels, choose_kernels
 from train.loss import LossOutput, block_loss, chunk_loss_and_grad
 from train.metrics import MetricsLog, truncate_after
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.warm_start import check_init_from, config_differences, warm_start
 
 __all__ = ["lr_at", "train", "train_step", "step_functions", "Run", "StepResult", "TrainingAborted", "resolve_mask_token", "build_drafter_config"]
 
@@ -130,6 +131,8 @@ def build_drafter_config(cfg: TrainConfig, target_cfg: dict, provenance: dict, m
             target_cfg, layer_ids, num_layers=m.num_layers, block_size=m.block_size, mask_token_id=mask_token_id,
             hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_attention_heads=m.num_attention_heads,
             num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, initializer_range=m.initializer_range,
+            layer_types=m.layer_types, sliding_window=m.sliding_window, sliding_in_block=m.sliding_in_block,
+            rope_theta=m.rope_theta, rope_scaling=m.rope_scaling, partial_rotary_factor=m.partial_rotary_factor,
         )
     except ValueError as exc:
         raise ValueError(f"config table 'model': {exc}") from None
@@ -186,12 +189,25 @@ def _open_stream(cfg: TrainConfig, split: RankSplit | None = None) -> DataStream
     return DataStream(cfg.data, split=split)
 
 
-def _device_and_precision(cfg: TrainConfig) -> tuple[torch.device, torch.dtype | None]:
-    """The device, and the autocast dtype (None = plain fp32)."""
-    device = resolve_device(cfg.device)
-    if cfg.model.attention == "flex" and device.type == "cpu":
-        raise ValueError("config key 'model.attention': flex has no backward on CPU; use sdpa or auto")
-    return device, autocast_dtype(cfg.precision, device)
+def choose_run_kernels(cfg: TrainConfig, drafter_cfg: DrafterConfig, dist: Dist | None = None) -> KernelPlan:
+    """Device, autocast, attention kernel and compilation for this run (train.kernels; logged once).
+
+    Under data parallelism the plan runs on this rank's own device (`dist.device`, cuda:LOCAL_RANK)
+    and only rank 0 logs it."""
+    dist = dist or Dist.single()
+    return choose_kernels(cfg.device, cfg.precision, cfg.model.attention, cfg.compile, [drafter_cfg.head_dim],
+                          training=True, keys=TRAIN_KEYS, rank_device=dist.device, announce=dist.is_main)
+
+
+def _agreed_kernels(cfg: TrainConfig, drafter_cfg: DrafterConfig, dist: Dist) -> KernelPlan:
+    """`choose_run_kernels`, refused on every rank if any rank cannot run it (no rank is left
+    waiting for one that stopped alone)."""
+    try:
+        kernels, problem = choose_run_kernels(cfg, drafter_cfg, dist), None
+    except ValueError as exc:
+        kernels, problem = None, str(exc)
+    dist.agree(problem)
+    return kernels
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,13 +262,12 @@ def step_functions(drafter: torch.nn.Module, dist: Dist, compile: bool, ddp_comp
 
 
 @dataclasses.dataclass
-class Run:
+class Run(OnKernels):
     """Everything the loop needs, built by `prepare` (and restored from a checkpoint when resuming)."""
 
     cfg: TrainConfig
     run_dir: Path
-    device: torch.device
-    autocast_dtype: torch.dtype | None
+    kernels: KernelPlan  # device, autocast dtype, attention kernel, compile
     drafter_cfg: DrafterConfig
     drafter: DFlashDrafter
     forward: torch.nn.Module  # the drafter, or its torch.compile wrapper
@@ -271,11 +286,14 @@ class Run:
 
     @classmethod
     def prepare(cls, cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | None = None) -> "Run":
-        device, autocast_dtype = _device_and_precision(cfg)
-        dist = dist if dist is not None else Dist.from_env(cfg.distributed, device)
-        device = dist.device or device
+        # A missing GPU is reported before the data is opened; the process group needs the device type.
+        dist = dist if dist is not None else Dist.from_env(cfg.distributed, resolve_device(cfg.device))
         stream = stream if stream is not None else _open_stream(cfg, dist.split)
         target = resolve_target(cfg, stream.dataset.manifest)  # refuses incompatible shards
+        kernels = _agreed_kernels(cfg, target.drafter_cfg, dist)  # refuses a kernel that cannot work, before anything runs
+        device, autocast_dtype = kernels.device, kernels.autocast_dtype  # this rank's own device under data parallelism
+        if cfg.model.init_from and Path(cfg.model.init_from).exists():
+            check_init_from(cfg.model.init_from, target.drafter_cfg)  # before the run directory exists
         torch.manual_seed(cfg.seed)
         with torch.device(device):  # initialize in place: a 27B-width drafter is 7 GB of fp32 on the host otherwise
             drafter = DFlashDrafter(target.drafter_cfg)
@@ -290,14 +308,16 @@ class Run:
             weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda",
         )
         total = cfg.optim.max_steps or max(1, round(cfg.optim.epochs * stream.steps_per_epoch))
-        forward, chunk_fn = step_functions(drafter, dist, cfg.compile, cfg.distributed.ddp_compile)
+        forward, chunk_fn = step_functions(drafter, dist, kernels.compile, cfg.distributed.ddp_compile)
         run = cls(
-            cfg=cfg, run_dir=_make_run_dir(cfg, dist), device=device, autocast_dtype=autocast_dtype, drafter_cfg=target.drafter_cfg,
+            cfg=cfg, run_dir=_make_run_dir(cfg, dist), kernels=kernels, drafter_cfg=target.drafter_cfg,
             drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
             total_steps=total, warmup_steps=round(cfg.optim.warmup_ratio * total), chunk_fn=chunk_fn, dist=dist,
         )
         resumed_from = run._maybe_resume()
-        run._write_run_files(target, resumed_from)
+        # A resumed run has its weights from the checkpoint (init_from may be gone by then).
+        init_from = warm_start(drafter, cfg.model.init_from) if cfg.model.init_from and resumed_from is None else None
+        run._write_run_files(target, resumed_from, init_from)
         return run
 
     def placeholder(self) -> tuple[Batch, Blocks]:
@@ -356,6 +376,9 @@ class Run:
         conflicts = resume_conflicts(ckpt["state"]["config"], config_to_dict(self.cfg))
         if conflicts:
             raise ValueError(f"checkpoint '{path}' was made with another config; differing keys:\n  " + "\n  ".join(conflicts))
+        differences = config_differences(DrafterConfig.from_dict(ckpt["drafter_config"]), self.drafter_cfg, "the checkpoint")
+        if differences:
+            raise ValueError(f"checkpoint '{path}' holds another drafter than this config builds:\n  " + "\n  ".join(differences))
         self.drafter.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         state = ckpt["state"]
@@ -377,7 +400,7 @@ class Run:
 
     # -- run files ----------------------------------------------------------------------------
 
-    def _write_run_files(self, target: Target, resumed_from: Path | None) -> None:
+    def _write_run_files(self, target: Target, resumed_from: Path | None, init_from: dict | None = None) -> None:
         if not self.dist.is_main:
             return
         save_config(self.cfg, self.run_dir / "config.json")
@@ -397,10 +420,13 @@ class Run:
             "steps_per_epoch": self.stream.steps_per_epoch,
             "device": str(self.device),
             "precision": str(self.autocast_dtype or torch.float32).replace("torch.", ""),
+            "kernels": self.kernels.to_dict(),
             "world_size": self.dist.world_size,
             "accumulation": self.dist.accumulation,
             "distributed": self._split_record(),
         })
+        if init_from is not None:
+            info.setdefault("init_from", init_from)  # the weights the run started from (a resume keeps the first record)
         info.setdefault("start_time", time.time())
         info.setdefault("starts", []).append({
             "time": time.time(), "git_sha": git_sha(), "tool_version": tool_version(), "step": self.step,
@@ -452,19 +478,6 @@ def _make_run_dir(cfg: TrainConfig, dist: Dist | None = None) -> Path:
 
 # ----------------------------------------------------------------------------------------------
 # One step
-
-
-def _autocast(run: Run):
-    if run.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(run.device.type, dtype=run.autocast_dtype)
-
-
-def _attention_mask(run: Run, anchors_BN, keep_BN, context_len: int):
-    kind = run.cfg.model.attention
-    if kind == "flex" or (kind == "auto" and run.device.type == "cuda"):
-        return build_block_mask(anchors_BN, keep_BN, context_len, run.drafter_cfg.block_size)
-    return build_dense_mask(anchors_BN, keep_BN, context_len, run.drafter_cfg.block_size)
 
 
 def train_step(run: Run, batch: Batch | Share, step: int, wait: float = 0.0) -> StepResult:
@@ -558,9 +571,9 @@ def _make_part_blocks(run: Run, batch: Batch, **given) -> Blocks:
 def _forward_backward(run: Run, batch: Batch, blocks: Blocks, weight_total: torch.Tensor | None) -> LossOutput:
     blocks = blocks.to(run.device, non_blocking=True)
     hidden_BSF = batch.hidden.to(run.device, non_blocking=True)
-    mask = _attention_mask(run, blocks.anchors_BN, blocks.keep_BN, hidden_BSF.shape[1])
-    cfg = run.cfg
-    with _autocast(run):
+    cfg, K = run.cfg, run.drafter_cfg.block_size
+    mask = run.kernels.mask(blocks.anchors_BN, blocks.keep_BN, hidden_BSF.shape[1], K, run.drafter_cfg.mask_rules)
+    with run.kernels.autocast():
         out_BQD = run.forward(run.head.embed(blocks.block_ids_BQ), hidden_BSF, blocks.position_ids_BP, mask)
         stats = block_loss(
             out_BQD, run.head.lm_head_VD, blocks, chunk_rows=cfg.loss.chunk_rows,

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from common.config import load_config
+from tests.paths import REPO, child_pythonpath
 from tests.train.test_loop import tiny, write_shards  # noqa: F401 - `tiny` is a fixture
 from train.buckets import RankSplit, split_by_tokens, split_summary
 from train.checkpoint import load_checkpoint
@@ -37,18 +38,18 @@ from train.data import DataConfig, DataStream, Share
 from train.loop import train
 from train.metrics import STEP_KEYS, read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
 COMPARED = ("loss", "grad_norm", "acc", "streak", "tokens", "batch_tokens", "batch_samples", "block_tokens", "epoch", "bucket", "skipped")
 
 
 def overrides(tiny, out: Path, *extra: str) -> list[str]:
     """The tiny run of these tests: 6 steps, a checkpoint every 3, a block cap that binds (so the
-    anchor quotas need every rank's rows)."""
+    anchor quotas need every rank's rows). On the CPU (gloo) also on a GPU host: the comparisons are
+    bit for bit, a property of the CPU kernels."""
     return [
         f"out_dir={out}", f"data.shards={tiny / 'shards'}", "data.token_budget=200", "data.num_buckets=2",
         "data.holdout_fraction=0", "data.prefetch_threads=1", "data.prefetch_depth=2", "model.num_layers=1",
         "model.intermediate_size=32", "loss.num_anchors=6", "loss.max_blocks=20", "optim.max_steps=6",
-        "checkpoint.every=3", "log.progress=false", "optim.lr=3e-3", *extra,
+        "checkpoint.every=3", "log.progress=false", "optim.lr=3e-3", "device=cpu", *extra,
     ]
 
 
@@ -58,7 +59,7 @@ def in_process(tiny, out: Path, *extra: str) -> dict:
 
 def torchrun(nproc: int, args: list[str], *, wait: bool = True, timeout: float = 300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "train", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath())
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -96,7 +97,8 @@ def ddp(tiny, tmp_path_factory):
     """`part`: 2 processes under torchrun, stopped after step 3 (checkpoint at 3); `acc2`: one
     process with accumulation 2, uninterrupted to step 6 (checkpoints at 3 and 6)."""
     out = tmp_path_factory.mktemp("ddp")
-    torchrun(2, overrides(tiny, out, "run_name=part", "stop_after=3"))
+    done = torchrun(2, overrides(tiny, out, "run_name=part", "stop_after=3"))
+    (out / "part.log").write_text(done.stdout + done.stderr)
     in_process(tiny, out, "run_name=acc2", "distributed.accumulation=2")
     return out
 
@@ -187,6 +189,10 @@ def test_two_processes_train_exactly_like_one_with_accumulation_two(tiny, ddp):
     final_weights_equal(ddp / "part", ddp / "acc2", step=3)
     info = json.loads((ddp / "part" / "run.json").read_text())
     assert info["world_size"] == 2 and info["accumulation"] == 1
+    # One kernel choice for the run (train.kernels), logged once (by rank 0) and recorded with the layout.
+    kernel_lines = [line for line in (ddp / "part.log").read_text().splitlines() if "kernels: device" in line]
+    assert len(kernel_lines) == 1 and "[rank 0]" in kernel_lines[0], kernel_lines
+    assert info["kernels"]["device"] == "cpu" and info["kernels"]["attention"] == "sdpa" and info["kernels"]["reason"] in kernel_lines[0]
     layout = info["distributed"]
     assert [r["parts"] for r in layout["ranks"]] == [[0], [1]] and len({r["pid"] for r in layout["ranks"]}) == 2
     assert sum(layout["epoch0_samples_per_rank"]) == 24 and layout["epoch0_worst_step_imbalance"] < 1.5
@@ -322,7 +328,7 @@ def test_sigkill_without_a_launcher_the_survivor_names_the_lost_rank(tiny, tmp_p
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, "-m", "train", *overrides(tiny, tmp_path, "run_name=kill", "optim.max_steps=40")],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -348,7 +354,9 @@ def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "train.bench", "--shape", "tiny", "--phases", "stream", "--ddp", "2", "--layers", "1",
          "--steps", "2", "--warmup", "1", "--prefetch-threads", "1", "--workdir", str(tmp_path), "--out", str(out)],
-        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300,
+        # CPU processes also on a GPU host (the bench takes the GPU when it sees one)
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(), CUDA_VISIBLE_DEVICES=""),
+        capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["phase"]: r for r in json.loads(out.read_text())["results"]}
@@ -358,3 +366,6 @@ def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
     assert ddp["tflop_per_step"] == pytest.approx(plain["tflop_per_step"], rel=1e-12)
     assert set(ddp["vs_stream"]) == {"step_s_median", "step_s_mean", "context_tok_s"}
     assert "stream-ddp2 / stream: step time" in done.stdout
+    # Both rows ran on the one kernel choice, printed once per row (rank 0 speaks for the torchrun row).
+    assert plain["kernels"] == ddp["kernels"] and plain["kernels"]["attention"] == "sdpa"
+    assert done.stdout.count("kernels: device cpu, fp32, attention sdpa") == 2, done.stdout[-3000:]
