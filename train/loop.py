@@ -31,6 +31,7 @@ from common.device import autocast_dtype, resolve_device
 from common.hashing import json_digest, tokenizer_digest
 from common.hf_target import text_config
 from common.io import atomic_write_json, exists, join, resolve
+from common.locks import exclusive_lock
 from common.provenance import git_sha, tool_version
 from train.attention import build_block_mask, build_dense_mask
 from train.blocks import Blocks, make_blocks, step_generator
@@ -343,6 +344,13 @@ class Run:
         atomic_write_json(str(info_path), info)
 
 
+def lock_run_dir(cfg: TrainConfig):
+    """One training per run directory: a second one stops at once (the OS drops the lock of a killed one)."""
+    run_dir = _make_run_dir(cfg)
+    return exclusive_lock(str(run_dir / ".train.lock"), what=f"the run directory {run_dir}",
+                          hint="Two trainings into one run would corrupt its checkpoints and metrics: wait for the other, or choose another run_name.")
+
+
 def _make_run_dir(cfg: TrainConfig) -> Path:
     name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     out = Path(cfg.out_dir).resolve()
@@ -472,7 +480,16 @@ def _progress_bar(run: Run):
 
 def train(cfg: TrainConfig, *, stream: DataStream | None = None) -> dict:
     """Train (or resume) the run `cfg` describes; returns a summary. See the module docstring."""
-    run = Run.prepare(cfg, stream=stream)
+    fresh = not (Path(cfg.out_dir) / cfg.run_name).exists() if cfg.run_name else True
+    lock = lock_run_dir(cfg)
+    try:
+        run = Run.prepare(cfg, stream=stream)
+    except BaseException:
+        lock.release()
+        if fresh:  # a refused start leaves no empty run directory behind
+            with contextlib.suppress(OSError):
+                (Path(cfg.out_dir) / cfg.run_name).rmdir()
+        raise
     last = min(run.total_steps, cfg.stop_after or run.total_steps)
     metrics = MetricsLog(run.run_dir / "metrics.jsonl", wandb_run=_wandb_run(cfg, run.run_dir))
     saver = CheckpointWriter(run.run_dir / "checkpoints", cfg.checkpoint.keep_last)
@@ -516,6 +533,7 @@ def train(cfg: TrainConfig, *, stream: DataStream | None = None) -> dict:
         run.stream.close()
         with contextlib.suppress(RuntimeError):
             saver.wait()
+        lock.release()
     # data.on_corrupt=skip: unreadable samples skipped by this process, per shard file.
     corrupt = {shard: len(ids) for shard, ids in sorted(getattr(run.stream, "corrupt_samples", {}).items())}
     if corrupt:
