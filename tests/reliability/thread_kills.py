@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from tests.reliability.datasets import RANK_MANIFEST
 from tests.reliability.extract_kills import random_watch
 from tests.reliability.outcome import Outcome
 from tests.reliability.runner import run_stage
-from tests.reliability.world import World
+from tests.reliability.world import World, child_env
 
 
 def samples(root: Path, manifest: str = "manifest.json") -> dict:
@@ -66,6 +68,13 @@ def value_differences(got: dict, reference: dict) -> tuple[int, int, float]:
         steps = max(steps, int(np.abs(a - b).max()))
         logprob = max(logprob, float(np.abs(s.topk_logprobs[:, 0] - ref.topk_logprobs[:, 0]).max()))
     return differing, steps, logprob
+
+
+def child_threads() -> str:
+    """torch's thread count in a child started the way the scenario starts them."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=child_env(threads=None),
+                           capture_output=True, text=True, timeout=120)
+    return probe.stdout.strip() or f"unknown: {probe.stderr[-200:]}"
 
 
 def run(world: World, *, kills: int, seed: int, work: Path) -> Outcome:
@@ -129,9 +138,7 @@ def run(world: World, *, kills: int, seed: int, work: Path) -> Outcome:
         outcome.failures += [f"{out.name}: {p}" for p in problems]
     if done < kills:
         outcome.fail(f"only {done} of {kills} kills happened")
-    import torch
-
-    outcome.details.append(f"threads: torch's default ({torch.get_num_threads()} here, OMP_NUM_THREADS unset); {run_index} runs, "
+    outcome.details.append(f"threads: torch's default in the children ({child_threads()} on this machine; OMP_NUM_THREADS unset); {run_index} runs, "
                            f"reference {len(reference)} samples (an uninterrupted run with the same threads)")
     outcome.details.append(
         f"observed, not judged: {differing} of the {survived * len(reference)} resumed samples are not bit-identical to the "
