@@ -93,7 +93,8 @@ merge windows; kills in a half-written checkpoint file, after a checkpoint renam
 of pruning; 5 damaged dataset files and 5 damaged checkpoint files plus the three `on_corrupt=skip`
 runs; ENOSPC in shard data and in a manifest update, in a checkpoint file and EIO in a checkpoint
 fsync; 80 generated records, one fuzzed corpus, every bad value of every config key, the semantic
-and mismatched-shard cases; every security check. The fixes the suite led to have their own
+and mismatched-shard cases, 30 generated cases of each issue-21 family, one pair of concurrent
+extractions and a crashed lock holder; every security check; one default-threads kill. The fixes the suite led to have their own
 regression tests next to the component (tests/shards/test_integrity.py,
 tests/extract/test_failures.py, tests/train/test_checkpoint_integrity.py,
 tests/train/test_remote_code.py).
