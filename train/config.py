@@ -173,7 +173,7 @@ class TrainConfig:
 
     def check(self) -> None:
         if self.run_name is not None and (not _PLAIN_NAME.match(self.run_name) or self.run_name in (".", "..")):
-            fail("run_name", f"{self.run_name!r} must be a plain name (letters, digits, '.', '_', '-'; no path separators)")
+            fail("run_name", f"{self.run_name!r} must be a plain name: ASCII letters, digits, '.', '_' and '-', starting with a letter or digit")
         if self.run_name is not None and len(self.run_name) > MAX_NAME_CHARS:  # a directory name; filesystems stop at 255 bytes
             fail("run_name", f"{len(self.run_name)} characters; at most {MAX_NAME_CHARS}")
         if self.loss.gamma is None:

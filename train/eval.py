@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 import time
@@ -1189,7 +1190,7 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], EvalConfig]:
     if any(a in ("-h", "--help") for a in argv):
         print(_USAGE + describe(EvalConfig))
         raise SystemExit(0)
-    checkpoints, overrides, config_file = [], [], None
+    checkpoints, overrides, values, config_file = [], [], {}, None
     flags = {"--data": "data", "--out": "out"}
     i = 0
     while i < len(argv):
@@ -1206,17 +1207,17 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], EvalConfig]:
             if flag == "--config":
                 config_file = value
             else:
-                overrides.append(f"{flags[flag]}={json.dumps(value)}")
+                values[flags[flag]] = value  # a path exactly as given, whatever characters it holds
         elif word.startswith("--"):
             raise ConfigError(f"unknown option '{word}' (options: --data, --out, --config; other settings as key=value)")
-        elif "=" in word:
+        elif "=" in word and not os.path.exists(word):  # a checkpoint path may hold '='
             overrides.append(word)
         else:
             checkpoints.append(word)
         i += 1
     if not checkpoints:
         raise ConfigError("no checkpoint given (python -m train.eval CHECKPOINT --data SHARDS)")
-    return checkpoints, load_config(EvalConfig, config_file, overrides, section="eval")
+    return checkpoints, load_config(EvalConfig, config_file, overrides, section="eval", values=values)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

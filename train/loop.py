@@ -39,6 +39,7 @@ from common.device import resolve_device
 from common.hashing import json_digest, tokenizer_digest
 from common.hf_target import text_config
 from common.io import atomic_write_json, exists, join, resolve
+from common.locks import LockedError, exclusive_lock
 from common.provenance import git_sha, tool_version
 from train.blocks import Blocks, anchor_candidates, anchors_per_row, make_blocks, step_generator
 from train.checkpoint import (
@@ -282,12 +283,22 @@ class Run(OnKernels):
     nonfinite_total: int = 0
     nonfinite_in_row: int = 0
     dist: Dist = dataclasses.field(default_factory=Dist.single)
+    lock: object = None  # rank 0's lock on the run directory (common.locks), released by `release`
     _placeholder: tuple | None = None
 
     @classmethod
     def prepare(cls, cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | None = None) -> "Run":
         # A missing GPU is reported before the data is opened; the process group needs the device type.
         dist = dist if dist is not None else Dist.from_env(cfg.distributed, resolve_device(cfg.device))
+        run_dir, lock, created = _claim_run_dir(cfg, dist)  # before anything is read or written
+        try:
+            return cls._prepare_claimed(cfg, stream, dist, run_dir, lock)
+        except BaseException:
+            _release_run_dir(run_dir, lock, created=created)
+            raise
+
+    @classmethod
+    def _prepare_claimed(cls, cfg: TrainConfig, stream: DataStream | None, dist: Dist, run_dir: Path, lock) -> "Run":
         stream = stream if stream is not None else _open_stream(cfg, dist.split)
         target = resolve_target(cfg, stream.dataset.manifest)  # refuses incompatible shards
         kernels = _agreed_kernels(cfg, target.drafter_cfg, dist)  # refuses a kernel that cannot work, before anything runs
@@ -310,15 +321,22 @@ class Run(OnKernels):
         total = cfg.optim.max_steps or max(1, round(cfg.optim.epochs * stream.steps_per_epoch))
         forward, chunk_fn = step_functions(drafter, dist, kernels.compile, cfg.distributed.ddp_compile)
         run = cls(
-            cfg=cfg, run_dir=_make_run_dir(cfg, dist), kernels=kernels, drafter_cfg=target.drafter_cfg,
+            cfg=cfg, run_dir=run_dir, kernels=kernels, drafter_cfg=target.drafter_cfg,
             drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
             total_steps=total, warmup_steps=round(cfg.optim.warmup_ratio * total), chunk_fn=chunk_fn, dist=dist,
+            lock=lock,
         )
         resumed_from = run._maybe_resume()
         # A resumed run has its weights from the checkpoint (init_from may be gone by then).
         init_from = warm_start(drafter, cfg.model.init_from) if cfg.model.init_from and resumed_from is None else None
         run._write_run_files(target, resumed_from, init_from)
         return run
+
+    def release(self) -> None:
+        """Let another training into this run directory."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def placeholder(self) -> tuple[Batch, Blocks]:
         """A one-token batch with one padding block and no loss row: a micro-step that runs the
@@ -447,8 +465,39 @@ class Run(OnKernels):
         return record
 
 
-def _make_run_dir(cfg: TrainConfig, dist: Dist | None = None) -> Path:
-    dist = dist or Dist.single()
+def _claim_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, object, bool]:
+    """(run directory, its lock, whether this start created it): one training per run directory.
+    Rank 0 holds the lock; a second training stops at once on every rank, naming the holder
+    (the OS drops the lock of a killed one)."""
+    lock, problem = None, None
+    run_dir, created = _make_run_dir(cfg, dist)
+    if dist.is_main:
+        try:
+            lock = exclusive_lock(str(run_dir / ".train.lock"), what=f"the run directory {run_dir}",
+                                  hint="Two trainings into one run would corrupt its checkpoints and metrics: wait for the other, or choose another run_name.")
+        except LockedError as exc:
+            if dist.world_size == 1:
+                raise
+            problem = str(exc)
+    try:
+        dist.agree(problem)
+    except BaseException:
+        _release_run_dir(run_dir, lock, created=False)  # the directory is the other training's
+        raise
+    return run_dir, lock, created
+
+
+def _release_run_dir(run_dir: Path, lock, *, created: bool) -> None:
+    """Unlock; a refused start leaves no empty run directory behind."""
+    if lock is not None:
+        lock.release()
+    if created:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
+
+
+def _make_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, bool]:
+    """(the run directory, whether rank 0 created it now)."""
     # One name for every rank (a default name holds the time, which the ranks would read apart).
     name = dist.broadcast(cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S"))
     out = Path(cfg.out_dir).resolve()
@@ -457,6 +506,7 @@ def _make_run_dir(cfg: TrainConfig, dist: Dist | None = None) -> Path:
         raise ValueError(f"config key 'run_name': '{out / name}' leads to '{run_dir}', outside out_dir '{out}'; choose another run_name")
     if cfg.run_name is None:
         cfg.run_name = name
+    created = dist.is_main and not run_dir.exists()
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     if dist.world_size > 1:  # every rank reads rank 0's checkpoints: the run directory must be shared
@@ -473,7 +523,7 @@ def _make_run_dir(cfg: TrainConfig, dist: Dist | None = None) -> Path:
         finally:
             if dist.is_main:
                 (run_dir / token).unlink(missing_ok=True)
-    return run_dir
+    return run_dir, created
 
 
 # ----------------------------------------------------------------------------------------------
@@ -751,6 +801,7 @@ def train(cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | No
         if saver is not None:
             with contextlib.suppress(RuntimeError):
                 saver.wait()
+        run.release()
     if dist is None:
         run.dist.close()  # the group this call joined
     # data.on_corrupt=skip: unreadable samples skipped by this process, per shard file.

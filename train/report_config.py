@@ -10,6 +10,7 @@ The report lists the values it used, so a reader can tell what "far below" or "f
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from common.config import config_to_dict, describe, knob, load_config
@@ -76,8 +77,9 @@ def parse_report_args(argv: list[str]) -> tuple[list[str], ReportConfig]:
     if any(word in ("-h", "--help") for word in argv):
         print("usage: python -m train.report RUN_DIR [RUN_DIR ...] [key=value ...]\n\nkeys:\n" + describe(ReportConfig))
         raise SystemExit(0)
-    runs = [word for word in argv if "=" not in word]
-    overrides = [_listify(word) for word in argv if "=" in word]
+    is_run = lambda word: "=" not in word or os.path.isdir(word)  # noqa: E731 - a run directory may hold '='
+    runs = [word for word in argv if is_run(word)]
+    overrides = [_listify(word) for word in argv if not is_run(word)]
     return runs, load_config(ReportConfig, None, overrides)
 
 

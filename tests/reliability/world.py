@@ -45,12 +45,16 @@ TRAIN_SETTINGS = [
 ]
 
 
-def child_env() -> dict:
-    """Environment of every child process: one thread, offline, the repository importable."""
-    return dict(
-        os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-        TRANSFORMERS_VERBOSITY="error", PYTHONPATH=child_pythonpath(), PYTHONUNBUFFERED="1",
-    )
+def child_env(threads: int | None = 1) -> dict:
+    """Environment of every child process: one thread (None: torch's default), offline, the repository importable."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=child_pythonpath(), PYTHONUNBUFFERED="1")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if threads is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(threads)
+    return env
 
 
 def single_thread() -> None:

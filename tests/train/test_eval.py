@@ -411,3 +411,18 @@ def test_refuses_incompatible_shards_and_bad_requests(tiny, tmp_path, capsys):
     assert "neither a checkpoint directory" in capsys.readouterr().err
     assert main([str(run_dir), "--data", str(tiny / "shards"), "budgets=[]"]) == 2
     assert "budgets" in capsys.readouterr().err
+
+
+def test_cli_takes_any_path_the_filesystem_takes(tiny, tmp_path, capsys):
+    """Issue 21: --data DIR with a character outside Unicode's basic plane failed (the path went
+    through json.dumps into TOML, whose escapes cannot spell a surrogate pair)."""
+    import shutil
+
+    odd = tmp_path / 'a=b "quoted" \U0001f600 1e3'
+    shutil.copytree(tiny / "shards", odd / "shards")
+    shutil.copytree(tiny / "runs" / "r", odd / "run=2024-06-01")
+    out = odd / "out \U0001f600.json"
+    table, wrote = run_cli(capsys, odd / "run=2024-06-01", "--data", odd / "shards", f"--out={out}")
+    assert wrote == f"wrote {out}"
+    report = json.loads(out.read_text())
+    assert report["config"]["data"] == str(odd / "shards") and report["checkpoints"][0]["path"].startswith(str(odd / "run=2024-06-01"))
