@@ -465,8 +465,8 @@ class Run(OnKernels):
         return record
 
 
-def _claim_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, object, bool]:
-    """(run directory, its lock, whether this start created it): one training per run directory.
+def _claim_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, object, list[Path]]:
+    """(run directory, its lock, the directories this start created): one training per run directory.
     Rank 0 holds the lock; a second training stops at once on every rank, naming the holder
     (the OS drops the lock of a killed one)."""
     lock, problem = None, None
@@ -482,22 +482,22 @@ def _claim_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, object, bool]:
     try:
         dist.agree(problem)
     except BaseException:
-        _release_run_dir(run_dir, lock, created=False)  # the directory is the other training's
+        _release_run_dir(run_dir, lock, created=[])  # the directory is the other training's
         raise
     return run_dir, lock, created
 
 
-def _release_run_dir(run_dir: Path, lock, *, created: bool) -> None:
-    """Unlock; a refused start leaves no empty run directory behind."""
+def _release_run_dir(run_dir: Path, lock, *, created: list[Path]) -> None:
+    """Unlock; a refused start leaves none of the directories it created behind (only empty ones go)."""
     if lock is not None:
         lock.release()
-    if created:
+    for directory in reversed(created):
         with contextlib.suppress(OSError):
-            run_dir.rmdir()
+            directory.rmdir()
 
 
-def _make_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, bool]:
-    """(the run directory, whether rank 0 created it now)."""
+def _make_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, list[Path]]:
+    """(the run directory, the directories rank 0 created for it now)."""
     # One name for every rank (a default name holds the time, which the ranks would read apart).
     name = dist.broadcast(cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S"))
     out = Path(cfg.out_dir).resolve()
@@ -506,7 +506,8 @@ def _make_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, bool]:
         raise ValueError(f"config key 'run_name': '{out / name}' leads to '{run_dir}', outside out_dir '{out}'; choose another run_name")
     if cfg.run_name is None:
         cfg.run_name = name
-    created = dist.is_main and not run_dir.exists()
+    # The directories this start creates (out_dir too, when new): a refused start removes them again.
+    created = [d for d in (out, run_dir) if not d.exists()] if dist.is_main else []
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     if dist.world_size > 1:  # every rank reads rank 0's checkpoints: the run directory must be shared
