@@ -69,6 +69,7 @@ class ServerBackend:
         self.stats = RequestStats()
         self.model = cfg.model
         self._consecutive_failures = 0
+        self.last_failure = ""
         self.endpoints: list[Endpoint] = []
 
     # -- setup ----------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ class ServerBackend:
                 if err.status_code in FATAL_STATUS:
                     raise ServerStop(f"{endpoint.url}: {describe_error(err)}") from None
                 if err.status_code < 500 and err.status_code not in TRANSIENT_STATUS:
-                    self._count_failure(f"{endpoint.url}: {describe_error(err)}")
+                    self._failed(f"{endpoint.url}: {describe_error(err)}")
                     return Generated(refused=describe_error(err))
                 failure = err
             except (openai.APIConnectionError, openai.APITimeoutError) as err:
@@ -180,14 +181,18 @@ class ServerBackend:
                 log.debug("%s: %s; retry %d in %.1fs", endpoint.url, describe_error(failure), attempt + 1, delay)
                 await asyncio.sleep(delay)
         self.stats.failed_records += 1
-        self._count_failure(f"{endpoint.url}: {describe_error(failure)} (after {self.cfg.max_retries} retries)")
-        self.last_failure = describe_error(failure)
+        self._failed(f"{endpoint.url}: {describe_error(failure)} (after {self.cfg.max_retries} retries)")
         return None
 
-    def _count_failure(self, what: str) -> None:
+    def _failed(self, what: str) -> None:
         self._consecutive_failures += 1
+        self.last_failure = what
+
+    def check_failures(self) -> None:
+        """Stop once `max_consecutive_failures` records in a row failed or were refused (checked after
+        each such record is written down)."""
         if self._consecutive_failures >= self.cfg.max_consecutive_failures:
-            raise ServerStop(f"{self._consecutive_failures} records in a row failed or were refused; the last: {what}")
+            raise ServerStop(f"{self._consecutive_failures} records in a row failed or were refused; the last: {self.last_failure}")
 
     # -- driving --------------------------------------------------------------------------------
 
@@ -203,10 +208,12 @@ class ServerBackend:
                 while conversation.wants_turn():
                     generated = await self.answer_turn(conversation)
                     if generated is None:
-                        on_failed(conversation, getattr(self, "last_failure", "failed"))
+                        on_failed(conversation, self.last_failure)
+                        self.check_failures()
                         return
                     conversation.finish_turn(generated)
                 on_done(conversation)
+                self.check_failures()
             except ServerStop as err:
                 stop.append(err)
             finally:
