@@ -156,6 +156,7 @@ class Conversation:
         self.record_id = f"position-{raw.position}"
         self.outcome: Outcome | None = None
         self.stats = {"answers": 0, "answer_tokens": 0, "prompt_tokens": 0, "at_cap": 0, "cut": 0, "turns_cut": 0}
+        self.answer_lengths: list[int] = []  # tokens of each stored answer
         self._prompt: tuple[str, list[int]] | None = None
         try:
             self._read(raw)
@@ -227,6 +228,7 @@ class Conversation:
         self.history = messages + [message]
         self.stats["answers"] += 1
         self.stats["answer_tokens"] += n_tokens
+        self.answer_lengths.append(n_tokens)
         self.stats["prompt_tokens"] += len(prompt_ids)
         self.stats["at_cap"] += int(generated.at_cap)
 

@@ -140,7 +140,7 @@ def select_cache_rows(cache, keep: "torch.Tensor") -> None:
     conv and recurrent states) have no `batch_select_indices` in transformers 5.x; their
     `reorder_cache` selects rows the same way."""
     layers = getattr(cache, "layers", None)
-    if layers is None:
+    if layers is None or all(hasattr(layer, "batch_select_indices") for layer in layers):
         cache.batch_select_indices(keep)
         return
     for layer in layers:
