@@ -318,3 +318,31 @@ def test_thinking_choices_set_generation_and_extraction_template_variables(tmp_p
         cfg = load_config(RegenerateConfig, None, base + [f"thinking={mode}", "chat_template_kwargs={x = 1}"])
         assert cfg.generation_template_kwargs() == {"x": 1, "enable_thinking": generation}
         assert cfg.extraction_template_kwargs() == {"x": 1, "enable_thinking": extraction}
+
+
+def test_the_shipped_configs_regenerate_tables_are_valid():
+    from tests.paths import REPO
+
+    for name in ("tiny.toml", "qwen3.6-27b.toml"):
+        cfg = load_config(RegenerateConfig, REPO / "configs" / name, section="regenerate")
+        assert cfg.target and cfg.max_new_tokens >= 256
+    assert load_config(RegenerateConfig, REPO / "configs" / "qwen3.6-27b.toml", section="regenerate").backend == "server"
+
+
+def test_help_lists_every_key():
+    from tests.extract.regen_fixtures import regenerate_cli
+
+    done = regenerate_cli("--help")
+    assert done.returncode == 0
+    for key in ("backend", "urls", "max_in_flight", "thinking", "at_cap", "window_records", "max_retries"):
+        assert f"\n{key} = " in "\n" + done.stdout, key
+
+
+def test_local_benchmark_smoke_run(tmp_path):
+    from extract.regenerate import bench
+
+    out = tmp_path / "bench.json"
+    assert bench.main(["local", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,4", "--prompt-len", "8", "--new-tokens", "4",
+                       "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["batch"] for r in report["rows"]] == [1, 4] and report["best"]["generated_tokens_per_s"] > 0
