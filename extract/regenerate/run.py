@@ -120,6 +120,7 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
         finally:
             journal.close()
         summary["torn_bytes_discarded"] = journal.torn_bytes
+        summary["config"] = config_to_dict(cfg)
         info.barrier()
         if info.rank == 0:
             summary.update(_commit_if_finished(cfg, out, corpus, fingerprint, target, header, summary))

@@ -346,3 +346,25 @@ def test_local_benchmark_smoke_run(tmp_path):
                        "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [r["batch"] for r in report["rows"]] == [1, 4] and report["best"]["generated_tokens_per_s"] > 0
+
+
+def test_ranks_answer_their_shares_and_rank_zero_commits_the_whole_corpus(tmp_path, local_run, word_target, chat_tokenizer, monkeypatch):
+    """Two ranks (RANK / WORLD_SIZE as torchrun sets them, run one after the other here): each answers
+    the records with position % 2 == rank into its own journal; rank 0 commits when both are done,
+    and the corpus equals the one-process run's."""
+    target_dir, model = word_target
+    cfg = make_config(target_dir, local_run["corpus"], tmp_path / "out")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    early = R.run(cfg, model=model, tokenizer=chat_tokenizer)  # rank 0 first: rank 1's share is missing
+    assert not early["complete"] and early["finished_records"] == early["counts"]["records_owned"] == 8
+    monkeypatch.setenv("RANK", "1")
+    rank1 = R.run(cfg, model=model, tokenizer=chat_tokenizer)
+    assert rank1["counts"]["records_owned"] == 7 and not rank1["complete"]
+    monkeypatch.setenv("RANK", "0")
+    final = R.run(cfg, model=model, tokenizer=chat_tokenizer)
+    assert final["complete"] and final["counts"]["already_done"] == 8
+    for name in (store.DATA_FILE, store.REJECTS_FILE):
+        assert (tmp_path / "out" / name).read_bytes() == open(os.path.join(local_run["out"], name), "rb").read()
+    assert json.load(open(tmp_path / "out" / store.PROVENANCE_FILE))["backend"]["world_sizes"] == [2]
