@@ -80,8 +80,10 @@ def start_serve(target: str, extra: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # Spinning OpenMP threads starve the client (and everything else) on a small shared CPU machine.
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
     process = subprocess.Popen([cli, "serve", target, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *extra.split()],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 300
     while True:
         if process.poll() is not None:
