@@ -1035,15 +1035,19 @@ REQUIRED_FILES = (
 NOT_IN_RECIPE = ("out_dir", "threads", "force")
 
 
+# The code that decides the artifacts: this file and the regeneration code it answers the corpus with.
+RECIPE_CODE = tuple(Path(__file__).parent / name for name in ("tiny.py", "regenerate/local.py", "regenerate/conversation.py"))
+
+
 def recipe(cfg: TinyConfig) -> dict[str, Any]:
-    """Everything that decides the artifacts: build parameters, this file's code, and the Python
+    """Everything that decides the artifacts: build parameters, this file's code (and the regeneration's), and the Python
     version (its bundled documentation is the corpus). Library versions are left out on purpose:
     a newer torch gives a slightly different but equally valid target, not a reason to rebuild."""
     params = {k: v for k, v in config_to_dict(cfg).items() if k not in NOT_IN_RECIPE}
     params["precision"] = resolve_precision(cfg.precision)
     return {
         "params": params,
-        "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
+        "code": hashlib.sha256(b"".join(path.read_bytes() for path in RECIPE_CODE)).hexdigest()[:16],
         "python": sys.version.split()[0],
     }
 

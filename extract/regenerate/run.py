@@ -99,11 +99,14 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
     os.makedirs(out, exist_ok=True)
     backend = None
     if cfg.backend == "server":
-        from extract.regenerate.server import ServerBackend
+        from extract.regenerate.server import ServerBackend, ServerStop
 
         backend = ServerBackend(cfg, renderer)
         backend.open()
-        cfg = dataclasses.replace(cfg, model=asyncio.run(_resolved_model(backend)))
+        try:
+            cfg = dataclasses.replace(cfg, model=asyncio.run(_resolved_model(backend)))
+        except ServerStop as err:  # nothing done yet: a URL, model name or key to fix
+            raise ValueError(f"server: {err}") from None
     header = journal_header(cfg, target, fingerprint)
     done = store.is_complete(out)
     if done is not None:
@@ -329,7 +332,7 @@ def _commit_if_finished(cfg, out: str, corpus, fingerprint, target: dict, header
     finished = len(store.done_ids(out))
     if finished < records:
         return {"complete": False, "finished_records": finished, "total_records": records}
-    runs = [entry for name in store.journal_files(out) for entry in store.read_journal(os.path.join(out, name))[1] if entry.get("status") == "run"]
+    runs = [run for scan in store.scan_all(out).values() for run in scan.runs]
     provenance = build_provenance(cfg, corpus, fingerprint, target, header, runs)
     counts = store.commit_corpus(out, records, provenance)
     return {"complete": True, "finished_records": records, "total_records": records, "corpus_counts": counts}

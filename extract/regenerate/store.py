@@ -29,11 +29,11 @@ whole run (the commit included), released by the OS if the process dies.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import time
-from collections.abc import Iterator
 
 from common.io import atomic_write_json, commit, remove_temp_files, temp_name, resolve
 from common.locks import Lock, exclusive_lock
@@ -62,25 +62,61 @@ def journal_files(out: str) -> list[str]:
     return sorted(f for f in os.listdir(out) if f.startswith("journal.rank") and f.endswith(".jsonl")) if os.path.isdir(out) else []
 
 
-def read_journal(path: str) -> tuple[dict | None, list[dict], int]:
-    """(header, finished entries, byte length of the complete lines). An incomplete last line (a
-    kill mid-write) is not read; a broken line before it is an error naming the file and line."""
+@dataclasses.dataclass
+class JournalScan:
+    """What one pass over a journal found: its header, the byte length of its complete lines, the
+    finished records (id -> `Finished`, without the stored records), and its run lines."""
+
+    header: dict | None = None
+    complete_bytes: int = 0
+    finished: dict = dataclasses.field(default_factory=dict)
+    runs: list = dataclasses.field(default_factory=list)
+    duplicates: int = 0
+
+
+@dataclasses.dataclass
+class Finished:
+    position: int
+    status: str  # ok | rejected
+    file: str
+    offset: int  # of the journal line
+    length: int
+    stats: dict
+    reason: str | None = None
+
+
+def scan_journal(path: str) -> JournalScan:
+    """One streaming pass over a journal (a line at a time: a corpus of a million records is never
+    held in memory). An incomplete last line (a kill mid-write) is not read; a broken line before it
+    is an error naming the file and line."""
+    scan = JournalScan()
     with open(path, "rb") as f:
-        data = f.read()
-    complete = data.rfind(b"\n") + 1
-    header, entries = None, []
-    for n, line in enumerate(data[:complete].splitlines(), start=1):
-        try:
-            item = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}:{n}: not a journal line ({err}); the journal is damaged: move it away to start this rank afresh") from None
-        if n == 1:
-            if item.get("journal") != JOURNAL_VERSION:
-                raise ValueError(f"{path}: the first line is not a version-{JOURNAL_VERSION} journal header")
-            header = item
-        else:
-            entries.append(item)
-    return header, entries, complete
+        offset = 0
+        for n, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break  # torn by a kill: not part of the journal
+            try:
+                item = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{path}:{n}: not a journal line ({err}); the journal is damaged: move it away to start this rank afresh") from None
+            if n == 1:
+                if not isinstance(item, dict) or item.get("journal") != JOURNAL_VERSION:
+                    raise ValueError(f"{path}: the first line is not a version-{JOURNAL_VERSION} journal header")
+                scan.header = item
+            elif item.get("status") in ("ok", "rejected"):
+                if item["id"] in scan.finished:
+                    scan.duplicates += 1
+                else:
+                    scan.finished[item["id"]] = Finished(item["position"], item["status"], path, offset, len(line), item.get("stats", {}), item.get("reason"))
+            elif item.get("status") == "run":
+                scan.runs.append(item)
+            offset += len(line)
+        scan.complete_bytes = offset
+    return scan
+
+
+def scan_all(out: str) -> dict[str, JournalScan]:
+    return {name: scan_journal(os.path.join(out, name)) for name in journal_files(out)}
 
 
 class Journal:
@@ -90,15 +126,14 @@ class Journal:
         self.path = os.path.join(out, journal_name(rank))
         self.fsync_every_s = fsync_every_s
         self.torn_bytes = 0
-        for name in journal_files(out):  # every rank's: a resume may change the world size
-            stored, entries, _ = read_journal(os.path.join(out, name))
-            problems = header_problems(stored, header)
-            if problems and any(e.get("status") in ("ok", "rejected") for e in entries):
+        for name, scan in scan_all(out).items():  # every rank's: a resume may change the world size
+            problems = header_problems(scan.header, header)
+            if problems and scan.finished:
                 raise ValueError(f"{out}: cannot resume: " + "; ".join(problems) + f" ({name}). Use the same settings, or another out directory.")
         if os.path.exists(self.path):
-            stored, _, complete = read_journal(self.path)
-            size = os.path.getsize(self.path)
-            if header_problems(stored, header):  # nothing finished under those settings: start afresh with these
+            scan = scan_journal(self.path)
+            size, complete = os.path.getsize(self.path), scan.complete_bytes
+            if header_problems(scan.header, header):  # nothing finished under those settings: start afresh with these
                 complete = 0
             self.torn_bytes = size - complete
             if self.torn_bytes:
@@ -140,17 +175,23 @@ def header_problems(stored: dict | None, fresh: dict) -> list[str]:
     return problems
 
 
-def finished_entries(out: str) -> Iterator[tuple[str, dict]]:
-    """(journal file, entry) of every finished record in every journal of `out`."""
-    for name in journal_files(out):
-        _, entries, _ = read_journal(os.path.join(out, name))
-        for entry in entries:
-            if entry.get("status") in ("ok", "rejected"):
-                yield name, entry
+def finished_records(out: str) -> tuple[dict[str, Finished], int]:
+    """Every finished record in every journal of `out` (the first entry of an id wins), and how many
+    entries repeated an id (none under the lock)."""
+    finished: dict[str, Finished] = {}
+    duplicates = 0
+    for scan in scan_all(out).values():
+        duplicates += scan.duplicates
+        for record_id, entry in scan.finished.items():
+            if record_id in finished:
+                duplicates += 1
+            else:
+                finished[record_id] = entry
+    return finished, duplicates
 
 
 def done_ids(out: str) -> set[str]:
-    return {entry["id"] for _, entry in finished_entries(out)}
+    return set(finished_records(out)[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,27 +211,29 @@ def is_complete(out: str) -> dict | None:
 def commit_corpus(out: str, expected_records: int, provenance: dict) -> dict:
     """Write data.jsonl, rejects.jsonl and regenerate.json from the journals (atomically, the
     provenance last) and remove the journals. Returns the counts. ValueError if records are missing."""
-    best: dict[str, dict] = {}
-    duplicates = 0
-    for _, entry in finished_entries(out):
-        if entry["id"] in best:
-            duplicates += 1  # cannot happen under the lock; counted, never written twice
-            continue
-        best[entry["id"]] = entry
-    if len(best) != expected_records:
-        raise ValueError(f"{out}: {len(best)} of {expected_records} records are finished; rerun to finish the rest")
-    entries = sorted(best.values(), key=lambda e: e["position"])
+    finished, duplicates = finished_records(out)
+    if len(finished) != expected_records:
+        raise ValueError(f"{out}: {len(finished)} of {expected_records} records are finished; rerun to finish the rest")
+    entries = sorted(finished.values(), key=lambda e: e.position)
     counts = count_entries(entries)
     counts["journal_duplicates"] = duplicates
     fs, _ = resolve(out)
     remove_temp_files(fs, out)
     data_tmp, rejects_tmp = temp_name(os.path.join(out, DATA_FILE)), temp_name(os.path.join(out, REJECTS_FILE))
-    with open(data_tmp, "w", encoding="utf-8") as data, open(rejects_tmp, "w", encoding="utf-8") as rejects:
-        for entry in entries:
-            if entry["status"] == "ok":
-                data.write(json.dumps(entry["record"], ensure_ascii=False) + "\n")
-            else:
-                rejects.write(json.dumps({k: entry[k] for k in ("position", "source", "reason", "detail", "id")}, ensure_ascii=False) + "\n")
+    journals: dict[str, object] = {}
+    try:
+        with open(data_tmp, "w", encoding="utf-8") as data, open(rejects_tmp, "w", encoding="utf-8") as rejects:
+            for entry in entries:
+                journal = journals.get(entry.file) or journals.setdefault(entry.file, open(entry.file, "rb"))
+                journal.seek(entry.offset)
+                item = json.loads(journal.read(entry.length))
+                if entry.status == "ok":
+                    data.write(json.dumps(item["record"], ensure_ascii=False) + "\n")
+                else:
+                    rejects.write(json.dumps({k: item[k] for k in ("position", "source", "reason", "detail", "id")}, ensure_ascii=False) + "\n")
+    finally:
+        for journal in journals.values():
+            journal.close()
     commit(fs, data_tmp, os.path.join(out, DATA_FILE))
     commit(fs, rejects_tmp, os.path.join(out, REJECTS_FILE))
     atomic_write_json(os.path.join(out, PROVENANCE_FILE), {**provenance, "counts": counts, "complete": True})
@@ -200,13 +243,13 @@ def commit_corpus(out: str, expected_records: int, provenance: dict) -> dict:
     return counts
 
 
-def count_entries(entries: list[dict]) -> dict:
+def count_entries(entries: list[Finished]) -> dict:
     """Records stored and rejected (by reason), answers, tokens, answers at the cap or cut."""
     counts = {"records": len(entries), "stored": 0, "rejected": 0, "rejected_by_reason": {}, "answers": 0, "answer_tokens": 0,
               "prompt_tokens": 0, "answers_at_cap": 0, "answers_cut": 0, "records_cut_at_tool_turn": 0}
     for entry in entries:
-        stats = entry.get("stats", {})
-        if entry["status"] == "ok":
+        stats = entry.stats
+        if entry.status == "ok":
             counts["stored"] += 1
             counts["answers"] += stats.get("answers", 0)
             counts["answer_tokens"] += stats.get("answer_tokens", 0)
@@ -217,7 +260,7 @@ def count_entries(entries: list[dict]) -> dict:
         else:
             counts["rejected"] += 1
             by_reason = counts["rejected_by_reason"]
-            by_reason[entry["reason"]] = by_reason.get(entry["reason"], 0) + 1
+            by_reason[entry.reason] = by_reason.get(entry.reason, 0) + 1
     return counts
 
 

@@ -248,3 +248,16 @@ def test_transformers_serve_answers_equal_the_local_backend_token_for_token(tmp_
     local_answers = first_answers("local")
     assert chat["complete"] and first_answers("chat") == [a.strip() for a in local_answers]
     assert any(a != a.strip() for a in local_answers)  # the stripping is real: the comparison is not vacuous
+
+
+def test_an_endpoint_that_does_not_answer_or_serves_another_model_is_a_user_error(tmp_path, tokenizer_dir):
+    from tests.extract.regen_fixtures import regenerate_cli
+
+    corpus = prompts_corpus(tmp_path / "c.jsonl", ["the fox"])
+    nobody = regenerate_cli(f"target={tokenizer_dir}", f"corpus={corpus}", f"out={tmp_path / 'a'}", "backend=server",
+                            f"urls=[\"http://127.0.0.1:{free_port()}/v1\"]")
+    assert nobody.returncode == 2 and "cannot list the served models" in nobody.stderr
+    with FakeServer() as server:
+        other = regenerate_cli(f"target={tokenizer_dir}", f"corpus={corpus}", f"out={tmp_path / 'b'}", "backend=server",
+                               f"urls=[\"{server.url}\"]", "model=another-model")
+    assert other.returncode == 2 and "does not serve model 'another-model'" in other.stderr and "fake-model" in other.stderr
