@@ -14,6 +14,7 @@ import time
 import pytest
 
 from common.config import load_config
+from extract.reading import find_corpus
 from extract.regenerate import run as R
 from extract.regenerate import store
 from extract.regenerate.config import RegenerateConfig
@@ -86,6 +87,8 @@ def test_sigkill_at_several_moments_then_rerun_gives_every_record_once(setup):
         assert process.returncode == -signal.SIGKILL
         assert not (out / store.DATA_FILE).exists()
     assert kills[0] < kills[-1] < 2 + 42, kills  # the kills landed at different points of an unfinished run
+    with pytest.raises(ValueError, match="has not finished"):  # extraction refuses the unfinished corpus
+        find_corpus(str(out))
     # A kill in the middle of a write leaves a torn last line: the next run cuts it off.
     with open(out / store.journal_name(0), "ab") as f:
         f.write(b'{"id": "torn", "position": 3, "sta')
