@@ -4,6 +4,7 @@
 #   make test-gpu                               only the GPU tier (pytest -m gpu): the CUDA paths, on a GPU host
 #   make extract [CONFIG=configs/x.toml] [key=value ...]
 #   make train   [CONFIG=configs/x.toml] [RUN=name] [key=value ...]
+#   make regenerate [CONFIG=configs/x.toml] [key=value ...]   the target's own answers for a corpus
 # key=value words on the make command line are passed through to the stage's config loader.
 
 PYTHON ?= python3
@@ -17,7 +18,7 @@ export PYTHONUNBUFFERED := 1
 # torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup test test-gpu demo extract train eval export specdecode report tiny bench-shards bench-extract bench-train reliability clean
+.PHONY: setup test test-gpu demo extract regenerate train eval export specdecode report tiny bench-shards bench-extract bench-regenerate bench-train reliability clean
 
 setup: $(VENV)/.installed
 
@@ -46,6 +47,10 @@ extract: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m extract.tiny)
 	$(PY) -m extract $(CONFIG) $(OVERRIDES)
 
+regenerate: setup
+	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m extract.tiny)
+	$(PY) -m extract.regenerate $(CONFIG) $(OVERRIDES)
+
 train: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny \&\& $(PY) -m extract configs/tiny.toml))
 	$(PY) -m train $(CONFIG) $(if $(RUN),run_name=$(RUN)) $(OVERRIDES)
@@ -67,6 +72,9 @@ bench-shards: setup
 
 bench-extract: setup
 	$(PY) -m extract.bench $(ARGS)
+
+bench-regenerate: setup
+	$(PY) -m extract.regenerate.bench $(ARGS)
 
 bench-train: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny \&\& $(PY) -m extract configs/tiny.toml))

@@ -166,6 +166,7 @@ def check_inputs(cfg: ExtractConfig) -> None:
         where = "" if name is None else f"splits.{name}: "
         try:
             C.find_corpus(split_cfg.corpus, split_cfg.corpus_format)
+            with_regeneration(split_cfg)
         except ValueError as err:
             raise ValueError(f"{where}{err}") from None
         check_out_dir(split_cfg.out_dir, "out_dir" if name is None else f"out_dir (split {name})")
@@ -203,9 +204,10 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
     )
     entered = time.perf_counter()  # the summary's startup_seconds count from here
     root = _local_dir(cfg.out_dir)
+    cfg, regeneration = with_regeneration(cfg)
     corpus = C.find_corpus(cfg.corpus, cfg.corpus_format)
     fingerprint = corpus_fingerprint(corpus, cfg.max_records)
-    fresh = build_provenance(cfg, target, corpus, fingerprint)
+    fresh = build_provenance(cfg, target, corpus, fingerprint, regeneration)
     names = ranks.names
     created = _missing_dirs(root)  # what a start that commits nothing removes again
     os.makedirs(root, exist_ok=True)
@@ -408,21 +410,58 @@ def tokenizer_provenance(tokenizer, mask_token_id: int | None, template_kwargs: 
     }
 
 
-def build_provenance(cfg: ExtractConfig, target: Target, corpus: C.CorpusFiles, fingerprint: dict) -> dict:
+def with_regeneration(cfg: ExtractConfig) -> tuple[ExtractConfig, dict | None]:
+    """For a corpus written by `python -m extract.regenerate`: the config with the chat template
+    variables its answers were generated for (so the template and loss mask follow its thinking
+    choice; an explicit different choice is refused) and the provenance the manifest carries."""
+    from extract.regenerate.store import provenance_for_manifest, regeneration_of
+
+    found = regeneration_of(cfg.corpus) if cfg.corpus else None
+    if found is None:
+        return cfg, None
+    provenance = found[1]
+    kwargs = dict(provenance.get("chat_template_kwargs") or {})
+    if cfg.chat_template_kwargs and cfg.chat_template_kwargs != kwargs:
+        mode = provenance.get("thinking", {}).get("mode")
+        fail("chat_template_kwargs", f"{cfg.chat_template_kwargs} differs from {kwargs}, the variables the regenerated corpus "
+                                     f"'{cfg.corpus}' was answered for (thinking = {mode}); leave chat_template_kwargs unset "
+                                     "(extraction then takes the regeneration's) or make them equal")
+    return dataclasses.replace(cfg, chat_template_kwargs=kwargs), provenance_for_manifest(provenance)
+
+
+def check_regeneration_target(regeneration: dict | None, target: dict) -> None:
+    """Warn when the corpus was answered by another target than the one extracted (a drafter learns
+    what the answering model says)."""
+    if regeneration is None:
+        return
+    answered_by = regeneration.get("target", {})
+    for key in ("config_hash", "weights_digest"):
+        if answered_by.get(key) and target.get(key) and answered_by[key] != target[key]:
+            log.warning("the regenerated corpus was answered by %s (%s %s), not by the target extracted now (%s %s)",
+                        answered_by.get("name_or_path"), key, answered_by[key], key, target[key])
+            return
+
+
+def build_provenance(cfg: ExtractConfig, target: Target, corpus: C.CorpusFiles, fingerprint: dict, regeneration: dict | None = None) -> dict:
     from shards import TAP_MEANING
 
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(target.tokenizer, "mask_token_id", None)
     if mask_id is None:
         log.warning("no mask token: the tokenizer has none and mask_token_id is not set; the trainer will need one")
+    target_info = target_provenance(target)
+    check_regeneration_target(regeneration, target_info)
+    corpus_info = {"source": cfg.corpus, "format": corpus.format, "hash": fingerprint["hash"], "files": fingerprint["files"], "records": fingerprint["records"]}
+    if regeneration is not None:
+        corpus_info["regeneration"] = regeneration
     return {
-        "target": target_provenance(target),
+        "target": target_info,
         "tokenizer": tokenizer_provenance(target.tokenizer, mask_id, cfg.chat_template_kwargs),
         "taps": {"layer_ids": list(cfg.layer_ids), "meaning": TAP_MEANING},
         "dtype": "bfloat16",  # of the stored hidden states
         "compute_dtype": cfg.dtype,
         "topk": cfg.topk,
         "max_len": cfg.max_len,
-        "corpus": {"source": cfg.corpus, "format": corpus.format, "hash": fingerprint["hash"], "files": fingerprint["files"], "records": fingerprint["records"]},
+        "corpus": corpus_info,
         "extract_config": config_to_dict(cfg),
         **tool_provenance(),
     }

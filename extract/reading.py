@@ -76,6 +76,11 @@ class CorpusFiles:
 def find_corpus(path: str, corpus_format: str = "auto") -> CorpusFiles:
     """Resolve a corpus path (file, directory, glob or saved `datasets` dir) into its files and the
     format of each; ValueError naming the path (or file) when that cannot be done."""
+    from extract.regenerate.store import regeneration_of
+
+    regenerated = regeneration_of(path)
+    if regenerated is not None:  # a regeneration's output directory: its data file only, not its journals or rejects
+        path = regenerated[0]
     if any(ch in path for ch in "*?["):
         files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
         if not files:

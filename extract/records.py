@@ -78,21 +78,29 @@ class Chat:
         return {**extra, "tools": self.tools} if self.tools else dict(extra)
 
 
-def parse_record(record: Any) -> tuple[str, Any]:
-    """("chat", Chat) | ("text", text) | ("tokens", (input_ids, loss_mask)); RecordError otherwise."""
+def parse_record(record: Any, *, answers_required: bool = True) -> tuple[str, Any]:
+    """("chat", Chat) | ("text", text) | ("tokens", (input_ids, loss_mask)); RecordError otherwise.
+
+    `answers_required=False` (regeneration, which answers the prompts itself) also accepts chats
+    without an assistant turn and a `prompt` without a `response`."""
     if not isinstance(record, dict):
         raise RecordError(NOT_AN_OBJECT, f"expected a JSON object, got {type(record).__name__}")
     for key in ("messages", "conversations"):
         if record.get(key) is not None:
             messages = _system_turn(record) + _sharegpt_or_messages(record[key], key)
-            return "chat", Chat(check_messages(messages, key), _tools(record.get("tools")))
+            return "chat", Chat(check_messages(messages, key, answers_required=answers_required), _tools(record.get("tools")))
     if record.get("prompt") is not None or record.get("response") is not None:
-        for key in ("prompt", "response"):
+        needed = ("prompt", "response") if answers_required else ("prompt",)
+        for key in needed:
             if record.get(key) is None:
                 raise RecordError(MISSING_FIELD, f"has 'prompt' or 'response' but no '{key}'")
-            if not isinstance(record[key], str):
+        for key in ("prompt", "response"):
+            if record.get(key) is not None and not isinstance(record[key], str):
                 raise RecordError(NON_STRING_CONTENT, f"'{key}' is {type(record[key]).__name__}, not a string")
-        return "chat", Chat([{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}])
+        messages = [{"role": "user", "content": record["prompt"]}]
+        if record.get("response") is not None:
+            messages.append({"role": "assistant", "content": record["response"]})
+        return "chat", Chat(messages)
     if record.get("text") is not None:
         if not isinstance(record["text"], str):
             raise RecordError(NON_STRING_CONTENT, f"'text' is {type(record['text']).__name__}, not a string")
@@ -152,12 +160,12 @@ def _from_sharegpt(turn: dict, where: str) -> dict:
     return {"role": SHAREGPT_ROLES[speaker], "content": value}
 
 
-def check_messages(messages: list, key: str = "messages") -> list[dict]:
+def check_messages(messages: list, key: str = "messages", *, answers_required: bool = True) -> list[dict]:
     """Normalized copies of the messages (see the module docstring); RecordError on the first problem."""
     if not messages:
         raise RecordError(EMPTY_CONVERSATION, f"'{key}' is empty")
     out = [_check_message(message, f"{key}[{i}]") for i, message in enumerate(messages)]
-    if not any(m["role"] == "assistant" for m in out):
+    if answers_required and not any(m["role"] == "assistant" for m in out):
         raise RecordError(NO_ASSISTANT_TURN, f"no assistant message among {len(out)} messages")
     return out
 
