@@ -43,7 +43,7 @@ class ExtractConfig:
 
     # -- corpus ------------------------------------------------------------------------------
     corpus: str = knob("", help="corpus: a .jsonl/.parquet file, a directory of them, a glob, or a saved `datasets` directory")
-    splits: dict = knob(
+    splits: dict[str, str] = knob(
         factory=dict,
         help="several corpora in one run, {name = corpus path}; split NAME is written to out_dir/NAME (leave `corpus` empty)",
     )
@@ -118,8 +118,13 @@ class ExtractConfig:
             fail("target", "must name the target checkpoint directory")
         if not self.out_dir:
             fail("out_dir", "must name the output directory")
-        if bool(self.corpus) == bool(self.splits):
-            fail("corpus", "give exactly one of `corpus` (one corpus -> out_dir) or `splits` ({name = path}, each -> out_dir/NAME)")
+        if self.corpus and self.splits:
+            fail("corpus", f"corpus = '{self.corpus}' is given, but the config also sets splits ({', '.join(self.splits)}), each "
+                           "written to out_dir/NAME. To extract only this corpus into out_dir, also pass splits={} (on the command "
+                           "line: 'splits={}'); to extract the splits, leave corpus empty")
+        if not self.corpus and not self.splits:
+            fail("corpus", "name the corpus to extract (corpus=PATH: a .jsonl/.parquet file, a directory or glob of them) "
+                           "or several in `splits` ({name = path}, each written to out_dir/NAME)")
         for name, path in self.splits.items():
             if not isinstance(path, str) or not path:
                 fail(f"splits.{name}", f"expected a corpus path, got {path!r}")

@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal
 
 from common.config import ConfigError, config_to_dict, fail, knob, parse_cli
+from extract.regenerate.local import answer_stop_ids  # noqa: F401 - the tiny build's stop ids are the regeneration's
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions: importing this module does no work
     import torch
@@ -917,33 +918,12 @@ def answer_prompt(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
 
 
-def conversation_turns(record: dict) -> list[list[dict]]:
-    """The non-assistant messages before each assistant answer, one list per answer; [] when the
-    record has no user turn to answer ({"text": ...} records)."""
-    turns: list[list[dict]] = []
-    pending: list[dict] = []
-    for message in record.get("messages", []):
-        if message["role"] != "assistant":
-            pending.append({"role": message["role"], "content": message["content"]})
-        elif pending:
-            turns.append(pending)
-            pending = []
-    return turns if turns and any(m["role"] == "user" for m in turns[0]) else []
-
-
-def answer_stop_ids(model, tokenizer) -> set[int]:
-    """Ids that end an answer: the generation config's EOS ids and the tokenizer's (as specdecode stops)."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = {int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None}
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
 def regenerate_records(
     model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 64, *, progress: bool = False
 ) -> tuple[list[dict], dict[str, Any]]:
-    """(records, stats): every record's user turns answered by `model`'s greedy decoding.
+    """(records, stats): every record's user turns answered by `model`'s greedy decoding, through
+    the `local` backend of `python -m extract.regenerate` (`extract.regenerate.local`, one window
+    holding all records, thinking disabled as `answer_prompt` renders).
 
     A record keeps its user (and system) turns; each assistant answer is replaced, turn by turn,
     by the target's greedy continuation of the conversation so far (earlier answers already
@@ -952,48 +932,30 @@ def regenerate_records(
     answer whose text would tokenize differently is cut to its longest prefix that tokenizes back
     to the same ids, so extraction reads exactly the tokens the target generated.
     """
-    stop_ids = answer_stop_ids(model, tokenizer)
-    turns = [conversation_turns(r) for r in records]
-    conversations: list[list[dict] | None] = [[] if t else None for t in turns]
-    stats: dict[str, Any] = {"records_in": len(records), "skipped_no_user_turn": sum(not t for t in turns),
-                             "dropped_empty_answer": 0, "dropped_no_round_trip": 0, "answers": 0, "answers_at_cap": 0, "answers_cut_to_round_trip": 0}
-    lengths: list[int] = []
-    for depth in range(max(map(len, turns), default=0)):
-        todo = [i for i, c in enumerate(conversations) if c is not None and depth < len(turns[i])]
-        if not todo:  # every longer conversation was dropped at an earlier turn
-            break
-        texts = [answer_prompt(tokenizer, conversations[i] + turns[i][depth]) for i in todo]
-        prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        answers = greedy_answers(model, prompt_ids, max_new_tokens, batch_size, stop_ids, tokenizer.pad_token_id,
-                                 desc=f"regenerate answers (turn {depth + 1})" if progress else None)
-        for i, text, ids, (answer, stopped) in zip(todo, texts, prompt_ids, answers):
-            kept = round_trip_length(tokenizer, text, ids, answer)
-            if kept == 0:  # nothing to learn from this record
-                conversations[i] = None
-                # the target ended its turn at once, or its first token would merge into the prompt
-                stats["dropped_empty_answer" if not answer else "dropped_no_round_trip"] += 1
-                continue
-            stats["answers"] += 1
-            stats["answers_at_cap"] += not stopped
-            stats["answers_cut_to_round_trip"] += kept < len(answer)
-            lengths.append(kept)
-            content = tokenizer.decode(answer[:kept], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            conversations[i] = conversations[i] + turns[i][depth] + [assistant(content)]
-    out = [{"messages": c} for c in conversations if c is not None]
+    from tqdm.auto import tqdm
+
+    from extract.reading import RawRecord
+    from extract.regenerate.conversation import EMPTY_ANSWER, NO_USER_TURN, NOT_A_CHAT, Conversation, Renderer
+    from extract.regenerate.local import LocalGenerator, answer_window
+
+    no_thinking = {"enable_thinking": False}
+    renderer = Renderer(tokenizer, "disable", no_thinking, no_thinking)
+    conversations = [Conversation(RawRecord(i, f"record {i}", record), renderer, at_cap="keep") for i, record in enumerate(records)]
+    generator = LocalGenerator(model, tokenizer, max_new_tokens, batch_size)
+    with tqdm(desc="regenerate answers", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
+        answer_window(conversations, generator, on_batch=bar.update)
+    outcomes = [c.outcome for c in conversations]
+    reasons = [o.reason for o in outcomes]
+    stats: dict[str, Any] = {
+        "records_in": len(records), "skipped_no_user_turn": sum(r in (NOT_A_CHAT, NO_USER_TURN) for r in reasons),
+        "dropped_empty_answer": reasons.count(EMPTY_ANSWER), "dropped_no_round_trip": sum(r not in (None, NOT_A_CHAT, NO_USER_TURN, EMPTY_ANSWER) for r in reasons),
+        "answers": sum(o.stats["answers"] for o in outcomes), "answers_at_cap": sum(o.stats["at_cap"] for o in outcomes),
+        "answers_cut_to_round_trip": sum(o.stats["cut"] for o in outcomes),
+    }
+    lengths = [n for c in conversations for n in c.answer_lengths]
+    out = [o.record for o in outcomes if o.record is not None]
     stats.update(records_out=len(out), answer_tokens=sum(lengths), answer_length=quantiles(lengths))
     return out, stats
-
-
-def round_trip_length(tokenizer, prompt_text: str, prompt_ids: list[int], answer: list[int]) -> int:
-    """The longest n such that the first n `answer` tokens, written as text after `prompt_text` and
-    tokenized again, give back exactly `prompt_ids + answer[:n]` (a model may emit a split that BPE
-    would merge). Tried from the longest down: survival is not monotone in n (a prefix cut past the
-    first difference can survive again), and only the few answers that do not survive whole pay."""
-    def survives(n: int) -> bool:
-        text = tokenizer.decode(answer[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return tokenizer(prompt_text + text, add_special_tokens=False)["input_ids"] == prompt_ids + answer[:n]
-
-    return next((n for n in range(len(answer), 0, -1) if survives(n)), 0)
 
 
 def quantiles(values: list[int]) -> dict[str, int]:
@@ -1003,69 +965,12 @@ def quantiles(values: list[int]) -> dict[str, int]:
     return {name: ordered[round(q * (len(ordered) - 1))] for name, q in (("min", 0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1))}
 
 
-def greedy_answers(
-    model, prompts: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set[int], pad_id: int, desc: str | None = None
-) -> list[tuple[list[int], bool]]:
-    """(tokens before the first stop token, whether a stop token came) of greedy decoding per prompt,
-    at most `max_new_tokens` generated; prompts batched by length (less padding), results in order."""
-    from tqdm.auto import tqdm
+def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set[int], pad_id: int) -> list[tuple[list[int], bool]]:
+    """(tokens before the first stop token, whether a stop token came) of greedy decoding per prompt
+    (`extract.regenerate.local.generate_answers`, the regeneration's own batched decoding)."""
+    from extract.regenerate.local import generate_answers
 
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    batches = [order[at : at + batch_size] for at in range(0, len(order), batch_size)]
-    results: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
-    for batch in tqdm(batches, desc=desc, unit="batch", disable=desc is None, dynamic_ncols=True):
-        for i, answer in zip(batch, greedy_batch(model, [prompts[i] for i in batch], max_new_tokens, stop_ids, pad_id)):
-            results[i] = answer
-    return results
-
-
-def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int) -> list[tuple[list[int], bool]]:
-    """Greedy decoding of left-padded prompts with a KV cache. Position ids count each row's real
-    tokens and padding is masked out, so every row decodes as it would alone. Finished rows are
-    dropped from the batch once a quarter of it has finished."""
-    import torch
-
-    rows, width = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    # transformers renamed `past_key_values` to `cache` (5.2x); pass whichever this version takes.
-    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    tokens: list[list[int]] = [[] for _ in prompts]
-    stopped = [False] * rows
-    alive = list(range(rows))  # batch row -> prompt index
-    with torch.inference_mode():
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        last = positions[:, -1:]
-        for step in range(max_new_tokens):
-            cache, next_ids = cache_of(out), out.logits[:, -1].argmax(-1)
-            for row, token in zip(alive, next_ids.tolist()):
-                if stopped[row]:
-                    continue
-                if token in stop_ids:
-                    stopped[row] = True
-                else:
-                    tokens[row].append(token)
-            running = [n for n, row in enumerate(alive) if not stopped[row]]
-            if not running or step == max_new_tokens - 1:
-                break
-            if 4 * (len(alive) - len(running)) >= len(alive):
-                keep = torch.tensor(running)
-                cache.batch_select_indices(keep)
-                mask, last, next_ids = mask[keep], last[keep], next_ids[keep]
-                alive = [alive[n] for n in running]
-            mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
-            last = last + 1
-            out = model(input_ids=next_ids[:, None], attention_mask=mask, position_ids=last, use_cache=True, **{cache_kwarg: cache})
-    return [(t, s) for t, s in zip(tokens, stopped)]
-
-
-def cache_of(output):
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
+    return generate_answers(model, prompts, max_new_tokens, batch_size, stop_ids, pad_id)
 
 
 def regenerate_corpus(
@@ -1130,15 +1035,19 @@ REQUIRED_FILES = (
 NOT_IN_RECIPE = ("out_dir", "threads", "force")
 
 
+# The code that decides the artifacts: this file and the regeneration code it answers the corpus with.
+RECIPE_CODE = tuple(Path(__file__).parent / name for name in ("tiny.py", "regenerate/local.py", "regenerate/conversation.py"))
+
+
 def recipe(cfg: TinyConfig) -> dict[str, Any]:
-    """Everything that decides the artifacts: build parameters, this file's code, and the Python
+    """Everything that decides the artifacts: build parameters, this file's code (and the regeneration's), and the Python
     version (its bundled documentation is the corpus). Library versions are left out on purpose:
     a newer torch gives a slightly different but equally valid target, not a reason to rebuild."""
     params = {k: v for k, v in config_to_dict(cfg).items() if k not in NOT_IN_RECIPE}
     params["precision"] = resolve_precision(cfg.precision)
     return {
         "params": params,
-        "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
+        "code": hashlib.sha256(b"".join(path.read_bytes() for path in RECIPE_CODE)).hexdigest()[:16],
         "python": sys.version.split()[0],
     }
 

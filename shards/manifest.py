@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from common import io
+from common import io, locks
 from common.hashing import CHECKSUM_ALGO, bytes_digest, text_digest
 from common.provenance import git_sha, tool_version
 from shards.sample_checksums import SAMPLE_CHECKSUM_ALGOS
@@ -273,6 +274,17 @@ def _refuse_duplicates(fs, root, names, manifests) -> None:
         raise ValueError(f"merge: {len(duplicates)} sample ids are listed twice (shard them by sample id across ranks): {shown}")
 
 
+def lock_manifest(fs: pafs.FileSystem, root: str, manifest_name: str, *, wait_seconds: float = 0.0):
+    """The exclusive lock every writer of manifest `manifest_name` in `root` holds (a local
+    directory; other file systems are not locked): a second writer stops at once, naming the first."""
+    if not io.is_local(fs):
+        return locks.Lock.unheld()
+    return locks.exclusive_lock(
+        os.path.join(root, f".{manifest_name}.lock"), what=f"{manifest_path(root, manifest_name)}", wait_seconds=wait_seconds,
+        hint="Two writers of one dataset would corrupt it: wait for the other to finish (or stop it), or write to another directory.",
+    )
+
+
 def merge_manifests(root: str, names: list[str], out_name: str = MANIFEST_NAME) -> dict:
     """Combine per-rank manifests in `root` into `out_name`; return the merged manifest.
 
@@ -285,6 +297,15 @@ def merge_manifests(root: str, names: list[str], out_name: str = MANIFEST_NAME) 
     if out_name in names:
         raise ValueError(f"merge: output {out_name!r} is also an input")
     fs, root = io.resolve(root)
+    with lock_manifest(fs, root, out_name, wait_seconds=MERGE_WAIT_SECONDS):
+        return _merge_locked(fs, root, names, out_name)
+
+
+# A merge takes seconds: a second merger (the last two ranks finishing together) waits this long.
+MERGE_WAIT_SECONDS = 120.0
+
+
+def _merge_locked(fs, root: str, names: list[str], out_name: str) -> dict:
     manifests = [load_manifest(fs, root, name) for name in names]
     first = manifests[0]
     for name, manifest in zip(names[1:], manifests[1:]):

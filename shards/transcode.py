@@ -35,7 +35,7 @@ from common import io
 from common.config import fail, knob
 from common.hashing import json_digest
 from shards.describe import raw_bytes_per_token
-from shards.manifest import MANIFEST_NAME, load_manifest, projection_of
+from shards.manifest import MANIFEST_NAME, load_manifest, lock_manifest, projection_of
 from shards.projection import (
     Projection,
     SecondMoments,
@@ -147,6 +147,28 @@ def transcode(src: str, dst: str, cfg: TranscodeConfig) -> dict:
         raise ValueError(f"{src}: already projected ({ds.projection['checksum']}); transcode from the unprojected dataset")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError("DST must be another directory than SRC")
+    fs, root = io.resolve(dst)
+    fs.create_dir(root, recursive=True)
+    # One writer per dataset: the lock the ShardWriter takes, held from before the projection is
+    # fitted and saved into DST (a second transcode into DST stops at once, naming this one).
+    with lock_manifest(fs, root, MANIFEST_NAME):
+        entry, resumed_past = _transcode_locked(src, dst, ds, cfg)
+    problems = verify_dataset(dst, progress=cfg.progress) if cfg.verify else []
+    out = ShardDataset(dst)
+    tokens = out.manifest["counts"]["tokens"]
+    dst_bytes = sum(e["bytes"] + e["index_bytes"] for e in out.shards)  # the projection file is a fixed cost, shown apart
+    src_bytes = sum(e["bytes"] + e["index_bytes"] for e in ds.shards)
+    raw = raw_bytes_per_token(ds.projection["in_width"] if ds.projection else ds.hidden_width, ds.topk)
+    return {
+        "samples": len(out), "tokens": tokens, "resumed_past": resumed_past, "problems": [str(p) for p in problems],
+        "bytes_per_token": dst_bytes / max(tokens, 1), "source_bytes_per_token": src_bytes / max(tokens, 1),
+        "ratio_to_raw_bf16": dst_bytes / max(tokens, 1) / raw["hidden"], "projection": entry, "verified": cfg.verify,
+    }
+
+
+def _transcode_locked(src: str, dst: str, ds: ShardDataset, cfg: TranscodeConfig) -> tuple[dict | None, int]:
+    """Settle DST's projection and write the samples it lacks (under DST's manifest lock); returns
+    (DST's projection entry, samples DST already held)."""
     provenance = dict(ds.provenance)
     taps = (provenance.get("taps") or {}).get("layer_ids") or []
     n_taps = len(taps) if taps and ds.hidden_width % len(taps) == 0 else ds.hidden_split
@@ -165,17 +187,7 @@ def transcode(src: str, dst: str, cfg: TranscodeConfig) -> dict:
         ids = ds.index.column("sample_id").to_pylist()
         todo = [i for i, sid in enumerate(ids) if sid not in done]
         _write_all(ds, writer, todo, cfg, projection, len(ids) - len(todo))
-    problems = verify_dataset(dst, progress=cfg.progress) if cfg.verify else []
-    out = ShardDataset(dst)
-    tokens = out.manifest["counts"]["tokens"]
-    dst_bytes = sum(e["bytes"] + e["index_bytes"] for e in out.shards)  # the projection file is a fixed cost, shown apart
-    src_bytes = sum(e["bytes"] + e["index_bytes"] for e in ds.shards)
-    raw = raw_bytes_per_token(ds.projection["in_width"] if ds.projection else ds.hidden_width, ds.topk)
-    return {
-        "samples": len(out), "tokens": tokens, "resumed_past": len(ids) - len(todo), "problems": [str(p) for p in problems],
-        "bytes_per_token": dst_bytes / max(tokens, 1), "source_bytes_per_token": src_bytes / max(tokens, 1),
-        "ratio_to_raw_bf16": dst_bytes / max(tokens, 1) / raw["hidden"], "projection": entry, "verified": cfg.verify,
-    }
+    return entry, len(ids) - len(todo)
 
 
 def _write_all(ds, writer: ShardWriter, todo: list[int], cfg: TranscodeConfig, projection, skipped: int) -> None:

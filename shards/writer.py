@@ -47,6 +47,7 @@ from shards.manifest import (
     json_normalized,
     layout_difference,
     load_manifest,
+    lock_manifest,
     manifest_path,
     new_manifest,
     now_iso,
@@ -360,15 +361,20 @@ class ShardWriter:
         self.timings: collections.Counter = collections.Counter()
         self.write_behind_syncs = 0  # early write-back requests that completed (local shards only)
         self.fs.create_dir(self.root, recursive=True)
-        is_new = not io.exists(self.fs, manifest_path(self.root, self.manifest_name))
-        self._manifest, self._committed_ids = self._open_dataset(provenance, is_new)
-        if self.quant is not None:
-            self.quant.check_piece_width(hidden_width // self.hidden_split)
-        self._schema = shard_schema(self.encoding, hidden_width, topk, self.format_version, self.hidden_split)
-        self._refuse_shared_prefix()
-        self._remove_leftovers()
-        if is_new:  # an empty dataset exists (and reads as such) from the moment a writer opens it
-            save_manifest(self.fs, self.root, self.manifest_name, self._manifest)
+        self._lock = lock_manifest(self.fs, self.root, self.manifest_name)
+        try:
+            is_new = not io.exists(self.fs, manifest_path(self.root, self.manifest_name))
+            self._manifest, self._committed_ids = self._open_dataset(provenance, is_new)
+            if self.quant is not None:
+                self.quant.check_piece_width(hidden_width // self.hidden_split)
+            self._schema = shard_schema(self.encoding, hidden_width, topk, self.format_version, self.hidden_split)
+            self._refuse_shared_prefix()
+            self._remove_leftovers()  # only now: while another writer held the lock, its temporaries were live
+            if is_new:  # an empty dataset exists (and reads as such) from the moment a writer opens it
+                save_manifest(self.fs, self.root, self.manifest_name, self._manifest)
+        except BaseException:
+            self._lock.release()
+            raise
         self._ids = set(self._committed_ids)  # committed + in the open shard, to refuse duplicates
         self._next_number = self._first_free_number()
         self.extra_counts: collections.Counter = collections.Counter(extra_counts_of(self._manifest))
@@ -553,6 +559,7 @@ class ShardWriter:
         self._manifest["complete"] = bool(complete)
         self._save_manifest()
         self._closed = True
+        self._lock.release()
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -566,6 +573,8 @@ class ShardWriter:
             self.close(complete=False)
         except Exception:
             log.exception("could not commit the open shard while handling another error")
+        finally:
+            self._lock.release()
 
     # ------------------------------------------------------------------ shards
 

@@ -19,6 +19,12 @@ What happens, in order:
    memory when CUDA is available; batches reach the consumer in plan order whatever the threads
    do, so the stream is a pure function of (dataset, config, position).
 
+Data parallel (`split=buckets.RankSplit`): the plan stays the one global plan; each of its
+batches is dealt into world_size x accumulation parts by tokens (`buckets.split_by_tokens`) and
+the stream reads and collates only this rank's parts, yielding a `Share` (one `Batch` per
+accumulation step) instead of a `Batch`. Every rank yields a share for every global batch, even
+one whose parts are all empty, so the ranks stay in step.
+
 A position is a small JSON-able dict (`Batch.state`, `DataStream.state_dict()`); loading it into a
 stream on the same dataset and schedule resumes at exactly the next batch. A state from another
 dataset, sample selection, seed, budget or boundaries is refused with the field named. Checkpoint
@@ -53,6 +59,7 @@ from train import buckets
 __all__ = [
     "DataConfig",
     "Batch",
+    "Share",
     "DataStream",
     "DataLoadError",
     "is_holdout",
@@ -99,7 +106,8 @@ class DataConfig:
         None, help="length-bucket upper edges, inclusive and strictly increasing; none = quantiles into num_buckets", min=1
     )
     num_buckets: int = knob(8, help="number of quantile buckets when boundaries is none (equal repeated quantiles merge)", min=1, max=64)
-    token_budget: int = knob(49152, help="max padded tokens per batch: batch size x longest sample in it", min=1)
+    token_budget: int = knob(49152, help="max padded tokens per batch (= per optimizer step): batch size x longest sample in it; "
+                             "data parallel splits each batch over world_size x distributed.accumulation micro-batches", min=1)
     max_batch_samples: int | None = knob(None, help="cap on samples per batch; none = only the token budget limits", min=1)
     oversize: str = knob("fail", help="a sample longer than token_budget: fail at start, or skip it (counted in data_plan)", choices=["fail", "skip"])
     seed: int = knob(0, help="seed of the per-epoch shuffle and interleaving offsets", min=0)
@@ -146,6 +154,28 @@ class Batch:
     @property
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+
+@dataclasses.dataclass
+class Share:
+    """One rank's part of a global batch: one micro-batch per accumulation step (docs/ARCHITECTURE.md).
+
+    `rows[m]` are the positions of `parts[m]`'s samples in the global batch (plan order), which
+    fix their anchors (drawn per global row), so a sample trains the same whatever the split."""
+
+    parts: list[Batch | None]  # None: an empty part (fewer samples than parts, or all unreadable)
+    rows: list[np.ndarray]  # int64 positions in the global batch, per part
+    global_lengths: np.ndarray  # int64 tokens of every sample of the global batch, plan order
+    sample_ids: list[str]  # every sample of the global batch, plan order
+    bucket: int
+    epoch: int
+    state: dict  # data position *after* this global batch (the same on every rank)
+
+    @classmethod
+    def of_batch(cls, batch: Batch) -> "Share":
+        """A whole batch as the single part of a one-part split (the plain single-process case)."""
+        lengths = batch.lengths.numpy().astype(np.int64)
+        return cls([batch], [np.arange(lengths.size, dtype=np.int64)], lengths, list(batch.sample_ids), batch.bucket, batch.epoch, batch.state)
 
 
 class DataLoadError(RuntimeError):
@@ -373,8 +403,9 @@ def _open_dataset(cfg: DataConfig):
 class DataStream:
     """Endless, exactly resumable iterator of `Batch`es over a shards dataset (see the file docstring)."""
 
-    def __init__(self, cfg: DataConfig, dataset=None, *, expected: dict | None = None):
+    def __init__(self, cfg: DataConfig, dataset=None, *, expected: dict | None = None, split: buckets.RankSplit | None = None):
         self.cfg = cfg
+        self.split = split if split is not None and split.num_parts > 1 else None
         self.dataset = dataset if dataset is not None else _open_dataset(cfg)
         if expected is not None:
             check_compatible(self.dataset.manifest, expected)
@@ -540,7 +571,8 @@ class DataStream:
                 epoch=epoch,
                 state=self._state_at(*self._after(epoch, j)),
             )
-            self._pending.append(((epoch, j), self._executor.submit(self._load_batch, **job)))
+            load = self._load_batch if self.split is None else self._load_share
+            self._pending.append(((epoch, j), self._executor.submit(load, **job)))
             self._submit_at = self._after(epoch, j)
 
     def _load_batch(self, dataset_indices, sample_ids, lengths, bucket, epoch, state) -> Batch | None:
@@ -553,6 +585,20 @@ class DataStream:
         if not samples:
             return None
         return collate(samples, kept_ids, bucket=bucket, epoch=epoch, state=state, pin=self._pin)
+
+    def _load_share(self, dataset_indices, sample_ids, lengths, bucket, epoch, state) -> Share:
+        """Read and collate only this rank's parts of the global batch (`self.split`)."""
+        parts = buckets.split_by_tokens(lengths, self.split.num_parts)
+        batches, rows = [], []
+        for positions in (parts[p] for p in self.split.mine):
+            loaded = [(pos, self._load_sample(dataset_indices[pos], sample_ids[pos], lengths[pos])) for pos in positions.tolist()]
+            loaded = [(pos, sample) for pos, sample in loaded if sample is not None]
+            rows.append(np.asarray([pos for pos, _ in loaded], dtype=np.int64))
+            batches.append(
+                collate([s for _, s in loaded], [sample_ids[pos] for pos, _ in loaded], bucket=bucket, epoch=epoch, state=state, pin=self._pin)
+                if loaded else None
+            )
+        return Share(batches, rows, np.asarray(lengths, dtype=np.int64), list(sample_ids), bucket, epoch, state)
 
     def _load_sample(self, i: int, sample_id: str, n_tokens: int) -> dict | None:
         try:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from common.config import load_config
+from common.locks import LockedError
 from shards import ShardDataset, ShardWriter, verify_dataset
 from shards.__main__ import main as shards_main
 from shards.projection import load_projection
@@ -119,6 +120,27 @@ def test_sigkill_midway_then_rerun_leaves_a_verified_dataset_with_every_sample_o
     assert out.manifest["complete"] and verify_dataset(dst) == []
     for i in (0, len(killed) - 1, len(killed), n - 1):
         assert np.array_equal(out[i].hidden, quantize_bf16_bits(source[i].hidden, "nf4-g16", TAPS).bf16_bits())
+
+
+def test_a_second_writer_of_dst_is_refused_before_the_projection_is_fitted(tmp_path):
+    """transcode holds DST's manifest lock (the one every ShardWriter of DST takes) from before the
+    projection is fitted and saved: while another process writes DST, nothing is touched."""
+    src = lossless(tmp_path / "src", 4)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from common import io; from shards.manifest import lock_manifest; "
+            f"fs, root = io.resolve({str(dst)!r}); lock_manifest(fs, root, 'manifest.json'); print('held', flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(LockedError, match=rf"another process \(pid {child.pid} "):
+            transcode(str(src), str(dst), settings("encoding=fp8", "projection=pca:rank=8", "calibration_samples=2"))
+        assert sorted(p.name for p in dst.iterdir()) == [".manifest.json.lock"]  # no projection file, no shard, no manifest
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    transcode(str(src), str(dst), settings("encoding=fp8", "projection=pca:rank=8", "calibration_samples=2"))  # freed when the holder died
+    assert len(ShardDataset(dst)) == 4 and verify_dataset(dst) == []
 
 
 def test_inspect_shows_the_tier_bytes_and_error_per_tap(tmp_path, capsys):

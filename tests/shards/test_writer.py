@@ -104,7 +104,9 @@ def test_local_shards_are_written_back_while_being_written(tmp_path, monkeypatch
         real_fdatasync(fd)
 
     monkeypatch.setattr(writer_module.os, "fdatasync", counting_fdatasync)
-    samples = [make_sample(i) for i in range(8)]
+    # One sync runs at a time (a slow disk is not asked again before the last one ends): on a loaded
+    # machine a sync can outlast several writes, so write enough samples for two of them.
+    samples = [make_sample(i) for i in range(40)]
     with open_writer(tmp_path / "ds", write_behind_bytes=1024) as w:
         for s in samples:
             w.write(s)
