@@ -69,10 +69,10 @@ report: setup
 	$(PY) -m train.report $(RUN) $(OVERRIDES) $(ARGS)
 
 bench-shards: setup
-	$(PY) -m shards.bench $(ARGS)
+	$(PY) -m benchmarks.shards $(ARGS)
 
 bench-tiers: setup
-	$(PY) -m shards.bench_tiers $(ARGS)
+	$(PY) -m benchmarks.shard_tiers $(ARGS)
 
 # Storage tiers side by side: transcode, train (two seeds each), evaluate against lossless, decode online.
 tiers: setup
@@ -80,14 +80,14 @@ tiers: setup
 	$(PY) -m train.choose_tier $(CONFIG) $(OVERRIDES)
 
 bench-extract: setup
-	$(PY) -m extract.bench $(ARGS)
+	$(PY) -m benchmarks.extract $(ARGS)
 
 bench-regenerate: setup
-	$(PY) -m extract.regenerate.bench $(ARGS)
+	$(PY) -m benchmarks.regenerate $(ARGS)
 
 bench-train: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny \&\& $(PY) -m extract configs/tiny.toml))
-	$(PY) -m train.bench $(ARGS)
+	$(PY) -m benchmarks.train $(ARGS)
 
 reliability: setup
 	$(PY) -m tests.reliability $(ARGS)

@@ -633,7 +633,7 @@ class HostPath:
 
     A buffer returns to the pool only when every sample cut from it is written (or its batch is
     dropped after an error), so the pool bounds the batches on the host and a slow writer slows
-    the forward loop down. `extract.bench_host` measures this class on synthetic batches.
+    the forward loop down. `benchmarks.extract_host` measures this class on synthetic batches.
     """
 
     def __init__(self, writer, rejects: RejectLog, pool: BufferPool, progress: Progress, stats: dict, *, on_error: str, depth: int):
@@ -701,7 +701,7 @@ class HostPath:
                 lease.release()  # the views into the buffer are dead from here on
         self.progress.advance(share)
 
-    # -- the work itself (also called directly by extract.bench_host)
+    # -- the work itself (also called directly by benchmarks.extract_host)
 
     @staticmethod
     def cut(inflight, samples: list, to_write: list[bool]) -> list[tuple]:

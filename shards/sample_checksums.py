@@ -10,7 +10,7 @@ stays (`verify`, `verify_checksums=True`), since hashing a 1 GiB shard on first 
 to leave on while training.
 
 Why xxh3-64: the threat is random damage (bit rot, a bad disk or copy), against which a 64-bit
-check misses with probability 2^-64; xxh3-128 takes the same time (`python -m shards.bench`) but
+check misses with probability 2^-64; xxh3-128 takes the same time (`python -m benchmarks.shards`) but
 would buy nothing more, and nobody who can rewrite a shard is kept out by either (they can rewrite
 the index too).
 """

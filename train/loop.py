@@ -41,6 +41,7 @@ from common.hf_target import text_config
 from common.io import atomic_write_json, exists, join, resolve
 from common.locks import LockedError, exclusive_lock
 from common.provenance import git_sha, tool_version
+from common.schedule import warmup_cosine
 from train.blocks import Blocks, anchor_candidates, anchors_per_row, make_blocks, step_generator
 from train.checkpoint import (
     CheckpointWriter,
@@ -76,11 +77,7 @@ class TrainingAborted(RuntimeError):
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, peak: float) -> float:
     """Learning rate of 1-based `step`: linear warmup to `peak` over `warmup_steps`, then cosine to 0 at `total_steps`."""
-    done = step - 1
-    if done < warmup_steps:
-        return peak * (done + 1) / warmup_steps
-    progress = (done - warmup_steps) / max(1, total_steps - warmup_steps)
-    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return warmup_cosine(step - 1, total_steps, warmup_steps, peak)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def config_differences(found: DrafterConfig, expected: DrafterConfig, found_in: 
 
 def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
     """The drafter config of a DFlash drafter directory (config.json only; ValueError naming the file)."""
-    from train.export import drafter_config_from_export
+    from train.serve.export import drafter_config_from_export
 
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
@@ -120,7 +120,7 @@ def warm_start(drafter: DFlashDrafter, path: str | os.PathLike) -> dict:
     """Load DIR's weights into `drafter` (strictly, see the module docstring); returns a record for run.json."""
     from common.hashing import file_checksum
     from common.io import resolve
-    from train.export import check_weights
+    from train.serve.export import check_weights
 
     check_init_from(path, drafter.config)
     _, state = read_drafter_dir(path)

@@ -123,7 +123,7 @@ def mixed_corpus(path, n_good: int = 24, seed: int = 0) -> tuple[str, dict]:
 
 
 # A chat template that renders tools the way Qwen3.6's does (written for these tests; the tiny
-# template of extract/tiny.py has no tool calls): contents trimmed, a <think> block in the turns
+# template of extract/tiny/ has no tool calls): contents trimmed, a <think> block in the turns
 # after the last user query, tool calls as <tool_call><function=NAME><parameter=KEY> blocks inside
 # the assistant turn, tool results as <tool_response> blocks inside one user turn, tools listed in
 # the system turn.

@@ -338,15 +338,6 @@ def test_help_lists_every_key():
         assert f"\n{key} = " in "\n" + done.stdout, key
 
 
-def test_local_benchmark_smoke_run(tmp_path):
-    from extract.regenerate import bench
-
-    out = tmp_path / "bench.json"
-    assert bench.main(["local", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,4", "--prompt-len", "8", "--new-tokens", "4",
-                       "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert [r["batch"] for r in report["rows"]] == [1, 4] and report["best"]["generated_tokens_per_s"] > 0
-
 
 def test_ranks_answer_their_shares_and_rank_zero_commits_the_whole_corpus(tmp_path, local_run, word_target, chat_tokenizer, monkeypatch):
     """Two ranks (RANK / WORLD_SIZE as torchrun sets them, run one after the other here): each answers

@@ -18,7 +18,7 @@ from extract.tiny import TinyConfig
 from tests.gpu import GPU
 from tests.train.test_model import QWEN36_TEXT
 from train.attention import attend
-from train.bench import SHAPES
+from benchmarks.train import SHAPES
 from train.kernels import TRAIN_KEYS, KernelPlan, choose_kernels, flex_problem
 from train.model import DrafterConfig
 

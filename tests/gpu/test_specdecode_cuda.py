@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.gpu import GPU
-from tests.train.test_specdecode import (
+from tests.train.serve.test_specdecode import (
     LAYER_IDS,
     BrokenAtProposer,
     OracleProposer,
@@ -29,9 +29,9 @@ from tests.train.test_specdecode import (
     tiny_qwen3,
     tiny_qwen35,
 )
-from train.export import export_drafter, load_exported
+from train.serve.export import export_drafter, load_exported
 from train.model import DFlashDrafter
-from train.specdecode import DFlashProposer, SpecTarget, greedy_generate, main, speculative_generate
+from train.serve.specdecode import DFlashProposer, SpecTarget, greedy_generate, main, speculative_generate
 
 pytestmark = GPU
 

@@ -447,7 +447,7 @@ def write_variant(world: World, root: Path, change: str) -> str:
 
 def mismatched_shards(world: World, tally: Tally, work: Path) -> None:
     from train.__main__ import main as train_main
-    from train.eval import main as eval_main
+    from train.eval.__main__ import main as eval_main
     from train.loop import train
 
     runs = work / "mismatch-runs"

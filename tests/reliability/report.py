@@ -97,7 +97,7 @@ and mismatched-shard cases, 30 generated cases of each issue-21 family, one pair
 extractions and a crashed lock holder; every security check; one default-threads kill. The fixes the suite led to have their own
 regression tests next to the component (tests/shards/test_integrity.py,
 tests/extract/test_failures.py, tests/train/test_checkpoint_integrity.py,
-tests/train/test_remote_code.py).
+tests/train/serve/test_remote_code.py).
 """
 
 

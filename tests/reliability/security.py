@@ -37,7 +37,7 @@ from tests.reliability.cli import call_main
 from tests.reliability.outcome import Outcome
 from tests.reliability.world import REPO, World
 
-PACKAGES = ("common", "shards", "extract", "train")
+PACKAGES = ("common", "shards", "extract", "train", "benchmarks")
 # Files allowed to leave trust_remote_code unset, and why (they only read what they just wrote).
 UNSET_ALLOWED: dict[str, str] = {}  # files allowed to leave trust_remote_code unset, with the reason
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "joblib", "marshal", "shelve", "cloudpickle"}
@@ -251,7 +251,7 @@ def remote_code_target(world: World, work: Path, checks: Checks) -> None:
         pass
     checks.check("train: reading the target's tokenizer runs no remote code", not marker.exists(), "marker file created")
 
-    from train.export import export_checkpoint, load_exported
+    from train.serve.export import export_checkpoint, load_exported
     from train.loop import train
 
     runs = work / "sec-runs"
@@ -381,7 +381,7 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
                  status == 2 and not (work / "escaped.json").exists() and "Traceback" not in err, f"exit {status}: {err[-200:]}")
 
     # export: refuses to replace an unrelated non-empty directory
-    from train.export import main as export_main
+    from train.serve.export import main as export_main
 
     victim = work / "not-an-export"
     victim.mkdir()

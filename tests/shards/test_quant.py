@@ -23,7 +23,7 @@ from shards.quant import (
     quantize_bf16_bits,
 )
 from shards.schema import ShardFormatError
-from shards.synthetic import _tap_structure, realistic_hidden
+from benchmarks.synthetic import _tap_structure, realistic_hidden
 from tests.shards.synth import TOPK, WIDTH, make_sample, provenance
 
 

@@ -15,7 +15,7 @@ from common.config import ConfigError, load_config
 from extract.config import ExtractConfig
 from train.attention import build_dense_mask, build_layer_masks
 from train.config import TrainConfig
-from train.export import drafter_config_from_export, export_config
+from train.serve.export import drafter_config_from_export, export_config
 from train.loop import build_drafter_config
 from train.model import DFlashDrafter, DrafterConfig, RotaryEmbedding, resolve_layer_types
 from train.warm_start import config_differences
@@ -148,7 +148,7 @@ def test_zlab_config_builds_the_published_drafter():
 
 
 def test_zlab_bench_shape_is_the_config():
-    from train.bench import SHAPES
+    from benchmarks.train import SHAPES
 
     shape, ours = SHAPES["27b-zlab"], zlab_drafter_config()
     fields = {f.name for f in dataclasses.fields(DrafterConfig)}
@@ -167,7 +167,7 @@ def test_exported_rope_of_the_27b_drafter_is_what_training_applied(tmp_path):
     from transformers import AutoConfig, Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from train.dflash_hf import DFlashRotaryEmbedding
+    from train.serve.dflash_hf import DFlashRotaryEmbedding
 
     cfg = zlab_drafter_config()
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor, cfg.head_dim) == (1e7, None, 1.0, 128)

@@ -25,13 +25,14 @@ from shards.manifest import RESERVED_COUNTS, load_manifest, save_manifest
 from shards.projection import SecondMoments, fit_projection, load_projection, parse_projection_spec
 from shards.transcode import TranscodeConfig, transcode
 from tests.train.test_loop import config, tiny  # noqa: F401  (the fixture)
-from tests.train.test_specdecode import LAYER_IDS, B, drafter_config, random_prompts, tiny_qwen3, train_drafter
+from tests.train.serve.test_specdecode import LAYER_IDS, B, drafter_config, random_prompts, tiny_qwen3, train_drafter
 from train.data import DataStream
-from train.eval import EvalConfig, evaluate_checkpoints
-from train.export import export_checkpoint, export_drafter, load_exported
+from train.eval.config import EvalConfig
+from train.eval.run import evaluate_checkpoints
+from train.serve.export import export_checkpoint, export_drafter, load_exported
 from train.loop import train
 from train.model import DFlashDrafter
-from train.specdecode import DFlashProposer, SpecTarget, greedy_generate, speculative_generate
+from train.serve.specdecode import DFlashProposer, SpecTarget, greedy_generate, speculative_generate
 from train.tiers import CompactHidden, fold_projection
 
 

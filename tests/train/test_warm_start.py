@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from train.export import drafter_config_from_export, export_checkpoint, load_exported
+from train.serve.export import drafter_config_from_export, export_checkpoint, load_exported
 from train.loop import Run, train
 from train.model import DFlashDrafter
 from train.warm_start import warm_start

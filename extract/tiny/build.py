@@ -1,0 +1,189 @@
+"""The cached build of `artifacts/tiny`: the recipe digest (parameters, the code that decides the
+artifacts, the Python version), the build into a temporary directory renamed into place, and the
+lock that makes concurrent callers wait for one build.
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from common.config import config_to_dict
+from extract.tiny.config import TinyConfig, resolve_precision
+from extract.tiny.corpus import build_corpus, write_jsonl
+from extract.tiny.regenerate import REGEN_FILES, regenerate_corpus
+from extract.tiny.target import build_tiny_target
+
+BUILD_RECORD = "build.json"
+REQUIRED_FILES = (
+    BUILD_RECORD,
+    "corpus/train.jsonl",
+    "corpus/heldout.jsonl",
+    *REGEN_FILES.values(),
+    "target/config.json",
+    "target/generation_config.json",
+    "target/model.safetensors",
+    "target/tokenizer.json",
+    "target/tokenizer_config.json",
+    "target/tiny_report.json",
+)
+# Knobs that change where or how fast the build runs, not what it builds.
+NOT_IN_RECIPE = ("out_dir", "threads", "force")
+
+
+# The code that decides the artifacts: this package and the regeneration code it answers the corpus with.
+_EXTRACT = Path(__file__).resolve().parents[1]
+RECIPE_CODE = (
+    *sorted(Path(__file__).resolve().parent.glob("*.py")),
+    _EXTRACT / "regenerate" / "local.py",
+    _EXTRACT / "regenerate" / "conversation.py",
+)
+
+
+def recipe(cfg: TinyConfig) -> dict[str, Any]:
+    """Everything that decides the artifacts: build parameters, the code of this package (and of the regeneration), and the Python
+    version (its bundled documentation is the corpus). Library versions are left out on purpose:
+    a newer torch gives a slightly different but equally valid target, not a reason to rebuild."""
+    params = {k: v for k, v in config_to_dict(cfg).items() if k not in NOT_IN_RECIPE}
+    params["precision"] = resolve_precision(cfg.precision)
+    return {
+        "params": params,
+        "code": hashlib.sha256(b"".join(path.read_bytes() for path in RECIPE_CODE)).hexdigest()[:16],
+        "python": sys.version.split()[0],
+    }
+
+
+def recipe_digest(cfg: TinyConfig) -> str:
+    return hashlib.sha256(json.dumps(recipe(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def is_built(out_dir: str | os.PathLike, digest: str) -> bool:
+    """True when `out_dir` holds a finished build of exactly this recipe."""
+    out = Path(out_dir)
+    if not all((out / name).is_file() for name in REQUIRED_FILES):
+        return False
+    try:
+        return json.loads((out / BUILD_RECORD).read_text()).get("recipe_digest") == digest
+    except (OSError, ValueError):
+        return False
+
+
+def build_tiny(cfg: TinyConfig | None = None, *, progress: bool = True) -> Path:
+    """Build the tiny corpus and target into `cfg.out_dir` unless a matching build is there.
+
+    The build happens in a temporary sibling directory that is renamed into place at the end, so a
+    build killed midway never looks finished; its leftovers are removed by the next run. A lock
+    file makes concurrent callers wait for one build instead of racing.
+    """
+    cfg = cfg or TinyConfig()
+    out = Path(cfg.out_dir).resolve()
+    digest = recipe_digest(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(out):
+        if not cfg.force and is_built(out, digest):
+            log(f"tiny default is up to date in {out} (recipe {digest}); nothing to do")
+            return out
+        remove_leftovers(out)
+        tmp = out.with_name(f"{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            build_into(tmp, cfg, digest, progress)
+            from common.io import replace_local_dir  # here: pyarrow need not load for a cached build
+
+            replace_local_dir(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def build_into(tmp: Path, cfg: TinyConfig, digest: str, progress: bool) -> None:
+    started = time.perf_counter()
+    log(f"building the tiny default (recipe {digest}) in {tmp}")
+    train, heldout = build_corpus(cfg.seed, cfg.heldout_fraction)
+    write_jsonl(tmp / "corpus/train.jsonl", train)
+    write_jsonl(tmp / "corpus/heldout.jsonl", heldout)
+    log(f"corpus: {len(train)} train and {len(heldout)} held-out records")
+    report = build_tiny_target(tmp / "target", train, heldout, cfg, progress=progress)
+    log(f"target trained in {report['train_seconds']:.0f} s; regenerating the answers with it")
+    train_regen, heldout_regen, regen = regenerate_corpus(tmp / "target", train, heldout, cfg, progress=progress)
+    write_jsonl(tmp / REGEN_FILES["train"], train_regen)
+    write_jsonl(tmp / REGEN_FILES["heldout"], heldout_regen)
+    report["regenerated_corpus"] = regen
+    (tmp / "target/tiny_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    record = {
+        "recipe_digest": digest,
+        "recipe": recipe(cfg),
+        "build_seconds": round(time.perf_counter() - started, 1),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (tmp / BUILD_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")  # written last
+    log(summary_lines(report, record["build_seconds"]))
+
+
+def remove_leftovers(out: Path) -> None:
+    """Delete temporary directories of earlier builds that were killed (the lock is held)."""
+    for leftover in sorted(out.parent.glob(f"{out.name}.*.tmp")):
+        log(f"removing the leftover of an unfinished build: {leftover}")
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def build_lock(out: Path) -> Iterator[None]:
+    with open(out.with_name(f"{out.name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def summary_lines(report: dict[str, Any], seconds: float) -> str:
+    train, heldout = report["corpus"]["train"], report["corpus"]["heldout"]
+    return "\n".join(
+        [
+            f"tiny target: Qwen3, {report['num_layers']} layers, hidden {report['hidden_size']}, "
+            f"{report['parameters'] / 1e6:.2f}M parameters, vocab {report['vocab_size']}, "
+            f"mask token {report['mask_token']} = {report['mask_token_id']}",
+            f"held-out next-token accuracy {report['heldout_next_token_accuracy']:.3f} "
+            f"(always the most frequent token: {report['most_frequent_token_accuracy']:.3f}; "
+            f"on training samples: {report['train_probe_next_token_accuracy']:.3f}); "
+            f"on answer tokens {report['heldout_answer_next_token_accuracy']:.3f} "
+            f"(most frequent token: {report['most_frequent_token_answer_accuracy']:.3f})",
+            f"corpus tokens: train {train['tokens']} in {train['records']} records, "
+            f"held-out {heldout['tokens']} in {heldout['records']}",
+            *regen_summary_lines(report.get("regenerated_corpus")),
+            f"tap layer ids {report['tap_layer_ids']}; built in {seconds:.0f} s",
+        ]
+    )
+
+
+def regen_summary_lines(regen: dict[str, Any] | None) -> list[str]:
+    if not regen:
+        return []
+    train, heldout = regen["train"], regen["heldout"]
+    dropped = train["dropped_empty_answer"] + heldout["dropped_empty_answer"]
+    no_round_trip = train["dropped_no_round_trip"] + heldout["dropped_no_round_trip"]
+    skipped = train["skipped_no_user_turn"] + heldout["skipped_no_user_turn"]
+    answers = train["answers"] + heldout["answers"]
+    at_cap = train["answers_at_cap"] + heldout["answers_at_cap"]
+    return [
+        f"target-regenerated corpus: {train['records_out']} train and {heldout['records_out']} held-out records "
+        f"(dropped: {dropped} with an empty answer, {no_round_trip} whose answer does not survive tokenization; "
+        f"{skipped} without a user turn skipped), {answers} greedy answers, "
+        f"median {train['answer_length'].get('p50')} tokens, {at_cap} cut at {regen['max_new_tokens']}; "
+        f"{regen['seconds']:.0f} s",
+        f"held-out regenerated answer tokens equal to the target's greedy token: {regen['heldout_answer_greedy_agreement']:.4f}",
+    ]
+
+
+def log(message: str) -> None:
+    print(f"[tiny] {message}", flush=True)

@@ -1,0 +1,84 @@
+"""`TinyConfig`: how `python -m extract.tiny` builds the tiny default (the `[tiny]` table of a config
+file), and the tap layer ids it recommends for its target.
+"""
+
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from common.config import fail, knob
+
+
+@dataclass
+class TinyConfig:
+    """How `python -m extract.tiny` builds the tiny default (section `[tiny]` of a config file)."""
+
+    out_dir: str = knob("artifacts/tiny", help="where target/, corpus/ and build.json go")
+    seed: int = knob(0, help="seed of the corpus draw, the held-out split, the model init and the batch order", min=0)
+    heldout_fraction: float = knob(0.06, help="share of corpus records held out (offline evaluation, speculative-decoding prompts)", min=0.01, max=0.5)
+    vocab_size: int = knob(4096, help="tokenizer size, special tokens included (an upper bound on a small corpus)", min=300, max=65536)
+    hidden_size: int = knob(128, help="target hidden width", min=16, max=4096)
+    intermediate_size: int = knob(384, help="target MLP width", min=16, max=16384)
+    num_layers: int = knob(8, help="target decoder layers", min=2, max=64)
+    num_heads: int = knob(2, help="attention query heads", min=1, max=64)
+    num_kv_heads: int = knob(1, help="attention key/value heads (divides num_heads)", min=1, max=64)
+    head_dim: int = knob(64, help="width of one attention head", min=8, max=256)
+    n_taps: int = knob(4, help="how many tap layer ids to recommend (evenly spread, never the last layer)", min=1, max=16)
+    steps: int = knob(1000, help="optimizer steps of target training", min=0)
+    batch_tokens: int = knob(1024, help="padded tokens per training batch (sequences of similar length are batched together)", min=64)
+    max_len: int = knob(2048, help="longer training sequences are truncated", min=16)
+    lr: float = knob(3e-3, help="peak AdamW learning rate (linear warmup, cosine decay to 10%)", min=0.0, max=1.0)
+    warmup_steps: int = knob(40, help="learning-rate warmup steps", min=0)
+    weight_decay: float = knob(0.1, help="AdamW weight decay on matrices", min=0.0, max=1.0)
+    regen_max_new_tokens: int = knob(256, help="cap on each target-regenerated answer (greedy answers that hit it are truncated)", min=1, max=4096)
+    regen_batch: int = knob(128, help="prompts per batch of the greedy regeneration (left-padded; larger is faster on CPU up to ~128)", min=1)
+    precision: Literal["auto", "fp32", "bf16"] = knob(
+        "auto", help="training compute: bf16 autocast (fast where the CPU has bf16 instructions), fp32, or auto-detect"
+    )
+    threads: int = knob(0, help="torch threads; 0 = every core this process may use", min=0)
+    force: bool = knob(False, help="rebuild even when a matching build exists")
+
+    def check(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            fail("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        if self.n_taps > self.num_layers - 1:
+            fail("n_taps", f"at most num_layers - 1 = {self.num_layers - 1} (the last layer is never a tap)")
+
+
+def tap_layer_ids(num_layers: int, n_taps: int) -> list[int]:
+    """Evenly spread tap ids, never the last layer: DFlash's rule, from layer 1 to layer L-3
+    (36 layers, 5 taps -> [1, 9, 17, 25, 33], the published Qwen3-8B drafter's; 8 layers, 4 taps ->
+    [1, 2, 4, 5]), widened towards layer 0 and L-2 only when the target is too shallow for that."""
+    if not 1 <= n_taps <= num_layers - 1:
+        raise ValueError(f"n_taps must be between 1 and {num_layers - 1} for {num_layers} layers, got {n_taps}")
+    first, last = 1, num_layers - 3
+    if last - first + 1 < n_taps:
+        first, last = (1, num_layers - 2) if num_layers - 2 >= n_taps else (0, num_layers - 2)
+    if n_taps == 1:
+        return [first]
+    ids = [first + math.floor(i * (last - first) / (n_taps - 1) + 0.5) for i in range(n_taps)]
+    assert len(set(ids)) == n_taps and max(ids) < num_layers - 1, ids
+    return ids
+
+
+def resolve_precision(precision: str) -> str:
+    """'bf16' where the CPU has native bf16 math (autocast is then about twice as fast), else 'fp32'."""
+    if precision != "auto":
+        return precision
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "fp32"
+    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "fp32"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,94 @@
+"""The cached `python -m extract.tiny` build (`extract.tiny.build`): cached, rebuilt on a new recipe, never half-finished."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extract.tiny import (
+    MASK_TOKEN,
+    TinyConfig,
+    build_tiny,
+)
+from extract.tiny import build as tiny_build
+from extract.tiny.__main__ import main as tiny_main
+
+# Sizes that make a whole build take a few seconds.
+TINY_MODEL = dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
+                  num_kv_heads=1, head_dim=16, n_taps=2, steps=2, batch_tokens=2048, warmup_steps=1, threads=1)
+
+
+def fail_if_called(*args, **kwargs):
+    raise AssertionError("the target was rebuilt")
+
+
+def test_build_is_cached_and_a_changed_recipe_rebuilds(tmp_path, monkeypatch, capsys):
+    cfg = TinyConfig(out_dir=str(tmp_path / "tiny"), **TINY_MODEL)
+    out = build_tiny(cfg, progress=False)
+    for name in tiny_build.REQUIRED_FILES:
+        assert (out / name).is_file(), name
+    assert json.loads((out / "build.json").read_text())["recipe_digest"] == tiny_build.recipe_digest(cfg)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+    monkeypatch.setattr(tiny_build, "build_tiny_target", fail_if_called)
+    assert tiny_main([f"out_dir={cfg.out_dir}"] + [f"{k}={v}" for k, v in TINY_MODEL.items()] + ["threads=2"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+    changed = TinyConfig(out_dir=cfg.out_dir, **{**TINY_MODEL, "steps": 3})
+    assert tiny_build.recipe_digest(changed) != tiny_build.recipe_digest(cfg)
+    with pytest.raises(AssertionError, match="rebuilt"):
+        build_tiny(changed, progress=False)
+    assert tiny_build.is_built(out, tiny_build.recipe_digest(cfg))  # the failed rebuild left the old build intact
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def fake_target(out_dir, train, heldout, cfg, progress=True):
+    """Stands in for the (slow) real target build: writes the files the cache checks."""
+    out = Path(out_dir)
+    out.mkdir(parents=True)
+    for name in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]:
+        (out / name).write_text("{}")
+    report = {"heldout_next_token_accuracy": 0.5, "most_frequent_token_accuracy": 0.1, "train_probe_next_token_accuracy": 0.6,
+              "heldout_answer_next_token_accuracy": 0.4, "most_frequent_token_answer_accuracy": 0.1,
+              "num_layers": 3, "hidden_size": 32, "parameters": 1, "vocab_size": 400, "mask_token": MASK_TOKEN,
+              "mask_token_id": 399, "tap_layer_ids": [0, 1],
+              "corpus": {"train": {"records": len(train), "tokens": 1}, "heldout": {"records": len(heldout), "tokens": 1}}}
+    (out / "tiny_report.json").write_text(json.dumps(report))
+    return {**report, "train_seconds": 0.0}
+
+
+def fake_regeneration(target_dir, train, heldout, cfg=None, progress=True):
+    """Stands in for the greedy re-answering, which needs a real target."""
+    return train, heldout, {}
+
+
+def test_a_partial_build_is_detected_and_redone(tmp_path, monkeypatch):
+    monkeypatch.setattr(tiny_build, "build_tiny_target", fake_target)
+    monkeypatch.setattr(tiny_build, "regenerate_corpus", fake_regeneration)
+    cfg = TinyConfig(out_dir=str(tmp_path / "tiny"), **TINY_MODEL)
+    out = build_tiny(cfg, progress=False)
+    digest = tiny_build.recipe_digest(cfg)
+    assert tiny_build.is_built(out, digest)
+
+    (out / "target" / "model.safetensors").unlink()  # damaged after the fact
+    leftover = tmp_path / "tiny.deadbeef.tmp"  # what a build killed midway leaves behind
+    (leftover / "target").mkdir(parents=True)
+    assert not tiny_build.is_built(out, digest)
+    build_tiny(cfg, progress=False)
+    assert tiny_build.is_built(out, digest) and not leftover.exists()
+
+
+def test_a_build_that_dies_midway_leaves_nothing_that_looks_finished(tmp_path, monkeypatch):
+    def dies(out_dir, *args, **kwargs):
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiny_build, "build_tiny_target", dies)
+    cfg = TinyConfig(out_dir=str(tmp_path / "tiny"), **TINY_MODEL)
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny(cfg, progress=False)
+    assert not (tmp_path / "tiny").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []

@@ -1,0 +1,628 @@
+"""Speculative decoding on tiny random targets: lossless against target-only greedy decoding, the τ
+accounting (a perfect drafter reaches τ = 16, a wrong one τ = 1), the hybrid (Gated DeltaNet) cache,
+and the agreement property: offline chain τ at the anchors where online rounds started equals the
+online τ, round by round.
+
+The lossless tests run the target in float64, so that the cached 16-token verification and the
+one-token greedy steps cannot flip an argmax through rounding; the agreement test runs in float32.
+A drafter trained for a few seconds on the target's own greedy text gives rounds of every length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from train.attention import build_dense_mask
+from train.blocks import make_blocks
+from train.serve.export import export_drafter, load_exported
+from train.model import DFlashDrafter, DrafterConfig
+from train.serve.specdecode import (
+    DFlashProposer,
+    SpecTarget,
+    agreement,
+    ddtree_generate,
+    greedy_generate,
+    main,
+    offline_block_drafts,
+    prompts_from_jsonl,
+    speculative_generate,
+    summarize,
+    tree_attention_mask,
+    walk_verified_tree,
+)
+
+V = 64
+MASK = V - 1
+LAYER_IDS = [0, 2]
+B = 16
+
+
+def tiny_qwen3(seed: int = 0, dtype=torch.float64) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=1024, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return Qwen3ForCausalLM(cfg).eval().to(dtype)
+
+
+def drafter_config(**overrides) -> DrafterConfig:
+    values = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, vocab_size=V, target_layer_ids=LAYER_IDS, num_target_layers=4, mask_token_id=MASK,
+                  block_size=B, rope_theta=10000.0, max_position_embeddings=1024)
+    values.update(overrides)
+    return DrafterConfig(**values)
+
+
+def exported(tmp_path, model: DFlashDrafter, name: str = "drafter", dtype=torch.float32):
+    export_drafter(model.state_dict(), model.config, tmp_path / name, dtype="float32")
+    return load_exported(tmp_path / name, dtype=dtype)
+
+
+def random_prompts(n: int, lengths=(1, 5, 23, 9), seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, MASK, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+class OracleProposer:
+    """Proposes the target's own greedy tokens: every verified draft is accepted."""
+
+    block_size = B
+
+    def __init__(self, sequence: list[int]):
+        self.sequence = sequence
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, new_features_1SF, anchor_token: int, anchor_pos: int) -> list[int]:
+        assert self.sequence[anchor_pos] == anchor_token
+        drafts = self.sequence[anchor_pos + 1 : anchor_pos + B]
+        return drafts + [0] * (B - 1 - len(drafts))
+
+
+class WrongProposer(OracleProposer):
+    """Never proposes the target's token."""
+
+    def propose(self, new_features_1SF, anchor_token: int, anchor_pos: int) -> list[int]:
+        return [(t + 1) % V for t in super().propose(new_features_1SF, anchor_token, anchor_pos)]
+
+
+class BrokenAtProposer(OracleProposer):
+    """Right except at block position `k` (so every full round accepts k-1 drafts)."""
+
+    def __init__(self, sequence: list[int], k: int):
+        super().__init__(sequence)
+        self.k = k
+
+    def propose(self, new_features_1SF, anchor_token: int, anchor_pos: int) -> list[int]:
+        drafts = super().propose(new_features_1SF, anchor_token, anchor_pos)
+        drafts[self.k - 1] = (drafts[self.k - 1] + 1) % V
+        return drafts
+
+
+def check_round_bookkeeping(gen, block_size: int = B) -> None:
+    """Rounds tile the continuation: each starts where the last one's tokens end; τ in 1..B."""
+    position = gen.prompt_len
+    for r in gen.rounds:
+        assert r.start == position
+        assert 1 <= r.tau <= block_size and 1 <= r.committed <= block_size
+        assert r.tau - 1 <= r.committed and 0 <= r.accepted <= block_size - 1
+        if r is not gen.rounds[-1]:  # only the last round can be cut by a stop token or the budget
+            assert r.committed == r.accepted + 1 == r.tau
+        position += r.committed
+    assert position == gen.prompt_len + len(gen.tokens) - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Lossless
+
+
+def test_speculative_equals_greedy_for_random_drafter(tmp_path):
+    target = SpecTarget.from_model(tiny_qwen3(), LAYER_IDS, stop_ids=[])
+    proposer = DFlashProposer(exported(tmp_path, DFlashDrafter(drafter_config())), target)
+    for prompt in random_prompts(4):
+        for max_new in (1, 2, 16, 17, 45):
+            base = greedy_generate(target, prompt, max_new)
+            spec = speculative_generate(target, proposer, prompt, max_new)
+            assert spec.tokens == base.tokens, (prompt, max_new)
+            assert len(spec.tokens) == max_new and spec.stop == base.stop == "length"
+            assert len(spec.rounds) == (0 if max_new == 1 else len(spec.rounds))
+            check_round_bookkeeping(spec)
+    assert target.cache_mode == "crop"
+
+
+def test_stop_token_ends_both_loops_at_the_same_token():
+    model = tiny_qwen3(seed=3)
+    free = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[])
+    prompt = random_prompts(1, lengths=(7,), seed=5)[0]
+    base = greedy_generate(free, prompt, 40)
+    stop = base.tokens[12]
+    first = base.tokens.index(stop)
+    target = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[stop])
+    stopped = greedy_generate(target, prompt, 40)
+    assert stopped.tokens == base.tokens[: first + 1] and stopped.stop == "eos"
+    for proposer in (OracleProposer(prompt + base.tokens), BrokenAtProposer(prompt + base.tokens, 3)):
+        spec = speculative_generate(target, proposer, prompt, 40)
+        assert spec.tokens == stopped.tokens and spec.stop == "eos"
+        check_round_bookkeeping(spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# τ accounting with stub drafters
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 16, 17, 33, 40])
+def test_perfect_drafter_accepts_whole_blocks(max_new):
+    target = SpecTarget.from_model(tiny_qwen3(), LAYER_IDS, stop_ids=[])
+    prompt = random_prompts(1, lengths=(6,))[0]
+    base = greedy_generate(target, prompt, max_new)
+    spec = speculative_generate(target, OracleProposer(prompt + base.tokens), prompt, max_new)
+    assert spec.tokens == base.tokens
+    after_first = max_new - 1
+    assert len(spec.rounds) == math.ceil(after_first / B)
+    for r in spec.rounds[:-1]:
+        assert (r.tau, r.accepted, r.committed) == (16, 15, 16)
+    if spec.rounds:
+        last = after_first - B * (len(spec.rounds) - 1)  # tokens the last round may produce
+        # A cut block: its drafts agree with all `last` tokens it produced, so τ = last + 1 (at most 16).
+        assert spec.rounds[-1].committed == last and spec.rounds[-1].tau == min(B, last + 1)
+    # One target forward per round: the speculative loop verifies 16 tokens where greedy decoding runs 16 forwards.
+    assert spec.target_forwards == len(spec.rounds) and base.target_forwards == after_first
+
+
+def test_wrong_drafter_gives_tau_one():
+    target = SpecTarget.from_model(tiny_qwen3(), LAYER_IDS, stop_ids=[])
+    prompt = random_prompts(1, lengths=(6,))[0]
+    base = greedy_generate(target, prompt, 30)
+    spec = speculative_generate(target, WrongProposer(prompt + base.tokens), prompt, 30)
+    assert spec.tokens == base.tokens
+    assert spec.taus == [1] * 29 and all(r.committed == 1 and r.accepted == 0 for r in spec.rounds)
+    summary = summarize([spec], [base], B)
+    assert summary["tau"] == 1.0 and summary["tau_histogram"] == [29] + [0] * 15 and summary["lossless"]
+
+
+def test_partial_acceptance_tau_and_summary():
+    target = SpecTarget.from_model(tiny_qwen3(), LAYER_IDS, stop_ids=[])
+    prompts = random_prompts(2, lengths=(6, 11))
+    specs, bases = [], []
+    for prompt, k in zip(prompts, (5, 9)):
+        base = greedy_generate(target, prompt, 48)
+        spec = speculative_generate(target, BrokenAtProposer(prompt + base.tokens, k), prompt, 48)
+        assert spec.tokens == base.tokens
+        full = spec.rounds[:-1]
+        assert full and all((r.accepted, r.tau, r.committed) == (k - 1, k, k) for r in full)
+        specs.append(spec)
+        bases.append(base)
+    summary = summarize(specs, bases, B)
+    # τ = mean over prompts of the per-prompt means (dflash.md §4.1), not the pooled mean.
+    assert summary["tau"] == pytest.approx((specs[0].mean_tau + specs[1].mean_tau) / 2)
+    assert summary["tau_pooled"] == pytest.approx(sum(specs[0].taus + specs[1].taus) / summary["rounds"])
+    assert sum(summary["tau_histogram"]) == summary["rounds"] == len(specs[0].rounds) + len(specs[1].rounds)
+    assert summary["tau_histogram"][4] >= len(specs[0].rounds) - 1 and summary["lossless"]
+
+
+# ----------------------------------------------------------------------------------------------
+# A drafter with real acceptance: trained for a few seconds on the target's greedy text
+
+
+def train_drafter(target: SpecTarget, prompts: list[list[int]], new_tokens: int, steps: int, config: DrafterConfig | None = None,
+                  features_of=lambda features_TF: features_TF) -> DFlashDrafter:
+    """The training recipe in miniature (train.blocks anchors/labels, the training mask, weighted CE on
+    the target's greedy top-1) on the target's own greedy continuations of `prompts`; `features_of`
+    maps the target's tap features to what the drafter (of `config`) reads."""
+    rows = []
+    for prompt in prompts:
+        gen = greedy_generate(target, prompt, new_tokens)
+        ids = torch.tensor(prompt + gen.tokens)
+        greedy, features = target.teacher_forced(ids[None])
+        rows.append((ids, greedy, features_of(features.float()), len(prompt)))
+    S = max(len(r[0]) for r in rows)
+    input_ids = torch.zeros(len(rows), S, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), S, dtype=torch.bool)
+    topk = torch.zeros(len(rows), S, 1, dtype=torch.long)
+    hidden = torch.zeros(len(rows), S, rows[0][2].shape[-1])
+    lengths = torch.tensor([len(r[0]) for r in rows])
+    for i, (ids, greedy, features, prompt_len) in enumerate(rows):
+        n = len(ids)
+        input_ids[i, :n], topk[i, :n, 0], hidden[i, :n] = ids, greedy, features
+        loss_mask[i, prompt_len:n] = True
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config or drafter_config())
+    embed = target.embed_VD.float()
+    head = target.target.lm_head.weight.float()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        blocks = make_blocks(input_ids, loss_mask, lengths, topk, block_size=B, num_anchors=12, gamma=7.0,
+                             mask_token_id=MASK, generator=generator)
+        mask = build_dense_mask(blocks.anchors_BN, blocks.keep_BN, S, B)
+        out = drafter(F.embedding(blocks.block_ids_BQ, embed), hidden, blocks.position_ids_BP, mask)
+        rows_M = blocks.loss_rows_M
+        logits = out.reshape(-1, out.shape[-1])[rows_M] @ head.T
+        weights = blocks.weights_BQ.reshape(-1)[rows_M]
+        loss = (F.cross_entropy(logits, blocks.labels_BQ.reshape(-1)[rows_M], reduction="none") * weights).sum() / weights.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A float32 tiny target and a drafter trained on its greedy continuations of four prompts (about 3 s)."""
+    torch.set_num_threads(1)
+    target = SpecTarget.from_model(tiny_qwen3(seed=0, dtype=torch.float32), LAYER_IDS, stop_ids=[])
+    prompts = random_prompts(4, lengths=(5, 9, 14, 20), seed=11)
+    drafter = train_drafter(target, prompts, new_tokens=60, steps=80)
+    out = tmp_path_factory.mktemp("trained")
+    # Three of its training prompts (the tiny drafter memorized those continuations: long acceptances)
+    # and an unseen one (mostly τ = 1).
+    return target, exported(out, drafter), prompts[:3] + random_prompts(1, lengths=(7,), seed=99)
+
+
+def test_trained_drafter_is_lossless_and_accepts(trained):
+    target, drafter, prompts = trained
+    proposer = DFlashProposer(drafter, target)
+    taus = []
+    for prompt in prompts:
+        base = greedy_generate(target, prompt, 60)
+        spec = speculative_generate(target, proposer, prompt, 60)
+        assert spec.tokens == base.tokens
+        check_round_bookkeeping(spec)
+        taus += spec.taus
+    # The drafter learned something: this test exercises partial acceptances, not only τ = 1.
+    assert sum(taus) / len(taus) > 2.0 and len(set(taus)) >= 4, taus
+
+
+def test_context_cache_gives_the_same_rounds_as_recomputing(trained):
+    target, drafter, prompts = trained
+    cached, recomputed = DFlashProposer(drafter, target), DFlashProposer(drafter, target, context_cache=False)
+    for prompt in prompts[:2]:
+        a = speculative_generate(target, cached, prompt, 50)
+        b = speculative_generate(target, recomputed, prompt, 50)
+        assert a.tokens == b.tokens and a.taus == b.taus
+
+
+def test_offline_block_drafts_equal_one_block_at_a_time(trained):
+    """Many blocks under the training mask = each block alone with the context before its anchor."""
+    target, drafter, prompts = trained
+    ids = torch.tensor(prompts[0] + greedy_generate(target, prompts[0], 40).tokens)
+    _, features = target.teacher_forced(ids[None])
+    anchors = [7, 8, 20, 31, 43]
+    assert len(ids) == 45
+    batched = offline_block_drafts(drafter, target, ids, features, anchors, chunk=3)
+    for row, a in enumerate(anchors):
+        block = torch.full((1, B), MASK)
+        block[0, 0] = ids[a]
+        with torch.no_grad():
+            hidden = drafter(position_ids=torch.arange(a + B)[None], noise_embedding=F.embedding(block, target.embed_VD),
+                             target_hidden=features[None, :a])
+        assert batched[row].tolist() == target.draft_logits(hidden[:, 1:]).argmax(-1)[0].tolist()
+
+
+def test_offline_tau_at_round_starts_equals_online_tau(trained):
+    """The agreement property, float32, features from one teacher-forced forward (as extraction stores them)."""
+    target, drafter, prompts = trained
+    result = agreement(target, drafter, prompts, 60)
+    assert result["prompts"] == len(prompts) and result["greedy_mismatches"] == 0
+    assert result["round_mismatches"] == 0
+    assert result["offline_tau_at_rounds"] == result["online_tau"] == result["offline_tau_chained"]
+    for p in result["per_prompt"]:
+        assert p["offline_tau_at_rounds"] == p["online_tau"] == p["offline_tau_chained"]
+        assert p["anchors"] == 59 and p["rounds"] < p["anchors"]
+    # The arithmetic mean over all anchors is at least the harmonic mean (which predicts tokens per round).
+    assert result["offline_tau_all"] >= result["offline_tau_harmonic"] > 1.0
+    # The online rounds really are a subset: recompute them by hand for the first prompt.
+    spec = speculative_generate(target, DFlashProposer(drafter, target), prompts[0], 60)
+    assert sum(spec.taus) / len(spec.taus) == pytest.approx(result["per_prompt"][0]["online_tau"])
+    # Given the generations a benchmark already decoded, it reuses them and finds the same.
+    gens = [speculative_generate(target, DFlashProposer(drafter, target), p, 60) for p in prompts]
+    assert agreement(target, drafter, prompts, 60, generations=gens) == result
+    with pytest.raises(ValueError, match="generations"):
+        agreement(target, drafter, prompts, 60, generations=gens[:1])
+
+
+def test_shard_prompts_and_corpus_offline_tau(trained, tmp_path):
+    """--data: prompts are the tokens before each sample's first response; when the stored response is
+    the target's greedy continuation, offline τ on the shards equals the agreement's all-anchor τ with
+    features rounded to bf16 as the shards store them."""
+    from common.hashing import sample_id
+    from shards import ShardWriter, sample_from_torch
+    from train.serve.specdecode import corpus_offline_tau, prompts_from_shards
+
+    target, drafter, prompts = trained
+    provenance = {"target": {"hidden_size": 32, "vocab_size": V}, "taps": {"layer_ids": LAYER_IDS}, "topk": 1}
+    with ShardWriter(str(tmp_path / "shards"), provenance=provenance, hidden_width=64, topk=1) as writer:
+        for prompt in prompts:
+            ids = torch.tensor(prompt + greedy_generate(target, prompt, 40).tokens)
+            greedy, features = target.teacher_forced(ids[None])
+            loss_mask = torch.arange(len(ids)) >= len(prompt)
+            writer.write(sample_from_torch(sample_id(ids.numpy(), loss_mask.numpy().astype("uint8")), ids, loss_mask,
+                                           features.bfloat16(), greedy[:, None], torch.zeros(len(ids), 1)))
+    got, samples = prompts_from_shards(str(tmp_path / "shards"), None)
+    assert got == prompts
+    corpus = corpus_offline_tau(drafter, target, samples)
+    online = agreement(target, drafter, prompts, 40, feature_dtype=torch.bfloat16)
+    assert corpus["samples"] == len(prompts)
+    assert corpus["offline_tau_corpus"] == pytest.approx(online["offline_tau_all"], abs=1e-12)
+    assert corpus["offline_tau_corpus_chained"] == pytest.approx(online["offline_tau_chained"], abs=1e-12)
+
+
+def test_chained_anchors_replay_the_online_schedule():
+    from train.serve.specdecode import chained_anchors
+
+    tau = torch.tensor([3, 9, 9, 1, 16, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 2, 5, 1, 1])  # anchors 10..29, end 31
+    assert chained_anchors(tau, 10, 31) == [10, 13, 14]  # 14 + 16 = 30 = the last token: nothing left
+    assert chained_anchors(tau[:1], 10, 12) == [10] and chained_anchors(tau[:0], 10, 11) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Hybrid target (Qwen3.5 Gated DeltaNet + attention): the cache cannot be cropped
+
+
+def tiny_qwen35(seed: int = 0):
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3_5TextConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
+                            linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=1024, tie_word_embeddings=False,
+                            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+    return Qwen3_5ForCausalLM(cfg).eval().to(torch.float64)
+
+
+def test_hybrid_target_uses_snapshots_and_stays_lossless(tmp_path):
+    target = SpecTarget.from_model(tiny_qwen35(), LAYER_IDS, stop_ids=[])
+    proposer = DFlashProposer(exported(tmp_path, DFlashDrafter(drafter_config(partial_rotary_factor=0.25))), target)
+    for prompt in random_prompts(2, lengths=(9, 4), seed=7):
+        base = greedy_generate(target, prompt, 40)
+        sequence = prompt + base.tokens
+        for stub in (proposer, OracleProposer(sequence), BrokenAtProposer(sequence, 6), WrongProposer(sequence)):
+            spec = speculative_generate(target, stub, prompt, 40)
+            assert spec.tokens == base.tokens, type(stub).__name__
+            check_round_bookkeeping(spec)
+        assert target.cache_mode == "snapshot"
+        # Every round that verified a rejected draft re-ran its accepted tokens once: one extra target forward.
+        produced, partial = 1, 0
+        for r in spec.rounds:
+            verify_len = min(B, 40 - produced)
+            partial += r.accepted + 1 < verify_len
+            produced += r.committed
+        assert spec.target_forwards == len(spec.rounds) + partial and partial > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line, end to end on a saved tiny target with a tokenizer
+
+
+def word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+    words = [f"w{i}" for i in range(V - len(specials) - 3)] + ["user", "assistant", "[UNK]"]
+    vocab = {w: i for i, w in enumerate(words)}
+    vocab.update({s: len(words) + i for i, s in enumerate(specials)})
+    assert len(vocab) == V and vocab["<|MASK|>"] == MASK
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", mask_token="<|MASK|>",
+                                      additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    wrapped.chat_template = ("{% for m in messages %}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    return wrapped
+
+
+def test_prompts_are_first_user_turns_with_the_generation_prompt(tmp_path):
+    tokenizer = word_tokenizer()
+    path = tmp_path / "p.jsonl"
+    records = [
+        {"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"},
+                      {"role": "user", "content": "w4"}, {"role": "assistant", "content": "w5"}]},
+        {"text": "w9 w9"},
+        {"messages": [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"}]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    prompts = prompts_from_jsonl(path, tokenizer, limit=None)
+    decode = [tokenizer.convert_ids_to_tokens(p) for p in prompts]
+    assert decode == [["<|im_start|>", "user", "w1", "w2", "<|im_end|>", "<|im_start|>", "assistant"],
+                      ["<|im_start|>", "user", "w7", "<|im_end|>", "<|im_start|>", "assistant"]]
+    assert len(prompts_from_jsonl(path, tokenizer, limit=1)) == 1
+
+
+def cli_inputs(tmp_path, n_prompts: int = 3):
+    """A saved tiny target with a tokenizer, an exported random drafter and a prompts file, as the CLI takes them."""
+    from transformers import GenerationConfig
+
+    tokenizer = word_tokenizer()
+    model = tiny_qwen3(seed=4, dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    model.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    export_drafter(DFlashDrafter(drafter_config()).state_dict(), drafter_config(), tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"}]}) + "\n" for i in range(n_prompts)))
+    return prompts
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    prompts = cli_inputs(tmp_path)
+    out = tmp_path / "result.json"
+    code = main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+                 "--max-new-tokens", "24", "--num-prompts", "2", "--out", str(out), "--agreement", "--threads", "1"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "lossless: True" in printed and "speed-up" in printed and "offline τ at the online round starts" in printed
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert summary["prompts"] == 2 and summary["lossless"] and summary["speedup"] > 0
+    assert sum(summary["tau_histogram"]) == summary["rounds"] and len(summary["tau_histogram"]) == B
+    assert result["agreement"]["round_mismatches"] == 0
+    assert result["config"]["max_new_tokens"] == 24 and result["cache_mode"] == "crop"
+    assert main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# DDTree verification (stretch goal)
+
+
+class OneHot:
+    """Gives a stub proposer confident logits (its drafts at +50): the DDTree of budget 15 is then
+    exactly the drafted chain, one node per depth."""
+
+    def __init__(self, stub):
+        self.stub, self.block_size = stub, B
+
+    def reset(self) -> None:
+        self.stub.reset()
+
+    def propose(self, *args) -> list[int]:
+        return self.stub.propose(*args)
+
+    def draft_logits(self, *args) -> torch.Tensor:
+        return F.one_hot(torch.tensor(self.stub.propose(*args)), V).double() * 50.0
+
+
+class Recording:
+    """Records the drafter's logits of every round."""
+
+    def __init__(self, proposer):
+        self.proposer, self.block_size, self.logits = proposer, proposer.block_size, []
+
+    def reset(self) -> None:
+        self.proposer.reset()
+
+    def draft_logits(self, *args) -> torch.Tensor:
+        self.logits.append(self.proposer.draft_logits(*args))
+        return self.logits[-1]
+
+
+def test_tree_mask_and_walk():
+    parent = torch.tensor([-1, -1, 0, 2, 1])  # nodes: a, b (depth 1), a->c, a->c->d, b->e
+    token = torch.tensor([5, 6, 7, 8, 9])
+    visible = tree_attention_mask(parent, cached=2, dtype=torch.float32)[0, 0] == 0
+    assert visible.shape == (6, 8) and visible[:, :2].all()
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0],
+                             [1, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(visible[:, 2:], expected)
+    # greedy[0] at the root, greedy[i + 1] at node i
+    assert walk_verified_tree(parent, token, [5, 7, 0, 8, 3, 0]) == [0, 2, 3]
+    assert walk_verified_tree(parent, token, [6, 0, 9, 0, 0, 0]) == [1, 4]
+    assert walk_verified_tree(parent, token, [4, 0, 0, 0, 0, 0]) == []
+
+
+def test_ddtree_is_lossless_and_its_tau_is_the_tree_walk(trained):
+    """Every budget gives the greedy tokens; each round's τ is train.eval.ddtree's walk of the target's
+    tokens down the tree built from that round's drafter logits."""
+    from train.eval.ddtree import build_ddtree, draft_topk, walk_tree
+
+    _, drafter, prompts = trained
+    target = SpecTarget.from_model(tiny_qwen3(seed=0, dtype=torch.float64), LAYER_IDS, stop_ids=[])
+    proposer = DFlashProposer(drafter, target)
+    for prompt in prompts[:2] + prompts[3:]:
+        base = greedy_generate(target, prompt, 50)
+        sequence = prompt + base.tokens
+        for budget in (1, 8, 32):
+            recording = Recording(proposer)
+            tree_gen = ddtree_generate(target, recording, prompt, 50, budget)
+            assert tree_gen.tokens == base.tokens, budget
+            check_round_bookkeeping(tree_gen)
+            for r, logits in zip(tree_gen.rounds, recording.logits):
+                lp, ids = draft_topk(logits[None].float(), min(budget, V))
+                tree = build_ddtree(lp[0], ids[0], budget)
+                y = torch.tensor((sequence[r.start + 1 : r.start + B] + [0] * B)[: B - 1])
+                left = len(sequence) - 1 - r.start
+                assert r.tau == 1 + walk_tree(tree, y, valid_len=min(B - 1, left))
+            if budget == 1:
+                assert max(tree_gen.taus) <= 2
+
+
+def test_ddtree_with_one_node_per_depth_is_the_chain():
+    target = SpecTarget.from_model(tiny_qwen3(seed=2), LAYER_IDS, stop_ids=[])
+    prompt = random_prompts(1, lengths=(8,), seed=4)[0]
+    base = greedy_generate(target, prompt, 45)
+    for stub in (BrokenAtProposer(prompt + base.tokens, 4), OracleProposer(prompt + base.tokens), WrongProposer(prompt + base.tokens)):
+        chain = speculative_generate(target, stub, prompt, 45)
+        tree = ddtree_generate(target, OneHot(stub), prompt, 45, budget=B - 1)
+        assert tree.tokens == chain.tokens == base.tokens
+        assert tree.taus == chain.taus and [r.committed for r in tree.rounds] == [r.committed for r in chain.rounds]
+
+
+def test_ddtree_refuses_hybrid_targets(tmp_path):
+    target = SpecTarget.from_model(tiny_qwen35(), LAYER_IDS, stop_ids=[])
+    proposer = DFlashProposer(exported(tmp_path, DFlashDrafter(drafter_config())), target)
+    with pytest.raises(ValueError, match="hybrid"):
+        ddtree_generate(target, proposer, [1, 2, 3], 10, budget=8)
+
+
+# ----------------------------------------------------------------------------------------------
+# z-lab's quick start on our export: `drafter.spec_generate(...)` of the exported dflash.py
+
+
+def quick_start(drafter_dir, target_model, prompt: list[int], max_new_tokens: int, stop_token_ids, **sampling):
+    """z-lab's README snippet, from `AutoModel.from_pretrained` on (no device_map: CPU)."""
+    from transformers import AutoModel
+
+    draft = AutoModel.from_pretrained(str(drafter_dir), trust_remote_code=True, dtype="auto").eval()
+    input_ids = torch.tensor([prompt]).to(draft.device)
+    output = draft.spec_generate(input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=sampling.pop("temperature", 0.0),
+                                 target=target_model, stop_token_ids=stop_token_ids, **sampling)
+    assert output.shape[0] == 1 and output[0, : len(prompt)].tolist() == prompt
+    return output[0, len(prompt):].tolist(), draft
+
+
+def test_quick_start_on_our_export_is_target_greedy_decoding(trained):
+    target, drafter, prompts = trained
+    drafter_dir = drafter.name_or_path
+    taus = []
+    for prompt in prompts:
+        base = greedy_generate(target, prompt, 60)
+        tokens, draft = quick_start(drafter_dir, target.model, prompt, 60, stop_token_ids=None)
+        assert type(draft).__module__.endswith("dflash")  # the export's own dflash.py ran
+        assert tokens == base.tokens
+        assert sum(draft.last_acceptance_lengths) == len(tokens) - 1  # the first token is the prefill's
+        taus += draft.last_acceptance_lengths
+    assert max(taus) > 4 and min(taus) == 1, taus  # whole blocks, partial blocks and rejections were all exercised
+    # transformers' own greedy generate agrees, stop token included (cut right after its first occurrence).
+    prompt = prompts[0]
+    stop = greedy_generate(target, prompt, 60).tokens[20]
+    reference = target.model.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False, eos_token_id=stop,
+                                      pad_token_id=stop)[0, len(prompt):].tolist()
+    tokens, _ = quick_start(drafter_dir, target.model, prompt, 60, stop_token_ids=[stop])
+    assert tokens == reference and tokens[-1] == stop and stop not in tokens[:-1]
+
+
+def test_quick_start_with_sliding_layers_and_a_hybrid_target(tmp_path):
+    """The published Qwen3.6 layout (sliding layers, a window shorter than the context) on a Gated
+    DeltaNet target whose cache cannot be cut back: still the target's greedy tokens."""
+    torch.manual_seed(3)
+    cfg = drafter_config(num_hidden_layers=3, layer_types="sliding_then_full", sliding_window=8)
+    export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp_path / "d", dtype="float32")
+    for model in (tiny_qwen3(), tiny_qwen35()):
+        target = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[])
+        proposer = DFlashProposer(load_exported(tmp_path / "d"), target)  # train.specdecode's own loop too
+        for prompt in random_prompts(2, lengths=(23, 9), seed=4):
+            base = greedy_generate(target, prompt, 40)
+            tokens, draft = quick_start(tmp_path / "d", model, prompt, 40, stop_token_ids=[])
+            assert tokens == base.tokens == speculative_generate(target, proposer, prompt, 40).tokens
+            assert draft.layer_attention == [(8, True), (8, True), (None, False)]
+
+
+def test_quick_start_sampling_with_top_k_one_is_greedy(trained):
+    """Temperature > 0 goes through rejection sampling; with top_k = 1 both distributions are one-hot,
+    so it must reproduce greedy decoding exactly (and use the sampling code to do it)."""
+    target, drafter, prompts = trained
+    base = greedy_generate(target, prompts[1], 40)
+    torch.manual_seed(0)
+    tokens, draft = quick_start(drafter.name_or_path, target.model, prompts[1], 40, stop_token_ids=None, temperature=0.7, top_k=1)
+    assert tokens == base.tokens and max(draft.last_acceptance_lengths) > 1
+    with pytest.raises(ValueError, match="temperature"):
+        quick_start(drafter.name_or_path, target.model, prompts[1], 4, stop_token_ids=None, temperature=-1.0)
