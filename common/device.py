@@ -13,9 +13,15 @@ import os
 import torch
 
 # Torch CPU threads for small models (the tiny default: a 2.6 M-parameter target, a 0.5 M-parameter
-# drafter). Their ops last tens to hundreds of microseconds, so each extra thread adds more
-# fork-join and wake-up time (OMP_WAIT_POLICY=PASSIVE: sleeping threads are woken per op) than it
-# removes work. MEASURED_THREADS_NOTE
+# drafter). Their ops last tens to hundreds of microseconds, so extra threads add fork-join and
+# wake-up time (OMP_WAIT_POLICY=PASSIVE: sleeping threads are woken per parallel region) and remove
+# little work: torch splits an elementwise op into grains of 32K elements, and a 1,024-token batch
+# of width 128 has 128K, so threads past 4 get nothing to do there. Measured on the idle 2-core VM
+# (2026-12-01, `python -m extract.bench_threads`): the tiny target's training step took 0.13 s on
+# 1 thread and 0.15 s on 2, batched greedy decoding 0.46 s and 0.54 s; the drafter's steps
+# (4,096-token batches) gained at most 1.3x from a second thread. On the 16-core H200 host the tiny
+# target trained more slowly with torch's default of 8 threads than on this VM with 2 (issue 14).
+# Hence: the usable cores, at most 4 (a user's OMP_NUM_THREADS wins).
 SMALL_MODEL_MAX_THREADS = 4
 
 
