@@ -1,8 +1,11 @@
 # One entry point per job. Every target depends on `setup`, so a fresh clone needs no manual step.
 #   make demo                                   the whole pipeline on the built-in tiny default (on the GPU if there is one)
 #   make test                                   the test suite
+#   make test-gpu                               only the GPU tier (pytest -m gpu): the CUDA paths, on a GPU host
 #   make extract [CONFIG=configs/x.toml] [key=value ...]
 #   make train   [CONFIG=configs/x.toml] [RUN=name] [key=value ...]
+#   make tiers   [CONFIG=configs/x.toml] [key=value ...]   compare storage tiers (python -m train.choose_tier)
+#   make regenerate [CONFIG=configs/x.toml] [key=value ...]   the target's own answers for a corpus
 # key=value words on the make command line are passed through to the stage's config loader.
 
 PYTHON ?= python3
@@ -16,7 +19,7 @@ export PYTHONUNBUFFERED := 1
 # torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup test demo extract train eval export specdecode report tiny bench-shards bench-extract bench-train reliability clean
+.PHONY: setup test test-gpu demo extract regenerate train eval export specdecode report tiny tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train reliability clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +34,10 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(PY) -m pytest -q -n 2 $(ARGS)
 
+# Four workers: most of the tier's time is torch.compile / Triton compilation, which is CPU-bound.
+test-gpu: setup
+	$(PY) -m pytest -q -n 4 -rs -m gpu tests/gpu $(ARGS)
+
 demo: setup
 	$(PY) -m train.demo $(OVERRIDES)
 
@@ -40,6 +47,10 @@ tiny: setup
 extract: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m extract.tiny)
 	$(PY) -m extract $(CONFIG) $(OVERRIDES)
+
+regenerate: setup
+	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m extract.tiny)
+	$(PY) -m extract.regenerate $(CONFIG) $(OVERRIDES)
 
 train: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny \&\& $(PY) -m extract configs/tiny.toml))
@@ -60,8 +71,19 @@ report: setup
 bench-shards: setup
 	$(PY) -m shards.bench $(ARGS)
 
+bench-tiers: setup
+	$(PY) -m shards.bench_tiers $(ARGS)
+
+# Storage tiers side by side: transcode, train (two seeds each), evaluate against lossless, decode online.
+tiers: setup
+	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny && $(PY) -m extract configs/tiny.toml))
+	$(PY) -m train.choose_tier $(CONFIG) $(OVERRIDES)
+
 bench-extract: setup
 	$(PY) -m extract.bench $(ARGS)
+
+bench-regenerate: setup
+	$(PY) -m extract.regenerate.bench $(ARGS)
 
 bench-train: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny \&\& $(PY) -m extract configs/tiny.toml))

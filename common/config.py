@@ -12,7 +12,9 @@ own table, so one file can describe a whole experiment.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import datetime
 import hashlib
 import json
 import os
@@ -76,7 +78,7 @@ def parse_cli(cls: type, argv: typing.Sequence[str], *, section: str | None = No
         print(describe(cls))
         raise SystemExit(0)
     path = None
-    if argv and "=" not in argv[0]:
+    if argv and ("=" not in argv[0] or os.path.isfile(argv[0])):  # a config file may have '=' in its name
         path = argv.pop(0)
     for word in argv:
         if "=" not in word:
@@ -85,21 +87,26 @@ def parse_cli(cls: type, argv: typing.Sequence[str], *, section: str | None = No
 
 
 def load_config(
-    cls: type, path: str | os.PathLike | None, overrides: typing.Sequence[str] = (), *, section: str | None = None
+    cls: type, path: str | os.PathLike | None, overrides: typing.Sequence[str] = (), *, section: str | None = None,
+    values: typing.Mapping[str, Any] | None = None,
 ) -> Any:
-    """Read `path` (TOML or JSON; its `[section]` table if it has one), apply overrides, validate."""
+    """Read `path` (TOML or JSON; its `[section]` table if it has one), apply the `key=value`
+    overrides, then `values` ({dotted key: value}, taken exactly as given: what a CLI's own
+    options such as `--data DIR` set), and validate."""
     data: dict[str, Any] = {}
     if path is not None:
         data = _read_file(Path(path))
         if section is not None and isinstance(data.get(section), dict):
             data = data[section]
-    data = json.loads(json.dumps(data))  # deep copy, plain types
+    data = copy.deepcopy(data)
     for word in overrides:
         key, _, raw = word.partition("=")
         key = key.strip()
         if not key:
             raise ConfigError(f"override '{word}' has no key")
-        _set_dotted(data, key, _parse_override_value(raw.strip()))
+        _set_dotted(data, key, CommandLineValue(raw.strip()))
+    for key, value in (values or {}).items():
+        _set_dotted(data, key, value)
     return config_from_dict(cls, data)
 
 
@@ -119,14 +126,54 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _parse_override_value(raw: str) -> Any:
-    """`5` -> 5, `[1,2]` -> [1, 2], `true` -> True, `"a b"` -> 'a b', `abc` -> 'abc', `none` -> None."""
-    if raw.lower() in ("none", "null"):
-        return None
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
+class CommandLineValue:
+    """The text of a `key=value` override. The key's type decides how it is read: a string key
+    takes the text as given (`run_name=2024-06-01`, `1e3`, `true` are names, not a date, a number
+    and a boolean), with surrounding quotes removed when the whole text is one TOML string; other
+    keys read it as a TOML value (`5`, `[1, 2]`, `true`, `{a = 1}`), and `none` / `null` is none."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def as_text(self) -> str:
+        if self.text[:1] in ('"', "'"):
+            parsed = self.as_toml()
+            if isinstance(parsed, str):
+                return parsed
+        return self.text
+
+    def as_toml(self) -> Any:
+        """`5` -> 5, `[1,2]` -> [1, 2], `true` -> True, `"a b"` -> 'a b', `abc` -> 'abc', `none` -> None."""
+        if self.text.lower() in ("none", "null"):
+            return None
+        try:
+            return tomllib.loads(f"v = {self.text}")["v"]
+        except tomllib.TOMLDecodeError:
+            return self.text
+
+    def __repr__(self) -> str:
+        return repr(self.text)
+
+
+def _takes_text(hint: Any) -> bool:
+    """A string key, or a choice among strings: its command-line value is the text itself."""
+    if hint is str:
+        return True
+    args = typing.get_args(hint)
+    return typing.get_origin(hint) is Literal and all(isinstance(a, str) for a in args)
+
+
+def _plain(value: Any, hint: Any = Any) -> Any:
+    """Command-line values inside `value` read for `hint` (a table's or list's items: their own hint)."""
+    if isinstance(value, CommandLineValue):
+        if _takes_text(hint):
+            return value.as_text()
+        return value.as_toml()
+    if isinstance(value, dict):
+        args = typing.get_args(hint)
+        item_hint = args[1] if typing.get_origin(hint) is dict and len(args) == 2 else Any
+        return {k: _plain(v, item_hint) for k, v in value.items()}
+    return value
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -194,10 +241,20 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
+def _quote_hint(value: Any) -> str:
+    """TOML reads an unquoted 2024-06-01 in a config file as a date: say how to make it text."""
+    return " (TOML read a date or time: quote it in the config file)" if isinstance(value, (datetime.date, datetime.time)) else ""
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
+        if isinstance(value, CommandLineValue):
+            if type(None) in args and value.text.lower() in ("none", "null"):
+                return None
+            text_type = next((a for a in args if _takes_text(a)), None)
+            value = _plain(value, text_type if text_type is not None else Any)
         if value is None and type(None) in args:
             return None
         non_none = [a for a in args if a is not type(None)]
@@ -206,7 +263,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError:
                 continue  # the message below names every type the key takes
-        fail(key, f"expected {' or '.join(_type_name(a) for a in non_none)}" + (" or none" if type(None) in args else "") + f", got {value!r}")
+        fail(key, f"expected {' or '.join(_type_name(a) for a in non_none)}" + (" or none" if type(None) in args else "") + f", got {value!r}{_quote_hint(value)}")
+    if isinstance(value, CommandLineValue) and not dataclasses.is_dataclass(hint):
+        value = _plain(value, hint)
     if value is None:
         fail(key, f"expected {_type_name(hint)}, got none")
     if origin is Literal:
@@ -223,6 +282,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             fail(key, f"expected a table, got {value!r}")
+        value = _plain(value, hint)
+        if len(args) == 2:
+            return {k: _coerce(f"{key}.{k}", v, args[1]) for k, v in value.items()}
         return dict(value)
     if hint is Any:
         return value
@@ -240,7 +302,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            fail(key, f"expected a string, got {value!r}")
+            fail(key, f"expected a string, got {value!r}{_quote_hint(value)}")
         return value
     raise AssertionError(f"unsupported config type {hint!r} for {key}")
 

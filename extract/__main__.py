@@ -5,10 +5,14 @@
     torchrun --nproc-per-node 8 -m extract configs/qwen3.6-27b.toml
     python -m extract --help                                    # every key with its help
 
-Reads the `[extract]` table of CONFIG; see extract/config.py. User errors (bad config, missing
-files, a resume with changed settings) print one line naming the problem and exit with status 2;
-an I/O error (full disk, EIO) prints one line and exits with status 4: every shard committed before
-it stays in the dataset, and rerunning the same command resumes.
+Reads the `[extract]` table of CONFIG; see extract/config.py. Exit status:
+  0  done (or already complete);
+  2  a user error, one line naming the problem: bad config, a corpus or output path that cannot
+     work (found before the target is loaded), a resume with changed settings, another process
+     already writing the same dataset, on_error = fail;
+  3  the dataset holds 0 samples (every record rejected, or no records): the reason is printed;
+  4  an I/O error (full disk, EIO), one line: every shard committed before it stays in the
+     dataset, and rerunning the same command resumes (said only when something was committed).
 """
 
 from __future__ import annotations
@@ -30,20 +34,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from extract import pipeline
 
+    ranks = None
     try:
         ranks = pipeline.Ranks.from_env()
         summaries = pipeline.run(cfg, ranks=ranks)
-    except ValueError as err:  # user errors: config, corpus, target, resume refusals, on_error=fail
+    except ValueError as err:  # user errors: config, corpus, target, resume refusals, a second writer, on_error=fail
         print(f"extract: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # full disk, I/O errors: the manifest still lists only complete shards
-        print(f"extract: I/O error, stopping: {err}. Shards committed before it are intact; rerun the same command to resume.", file=sys.stderr)
+        if ranks is not None and pipeline.has_committed_work(cfg, ranks):
+            after = "Shards committed before it are intact; rerun the same command to resume."
+        else:
+            after = "Nothing had been committed yet; fix the cause and rerun."
+        print(f"extract: I/O error, stopping: {err}. {after}", file=sys.stderr)
         return 4
-    if ranks.rank == 0:
-        for name, summary in summaries.items():
-            print(("" if name is None else f"[{name}]\n") + pipeline.format_summary(summary), flush=True)
-    return 0
-
+    if ranks.rank != 0:
+        return 0
+    for name, summary in summaries.items():
+        print(("" if name is None else f"[{name}]\n") + pipeline.format_summary(summary), flush=True)
+    empty = [(name, summary) for name, summary in summaries.items() if summary["complete"] and not summary["samples"]]
+    for name, summary in empty:
+        print(f"extract: {'' if name is None else f'[{name}] '}{pipeline.no_samples_reason(summary)}", file=sys.stderr)
+    return 3 if empty else 0
 
 if __name__ == "__main__":
     sys.exit(main())

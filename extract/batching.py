@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shards.quant import parse_encoding
 from shards.schema import check_encoding
 
 
@@ -71,33 +72,75 @@ class HostBatch:
     without a copy: encoding "planes": uint8 [2, S, B, T, W / S], the high bytes of every bf16, then
     the low bytes, each in the dataset's `hidden_split` S column pieces (one per tap by default);
     encoding "plain": bf16 [B, T, W] (the writer cuts the pieces). W = n_taps * hidden_size, taps
-    concatenated per token."""
+    concatenated per token.
+
+    Storage tiers: `stored_width` is the width of the stored features (a projection's r; default W),
+    and a quantized encoding lays out, per column piece, codes uint8 [S, B, T, code width] then
+    scales [S, B, T, scale width] (int8 or bf16 bits); `error_rows` then gives per-sample
+    reconstruction error sums float32 [B, W] (energy and squared error per channel)."""
 
     def __init__(
-        self, *, n_taps: int, hidden_size: int, token_budget: int, topk: int, pin: bool, encoding: str = "planes", hidden_split: int = 1
+        self, *, n_taps: int, hidden_size: int, token_budget: int, topk: int, pin: bool, encoding: str = "planes", hidden_split: int = 1,
+        stored_width: int | None = None,
     ):
         check_encoding(encoding)
         self.n_taps, self.hidden_size, self.token_budget, self.encoding = n_taps, hidden_size, token_budget, encoding
         self.width = n_taps * hidden_size
-        assert self.width % hidden_split == 0, (self.width, hidden_split)
+        self.stored_width = stored_width or self.width
+        assert self.stored_width % hidden_split == 0, (self.stored_width, hidden_split)
         self.hidden_split = hidden_split
-        self.hidden = torch.empty(2 * token_budget * self.width, dtype=torch.uint8, pin_memory=pin)  # 2 bytes per bf16
+        self.quant = parse_encoding(encoding)
+        self.pin = pin
+        self.hidden = torch.empty(token_budget * self.bytes_per_token, dtype=torch.uint8, pin_memory=pin)
+        self._errors: torch.Tensor | None = None  # [2, rows, W] float32, grown on demand
         self.topk_ids = torch.empty(token_budget, topk, dtype=torch.int32, pin_memory=pin)
         self.topk_logprobs = torch.empty(token_budget, topk, dtype=torch.float32, pin_memory=pin)
         self.hidden_ok = torch.empty(token_budget, dtype=torch.bool, pin_memory=pin)  # per sample
         self.logits_ok = torch.empty(token_budget, dtype=torch.bool, pin_memory=pin)  # per sample
 
-    def hidden_view(self, B: int, T: int) -> torch.Tensor:
-        """planes: uint8 [2, S, B, T, W / S]; plain: bf16 [B, T, W] (one contiguous block, so one copy fills it)."""
+    @property
+    def bytes_per_token(self) -> int:
+        """Stored hidden bytes per token: 2 per bf16, or a quantized encoding's codes and scales."""
+        if self.quant is None:
+            return 2 * self.stored_width
+        piece = self.stored_width // self.hidden_split
+        per_piece = self.quant.code_width(piece) + self.quant.scale_width(piece) * self.quant.scale_dtype.itemsize
+        return self.hidden_split * per_piece
+
+    def hidden_block(self, B: int, T: int) -> torch.Tensor:
+        """The bytes a [B, T] micro-batch's hidden states use, as one contiguous uint8 block."""
         assert B * T <= self.token_budget, (B, T, self.token_budget)
-        used = self.hidden[: 2 * B * T * self.width]
+        return self.hidden[: B * T * self.bytes_per_token]
+
+    def layout(self, block: torch.Tensor, B: int, T: int):
+        """Views of a hidden block (this buffer's, or a device copy of the same size) in the stored
+        layout: planes uint8 [2, S, B, T, W / S]; plain bf16 [B, T, W]; quantized (codes uint8
+        [S, B, T, code width], scales [S, B, T, scale width])."""
+        S, piece = self.hidden_split, self.stored_width // self.hidden_split
+        if self.quant is not None:
+            code_bytes = S * B * T * self.quant.code_width(piece)
+            codes = block[:code_bytes].view(S, B, T, self.quant.code_width(piece))
+            scale_dtype = torch.int16 if self.quant.four_bit else torch.int8  # int16: bf16 bits (uint16 on disk)
+            return codes, block[code_bytes:].view(scale_dtype).view(S, B, T, self.quant.scale_width(piece))
         if self.encoding == "planes":
-            return used.view(2, self.hidden_split, B, T, self.width // self.hidden_split)
-        return used.view(torch.bfloat16).view(B, T, self.width)
+            return block.view(2, S, B, T, piece)
+        return block.view(torch.bfloat16).view(B, T, self.stored_width)
+
+    def hidden_view(self, B: int, T: int):
+        """planes: uint8 [2, S, B, T, W / S]; plain: bf16 [B, T, W] (one contiguous block, so one copy
+        fills it); quantized: (codes, scales) as in `layout`."""
+        return self.layout(self.hidden_block(B, T), B, T)
+
+    def error_rows(self, B: int) -> torch.Tensor:
+        """float32 [2, B, W] for per-sample (energy, squared error) sums per channel (grown as needed)."""
+        if self._errors is None or self._errors.shape[1] < B:
+            self._errors = torch.empty(2, max(B, 16), self.width, dtype=torch.float32, pin_memory=self.pin)
+        return self._errors[:, :B]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.hidden, self.topk_ids, self.topk_logprobs, self.hidden_ok, self.logits_ok))
+        extra = [] if self._errors is None else [self._errors]
+        return sum(t.numel() * t.element_size() for t in (self.hidden, self.topk_ids, self.topk_logprobs, self.hidden_ok, self.logits_ok, *extra))
 
 
 class BufferPool:

@@ -264,6 +264,7 @@ def run_full(cfg, target, ranks, device: str, overrides: list[str]) -> tuple[dic
         sync(device)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
     run = summary.get("this_run", {})
+    tier = _tier_facts(cfg.out_dir) if ranks.rank == 0 else None
     full = {
         "tokens": run.get("tokens", 0), "seconds": seconds, "samples": run.get("samples", 0),
         "peak_gpu_gib": peak_gib(device), "bytes_written": summary["bytes"] if ranks.world == 1 else None,
@@ -271,8 +272,53 @@ def run_full(cfg, target, ranks, device: str, overrides: list[str]) -> tuple[dic
         "process_cpu_cores": cpu / seconds if seconds else None, "gil_probe": probe.summary(),
         "startup_seconds": run.get("startup_seconds"), "drain_seconds": run.get("drain_seconds"),
         **{k: v for k, v in run.items() if k.startswith("write") or k.startswith("commit")},
+        "tier": tier,
     }
     return full, summary
+
+
+def _tier_facts(out_dir: str) -> dict | None:
+    """Encoding, projection and the reconstruction error per tap recorded in the written dataset."""
+    from shards import ShardDataset
+    from shards.describe import reconstruction_by_tap
+
+    try:
+        ds = ShardDataset(out_dir, verify_samples=False)
+    except (OSError, ValueError):
+        return None
+    taps, tokens, _ = reconstruction_by_tap(ds.shards)
+    return {"encoding": ds.encoding, "projection": (ds.projection or {}).get("spec"), "error_tokens": tokens,
+            "rel_rms_per_tap": [t["rel_rms"] for t in taps], "worst_channel_rel_rms": [t["worst_channel_rel_rms"] for t in taps]}
+
+
+def fit_projections_once(cfgs: list, target, ranks, workdir: str) -> tuple[list, list]:
+    """Variants with a storage-tier projection `pca:...` get it fitted here, once and untimed (rank 0
+    runs the calibration pass; a real extraction pays it once per corpus), and then read it from a
+    file, so (b) measures the per-token cost of the tier alone. Returns (configs, calibration info)."""
+    import dataclasses
+
+    out_cfgs, infos = [], []
+    for i, c in enumerate(cfgs):
+        if not (c.projection or "").startswith("pca:"):
+            out_cfgs.append(c)
+            infos.append(None)
+            continue
+        from extract.calibrate import calibrate
+        from shards.projection import projection_bytes
+
+        path = os.path.join(workdir, f"projection-variant{i}.safetensors")
+        started = time.perf_counter()
+        if ranks.rank == 0:
+            projection = calibrate(c, target)
+            with open(path, "wb") as f:
+                f.write(projection_bytes(projection))
+            infos.append({"spec": c.projection, "seconds": time.perf_counter() - started, "rank_per_tap": projection.rank,
+                          "explained": projection.info["explained"], **projection.info.get("calibration", {})})
+        else:
+            infos.append({"spec": c.projection, "fitted_by": "rank 0"})
+        ranks.barrier()
+        out_cfgs.append(dataclasses.replace(c, projection=path))
+    return out_cfgs, infos
 
 
 def peak_gib(device: str) -> float | None:
@@ -339,10 +385,15 @@ def main(argv=None) -> int:
     # before (a), so anything still cold counts against (b): (b)/(a) is never flattered.
     batches = bare_batches(target, cfg, corpus_path, ranks)
     warmup = measure_bare(target, cfg, batches, device) if args.warmup else None
+    cfgs, calibrations = fit_projections_once(cfgs, target, ranks, workdir)
     fulls = []
-    for variant, variant_cfg in zip(args.variants, cfgs):
+    for variant, variant_cfg, calibration in zip(args.variants, cfgs, calibrations):
         full, summary = run_full(variant_cfg, target, ranks, device, variant)
+        full["calibration"] = calibration
         fulls.append(full)
+        if ranks.rank == 0:  # a line per variant as it finishes (kept if a time limit stops the run later)
+            print(f"(b) {', '.join(variant) or 'as configured'}: {full['tokens'] / full['seconds']:,.0f} tok/s over {full['tokens']:,} tokens, "
+                  f"{(full['bytes_written'] or 0) / max(full['tokens'], 1):,.0f} B/token; tier {json.dumps(full.get('tier'))}", flush=True)
 
     reset_peak(device)
     with GilProbe() as probe:
@@ -400,6 +451,8 @@ def make_report(args, results: list[dict], n_params: int, device: str, summary: 
                 "warmup_seconds": r.get("warmup_seconds"), "bare_seconds": r["bare"]["seconds"], "full_seconds": full["seconds"],
                 "full_startup_seconds": full.get("startup_seconds"), "full_drain_seconds": full.get("drain_seconds"),
                 "warmup_tok_s": r["bare"]["tokens"] / r["warmup_seconds"] if r.get("warmup_seconds") else None,
+                "full_bytes_per_token": full["bytes_written"] / full["tokens"] if full.get("bytes_written") and full["tokens"] else None,
+                "calibration": full.get("calibration"), "tier": full.get("tier"),
             })
         return rows
 
@@ -413,6 +466,9 @@ def make_report(args, results: list[dict], n_params: int, device: str, summary: 
 
     variants = [{"overrides": results[0]["full_variants"][v]["overrides"], "per_rank": per_rank_rows(v), "total": totals(v)}
                 for v in range(len(results[0]["full_variants"]))]
+    first = variants[0]["total"]["full_tok_s"]
+    for variant in variants:  # storage tiers and other variants against the first one, in the same run
+        variant["total"]["full_over_first_variant"] = variant["total"]["full_tok_s"] / first if first else None
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -455,6 +511,17 @@ def format_report(report: dict) -> str:
             )
         t = variant["total"]
         lines.append(f"{'all':>4} {f(t['bare_tok_s']):>15} {f(t['full_tok_s']):>15} {f(t['full_over_bare'], '.3f'):>8} {f(t['bare_tflops'], '.1f'):>12} {f(t['full_tflops'], '.1f'):>12}")
+        bpt = [r["full_bytes_per_token"] for r in variant["per_rank"] if r.get("full_bytes_per_token")]
+        tier = variant["per_rank"][0].get("tier") or {}
+        error = ", ".join(f"{x:.4f}" for x in tier.get("rel_rms_per_tap") or []) or "none (lossless)"
+        lines.append(f"  (b) against the first variant: {f(t.get('full_over_first_variant'), '.3f')} of its tok/s; written "
+                     + (f"{f(sum(bpt) / len(bpt))} B/token" if bpt else "- B/token")
+                     + f"; tier {tier.get('encoding', '-')}{' + ' + tier['projection'] if tier.get('projection') else ''}, relative RMS error per tap {error}")
+        for r in variant["per_rank"]:
+            if r.get("calibration") and r["calibration"].get("seconds") is not None:
+                c = r["calibration"]
+                lines.append(f"  projection {c['spec']}: calibration pass (untimed in (b)) {c['seconds']:.1f} s over {c.get('samples')} samples / "
+                             f"{c.get('tokens')} tokens, rank {c['rank_per_tap']} per tap keeps {', '.join(f'{x:.3f}' for x in c['explained'])}")
         for r in variant["per_rank"]:
             timings = ", ".join(f"{key.removeprefix('writer_')} {value:,.0f}" if key.endswith("_calls") else f"{key.removeprefix('writer_')} {value:.0%}"
                                 for key, value in r["writer_timings"].items())

@@ -75,6 +75,9 @@ def parse_args(argv):
     p.add_argument("--write-behind-bytes", type=int, default=None,
                    help="early write-back every this many bytes of a shard; 0 = off; default: the shard writer's (64 MiB)")
     p.add_argument("--path", choices=["current", "legacy", "both"], default="both")
+    p.add_argument("--encoding", default="planes",
+                   help="hidden encoding of the current path: planes, or a storage tier (fp8, int4-gG, nf4-gG) whose codes and "
+                        "scales the device would have laid out in the buffer (quantized here once, untimed)")
     p.add_argument("--mode", choices=["serial", "pipelined", "both"], default="both")
     p.add_argument("--dir", default=None, help="where shards are written (local disk; deleted afterwards)")
     p.add_argument("--repeats", type=int, default=2, help="measurements of each path and mode; the cheapest is reported (after one warm-up)")
@@ -102,6 +105,12 @@ class Synthetic:
         self.hi_TW, self.lo_TW = (self.hidden_TW >> 8).astype(np.uint8), self.hidden_TW.astype(np.uint8)
         self.topk_ids, self.topk_logprobs = realistic_topk(rng, POOL_TOKENS, topk, 248_320)
         self.rng = rng
+
+    def quantize(self, encoding: str, pieces: int) -> None:
+        """The pool's codes and scales in a quantized encoding (what the device would copy to the host)."""
+        from shards.quant import quantize_bf16_bits
+
+        self.quantized = quantize_bf16_bits(self.hidden_TW, encoding, pieces)
 
     def window(self, n_tokens: int) -> slice:
         start = int(self.rng.integers(0, POOL_TOKENS - n_tokens + 1))
@@ -216,7 +225,7 @@ def open_writer(root: str, args, width: int, hidden_split: int = 1):
     if args.write_behind_bytes is not None:
         kwargs["write_behind_bytes"] = args.write_behind_bytes or None
     return ShardWriter(root, provenance={}, hidden_width=width, topk=args.topk, manifest_name="manifest.rank000.json",
-                       shard_prefix="r000-shard", **kwargs)
+                       shard_prefix="r000-shard", hidden_encoding=getattr(args, "encoding", "planes"), **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,19 +255,42 @@ class CurrentRun:
         from extract.capture import InFlight
 
         B, T = len(batch), max(t.n_tokens for t, _ in batch)
-        planes = host.hidden_view(B, T)  # [2, S, B, T, W / S]
-        S, piece_width = planes.shape[1], planes.shape[-1]
+        put_hidden = self._hidden_filler(host, B, T)
         offset = 0
         for b, (tokenized, rows) in enumerate(batch):
             L = tokenized.n_tokens
-            for plane, values_TW in enumerate((self.syn.hi_TW, self.syn.lo_TW)):
-                planes[plane, :, b, :L] = torch.from_numpy(values_TW[rows]).unflatten(-1, (S, piece_width)).transpose(0, 1)
+            put_hidden(b, L, rows)
             host.topk_ids[offset : offset + L] = torch.from_numpy(self.syn.topk_ids[rows])
             host.topk_logprobs[offset : offset + L] = torch.from_numpy(self.syn.topk_logprobs[rows])
             offset += L
         host.hidden_ok[:B] = True
         host.logits_ok[:B] = True
         return InFlight(host, [t.n_tokens for t, _ in batch], T, events=[], keepalive=[])
+
+    def _hidden_filler(self, host, B: int, T: int):
+        """put(b, L, rows): sample b's hidden rows in the buffer's layout: byte planes, or for a
+        quantized encoding codes and scales per piece (and zero reconstruction error sums, which
+        the device would compute: only their cost on the host counts here)."""
+        if host.quant is not None:
+            from shards.quant import scales_to_torch
+
+            codes, scales = host.hidden_view(B, T)  # [S, B, T, code width], [S, B, T, scale width]
+            host.error_rows(B).zero_()
+
+            def put_quantized(b: int, L: int, rows) -> None:
+                for j, (c, g) in enumerate(zip(self.syn.quantized.codes, self.syn.quantized.scales)):
+                    codes[j, b, :L] = torch.from_numpy(c[rows])
+                    scales[j, b, :L] = scales_to_torch(g[rows])
+
+            return put_quantized
+        planes = host.hidden_view(B, T)  # [2, S, B, T, W / S]
+        S, piece_width = planes.shape[1], planes.shape[-1]
+
+        def put_planes(b: int, L: int, rows) -> None:
+            for plane, values_TW in enumerate((self.syn.hi_TW, self.syn.lo_TW)):
+                planes[plane, :, b, :L] = torch.from_numpy(values_TW[rows]).unflatten(-1, (S, piece_width)).transpose(0, 1)
+
+        return put_planes
 
     def close(self) -> None:
         self.path.finish()
@@ -462,7 +494,7 @@ def pipelined_result(start, fill: FillMeter, batches) -> dict:
 
 
 def format_report(report: dict) -> str:
-    lines = [f"extract.bench_host  W={report['width']:,} top-{report['topk']}  {report['tokens']:,} tokens in "
+    lines = [f"extract.bench_host  encoding {report.get('encoding', 'planes')}  W={report['width']:,} top-{report['topk']}  {report['tokens']:,} tokens in "
              f"{report['samples']} samples / {report['batches']} micro-batches  ({report['machine']})"]
     for path, pc in report["plane_compression"].items():
         lines.append(f"zstd alone [{path}, {pc['split']} piece(s) per plane]: high plane {pc['zstd_hi_us_per_token']:.1f} us/token "
@@ -478,8 +510,9 @@ def format_report(report: dict) -> str:
                 lines.append(f"  {name:<52} {s['cpu_us_per_token']:8.2f}{wall}")
             lines.append(f"  {'total':<52} {serial['cpu_us_per_token']:8.2f}  = {1e6 / serial['cpu_us_per_token']:,.0f} tok/s per core"
                          f"; {serial['page_faults_per_token']:.1f} page faults/token")
-            critical = serial["write_thread_serial_us_per_token"]
-            lines.append(f"  {'in series on the write thread (incl. fsync wait)':<52} {critical:8.2f}  = at most {1e6 / critical:,.0f} tok/s per rank")
+            critical = serial.get("write_thread_serial_us_per_token")
+            if critical is not None:  # (derived from the planes' zstd; not computed for a quantized encoding)
+                lines.append(f"  {'in series on the write thread (incl. fsync wait)':<52} {critical:8.2f}  = at most {1e6 / critical:,.0f} tok/s per rank")
         piped = result.get("pipelined")
         if piped:
             lines.append(f"[{path}] pipelined: {piped['cpu_us_per_token']:.2f} CPU us/token in all threads (runs: "
@@ -577,6 +610,12 @@ def main(argv=None) -> int:
     pa.set_cpu_count(args.writer_threads)
     t0 = time.perf_counter()
     syn = Synthetic(args.taps, args.hidden, args.topk, args.seed)
+    quantized = args.encoding != "planes"
+    if quantized:
+        if args.path != "current":
+            print("extract.bench_host: --encoding other than planes measures the current path only (--path current)", file=sys.stderr)
+            return 2
+        syn.quantize(args.encoding, hidden_split(args))
     batches = make_batches(args, syn)
     print(f"synthetic inputs in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     base = tempfile.mkdtemp(prefix="bench-host-", dir=args.dir)
@@ -586,15 +625,15 @@ def main(argv=None) -> int:
         results = measure_all(args, syn, batches, base, paths, modes)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    planes = {path: plane_compression(syn, DEFAULT_ZSTD_LEVEL, 1 if path == "legacy" else hidden_split(args)) for path in results}
+    planes = {} if quantized else {path: plane_compression(syn, DEFAULT_ZSTD_LEVEL, 1 if path == "legacy" else hidden_split(args)) for path in results}
     for path, result in results.items():
-        if "serial" in result:
+        if "serial" in result and path in planes:
             result["serial"]["write_thread_serial_us_per_token"] = critical_path(result["serial"], planes[path])
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": "python -m extract.bench_host " + " ".join(argv),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs, load {os.getloadavg()[0]:.1f}",
         "pyarrow": pa.__version__, "numpy": np.__version__, "torch": torch.__version__,
-        "width": syn.width, "topk": args.topk, "tokens": n_tokens(batches), "samples": sum(len(b) for b in batches), "batches": len(batches),
+        "encoding": args.encoding, "width": syn.width, "topk": args.topk, "tokens": n_tokens(batches), "samples": sum(len(b) for b in batches), "batches": len(batches),
         "writer_threads": args.writer_threads, "repeats": args.repeats, "plane_compression": planes, "paths": results,
     }
     print(format_report(report), flush=True)

@@ -184,15 +184,67 @@ class InFlight:
         return out
 
 
-class Capturer:
-    """Launches captures whose device-to-host copies overlap compute (CUDA), or copies directly (CPU)."""
+class TierEncoder:
+    """Storage tiers on the device (shards/FORMAT.md, "Storage tiers"): each tap's bf16 values are
+    projected (z_i = P_i h_i, float32) and/or quantized (`shards.quant`) right where the forward left
+    them, written into the stored layout, and decoded back to measure the reconstruction error
+    per channel of each sample against h (masked to real positions). The host receives only the
+    compact bytes and the per-sample error sums; NaN/Inf is flagged per token, never raised (a
+    flagged sample is rejected by the host, never written)."""
 
-    def __init__(self, target, layer_ids: Sequence[int], topk: int, logits_chunk: int, launch_ahead_layers: int = 0):
+    def __init__(self, encoding: str, projection=None, device=None):
+        from shards.quant import parse_encoding
+
+        self.spec = parse_encoding(encoding)
+        self.encoding = encoding
+        self.projection = projection.to(device) if projection is not None else None
+
+    def put(self, layout, slot: int, stored_BTH: torch.Tensor, valid_BT: torch.Tensor, ok_BT: torch.Tensor, errors_2BW: torch.Tensor) -> None:
+        from shards.quant import channel_error_sums, decode_piece, encode_piece
+
+        H = stored_BTH.shape[-1]
+        x = stored_BTH.float()
+        z = self.projection.apply_tap(slot, x) if self.projection is not None else x
+        if self.projection is not None:
+            ok_BT.logical_and_(torch.isfinite(z).all(dim=-1))
+        if self.spec is not None:
+            codes_SBTC, scales_SBTG = layout
+            codes, scales = encode_piece(z, self.spec, check_finite=False)
+            codes_SBTC[slot].copy_(codes)
+            scales_SBTG[slot].copy_(scales)
+            z_hat = decode_piece(codes, scales, self.spec, torch.float32)
+        else:  # projected, stored lossless as bf16
+            z_bf16 = z.to(STORE_DTYPE)
+            put_tap(layout, slot, z_bf16, self.encoding)
+            z_hat = z_bf16.float()
+        x_hat = self.projection.back_tap(slot, z_hat) if self.projection is not None else z_hat
+        sq_BH, err2_BH = channel_error_sums(x, x_hat, valid_BT)
+        errors_2BW[0, :, slot * H : (slot + 1) * H] = sq_BH
+        errors_2BW[1, :, slot * H : (slot + 1) * H] = err2_BH
+
+
+def tier_for(writer, device) -> TierEncoder | None:
+    """The device-side encoder of the writer's storage tier (None for lossless, unprojected shards)."""
+    if writer.quant is None and writer.projection is None:
+        return None
+    from shards.projection import load_projection
+
+    projection = load_projection(writer.root, writer.projection) if writer.projection is not None else None
+    return TierEncoder(writer.encoding, projection, device)
+
+
+class Capturer:
+    """Launches captures whose device-to-host copies overlap compute (CUDA), or copies directly (CPU).
+    With a `TierEncoder` the taps are stored in a storage tier (projected and/or quantized on the device)."""
+
+    def __init__(self, target, layer_ids: Sequence[int], topk: int, logits_chunk: int, launch_ahead_layers: int = 0,
+                 tier: TierEncoder | None = None):
         self.target, self.layer_ids, self.topk, self.logits_chunk = target, list(layer_ids), topk, logits_chunk
         self.out_device = target.output_device
         self.cuda = self.out_device.type == "cuda"
         self._side_streams: dict = {}
         self.throttle = LaunchThrottle(target.layers, launch_ahead_layers if self.cuda else 0)
+        self.tier = tier
 
     @torch.inference_mode()
     def launch(self, input_ids_BT: torch.Tensor, lengths: list[int], host: HostBatch) -> InFlight:
@@ -208,12 +260,19 @@ class Capturer:
         positions_N = to_device_async(packed_positions(lengths, T), out_dev)
         lengths_B = to_device_async(torch.tensor(lengths, dtype=torch.long), out_dev)
         N = int(positions_N.shape[0])
-        hidden_host = host.hidden_view(B, T)
+        hidden_host = host.hidden_block(B, T)
         # On a GPU the taps are assembled in a device buffer of the host layout, then copied in one
         # piece; on a CPU they go straight into the host buffer.
-        staging = torch.empty(hidden_host.shape, dtype=hidden_host.dtype, device=out_dev) if self.cuda else hidden_host
+        staging_block = torch.empty(hidden_host.shape, dtype=hidden_host.dtype, device=out_dev) if self.cuda else hidden_host
+        staging = host.layout(staging_block, B, T)
         ok_BT = torch.ones(B, T, dtype=torch.bool, device=out_dev)
         arrived: list[int] = []
+        tier = self.tier
+        if tier is not None:
+            # Scales are per token per column piece, and the device writes one tap into one piece.
+            assert host.hidden_split == len(self.layer_ids), (host.hidden_split, self.layer_ids)
+            valid_BT = torch.arange(T, device=out_dev)[None, :] < lengths_B[:, None]
+            errors_2BW = torch.empty(2, B, host.width, dtype=torch.float32, device=out_dev)
 
         def on_tap(slot: int, hidden_BTH: torch.Tensor) -> None:
             stored = hidden_BTH.to(STORE_DTYPE)
@@ -222,10 +281,13 @@ class Capturer:
             ok_BT.logical_and_(torch.isfinite(stored).all(dim=-1).to(out_dev))
             # Copied into the staging buffer at once (in stream order), so the model may modify
             # its activations in place afterwards.
-            put_tap(staging, slot, stored, host.encoding)
+            if tier is None:
+                put_tap(staging, slot, stored, host.encoding)
+            else:
+                tier.put(staging, slot, stored.to(out_dev), valid_BT, ok_BT, errors_2BW)
             arrived.append(slot)
             if len(arrived) == len(self.layer_ids) and self.cuda:
-                self._to_host(staging, hidden_host, keepalive)
+                self._to_host(staging_block, hidden_host, keepalive)
 
         with self.throttle:
             last_BTH = forward_with_taps(target, ids_dev, mask_dev, self.layer_ids, on_tap)
@@ -240,6 +302,8 @@ class Capturer:
         self._to_host(logprobs_NK, host.topk_logprobs[:N], keepalive)
         self._to_host(hidden_ok_B, host.hidden_ok[:B], keepalive)
         self._to_host(bad_B == 0, host.logits_ok[:B], keepalive)
+        if tier is not None:
+            self._to_host(errors_2BW, host.error_rows(B), keepalive)
         events = []
         for stream in self._side_streams.values():
             event = torch.cuda.Event()
@@ -284,14 +348,27 @@ def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
     """(hidden, topk_ids int32 [L, k], topk_logprobs float32 [L, k], hidden_ok, logits_ok) of sample
     `b` as views of the host buffers, no copy: valid until the buffer goes back to the pool.
     `hidden` is `shards.HiddenPlanes` (each plane a tuple of S column pieces uint8 [L, W / S]) for
-    the planes layout, else uint16 [L, W]."""
+    the planes layout, `shards.quant.QuantizedHidden` for a quantized one, else uint16 [L, W]; a
+    storage tier's reconstruction error sums ride along as their `error`."""
     from shards import HiddenPlanes
 
     host, L = inflight.host, inflight.lengths[b]
     rows = host.hidden_view(len(inflight.lengths), inflight.T)
-    if host.encoding == "planes":
-        pieces = range(host.hidden_split)
-        hidden = HiddenPlanes(tuple(rows[0, j, b, :L].numpy() for j in pieces), tuple(rows[1, j, b, :L].numpy() for j in pieces))
+    pieces = range(host.hidden_split)
+    error = None
+    if host.stored_width != host.width or host.quant is not None:  # a storage tier: its reconstruction error travels along
+        from shards.quant import ErrorSums
+
+        sums = host.error_rows(len(inflight.lengths))
+        error = ErrorSums(sums[0, b].numpy(), sums[1, b].numpy(), L)
+    if host.quant is not None:
+        from shards.quant import QuantizedHidden, scales_to_numpy
+
+        codes, scales = rows
+        hidden = QuantizedHidden(host.encoding, tuple(codes[j, b, :L].numpy() for j in pieces),
+                                 tuple(scales_to_numpy(scales[j, b, :L]) for j in pieces), host.stored_width, error)
+    elif host.encoding == "planes":
+        hidden = HiddenPlanes(tuple(rows[0, j, b, :L].numpy() for j in pieces), tuple(rows[1, j, b, :L].numpy() for j in pieces), error)
     else:
         hidden = rows[b, :L].view(torch.uint16).numpy()
     topk_ids = host.topk_ids[offset : offset + L].numpy()

@@ -21,7 +21,7 @@ from typing import Literal
 from common.config import fail, knob
 
 DEFAULT_LAYER_IDS = [1, 16, 31, 46]
-HIDDEN_ENCODINGS = ("planes", "plain")
+HIDDEN_ENCODINGS = ("planes", "plain")  # the lossless ones; storage tiers: shards.quant.parse_encoding
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 ALLOWED_TEMPLATE_KWARG_TYPES = (bool, int, float, str)
@@ -43,7 +43,7 @@ class ExtractConfig:
 
     # -- corpus ------------------------------------------------------------------------------
     corpus: str = knob("", help="corpus: a .jsonl/.parquet file, a directory of them, a glob, or a saved `datasets` directory")
-    splits: dict = knob(
+    splits: dict[str, str] = knob(
         factory=dict,
         help="several corpora in one run, {name = corpus path}; split NAME is written to out_dir/NAME (leave `corpus` empty)",
     )
@@ -67,7 +67,15 @@ class ExtractConfig:
     length_policy: Literal["truncate", "drop"] = knob("truncate", help="samples over max_len are cut to max_len, or rejected")
     min_loss_tokens: int = knob(32, help="reject samples with fewer loss (assistant) tokens than this (2 x block size 16)", min=0)
     hidden_encoding: str | None = knob(
-        None, help="how shards store hidden states; none = the shard writer's default", choices=HIDDEN_ENCODINGS
+        None, help="how shards store hidden states: planes / plain (lossless), or a storage tier quantized on the GPU: fp8, "
+        "int4-gG, nf4-gG (shards/FORMAT.md, 'Storage tiers'); none = the shard writer's default (planes)"
+    )
+    projection: str | None = knob(
+        None, help="storage tier: store P·h instead of the taps, P fitted by PCA on a calibration pass (pca:rank=R per tap, "
+        "pca:variance=V), or a projection file to reuse; the export folds P into fc; none = the taps themselves"
+    )
+    calibration_samples: int = knob(
+        256, help="with projection = pca:...: the first this many samples of the corpus make the calibration pass (on rank 0)", min=1
     )
 
     # -- throughput ----------------------------------------------------------------------------
@@ -110,8 +118,13 @@ class ExtractConfig:
             fail("target", "must name the target checkpoint directory")
         if not self.out_dir:
             fail("out_dir", "must name the output directory")
-        if bool(self.corpus) == bool(self.splits):
-            fail("corpus", "give exactly one of `corpus` (one corpus -> out_dir) or `splits` ({name = path}, each -> out_dir/NAME)")
+        if self.corpus and self.splits:
+            fail("corpus", f"corpus = '{self.corpus}' is given, but the config also sets splits ({', '.join(self.splits)}), each "
+                           "written to out_dir/NAME. To extract only this corpus into out_dir, also pass splits={} (on the command "
+                           "line: 'splits={}'); to extract the splits, leave corpus empty")
+        if not self.corpus and not self.splits:
+            fail("corpus", "name the corpus to extract (corpus=PATH: a .jsonl/.parquet file, a directory or glob of them) "
+                           "or several in `splits` ({name = path}, each written to out_dir/NAME)")
         for name, path in self.splits.items():
             if not isinstance(path, str) or not path:
                 fail(f"splits.{name}", f"expected a corpus path, got {path!r}")
@@ -135,6 +148,26 @@ class ExtractConfig:
             fail("device", f"{self.device!r} is not allowed; use auto, cpu, cuda or cuda:N")
         if self.device_map is not None and self.gpus_per_replica == 1:
             warnings.warn("extract: device_map is set but gpus_per_replica is 1; the target stays on one device", stacklevel=2)
+        if self.hidden_encoding is not None and self.hidden_encoding not in HIDDEN_ENCODINGS:
+            from shards.quant import canonical_encoding  # only for storage tiers: a lossless config imports no pyarrow
+
+            try:
+                self.hidden_encoding = canonical_encoding(self.hidden_encoding)
+            except ValueError:
+                fail("hidden_encoding", f"{self.hidden_encoding!r} is not allowed; allowed: planes, plain (lossless), fp8, int4-gG, nf4-gG "
+                     "(G = 4-bit group size in 16..1024, int4 / nf4 alone = 64)")
+        if self.projection is not None and self.projection.startswith("pca:"):
+            from shards.projection import parse_projection_spec
+
+            try:
+                spec = parse_projection_spec(self.projection)
+            except ValueError as err:
+                fail("projection", str(err).removeprefix("projection: "))
+            from shards.quant import parse_encoding
+
+            quant = parse_encoding(self.hidden_encoding or "planes")
+            if spec.rank is not None and quant is not None and quant.four_bit and spec.rank % quant.group_size:
+                fail("projection", f"rank {spec.rank} per tap is not a multiple of {quant.name}'s group size {quant.group_size}")
         if self.gpus_per_replica > 1 and self.device == "cpu":
             fail("gpus_per_replica", "spanning several GPUs needs a GPU device, but device = cpu")
 
@@ -163,6 +196,7 @@ DATASET_KEYS = (
     "length_policy",
     "min_loss_tokens",
     "hidden_encoding",
+    "projection",  # (calibration_samples is not: a resumed run keeps the dataset's projection file)
 )
 
 

@@ -1,23 +1,23 @@
-"""Corpus -> tokenized samples: read records, render chat through the tokenizer's template, build
-the loss mask, apply the length policy, and turn every bad record into a counted `Reject`.
+"""Corpus -> tokenized samples: render chat through the target's own chat template, build the loss
+mask, keep record text from forging control tokens, apply the length policy, and turn every bad
+record into a counted `Reject`.
 
-Inputs: a `.jsonl` file (also `.jsonl.gz` / `.jsonl.zst`), a `.parquet` file, a directory or glob of
-them, or a directory written by `datasets.Dataset.save_to_disk`. JSONL is read line by line here
-(the `datasets` JSON loader fails a whole file on one bad line); Parquet and saved datasets are
-read with `datasets`, streamed by default.
+Reading files is `extract.reading`; record shapes and their normalization are `extract.records`
+(both re-exported here). docs/corpus.md lists the accepted formats and what the loss covers.
 
-Record shapes (the first that applies wins):
-    {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]}
-    {"prompt": str, "response": str}          -> a user turn and an assistant turn
-    {"text": str}                             -> plain text, loss on every token
-    {"input_ids": [int], "loss_mask": [0|1]}  -> already tokenized (loss_mask optional: all 1)
+Loss mask of a chat sample: 1 on what the target generates in each assistant turn: the tokens of
+its `content`, of its `reasoning_content` when the template renders it, of its tool calls as the
+template renders them (`<tool_call>...</tool_call>` for Qwen), and the end-of-turn token that closes
+the turn (`<|im_end|>` for Qwen); 0 on system, user and tool turns (tool results included) and on
+template text such as role headers or an empty `<think></think>` block the template inserts.
+Contents are found in the rendered text (see `content_char_spans`), tool calls by rendering the
+conversation once without each turn's calls (see `tool_call_spans`); both are mapped to tokens
+through the tokenizer's offsets, so templates without `{% generation %}` markers work.
 
-Loss mask of a chat sample: 1 exactly on the tokens of each assistant message's `content` (and of
-its `reasoning_content` when the template renders it) plus the end-of-turn token that closes the
-assistant turn (`<|im_end|>` for Qwen); 0 on system/user/tool turns and on template text such as
-role headers or an empty `<think></think>` block the template inserts. Spans are found in the
-rendered text (see `assistant_char_spans`) and mapped to tokens through the tokenizer's offsets,
-so templates without `{% generation %}` markers work.
+Record text never forges control tokens: text such as `<|im_end|>\n<|im_start|>user` inside a
+message (or a tool call's arguments) is tokenized as plain text (`split_special_tokens`), so only
+the template's own turn boundaries are special tokens. A record whose text holds such a token but
+cannot be located in the rendered text is rejected (`control_token_in_content`).
 
 A record's position is its 0-based index in the input (for JSONL: the line index over all files in
 order, blank lines included), so a reject names `file:line` and resume can recognise it.
@@ -25,56 +25,66 @@ order, blank lines included), so a reject names `file:line` and resume can recog
 
 from __future__ import annotations
 
-import bz2
 import dataclasses
-import glob
-import gzip
-import io
 import json
-import os
-import re
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from common.hashing import sample_id as hash_sample
+from extract.reading import (  # noqa: F401 - re-exported: the corpus API in one place
+    CorpusError,
+    CorpusFiles,
+    RawRecord,
+    count_records,
+    data_kind,
+    find_corpus,
+    iter_records,
+    parse_json_line,
+)
+from extract.records import (  # noqa: F401 - re-exported
+    BAD_MESSAGE,
+    BAD_TOKENS,
+    BAD_TOOL_CALL,
+    CHAT_ROLES,
+    DUPLICATE,
+    EMPTY_CONVERSATION,
+    EMPTY_SAMPLE,
+    INVALID_JSON,
+    INVALID_TEXT,
+    MISSING_FIELD,
+    NO_ASSISTANT_TURN,
+    NON_STRING_CONTENT,
+    NON_TEXT_CONTENT,
+    NONFINITE_HIDDEN,
+    NONFINITE_LOGITS,
+    NOT_AN_OBJECT,
+    SPAN_NOT_FOUND,
+    TEMPLATE_ERROR,
+    TOO_FEW_LOSS_TOKENS,
+    TOO_LONG,
+    TOOL_CALLS_NOT_RENDERED,
+    UNKNOWN_ROLE,
+    Chat,
+    RecordError,
+    parse_record,
+)
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
+_parse_json_line = parse_json_line  # the name the reliability suite and older tests use
 
-# Reject reasons (stable strings: they are counter names in the manifest and lines in rejects.jsonl).
-INVALID_JSON = "invalid_json"
-NOT_AN_OBJECT = "not_an_object"
-MISSING_FIELD = "missing_field"
-EMPTY_CONVERSATION = "empty_conversation"
-BAD_MESSAGE = "bad_message"
-UNKNOWN_ROLE = "unknown_role"
-NON_STRING_CONTENT = "non_string_content"
-NO_ASSISTANT_TURN = "no_assistant_turn"
-TEMPLATE_ERROR = "template_error"
-SPAN_NOT_FOUND = "assistant_span_not_found"
-EMPTY_SAMPLE = "empty_sample"
-BAD_TOKENS = "bad_tokens"
-TOO_LONG = "too_long"
-TOO_FEW_LOSS_TOKENS = "too_few_loss_tokens"
-DUPLICATE = "duplicate"
-NONFINITE_HIDDEN = "nonfinite_hidden"
-NONFINITE_LOGITS = "nonfinite_logits"
-INVALID_TEXT = "invalid_text"
-
-# Placeholders that stand in for message contents when rendering the template's skeleton; private
-# use code points, which no template strips or rewrites.
-_PLACEHOLDER = "\ue000{}\ue001"
+# Placeholders that stand in for message contents when rendering the template's skeleton: a number
+# between two private use code points (which no template strips or rewrites) that no content holds.
+_PLACEHOLDER = "{open}{{}}{close}"
 
 
-@dataclasses.dataclass
-class RawRecord:
-    """One input record, or the reason it could not even be parsed."""
-
-    position: int
-    source: str
-    record: Any = None
-    error: tuple[str, str] | None = None  # (reason, detail) when the input itself is broken
+def _free_placeholder(values) -> str:
+    text = "".join(values)
+    for code in range(0xE000, 0xF8FF, 2):
+        opening, closing = chr(code), chr(code + 1)
+        if opening not in text and closing not in text:
+            return _PLACEHOLDER.format(open=opening, close=closing)
+    raise RecordError(INVALID_TEXT, "the record uses every private use code point; its contents cannot be located")
 
 
 @dataclasses.dataclass
@@ -106,262 +116,18 @@ class TokenizedSample:
         return int(self.input_ids.shape[0])
 
 
-class CorpusError(ValueError):
-    """The corpus as a whole cannot be read as configured (not one bad record): stop the run."""
-
-
-class RecordError(Exception):
-    """A record that cannot become a sample; carries the reject reason."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
-
-
-# ----------------------------------------------------------------------------------------------
-# Finding and reading the input
-
-
 @dataclasses.dataclass
-class CorpusFiles:
-    format: str  # jsonl | parquet | datasets
-    files: list[str]  # the data files, in reading order (for `datasets`: the directory's files)
-    root: str  # the path as given
+class Span:
+    """Characters of the rendered text that come from the record."""
 
-
-def find_corpus(path: str, corpus_format: str = "auto") -> CorpusFiles:
-    """Resolve a corpus path (file, directory, glob or saved `datasets` dir) into its files."""
-    if any(ch in path for ch in "*?["):
-        files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
-        if not files:
-            raise ValueError(f"corpus: the pattern '{path}' matches no files")
-    elif os.path.isdir(path):
-        if corpus_format in ("auto", "datasets") and _is_saved_dataset(path):
-            files = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(path) for f in fs)
-            return CorpusFiles("datasets", files, path)
-        if corpus_format == "datasets":
-            raise ValueError(f"corpus: '{path}' is not a saved `datasets` directory (no dataset_info.json / state.json)")
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if _data_kind(f) is not None)
-        if not files:
-            raise ValueError(f"corpus: directory '{path}' holds no .jsonl / .jsonl.gz / .jsonl.zst / .parquet files")
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        raise ValueError(f"corpus: '{path}' does not exist")
-    kinds = {_data_kind(f) for f in files}
-    if corpus_format == "auto":
-        if None in kinds or len(kinds) != 1:
-            raise ValueError(
-                f"corpus: cannot tell the format of {path!r} from its file names ({sorted(map(str, kinds))}); "
-                "set corpus_format = jsonl or parquet"
-            )
-        corpus_format = kinds.pop()
-    if corpus_format == "datasets":
-        raise ValueError(f"corpus: corpus_format = datasets needs a saved dataset directory, got '{path}'")
-    return CorpusFiles(corpus_format, files, path)
-
-
-def _is_saved_dataset(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json"))
-
-
-def _data_kind(name: str) -> str | None:
-    if name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2")):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    return None
-
-
-def iter_records(corpus: CorpusFiles, *, streaming: bool = True, max_records: int | None = None) -> Iterator[RawRecord]:
-    """Every record of the corpus in a fixed order, with its position; bad lines come as errors."""
-    if corpus.format == "jsonl":
-        records = _iter_jsonl(corpus.files)
-    elif corpus.format == "parquet":
-        records = _iter_datasets(_load_parquet(corpus.files, streaming), corpus.root)
-    else:
-        records = _iter_datasets(_load_saved(corpus.root, streaming), corpus.root)
-    for record in records:
-        if max_records is not None and record.position >= max_records:
-            return
-        yield record
-
-
-def _open_text_lines(path: str):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.endswith(".bz2"):
-        return bz2.open(path, "rb")
-    if path.endswith(".zst"):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
-
-
-def _iter_jsonl(files: list[str]) -> Iterator[RawRecord]:
-    position = 0
-    for path in files:
-        name = os.path.basename(path)
-        with _open_text_lines(path) as f:
-            for line_no, raw in enumerate(f, start=1):
-                source = f"{name}:{line_no}"
-                if raw.strip():
-                    yield _parse_json_line(raw, position, source)
-                position += 1
-
-
-def _parse_json_line(raw: bytes, position: int, source: str) -> RawRecord:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return RawRecord(position, source, error=(INVALID_JSON, f"not UTF-8: {err}"))
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        return RawRecord(position, source, error=(INVALID_JSON, f"{err.msg} at column {err.colno}"))
-    except RecursionError:
-        return RawRecord(position, source, error=(INVALID_JSON, "nested too deeply"))
-    surrogate = _LONE_SURROGATE_ESCAPE.search(text)
-    if surrogate and _holds_lone_surrogate(record):
-        # JSON's \udXXX escapes can spell half of a UTF-16 pair, which is no text: tokenizers fail on it.
-        return RawRecord(position, source, error=(INVALID_TEXT, f"a string holds a lone UTF-16 surrogate ({surrogate.group(0)}), which is not valid Unicode text"))
-    return RawRecord(position, source, record)
-
-
-_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-def _holds_lone_surrogate(record: Any) -> bool:
-    try:
-        json.dumps(record, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def count_jsonl_records(files: list[str]) -> int:
-    """Lines in the JSONL files (what positions count), read fast in binary blocks."""
-    total = 0
-    for path in files:
-        with _open_text_lines(path) as f:
-            last = b"\n"
-            while block := f.read(1 << 22):
-                total += block.count(b"\n")
-                last = block[-1:]
-            if last != b"\n":
-                total += 1
-    return total
-
-
-def _load_parquet(files: list[str], streaming: bool):
-    import datasets  # lazy: the GPU machine may lack it, and only Parquet / saved corpora need it
-
-    return datasets.load_dataset("parquet", data_files=files, split="train", streaming=streaming)
-
-
-def _load_saved(path: str, streaming: bool):
-    import datasets
-
-    ds = datasets.load_from_disk(path)
-    if isinstance(ds, datasets.DatasetDict):
-        raise ValueError(f"corpus: '{path}' holds several splits ({', '.join(ds)}); point `corpus` at one split's directory")
-    return ds.to_iterable_dataset() if streaming else ds
-
-
-def _iter_datasets(ds: Iterable[dict], root: str) -> Iterator[RawRecord]:
-    name = os.path.basename(root.rstrip("/")) or root
-    for position, record in enumerate(ds):
-        yield RawRecord(position, f"{name} row {position}", record)
-
-
-def count_records(corpus: CorpusFiles) -> int | None:
-    """How many records the corpus holds (for the progress bar), or None if unknown."""
-    if corpus.format == "jsonl":
-        return count_jsonl_records(corpus.files)
-    if corpus.format == "parquet":
-        import pyarrow.parquet as pq
-
-        return sum(pq.ParquetFile(f).metadata.num_rows for f in corpus.files)
-    try:
-        import datasets
-
-        return len(datasets.load_from_disk(corpus.root))
-    except Exception:  # noqa: BLE001 - a count is only for the progress bar
-        return None
+    start: int
+    end: int
+    loss: bool  # the target generates them (assistant content, rendered reasoning, tool calls)
+    data: str | None = None  # None: all of it is record text; else the record data rendered into it (tool calls)
 
 
 # ----------------------------------------------------------------------------------------------
-# Records -> text and loss spans
-
-
-def parse_record(record: Any) -> tuple[str, Any]:
-    """("chat", messages) | ("text", text) | ("tokens", (input_ids, loss_mask)); RecordError otherwise."""
-    if not isinstance(record, dict):
-        raise RecordError(NOT_AN_OBJECT, f"expected a JSON object, got {type(record).__name__}")
-    if record.get("messages") is not None:
-        return "chat", check_messages(record["messages"])
-    if record.get("prompt") is not None or record.get("response") is not None:
-        for key in ("prompt", "response"):
-            if record.get(key) is None:
-                raise RecordError(MISSING_FIELD, f"has 'prompt' or 'response' but no '{key}'")
-            if not isinstance(record[key], str):
-                raise RecordError(NON_STRING_CONTENT, f"'{key}' is {type(record[key]).__name__}, not a string")
-        return "chat", [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
-    if record.get("text") is not None:
-        if not isinstance(record["text"], str):
-            raise RecordError(NON_STRING_CONTENT, f"'text' is {type(record['text']).__name__}, not a string")
-        return "text", record["text"]
-    if record.get("input_ids") is not None:
-        return "tokens", check_tokens(record["input_ids"], record.get("loss_mask"))
-    present = ", ".join(sorted(map(str, record))) or "none"
-    raise RecordError(MISSING_FIELD, f"needs 'messages', 'prompt' + 'response', 'text' or 'input_ids'; fields present: {present}")
-
-
-def check_tokens(input_ids: Any, loss_mask: Any) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        ids = np.asarray(input_ids)
-        mask = np.ones(ids.shape, dtype=np.int64) if loss_mask is None else np.asarray(loss_mask)
-    except (TypeError, ValueError) as err:
-        raise RecordError(BAD_TOKENS, f"'input_ids' / 'loss_mask' are not lists of integers: {err}") from None
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise RecordError(BAD_TOKENS, f"'input_ids' must be a flat list of integers, got {ids.dtype} of shape {ids.shape}")
-    if mask.shape != ids.shape or (mask.size and (mask.dtype.kind not in "iub" or mask.min() < 0 or mask.max() > 1)):
-        raise RecordError(BAD_TOKENS, f"'loss_mask' must be 0/1 with one entry per token ({ids.size}), got {mask.dtype} of shape {mask.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
-        raise RecordError(BAD_TOKENS, f"'input_ids' out of range: [{ids.min()}, {ids.max()}]")
-    return ids.astype(np.int32), mask.astype(np.uint8)
-
-
-def check_messages(messages: Any) -> list[dict]:
-    if not isinstance(messages, list):
-        raise RecordError(BAD_MESSAGE, f"'messages' is {type(messages).__name__}, not a list")
-    if not messages:
-        raise RecordError(EMPTY_CONVERSATION, "'messages' is empty")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RecordError(BAD_MESSAGE, f"messages[{i}] is {type(message).__name__}, not an object")
-        role = message.get("role")
-        if role is None:
-            raise RecordError(MISSING_FIELD, f"messages[{i}] has no 'role'")
-        if role not in CHAT_ROLES:
-            raise RecordError(UNKNOWN_ROLE, f"messages[{i}] has role {role!r}; allowed: {', '.join(CHAT_ROLES)}")
-        if "content" not in message:
-            raise RecordError(MISSING_FIELD, f"messages[{i}] has no 'content'")
-        if not isinstance(message["content"], str):
-            raise RecordError(NON_STRING_CONTENT, f"messages[{i}].content is {type(message['content']).__name__}, not a string")
-        reasoning = message.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise RecordError(NON_STRING_CONTENT, f"messages[{i}].reasoning_content is {type(reasoning).__name__}, not a string")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RecordError(NO_ASSISTANT_TURN, f"no assistant message among {len(messages)} messages")
-    return [_clean_message(m) for m in messages]
-
-
-def _clean_message(message: dict) -> dict:
-    # Columnar inputs (Parquet) give every row every column; drop the empty ones so templates that
-    # test `message.reasoning_content is defined` or `is string` see what a JSON record would give.
-    return {k: v for k, v in message.items() if v is not None}
+# Rendering and locating what the record put into the text
 
 
 def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
@@ -374,44 +140,60 @@ def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
     return text
 
 
-def assistant_char_spans(tokenizer, messages: list[dict], text: str, template_kwargs: dict) -> list[tuple[int, int]]:
-    """Character spans of the assistant contents (and rendered reasoning) inside `text`.
+def chat_spans(tokenizer, chat: Chat, text: str, template_kwargs: dict, control_texts: tuple[str, ...] = ()) -> list[Span]:
+    """Every span of `text` the record wrote (see `Span`); RecordError when what the target generates
+    cannot be located, or when record text spelling a control token cannot be."""
+    spans, unlocated = content_char_spans(tokenizer, chat.messages, text, template_kwargs)
+    if unlocated is None:  # located by searching alone: a control token spelled in a content could be matched to the template's
+        unlocated = [(i, key) for i, m in enumerate(chat.messages) for key in ("reasoning_content", "content") if isinstance(m.get(key), str)]
+    for i, key in unlocated:
+        value = chat.messages[i][key]
+        if any(t in value for t in control_texts):
+            raise RecordError(CONTROL_TOKEN_IN_CONTENT, f"messages[{i}].{key} spells a control token and was not found in the rendered text, "
+                                                        "so it cannot be kept from forging a turn boundary")
+    return spans + tool_call_spans(tokenizer, chat.messages, text, template_kwargs)
+
+
+def content_char_spans(tokenizer, messages: list[dict], text: str, template_kwargs: dict) -> tuple[list[Span], list[tuple[int, str]] | None]:
+    """Character spans of the message contents (and rendered reasoning) inside `text`, and the
+    (message, field) pairs the template renders but that could not be located (None: not known,
+    the template failed on the placeholders and every content was searched for).
 
     First the template is rendered again with a unique placeholder for every content; if `text` is
     exactly that skeleton with the contents put back, every span is known without searching. If
     not (the template rewrote a content, e.g. stripped it), each content is searched for in
     order, starting after the template text that precedes it in the skeleton, so role headers are
-    never mistaken for content; a content that cannot be found rejects the record.
+    never mistaken for content; an assistant content that cannot be found rejects the record.
     """
     fields = [(i, key) for i, m in enumerate(messages) for key in ("reasoning_content", "content") if isinstance(m.get(key), str)]
     values = {f: messages[f[0]][f[1]] for f in fields}
-    if any("\ue000" in v or "\ue001" in v for v in values.values()):
-        return _search_spans(messages, text, values, skeleton=None)
-    holders = {f: _PLACEHOLDER.format(n) for n, f in enumerate(fields)}
+    placeholder = _free_placeholder(values.values())
+    holders = {f: placeholder.format(n) for n, f in enumerate(fields)}
     masked = [dict(m) for m in messages]
     for (i, key), holder in holders.items():
         masked[i][key] = holder
     try:
         skeleton = tokenizer.apply_chat_template(masked, tokenize=False, **template_kwargs)
     except Exception:  # noqa: BLE001 - fall back to searching
-        return _search_spans(messages, text, values, skeleton=None)
+        return _search_spans(messages, text, values, skeleton=None)[0], None
     order = sorted((skeleton.find(h), f) for f, h in holders.items() if skeleton.count(h) == 1)
     rebuilt, spans, cursor = [], [], 0
     for at, f in order:
         rebuilt.append(skeleton[cursor:at])
         start = sum(map(len, rebuilt))
         rebuilt.append(values[f])
-        if messages[f[0]]["role"] == "assistant":
-            spans.append((start, start + len(values[f])))
+        spans.append(Span(start, start + len(values[f]), loss=messages[f[0]]["role"] == "assistant"))
         cursor = at + len(holders[f])
     rebuilt.append(skeleton[cursor:])
     if "".join(rebuilt) == text and all(skeleton.count(h) <= 1 for h in holders.values()):
-        return spans
+        return spans, []
     return _search_spans(messages, text, values, skeleton=(skeleton, holders))
 
 
-def _search_spans(messages, text: str, values: dict, skeleton) -> list[tuple[int, int]]:
-    """Fallback: find each rendered content in order (exactly, else stripped)."""
+def _search_spans(messages, text: str, values: dict, skeleton) -> tuple[list[Span], list[tuple[int, str]]]:
+    """Fallback: find each rendered content in order (exactly, else stripped). With the skeleton, a
+    content must start right after the template text before it (a short content is never matched
+    further on, inside another one); an assistant content that does not is searched for after it."""
     rendered = list(values)
     headers: dict = {}
     if skeleton is not None:
@@ -423,30 +205,109 @@ def _search_spans(messages, text: str, values: dict, skeleton) -> list[tuple[int
             at = skel.find(holders[f])
             headers[f] = skel[previous_end:at]
             previous_end = at + len(holders[f])
-    spans, cursor = [], 0
+    # The template text after each content (the next one's header; the skeleton's end for the last).
+    trailers = {f: headers[g] for f, g in zip(rendered, rendered[1:])}
+    if rendered and skeleton is not None:
+        trailers[rendered[-1]] = skeleton[0][previous_end:]
+    spans, unlocated, cursor = [], [], 0
     for f in rendered:
-        header = headers.get(f, "")
-        # Skip the header this content sits behind (its tail, when the previous content was rewritten).
-        for cut in range(len(header)):
-            if text.startswith(header[cut:], cursor):
-                cursor += len(header) - cut
-                break
+        cursor = _skip_header(text, cursor, headers.get(f, ""))
         value = values[f]
-        for candidate in (value, value.strip(), value.strip("\n"), value.lstrip("\n"), value.rstrip()):
-            if not candidate and value:
-                continue
-            at = text.find(candidate, cursor)
-            if at >= 0:
-                if messages[f[0]]["role"] == "assistant":
-                    spans.append((at, at + len(candidate)))
-                cursor = at + len(candidate)
-                break
-        else:
-            # Without a skeleton we do not know whether the template renders reasoning at all.
-            required = f[1] == "content" or skeleton is not None
-            if messages[f[0]]["role"] == "assistant" and required:
-                raise RecordError(SPAN_NOT_FOUND, f"messages[{f[0]}].{f[1]} does not appear in the rendered template text")
+        assistant = messages[f[0]]["role"] == "assistant"
+        candidates = [c for c in dict.fromkeys((value, value.strip(), value.strip("\n"), value.lstrip("\n"), value.rstrip())) if c or not value]
+        at, found = -1, ""
+        if skeleton is not None:
+            here = [c for c in candidates if text.startswith(c, cursor)]
+            # A content the template trimmed can match with the template's own next character
+            # (a "\n" before "</think>"): prefer the reading after which the template text goes on.
+            found = next((c for c in here if text.startswith(trailers[f], cursor + len(c))), here[0] if here else "")
+            at = cursor if found or not value else -1
+            if at < 0 and not value.strip():
+                at = cursor  # only whitespace, which the template trimmed away: empty, right after its header
+        if at < 0 and (assistant or skeleton is None):
+            for candidate in candidates:
+                at = text.find(candidate, cursor)
+                if at >= 0:
+                    found = candidate
+                    break
+        if at >= 0:
+            spans.append(Span(at, at + len(found), loss=assistant))
+            cursor = at + len(found)
+            continue
+        unlocated.append(f)
+        # Without a skeleton we do not know whether the template renders reasoning at all.
+        required = f[1] == "content" or skeleton is not None
+        if assistant and required:
+            raise RecordError(SPAN_NOT_FOUND, f"messages[{f[0]}].{f[1]} does not appear in the rendered template text")
+    return spans, unlocated
+
+
+def _skip_header(text: str, cursor: int, header: str) -> int:
+    """The position after the template text `header` that follows `cursor` (its tail, when the
+    previous content was rewritten; searched for, when the previous content was not located)."""
+    if not header:
+        return cursor
+    for cut in range(len(header)):
+        if text.startswith(header[cut:], cursor):
+            return cursor + len(header) - cut
+    at = text.find(header, cursor)
+    return at + len(header) if at >= 0 else cursor
+
+
+def tool_call_spans(tokenizer, messages: list[dict], text: str, template_kwargs: dict) -> list[Span]:
+    """The rendered tool calls of each assistant turn that makes them: the text the conversation
+    gains when that turn's `tool_calls` are rendered (the template is run once without them).
+
+    RecordError when the template ignores the calls (training on such a turn would teach the
+    drafter to end it where the target calls a tool) or changes more than it adds."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or not message.get("tool_calls"):
+            continue
+        without = [dict(m) for m in messages]
+        del without[i]["tool_calls"]
+        try:
+            other = render_chat(tokenizer, without, template_kwargs)
+        except RecordError as err:
+            raise RecordError(SPAN_NOT_FOUND, f"messages[{i}].tool_calls: the template fails on the turn without its calls ({err.detail})") from None
+        if other == text:
+            raise RecordError(
+                TOOL_CALLS_NOT_RENDERED,
+                f"messages[{i}] has {len(message['tool_calls'])} tool call(s) but the chat template does not render tool_calls; "
+                "use the target's own template (Qwen3.6 renders them as <tool_call> blocks) or drop the calls",
+            )
+        span = inserted_span(text, other)
+        if span is None:
+            raise RecordError(SPAN_NOT_FOUND, f"messages[{i}].tool_calls: the template renders the turn differently without its calls, not just without them")
+        spans.append(Span(*span, loss=True, data=json.dumps(message["tool_calls"], ensure_ascii=False)))
     return spans
+
+
+def inserted_span(longer: str, shorter: str) -> tuple[int, int] | None:
+    """Where `longer` is `shorter` with one run of text inserted: (start, end) in `longer`, widened
+    over characters that could belong to either side (e.g. a '<' the insertion starts with and the
+    text after it too); None if `longer` is not `shorter` plus one insertion."""
+    grown = len(longer) - len(shorter)
+    if grown <= 0:
+        return None
+    prefix = _common_prefix(longer, shorter)
+    suffix = _common_prefix(longer[::-1], shorter[::-1])
+    first = len(shorter) - suffix  # the earliest start the insertion may have
+    if first > prefix:
+        return None
+    return max(first, 0), prefix + grown
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the common prefix of `a` and `b` (binary search on slice compares: C speed)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def loss_mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], input_ids: list[int], end_of_turn_ids: set[int]) -> np.ndarray:
@@ -488,11 +349,13 @@ class SampleBuilder:
         self.tokenizer = tokenizer
         self.policy = policy
         self.end_of_turn_ids = end_of_turn_token_ids(tokenizer) if tokenizer is not None else set()
+        self.control_ids = control_token_ids(tokenizer) if tokenizer is not None else set()
+        self.control_texts = tuple(tokenizer.convert_ids_to_tokens(sorted(self.control_ids))) if tokenizer is not None else ()
 
     def build(self, records: list[RawRecord]) -> list[TokenizedSample | Reject]:
         """Tokenize a window of records (batched tokenizer calls); results in input order."""
         results: dict[int, TokenizedSample | Reject] = {}
-        to_encode: dict[bool, list] = {True: [], False: []}  # add_special_tokens -> [(n, text, spans, chat)]
+        to_encode: dict[bool, list] = {True: [], False: []}  # add_special_tokens -> [(n, text, spans or None)]
         for n, raw in enumerate(records):
             try:
                 kind, payload = self._prepare(raw)
@@ -505,21 +368,76 @@ class SampleBuilder:
                 text, spans = payload
                 to_encode[False].append((n, text, spans))  # the template already holds any BOS
             else:
-                to_encode[True].append((n, payload, None))
+                to_encode[True].append((n, payload, None))  # plain text is tokenized as given, control tokens included
         for add_special, items in to_encode.items():
             if not items:
                 continue
-            enc = self.tokenizer(
-                [text for _, text, _ in items], add_special_tokens=add_special, return_offsets_mapping=True, return_attention_mask=False, verbose=False
-            )
-            for (n, _, spans), ids, offsets in zip(items, enc["input_ids"], enc["offset_mapping"]):
-                input_ids = np.asarray(ids, dtype=np.int32)
+            enc = self._encode([text for _, text, _ in items], add_special_tokens=add_special)
+            for (n, text, spans), ids, offsets in zip(items, enc["input_ids"], enc["offset_mapping"]):
                 if spans is None:
                     mask = np.ones(len(ids), dtype=np.uint8)
                 else:
-                    mask = loss_mask_from_spans(offsets, spans, ids, self.end_of_turn_ids)
-                results[n] = self._finish(records[n], input_ids, mask)
+                    ids, offsets = self.keep_record_text_plain(text, spans, ids, offsets)
+                    mask = loss_mask_from_spans(offsets, [(s.start, s.end) for s in spans if s.loss], ids, self.end_of_turn_ids)
+                results[n] = self._finish(records[n], np.asarray(ids, dtype=np.int32), mask)
         return [results[n] for n in range(len(records))]
+
+    def _encode(self, texts: list[str], *, add_special_tokens: bool = False, split_special_tokens: bool = False):
+        return self.tokenizer(
+            texts, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens, return_offsets_mapping=True,
+            return_attention_mask=False, verbose=False,
+        )
+
+    def keep_record_text_plain(self, text: str, spans: list[Span], ids: list[int], offsets: list) -> tuple[list[int], list]:
+        """The tokens of a rendered chat (`ids`, `offsets`: its plain tokenization) with any control
+        token that record text spelled re-tokenized as text."""
+        forged = self.forged_spans(ids, offsets, text, spans)
+        return self.encode_as_text(text, forged) if forged else (ids, offsets)
+
+    def forged_spans(self, ids: list[int], offsets: list[tuple[int, int]], text: str, spans: list[Span]) -> list[tuple[int, int]]:
+        """The record spans in which the tokenizer read a control token out of record text, each cut
+        to the tokens that lie wholly inside it (a tool-call span may reach into the `<` of the
+        template's own `<|im_end|>`, see `inserted_span`, which must stay whole)."""
+        found = set()
+        for token_id, (a, b) in zip(ids, offsets):
+            if token_id not in self.control_ids:
+                continue
+            for span in spans:
+                inside = a < span.end and b > span.start
+                if inside and (span.data is None or text[a:b] in span.data):
+                    found.add((span.start, span.end))
+        cut = []
+        for start, end in sorted(found):
+            whole = [(a, b) for a, b in offsets if a >= start and b <= end and b > a]
+            if whole:
+                cut.append((whole[0][0], max(b for _, b in whole)))
+        return cut
+
+    def encode_as_text(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Tokenize `text` with the record spans `spans` read as plain text (control tokens spelled
+        in them split into ordinary tokens) and the template text between them as usual."""
+        pieces, cursor = [], 0
+        for a, b in spans:
+            a = max(a, cursor)
+            if a > cursor:
+                pieces.append((cursor, a, False))
+            if b > a:
+                pieces.append((a, b, True))
+            cursor = max(cursor, b)
+        if cursor < len(text):
+            pieces.append((cursor, len(text), False))
+        encoded = {}
+        for split in (False, True):
+            chosen = [p for p in pieces if p[2] == split]
+            if chosen:
+                enc = self._encode([text[a:b] for a, b, _ in chosen], split_special_tokens=split)
+                encoded.update({p: (i, o) for p, i, o in zip(chosen, enc["input_ids"], enc["offset_mapping"])})
+        ids, offsets = [], []
+        for piece in pieces:
+            piece_ids, piece_offsets = encoded[piece]
+            ids += piece_ids
+            offsets += [(s + piece[0], e + piece[0]) for s, e in piece_offsets]
+        return ids, offsets
 
     def _prepare(self, raw: RawRecord) -> tuple[str, Any]:
         if raw.error is not None:
@@ -532,9 +450,9 @@ class SampleBuilder:
                 f"{raw.source}: a chat record, but the tokenizer has no chat_template; "
                 "give the checkpoint a chat template or convert the corpus to {\"text\": ...} records"
             )
-        kwargs = self.policy.chat_template_kwargs
-        rendered = render_chat(self.tokenizer, payload, kwargs)
-        return "chat", (rendered, assistant_char_spans(self.tokenizer, payload, rendered, kwargs))
+        kwargs = payload.template_kwargs(self.policy.chat_template_kwargs)
+        rendered = render_chat(self.tokenizer, payload.messages, kwargs)
+        return "chat", (rendered, chat_spans(self.tokenizer, payload, rendered, kwargs, self.control_texts))
 
     def _finish(self, raw: RawRecord, input_ids: np.ndarray, mask: np.ndarray) -> TokenizedSample | Reject:
         if input_ids.size == 0:
@@ -557,12 +475,20 @@ class SampleBuilder:
         return TokenizedSample(raw.position, raw.source, sid, input_ids, mask, truncated_from)
 
 
-def end_of_turn_token_ids(tokenizer) -> set[int]:
-    """Token ids that may close an assistant turn: the special tokens (`<|im_end|>`, `<|eot_id|>`, eos)."""
+def control_token_ids(tokenizer) -> set[int]:
+    """Ids of the tokenizer's special tokens (`<|im_start|>`, `<|im_end|>`, ...): record text must never
+    produce them. Added tokens that are not special (Qwen's `<think>`, `<tool_call>`) are words the
+    target also writes as text, so they are not counted."""
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
         if getattr(added, "special", False):
             ids.add(int(token_id))
+    return ids
+
+
+def end_of_turn_token_ids(tokenizer) -> set[int]:
+    """Token ids that may close an assistant turn: the special tokens (`<|im_end|>`, `<|eot_id|>`, eos)."""
+    ids = control_token_ids(tokenizer)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids

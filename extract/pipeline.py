@@ -19,6 +19,7 @@ refuses to resume and says what changed; runtime knobs (batch size, devices, thr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -39,9 +40,11 @@ from common.io import atomic_write_json, atomic_write_text, remove_temp_files, r
 from common.provenance import provenance as tool_provenance
 from extract import corpus as C
 from extract.batching import BufferPool, HostBatch, collate_right_padded, plan_micro_batches
-from extract.capture import Capturer, sample_views
+from extract.calibrate import ensure_projection
+from extract.capture import Capturer, sample_views, tier_for
 from extract.config import DATASET_KEYS, ExtractConfig
 from extract.sink import Progress, RejectLog, Worker, read_committed_rejects
+from shards.manifest import MERGE_WAIT_SECONDS, lock_manifest
 from common.target import Target, check_layer_ids, load_target, read_text_config, target_provenance
 
 log = logging.getLogger("extract")
@@ -132,6 +135,7 @@ def resolve_devices(cfg: ExtractConfig, ranks: Ranks) -> dict:
 def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None = None) -> dict:
     """Extract every split of `cfg`; returns {split name (or None): summary dict of this rank}."""
     ranks = ranks or Ranks.from_env()
+    check_inputs(cfg)  # corpora and output paths, before the target's weights (minutes for a 27B)
     torch.manual_seed(cfg.seed)
     if target is None:
         text_config = read_text_config(cfg.target, cfg.trust_remote_code)
@@ -156,6 +160,32 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     return summaries
 
 
+def check_inputs(cfg: ExtractConfig) -> None:
+    """ValueError naming the key for what would fail later: a corpus that cannot be found or read
+    as its format, an output path that cannot be a directory."""
+    for name, split_cfg in cfg.split_configs().items():
+        where = "" if name is None else f"splits.{name}: "
+        try:
+            C.find_corpus(split_cfg.corpus, split_cfg.corpus_format)
+            with_regeneration(split_cfg)
+        except ValueError as err:
+            raise ValueError(f"{where}{err}") from None
+        check_out_dir(split_cfg.out_dir, "out_dir" if name is None else f"out_dir (split {name})")
+
+
+def check_out_dir(out_dir: str, key: str) -> None:
+    """ConfigError unless `out_dir` is (or can become) a writable local directory."""
+    root = _local_dir(out_dir)
+    existing = root
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is a file" if existing == root else f"lies under '{existing}', which is a file"
+        fail(key, f"'{root}' {where}, not a directory; choose another out_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(key, f"'{existing}' is not writable by this user")
+
+
 def check_topk(topk: int, vocab_size: int | None) -> None:
     """ConfigError naming `topk` if the target's vocabulary has fewer entries (torch.topk would fail mid-run)."""
     if vocab_size is not None and topk > int(vocab_size):
@@ -164,8 +194,7 @@ def check_topk(topk: int, vocab_size: int | None) -> None:
 
 def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str | None = None) -> dict:
     """Extract one corpus into `cfg.out_dir` (this rank's share), then merge if all ranks are done."""
-    from shards import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL, ShardWriter, load_manifest
-    from shards.manifest import hidden_split_of
+    from shards import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 
     # The saved config and the provenance name the storage settings actually used.
     cfg = dataclasses.replace(
@@ -176,25 +205,61 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
     )
     entered = time.perf_counter()  # the summary's startup_seconds count from here
     root = _local_dir(cfg.out_dir)
-    os.makedirs(root, exist_ok=True)
+    cfg, regeneration = with_regeneration(cfg)
     corpus = C.find_corpus(cfg.corpus, cfg.corpus_format)
     fingerprint = corpus_fingerprint(corpus, cfg.max_records)
-    fresh = build_provenance(cfg, target, corpus, fingerprint)
+    fresh = build_provenance(cfg, target, corpus, fingerprint, regeneration)
+    names = ranks.names
+    created = _missing_dirs(root)  # what a start that commits nothing removes again
+    os.makedirs(root, exist_ok=True)
+    fs, _ = resolve(root)
+    try:
+        with lock_manifest(fs, root, names["manifest"]):  # one writer per rank of a dataset; released by the OS on a crash
+            return _extract_locked(cfg, target, ranks, root, corpus, fingerprint, fresh, label, entered, created)
+    except BaseException:
+        for path in created:
+            if os.path.isdir(path):
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)  # only if empty: the run left nothing in it
+        raise
+
+
+def _missing_dirs(root: str) -> list[str]:
+    """`root` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    while not os.path.lexists(root):
+        missing.append(root)
+        root = os.path.dirname(root)
+    return missing
+
+
+def _extract_locked(cfg, target, ranks: Ranks, root: str, corpus, fingerprint: dict, fresh: dict, label, entered: float, created: list) -> dict:
+    from shards import ShardWriter, load_manifest
+    from shards.manifest import hidden_split_of
+
     fs, _ = resolve(root)
     names = ranks.names
-
     done = _already_complete(fs, root, fresh, load_manifest)
     if done is not None:
         log.info("%s: already complete (%d samples); nothing to do", root, done["counts"]["samples"])
         if not os.path.exists(os.path.join(root, SUMMARY_FILE)):  # killed between manifest.json and summary.json
-            remove_merge_leftovers(root)
-            return write_summary(root, done)
+            with lock_manifest(fs, root, FINAL_MANIFEST, wait_seconds=MERGE_WAIT_SECONDS):
+                remove_merge_leftovers(root)
+                return write_summary(root, done)
         return summarize_dataset(root, done, this_run=None)
 
     provenance, stage_state, hidden_split = fresh, {}, None
     existing = _existing_rank_manifest(root, names["manifest"])
     if existing is not None:
         stored = load_manifest(fs, root, existing)
+        if _holds_nothing(stored) and resume_problems(stored["provenance"], fresh):
+            # Left by a start that committed nothing (killed, or refused before its first commit):
+            # nothing to resume, so it must not block a corrected run.
+            log.info("%s: %s holds nothing yet and was made with other settings; starting afresh", root, existing)
+            if existing == names["manifest"]:
+                _remove_stub(root, names)
+            existing = None
+    if existing is not None:
         # A rank that starts after others (or resumes) writes the dataset's layout, never its own default.
         hidden_split = hidden_split_of(stored)
         _refuse_changed(root, stored, fresh, ranks)
@@ -202,32 +267,43 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
         provenance = stored["provenance"]
         if existing == names["manifest"]:
             stage_state = stored.get("stage_state", {})
+    else:
+        created += [os.path.join(root, n) for n in (names["manifest"], names["rejects"])]
+    config_path = os.path.join(root, CONFIG_FILE)
     if ranks.rank == 0:
-        save_config(cfg, os.path.join(root, CONFIG_FILE))
+        if not os.path.exists(config_path):
+            created.append(config_path)
+        save_config(cfg, config_path)
 
-    writer_kwargs = dict(shard_bytes=cfg.shard_bytes, zstd_level=cfg.zstd_level, hidden_encoding=cfg.hidden_encoding)
-    hidden_width = len(cfg.layer_ids) * target.hidden_size
+    # Storage tier with projection: P is settled (calibration pass, or reused) before any shard.
+    projection, projection_entry = ensure_projection(cfg, target, ranks, root)
+    writer_kwargs = dict(shard_bytes=cfg.shard_bytes, zstd_level=cfg.zstd_level, hidden_encoding=cfg.hidden_encoding, projection=projection_entry)
+    hidden_width = projection.out_width if projection is not None else len(cfg.layer_ids) * target.hidden_size
     started = time.time()
-    with ShardWriter(
-        root, provenance=provenance, hidden_width=hidden_width, topk=cfg.topk,
-        manifest_name=names["manifest"], shard_prefix=names["prefix"], hidden_split=hidden_split, **writer_kwargs,
-    ) as writer:
-        writer.stage_state["world_size"] = ranks.world
-        writer.stage_state["rank"] = ranks.rank
-        runs = list(stage_state.get("runs", []))
-        runs.append({"started": _iso(started), "config_digest": json_digest(config_to_dict(cfg)), "runtime": _runtime_keys(cfg)})
-        writer.stage_state["runs"] = runs
-        rejects = RejectLog(os.path.join(root, names["rejects"]), int(writer.stage_state.get("rejects_bytes", 0)))
-        try:
-            run_stats = _extract_into(cfg, target, ranks, corpus, fingerprint, writer, rejects, label, entered)
-        finally:
-            writer.stage_state["rejects_bytes"] = rejects.sync()
-            rejects.close()
-        run_stats["seconds"] = time.time() - started
-        run_stats["rank"], run_stats["world"] = ranks.rank, ranks.world
-        writer.stage_state["runs"][-1].update(finished=_iso(time.time()), **{k: run_stats[k] for k in ("tokens", "samples", "seconds")})
-        writer.stage_state["records_owned"] = run_stats["records_owned"]
-        manifest = writer.manifest
+    try:
+        with ShardWriter(
+            root, provenance=provenance, hidden_width=hidden_width, topk=cfg.topk,
+            manifest_name=names["manifest"], shard_prefix=names["prefix"], hidden_split=hidden_split, **writer_kwargs,
+        ) as writer:
+            writer.stage_state["world_size"] = ranks.world
+            writer.stage_state["rank"] = ranks.rank
+            runs = list(stage_state.get("runs", []))
+            runs.append({"started": _iso(started), "config_digest": json_digest(config_to_dict(cfg)), "runtime": _runtime_keys(cfg)})
+            writer.stage_state["runs"] = runs
+            rejects = RejectLog(os.path.join(root, names["rejects"]), int(writer.stage_state.get("rejects_bytes", 0)))
+            try:
+                run_stats = _extract_into(cfg, target, ranks, corpus, fingerprint, writer, rejects, label, entered)
+            finally:
+                writer.stage_state["rejects_bytes"] = rejects.sync()
+                rejects.close()
+            run_stats["seconds"] = time.time() - started
+            run_stats["rank"], run_stats["world"] = ranks.rank, ranks.world
+            writer.stage_state["runs"][-1].update(finished=_iso(time.time()), **{k: run_stats[k] for k in ("tokens", "samples", "seconds")})
+            writer.stage_state["records_owned"] = run_stats["records_owned"]
+            manifest = writer.manifest
+    except BaseException:
+        _discard_if_empty(root, names, created)
+        raise
     # The last shard is committed as the writer closes: count it in the run's time and commit share.
     run_stats["seconds"] = time.time() - started
     run_stats["commit_seconds"] = writer.commit_seconds
@@ -244,6 +320,50 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
     if merged is None:
         return summarize_dataset(root, load_manifest(fs, root, names["manifest"]), this_run=run_stats, partial=True)
     return summarize_dataset(root, merged, this_run=run_stats)
+
+
+def _holds_nothing(manifest: dict) -> bool:
+    """A rank manifest with no shard, no committed reject and not complete: a start that committed nothing."""
+    state = manifest.get("stage_state") or {}
+    return not manifest["shards"] and not manifest.get("complete") and not state.get("rejects_bytes")
+
+
+def _remove_stub(root: str, names: dict) -> None:
+    for name in (names["manifest"], names["rejects"]):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(root, name))
+
+
+def _discard_if_empty(root: str, names: dict, created: list) -> None:
+    """After a failed start: remove the files this run created if it committed nothing (a rerun then
+    starts afresh with whatever settings it is given, and an out_dir this run made disappears)."""
+    from shards import load_manifest
+
+    fs, _ = resolve(root)
+    try:
+        if not _holds_nothing(load_manifest(fs, root, names["manifest"])):
+            return
+    except (ValueError, OSError):
+        return  # unreadable or absent: leave everything for a person to look at
+    for path in created:
+        if not os.path.isdir(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+
+def has_committed_work(cfg: ExtractConfig, ranks: Ranks) -> bool:
+    """Whether any dataset of `cfg` holds committed work of this rank (something a rerun resumes)."""
+    from shards import load_manifest
+
+    for split_cfg in cfg.split_configs().values():
+        try:
+            root = _local_dir(split_cfg.out_dir)
+            fs, _ = resolve(root)
+            if not _holds_nothing(load_manifest(fs, root, ranks.names["manifest"])):
+                return True
+        except (ValueError, OSError):
+            continue
+    return False
 
 
 def _existing_rank_manifest(root: str, own: str) -> str | None:
@@ -293,21 +413,58 @@ def tokenizer_provenance(tokenizer, mask_token_id: int | None, template_kwargs: 
     }
 
 
-def build_provenance(cfg: ExtractConfig, target: Target, corpus: C.CorpusFiles, fingerprint: dict) -> dict:
+def with_regeneration(cfg: ExtractConfig) -> tuple[ExtractConfig, dict | None]:
+    """For a corpus written by `python -m extract.regenerate`: the config with the chat template
+    variables its answers were generated for (so the template and loss mask follow its thinking
+    choice; an explicit different choice is refused) and the provenance the manifest carries."""
+    from extract.regenerate.store import provenance_for_manifest, regeneration_of
+
+    found = regeneration_of(cfg.corpus) if cfg.corpus else None
+    if found is None:
+        return cfg, None
+    provenance = found[1]
+    kwargs = dict(provenance.get("chat_template_kwargs") or {})
+    if cfg.chat_template_kwargs and cfg.chat_template_kwargs != kwargs:
+        mode = provenance.get("thinking", {}).get("mode")
+        fail("chat_template_kwargs", f"{cfg.chat_template_kwargs} differs from {kwargs}, the variables the regenerated corpus "
+                                     f"'{cfg.corpus}' was answered for (thinking = {mode}); leave chat_template_kwargs unset "
+                                     "(extraction then takes the regeneration's) or make them equal")
+    return dataclasses.replace(cfg, chat_template_kwargs=kwargs), provenance_for_manifest(provenance)
+
+
+def check_regeneration_target(regeneration: dict | None, target: dict) -> None:
+    """Warn when the corpus was answered by another target than the one extracted (a drafter learns
+    what the answering model says)."""
+    if regeneration is None:
+        return
+    answered_by = regeneration.get("target", {})
+    for key in ("config_hash", "weights_digest"):
+        if answered_by.get(key) and target.get(key) and answered_by[key] != target[key]:
+            log.warning("the regenerated corpus was answered by %s (%s %s), not by the target extracted now (%s %s)",
+                        answered_by.get("name_or_path"), key, answered_by[key], key, target[key])
+            return
+
+
+def build_provenance(cfg: ExtractConfig, target: Target, corpus: C.CorpusFiles, fingerprint: dict, regeneration: dict | None = None) -> dict:
     from shards import TAP_MEANING
 
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(target.tokenizer, "mask_token_id", None)
     if mask_id is None:
         log.warning("no mask token: the tokenizer has none and mask_token_id is not set; the trainer will need one")
+    target_info = target_provenance(target)
+    check_regeneration_target(regeneration, target_info)
+    corpus_info = {"source": cfg.corpus, "format": corpus.format, "hash": fingerprint["hash"], "files": fingerprint["files"], "records": fingerprint["records"]}
+    if regeneration is not None:
+        corpus_info["regeneration"] = regeneration
     return {
-        "target": target_provenance(target),
+        "target": target_info,
         "tokenizer": tokenizer_provenance(target.tokenizer, mask_id, cfg.chat_template_kwargs),
         "taps": {"layer_ids": list(cfg.layer_ids), "meaning": TAP_MEANING},
         "dtype": "bfloat16",  # of the stored hidden states
         "compute_dtype": cfg.dtype,
         "topk": cfg.topk,
         "max_len": cfg.max_len,
-        "corpus": {"source": cfg.corpus, "format": corpus.format, "hash": fingerprint["hash"], "files": fingerprint["files"], "records": fingerprint["records"]},
+        "corpus": corpus_info,
         "extract_config": config_to_dict(cfg),
         **tool_provenance(),
     }
@@ -626,10 +783,10 @@ def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer
     stats = {"records_owned": 0, "samples": 0, "tokens": 0, "batches": 0, "skipped_batches": 0, "padded_tokens": 0}
     desc = f"extract {label or os.path.basename(cfg.out_dir)}" + (f" rank {ranks.rank}/{ranks.world}" if ranks.world > 1 else "")
     progress = Progress(fingerprint["records"], desc, enabled=cfg.progress and ranks.rank == 0)
-    capturer = Capturer(target, cfg.layer_ids, cfg.topk, cfg.logits_chunk, cfg.launch_ahead_layers)
+    capturer = Capturer(target, cfg.layer_ids, cfg.topk, cfg.logits_chunk, cfg.launch_ahead_layers, tier=tier_for(writer, target.output_device))
     pool = BufferPool(
         cfg.inflight_batches, n_taps=n_taps, hidden_size=target.hidden_size, token_budget=cfg.tokens_per_batch, topk=cfg.topk,
-        pin=capturer.cuda, encoding=writer.encoding, hidden_split=writer.hidden_split,
+        pin=capturer.cuda, encoding=writer.encoding, hidden_split=writer.hidden_split, stored_width=writer.hidden_width,
     )
     pa.set_cpu_count(cfg.writer_threads)  # zstd runs on pyarrow's pool while the write thread waits
 
@@ -713,7 +870,7 @@ def finish_ranks(root: str, ranks: Ranks) -> dict | None:
 def merge_ranks(root: str, world: int, *, required: bool = True) -> dict | None:
     """Merge `manifest.rank*.json` of ranks 0..world-1 into manifest.json and the rejects files
     into rejects.jsonl. With required=False, returns None if some rank has not finished yet."""
-    from shards import load_manifest, merge_manifests
+    from shards import load_manifest
 
     fs, root = resolve(root)
     names = [rank_names(r) for r in range(world)]
@@ -727,6 +884,14 @@ def merge_ranks(root: str, world: int, *, required: bool = True) -> dict | None:
     extra = sorted(f for f in os.listdir(root) if f.startswith("manifest.rank") and f.endswith(".json") and f not in {n["manifest"] for n in names})
     if extra:
         raise ValueError(f"{root}: found {extra} from a run with more ranks; merge with that world size or remove them")
+    with lock_manifest(fs, root, FINAL_MANIFEST, wait_seconds=MERGE_WAIT_SECONDS):  # the last two ranks may finish together
+        return _merge_locked(root, names)
+
+
+def _merge_locked(root: str, names: list[dict]) -> dict:
+    from shards import load_manifest, merge_manifests
+
+    fs, root = resolve(root)
     remove_merge_leftovers(root)
     # rejects.jsonl before manifest.json: a complete manifest.json makes a rerun stop at once
     # ("already complete"), so everything else the merge writes must exist by then.
@@ -788,6 +953,20 @@ def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, parti
                 share = value if key.endswith("_calls") else value / this_run["seconds"]
                 summary["this_run"]["writer_" + key.removesuffix("_seconds")] = share
     return summary
+
+
+def no_samples_reason(summary: dict) -> str:
+    """Why a finished dataset holds no sample, in one line (the extraction then exits non-zero)."""
+    where = summary["root"]
+    if not summary["records"]:
+        lines = summary.get("input_lines")
+        what = "the corpus holds no records" + (f" ({lines:,} blank lines)" if lines else " (it is empty)")
+    else:
+        rejects = ", ".join(f"{k} {v:,}" for k, v in summary["rejects"].items())
+        dupes = f", duplicates {summary['duplicates']:,}" if summary["duplicates"] else ""
+        what = f"every one of its {summary['records']:,} records was rejected ({rejects}{dupes}); see {os.path.join(where, FINAL_REJECTS)}"
+    return (f"0 samples written to {where}: {what}. Fix the corpus or the settings, then delete {where} "
+            "(it is a finished, empty dataset) or write to another out_dir.")
 
 
 def format_summary(summary: dict) -> str:

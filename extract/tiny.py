@@ -76,7 +76,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal
 
 from common.config import ConfigError, config_to_dict, fail, knob, parse_cli
-from common.repeat import REPEAT_MAX_PERIOD, RepeatWatch
+from common.repeat import REPEAT_MAX_PERIOD
+from extract.regenerate.local import answer_stop_ids  # noqa: F401 - the tiny build's stop ids are the regeneration's
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions: importing this module does no work
     import torch
@@ -1015,33 +1016,12 @@ def answer_prompt(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
 
 
-def conversation_turns(record: dict) -> list[list[dict]]:
-    """The non-assistant messages before each assistant answer, one list per answer; [] when the
-    record has no user turn to answer ({"text": ...} records)."""
-    turns: list[list[dict]] = []
-    pending: list[dict] = []
-    for message in record.get("messages", []):
-        if message["role"] != "assistant":
-            pending.append({"role": message["role"], "content": message["content"]})
-        elif pending:
-            turns.append(pending)
-            pending = []
-    return turns if turns and any(m["role"] == "user" for m in turns[0]) else []
-
-
-def answer_stop_ids(model, tokenizer) -> set[int]:
-    """Ids that end an answer: the generation config's EOS ids and the tokenizer's (as specdecode stops)."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = {int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None}
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
 def regenerate_records(
     model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 64, *, stop_repeat: int = 0, progress: bool = False
 ) -> tuple[list[dict], dict[str, Any]]:
-    """(records, stats): every record's user turns answered by `model`'s greedy decoding.
+    """(records, stats): every record's user turns answered by `model`'s greedy decoding, through
+    the `local` backend of `python -m extract.regenerate` (`extract.regenerate.local`, one window
+    holding all records, thinking disabled as `answer_prompt` renders).
 
     A record keeps its user (and system) turns; each assistant answer is replaced, turn by turn,
     by the target's greedy continuation of the conversation so far (earlier answers already
@@ -1051,50 +1031,31 @@ def regenerate_records(
     answer whose text would tokenize differently is cut to its longest prefix that tokenizes back
     to the same ids, so extraction reads exactly the tokens the target generated.
     """
-    stop_ids = answer_stop_ids(model, tokenizer)
-    turns = [conversation_turns(r) for r in records]
-    conversations: list[list[dict] | None] = [[] if t else None for t in turns]
-    stats: dict[str, Any] = {"records_in": len(records), "skipped_no_user_turn": sum(not t for t in turns),
-                             "dropped_empty_answer": 0, "dropped_no_round_trip": 0, "answers": 0, "answers_at_cap": 0, "answers_cut_at_repeat": 0,
-                             "answers_cut_to_round_trip": 0}
-    lengths: list[int] = []
-    for depth in range(max(map(len, turns), default=0)):
-        todo = [i for i, c in enumerate(conversations) if c is not None and depth < len(turns[i])]
-        if not todo:  # every longer conversation was dropped at an earlier turn
-            break
-        texts = [answer_prompt(tokenizer, conversations[i] + turns[i][depth]) for i in todo]
-        prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        answers = greedy_answers(model, prompt_ids, max_new_tokens, batch_size, stop_ids, tokenizer.pad_token_id,
-                                 desc=f"regenerate answers (turn {depth + 1})" if progress else None, stop_repeat=stop_repeat)
-        for i, text, ids, (answer, end) in zip(todo, texts, prompt_ids, answers):
-            kept = round_trip_length(tokenizer, text, ids, answer)
-            if kept == 0:  # nothing to learn from this record
-                conversations[i] = None
-                # the target ended its turn at once, or its first token would merge into the prompt
-                stats["dropped_empty_answer" if not answer else "dropped_no_round_trip"] += 1
-                continue
-            stats["answers"] += 1
-            stats["answers_at_cap"] += end == "cap"
-            stats["answers_cut_at_repeat"] += end == "repeat"
-            stats["answers_cut_to_round_trip"] += kept < len(answer)
-            lengths.append(kept)
-            content = tokenizer.decode(answer[:kept], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            conversations[i] = conversations[i] + turns[i][depth] + [assistant(content)]
-    out = [{"messages": c} for c in conversations if c is not None]
+    from tqdm.auto import tqdm
+
+    from extract.reading import RawRecord
+    from extract.regenerate.conversation import EMPTY_ANSWER, NO_USER_TURN, NOT_A_CHAT, Conversation, Renderer
+    from extract.regenerate.local import LocalGenerator, answer_window
+
+    no_thinking = {"enable_thinking": False}
+    renderer = Renderer(tokenizer, "disable", no_thinking, no_thinking)
+    conversations = [Conversation(RawRecord(i, f"record {i}", record), renderer, at_cap="keep") for i, record in enumerate(records)]
+    generator = LocalGenerator(model, tokenizer, max_new_tokens, batch_size, stop_repeat=stop_repeat)
+    with tqdm(desc="regenerate answers", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
+        answer_window(conversations, generator, on_batch=bar.update)
+    outcomes = [c.outcome for c in conversations]
+    reasons = [o.reason for o in outcomes]
+    stats: dict[str, Any] = {
+        "records_in": len(records), "skipped_no_user_turn": sum(r in (NOT_A_CHAT, NO_USER_TURN) for r in reasons),
+        "dropped_empty_answer": reasons.count(EMPTY_ANSWER), "dropped_no_round_trip": sum(r not in (None, NOT_A_CHAT, NO_USER_TURN, EMPTY_ANSWER) for r in reasons),
+        "answers": sum(o.stats["answers"] for o in outcomes), "answers_at_cap": sum(o.stats["at_cap"] for o in outcomes),
+        "answers_cut_at_repeat": sum(o.stats["at_repeat"] for o in outcomes),
+        "answers_cut_to_round_trip": sum(o.stats["cut"] for o in outcomes),
+    }
+    lengths = [n for c in conversations for n in c.answer_lengths]
+    out = [o.record for o in outcomes if o.record is not None]
     stats.update(records_out=len(out), answer_tokens=sum(lengths), answer_length=quantiles(lengths))
     return out, stats
-
-
-def round_trip_length(tokenizer, prompt_text: str, prompt_ids: list[int], answer: list[int]) -> int:
-    """The longest n such that the first n `answer` tokens, written as text after `prompt_text` and
-    tokenized again, give back exactly `prompt_ids + answer[:n]` (a model may emit a split that BPE
-    would merge). Tried from the longest down: survival is not monotone in n (a prefix cut past the
-    first difference can survive again), and only the few answers that do not survive whole pay."""
-    def survives(n: int) -> bool:
-        text = tokenizer.decode(answer[:n], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return tokenizer(prompt_text + text, add_special_tokens=False)["input_ids"] == prompt_ids + answer[:n]
-
-    return next((n for n in range(len(answer), 0, -1) if survives(n)), 0)
 
 
 def quantiles(values: list[int]) -> dict[str, int]:
@@ -1105,82 +1066,13 @@ def quantiles(values: list[int]) -> dict[str, int]:
 
 
 def greedy_answers(
-    model, prompts: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set[int], pad_id: int, desc: str | None = None,
-    stop_repeat: int = 0,
+    model, prompts: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set[int], pad_id: int, stop_repeat: int = 0,
 ) -> list[tuple[list[int], str]]:
-    """(tokens, how the answer ended) of greedy decoding per prompt, in order; see `greedy_batch`.
-    Prompts are batched by length (less padding)."""
-    from tqdm.auto import tqdm
+    """(tokens, how the answer ended: "stop", "repeat" or "cap") of greedy decoding per prompt
+    (`extract.regenerate.local.generate_answers`, the regeneration's own batched decoding)."""
+    from extract.regenerate.local import generate_answers
 
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    batches = [order[at : at + batch_size] for at in range(0, len(order), batch_size)]
-    results: list[tuple[list[int], str]] = [([], "cap")] * len(prompts)
-    for batch in tqdm(batches, desc=desc, unit="batch", disable=desc is None, dynamic_ncols=True):
-        for i, answer in zip(batch, greedy_batch(model, [prompts[i] for i in batch], max_new_tokens, stop_ids, pad_id, stop_repeat)):
-            results[i] = answer
-    return results
-
-
-def greedy_batch(
-    model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int, stop_repeat: int = 0
-) -> list[tuple[list[int], str]]:
-    """Greedy decoding of left-padded prompts with a KV cache, on the model's device. Each answer
-    ends before its first stop token ("stop"), where it starts looping if `stop_repeat` > 0
-    ("repeat", `RepeatWatch`), or after `max_new_tokens` tokens ("cap"). Position ids count each
-    row's real tokens and padding is masked out, so every row decodes as it would alone. Finished
-    rows are dropped from the batch once a quarter of it has finished."""
-    import torch
-
-    device = next(model.parameters()).device
-    rows, width = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    input_ids, mask = input_ids.to(device), mask.to(device)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    # transformers renamed `past_key_values` to `cache` (5.2x); pass whichever this version takes.
-    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    tokens: list[list[int]] = [[] for _ in prompts]
-    ends: list[str | None] = [None] * rows
-    alive = list(range(rows))  # batch row -> prompt index
-    watch = RepeatWatch(rows, max_new_tokens, stop_repeat) if stop_repeat else None
-    with torch.inference_mode():
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        last = positions[:, -1:]
-        for step in range(max_new_tokens):
-            cache, next_ids = cache_of(out), out.logits[:, -1].argmax(-1)
-            next_list = next_ids.tolist()
-            looping = watch.push(next_list) if watch else [False] * len(alive)
-            for row, token, loops in zip(alive, next_list, looping):
-                if ends[row] is not None:
-                    continue
-                if token in stop_ids:
-                    ends[row] = "stop"
-                else:
-                    tokens[row].append(token)
-                    if loops:
-                        ends[row] = "repeat"
-            running = [n for n, row in enumerate(alive) if ends[row] is None]
-            if not running or step == max_new_tokens - 1:
-                break
-            if 4 * (len(alive) - len(running)) >= len(alive):
-                keep = torch.tensor(running, device=device)
-                cache.batch_select_indices(keep)
-                mask, last, next_ids = mask[keep], last[keep], next_ids[keep]
-                if watch:
-                    watch.keep_rows(running)
-                alive = [alive[n] for n in running]
-            mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
-            last = last + 1
-            out = model(input_ids=next_ids[:, None], attention_mask=mask, position_ids=last, use_cache=True, **{cache_kwarg: cache})
-    return [(t, end or "cap") for t, end in zip(tokens, ends)]
-
-
-def cache_of(output):
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
+    return generate_answers(model, prompts, max_new_tokens, batch_size, stop_ids, pad_id, stop_repeat=stop_repeat)
 
 
 def regenerate_corpus(
@@ -1243,24 +1135,29 @@ REQUIRED_FILES = (
 NOT_IN_RECIPE = ("out_dir", "threads", "force")
 
 
+# The code that decides the artifacts: this file, the regeneration code it answers the corpus with, the repeat rule.
+RECIPE_CODE = (*(Path(__file__).parent / name for name in ("tiny.py", "regenerate/local.py", "regenerate/conversation.py")),
+               Path(__file__).parent.parent / "common" / "repeat.py")
+
+
 def recipe(cfg: TinyConfig) -> dict[str, Any]:
     """Everything that decides the artifacts: build parameters with the device type and precision
-    they resolve to here, this file's code, and the Python version (its bundled documentation is
-    the corpus).
+    they resolve to here, this file's code (and the regeneration's and the repeat rule's), and the
+    Python version (its bundled documentation is the corpus).
 
     A CPU build and a GPU build are different computations (other kernels, bf16 on the GPU where a
     CPU may train in fp32), so the device type is part of the recipe: on a GPU host a CPU-built
     cache is rebuilt, not passed off as a GPU build, and the other way round. Left out on purpose:
     library versions, the CPU model and the thread count. They change the rounding, which after
-    1,000 training steps gives a different but equally valid target, not a different recipe; the
-    demo's numbers are built to hold across such targets (README, docs/benchmarks.md), and
-    build.json records the machine that built the cache (`built_on`)."""
+    1,000 training steps gives a different but equally valid target, not a different recipe (the
+    demo's numbers differ with it: README and docs/benchmarks.md give the spread measured across
+    machines), and build.json records the machine that built the cache (`built_on`)."""
     params = {k: v for k, v in config_to_dict(cfg).items() if k not in NOT_IN_RECIPE}
     params["device"] = resolve_build_device(cfg.device)
     params["precision"] = resolve_precision(cfg.precision, params["device"])
     return {
         "params": params,
-        "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
+        "code": hashlib.sha256(b"".join(path.read_bytes() for path in RECIPE_CODE)).hexdigest()[:16],
         "python": sys.version.split()[0],
     }
 

@@ -7,6 +7,9 @@
                                                  one sample (position or sample id): tokens, top-k, per-tap stats
     python -m shards merge DIR NAME... [--out manifest.json]
                                                  combine per-rank manifests in DIR into one
+    python -m shards transcode SRC DST encoding=ENC [projection=pca:rank=R|pca:variance=V|FILE] [key=value ...]
+                                                 derive a storage tier (quantized and/or projected) from SRC;
+                                                 resumable; verified at the end (`... transcode --help`: every key)
 
 DIR is a local path or any URI pyarrow.fs resolves (s3://..., gs://..., hdfs://...).
 """
@@ -17,10 +20,12 @@ import argparse
 import os
 import sys
 
+from common.config import describe, load_config
 from shards.describe import inspect_lines, show_lines, unchecked_shards
 from shards.manifest import MANIFEST_NAME, merge_manifests
 from shards.reader import ShardDataset
 from shards.schema import ShardFormatError
+from shards.transcode import TranscodeConfig, summary_lines, transcode
 from shards.verify import verify_dataset
 
 
@@ -45,7 +50,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("names", nargs="+", help="manifest file names inside DIR (paths are reduced to their base name)")
     p.add_argument("--out", default=MANIFEST_NAME)
+    p = sub.add_parser("transcode", help="derive a cheaper dataset (quantized and/or projected) from SRC, without the target",
+                       description="key=value settings:\n" + describe(TranscodeConfig), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("settings", nargs="*", help="key=value: encoding=... (required), projection=..., calibration_samples=..., ...")
     return parser
+
+
+def _transcode(args) -> int:
+    cfg = load_config(TranscodeConfig, None, args.settings)
+    result = transcode(args.src, args.dst, cfg)
+    print("\n".join(summary_lines(args.src, args.dst, result)))
+    return 1 if result["problems"] else 0
 
 
 def _load_tokenizer(path: str | None):
@@ -79,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "verify":
             return _verify(args)
+        if args.command == "transcode":
+            return _transcode(args)
         if args.command == "inspect":
             lines = inspect_lines(ShardDataset(args.dir, args.manifest, verify_samples=False))  # its checksum line says it
         elif args.command == "show":

@@ -70,7 +70,8 @@ def inspect_lines(ds: ShardDataset) -> list[str]:
     tokens = counts["tokens"]
     shard_bytes = sum(e["bytes"] for e in ds.shards)
     index_bytes = sum(e["index_bytes"] for e in ds.shards)
-    raw = raw_bytes_per_token(ds.hidden_width, ds.topk)
+    # A projected dataset is compared with the raw bf16 of the full features it stands for.
+    raw = raw_bytes_per_token(ds.projection["in_width"] if ds.projection else ds.hidden_width, ds.topk)
     levels = sorted({e.get("zstd_level") for e in ds.shards}, key=str)
     lines = [
         f"dataset    {io.join(ds.root, ds.manifest_name)}",
@@ -95,9 +96,66 @@ def inspect_lines(ds: ShardDataset) -> list[str]:
         )
     else:
         lines.append("size       (no tokens: bytes per token undefined)")
+    lines += tier_lines(ds)
     lines.append("length histogram (tokens per sample)")
     lines += length_histogram(ds.n_tokens)
     return lines
+
+
+def reconstruction_by_tap(entries: list[dict]) -> tuple[list[dict], int, int]:
+    """Per tap over the shards that recorded it: relative RMS error (from the summed energies) and
+    the worst channel of any shard; plus (tokens covered, shards without a record)."""
+    recorded = [e["reconstruction"] for e in entries if "reconstruction" in e]
+    if not recorded:
+        return [], 0, len(entries)
+    taps = []
+    for i in range(len(recorded[0]["taps"])):
+        parts = [r["taps"][i] for r in recorded]
+        sq, err2 = sum(p["sq"] for p in parts), sum(p["err2"] for p in parts)
+        worst = max(parts, key=lambda p: p["worst_channel_rel_rms"])
+        taps.append({"rel_rms": (err2 / sq) ** 0.5 if sq > 0 else 0.0, "worst_channel": worst["worst_channel"],
+                     "worst_channel_rel_rms": worst["worst_channel_rel_rms"]})
+    return taps, sum(r["tokens"] for r in recorded), len(entries) - len(recorded)
+
+
+def tier_lines(ds: ShardDataset) -> list[str]:
+    """The storage tier: encoding, projection, and the reconstruction error per tap recorded at encode time."""
+    lossless = ds.quant is None and ds.projection is None
+    lines = [f"tier       {'lossless (' + ds.encoding + ')' if lossless else _tier_name(ds)}"]
+    if ds.quant is not None:
+        piece = ds.hidden_width // ds.hidden_split
+        scales = "one power-of-two scale per token per piece" if not ds.quant.four_bit else f"one bf16 scale per {ds.quant.group_size} values"
+        lines.append(f"           {ds.encoding}: {ds.quant.bytes_per_value(piece):.4f} B/value before zstd ({scales})")
+    if ds.projection is not None:
+        p = ds.projection
+        explained = ", ".join(f"{x:.4f}" for x in p.get("explained") or [])
+        lines.append(f"           projection {p['in_width']} -> {p['out_width']} features ({p.get('method')}, {p.get('spec')}, "
+                     f"rank {p.get('rank_per_tap')} per tap), second-moment share kept per tap on {p.get('calibration_tokens')} "
+                     f"calibration tokens: {explained}; {p['file']} {p['checksum']}")
+    if lossless:
+        lines.append("error      none: bit-exact bf16")
+        return lines
+    taps, tokens, missing = reconstruction_by_tap(ds.shards)
+    if not taps:
+        lines.append("error      (no reconstruction error recorded: the writer was given quantized values without their originals)"
+                     if ds.shards else "error      (no shards: nothing recorded)")
+        return lines
+    layer_ids = (ds.provenance.get("taps") or {}).get("layer_ids") or []
+    lines.append(f"error      reconstruction error recorded at encode time over {tokens} tokens"
+                 + (f" ({missing} shards without a record)" if missing else "") + ":")
+    lines.append(f"  {'tap':>3}  {'layer id':>8}  {'rel. RMS':>9}  {'worst channel':>13}  {'its rel. RMS':>12}")
+    for i, tap in enumerate(taps):
+        layer = layer_ids[i] if i < len(layer_ids) and len(layer_ids) == len(taps) else "-"
+        lines.append(f"  {i:>3}  {layer!s:>8}  {tap['rel_rms']:>9.4f}  {tap['worst_channel']:>13}  {tap['worst_channel_rel_rms']:>12.4f}")
+    return lines
+
+
+def _tier_name(ds: ShardDataset) -> str:
+    parts = []
+    if ds.projection is not None:
+        parts.append(f"projected to {ds.projection['out_width']} features")
+    parts.append(ds.encoding)
+    return " + ".join(parts)
 
 
 def resolve_sample(ds: ShardDataset, key: str) -> int:

@@ -11,25 +11,27 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from common import io
+from common import io, locks
 from common.hashing import CHECKSUM_ALGO, bytes_digest, text_digest
 from common.provenance import git_sha, tool_version
 from shards.sample_checksums import SAMPLE_CHECKSUM_ALGOS
+from shards.quant import parse_encoding
 from shards.schema import (
-    ENCODINGS,
     FIRST_SPLIT_VERSION,
     FORMAT_NAME,
-    FORMAT_VERSION,
     SUPPORTED_FORMAT_VERSIONS,
+    TIER_FORMAT_VERSION,
     ShardFormatError,
     check_encoding,
     check_hidden_split,
     check_prefix,
+    format_version_for,
     index_schema,
 )
 
@@ -40,6 +42,9 @@ RESERVED_COUNTS = ("samples", "tokens", "loss_tokens")
 # shards, whose samples are read without a per-sample check).
 SAMPLE_CHECKSUM_ALGO_KEY = "sample_checksum_algo"
 SHARD_ENTRY_KEYS = ("file", "index_file", "samples", "tokens", "loss_tokens", "bytes", "checksum", "index_bytes", "index_checksum")
+# Optional: the projection of a projected dataset (format version 4, `shards/projection.py`).
+PROJECTION_KEY = "projection"
+PROJECTION_ENTRY_KEYS = ("file", "bytes", "checksum", "in_width", "out_width")
 # These change whenever the code does; a resumed or merged dataset keeps the first writer's values
 # in `provenance` and records every writer's in `writer` / per shard.
 PROVENANCE_KEYS_NOT_COMPARED = ("tool_version", "git_sha")
@@ -67,11 +72,16 @@ def layout_of(manifest: dict) -> dict:
     return {"encoding": manifest["encoding"], "hidden_width": manifest["hidden_width"], "topk": manifest["topk"], "hidden_split": hidden_split_of(manifest)}
 
 
-def new_manifest(*, provenance: dict, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1) -> dict:
+def projection_of(manifest: dict) -> dict | None:
+    """The dataset's projection entry (file, checksum, widths, ...), None for unprojected features."""
+    return manifest.get(PROJECTION_KEY)
+
+
+def new_manifest(*, provenance: dict, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1, projection: dict | None = None) -> dict:
     """An empty manifest (no shards) for a dataset of this layout."""
-    return {
+    manifest = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version_for(encoding, projection is not None),
         "complete": False,
         "provenance": json_normalized(provenance, "provenance"),
         "encoding": check_encoding(encoding),
@@ -84,6 +94,9 @@ def new_manifest(*, provenance: dict, encoding: str, hidden_width: int, topk: in
         "stage_state": {},
         "writer": {"tool_version": tool_version(), "git_sha": git_sha(), "created": now_iso(), "updated": now_iso()},
     }
+    if projection is not None:
+        manifest[PROJECTION_KEY] = json_normalized(projection, "projection")
+    return manifest
 
 
 def check_manifest(manifest: Any, where: str) -> dict:
@@ -99,8 +112,21 @@ def check_manifest(manifest: Any, where: str) -> dict:
     for key in ("encoding", "hidden_width", "topk", "counts", "shards", "provenance"):
         if key not in manifest:
             raise ShardFormatError(f"{where}: manifest has no field {key!r}")
-    if manifest["encoding"] not in ENCODINGS:
-        raise ShardFormatError(f"{where}: unknown hidden encoding {manifest['encoding']!r}")
+    try:
+        check_encoding(manifest["encoding"])
+    except ValueError:
+        raise ShardFormatError(f"{where}: unknown hidden encoding {manifest['encoding']!r}") from None
+    tier = parse_encoding(manifest["encoding"]) is not None or PROJECTION_KEY in manifest
+    if tier and version < TIER_FORMAT_VERSION:
+        raise ShardFormatError(f"{where}: encoding {manifest['encoding']!r} / projection in a format_version {version} manifest "
+                               f"(storage tiers are version {TIER_FORMAT_VERSION})")
+    projection = manifest.get(PROJECTION_KEY)
+    if projection is not None:
+        missing = [key for key in PROJECTION_ENTRY_KEYS if not isinstance(projection, dict) or key not in projection]
+        if missing:
+            raise ShardFormatError(f"{where}: projection entry has no field(s) {missing}")
+        if projection["out_width"] != manifest["hidden_width"]:
+            raise ShardFormatError(f"{where}: projection out_width {projection['out_width']} != hidden_width {manifest['hidden_width']}")
     split = hidden_split_of(manifest)
     try:
         check_hidden_split(split, manifest["hidden_width"])
@@ -167,12 +193,21 @@ def comparable_provenance(provenance: dict) -> dict:
     return {k: v for k, v in provenance.items() if k not in PROVENANCE_KEYS_NOT_COMPARED}
 
 
-def layout_difference(manifest: dict, *, provenance: dict, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1) -> str | None:
+def _projection_identity(projection: dict | None) -> dict | None:
+    return None if projection is None else {key: projection[key] for key in PROJECTION_ENTRY_KEYS}
+
+
+def layout_difference(
+    manifest: dict, *, provenance: dict, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1, projection: dict | None = None
+) -> str | None:
     """The first field in which a dataset's layout and provenance differ from the given ones, or None."""
     layout = layout_of(manifest)
     for key, value in (("encoding", encoding), ("hidden_width", hidden_width), ("topk", topk), ("hidden_split", hidden_split)):
         if layout[key] != value:
             return f"{key}: {layout[key]!r} vs {value!r}"
+    ours, theirs = _projection_identity(projection_of(manifest)), _projection_identity(projection)
+    if ours != theirs:
+        return first_difference(ours, theirs, "projection") if ours and theirs else f"projection: {ours!r} vs {theirs!r}"
     return first_difference(
         comparable_provenance(manifest["provenance"]), comparable_provenance(json_normalized(provenance, "provenance")), "provenance"
     )
@@ -239,6 +274,17 @@ def _refuse_duplicates(fs, root, names, manifests) -> None:
         raise ValueError(f"merge: {len(duplicates)} sample ids are listed twice (shard them by sample id across ranks): {shown}")
 
 
+def lock_manifest(fs: pafs.FileSystem, root: str, manifest_name: str, *, wait_seconds: float = 0.0):
+    """The exclusive lock every writer of manifest `manifest_name` in `root` holds (a local
+    directory; other file systems are not locked): a second writer stops at once, naming the first."""
+    if not io.is_local(fs):
+        return locks.Lock.unheld()
+    return locks.exclusive_lock(
+        os.path.join(root, f".{manifest_name}.lock"), what=f"{manifest_path(root, manifest_name)}", wait_seconds=wait_seconds,
+        hint="Two writers of one dataset would corrupt it: wait for the other to finish (or stop it), or write to another directory.",
+    )
+
+
 def merge_manifests(root: str, names: list[str], out_name: str = MANIFEST_NAME) -> dict:
     """Combine per-rank manifests in `root` into `out_name`; return the merged manifest.
 
@@ -251,10 +297,19 @@ def merge_manifests(root: str, names: list[str], out_name: str = MANIFEST_NAME) 
     if out_name in names:
         raise ValueError(f"merge: output {out_name!r} is also an input")
     fs, root = io.resolve(root)
+    with lock_manifest(fs, root, out_name, wait_seconds=MERGE_WAIT_SECONDS):
+        return _merge_locked(fs, root, names, out_name)
+
+
+# A merge takes seconds: a second merger (the last two ranks finishing together) waits this long.
+MERGE_WAIT_SECONDS = 120.0
+
+
+def _merge_locked(fs, root: str, names: list[str], out_name: str) -> dict:
     manifests = [load_manifest(fs, root, name) for name in names]
     first = manifests[0]
     for name, manifest in zip(names[1:], manifests[1:]):
-        diff = layout_difference(manifest, provenance=first["provenance"], **layout_of(first))
+        diff = layout_difference(manifest, provenance=first["provenance"], projection=projection_of(first), **layout_of(first))
         if diff:
             raise ValueError(f"merge: {name} disagrees with {names[0]} in {diff}")
     files = [entry["file"] for manifest in manifests for entry in manifest["shards"]]
@@ -262,7 +317,7 @@ def merge_manifests(root: str, names: list[str], out_name: str = MANIFEST_NAME) 
     if repeated:
         raise ValueError(f"merge: shard files listed by more than one manifest: {repeated[:10]} (give each rank its own shard_prefix)")
     _refuse_duplicates(fs, root, names, manifests)
-    merged = new_manifest(provenance=first["provenance"], **layout_of(first))
+    merged = new_manifest(provenance=first["provenance"], projection=projection_of(first), **layout_of(first))
     merged["complete"] = all(m.get("complete", False) for m in manifests)
     merged["counts"] = _merged_counts(manifests)
     merged["shards"] = [entry for manifest in manifests for entry in manifest["shards"]]

@@ -32,7 +32,8 @@ import pyarrow.fs as pafs
 
 from common import io
 from common.hashing import file_checksum
-from shards.manifest import MANIFEST_NAME, SAMPLE_CHECKSUM_ALGO_KEY, hidden_split_of, load_manifest, read_index
+from shards.manifest import MANIFEST_NAME, SAMPLE_CHECKSUM_ALGO_KEY, hidden_split_of, load_manifest, projection_of, read_index
+from shards.quant import parse_encoding
 from shards.sample_checksums import SampleRanges, decode_message
 from shards.schema import Sample, ShardFormatError, decode_sample, shard_schema, shard_schema_matches
 
@@ -67,6 +68,8 @@ class ShardDataset:
         self.hidden_width: int = self.manifest["hidden_width"]
         self.topk: int = self.manifest["topk"]
         self.hidden_split: int = hidden_split_of(self.manifest)
+        self.quant = parse_encoding(self.encoding)  # None for the lossless encodings
+        self.projection: dict | None = projection_of(self.manifest)  # None unless the features are projected
         self.shards: list[dict] = self.manifest["shards"]
         self.verify_checksums = verify_checksums
         self.verify_samples = verify_samples
@@ -184,12 +187,20 @@ class ShardDataset:
             for row in range(entry["samples"]):
                 yield self._read(shard, row)
 
+    def compact(self, i: int) -> Sample:
+        """Sample `i` with hidden states as stored: a `QuantizedHidden` (codes and scales, views of the
+        decoded buffers) for a quantized dataset, which the trainer moves to its device as is and
+        dequantizes there; the uint16 bf16 bits of a lossless dataset."""
+        shard, row = self.locate(int(i))
+        return self._read(shard, row, compact=True)
+
     def torch(self, i: int, hidden_out=None) -> dict:
         """Sample `i` as torch tensors: input_ids int32 [T], loss_mask bool [T], hidden bf16 [T, W],
         topk_ids int32 [T, k], topk_logprobs float32 [T, k].
 
         Tensors share the decoded buffers (hidden is a bf16 view of the uint16 bit patterns); the
         only copies are zstd's decompression and, for "planes", joining the two byte planes.
+        Quantized datasets are dequantized here, on the CPU (the trainer uses `compact` instead).
         With `hidden_out` (a C-contiguous CPU bf16 tensor [>= T, W], e.g. one row of a pinned batch
         buffer) the hidden states are decoded straight into it and "hidden" is `hidden_out[:T]`.
         """
@@ -213,7 +224,7 @@ class ShardDataset:
 
     # ------------------------------------------------------------------ shard files
 
-    def _read(self, shard: int, row: int, hidden_out: np.ndarray | None = None) -> Sample:
+    def _read(self, shard: int, row: int, hidden_out: np.ndarray | None = None, compact: bool = False) -> Sample:
         ranges = self._sample_ranges(shard)
         opened = self._reader(shard)
         path = io.join(self.root, self.shards[shard]["file"])
@@ -228,7 +239,7 @@ class ShardDataset:
         except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged zstd data
             raise ShardFormatError(f"{path}: row {row} cannot be read: {err}") from None
         try:
-            sample = decode_sample(batch, self.encoding, self.hidden_width, self.topk, hidden_out, self.hidden_split)
+            sample = decode_sample(batch, self.encoding, self.hidden_width, self.topk, hidden_out, self.hidden_split, compact=compact)
         except (pa.ArrowException, OSError, ShardFormatError) as err:
             raise ShardFormatError(f"{path}: row {row} cannot be decoded: {err}") from None
         if ranges is not None and sample.sample_id != ranges.sample_id(row):

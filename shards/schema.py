@@ -1,4 +1,5 @@
-"""What one sample is, how it is laid out in Arrow, and the two lossless encodings of `hidden`.
+"""What one sample is, how it is laid out in Arrow, and the encodings of `hidden` (two lossless,
+and the quantized storage tiers of `shards/quant.py`).
 
 A shard file holds one record batch per sample, and each batch holds exactly one row, so reading
 sample `row` of a shard is `open_file(...).get_batch(row)` and decodes nothing else (the reader
@@ -18,6 +19,11 @@ With `hidden_split` S > 1 (format version 3; extract uses one piece per tap) eac
 stored as S columns of width W / S, left to right: `hidden_hi.0` .. `hidden_hi.{S-1}`, then
 `hidden_lo.0` .. (or `hidden.0` ..).
 
+Quantized encodings (format version 4; `shards/quant.py`) store per piece j the codes
+`hidden_q.j` (list<fixed_size_list<uint8, code width>>) then the scales `hidden_scale.j`
+(list<fixed_size_list<int8 | uint16, scale width>>): fp8 one int8 exponent per token and piece,
+int4 / nf4 one bf16 scale (uint16 bits) per group. Readers dequantize them to bf16.
+
 Arrow IPC compresses every buffer as its own zstd frame, so with "planes" zstd sees the
 sign/exponent bytes (low entropy) apart from the mantissa bytes (nearly random), which is what
 makes the planes smaller; per-tap pieces give zstd bytes of one layer's statistics at a time
@@ -33,14 +39,20 @@ import re
 import numpy as np
 import pyarrow as pa
 
+from shards.quant import LOSSLESS_ENCODINGS, QuantizedHidden, QuantSpec, parse_encoding
+
 FORMAT_NAME = "dflash-shards"
 # 2: index files carry each sample's byte range and xxh3-64 (FORMAT.md, "Versioning"); shard files
 # are laid out as in 1, and version-1 datasets still read (without the per-sample check).
 # 3: hidden columns may be split into `hidden_split` pieces of equal width (one per tap).
+# 4: storage tiers: quantized encodings (`shards/quant.py`) and projected features
+#    (`shards/projection.py`). Lossless, unprojected datasets are still written as version 3, byte
+#    for byte as before; only a dataset with a tier is version 4 (older readers refuse it by version).
 FORMAT_VERSION = 3
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+TIER_FORMAT_VERSION = 4
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
 FIRST_SPLIT_VERSION = 3
-ENCODINGS = ("plain", "planes")
+ENCODINGS = LOSSLESS_ENCODINGS  # the lossless ones; quantized names are parsed (`shards.quant.parse_encoding`)
 DEFAULT_ENCODING = "planes"  # chosen by measurement: FORMAT.md, "Why these defaults"
 DEFAULT_ZSTD_LEVEL = 1  # chosen by measurement: FORMAT.md, "Why these defaults"
 DEFAULT_SHARD_BYTES = 1 << 30
@@ -101,9 +113,19 @@ def sample_from_torch(sample_id, input_ids, loss_mask, hidden, topk_ids, topk_lo
 
 
 def check_encoding(encoding: str) -> str:
-    if encoding not in ENCODINGS:
-        raise ValueError(f"hidden_encoding: unknown encoding {encoding!r}; allowed: {', '.join(ENCODINGS)}")
+    """`encoding` if it is a stored encoding name (lossless, or a canonical quantized name such as
+    `fp8`, `nf4-g64`), else ValueError naming it. Use `shards.quant.canonical_encoding` first to
+    accept the short names (`nf4`)."""
+    spec = parse_encoding(encoding)
+    if spec is not None and spec.name != encoding:
+        raise ValueError(f"hidden_encoding: {encoding!r} is stored as {spec.name!r}; give the full name")
     return encoding
+
+
+def format_version_for(encoding: str, projected: bool = False) -> int:
+    """The format version a writer gives a dataset of this encoding: 3 (lossless, unprojected: the
+    same files as before tiers existed), 4 with a storage tier."""
+    return TIER_FORMAT_VERSION if projected or parse_encoding(encoding) is not None else FORMAT_VERSION
 
 
 def check_hidden_split(hidden_split, hidden_width: int) -> int:
@@ -117,7 +139,12 @@ def check_hidden_split(hidden_split, hidden_width: int) -> int:
 def hidden_field_names(encoding: str, hidden_split: int) -> list[str]:
     """The hidden columns of a shard, in schema order: per stored array (`hidden`, or `hidden_hi`
     then `hidden_lo`), its pieces left to right; unsplit (S = 1) columns keep the bare name."""
-    bases = ["hidden"] if encoding == "plain" else ["hidden_hi", "hidden_lo"]
+    if encoding == "plain":
+        bases = ["hidden"]
+    elif encoding == "planes":
+        bases = ["hidden_hi", "hidden_lo"]
+    else:
+        bases = ["hidden_q", "hidden_scale"]
     if hidden_split == 1:
         return bases
     return [f"{base}.{piece}" for base in bases for piece in range(hidden_split)]
@@ -151,16 +178,33 @@ def _rows_of(value_type: pa.DataType, width: int) -> pa.DataType:
     return pa.list_(pa.field("item", pa.list_(pa.field("item", value_type, nullable=False), width), nullable=False))
 
 
-def shard_schema(encoding: str, hidden_width: int, topk: int, format_version: int = FORMAT_VERSION, hidden_split: int = 1) -> pa.Schema:
+def hidden_column_types(encoding: str, hidden_width: int, hidden_split: int) -> list[tuple[pa.DataType, int]]:
+    """(value type, values per token) of each hidden column, in schema order."""
+    piece = hidden_width // hidden_split
+    spec = parse_encoding(encoding)
+    if spec is None:
+        value_type = pa.uint16() if encoding == "plain" else pa.uint8()
+        return [(value_type, piece)] * len(hidden_field_names(encoding, hidden_split))
+    scale_type = pa.uint16() if spec.four_bit else pa.int8()
+    return [(pa.uint8(), spec.code_width(piece))] * hidden_split + [(scale_type, spec.scale_width(piece))] * hidden_split
+
+
+def shard_schema(encoding: str, hidden_width: int, topk: int, format_version: int | None = None, hidden_split: int = 1) -> pa.Schema:
     """The schema of a shard file; its metadata repeats the encoding, widths and split so a shard
-    describes itself, and names the format version of the writer that wrote it."""
+    describes itself, and names the format version of the writer that wrote it (default: the
+    version this code writes for the encoding, `format_version_for`)."""
     check_encoding(encoding)
     check_hidden_split(hidden_split, hidden_width)
+    spec = parse_encoding(encoding)
+    if spec is not None:
+        spec.check_piece_width(hidden_width // hidden_split)
+    if format_version is None:
+        format_version = format_version_for(encoding)
     assert hidden_split == 1 or format_version >= FIRST_SPLIT_VERSION, (hidden_split, format_version)
-    value_type = pa.uint16() if encoding == "plain" else pa.uint8()
+    assert spec is None or format_version >= TIER_FORMAT_VERSION, (encoding, format_version)
     hidden_fields = [
-        pa.field(name, _rows_of(value_type, hidden_width // hidden_split), nullable=False)
-        for name in hidden_field_names(encoding, hidden_split)
+        pa.field(name, _rows_of(value_type, width), nullable=False)
+        for name, (value_type, width) in zip(hidden_field_names(encoding, hidden_split), hidden_column_types(encoding, hidden_width, hidden_split))
     ]
     fields = [
         pa.field("sample_id", pa.string(), nullable=False),
@@ -184,10 +228,11 @@ def shard_schema(encoding: str, hidden_width: int, topk: int, format_version: in
 
 def shard_schema_matches(schema: pa.Schema, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1) -> bool:
     """True if `schema` is the shard schema of this layout, written by any supported format version."""
+    first = TIER_FORMAT_VERSION if parse_encoding(encoding) is not None else FIRST_SPLIT_VERSION if hidden_split > 1 else 1
     return any(
         schema.equals(shard_schema(encoding, hidden_width, topk, v, hidden_split), check_metadata=True)
         for v in SUPPORTED_FORMAT_VERSIONS
-        if hidden_split == 1 or v >= FIRST_SPLIT_VERSION
+        if v >= first
     )
 
 
@@ -229,6 +274,7 @@ class HiddenPlanes:
 
     hi: np.ndarray | tuple[np.ndarray, ...]
     lo: np.ndarray | tuple[np.ndarray, ...]
+    error: object = None  # shards.quant.ErrorSums of projected features (their reconstruction error), if measured
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -326,12 +372,16 @@ def _one_row_list(values: np.ndarray, width: int | None) -> pa.Array:
 
 def encode_sample(sample: Sample, schema: pa.Schema, encoding: str, hidden_split: int = 1) -> pa.RecordBatch:
     """One record batch of one row holding `sample` (already validated). Its hidden states may be
-    uint16 or `HiddenPlanes`; the Arrow arrays are views of the numpy data wherever the layout
+    uint16 or `HiddenPlanes` (lossless encodings) or `QuantizedHidden` (quantized: the writer
+    quantizes uint16 input before it gets here); the Arrow arrays are views of the numpy data wherever the layout
     allows (planes given as planes in the dataset's pieces, uint16 stored plain and unsplit), so
     the only pass is zstd's."""
     hidden = sample.hidden
     k = sample.topk_ids.shape[1]
-    if encoding == "plain":
+    if isinstance(hidden, QuantizedHidden):
+        assert hidden.encoding == encoding and len(hidden.codes) == hidden_split, (hidden.encoding, encoding, len(hidden.codes))
+        stored = [np.ascontiguousarray(a) for a in (*hidden.codes, *hidden.scales)]
+    elif encoding == "plain":
         bits = hidden.join() if isinstance(hidden, HiddenPlanes) else hidden
         stored = column_pieces(bits, hidden_split)
     else:
@@ -369,9 +419,32 @@ def _values(column: pa.Array, depth: int) -> np.ndarray:
     return np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype.itemsize)
 
 
+def _quantized_hidden(batch: pa.RecordBatch, spec: QuantSpec, T: int, hidden_width: int, hidden_split: int) -> QuantizedHidden:
+    """The codes and scales of a quantized sample, as views of the Arrow buffers."""
+    names = hidden_field_names(spec.name, hidden_split)
+    widths = [width for _, width in hidden_column_types(spec.name, hidden_width, hidden_split)]
+    arrays = [_rows(batch.column(name), T, width, name) for name, width in zip(names, widths)]
+    return QuantizedHidden(spec.name, tuple(arrays[:hidden_split]), tuple(arrays[hidden_split:]), hidden_width)
+
+
+def _dequantize_into(quantized: QuantizedHidden, destination) -> np.ndarray:
+    """uint16 bf16 bits [T, W] of quantized hidden states, written into `destination` if given."""
+    import torch
+
+    values = quantized.dequantize(torch.bfloat16).view(torch.uint16).numpy()
+    if destination is None:
+        return values
+    np.copyto(destination, values)
+    return destination
+
+
 def _decode_hidden(batch: pa.RecordBatch, encoding: str, T: int, hidden_width: int, hidden_split: int, destination) -> np.ndarray:
     """uint16 [T, W] from the hidden columns: a view of the Arrow buffer for unsplit `plain` without a
-    destination, else written into `destination` (or a new array) piece by piece."""
+    destination, else written into `destination` (or a new array) piece by piece; quantized
+    encodings are dequantized to bf16."""
+    spec = parse_encoding(encoding)
+    if spec is not None:
+        return _dequantize_into(_quantized_hidden(batch, spec, T, hidden_width, hidden_split), destination)
     names = hidden_field_names(encoding, hidden_split)
     width = hidden_width // hidden_split
     columns = [_rows(batch.column(name), T, width, name) for name in names]
@@ -398,10 +471,13 @@ def _decode_hidden(batch: pa.RecordBatch, encoding: str, T: int, hidden_width: i
 
 
 def decode_sample(
-    batch: pa.RecordBatch, encoding: str, hidden_width: int, topk: int, hidden_out: np.ndarray | None = None, hidden_split: int = 1
+    batch: pa.RecordBatch, encoding: str, hidden_width: int, topk: int, hidden_out: np.ndarray | None = None, hidden_split: int = 1,
+    compact: bool = False,
 ) -> Sample:
     """The `Sample` held by a one-row record batch. Every array is a zero-copy view of the decoded
-    Arrow buffers, except `planes` (or split) hidden states, which are joined into one fresh array.
+    Arrow buffers, except `planes` (or split) hidden states, which are joined into one fresh array,
+    and quantized ones, which are dequantized to bf16 bits (uint16) unless `compact`: then
+    `sample.hidden` is the `QuantizedHidden` as stored (views; the trainer dequantizes on its device).
 
     With `hidden_out` (uint16 [>= T, W], C-contiguous, e.g. a row of a trainer's batch buffer) the
     hidden states are decoded straight into `hidden_out[:T]`, saving the copy a collate would make.
@@ -415,7 +491,11 @@ def decode_sample(
         if hidden_out.dtype != np.uint16 or hidden_out.ndim != 2 or hidden_out.shape[1] != hidden_width or hidden_out.shape[0] < T:
             raise ValueError(f"hidden_out: need uint16 [>= {T}, {hidden_width}], got {hidden_out.dtype} {tuple(hidden_out.shape)}")
         destination = hidden_out[:T]
-    hidden_TW = _decode_hidden(batch, encoding, T, hidden_width, hidden_split, destination)
+    spec = parse_encoding(encoding)
+    if compact and spec is not None:
+        hidden_TW = _quantized_hidden(batch, spec, T, hidden_width, hidden_split)
+    else:
+        hidden_TW = _decode_hidden(batch, encoding, T, hidden_width, hidden_split, destination)
     loss_mask = _values(batch.column("loss_mask"), 1)
     if loss_mask.size != T:
         raise ShardFormatError(f"field 'loss_mask' has {loss_mask.size} positions, input_ids has {T}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shards.quant import QuantizedHidden
 from shards.schema import HiddenPlanes, Sample, count_nonfinite_bf16, count_nonfinite_planes, plane_pieces
 
 # log_softmax in float32 can round the top log-prob of a near-certain token a hair above 0.
@@ -30,7 +31,30 @@ def _check_array(sample_id, name: str, value, dtype, ndim: int) -> None:
         _fail(sample_id, name, f"expected {ndim} dimensions, got shape {tuple(value.shape)}")
 
 
+def _check_quantized(sample_id, hidden: QuantizedHidden) -> None:
+    spec = hidden.spec
+    if len(hidden.codes) != len(hidden.scales) or not hidden.codes:
+        _fail(sample_id, "hidden", f"{len(hidden.codes)} code pieces but {len(hidden.scales)} scale pieces")
+    piece = hidden.width // len(hidden.codes)
+    for j, (codes, scales) in enumerate(zip(hidden.codes, hidden.scales)):
+        _check_array(sample_id, f"hidden.codes[{j}]", codes, np.uint8, 2)
+        _check_array(sample_id, f"hidden.scales[{j}]", scales, spec.scale_dtype, 2)
+        expected = [(hidden.shape[0], spec.code_width(piece)), (hidden.shape[0], spec.scale_width(piece))]
+        if [codes.shape, scales.shape] != expected:
+            _fail(sample_id, "hidden", f"piece {j}: codes {codes.shape} / scales {scales.shape}, expected {expected[0]} / {expected[1]} for {spec.name}")
+
+
+def count_nonfinite_quantized(hidden: QuantizedHidden) -> int:
+    """Codes or scales that decode to NaN/Inf: e4m3 NaN codes (0x7F, 0xFF), non-finite bf16 scales."""
+    if hidden.spec.four_bit:
+        return sum(count_nonfinite_bf16(scales) for scales in hidden.scales)
+    return sum(int(np.count_nonzero((codes & 0x7F) == 0x7F)) for codes in hidden.codes)
+
+
 def _check_hidden(sample_id, hidden) -> None:
+    if isinstance(hidden, QuantizedHidden):
+        _check_quantized(sample_id, hidden)
+        return
     if not isinstance(hidden, HiddenPlanes):
         _check_array(sample_id, "hidden", hidden, np.uint16, 2)
         return
@@ -51,6 +75,8 @@ def _check_hidden(sample_id, hidden) -> None:
 
 
 def _count_nonfinite_hidden(hidden) -> int:
+    if isinstance(hidden, QuantizedHidden):
+        return count_nonfinite_quantized(hidden)
     if isinstance(hidden, HiddenPlanes):
         return sum(count_nonfinite_planes(hi, lo) for hi, lo in zip(plane_pieces(hidden.hi), plane_pieces(hidden.lo)))
     return count_nonfinite_bf16(hidden)

@@ -6,7 +6,9 @@ the provenance's taps), every index file (present, size, checksum, schema, rows,
 per-sample byte ranges follow one another inside the shard), every shard file (present, size,
 checksum, schema, number of samples), every sample (its bytes match their xxh3-64 in the index,
 it decodes, its id and lengths match the index, field lengths agree, loss mask is 0/1, no NaN/Inf
-in hidden states or log-probs) and that no sample id appears twice. Shards written before format
+in hidden states or log-probs; quantized hidden states are decoded, so a NaN code or scale shows as
+NaN) and that no sample id appears twice; for storage tiers also that every shard has the dataset's
+encoding and that the projection file matches the manifest. Shards written before format
 version 2 have no per-sample checksums; their samples are decoded through the file's footer.
 """
 
@@ -30,8 +32,10 @@ from shards.manifest import (
     layout_of,
     load_manifest,
     manifest_path,
+    projection_of,
     read_index,
 )
+from shards.projection import load_projection
 from shards.sample_checksums import SampleRanges, decode_message
 from shards.schema import ShardFormatError, count_nonfinite_bf16, decode_sample, shard_schema, shard_schema_matches
 
@@ -63,11 +67,32 @@ def _check_manifest_counts(manifest: dict, path: str) -> list[Problem]:
     prov = manifest["provenance"]
     taps = (prov.get("taps") or {}).get("layer_ids")
     hidden_size = (prov.get("target") or {}).get("hidden_size")
-    if taps is not None and hidden_size is not None and len(taps) * hidden_size != manifest["hidden_width"]:
-        problems.append(Problem(path, f"hidden_width {manifest['hidden_width']} != {len(taps)} taps x hidden_size {hidden_size}"))
+    projection = projection_of(manifest)
+    width, what = (projection["in_width"], "projection in_width") if projection else (manifest["hidden_width"], "hidden_width")
+    if taps is not None and hidden_size is not None and len(taps) * hidden_size != width:
+        problems.append(Problem(path, f"{what} {width} != {len(taps)} taps x hidden_size {hidden_size}"))
     if "topk" in prov and prov["topk"] != manifest["topk"]:
         problems.append(Problem(path, f"topk {manifest['topk']} != provenance topk {prov['topk']}"))
+    for entry in manifest["shards"]:
+        if entry.get("encoding", manifest["encoding"]) != manifest["encoding"]:
+            problems.append(Problem(path, f"shard {entry['file']} is {entry['encoding']} but the dataset is {manifest['encoding']} (mixed encodings)"))
     return problems
+
+
+def _check_projection(fs, root: str, manifest: dict, checksums: bool) -> list[Problem]:
+    """The projection file of a projected dataset: present, its size and (with `checksums`) content as listed."""
+    entry = projection_of(manifest)
+    if entry is None:
+        return []
+    path = io.join(root, entry["file"])
+    problems = _check_file(fs, path, entry["bytes"], entry["checksum"], "projection file", checksums)
+    if problems:
+        return problems
+    try:
+        load_projection(root, entry)
+    except (ValueError, FileNotFoundError) as err:
+        return [Problem(path, str(err).removeprefix(path + ": "))]
+    return []
 
 
 def _check_file(fs, path: str, size: int, checksum: str, what: str, checksums: bool) -> list[Problem]:
@@ -228,6 +253,7 @@ def verify_dataset(
     except (FileNotFoundError, ShardFormatError) as err:
         return [Problem(path, str(err).removeprefix(path + ": "))]
     problems = _check_manifest_counts(manifest, path)
+    problems += _check_projection(fs, root, manifest, checksums)
     if MANIFEST_CHECKSUM_KEY not in manifest:  # every save writes it; without it, damage to the manifest goes unseen
         problems.append(Problem(path, f"manifest has no {MANIFEST_CHECKSUM_KEY}: written by an older version, or the field was damaged or removed"))
     seen: dict[str, str] = {}

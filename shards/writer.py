@@ -30,6 +30,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import xxhash
@@ -46,26 +47,30 @@ from shards.manifest import (
     json_normalized,
     layout_difference,
     load_manifest,
+    lock_manifest,
     manifest_path,
     new_manifest,
     now_iso,
+    projection_of,
     read_index,
     save_manifest,
 )
+from shards.quant import ErrorSums, QuantizedHidden, canonical_encoding, error_sums_of, parse_encoding, quantize_bf16_bits
 from shards.sample_checksums import HEADER_PROBE_BYTES, SAMPLE_CHECKSUM_ALGO, record_batches_start
 from shards.sample_checksums import new_hasher as new_sample_hasher
 from shards.schema import (
     DEFAULT_ENCODING,
     DEFAULT_SHARD_BYTES,
     DEFAULT_ZSTD_LEVEL,
-    FORMAT_VERSION,
     INDEX_SUFFIX,
     SHARD_SUFFIX,
+    HiddenPlanes,
     Sample,
     check_encoding,
     check_hidden_split,
     check_prefix,
     encode_sample,
+    format_version_for,
     index_file_name,
     index_schema,
     shard_file_name,
@@ -236,6 +241,7 @@ class _OpenShard:
     offsets: list = dataclasses.field(default_factory=list)
     lengths: list = dataclasses.field(default_factory=list)
     checksums: list = dataclasses.field(default_factory=list)
+    error: ErrorSums | None = None  # reconstruction error of a quantized / projected shard's samples
 
     def add(self, sample: Sample, nbytes: int, offset: int, length: int, checksum: int) -> None:
         """Record the index row of a sample just written."""
@@ -254,7 +260,7 @@ class _OpenShard:
         return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, schema)], schema=schema)
 
 
-def _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level) -> None:
+def _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level, projection=None) -> None:
     if not isinstance(provenance, dict):
         raise ValueError(f"provenance: expected a dict, got {type(provenance).__name__}")
     for name, value in (("hidden_width", hidden_width), ("topk", topk), ("shard_bytes", shard_bytes)):
@@ -266,9 +272,15 @@ def _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level) 
         raise ValueError(f"topk: {topk} but provenance says topk={provenance['topk']}")
     taps = (provenance.get("taps") or {}).get("layer_ids")
     hidden_size = (provenance.get("target") or {}).get("hidden_size")
-    if taps is not None and hidden_size is not None and len(taps) * hidden_size != hidden_width:
+    feature_width = hidden_width
+    if projection is not None:
+        if projection.get("out_width") != hidden_width:
+            raise ValueError(f"hidden_width: {hidden_width} but the projection maps to {projection.get('out_width')} features")
+        feature_width = projection.get("in_width")
+    if taps is not None and hidden_size is not None and len(taps) * hidden_size != feature_width:
+        what = "the projection's in_width" if projection is not None else "hidden_width"
         raise ValueError(
-            f"hidden_width: {hidden_width} but provenance has {len(taps)} taps x hidden_size {hidden_size} = {len(taps) * hidden_size}"
+            f"{what}: {feature_width} but provenance has {len(taps)} taps x hidden_size {hidden_size} = {len(taps) * hidden_size}"
         )
 
 
@@ -285,7 +297,15 @@ class ShardWriter:
     """Writes samples into zstd Arrow IPC shards under `root` and commits them through the manifest.
 
     `hidden_split`: column pieces per hidden plane (FORMAT.md, "Column pieces"); None = the dataset's
-    own when resuming one, else one per tap when the provenance names the taps, else 1."""
+    own when resuming one, else one per tap when the provenance names the taps, else 1.
+
+    Storage tiers (format version 4): `hidden_encoding` may be a quantized encoding (`fp8`,
+    `int4-gG`, `nf4-gG`; `shards/quant.py`): samples are then given as `QuantizedHidden` (quantized
+    by the caller, e.g. on the GPU) or as bf16 bits, which the writer quantizes itself (refusing
+    NaN/Inf). `projection`: the manifest entry of the dataset's projection (`shards/projection.py`,
+    whose file the caller has written into `root`): the stored features are P·h, `hidden_width` is
+    P's output width. Where the original values are at hand (the writer quantized them, or the
+    caller passed `hidden_error`), each shard entry records the reconstruction error per tap."""
 
     def __init__(
         self,
@@ -303,11 +323,19 @@ class ShardWriter:
         use_threads: bool = True,
         write_behind_bytes: int | None = DEFAULT_WRITE_BEHIND_BYTES,
         hidden_split: int | None = None,
+        projection: dict | None = None,
     ):
-        _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level)
+        _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level, projection)
         if hidden_split is not None:
             check_hidden_split(hidden_split, hidden_width)
-        self.encoding = check_encoding(hidden_encoding)
+        self.encoding = check_encoding(canonical_encoding(hidden_encoding))
+        self.quant = parse_encoding(self.encoding)
+        self.projection = projection
+        self.format_version = format_version_for(self.encoding, projection is not None)
+        taps = (provenance.get("taps") or {}).get("layer_ids")
+        feature_width = projection["in_width"] if projection is not None else hidden_width
+        # Reconstruction errors are summarized per tap (or per column piece when the taps are unknown).
+        self._error_groups = len(taps) if taps and feature_width % len(taps) == 0 else None
         self.hidden_width, self.topk = hidden_width, topk
         self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
         if write_behind_bytes is not None and (
@@ -333,13 +361,20 @@ class ShardWriter:
         self.timings: collections.Counter = collections.Counter()
         self.write_behind_syncs = 0  # early write-back requests that completed (local shards only)
         self.fs.create_dir(self.root, recursive=True)
-        is_new = not io.exists(self.fs, manifest_path(self.root, self.manifest_name))
-        self._manifest, self._committed_ids = self._open_dataset(provenance, is_new)
-        self._schema = shard_schema(self.encoding, hidden_width, topk, hidden_split=self.hidden_split)
-        self._refuse_shared_prefix()
-        self._remove_leftovers()
-        if is_new:  # an empty dataset exists (and reads as such) from the moment a writer opens it
-            save_manifest(self.fs, self.root, self.manifest_name, self._manifest)
+        self._lock = lock_manifest(self.fs, self.root, self.manifest_name)
+        try:
+            is_new = not io.exists(self.fs, manifest_path(self.root, self.manifest_name))
+            self._manifest, self._committed_ids = self._open_dataset(provenance, is_new)
+            if self.quant is not None:
+                self.quant.check_piece_width(hidden_width // self.hidden_split)
+            self._schema = shard_schema(self.encoding, hidden_width, topk, self.format_version, self.hidden_split)
+            self._refuse_shared_prefix()
+            self._remove_leftovers()  # only now: while another writer held the lock, its temporaries were live
+            if is_new:  # an empty dataset exists (and reads as such) from the moment a writer opens it
+                save_manifest(self.fs, self.root, self.manifest_name, self._manifest)
+        except BaseException:
+            self._lock.release()
+            raise
         self._ids = set(self._committed_ids)  # committed + in the open shard, to refuse duplicates
         self._next_number = self._first_free_number()
         self.extra_counts: collections.Counter = collections.Counter(extra_counts_of(self._manifest))
@@ -355,12 +390,13 @@ class ShardWriter:
             if self.hidden_split is None:
                 self.hidden_split = default_hidden_split(provenance, self.hidden_width)
             layout = dict(encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk, hidden_split=self.hidden_split)
-            return new_manifest(provenance=provenance, **layout), set()
+            return new_manifest(provenance=provenance, projection=self.projection, **layout), set()
         manifest = load_manifest(self.fs, self.root, self.manifest_name)
         if self.hidden_split is None:
             self.hidden_split = hidden_split_of(manifest)
         diff = layout_difference(
-            manifest, provenance=provenance, encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk, hidden_split=self.hidden_split
+            manifest, provenance=provenance, encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk, hidden_split=self.hidden_split,
+            projection=self.projection,
         )
         if diff:
             raise ValueError(
@@ -431,20 +467,52 @@ class ShardWriter:
         """Sample ids already listed in the manifest (skip these when resuming)."""
         return set(self._committed_ids)
 
-    def write(self, sample: Sample, *, hidden_known_finite: bool = False) -> None:
+    def write(self, sample: Sample, *, hidden_known_finite: bool = False, hidden_error: ErrorSums | None = None) -> None:
         """Validate `sample` and append it to the open shard (ValueError, and nothing written, if invalid).
 
-        `sample.hidden` may be uint16 or `HiddenPlanes` (stored as is by the `planes` encoding).
+        `sample.hidden` may be uint16 or `HiddenPlanes` (stored as is by the `planes` encoding), or,
+        for a quantized encoding, `QuantizedHidden` (stored as is; uint16 input is quantized here).
         `hidden_known_finite=True`: the caller has checked these exact hidden values for NaN/Inf
-        (extract does, on the GPU), so the writer skips its own scan of them; all other checks run."""
+        (extract does, on the GPU), so the writer skips its own scan of them; all other checks run.
+        `hidden_error`: the caller's reconstruction error sums of this sample (quantized or projected
+        features whose originals only the caller had)."""
         self._check_usable()
         started = time.perf_counter()
         try:
-            self._write(sample, hidden_known_finite)
+            self._write(sample, hidden_known_finite, hidden_error)
         finally:
             self.timings["write_seconds"] += time.perf_counter() - started
 
-    def _write(self, sample: Sample, hidden_known_finite: bool) -> None:
+    def _to_stored_hidden(self, sample: Sample) -> tuple[Sample, ErrorSums | None]:
+        """`sample` with its hidden states in the form this dataset's encoding stores, quantizing
+        bf16 bits here (with their reconstruction error) when the encoding is quantized."""
+        hidden = getattr(sample, "hidden", None)
+        if self.quant is None or not isinstance(sample, Sample):
+            if isinstance(hidden, QuantizedHidden):
+                raise ValueError(f"sample {sample.sample_id!r}: field 'hidden': quantized ({hidden.encoding}) but the dataset is {self.encoding}")
+            return sample, None
+        if isinstance(hidden, QuantizedHidden):
+            if hidden.encoding != self.encoding or len(hidden.codes) != self.hidden_split:
+                raise ValueError(f"sample {sample.sample_id!r}: field 'hidden': {hidden.encoding} in {len(hidden.codes)} pieces, "
+                                 f"the dataset stores {self.encoding} in {self.hidden_split}")
+            return sample, None
+        if isinstance(hidden, HiddenPlanes):
+            hidden = hidden.join()
+        if not isinstance(hidden, np.ndarray) or hidden.dtype != np.uint16 or hidden.ndim != 2:
+            return sample, None  # validate_sample names what is wrong
+        if hidden.shape[1] != self.hidden_width or hidden.shape[0] != sample.n_tokens:
+            return sample, None
+        quantized = quantize_bf16_bits(hidden, self.encoding, self.hidden_split, what=f"sample {sample.sample_id!r}: field 'hidden'")
+        import torch
+
+        original = torch.from_numpy(np.ascontiguousarray(hidden)).view(torch.bfloat16)
+        error = error_sums_of(original, quantized.dequantize(torch.float32)) if self.projection is None else None
+        return dataclasses.replace(sample, hidden=quantized), error
+
+    def _write(self, sample: Sample, hidden_known_finite: bool, hidden_error: ErrorSums | None) -> None:
+        sample, own_error = self._to_stored_hidden(sample)
+        for measured in (own_error, getattr(getattr(sample, "hidden", None), "error", None)):
+            hidden_error = hidden_error if hidden_error is not None else measured
         validate_sample(
             sample, hidden_width=self.hidden_width, topk=self.topk, vocab_size=self._vocab_size,
             reject_nonfinite=self.reject_nonfinite, hidden_known_finite=hidden_known_finite,
@@ -463,6 +531,10 @@ class ShardWriter:
             self.timings["batch_seconds"] += time.perf_counter() - batch_started
             offset, length, checksum = shard.stream.end_sample()
             shard.add(sample, shard.stream.nbytes - before, offset, length, checksum)
+            if hidden_error is not None:
+                if shard.error is None:
+                    shard.error = ErrorSums.zeros(hidden_error.sq.size)
+                shard.error.add(hidden_error)
         except BaseException as err:
             # The file may now hold a partial record batch: drop the whole uncommitted shard.
             self._abandon_open_shard()
@@ -487,6 +559,7 @@ class ShardWriter:
         self._manifest["complete"] = bool(complete)
         self._save_manifest()
         self._closed = True
+        self._lock.release()
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -500,6 +573,8 @@ class ShardWriter:
             self.close(complete=False)
         except Exception:
             log.exception("could not commit the open shard while handling another error")
+        finally:
+            self._lock.release()
 
     # ------------------------------------------------------------------ shards
 
@@ -572,9 +647,13 @@ class ShardWriter:
             "index_checksum": index_checksum,
             SAMPLE_CHECKSUM_ALGO_KEY: SAMPLE_CHECKSUM_ALGO,
             "zstd_level": self.zstd_level,
+            "encoding": self.encoding,
             "written": now_iso(),
             "git_sha": git_sha(),
         }
+        if shard.error is not None:
+            groups = self._error_groups or self.hidden_split
+            entry["reconstruction"] = {"tokens": shard.error.tokens, "taps": shard.error.summary(groups)}
         counts = self._manifest["counts"]
         counts["samples"] += entry["samples"]
         counts["tokens"] += entry["tokens"]
@@ -582,7 +661,7 @@ class ShardWriter:
         self._manifest["shards"].append(entry)
         # A version-1 dataset being resumed now holds a version-2 index: readers that predate
         # per-sample checksums must refuse it by its version, not stumble on the new columns.
-        self._manifest["format_version"] = FORMAT_VERSION
+        self._manifest["format_version"] = self.format_version
         self._manifest["hidden_split"] = self.hidden_split  # absent before version 3
         self._manifest["complete"] = False
         self._committed_ids.update(shard.sample_ids)

@@ -3,31 +3,57 @@
     python -m train                                   # the tiny default (configs/tiny.toml via make train)
     python -m train configs/tiny.toml run_name=abl loss.gamma=5
     python -m train --help                            # every key with its default and allowed values
+    torchrun --nproc-per-node 8 -m train CONFIG ...   # data parallel over 8 GPUs (README, "Training on many GPUs")
 
 Exit status: 0 done, 2 a config or data error (the message names the key or field), 3 aborted
 (too many non-finite steps in a row), 4 an I/O error such as a full disk (the message names the
-file; checkpoints already written stay intact, and rerunning the same command resumes).
+file; checkpoints already written stay intact, and rerunning the same command resumes), 5 another
+rank of a data-parallel run died, hung or became unreachable (the message names it; rerunning the
+same command resumes from the last checkpoint).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import time
 
 from common.config import config_to_dict, parse_cli
 
+# After naming a lost rank, a surviving rank waits this long before exiting, so that torchrun
+# (which polls its workers every 0.1 s) sees the rank that really failed first and reports it as
+# the root cause, then stops this one itself.
+LINGER_AFTER_PEER_LOST_S = 3.0
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", 0))
+    prefix = f"[rank {rank}] " if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 else ""
+    # Ranks other than 0 say only what goes wrong; rank 0 speaks for the run.
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s")
+
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _setup_logging()
     from train.checkpoint import CheckpointSaveError
     from train.config import TrainConfig
+    from train.distributed import PeerLost
     from train.loop import TrainingAborted, train
 
+    is_main = int(os.environ.get("RANK", 0)) == 0
     try:
         cfg = parse_cli(TrainConfig, sys.argv[1:] if argv is None else argv, section="train")
-        print(json.dumps(config_to_dict(cfg), sort_keys=True), flush=True)
+        if is_main:
+            print(json.dumps(config_to_dict(cfg), sort_keys=True), flush=True)
         summary = train(cfg)
+    except PeerLost as exc:
+        print(f"train: {exc}. Stopping; rerunning the same command resumes from the last complete checkpoint.", file=sys.stderr, flush=True)
+        time.sleep(LINGER_AFTER_PEER_LOST_S)
+        sys.stdout.flush()
+        os._exit(5)  # skip the process group's destructors: with a peer gone they can abort the process
     except TrainingAborted as exc:
         print(f"train: aborted: {exc}", file=sys.stderr)
         return 3
@@ -37,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointSaveError, OSError) as exc:
         print(f"train: I/O error, stopping: {exc}. Rerunning the same command resumes from the last complete checkpoint.", file=sys.stderr)
         return 4
-    print(json.dumps(summary, indent=2), flush=True)
+    if is_main:
+        print(json.dumps(summary, indent=2), flush=True)
     return 0
 
 

@@ -2,7 +2,11 @@
 
     python -m train.bench                       # Qwen3.6-27B widths on CUDA (compiled flex + chunked CE)
     python -m train.bench --shape tiny          # the same code path at toy widths, runs on CPU in seconds
+    python -m train.bench --shape 27b-zlab      # the published z-lab layout (configs/qwen3.6-27b-zlab.toml)
     python -m train.bench --out bench.json --rows 2 --seq-len 3072 --anchors 512
+    python -m train.bench --phases stream --ddp 1      # plain trainer, then world size 1 under torchrun (DDP), one table
+    python -m train.bench --phases stream --token-budget 12288 --max-blocks 2048 --accumulation 2 --ddp 2
+                                                # 1 GPU (accumulation 2) against 2 GPUs, same tokens per optimizer step
 
 Two phases, one final table, JSON to `--out`:
 - `fixed`: one synthetic batch (`--rows` sequences of `--seq-len` tokens, 10% prompt) reused every
@@ -16,11 +20,26 @@ FLOPs are counted per step from that step's real tokens and blocks (padding excl
     fc                     2 x (2 F D) per context token           forward + weight grad (input needs none)
     context k/v proj       3 x (2 D 2GE) x L per context token      forward + input grad + weight grad
     block layer matmuls    3 x 2 L (D HE + D 2GE + HE D + 3 D I) per block token
-    attention              3 x 4 E H L per (query, visible key) pair; a block query sees anchor + K keys
+    attention              3 x 4 E H per (query, visible key) pair and layer; a block query sees anchor + K keys
+                           (full_attention), at most the sliding window (sliding_attention)
     lm_head                2 x (2 D V) per loss row                forward + input grad (frozen: no weight grad)
 with D hidden, F = taps x target hidden, H/G heads, E head dim, I intermediate, L layers, V vocab,
 K block size. Backward counts 2x forward (attention recomputation in flash backward is not counted).
 MFU = FLOPs / step time / peak, peak = 790 TFLOP/s (a plain bf16 8192^3 matmul on one H200).
+
+Data parallel (`--ddp N`): after the in-process phases the same stream phase runs again under
+`torchrun --standalone --nproc-per-node N` (this module with `--worker`), through
+`train.distributed` (DDP, the global batch split by tokens over N x accumulation parts); the
+table gets a `stream-ddpN` row (tokens/s and MFU of all ranks together, MFU against N x peak;
+fetch fraction: the largest any rank waited; step time: rank 0's) and per-rank step times and
+peak memory, and the ratios against the in-process `stream` row (of the same tier with `--tiers`). `--accumulation` splits the
+in-process stream phase's global batch the same way on one GPU (for a comparison at equal tokens
+per optimizer step); the workers use `--ddp-accumulation` (default accumulation / N).
+
+Storage tiers (`--tiers planes,fp8,nf4-g64`): the stream phase runs once per tier, the synthetic
+shards transcoded to it once (`python -m shards transcode`, cached next to them), every tier
+through the same compiled drafter; a `stream-TIER` row per tier with its bytes/token and fetch
+fraction (the `--ddp` runs stream every tier too: `stream-ddpN-TIER`).
 
 Hidden states in the synthetic shards are Gaussian bf16 slices of one random pool (writing ~8 GB of
 fresh random numbers would dominate the run); their compression ratio is close to real features'.
@@ -35,6 +54,7 @@ import math
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,24 +64,39 @@ import numpy as np
 import torch
 
 from common.config import load_config
+from train.attention import visible_pairs
 from train.blocks import Blocks
-from train.config import TrainConfig
-from train.loop import Run, compile_step_functions, train_step
-from train.loss import chunk_loss_and_grad
+from train.config import DistributedConfig, TrainConfig
+from train.data import Share
+from train.distributed import Dist
+from train.loop import Run, choose_run_kernels, step_functions, train_step
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
 PEAK_FLOPS = 790e12
+FLOP_PARTS = ("fc", "context_kv", "block_matmuls", "attention", "lm_head")  # the keys of step_flops
 
 SHAPES = {
     # Qwen3.6-27B (qwen3.6-27b.md §1): the drafter has the target's widths, 5 layers, 4 taps.
     "27b": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
                 vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46], rope_theta=1e7,
-                partial_rotary_factor=0.25, max_position_embeddings=262144, seq_len=3072, anchors=512, rows=2,
+                partial_rotary_factor=1.0, max_position_embeddings=262144, seq_len=3072, anchors=512, rows=2,
                 token_budget=6144, max_blocks=1024, samples=160),
+    # configs/qwen3.6-27b-zlab.toml: the published z-lab layout (5 taps, 32/8 heads of 128, 4 sliding + 1 full).
+    "27b-zlab": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46, 61], rope_theta=1e7,
+                     partial_rotary_factor=1.0, max_position_embeddings=262144, layer_types="sliding_then_full",
+                     sliding_window=2048, sliding_in_block="causal", seq_len=4096, anchors=512, rows=2,
+                     token_budget=8192, max_blocks=1024, samples=160),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  vocab_size=1024, num_target_layers=8, target_layer_ids=[1, 3, 5, 6], rope_theta=1e6,
                  partial_rotary_factor=1.0, max_position_embeddings=4096, seq_len=256, anchors=32, rows=2,
                  token_budget=1024, max_blocks=64, samples=48),
+    # The 27b-zlab layout at toy widths (a window shorter than the sequences): a CPU check of that path.
+    "tiny-zlab": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      vocab_size=1024, num_target_layers=8, target_layer_ids=[1, 2, 3, 5, 6], rope_theta=1e6,
+                      partial_rotary_factor=1.0, max_position_embeddings=4096, layer_types="sliding_then_full",
+                      sliding_window=64, sliding_in_block="causal", seq_len=256, anchors=32, rows=2,
+                      token_budget=1024, max_blocks=64, samples=48),
 }
 
 
@@ -75,13 +110,16 @@ def step_flops(cfg: DrafterConfig, blocks: Blocks, context_tokens: int) -> dict[
     H, G, E, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.block_size
     keep = blocks.keep_BN
     block_tokens = int(keep.sum()) * K
-    pairs = int(((blocks.anchors_BN + K) * keep).sum()) * K
+    # Visible (query, key) pairs summed over the layers: a sliding layer sees at most its window.
+    rules = cfg.mask_rules
+    pairs_by_type = {t: visible_pairs(blocks.anchors_BN, keep, K, rule) for t, rule in rules.items()}
+    pair_layers = sum(pairs_by_type[t] for t in cfg.layer_types)
     per_block_token_fwd = 2 * L * (D * H * E + D * 2 * G * E + H * E * D + 3 * D * I)
     return {
         "fc": 2 * 2 * F * D * context_tokens,
         "context_kv": 3 * 2 * D * 2 * G * E * L * context_tokens,
         "block_matmuls": 3 * per_block_token_fwd * block_tokens,
-        "attention": 3 * 4 * E * H * L * pairs,
+        "attention": 3 * 4 * E * H * pair_layers,
         "lm_head": 2 * 2 * D * V * int(blocks.loss_rows_M.numel()),
     }
 
@@ -150,32 +188,63 @@ def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: i
     return json.load(open(manifest_path))
 
 
+def tier_root(root: str, tier: str) -> str:
+    """Where the synthetic shards in storage tier `tier` live (planes = the lossless shards themselves)."""
+    return root if tier == "planes" else f"{root}-{tier}"
+
+
+def tier_shards(root: str, tier: str) -> str:
+    """The synthetic shards in storage tier `tier` (transcoded once, cached next to them)."""
+    out = tier_root(root, tier)
+    if out == root:
+        return root
+    from shards.transcode import TranscodeConfig, transcode
+
+    manifest = os.path.join(out, "manifest.json")
+    if not (os.path.exists(manifest) and json.load(open(manifest)).get("complete")):
+        started = time.perf_counter()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        cfg = load_config(TranscodeConfig, None, [f"encoding={tier}", f"threads={max(2, (os.cpu_count() or 2) // 2)}", "verify=false",
+                                                  "progress=false", f"device={device}"])
+        transcode(root, out, cfg)
+        print(f"transcoded the synthetic shards to {tier} in {time.perf_counter() - started:.1f}s", flush=True)
+    return out
+
+
+def parse_tiers(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def tier_phase_name(name: str, tier: str) -> str:
+    return name if tier == "planes" else f"{name}-{tier}"
+
+
 # ----------------------------------------------------------------------------------------------
 # Runner
 
 
-def build_run(args, shape: dict, device: torch.device, stream=None, workdir: str = ".") -> Run:
+def build_run(args, shape: dict, device: torch.device, stream=None, workdir: str = ".", dist: Dist | None = None) -> Run:
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     overrides = [f"loss.num_anchors={args.anchors}", f"loss.chunk_rows={args.chunk_rows}", f"model.attention={args.attention}",
-                 f"loss.max_blocks={args.max_blocks}", "optim.lr=1e-4"]
+                 f"loss.max_blocks={args.max_blocks}", "optim.lr=1e-4", f"device={device.type}", f"compile={str(use_compile).lower()}"]
     cfg = load_config(TrainConfig, None, overrides)
     drafter_cfg = DrafterConfig(
         num_hidden_layers=args.layers, mask_token_id=shape["vocab_size"] - 1, block_size=16,
         **{k: v for k, v in shape.items() if k in {f.name for f in dataclasses.fields(DrafterConfig)}},
     )
+    dist = dist if dist is not None else Dist.single(args.accumulation)
+    kernels = choose_run_kernels(cfg, drafter_cfg, dist)  # under --ddp: this rank's GPU
+    device = kernels.device
     torch.manual_seed(0)
     with torch.device(device):
         drafter = DFlashDrafter(drafter_cfg)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = kernels.autocast_dtype or torch.float32
     V, D = shape["vocab_size"], shape["hidden_size"]
     head = TargetHead(torch.randn(V, D, device=device, dtype=dtype) * 0.02, torch.randn(V, D, device=device, dtype=dtype) * 0.02)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
-    forward, chunk_fn = drafter, chunk_loss_and_grad
-    if use_compile:
-        forward, chunk_fn = compile_step_functions(drafter)
-    return Run(cfg=cfg, run_dir=workdir, device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-               drafter_cfg=drafter_cfg, drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
-               total_steps=10**9, warmup_steps=0, chunk_fn=chunk_fn)
+    forward, chunk_fn = step_functions(drafter, dist, kernels.compile, args.ddp_compile)
+    return Run(cfg=cfg, run_dir=workdir, kernels=kernels, drafter_cfg=drafter_cfg, drafter=drafter, forward=forward, head=head,
+               optimizer=optimizer, stream=stream, total_steps=10**9, warmup_steps=0, chunk_fn=chunk_fn, dist=dist)
 
 
 def _sync(device):
@@ -184,8 +253,9 @@ def _sync(device):
 
 
 def run_phase(name: str, run: Run, next_batch, steps: int, warmup: int, wait_of=lambda: 0.0) -> dict:
-    """Time `steps` steps after `warmup` untimed ones (compilation, allocator warm-up)."""
-    device = run.device
+    """Time `steps` steps after `warmup` untimed ones (compilation, allocator warm-up). Tokens,
+    blocks, FLOPs and the fetch wait are of the whole step (all ranks); times and memory per rank."""
+    device, dist = run.device, run.dist
     times, waits, flops, ctx_tokens, block_tokens, losses = [], [], [], [], [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -193,39 +263,50 @@ def run_phase(name: str, run: Run, next_batch, steps: int, warmup: int, wait_of=
         _sync(device)
         start = time.perf_counter()
         batch = next_batch()
-        wait = wait_of()
-        result = train_step(run, batch, step)
+        result = train_step(run, batch, step, wait=wait_of())
         _sync(device)
         elapsed = time.perf_counter() - start
         if result.skipped:
             raise RuntimeError(f"{name}: step {step} was skipped ({result.skip_reason})")
         if step > warmup:
             times.append(elapsed)
-            waits.append(wait)
-            real = int(batch.lengths.sum())
-            flops.append(step_flops(run.drafter_cfg, result.blocks, real))
-            ctx_tokens.append(real)
+            waits.append(result.wait)
+            # this rank's micro-batches (summed over ranks below); result.blocks holds those that ran
+            parts = [p for p in (batch.parts if isinstance(batch, Share) else [batch]) if p is not None]
+            by_part = [step_flops(run.drafter_cfg, b, p.real_tokens) for p, b in zip(parts, result.blocks)]
+            flops.append({k: sum(f[k] for f in by_part) for k in FLOP_PARTS})
+            ctx_tokens.append(result.tokens)
             block_tokens.append(result.block_tokens)
             losses.append(result.loss)
-        print(f"  {name} step {step}: {elapsed:.3f}s loss {result.loss:.3f} blocks {result.block_tokens // 16}"
-              f"{' (warmup)' if step <= warmup else ''}", flush=True)
+        if dist.is_main:
+            print(f"  {name} step {step}: {elapsed:.3f}s loss {result.loss:.3f} blocks {result.block_tokens // 16}"
+                  f"{' (warmup)' if step <= warmup else ''}", flush=True)
+    keys = list(flops[0])
+    per_rank_flops = dist.sum([sum(f[k] for f in flops) for k in keys])  # every rank's parts together
+    parts = {k: float(v) / steps for k, v in zip(keys, per_rank_flops)}
+    total_flops = float(per_rank_flops.sum())
     total_time = sum(times)
-    parts = {k: sum(f[k] for f in flops) / len(flops) for k in flops[0]}
-    flop_step = sum(parts.values())
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    ranks = dist.gather([statistics.median(times), total_time / steps, peak])
     return {
-        "phase": name, "steps": steps, "step_s_mean": total_time / steps, "step_s_median": statistics.median(times),
-        "step_s_max": max(times), "context_tok_s": sum(ctx_tokens) / total_time, "block_tok_s": sum(block_tokens) / total_time,
-        "tflop_per_step": flop_step / 1e12, "tflop_s": sum(sum(f.values()) for f in flops) / total_time / 1e12,
-        "mfu": sum(sum(f.values()) for f in flops) / total_time / PEAK_FLOPS, "fetch_frac": sum(waits) / total_time,
-        "peak_mem_gib": peak, "flops_by_part_per_step": parts, "mean_context_tokens": sum(ctx_tokens) / steps,
+        "phase": name, "world_size": dist.world_size, "accumulation": dist.accumulation, "steps": steps,
+        "step_s_mean": total_time / steps, "step_s_median": statistics.median(times), "step_s_max": max(times),
+        "context_tok_s": sum(ctx_tokens) / total_time, "block_tok_s": sum(block_tokens) / total_time,
+        "tflop_per_step": sum(parts.values()) / 1e12, "tflop_s": total_flops / total_time / 1e12,
+        "mfu": total_flops / total_time / (PEAK_FLOPS * dist.world_size), "fetch_frac": sum(waits) / total_time,
+        "peak_mem_gib": float(ranks[:, 2].max()), "flops_by_part_per_step": parts, "mean_context_tokens": sum(ctx_tokens) / steps,
         "mean_block_tokens": sum(block_tokens) / steps, "last_loss": losses[-1],
+        "per_rank": [{"rank": r, "step_s_median": float(ranks[r, 0]), "step_s_mean": float(ranks[r, 1]), "peak_mem_gib": float(ranks[r, 2])}
+                     for r in range(dist.world_size)],
     }
 
 
 def print_table(results: list[dict], header: dict) -> None:
     print("\n" + " ".join(f"{k}={v}" for k, v in header.items()))
     cols = ("phase", "steps", "step_s_median", "step_s_max", "context_tok_s", "block_tok_s", "tflop_per_step", "tflop_s", "mfu", "fetch_frac", "peak_mem_gib")
+    for r in results:  # rows measured before the layout was recorded have none
+        r.setdefault("world_size", 1)
+        r.setdefault("accumulation", 1)
     print(" | ".join(f"{c:>14}" for c in cols))
     for r in results:
         if "error" in r:
@@ -239,7 +320,32 @@ def print_table(results: list[dict], header: dict) -> None:
     for r in results:
         if "flops_by_part_per_step" in r:
             parts = ", ".join(f"{k} {v / 1e12:.4g}" for k, v in r["flops_by_part_per_step"].items())
-            print(f"{r['phase']}: TFLOP per step by part: {parts} (peak {PEAK_FLOPS / 1e12:.0f} TFLOP/s)")
+            print(f"{r['phase']}: {r['world_size']} process(es) x {r['accumulation']} micro-step(s); TFLOP per step by part: {parts} "
+                  f"(peak {PEAK_FLOPS / 1e12:.0f} TFLOP/s per GPU)")
+        for rank in r.get("per_rank", []) if r.get("world_size", 1) > 1 else []:
+            print(f"  rank {rank['rank']}: step median {rank['step_s_median']:.4f} s, mean {rank['step_s_mean']:.4f} s, peak mem {rank['peak_mem_gib']:.2f} GiB")
+    for line in compare(results):
+        print(line)
+
+
+def compare(results: list[dict]) -> list[str]:
+    """The data-parallel rows against the in-process stream row of the same storage tier (same
+    tokens per optimizer step)."""
+    bases = {r.get("storage_tier", "planes"): r for r in results
+             if r.get("phase") == tier_phase_name("stream", r.get("storage_tier", "planes")) and "error" not in r}
+    lines = []
+    for r in results:
+        base = bases.get(r.get("storage_tier", "planes"))
+        if base is None or not r.get("phase", "").startswith("stream-ddp") or "error" in r:
+            continue
+        lines.append(
+            f"{r['phase']} / {base['phase']}: step time (median) {r['step_s_median'] / base['step_s_median']:.4f}, "
+            f"step time (mean) {r['step_s_mean'] / base['step_s_mean']:.4f}, context tok/s {r['context_tok_s'] / base['context_tok_s']:.4f}, "
+            f"peak mem (largest rank) {r['peak_mem_gib'] / base['peak_mem_gib']:.4f}"
+        )
+        r["vs_stream"] = {"step_s_median": r["step_s_median"] / base["step_s_median"], "step_s_mean": r["step_s_mean"] / base["step_s_mean"],
+                          "context_tok_s": r["context_tok_s"] / base["context_tok_s"]}
+    return lines
 
 
 def parse_args(argv):
@@ -260,40 +366,154 @@ def parse_args(argv):
     p.add_argument("--compile", dest="compile", action="store_true", default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--prefetch-threads", type=int, default=8)
+    p.add_argument("--tiers", default="planes",
+                   help="storage tiers of the stream phase, comma list (planes = lossless; fp8, int4-gG, nf4-gG: the synthetic shards "
+                        "transcoded, `python -m shards transcode`); every tier streams through the same compiled drafter")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dflash-bench-train"))
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step in the in-process stream phase")
+    p.add_argument("--ddp", default="", help="comma list of process counts: run the stream phase again under torchrun with each")
+    p.add_argument("--ddp-accumulation", type=int, default=None, help="micro-batches per process in the --ddp runs (default accumulation / N)")
+    p.add_argument("--bucket-mb", type=int, default=DistributedConfig.bucket_mb, help="DDP gradient bucket size (MiB)")
+    p.add_argument("--ddp-compile", choices=["outer", "inner"], default=DistributedConfig.ddp_compile,
+                   help="compile around DDP (graph cut at buckets, all-reduce overlapped) or inside it (distributed.ddp_compile)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of a --ddp run (started by torchrun)
     args = p.parse_args(argv)
     shape = SHAPES[args.shape]
     for key in ("seq_len", "rows", "anchors", "max_blocks", "token_budget", "samples"):
         if getattr(args, key) is None:
             setattr(args, key, shape[key])
-    tiny = args.shape == "tiny"
+    tiny = args.shape.startswith("tiny")
     args.steps = args.steps if args.steps is not None else (3 if tiny else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 4)
     return args, shape
 
 
+def stream_phase(args, shape: dict, device: torch.device, dist: Dist, name: str, tier: str = "planes",
+                 run: Run | None = None, warmup: int | None = None) -> tuple[dict, Run]:
+    """The stream phase: synthetic shards in storage tier `tier` through `DataStream` (this rank's
+    share when split). Returns (result, run): pass `run` back for the next tier, so every tier
+    streams through the same (compiled) drafter and only where the batches come from changes."""
+    from train.data import DataConfig, DataStream
+
+    root = os.path.join(args.workdir, f"shards-{args.shape}")
+    if dist.is_main:
+        write_synthetic_shards(root, shape, args.samples, args.seq_len)
+        tier_shards(root, tier)
+    dist.gather_objects(None)  # the other ranks wait for the shards
+    data_cfg = DataConfig(shards=tier_root(root, tier), token_budget=args.token_budget, num_buckets=4, holdout_fraction=0.0,
+                          prefetch_threads=args.prefetch_threads, prefetch_depth=max(args.prefetch_threads, 8))
+    stream = DataStream(data_cfg, split=dist.split)
+    if run is None:
+        run = build_run(args, shape, device, stream=stream, workdir=args.workdir, dist=dist)
+        if dist.is_main:
+            print(run.kernels.describe(), flush=True)
+    try:
+        result = run_phase(name, run, lambda: next(stream), args.steps, args.warmup if warmup is None else warmup, lambda: stream.last_wait)
+    finally:
+        stream.close()
+    result["kernels"] = run.kernels.to_dict()
+    result["data_plan"] = {k: v for k, v in stream.data_plan().items() if k != "buckets"}
+    result["storage_tier"] = tier
+    result["tier"] = {"encoding": stream.dataset.encoding,
+                      "shard_bytes_per_token": sum(e["bytes"] for e in stream.dataset.shards) / stream.dataset.manifest["counts"]["tokens"]}
+    if dist.is_main:
+        print(f"{name}: fetch fraction {result['fetch_frac']:.3%}, step median {result['step_s_median']:.3f} s, "
+              f"{result['tier']['shard_bytes_per_token']:,.0f} B/token", flush=True)
+    return result, run
+
+
+def stream_tiers(args, shape: dict, device: torch.device, dist: Dist, name: str, on_result=None) -> list[dict]:
+    """The stream phase once per storage tier of `--tiers` through one drafter (one compilation);
+    `on_result(results)` after every tier, so a time limit keeps what was measured."""
+    results, run = [], None
+    for i, tier in enumerate(parse_tiers(args.tiers)):
+        phase = tier_phase_name(name, tier)
+        try:
+            result, run = stream_phase(args, shape, device, dist, phase, tier, run=run, warmup=args.warmup if i == 0 else min(args.warmup, 2))
+            results.append(result)
+        except Exception as exc:  # noqa: BLE001 - report and go on to the next tier
+            traceback.print_exc()
+            results.append({"phase": phase, "storage_tier": tier, "error": f"{type(exc).__name__}: {exc}"})
+        if on_result is not None:
+            on_result(results)
+    return results
+
+
+def ddp_phase(args, nproc: int) -> list[dict]:
+    """The stream phase (every tier of `--tiers`) under `torchrun --standalone --nproc-per-node nproc`
+    (this module, --worker)."""
+    name = f"stream-ddp{nproc}"
+    accumulation = args.ddp_accumulation or max(1, args.accumulation // nproc)
+    out = os.path.join(args.workdir, f"{name}.json")
+    forwarded = ["--shape", args.shape, "--layers", args.layers, "--seq-len", args.seq_len, "--anchors", args.anchors,
+                 "--max-blocks", args.max_blocks, "--token-budget", args.token_budget, "--samples", args.samples,
+                 "--steps", args.steps, "--warmup", args.warmup, "--chunk-rows", args.chunk_rows, "--attention", args.attention,
+                 "--prefetch-threads", args.prefetch_threads, "--workdir", args.workdir, "--accumulation", accumulation,
+                 "--bucket-mb", args.bucket_mb, "--ddp-compile", args.ddp_compile, "--tiers", args.tiers, "--out", out, "--worker"]
+    if args.compile is not None:
+        forwarded.append("--compile" if args.compile else "--no-compile")
+    env = dict(os.environ)
+    # torchrun sets 1 thread per process when it starts several; give each its share of the cores instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "train.bench",
+           *map(str, forwarded)]
+    print(f"\n{' '.join(cmd)}  (OMP_NUM_THREADS={env['OMP_NUM_THREADS']})", flush=True)
+    if os.path.exists(out):
+        os.remove(out)
+    done = subprocess.run(cmd, env=env)
+    if done.returncode != 0 or not os.path.exists(out):
+        return [{"phase": name, "error": f"torchrun exited with status {done.returncode}"}]
+    with open(out) as f:
+        return json.load(f)
+
+
+def worker(args, shape: dict) -> int:
+    """One rank of a --ddp run: the stream phase (each tier) through train.distributed; rank 0 writes --out (a list)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = DistributedConfig(accumulation=args.accumulation, bucket_mb=args.bucket_mb)
+    dist = Dist.from_env(cfg, device)
+    results = stream_tiers(args, shape, dist.device or device, dist, f"stream-ddp{dist.world_size}")
+    if dist.is_main:
+        for result in results:
+            result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    dist.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, shape = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        return worker(args, shape)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and args.shape != "tiny":
-        print("note: no CUDA device; the 27b shape on CPU would take hours. Use --shape tiny here.", file=sys.stderr)
+    if device.type == "cpu" and not args.shape.startswith("tiny"):
+        print("note: no CUDA device; the 27b shapes on CPU would take hours. Use --shape tiny here.", file=sys.stderr)
         return 2
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     width = len(shape["target_layer_ids"]) * shape["hidden_size"]
     header = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "seq_len": args.seq_len, "rows": args.rows, "anchors": args.anchors,
-              "layers": args.layers, "attention": args.attention, "compile": args.compile if args.compile is not None else device.type == "cuda",
-              "chunk_rows": args.chunk_rows}
+              "gpus": torch.cuda.device_count(), "torch": torch.__version__, "seq_len": args.seq_len, "rows": args.rows,
+              "anchors": args.anchors, "layers": args.layers, "attention": args.attention,
+              "compile": args.compile if args.compile is not None else device.type == "cuda", "chunk_rows": args.chunk_rows,
+              "taps": len(shape["target_layer_ids"]), "layer_types": shape.get("layer_types", "full"),
+              "sliding_window": shape.get("sliding_window"),
+              "heads": f"{shape['num_attention_heads']}/{shape['num_key_value_heads']}x{shape['head_dim']}",
+              "token_budget": args.token_budget, "max_blocks": args.max_blocks, "accumulation": args.accumulation,
+              "ddp": args.ddp, "bucket_mb": args.bucket_mb, "ddp_compile": args.ddp_compile}
     print(json.dumps(header), flush=True)
     results = []
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     if "fixed" in phases:
         try:
-            run = build_run(args, shape, device, workdir=args.workdir)
+            run = build_run(args, shape, device, workdir=args.workdir, dist=Dist.single())
+            print(run.kernels.describe(), flush=True)
             batch = synthetic_batch(args.rows, args.seq_len, shape["vocab_size"], width, 32)
-            results.append(run_phase("fixed", run, lambda: batch, args.steps, args.warmup))
+            results.append(run_phase("fixed", run, lambda: batch, args.steps, args.warmup) | {"kernels": run.kernels.to_dict()})
             print(f"drafter parameters: {run.drafter.num_parameters() / 1e9:.3f} B", flush=True)
             del run
         except Exception as exc:  # noqa: BLE001 - report and go on to the next phase
@@ -302,23 +522,23 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "stream" in phases:
-        try:
-            from train.data import DataConfig, DataStream
+        def save(tier_results: list[dict]) -> None:  # after every tier, so a time limit keeps what was measured
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({"header": header, "results": results + tier_results}, f, indent=2)
 
-            root = os.path.join(args.workdir, f"shards-{args.shape}")
-            write_synthetic_shards(root, shape, args.samples, args.seq_len)
-            data_cfg = DataConfig(shards=root, token_budget=args.token_budget, num_buckets=4, holdout_fraction=0.0,
-                                  prefetch_threads=args.prefetch_threads, prefetch_depth=max(args.prefetch_threads, 8))
-            stream = DataStream(data_cfg)
-            run = build_run(args, shape, device, stream=stream, workdir=args.workdir)
-            try:
-                results.append(run_phase("stream", run, lambda: next(stream), args.steps, args.warmup, lambda: stream.last_wait))
-            finally:
-                stream.close()
-            results[-1]["data_plan"] = {k: v for k, v in stream.data_plan().items() if k != "buckets"}
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            results.append({"phase": "stream", "error": f"{type(exc).__name__}: {exc}"})
+        results += stream_tiers(args, shape, device, Dist.single(args.accumulation), "stream", on_result=save)
+        if device.type == "cuda":  # the --ddp workers need this GPU's memory: drop compiled graphs holding the drafter
+            import gc
+
+            torch._dynamo.reset()
+            gc.collect()
+            torch.cuda.empty_cache()
+    for nproc in [int(n) for n in args.ddp.split(",") if n.strip()]:
+        if device.type == "cuda" and nproc > torch.cuda.device_count():
+            results.append({"phase": f"stream-ddp{nproc}", "error": f"{nproc} processes but {torch.cuda.device_count()} GPU(s)"})
+            continue
+        results += ddp_phase(args, nproc)
     print_table(results, header)
     if args.out:
         with open(args.out, "w") as f:

@@ -22,6 +22,8 @@ import shutil
 import tempfile
 import time
 
+from train.tiers import hidden_nbytes
+
 import numpy as np
 import torch
 
@@ -85,7 +87,7 @@ def measure(root: str, *, threads: int, depth: int, budget: int, batches: int, s
         batch = next(stream)
         real += batch.real_tokens
         padded += batch.padded_tokens
-        hidden_bytes += batch.hidden.numel() * batch.hidden.element_size()
+        hidden_bytes += hidden_nbytes(batch.hidden)  # compact bytes for a quantized dataset
         if step_s:
             time.sleep(step_s)  # the GPU step, stubbed; sleeping releases the GIL as a CUDA step would
     wall = time.perf_counter() - start

@@ -103,16 +103,20 @@ def anchors_per_row(counts_B: torch.Tensor, num_anchors: int, max_blocks: int | 
 
 
 def sample_anchors(
-    candidates_BS: torch.Tensor, num_anchors: int, generator: torch.Generator, max_blocks: int | None = None
+    candidates_BS: torch.Tensor, num_anchors: int, generator: torch.Generator | None, max_blocks: int | None = None,
+    *, keys_BS: torch.Tensor | None = None, quota_B: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchors_BN, keep_BN): up to `num_anchors` candidates per row, uniform without replacement, sorted.
 
     N = the largest row quota (at least 1, so shapes never collapse); see `anchors_per_row`.
+    The rows' random keys and quotas are drawn here from `generator`, or given (`keys_BS` [B, >= S],
+    `quota_B`): a part of a data-parallel batch takes its rows of the global batch's keys and quotas.
     """
     B, S = candidates_BS.shape
-    quota_B = anchors_per_row(candidates_BS.sum(dim=1), num_anchors, max_blocks)
+    if quota_B is None:
+        quota_B = anchors_per_row(candidates_BS.sum(dim=1), num_anchors, max_blocks)
     N = max(1, int(quota_B.max()) if B else 0)
-    keys_BS = torch.rand((B, S), generator=generator)
+    keys_BS = torch.rand((B, S), generator=generator) if keys_BS is None else keys_BS[:, :S]
     keys_BS = torch.where(candidates_BS, keys_BS, torch.full_like(keys_BS, -1.0))
     chosen_BN = keys_BS.topk(N, dim=1).indices
     keep_BN = torch.arange(N)[None, :] < quota_B[:, None]
@@ -134,18 +138,23 @@ def make_blocks(
     num_anchors: int,
     gamma: float,
     mask_token_id: int,
-    generator: torch.Generator,
+    generator: torch.Generator | None,
     labels: str = "target",
     topk_logprobs_BSk: torch.Tensor | None = None,
     soft_targets: bool = False,
     max_blocks: int | None = None,
+    keys_BS: torch.Tensor | None = None,
+    quota_B: torch.Tensor | None = None,
 ) -> Blocks:
-    """Sample anchors and build the block inputs, labels and weights of one batch (CPU tensors)."""
+    """Sample anchors and build the block inputs, labels and weights of one batch (CPU tensors).
+    `keys_BS` / `quota_B`: see `sample_anchors`."""
     if labels not in ("target", "data"):
         raise ValueError(f"labels must be 'target' or 'data', got {labels!r}")
     B, S = input_ids_BS.shape
     K = block_size
-    anchors_BN, keep_BN = sample_anchors(anchor_candidates(loss_mask_BS, lengths_B), num_anchors, generator, max_blocks)
+    anchors_BN, keep_BN = sample_anchors(
+        anchor_candidates(loss_mask_BS, lengths_B), num_anchors, generator, max_blocks, keys_BS=keys_BS, quota_B=quota_B
+    )
     N = anchors_BN.shape[1]
     offsets_K = torch.arange(K)
 

@@ -45,6 +45,9 @@ __all__ = [
     "padded_tokens",
     "bucket_summary",
     "epoch_rng",
+    "RankSplit",
+    "split_by_tokens",
+    "split_summary",
 ]
 
 # Separate streams of the (seed, epoch) generator, so adding a use never shifts another.
@@ -220,6 +223,74 @@ def plan_epoch(layout: BucketLayout, seed: int, epoch: int) -> EpochPlan:
     batches = [per_bucket[b][j] for b, j in zip(bucket_order.tolist(), j_order.tolist())]
     assert len(batches) == layout.steps_per_epoch
     return EpochPlan(epoch=epoch, batches=batches, bucket_of_batch=bucket_order)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data parallel: one global batch split into parts (ranks x accumulation steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSplit:
+    """Which parts of every global batch one rank trains on.
+
+    A global batch (one optimizer step) is dealt into `num_parts = world_size x accumulation`
+    parts; micro-step `m` of rank `r` takes part `m * world_size + r`. The plan itself never
+    depends on the split, so runs with any world size and accumulation see the same global batches.
+    """
+
+    num_parts: int
+    mine: tuple[int, ...]  # part indices of this rank, one per accumulation step, in micro-step order
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, accumulation: int) -> "RankSplit":
+        if not (world_size >= 1 and accumulation >= 1 and 0 <= rank < world_size):
+            raise ValueError(f"bad split: rank {rank}, world size {world_size}, accumulation {accumulation}")
+        return cls(world_size * accumulation, tuple(m * world_size + rank for m in range(accumulation)))
+
+
+def split_by_tokens(lengths: Sequence[int], num_parts: int) -> list[np.ndarray]:
+    """Positions 0..n-1 of one batch's samples dealt into `num_parts` parts of near-equal tokens.
+
+    Longest sample first, each to the part with the fewest tokens so far (ties: fewer samples,
+    then the lower part index); positions ascending inside a part. Deterministic, a pure function
+    of the lengths. A batch with fewer samples than parts leaves parts empty."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    tokens = np.zeros(num_parts, dtype=np.int64)
+    counts = np.zeros(num_parts, dtype=np.int64)
+    members: list[list[int]] = [[] for _ in range(num_parts)]
+    for pos in np.argsort(-lengths, kind="stable").tolist():
+        part = min(range(num_parts), key=lambda p: (tokens[p], counts[p], p))
+        members[part].append(pos)
+        tokens[part] += lengths[pos]
+        counts[part] += 1
+    return [np.asarray(sorted(m), dtype=np.int64) for m in members]
+
+
+def split_summary(lengths: np.ndarray, plan: EpochPlan, split: RankSplit, world_size: int) -> dict:
+    """How one epoch's global batches fall to the ranks: per rank samples and tokens, the worst
+    step's imbalance (largest rank's tokens / mean rank's tokens) and the steps that leave a part empty."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rank_tokens = np.zeros(world_size, dtype=np.int64)
+    rank_samples = np.zeros(world_size, dtype=np.int64)
+    worst, empty_steps = 1.0, 0
+    for members in plan.batches:
+        parts = split_by_tokens(lengths[members], split.num_parts)
+        step_tokens = np.zeros(world_size, dtype=np.int64)
+        for index, part in enumerate(parts):
+            rank = index % world_size
+            step_tokens[rank] += int(lengths[members[part]].sum())
+            rank_samples[rank] += part.size
+        rank_tokens += step_tokens
+        empty_steps += int(any(part.size == 0 for part in parts))
+        worst = max(worst, float(step_tokens.max() / step_tokens.mean()))
+    return {
+        "parts_per_step": split.num_parts,
+        "split": "by tokens: longest sample first, to the part with the fewest tokens",
+        "epoch0_tokens_per_rank": rank_tokens.tolist(),
+        "epoch0_samples_per_rank": rank_samples.tolist(),
+        "epoch0_worst_step_imbalance": worst,
+        "epoch0_steps_with_an_empty_part": empty_steps,
+    }
 
 
 # ----------------------------------------------------------------------------------------------

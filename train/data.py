@@ -19,6 +19,12 @@ What happens, in order:
    memory when CUDA is available; batches reach the consumer in plan order whatever the threads
    do, so the stream is a pure function of (dataset, config, position).
 
+Data parallel (`split=buckets.RankSplit`): the plan stays the one global plan; each of its
+batches is dealt into world_size x accumulation parts by tokens (`buckets.split_by_tokens`) and
+the stream reads and collates only this rank's parts, yielding a `Share` (one `Batch` per
+accumulation step) instead of a `Batch`. Every rank yields a share for every global batch, even
+one whose parts are all empty, so the ranks stay in step.
+
 A position is a small JSON-able dict (`Batch.state`, `DataStream.state_dict()`); loading it into a
 stream on the same dataset and schedule resumes at exactly the next batch. A state from another
 dataset, sample selection, seed, budget or boundaries is refused with the field named. Checkpoint
@@ -53,6 +59,7 @@ from train import buckets
 __all__ = [
     "DataConfig",
     "Batch",
+    "Share",
     "DataStream",
     "DataLoadError",
     "is_holdout",
@@ -99,7 +106,8 @@ class DataConfig:
         None, help="length-bucket upper edges, inclusive and strictly increasing; none = quantiles into num_buckets", min=1
     )
     num_buckets: int = knob(8, help="number of quantile buckets when boundaries is none (equal repeated quantiles merge)", min=1, max=64)
-    token_budget: int = knob(49152, help="max padded tokens per batch: batch size x longest sample in it", min=1)
+    token_budget: int = knob(49152, help="max padded tokens per batch (= per optimizer step): batch size x longest sample in it; "
+                             "data parallel splits each batch over world_size x distributed.accumulation micro-batches", min=1)
     max_batch_samples: int | None = knob(None, help="cap on samples per batch; none = only the token budget limits", min=1)
     oversize: str = knob("fail", help="a sample longer than token_budget: fail at start, or skip it (counted in data_plan)", choices=["fail", "skip"])
     seed: int = knob(0, help="seed of the per-epoch shuffle and interleaving offsets", min=0)
@@ -128,7 +136,7 @@ class Batch:
 
     input_ids: torch.Tensor  # int64 [B, S] (padding: 0)
     loss_mask: torch.Tensor  # bool [B, S] (False on padding)
-    hidden: torch.Tensor  # bf16 [B, S, W]
+    hidden: torch.Tensor  # bf16 [B, S, W]; quantized datasets: train.tiers.CompactHidden (.to(device) -> that tensor)
     topk_ids: torch.Tensor  # int64 [B, S, k]
     topk_logprobs: torch.Tensor  # float32 [B, S, k]
     lengths: torch.Tensor  # int64 [B]
@@ -146,6 +154,28 @@ class Batch:
     @property
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+
+@dataclasses.dataclass
+class Share:
+    """One rank's part of a global batch: one micro-batch per accumulation step (docs/ARCHITECTURE.md).
+
+    `rows[m]` are the positions of `parts[m]`'s samples in the global batch (plan order), which
+    fix their anchors (drawn per global row), so a sample trains the same whatever the split."""
+
+    parts: list[Batch | None]  # None: an empty part (fewer samples than parts, or all unreadable)
+    rows: list[np.ndarray]  # int64 positions in the global batch, per part
+    global_lengths: np.ndarray  # int64 tokens of every sample of the global batch, plan order
+    sample_ids: list[str]  # every sample of the global batch, plan order
+    bucket: int
+    epoch: int
+    state: dict  # data position *after* this global batch (the same on every rank)
+
+    @classmethod
+    def of_batch(cls, batch: Batch) -> "Share":
+        """A whole batch as the single part of a one-part split (the plain single-process case)."""
+        lengths = batch.lengths.numpy().astype(np.int64)
+        return cls([batch], [np.arange(lengths.size, dtype=np.int64)], lengths, list(batch.sample_ids), batch.bucket, batch.epoch, batch.state)
 
 
 class DataLoadError(RuntimeError):
@@ -216,17 +246,26 @@ def check_compatible(manifest: dict, expected: dict) -> None:
     """Refuse a dataset whose manifest disagrees with what the drafter needs.
 
     `expected` holds any of the keys of `EXPECTED_FIELDS` (an unknown key is an error, so a typo
-    never silently skips a check). `topk` is a minimum (the loss needs at least that many entries);
+    never silently skips a check), and may hold `projection`: the drafter's projection identity
+    ({checksum, in_width, out_width}) or None for full tap features (storage tiers, `train.tiers`).
+    Shards whose encodings differ from the dataset's are always refused. `topk` is a minimum (the loss needs at least that many entries);
     every other field must be equal. A field missing from the manifest is reported too. The
     manifest must also be complete and self-consistent (hidden_width = n_taps x hidden_size). All
     problems are reported at once in one ValueError, each naming the manifest field and both values.
     """
+    from train.tiers import mixed_encoding_problems, projection_problems
+
+    expected = dict(expected)
+    projection = expected.pop("projection", _MISSING)  # the drafter's projection identity, or None
     unknown = sorted(set(expected) - set(EXPECTED_FIELDS))
     if unknown:
-        raise ValueError(f"check_compatible: unknown expected field(s) {unknown}; known: {sorted(EXPECTED_FIELDS)}")
+        raise ValueError(f"check_compatible: unknown expected field(s) {unknown}; known: {sorted(EXPECTED_FIELDS) + ['projection']}")
     problems = []
     if manifest.get("complete") is False:
         problems.append("manifest field 'complete' is false: the extraction has not finished")
+    problems += mixed_encoding_problems(manifest)
+    if projection is not _MISSING:
+        problems += projection_problems(manifest, projection)
     for key, want in expected.items():
         path, rule = EXPECTED_FIELDS[key]
         where = ".".join(path)
@@ -240,6 +279,8 @@ def check_compatible(manifest: dict, expected: dict) -> None:
     layer_ids = _lookup(manifest, EXPECTED_FIELDS["layer_ids"][0])
     hidden_size = _lookup(manifest, EXPECTED_FIELDS["hidden_size"][0])
     width = _lookup(manifest, EXPECTED_FIELDS["hidden_width"][0])
+    if isinstance(manifest.get("projection"), dict):
+        width = manifest["projection"].get("in_width", _MISSING)  # the projection reads the taps' features
     if _MISSING not in (layer_ids, hidden_size, width) and width != len(layer_ids) * hidden_size:
         problems.append(
             f"manifest field 'hidden_width' = {width!r} but len(provenance.taps.layer_ids) x provenance.target.hidden_size "
@@ -302,7 +343,12 @@ def _selection_digest(sample_ids: list[str], lengths: np.ndarray) -> str:
 
 
 def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: int, state: dict, pin: bool) -> Batch:
-    """Right-pad samples (dicts of `ShardDataset.torch`) into one `Batch`; padding is zero/False."""
+    """Right-pad samples (dicts of `ShardDataset.torch`) into one `Batch`; padding is zero/False.
+    Quantized hidden states (`QuantizedHidden`, from `ShardDataset.compact`) stay compact: the batch
+    holds a `train.tiers.CompactHidden`, dequantized on the device by the step."""
+    from shards.quant import QuantizedHidden
+    from train.tiers import collate_compact
+
     assert samples, "a batch needs at least one sample"
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     B, S = len(samples), max(lengths)
@@ -312,9 +358,10 @@ def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: i
     def empty(*shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
+    compact = isinstance(samples[0]["hidden"], QuantizedHidden)
     input_ids_BS = empty(B, S, dtype=torch.int64)
     loss_mask_BS = empty(B, S, dtype=torch.bool)
-    hidden_BSW = empty(B, S, W, dtype=torch.bfloat16)
+    hidden_BSW = collate_compact([s["hidden"] for s in samples], S, pin) if compact else empty(B, S, W, dtype=torch.bfloat16)
     topk_ids_BSk = empty(B, S, k, dtype=torch.int64)
     topk_logprobs_BSk = empty(B, S, k, dtype=torch.float32)
     for i, (sample, T) in enumerate(zip(samples, lengths)):
@@ -323,7 +370,7 @@ def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: i
         for out, name in (
             (input_ids_BS, "input_ids"),
             (loss_mask_BS, "loss_mask"),
-            (hidden_BSW, "hidden"),
+            *(() if compact else ((hidden_BSW, "hidden"),)),
             (topk_ids_BSk, "topk_ids"),
             (topk_logprobs_BSk, "topk_logprobs"),
         ):
@@ -356,8 +403,9 @@ def _open_dataset(cfg: DataConfig):
 class DataStream:
     """Endless, exactly resumable iterator of `Batch`es over a shards dataset (see the file docstring)."""
 
-    def __init__(self, cfg: DataConfig, dataset=None, *, expected: dict | None = None):
+    def __init__(self, cfg: DataConfig, dataset=None, *, expected: dict | None = None, split: buckets.RankSplit | None = None):
         self.cfg = cfg
+        self.split = split if split is not None and split.num_parts > 1 else None
         self.dataset = dataset if dataset is not None else _open_dataset(cfg)
         if expected is not None:
             check_compatible(self.dataset.manifest, expected)
@@ -523,7 +571,8 @@ class DataStream:
                 epoch=epoch,
                 state=self._state_at(*self._after(epoch, j)),
             )
-            self._pending.append(((epoch, j), self._executor.submit(self._load_batch, **job)))
+            load = self._load_batch if self.split is None else self._load_share
+            self._pending.append(((epoch, j), self._executor.submit(load, **job)))
             self._submit_at = self._after(epoch, j)
 
     def _load_batch(self, dataset_indices, sample_ids, lengths, bucket, epoch, state) -> Batch | None:
@@ -537,9 +586,23 @@ class DataStream:
             return None
         return collate(samples, kept_ids, bucket=bucket, epoch=epoch, state=state, pin=self._pin)
 
+    def _load_share(self, dataset_indices, sample_ids, lengths, bucket, epoch, state) -> Share:
+        """Read and collate only this rank's parts of the global batch (`self.split`)."""
+        parts = buckets.split_by_tokens(lengths, self.split.num_parts)
+        batches, rows = [], []
+        for positions in (parts[p] for p in self.split.mine):
+            loaded = [(pos, self._load_sample(dataset_indices[pos], sample_ids[pos], lengths[pos])) for pos in positions.tolist()]
+            loaded = [(pos, sample) for pos, sample in loaded if sample is not None]
+            rows.append(np.asarray([pos for pos, _ in loaded], dtype=np.int64))
+            batches.append(
+                collate([s for _, s in loaded], [sample_ids[pos] for pos, _ in loaded], bucket=bucket, epoch=epoch, state=state, pin=self._pin)
+                if loaded else None
+            )
+        return Share(batches, rows, np.asarray(lengths, dtype=np.int64), list(sample_ids), bucket, epoch, state)
+
     def _load_sample(self, i: int, sample_id: str, n_tokens: int) -> dict | None:
         try:
-            sample = self.dataset.torch(i)
+            sample = self._compact_sample(i) if getattr(self.dataset, "quant", None) is not None else self.dataset.torch(i)
             T = int(sample["input_ids"].shape[0])
             if T != n_tokens:
                 raise ValueError(f"sample has {T} tokens but the index says {n_tokens}")
@@ -549,6 +612,17 @@ class DataStream:
         except Exception as exc:
             exc.add_note(f"while reading sample {sample_id} (dataset index {i}) from shard '{self._shard_name(i)}'")
             raise
+
+    def _compact_sample(self, i: int) -> dict:
+        """A quantized sample as stored (codes and scales; dequantized later, on the step's device)."""
+        sample = self.dataset.compact(i)
+        return {
+            "input_ids": torch.from_numpy(np.array(sample.input_ids)),
+            "loss_mask": torch.from_numpy(sample.loss_mask != 0),
+            "hidden": sample.hidden,
+            "topk_ids": torch.from_numpy(np.array(sample.topk_ids)),
+            "topk_logprobs": torch.from_numpy(np.array(sample.topk_logprobs)),
+        }
 
     def _on_corrupt(self, i: int, sample_id: str, exc: Exception) -> None:
         shard = self._shard_name(i)

@@ -15,13 +15,23 @@ What the model computes (DFlash, arXiv 2602.06036; the same semantics as the tra
                   q = rope(q_norm(q_proj(x)))                    block queries only
                   k = rope(k_norm(k_proj([c | x])))             context keys and block keys, same weights
                   v = v_proj([c | x])
-                  h = h + o_proj(attention(q, k, v))            no causal mask: the block is bidirectional
+                  h = h + o_proj(attention(q, k, v))            per layer type, see below
                   h = h + mlp(post_attention_layernorm(h))
     out = norm(h)                               logits = the target's lm_head(out); block position k predicts token anchor+k
 
 The context enters every layer only as extra keys/values (never as queries, never in the residual
 stream). RoPE uses absolute positions: context token j at j, the block anchored at a at a..a+B-1;
 with a partial rotary factor only the first head_dim*factor dims of each head rotate.
+
+Attention per layer (`layer_attention`, read as vLLM and z-lab read it): a `full_attention` layer sees
+all the context and its whole block (bidirectional); a `sliding_attention` layer sees the keys less
+than `sliding_window` positions back, and is causal inside the block unless the config says
+otherwise (`is_causal`, then `dflash_config.causal`, override every layer; a non-causal window is
+symmetric). `config.json` of an export states the per-layer result in `dflash_config.layer_causal`.
+
+Quick start (z-lab's README, unchanged): `drafter.spec_generate(input_ids=ids, max_new_tokens=N,
+temperature=0.0, target=target, stop_token_ids=[eos])` returns the prompt and the continuation,
+which at temperature 0 is the target's own greedy continuation.
 
 Serving (one round; see `forward`): pass the new context features (target taps of the positions
 not yet in the draft cache), the block embedding, and position ids covering [cached length, anchor +
@@ -38,14 +48,17 @@ D hidden, F = n_taps x target hidden, H query heads, G kv heads, E head dim, R r
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
-__all__ = ["DFlashDraftModel", "dflash_setting", "rope_settings", "extract_context_feature"]
+__all__ = ["DFlashDraftModel", "dflash_setting", "rope_settings", "extract_context_feature", "layer_attention"]
 
-SUPPORTED_LAYER_TYPES = ("full_attention",)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
@@ -77,6 +90,49 @@ def rope_settings(config) -> tuple[float, dict | None, float]:
     if kind == "default":
         scaling = None
     return float(theta), (dict(scaling) if scaling else None), float(1.0 if factor is None else factor)
+
+
+def layer_attention(config) -> list[tuple[int | None, bool]]:
+    """(sliding window or None, causal inside the block) per layer.
+
+    Causality: top-level `is_causal`, else `dflash_config.causal`, else causal exactly for
+    sliding_attention layers (vLLM's `_dflash_layer_causal`). Window: `dflash_config.swa_window_size`,
+    else `sliding_window`, for sliding_attention layers only.
+    """
+    n = int(config.num_hidden_layers)
+    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported or len(layer_types) != n:
+        raise ValueError(f"DFlash config: layer_types {layer_types} must be {n} entries of {SUPPORTED_LAYER_TYPES}")
+    nested = getattr(config, "dflash_config", None) or {}
+    override = getattr(config, "is_causal", None)
+    override = nested.get("causal") if override is None else override
+    window = None
+    if "sliding_attention" in layer_types:
+        top, swa = getattr(config, "sliding_window", None), nested.get("swa_window_size")
+        if top is not None and swa is not None and int(top) != int(swa):
+            raise ValueError(f"DFlash config: sliding_window {top} and dflash_config.swa_window_size {swa} disagree")
+        window = swa if swa is not None else top
+        if window is None:
+            raise ValueError("DFlash config: sliding_attention layers need sliding_window (and use_sliding_window true)")
+        window = int(window)
+    return [(window if t == "sliding_attention" else None, bool(override) if override is not None else t == "sliding_attention")
+            for t in layer_types]
+
+
+def position_mask(q_pos_BQ: torch.Tensor, kv_pos_BK: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
+    """Bool [B, 1, Q, K] (True = may attend) of one block after its context, or None if nothing is hidden."""
+    if window is None and not causal:
+        return None
+    ahead_BQK = kv_pos_BK[:, None, :] - q_pos_BQ[:, :, None]
+    visible_BQK = torch.ones_like(ahead_BQK, dtype=torch.bool)
+    if causal:
+        visible_BQK &= ahead_BQK <= 0
+    if window is not None:
+        visible_BQK &= -ahead_BQK < window
+        if not causal:
+            visible_BQK &= ahead_BQK < window
+    return visible_BQK[:, None]
 
 
 def extract_context_feature(hidden_states, layer_ids) -> torch.Tensor:
@@ -252,10 +308,8 @@ class DFlashDraftModel(PreTrainedModel):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-        unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-        if unsupported:
-            raise ValueError(f"DFlash config: layer_types {unsupported} are not supported by this model file (only full_attention)")
+        self.layer_attention = layer_attention(config)
+        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"DFlash config: hidden_act must be 'silu', got {config.hidden_act!r}")
         self.target_layer_ids = [int(i) for i in dflash_setting(config, "target_layer_ids")]
@@ -284,8 +338,10 @@ class DFlashDraftModel(PreTrainedModel):
         position_ids [B, S + Q]: positions of the S new context tokens, then of the block tokens.
         noise_embedding [B, Q, D]: the target's input embedding of the block ids.
         target_hidden [B, S, F]: tap features of the S new context tokens (S may be 0).
-        attention_mask: None at inference (the block sees all context and itself); for several
-            blocks at once (offline evaluation) a bool [B, 1, Q, cached + S + Q], True = may attend.
+        attention_mask: None at inference (one block after all its context: each layer applies its
+            own window and causality from the positions, cached keys at positions 0..cached-1);
+            for several blocks at once (offline evaluation) {layer type: bool [B, 1, Q, cached + S + Q]}
+            (True = may attend), or one such mask for every layer.
         past_key_values: a `transformers.DynamicCache` (or anything with `update(k, v, layer_idx)`)
             holding earlier context K/V; this call appends its own context and block entries.
             `cache=` is accepted too (the transformers 5 spelling).
@@ -303,6 +359,182 @@ class DFlashDraftModel(PreTrainedModel):
         context_BSD = self.hidden_norm(self.fc(target_hidden.to(weight_dtype)))
         h_BQD = noise_embedding.to(weight_dtype)
         cos_BPR, sin_BPR = self.rotary_emb(position_ids, weight_dtype)
-        for layer in self.layers:
-            h_BQD = layer(h_BQD, context_BSD, cos_BPR, sin_BPR, attention_mask, past_key_values)
+        masks = self._layer_masks(attention_mask, position_ids, S, past_key_values)
+        for layer, mask in zip(self.layers, masks):
+            h_BQD = layer(h_BQD, context_BSD, cos_BPR, sin_BPR, mask, past_key_values)
         return self.norm(h_BQD)
+
+    def _layer_masks(self, attention_mask, position_ids: torch.Tensor, S: int, past_key_values) -> list:
+        if isinstance(attention_mask, dict):
+            return [attention_mask[t] for t in self.layer_types]
+        if attention_mask is not None:
+            return [attention_mask] * len(self.layers)
+        cached = past_key_values.get_seq_length() if past_key_values is not None else 0
+        B = position_ids.shape[0]
+        kv_pos_BK = torch.cat((torch.arange(cached, device=position_ids.device).expand(B, cached), position_ids), dim=1)
+        q_pos_BQ = position_ids[:, S:]
+        by_rule: dict = {}
+        for rule in self.layer_attention:
+            if rule not in by_rule:
+                by_rule[rule] = position_mask(q_pos_BQ, kv_pos_BK, *rule)
+        return [by_rule[rule] for rule in self.layer_attention]
+
+    @property
+    def attention_rules(self) -> dict[str, tuple[int | None, bool]]:
+        """{layer type: (window, causal)} for building many-block masks (train.attention.MaskRule)."""
+        return dict(zip(self.layer_types, self.layer_attention))
+
+    # ------------------------------------------------------------------------------------------
+    # z-lab's quick start: speculative generation with a Hugging Face target
+
+    @torch.inference_mode()
+    def spec_generate(
+        self,
+        target: nn.Module,
+        input_ids: torch.LongTensor,
+        max_new_tokens: int,
+        stop_token_ids: list[int] | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+    ) -> torch.LongTensor:
+        """[1, prompt + generated] token ids: the prompt, then up to `max_new_tokens` tokens, cut after
+        the first stop token. The call of z-lab's README (`model.spec_generate(input_ids=...,
+        max_new_tokens=..., temperature=..., target=..., stop_token_ids=[...])`).
+
+        Each round: the drafter proposes block positions 1..B-1 from the target's tap features, the
+        target verifies the block in one forward, the longest agreeing prefix plus the target's own
+        next token is kept. Temperature 0 keeps exactly the target's greedy tokens; above 0 drafts
+        are accepted by speculative (rejection) sampling, which keeps the target's distribution.
+        `self.last_acceptance_lengths` holds the tokens each round added (its τ; the last round's is cut
+        at the stop token or the budget, as in z-lab's `dflash_generate`).
+        """
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"spec_generate takes one prompt: input_ids [1, T], got {tuple(input_ids.shape)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"spec_generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError("spec_generate: temperature and top_k must be >= 0 and top_p in (0, 1]")
+        self.eval()
+        session = _SpecSession(self, target, temperature, top_p, top_k)
+        prompt = input_ids.to(session.device)
+        stops = set(int(t) for t in (stop_token_ids or []))
+        logits_1TV, features_1TF = session.target_forward(prompt)
+        tokens = [session.sample(logits_1TV[:, -1])[0]]
+        new_features_1SF, rounds = features_1TF, []
+        while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+            anchor_pos = prompt.shape[1] + len(tokens) - 1
+            committed, new_features_1SF = session.round(tokens[-1], anchor_pos, new_features_1SF)
+            kept = 0
+            for token in committed[: max_new_tokens - len(tokens)]:
+                tokens.append(token)
+                kept += 1
+                if token in stops:
+                    break
+            rounds.append(kept)
+        self.last_acceptance_lengths = rounds
+        return torch.cat((prompt, torch.tensor([tokens], dtype=prompt.dtype, device=prompt.device)), dim=1)
+
+
+class _SpecSession:
+    """The state of one `spec_generate` call: the target's cache, the drafter's context cache."""
+
+    def __init__(self, drafter: DFlashDraftModel, target: nn.Module, temperature: float, top_p: float, top_k: int):
+        from transformers import DynamicCache
+
+        self.drafter, self.target = drafter, target
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.embed = target.get_input_embeddings()
+        self.head = getattr(target, "lm_head", None)
+        if self.head is None:
+            self.head = target.get_output_embeddings()
+        self.device = self.embed.weight.device
+        # transformers 5.2x renamed the forward argument `past_key_values` to `cache`.
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+        self.cache = None  # the target makes the cache its layers need (hybrid models: recurrent states too)
+        self.draft_cache = DynamicCache()
+
+    def target_forward(self, ids_1T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [1, T, V] float32, tap features [1, T, F]) of the next tokens, through the cache."""
+        cached = self.cache.get_seq_length() if self.cache is not None else 0
+        positions = torch.arange(cached, cached + ids_1T.shape[1], device=self.device)[None]
+        out = self.target(input_ids=ids_1T, position_ids=positions, use_cache=True, output_hidden_states=True,
+                          **{self.cache_kwarg: self.cache})
+        returned = getattr(out, "cache", None)
+        self.cache = returned if returned is not None else getattr(out, "past_key_values", None)
+        return out.logits.float(), extract_context_feature(out.hidden_states, self.drafter.target_layer_ids)
+
+    def probabilities(self, logits_NV: torch.Tensor) -> torch.Tensor:
+        scores = logits_NV.float() / self.temperature
+        if 0 < self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def sample(self, logits_NV: torch.Tensor) -> list[int]:
+        if self.temperature == 0:
+            return logits_NV.argmax(-1).tolist()
+        return torch.multinomial(self.probabilities(logits_NV), 1)[:, 0].tolist()
+
+    def round(self, anchor: int, anchor_pos: int, new_features_1SF: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """(tokens committed: accepted drafts + one target token, tap features of the verified positions)."""
+        B = self.drafter.block_size
+        block_1Q = torch.full((1, B), self.drafter.mask_token_id, dtype=torch.long, device=self.device)
+        block_1Q[0, 0] = anchor
+        first = self.draft_cache.get_seq_length()
+        hidden_1QD = self.drafter(
+            position_ids=torch.arange(first, anchor_pos + B, device=self.device)[None],
+            noise_embedding=self.embed(block_1Q), target_hidden=new_features_1SF.to(self.device),
+            past_key_values=self.draft_cache, use_cache=True,
+        )
+        _crop(self.draft_cache, anchor_pos)  # keep context entries only
+        draft_logits_DV = self.head(hidden_1QD[0, 1:].to(self.head.weight.dtype)).float()
+        drafts = self.sample(draft_logits_DV)
+        block_1Q[0, 1:] = torch.tensor(drafts, device=self.device)
+        snapshot = None if _croppable(self.cache) else copy.deepcopy(self.cache)
+        logits_1QV, features_1QF = self.target_forward(block_1Q)
+        accepted, bonus = self.accept(drafts, draft_logits_DV, logits_1QV[0])
+        keep = anchor_pos + 1 + accepted  # positions up to the last accepted draft are verified
+        if snapshot is None:
+            _crop(self.cache, keep)
+        elif accepted < B - 1:  # a recurrent cache cannot be cut back: restore it and re-run the accepted tokens
+            self.cache = snapshot
+            _, features_1QF = self.target_forward(block_1Q[:, : accepted + 1])
+        return drafts[:accepted] + [bonus], features_1QF[:, : accepted + 1]
+
+    def accept(self, drafts: list[int], draft_logits_DV: torch.Tensor, target_logits_QV: torch.Tensor) -> tuple[int, int]:
+        """(leading drafts accepted, the target's token after them)."""
+        if self.temperature == 0:
+            greedy = target_logits_QV.argmax(-1).tolist()
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
+                accepted += 1
+            return accepted, greedy[accepted]
+        p_QV, q_DV = self.probabilities(target_logits_QV), self.probabilities(draft_logits_DV)
+        for k, token in enumerate(drafts):
+            if torch.rand(()) * q_DV[k, token] >= p_QV[k, token]:
+                residual = (p_QV[k] - q_DV[k]).clamp(min=0)
+                residual = residual / residual.sum() if residual.sum() > 0 else p_QV[k]
+                return k, int(torch.multinomial(residual, 1))
+        return len(drafts), int(torch.multinomial(p_QV[len(drafts)], 1))
+
+
+def _crop(cache, length: int) -> None:
+    """Cut a cache back to `length` positions (a negative `crop` argument means the same in every transformers 5)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def _croppable(cache) -> bool:
+    """A cache that can be cut back to a length (attention layers only; recurrent states cannot)."""
+    flag = getattr(cache, "is_croppable", None)
+    if flag is not None:
+        return bool(flag)
+    return all(type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in getattr(cache, "layers", []))

@@ -49,8 +49,9 @@ digest of the exact blocks, and every number the table shows.
 Batching: the anchors of a sequence are evaluated many blocks per forward with the training mask
 (`train.attention`), several short sequences per forward, context trimmed to the last anchor of
 the forward. Logits exist for `chunk_rows` block tokens at a time; only the top-max(budgets)
-log-probs per depth are kept. Works on CPU (fp32, dense mask + SDPA) and CUDA (bf16 autocast,
-flex attention); DDTree scoring runs on the CPU (in a background thread when the drafter is on CUDA).
+log-probs per depth are kept. Works on CPU (fp32, dense mask + SDPA) and CUDA (bf16 autocast, flex
+attention where its kernel fits the head dim: `train.kernels`, the trainer's own choice); DDTree
+scoring runs on the CPU (in a background thread when the drafter is on CUDA).
 
 Shape legend: T tokens of a sample, F tap feature width, A anchors of a piece, D draft positions
 (block_size - 1), K block size, R rows of a forward, N blocks per row, S context, Q = N*K, P = S+Q,
@@ -59,9 +60,9 @@ M kept blocks of a forward, k kept top-k per depth, V vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
+import os
 import re
 import sys
 import time
@@ -77,10 +78,10 @@ import xxhash
 from torch import Tensor, nn
 
 from common.config import ConfigError, config_to_dict, describe, fail, knob, load_config
-from common.device import autocast_dtype, resolve_device
 from common.hashing import json_digest
 from train.acceptance import ChainBlocks, chain_blocks, summarize_blocks, summarize_by_group, valid_mask
 from train.ddtree import ddtree_taus, draft_topk
+from train.kernels import EVAL_KEYS, KernelPlan, OnKernels, choose_kernels
 
 __all__ = [
     "EvalConfig",
@@ -153,9 +154,12 @@ class EvalConfig:
         None, help="sequence-length bucket upper edges (inclusive, strictly increasing); none = the run's data_plan.json boundaries (one bucket if it has none)", min=1
     )
     target: str | None = knob(None, help="target checkpoint directory for the frozen embedding and lm_head; none = the one the run was trained with")
+    projection: str | None = knob(None, help="a drafter trained on projected features, evaluated on full ones: the projection file to fold into fc; none = its training dataset's")
     device: Literal["auto", "cpu", "cuda"] = knob("auto", help="auto = cuda when available")
     precision: Literal["auto", "bf16", "fp32"] = knob("auto", help="bf16 autocast or fp32; auto = bf16 on CUDA, fp32 on CPU")
-    attention: Literal["auto", "flex", "sdpa"] = knob("auto", help="attention kernel for the many-block mask: auto = flex on CUDA, sdpa (dense mask) on CPU")
+    attention: Literal["auto", "flex", "sdpa"] = knob(
+        "auto", help="attention kernel for the many-block mask: auto = flex where its CUDA kernel works for the head dim (16..256, Triton), else sdpa with a dense mask (train.kernels)"
+    )
     blocks_per_forward: int | None = knob(
         None, help="blocks per drafter forward (a long sequence is split, short ones share a forward); none = 128 on CPU (the dense mask's cost grows with it), 512 on CUDA", min=1
     )
@@ -192,6 +196,7 @@ class CheckpointInfo:
     drafter_config: Any  # train.model.DrafterConfig
     run_info: dict  # run.json ({} if absent)
     data_plan: dict | None  # data_plan.json
+    fold: Any = None  # shards.projection.Projection folded into fc at load (projected drafter, full-feature data)
 
     @property
     def label(self) -> str:
@@ -281,6 +286,7 @@ class EvalModel:
     head: nn.Module  # TargetHead: .embed(ids), .logits(hidden)
     block_size: int
     mask_token_id: int
+    mask_rules: dict | None = None  # {layer type: train.attention.MaskRule}; None = all full_attention
 
 
 def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device, head_dtype: torch.dtype) -> EvalModel:
@@ -293,7 +299,10 @@ def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device,
     cfg = info.drafter_config
     drafter = DFlashDrafter(cfg)
     try:
-        drafter.load_state_dict(load_file(str(info.path / MODEL_FILE)))
+        state = load_file(str(info.path / MODEL_FILE))
+        if info.fold is not None:  # trained on projected features, evaluated on full ones: fc = fc'·P
+            state["fc.weight"] = info.fold.fold(state["fc.weight"]).to(state["fc.weight"].dtype)
+        drafter.load_state_dict(state)
     except RuntimeError as exc:
         raise ValueError(f"'{info.path / MODEL_FILE}' does not match its drafter_config.json: {exc}") from None
     head = TargetHead.from_pretrained(target_dir, dtype=head_dtype)
@@ -302,7 +311,7 @@ def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device,
             f"target '{target_dir}' has embedding [{head.vocab_size}, {head.hidden_size}] but the drafter of '{info.path}' "
             f"needs [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}]; set target= to the run's target"
         )
-    return EvalModel(drafter.to(device).eval(), head.to(device), cfg.block_size, cfg.mask_token_id)
+    return EvalModel(drafter.to(device).eval(), head.to(device), cfg.block_size, cfg.mask_token_id, cfg.mask_rules)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,6 +420,7 @@ def expected_manifest_fields(info: CheckpointInfo, train_manifest: dict | None) 
         "hidden_width": int(cfg.feature_width),
         "vocab_size": int(cfg.vocab_size),
         "topk": 1,
+        "projection": cfg.projection,
     }
     provenance = (train_manifest or {}).get("provenance") or {}
     tokenizer_hash = (provenance.get("tokenizer") or {}).get("hash")
@@ -531,18 +541,20 @@ def block_targets(top1_T: Tensor, anchors_A: Tensor, n_draft: int) -> Tensor:
 
 
 @dataclasses.dataclass
-class Runtime:
-    device: torch.device
-    autocast_dtype: torch.dtype | None
-    attention: str  # "flex" | "sdpa"
+class Runtime(OnKernels):
+    kernels: KernelPlan  # device, autocast dtype and attention kernel, chosen as the trainer chooses them
     # DDTree scoring in a CPU thread while the device drafts the next forward (the default on CUDA).
     score_in_background: bool = False
 
     @classmethod
-    def from_config(cls, cfg: EvalConfig) -> "Runtime":
-        device = resolve_device(cfg.device)
-        attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
-        return cls(device, autocast_dtype(cfg.precision, device), attention, score_in_background=device.type == "cuda")
+    def from_config(cls, cfg: EvalConfig, head_dims: Sequence[int]) -> "Runtime":
+        """The runtime for drafters of these head dims (flex only if it works for all of them)."""
+        kernels = choose_kernels(cfg.device, cfg.precision, cfg.attention, False, head_dims, training=False, keys=EVAL_KEYS)
+        return cls(kernels, score_in_background=kernels.device.type == "cuda")
+
+    @property
+    def attention(self) -> str:
+        return self.kernels.attention
 
     def blocks_per_forward(self, cfg: EvalConfig) -> int:
         if cfg.blocks_per_forward is not None:
@@ -554,9 +566,7 @@ class Runtime:
         return self.autocast_dtype or torch.float32
 
     def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return self.kernels.autocast()
 
 
 @dataclasses.dataclass
@@ -631,15 +641,6 @@ def forward_inputs(pieces: Sequence[Piece], block_size: int, mask_token_id: int)
     return ForwardInputs(hidden_RSF, block_ids_RNK.view(R, N * K), position_ids_RP, anchors_RN, keep_RN)
 
 
-def _attention_mask(inputs: ForwardInputs, block_size: int, runtime: Runtime):
-    from train.attention import build_block_mask, build_dense_mask
-
-    S = inputs.hidden_RSF.shape[1]
-    if runtime.attention == "flex":
-        return build_block_mask(inputs.anchors_RN, inputs.keep_RN, S, block_size)
-    return build_dense_mask(inputs.anchors_RN, inputs.keep_RN, S, block_size)
-
-
 @torch.no_grad()
 def draft_topk_for_pieces(model: EvalModel, pieces: Sequence[Piece], runtime: Runtime, topk: int, chunk_rows: int
                           ) -> tuple[Tensor, Tensor]:
@@ -649,7 +650,7 @@ def draft_topk_for_pieces(model: EvalModel, pieces: Sequence[Piece], runtime: Ru
     inputs = forward_inputs(pieces, K, model.mask_token_id)
     device = runtime.device
     moved = ForwardInputs(*(getattr(inputs, f.name).to(device, non_blocking=True) for f in dataclasses.fields(inputs)))
-    mask = _attention_mask(moved, K, runtime)
+    mask = runtime.kernels.mask(moved.anchors_RN, moved.keep_RN, moved.hidden_RSF.shape[1], K, model.mask_rules)
     R, N = moved.anchors_RN.shape
     with runtime.autocast():
         hidden_RQD = model.model(model.head.embed(moved.block_ids_RQ), moved.hidden_RSF, moved.position_ids_RP, mask)
@@ -939,6 +940,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
     """Evaluate one or two checkpoints on `cfg.data`; returns (report, JSON path written)."""
     from common.provenance import git_sha, tool_version
     from shards import ShardDataset
+    from train.tiers import for_data
 
     started = time.time()
     if not 1 <= len(checkpoints) <= 2:
@@ -954,13 +956,14 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot open the shards dataset '{cfg.data}' (config key 'data'): {exc}") from None
     manifest = dataset.manifest
+    infos = [for_data(info, manifest, cfg.projection) for info in infos]  # storage tiers: fold P where the data is full
     checked = [check_data_fits(info, cfg.data, manifest) for info in infos]
     split, fraction, reason = choose_split(cfg, infos, cfg.data, manifest)
     data = select_eval_data(dataset, cfg.data, split=split, holdout_fraction=fraction, max_samples=cfg.max_samples, split_reason=reason)
     boundaries, boundaries_from = choose_boundaries(cfg, infos)
     buckets, bucket_of_sample = bucket_table(boundaries, data.lengths)
 
-    runtime = Runtime.from_config(cfg)
+    runtime = Runtime.from_config(cfg, [info.drafter_config.head_dim for info in infos])
     cfg = resolved_config(cfg, runtime, split, fraction, boundaries)
     targets = [target_dir_for(info, cfg.target, manifest) for info in infos]
     models = [load_eval_model(info, target, runtime.device, runtime.head_dtype) for info, target in zip(infos, targets)]
@@ -1004,6 +1007,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
         "notes": _notes(data, n_draft, cfg),
         "device": str(runtime.device),
         "precision": str(runtime.autocast_dtype or torch.float32).replace("torch.", ""),
+        "kernels": runtime.kernels.to_dict(),
         "seconds": seconds,
         "blocks_per_second": table.n_blocks * len(models) / seconds if seconds > 0 else None,
         "time": started,
@@ -1154,6 +1158,9 @@ def render_report(report: dict) -> str:
                  f"{data['tokens']} tokens, {data['blocks']} blocks")
     lines.append(f"  buckets    {data['boundaries_from']}: " + ", ".join(
         f"{b['label']} ({b['n_samples']} samples)" for b in report["buckets"]))
+    kernels = report.get("kernels")  # absent in reports of older versions
+    if kernels:
+        lines.append(f"  kernels    {kernels['device']}, {kernels['precision']}, attention {kernels['attention']} ({kernels['reason']})")
     lines += [f"  note       {note}" for note in report["notes"]]
     lines += _baseline_line(report)
     lines.append("")
@@ -1191,7 +1198,7 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], EvalConfig]:
     if any(a in ("-h", "--help") for a in argv):
         print(_USAGE + describe(EvalConfig))
         raise SystemExit(0)
-    checkpoints, overrides, config_file = [], [], None
+    checkpoints, overrides, values, config_file = [], [], {}, None
     flags = {"--data": "data", "--out": "out"}
     i = 0
     while i < len(argv):
@@ -1208,17 +1215,17 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], EvalConfig]:
             if flag == "--config":
                 config_file = value
             else:
-                overrides.append(f"{flags[flag]}={json.dumps(value)}")
+                values[flags[flag]] = value  # a path exactly as given, whatever characters it holds
         elif word.startswith("--"):
             raise ConfigError(f"unknown option '{word}' (options: --data, --out, --config; other settings as key=value)")
-        elif "=" in word:
+        elif "=" in word and not os.path.exists(word):  # a checkpoint path may hold '='
             overrides.append(word)
         else:
             checkpoints.append(word)
         i += 1
     if not checkpoints:
         raise ConfigError("no checkpoint given (python -m train.eval CHECKPOINT --data SHARDS)")
-    return checkpoints, load_config(EvalConfig, config_file, overrides, section="eval")
+    return checkpoints, load_config(EvalConfig, config_file, overrides, section="eval", values=values)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,9 +9,12 @@ is used). OUT_DIR receives:
     config.json        the published DFlash format: architectures ["DFlashDraftModel"], auto_map
                        {"AutoModel": "dflash.DFlashDraftModel"}, model_type "qwen3", top-level
                        block_size and num_target_layers, dflash_config {mask_token_id,
-                       target_layer_ids, block_size}, layer_types, widths, rope settings (top-level
-                       rope_theta / rope_scaling / partial_rotary_factor for older readers, and
-                       rope_parameters, which transformers 5 reads), vocab_size, dtype (and
+                       target_layer_ids, block_size, causal, layer_causal, use_swa,
+                       swa_window_size}, layer_types, sliding_window, use_sliding_window,
+                       is_causal (the attention semantics, `attention_semantics`), widths, rope
+                       settings as trained (top-level rope_theta / rope_scaling /
+                       partial_rotary_factor for older readers, rope_parameters with all three,
+                       which transformers 5 and vLLM read, is_neox_style), vocab_size, dtype (and
                        torch_dtype, its transformers 4 name)
     model.safetensors  fc.weight, hidden_norm.weight, layers.N...., norm.weight (no `model.`
                        prefix, no embedding, no lm_head: those are the target's)
@@ -33,12 +36,13 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from common.io import replace_local_dir
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
-from train.model import DFlashDrafter, DrafterConfig, rope_settings
+from train.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig, rope_settings
 
 __all__ = [
     "export_config",
@@ -59,13 +63,45 @@ ARCHITECTURE = "DFlashDraftModel"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+def attention_semantics(cfg: DrafterConfig) -> dict:
+    """The causality keys serving engines read (docs/serving.md), for the drafter's layers.
+
+    vLLM (`qwen3_dflash._dflash_layer_causal`) and z-lab's model code take a top-level `is_causal`
+    for every layer, vLLM then `dflash_config.causal`, and otherwise run sliding_attention layers
+    causally and full_attention layers bidirectionally; SGLang always does the latter. So: one
+    causality for all layers is written as `is_causal` and `dflash_config.causal`; a mix (the
+    default: causal sliding layers, bidirectional full ones) is exactly the engines' default and
+    is written as null, never overriding it. `dflash_config.layer_causal` states the per-layer
+    result explicitly (read back and checked by `drafter_config_from_export`; engines ignore it).
+    """
+    causal = cfg.layer_causal
+    uniform = causal[0] if len(set(causal)) == 1 else None
+    extra = {"causal": uniform, "layer_causal": causal, "use_swa": False}
+    if cfg.sliding_window is not None:
+        extra["swa_window_size"] = cfg.sliding_window  # vLLM reads it before sliding_window
+    return {"is_causal": uniform, "dflash_config": extra}
+
+
+def serving_warnings(cfg: DrafterConfig) -> list[str]:
+    """What a serving engine would run differently from training (empty when all engines agree)."""
+    if SLIDING_ATTENTION in cfg.layer_types and cfg.sliding_in_block == "bidirectional":
+        return ["sliding_attention layers trained bidirectional inside the block: SGLang runs them causally whatever "
+                "is_causal says, and vLLM's non-causal sliding window is not verified; serve with z-lab's model code or "
+                "this export's dflash.py (docs/serving.md)"]
+    return []
+
+
 def export_config(cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dict | None = None) -> dict:
     """The published config.json of a drafter (dflash.md §2.1), as a dict."""
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": float(cfg.rope_theta)}
-    if cfg.partial_rotary_factor != 1.0:
-        rope_parameters["partial_rotary_factor"] = float(cfg.partial_rotary_factor)
+    if cfg.projection is not None:  # a DFlash runtime feeds full tap features: fc must read them
+        raise ValueError(f"the drafter reads projected features (projection {cfg.projection.get('checksum')}): "
+                         "fold the projection into fc first (train.tiers.fold_projection; train.export does)")
+    # Rope as trained, every part spelled out: vLLM reads rope_parameters (partial factor included),
+    # older readers the top-level keys; the half-split (neox) rotation is what both engines default to.
+    rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": float(cfg.rope_theta),
+                       "partial_rotary_factor": float(cfg.partial_rotary_factor)}
     n = cfg.num_hidden_layers
     config = {
         "architectures": [ARCHITECTURE],
@@ -77,6 +113,7 @@ def export_config(cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dic
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),
             "block_size": cfg.block_size,
+            **attention_semantics(cfg)["dflash_config"],
         },
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -93,10 +130,12 @@ def export_config(cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dic
         "max_position_embeddings": cfg.max_position_embeddings,
         "attention_bias": cfg.attention_bias,
         "attention_dropout": 0.0,
-        "layer_types": ["full_attention"] * n,
-        "max_window_layers": n,
-        "sliding_window": None,
-        "use_sliding_window": False,
+        "layer_types": list(cfg.layer_types),
+        "max_window_layers": n,  # inert: transformers derives layer_types from it only when layer_types is absent
+        "sliding_window": cfg.sliding_window,
+        "use_sliding_window": cfg.sliding_window is not None,  # transformers' Qwen3Config drops sliding_window without it
+        "is_causal": attention_semantics(cfg)["is_causal"],
+        "is_neox_style": True,
         "tie_word_embeddings": False,
         "vocab_size": cfg.vocab_size,
         "initializer_range": cfg.initializer_range,
@@ -126,6 +165,8 @@ def drafter_config_from_export(config: dict) -> DrafterConfig:
         return value
 
     theta, scaling, factor = rope_settings(config)
+    n = int(config["num_hidden_layers"])
+    layer_types, window, sliding_in_block = _attention_from_export(config, nested, n)
     return DrafterConfig(
         hidden_size=int(config["hidden_size"]),
         intermediate_size=int(config["intermediate_size"]),
@@ -147,7 +188,33 @@ def drafter_config_from_export(config: dict) -> DrafterConfig:
         hidden_act=str(config.get("hidden_act", "silu")),
         initializer_range=float(config.get("initializer_range", 0.02)),
         target_hidden_size=config.get("target_hidden_size"),
+        layer_types=layer_types,
+        sliding_window=window,
+        sliding_in_block=sliding_in_block,
     )
+
+
+def _attention_from_export(config: dict, nested: dict, n: int) -> tuple[list[str], int | None, str]:
+    """(layer_types, sliding_window, sliding_in_block) as the export's dflash.py (and vLLM) read
+    config.json; ValueError for a layout this project's model does not compute (e.g. causal
+    full_attention layers) or a `dflash_config.layer_causal` that contradicts the rest."""
+    from train.dflash_hf import layer_attention
+
+    layer_types = list(config.get("layer_types") or [FULL_ATTENTION] * n)
+    per_layer = layer_attention(SimpleNamespace(**{**config, "num_hidden_layers": n, "dflash_config": nested}))
+    window = next((w for w, _ in per_layer if w is not None), None)
+    causal = [c for _, c in per_layer]
+    full_causal = [i for i, t in enumerate(layer_types) if t == FULL_ATTENTION and causal[i]]
+    if full_causal:
+        raise ValueError(f"exported config: full_attention layers {full_causal} are causal (is_causal / dflash_config.causal); "
+                         "this project's drafter runs full_attention layers bidirectionally")
+    sliding = {causal[i] for i, t in enumerate(layer_types) if t == SLIDING_ATTENTION}
+    sliding_in_block = "bidirectional" if sliding == {False} else "causal"
+    stated = nested.get("layer_causal")
+    if stated is not None and [bool(c) for c in stated] != causal:
+        raise ValueError(f"exported config: dflash_config.layer_causal {stated} disagrees with what the engines read "
+                         f"from is_causal / dflash_config.causal / layer_types ({causal})")
+    return layer_types, window, sliding_in_block
 
 
 def expected_weight_names(cfg: DrafterConfig) -> set[str]:
@@ -259,26 +326,40 @@ def target_token_ids(target_dir: str, cfg: DrafterConfig) -> dict:
     return {key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
-def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bfloat16", target: str | None = None) -> Path:
-    """Export a training checkpoint (or a run's latest one). Token ids come from `target` or the run's target."""
+def export_checkpoint(
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bfloat16", target: str | None = None,
+    projection: str | None = None,
+) -> Path:
+    """Export a training checkpoint (or a run's latest one). Token ids come from `target` or the run's target.
+
+    A drafter trained on projected features (a storage tier) is exported with P folded into fc
+    (fc = fc'·P, in float32), so it reads full tap features like any DFlash drafter; P comes from
+    the run's training dataset, or from the file `projection`."""
     from safetensors.torch import load_file
 
     from common.provenance import git_sha, tool_version
+    from train.tiers import fold_projection, projection_for_drafter
 
     ckpt = resolve_checkpoint(checkpoint)
-    step = None
+    step, train_config = None, {}
     if (ckpt / STATE_FILE).is_file():
-        step = verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE)).get("step")  # names a damaged file
+        saved = verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE))  # names a damaged file
+        step, train_config = saved.get("step"), saved.get("config") or {}
     try:
         cfg = DrafterConfig.from_dict(json.loads((ckpt / DRAFTER_CONFIG_FILE).read_text()))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"'{ckpt / DRAFTER_CONFIG_FILE}': {exc}") from None
     state = load_file(str(ckpt / MODEL_FILE))
     check_weights(state, cfg, str(ckpt / MODEL_FILE))
+    folded = None
+    if cfg.projection is not None:
+        folded = cfg.projection["checksum"]
+        p = projection_for_drafter(cfg, (train_config.get("data") or {}).get("shards"), projection)
+        state, cfg = fold_projection(state, cfg, p)
     target = target or _run_target(ckpt)
     token_ids = target_token_ids(target, cfg) if target and Path(target, "config.json").is_file() else None
     info = {"checkpoint": str(ckpt.resolve()), "step": step, "target": target, "dtype": dtype,
-            "git_sha": git_sha(), "tool_version": tool_version()}
+            "git_sha": git_sha(), "tool_version": tool_version(), "folded_projection": folded}
     return export_drafter(state, cfg, out_dir, dtype=dtype, token_ids=token_ids, info=info)
 
 
@@ -312,19 +393,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="directory to write the Hugging Face export into")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype in model.safetensors (published: bfloat16)")
     parser.add_argument("--target", default=None, help="target checkpoint directory for bos/eos ids and a shape check (default: the run's)")
+    parser.add_argument("--projection", default=None,
+                        help="drafters trained on projected features: the projection file to fold into fc (default: the training dataset's)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
-        out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, target=args.target)
-    except ValueError as exc:
+        out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, target=args.target, projection=args.projection)
+    except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     config = json.loads((out / CONFIG_FILE).read_text())
     print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out}")
     print(f"  {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, block {config['block_size']}, "
           f"target_layer_ids {config['dflash_config']['target_layer_ids']}, mask {config['dflash_config']['mask_token_id']}, {args.dtype}")
+    if SLIDING_ATTENTION in config["layer_types"]:
+        print(f"  layer_types {config['layer_types']}, sliding_window {config['sliding_window']}, "
+              f"causal per layer {config['dflash_config']['layer_causal']}")
+    for warning in serving_warnings(drafter_config_from_export(config)):
+        print(f"  warning: {warning}")
     print(f"  load: AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return 0
 

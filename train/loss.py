@@ -132,14 +132,19 @@ def block_loss(
     kl_weight: float = 0.0,
     kl_temperature: float = 1.0,
     chunk_fn=chunk_loss_and_grad,
+    weight_total: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The weighted block loss and its accuracy statistics. `blocks` must be on hidden's device."""
+    """The weighted block loss and its accuracy statistics. `blocks` must be on hidden's device.
+
+    The loss is normalized by `weight_total`, default this batch's own sum of weights. A part of a
+    data-parallel step passes the whole global batch's sum, so the parts' losses (and gradients)
+    add up to the loss of the global batch."""
     B, Q, D = hidden_BQD.shape
     N = blocks.anchors_BN.shape[1]
     K = Q // N
     rows_M = blocks.loss_rows_M
     w_M = blocks.weights_BQ.reshape(-1).index_select(0, rows_M)
-    w_M = w_M / w_M.sum()
+    w_M = w_M / (w_M.sum() if weight_total is None else weight_total)
     labels_M = blocks.labels_BQ.reshape(-1).index_select(0, rows_M)
     soft_ids = soft_logp = None
     if kl_weight > 0.0:

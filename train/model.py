@@ -3,7 +3,9 @@
 The drafter is a stack of Qwen3-style decoder layers run over the block tokens only. The target's
 tap features of the context are projected once (`fc`, then `hidden_norm`) and injected as extra
 keys/values at every layer through that layer's own `k_proj`/`v_proj` (+ `k_norm`, + RoPE at the
-context positions). The context never enters the residual stream and is never a query.
+context positions). The context never enters the residual stream and is never a query. Each layer
+is `full_attention` or `sliding_attention` (`DrafterConfig.layer_types`); the attention rule of
+each type is a `train.attention.MaskRule` (`DrafterConfig.mask_rules`).
 Parameter names are the published ones (`fc`, `hidden_norm`, `layers.N.…`, `norm`), so a state
 dict saves as a z-lab compatible `model.safetensors` with no renaming.
 
@@ -24,12 +26,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.attention import attend
+from train.attention import MaskRule, attend, position_mask
 
-__all__ = ["DrafterConfig", "DFlashDrafter", "TargetHead", "RotaryEmbedding", "apply_rotary", "rope_settings"]
+__all__ = [
+    "DrafterConfig", "DFlashDrafter", "TargetHead", "RotaryEmbedding", "apply_rotary", "rope_settings",
+    "LAYER_TYPES", "LAYER_TYPE_PRESETS", "SLIDING_IN_BLOCK", "resolve_layer_types",
+]
 
 # rope types whose frequencies depend only on the config (not on the running sequence length).
 _STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# Named layouts for `model.layer_types`. "sliding_then_full" is the published Qwen3.5/3.6 z-lab layout
+# (4 x sliding_attention + 1 x full_attention for 5 layers); "sliding" is every layer sliding.
+LAYER_TYPE_PRESETS = {
+    "full": lambda n: [FULL_ATTENTION] * n,
+    "sliding": lambda n: [SLIDING_ATTENTION] * n,
+    "sliding_then_full": lambda n: [SLIDING_ATTENTION] * (n - 1) + [FULL_ATTENTION],
+}
+# What a sliding_attention layer does inside its block: "causal" as vLLM and SGLang serve it (and
+# z-lab's current model code by default), "bidirectional" as z-lab's earlier reference code (every
+# layer non-causal; the window only limits the context). docs/serving.md has the sources.
+SLIDING_IN_BLOCK = ("causal", "bidirectional")
+
+
+def resolve_layer_types(spec: str | list[str] | None, num_layers: int) -> list[str]:
+    """A list of `num_layers` layer types from a preset name or a list (ValueError naming the problem)."""
+    if spec is None:
+        return [FULL_ATTENTION] * num_layers
+    if isinstance(spec, str):
+        if spec not in LAYER_TYPE_PRESETS:
+            raise ValueError(f"unknown layer_types preset {spec!r}; presets: {', '.join(LAYER_TYPE_PRESETS)}, or a list of {', '.join(LAYER_TYPES)}")
+        return LAYER_TYPE_PRESETS[spec](num_layers)
+    types = [str(t) for t in spec]
+    bad = sorted(set(types) - set(LAYER_TYPES))
+    if bad:
+        raise ValueError(f"layer_types {bad} unknown; each entry must be one of {', '.join(LAYER_TYPES)}")
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries but the drafter has {num_layers} layers")
+    return types
 
 
 def rope_settings(target_cfg: dict) -> tuple[float, dict | None, float]:
@@ -38,6 +74,7 @@ def rope_settings(target_cfg: dict) -> tuple[float, dict | None, float]:
     Reads both spellings: transformers 5 `rope_parameters` and the older top-level `rope_theta` /
     `rope_scaling` / `partial_rotary_factor`. Qwen3.6's M-RoPE (`mrope_section`) is ordinary 1-D
     RoPE for text, where the three position streams are equal, so its M-RoPE keys are dropped.
+    The partial factor returned is the config's; `DrafterConfig.from_target` does not pass it on.
     """
     params = target_cfg.get("rope_parameters") or {}
     if not isinstance(params, dict):
@@ -81,9 +118,18 @@ class DrafterConfig:
     hidden_act: str = "silu"
     initializer_range: float = 0.02
     target_hidden_size: int | None = None  # None = hidden_size (the published drafters)
+    layer_types: list[str] | None = None  # one per layer; None = all full_attention
+    sliding_window: int | None = None  # keys a sliding_attention query sees, its own position included
+    sliding_in_block: str = "causal"  # a sliding layer inside its block: "causal" or "bidirectional"
+    # Storage tier: fc reads projected features P·h ({checksum, in_width, out_width} of the dataset's
+    # projection, shards/projection.py); the export folds P into fc. None = the taps themselves.
+    projection: dict | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.layer_types = resolve_layer_types(self.layer_types, int(self.num_hidden_layers))
+        if self.sliding_window is not None:
+            self.sliding_window = int(self.sliding_window)
         self.check()
 
     def check(self) -> None:
@@ -116,16 +162,41 @@ class DrafterConfig:
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         if kind not in _STATIC_ROPE_TYPES:
             raise ValueError(f"drafter config 'rope_scaling': rope_type {kind!r} is not supported (supported: {', '.join(_STATIC_ROPE_TYPES)})")
+        if self.projection is not None:
+            full = self.n_taps * (self.target_hidden_size or self.hidden_size)
+            if not isinstance(self.projection, dict) or self.projection.get("in_width") != full or not self.projection.get("out_width"):
+                raise ValueError(f"drafter config 'projection' must map the {full} tap features (n_taps x target hidden), got {self.projection!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"drafter config 'hidden_act' must be 'silu' (Qwen3 MLP), got {self.hidden_act!r}")
+        if self.sliding_in_block not in SLIDING_IN_BLOCK:
+            raise ValueError(f"drafter config 'sliding_in_block' must be one of {SLIDING_IN_BLOCK}, got {self.sliding_in_block!r}")
+        if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"drafter config 'sliding_window' must be >= 1 with sliding_attention layers, got {self.sliding_window}")
+        if SLIDING_ATTENTION not in self.layer_types and self.sliding_window is not None:
+            raise ValueError("drafter config 'sliding_window' is set but no layer is sliding_attention (set layer_types)")
 
     @property
     def n_taps(self) -> int:
         return len(self.target_layer_ids)
 
     @property
+    def mask_rules(self) -> dict[str, MaskRule]:
+        """{layer type: the attention rule of that type's layers} for the types this drafter has."""
+        rules = {FULL_ATTENTION: MaskRule()}
+        rules[SLIDING_ATTENTION] = MaskRule(window=self.sliding_window, causal=self.sliding_in_block == "causal")
+        return {t: rules[t] for t in dict.fromkeys(self.layer_types)}
+
+    @property
+    def layer_causal(self) -> list[bool]:
+        """Per layer: is the layer causal inside its block (what serving engines call `causal`)."""
+        rules = self.mask_rules
+        return [rules[t].causal for t in self.layer_types]
+
+    @property
     def feature_width(self) -> int:
-        """F: the width of one token's stored tap features."""
+        """F: the width of one token's stored tap features (of the projected ones, with a projection)."""
+        if self.projection is not None:
+            return int(self.projection["out_width"])
         return self.n_taps * (self.target_hidden_size or self.hidden_size)
 
     @property
@@ -146,11 +217,18 @@ class DrafterConfig:
         """A drafter for a target text config: the target's widths and rope unless `widths` override them.
 
         `widths` may set hidden_size, intermediate_size, num_attention_heads, num_key_value_heads,
-        head_dim, initializer_range (None values are ignored). A hidden size other than the target's
-        is allowed: `fc` then maps n_taps x target hidden -> drafter hidden, but the frozen
-        embedding and lm_head are the target's, so they must match the drafter's width.
+        head_dim, initializer_range, layer_types (a list or a preset name), sliding_window,
+        sliding_in_block, rope_theta, rope_scaling, partial_rotary_factor (None values are
+        ignored). A hidden size other than the target's is allowed: `fc` then maps n_taps x target
+        hidden -> drafter hidden, but the frozen embedding and lm_head are the target's, so they
+        must match the drafter's width.
+
+        Rope: the target's theta and (static) scaling, but rotary over the whole head
+        (partial_rotary_factor 1.0) unless `widths` says otherwise: the drafter's heads are its
+        own, SGLang rotates every head dim of a DFlash drafter whatever its config says, and the
+        published Qwen3.6 drafter rotates all of them too (docs/serving.md, "Rope").
         """
-        theta, scaling, factor = rope_settings(target_cfg)
+        theta, scaling, _ = rope_settings(target_cfg)
         hidden = int(target_cfg["hidden_size"])
         heads = int(target_cfg["num_attention_heads"])
         values = dict(
@@ -168,7 +246,7 @@ class DrafterConfig:
             rms_norm_eps=float(target_cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            partial_rotary_factor=factor,
+            partial_rotary_factor=1.0,
             max_position_embeddings=int(target_cfg.get("max_position_embeddings", 40960)),
             hidden_act=str(target_cfg.get("hidden_act", "silu")),
             initializer_range=float(target_cfg.get("initializer_range", 0.02)),
@@ -321,9 +399,11 @@ class DFlashDrafter(nn.Module):
     """`drafter(noise_embedding_BQD, target_hidden_BSF, position_ids_BP, attn_mask) -> hidden_BQD`.
 
     `position_ids_BP` holds the positions of the S context tokens, then of the Q block tokens.
-    `attn_mask` is a flex `BlockMask`, a dense bool [B, 1, Q, S+Q] (True = may attend), or None
-    (everything visible, as at inference). The output is the final-normed hidden state; logits
-    are the target's `lm_head` of it (`TargetHead.logits`).
+    `attn_mask` is {layer type: flex `BlockMask` or dense bool [B, 1, Q, S+Q] (True = may attend)}
+    (`train.attention.build_layer_masks`), a single such mask when every layer is full_attention,
+    or None: one block after all its context, as at inference (sliding layers still apply their
+    window and in-block causality, from the positions). The output is the final-normed hidden
+    state; logits are the target's `lm_head` of it (`TargetHead.logits`).
     """
 
     def __init__(self, cfg: DrafterConfig) -> None:
@@ -334,6 +414,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
+        self._mask_rules = cfg.mask_rules
+        self._one_mask_fits_all = all(rule == MaskRule() for rule in self._mask_rules.values())
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -362,9 +444,26 @@ class DFlashDrafter(nn.Module):
         compute_dtype = noise_embedding_BQD.dtype if autocast else self.fc.weight.dtype
         h_BQD = noise_embedding_BQD.to(self.fc.weight.dtype)
         cos_BPR, sin_BPR = self.rotary_emb(position_ids_BP, compute_dtype)
-        for layer in self.layers:
-            h_BQD = layer(h_BQD, context_BSD, cos_BPR, sin_BPR, attn_mask)
+        masks = self.layer_masks(attn_mask, position_ids_BP, S)
+        for layer, layer_type in zip(self.layers, self.config.layer_types):
+            h_BQD = layer(h_BQD, context_BSD, cos_BPR, sin_BPR, masks[layer_type])
         return self.norm(h_BQD)
+
+    def layer_masks(self, attn_mask, position_ids_BP: torch.Tensor, context_len: int) -> dict:
+        """{layer type: mask} from what `forward` was given.
+
+        A dict is taken as it is (`train.attention.build_layer_masks`; a missing type is a KeyError
+        in `forward`); None means one block after all of its context (inference), whose per-type
+        masks follow from the positions; a single mask is accepted only when every layer is a plain
+        full_attention layer, so that a mask built for one rule never reaches layers of another.
+        """
+        if isinstance(attn_mask, dict):
+            return attn_mask
+        if attn_mask is None:
+            q_pos_BQ = position_ids_BP[:, context_len:]
+            return {t: position_mask(q_pos_BQ, position_ids_BP, rule) for t, rule in self._mask_rules.items()}
+        assert self._one_mask_fits_all, f"layer types {list(self._mask_rules)} need one mask each (train.attention.build_layer_masks)"
+        return {t: attn_mask for t in self._mask_rules}
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

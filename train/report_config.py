@@ -10,6 +10,7 @@ The report lists the values it used, so a reader can tell what "far below" or "f
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from common.config import config_to_dict, describe, knob, load_config
@@ -55,7 +56,7 @@ class ReportConfig:
     max_fetch_frac: float = knob(0.1, help="alarm when the median share of step time spent waiting for data exceeds this", min=0.0, max=1.0)
     # --- comparing runs
     ablated: list[str] = knob(factory=list, help="config keys the compared runs are meant to differ in (dotted, shell-style wildcards allowed), e.g. ablated=loss.gamma,optim.lr")
-    config_ignore: list[str] = knob(factory=lambda: ["run_name", "out_dir", "resume", "stop_after", "log", "checkpoint"], help="config keys (or whole tables) that may differ between compared runs without an alarm: bookkeeping that does not change what is trained")
+    config_ignore: list[str] = knob(factory=lambda: ["run_name", "out_dir", "resume", "stop_after", "log", "checkpoint", "distributed"], help="config keys (or whole tables) that may differ between compared runs without an alarm: bookkeeping that does not change what is trained (distributed: how many GPUs and micro-steps compute the same steps)")
     # --- output
     out: str | None = knob(None, help="directory for report.md and the plots; default: the first run directory")
     plots: bool = knob(True, help="write PNG plots (false: report.md and the summary only)")
@@ -76,8 +77,9 @@ def parse_report_args(argv: list[str]) -> tuple[list[str], ReportConfig]:
     if any(word in ("-h", "--help") for word in argv):
         print("usage: python -m train.report RUN_DIR [RUN_DIR ...] [key=value ...]\n\nkeys:\n" + describe(ReportConfig))
         raise SystemExit(0)
-    runs = [word for word in argv if "=" not in word]
-    overrides = [_listify(word) for word in argv if "=" in word]
+    is_run = lambda word: "=" not in word or os.path.isdir(word)  # noqa: E731 - a run directory may hold '='
+    runs = [word for word in argv if is_run(word)]
+    overrides = [_listify(word) for word in argv if not is_run(word)]
     return runs, load_config(ReportConfig, None, overrides)
 
 

@@ -678,11 +678,12 @@ def offline_block_drafts(drafter: nn.Module, target: SpecTarget, ids_T: torch.Te
                          anchors: Sequence[int], *, chunk: int = 32) -> torch.Tensor:
     """Drafts [N, B-1] at each anchor, computed as offline evaluation does: teacher-forced features,
     many blocks in one forward under the training mask (context strictly before each anchor, own
-    block bidirectional, no other block)."""
-    from train.attention import build_dense_mask
+    block, no other block; each layer type with its own window and in-block causality)."""
+    from train.attention import MaskRule, build_layer_masks
 
     B = int(drafter.block_size)
     mask_id = int(drafter.mask_token_id)
+    rules = {t: MaskRule(window=w, causal=c) for t, (w, c) in drafter.attention_rules.items()}
     out = []
     for start in range(0, len(anchors), chunk):
         part = torch.tensor(list(anchors[start : start + chunk]), dtype=torch.long)
@@ -691,10 +692,10 @@ def offline_block_drafts(drafter: nn.Module, target: SpecTarget, ids_T: torch.Te
         block_ids_NQ = torch.full((N, B), mask_id, dtype=torch.long)
         block_ids_NQ[:, 0] = ids_T[part]
         positions = torch.cat((torch.arange(S), (part[:, None] + torch.arange(B)).reshape(-1)))[None]
-        mask = build_dense_mask(part[None], torch.ones(1, N, dtype=torch.bool), S, B)
+        masks = build_layer_masks("sdpa", part[None], torch.ones(1, N, dtype=torch.bool), S, B, rules)
         noise_1QD = F.embedding(block_ids_NQ.reshape(1, -1).to(target.device), target.embed_VD)
-        hidden_1QD = drafter(position_ids=positions.to(target.device), noise_embedding=noise_1QD,
-                             target_hidden=features_TF[None, :S], attention_mask=mask.to(target.device))
+        hidden_1QD = drafter(position_ids=positions.to(target.device), noise_embedding=noise_1QD, target_hidden=features_TF[None, :S],
+                             attention_mask={t: m.to(target.device) for t, m in masks.items()})
         hidden_NQD = hidden_1QD.view(N, B, -1)
         out.append(target.draft_logits(hidden_NQD[:, 1:]).argmax(-1).cpu())
     return torch.cat(out) if out else torch.zeros(0, B - 1, dtype=torch.long)

@@ -95,3 +95,54 @@ def test_invalid_toml_is_reported(tmp_path):
     p = write(tmp_path, "lr = = 1\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(Stage, p)
+
+
+@dataclass
+class Named:
+    run_name: str | None = knob(None, help="a name")
+    out_dir: str = knob("runs", help="a path")
+    seed: int = knob(0, help="a number")
+    paths: dict[str, str] = knob(factory=dict, help="named paths")
+    tags: list[str] = knob(factory=list, help="tags")
+
+
+@pytest.mark.parametrize("text", ["2024-06-01", "1e3", "true", "07:30:00", "[1, 2]", "{a = 1}", "inf", "x=y", "été 😀", "a b"])
+def test_a_string_key_takes_the_command_line_text_as_given(text):
+    """Issue 21: `run_name=2024-06-01` used to fail with "expected str, got datetime.date"."""
+    cfg = load_config(Named, None, [f"run_name={text}", f"out_dir={text}", f"paths.train={text}"])
+    assert cfg.run_name == cfg.out_dir == cfg.paths["train"] == text
+
+
+def test_quoted_strings_none_and_other_types_on_the_command_line():
+    cfg = load_config(Named, None, ['run_name="2024 06"', "out_dir='x'", "seed=5", 'tags=["a", "b"]'])
+    assert (cfg.run_name, cfg.out_dir, cfg.seed, cfg.tags) == ("2024 06", "x", 5, ["a", "b"])
+    assert load_config(Named, None, ["run_name=none"]).run_name is None  # an optional string: none is none
+    assert load_config(Named, None, ["out_dir=none"]).out_dir == "none"  # a plain string: the text
+    with pytest.raises(ConfigError, match="'seed': expected an integer, got 1000.0"):
+        load_config(Named, None, ["seed=1e3"])
+
+
+def test_values_from_a_cli_option_are_taken_exactly(tmp_path):
+    cfg = load_config(Named, None, ["out_dir=a"], values={"out_dir": '"quoted" \U0001f600', "paths.x": "none"})
+    assert cfg.out_dir == '"quoted" \U0001f600' and cfg.paths == {"x": "none"}
+
+
+def test_a_date_in_a_config_file_says_to_quote_it(tmp_path):
+    p = write(tmp_path, "run_name = 2024-06-01\n")
+    with pytest.raises(ConfigError, match=r"'run_name': expected str or none, got datetime.date\(2024, 6, 1\) \(TOML read a date or time: quote it"):
+        load_config(Named, p)
+
+
+def test_a_config_file_whose_name_holds_an_equals_sign(tmp_path):
+    p = tmp_path / "lr=high.toml"
+    p.write_text("lr = 0.5\n")
+    assert parse_cli(Stage, [str(p), "flag=false"]).lr == 0.5
+
+
+def test_run_name_message_says_what_is_accepted():
+    from train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="ASCII letters") as err:
+        load_config(TrainConfig, None, ["run_name=été"])
+    assert "'run_name'" in str(err.value)
+    assert load_config(TrainConfig, None, ["run_name=2024-06-01"]).run_name == "2024-06-01"

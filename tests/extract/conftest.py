@@ -120,3 +120,64 @@ def mixed_corpus(path, n_good: int = 24, seed: int = 0) -> tuple[str, dict]:
     lines.append(good[3])  # an exact duplicate
     expected = {reason: 1 for reason in bad}
     return write_lines(path, lines), expected
+
+
+# A chat template that renders tools the way Qwen3.6's does (written for these tests; the tiny
+# template of extract/tiny.py has no tool calls): contents trimmed, a <think> block in the turns
+# after the last user query, tool calls as <tool_call><function=NAME><parameter=KEY> blocks inside
+# the assistant turn, tool results as <tool_response> blocks inside one user turn, tools listed in
+# the system turn.
+QWEN_TOOL_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n# Tools\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- '\\n\\n' + messages[0]['content'] | trim -}}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif messages[0]['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] | trim + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] | trim -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if loop.index0 > ns.last_query -%}"
+    "{{- '<think>\\n' -}}{% generation %}{{- (message.get('reasoning_content') or '') | trim -}}{% endgeneration %}{{- '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{% generation %}{{- content -}}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- if loop.first and content -%}{{- '\\n\\n' -}}{%- elif not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n<function=' + call['function']['name'] + '>\\n' -}}"
+    "{%- for key, value in call['function']['arguments'] | items -%}"
+    "{{- '<parameter=' + key + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' -}}"
+    "{%- endfor -%}"
+    "{{- '</function>\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' -}}{% endgeneration %}{{- '\\n' -}}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def tool_chat_tokenizer():
+    """The project's chat tokenizer with the Qwen-style tool template (a fresh object: tests may change it)."""
+    from extract.tiny import build_chat_tokenizer
+
+    rng = random.Random(0)
+    tokenizer = build_chat_tokenizer([sentence(rng, 60) for _ in range(40)] + ["user\nassistant\nsystem\n"] * 5, 400)
+    tokenizer.chat_template = QWEN_TOOL_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer():
+    return tool_chat_tokenizer()

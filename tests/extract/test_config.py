@@ -38,7 +38,7 @@ def test_defaults():
         ("min_loss_tokens=5000", "'min_loss_tokens': 5000 exceeds max_len"),
         ("device=gpu", "'device': 'gpu' is not allowed"),
         ("attn_implementation=fast", "'attn_implementation': 'fast' is not allowed"),
-        ("splits={a=\"x.jsonl\"}", "'corpus': give exactly one of"),
+        ("splits={a=\"x.jsonl\"}", "also sets splits (a), each written to out_dir/NAME. To extract only this corpus into out_dir, also pass splits={}"),
         ("chat_template_kwargs={x=[1]}", "'chat_template_kwargs.x'"),
         ("hidden_encoding=raw", "'hidden_encoding': 'raw' is not allowed"),
         ("gil_switch_interval=0", "'gil_switch_interval'"),

@@ -18,13 +18,14 @@ import pytest
 
 from shards import ShardDataset, verify_dataset
 from tests.extract.conftest import chat_record, write_lines
+from tests.paths import child_pythonpath
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.slow
 
 
 def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=REPO)
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=child_pythonpath())
 
 
 def write_config(path, target, corpus, out_dir) -> str:

@@ -236,6 +236,15 @@ def test_build_tiny_target_writes_a_loadable_hf_directory(tmp_path, corpus):
         assert (tmp_path / "again" / name).read_bytes() == (tmp_path / name).read_bytes(), name
 
 
+def round_trip_length(tok, prompt: str, prompt_ids: list[int], answer: list[int]) -> int:
+    """The kept length of an answer to "Say it." as the regeneration decides it (`fitted_length`)."""
+    from extract.regenerate.conversation import Renderer, fitted_length
+
+    no_thinking = {"enable_thinking": False}
+    renderer = Renderer(tok, "disable", no_thinking, no_thinking)
+    return fitted_length(renderer, [{"role": "user", "content": "Say it."}], None, prompt, prompt_ids, answer)
+
+
 def test_an_answer_bpe_would_merge_is_cut_to_what_tokenizes_back(small_tokenizer):
     tok = small_tokenizer
     prompt = tiny.answer_prompt(tok, [{"role": "user", "content": "Say it."}])
@@ -243,8 +252,8 @@ def test_an_answer_bpe_would_merge_is_cut_to_what_tokenizes_back(small_tokenizer
     word = next(t for t, i in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]) if len(t) >= 4 and t.isalpha())
     pieces = [tok.convert_tokens_to_ids(c) for c in word]  # one token per letter: BPE would merge them
     whole = tok(prompt + "ok", add_special_tokens=False)["input_ids"][len(prompt_ids):]
-    assert tiny.round_trip_length(tok, prompt, prompt_ids, whole) == len(whole)
-    kept = tiny.round_trip_length(tok, prompt, prompt_ids, whole + pieces)
+    assert round_trip_length(tok, prompt, prompt_ids, whole) == len(whole)
+    kept = round_trip_length(tok, prompt, prompt_ids, whole + pieces)
     assert len(whole) <= kept < len(whole) + len(pieces)
     text = tok.decode((whole + pieces)[:kept], skip_special_tokens=False, clean_up_tokenization_spaces=False)
     assert tok(prompt + text, add_special_tokens=False)["input_ids"] == prompt_ids + (whole + pieces)[:kept]
@@ -333,7 +342,7 @@ def test_round_trip_keeps_the_longest_prefix_that_survives(small_tokenizer):
             continue
         answer = whole[:at] + chars + whole[at + 1:]
         longest = max((n for n in range(len(answer) + 1) if survives(answer, n)), default=0)
-        assert tiny.round_trip_length(tok, prompt, prompt_ids, answer) == longest, (text, at)
+        assert round_trip_length(tok, prompt, prompt_ids, answer) == longest, (text, at)
 
 
 def test_regenerated_answers_are_the_targets_greedy_decoding(tmp_path, corpus):

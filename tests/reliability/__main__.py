@@ -24,18 +24,20 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.reliability import bad_inputs, corruption, extract_kills, io_errors, security, train_kills
+from tests.reliability import bad_inputs, corruption, extract_kills, io_errors, security, thread_kills, train_kills
 from tests.reliability.outcome import Outcome
 from tests.reliability.report import update_report, write_report
 from tests.reliability.world import REPO, build_world
 
 FULL = {"extract_kills": 30, "train_kills": 22, "corruption_trials": 60, "record_examples": 1500, "config_examples": 500,
-        "path_examples": 500, "mode": "process"}
+        "path_examples": 500, "thread_kills": 5, "writer_pairs": 3, "mode": "process"}
 QUICK = {"extract_kills": 4, "train_kills": 3, "corruption_trials": 8, "record_examples": 100, "config_examples": 50,
-         "path_examples": 50, "mode": "fork"}
+         "path_examples": 50, "thread_kills": 1, "writer_pairs": 1, "mode": "fork"}
 
 
-SCENARIO_NAMES = {1: "Extraction kills", 2: "Training kills", 3: "Corruption", 4: "Full disk and I/O errors", 5: "Bad inputs", 6: "Security"}
+SCENARIO_NAMES = {1: "Extraction kills", 2: "Training kills", 3: "Corruption", 4: "Full disk and I/O errors", 5: "Bad inputs", 6: "Security",
+                  7: "Extraction kills, default threads"}
+ALL = sorted(SCENARIO_NAMES)
 
 
 def scenarios(sizes: dict, seed: int, world, work: Path) -> dict:
@@ -46,14 +48,15 @@ def scenarios(sizes: dict, seed: int, world, work: Path) -> dict:
         3: lambda: corruption.run(world, trials=sizes["corruption_trials"], seed=seed, work=work / "3"),
         4: lambda: io_errors.run(world, work=work / "4"),
         5: lambda: bad_inputs.run(world, record_examples=sizes["record_examples"], config_examples=sizes["config_examples"],
-                                  seed=seed, work=work / "5"),
+                                  seed=seed, work=work / "5", writer_pairs=sizes["writer_pairs"]),
         6: lambda: security.run(world, work=work / "6", examples=sizes["path_examples"]),
+        7: lambda: thread_kills.run(world, kills=sizes["thread_kills"], seed=seed, work=work / "7"),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.reliability", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="1,2,3,4,5,6", help="comma-separated scenario numbers (default: all)")
+    parser.add_argument("--only", default=",".join(map(str, ALL)), help="comma-separated scenario numbers (default: all)")
     parser.add_argument("--seed", type=int, default=7, help="seed of the kill moments, damaged bytes and generated inputs")
     parser.add_argument("--quick", action="store_true", help="small counts, forked processes")
     parser.add_argument("--out", default=None, help="report path (default docs/reliability.md when every scenario runs)")
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in outcome.failures[:20]:
             print(f"      - {line[:400]}", flush=True)
     seconds = time.time() - started
-    out = args.out or (str(REPO / "docs" / "reliability.md") if only == [1, 2, 3, 4, 5, 6] and not args.quick else None)
+    out = args.out or (str(REPO / "docs" / "reliability.md") if only == ALL and not args.quick else None)
     if args.update and not args.quick:
         out = args.out or str(REPO / "docs" / "reliability.md")
         update_report(Path(out), outcomes, command=command, date=date, seed=args.seed)

@@ -17,6 +17,9 @@ inside, never a silent pass.
   and one line naming the key or file.
 - Mismatched shards (another tokenizer, other taps, another hidden size or vocabulary, fewer
   top-k, an unfinished extraction): training and eval refuse them naming the manifest field.
+- Issue 21's families: corpus formats (ShareGPT, content parts), text encodings (BOM, UTF-16/32),
+  tool calls, control tokens planted in record text (`tests/reliability/corpus_inputs.py`), and
+  concurrent writers of one dataset or run (`tests/reliability/writers.py`).
 Figure: cases tried, cases with a clear answer.
 """
 
@@ -303,17 +306,21 @@ def toml_literal(value) -> str:
     return json.dumps(value)
 
 
-def config_cases(cls) -> list[tuple[str, str, str]]:
-    """(key, what is wrong, override word) for every key of `cls`."""
+def config_cases(cls) -> list[tuple[str, str, str, tuple]]:
+    """(key, what is wrong, override word, exact value) for every key of `cls`. A string key takes
+    any command-line text as given, so its wrong types exist only in a config file: those cases
+    carry the value itself (`exact`, set as a file would) instead of an override word."""
     cases = []
     for key, hint, meta in leaf_fields(cls):
+        text_key = _strip_optional(hint) is str
         for what, value in bad_values(hint, meta):
-            cases.append((key, what, f"{key}={toml_literal(value)}"))
+            exact = (key, value) if text_key and what == "type" else ()
+            cases.append((key, what, "" if exact else f"{key}={toml_literal(value)}", exact))
     return cases
 
 
 def fuzz_configs(world: World, tally: Tally, examples: int, seed: int | None, work: Path) -> None:
-    from common.config import ConfigError, parse_cli
+    from common.config import ConfigError, load_config, parse_cli
     from extract.config import ExtractConfig
     from train.config import TrainConfig
 
@@ -323,22 +330,25 @@ def fuzz_configs(world: World, tally: Tally, examples: int, seed: int | None, wo
     tables = {"extract": [""], "train": ["", "model.", "data.", "loss.", "optim.", "checkpoint.", "log."]}
     unknown = st.tuples(st.sampled_from(sorted(stages)), st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True))
 
-    def judge(stage, key, what, word):
+    def judge(stage, key, what, word, exact=()):
         cls, base = stages[stage]
         try:
-            parse_cli(cls, base + [word], section=stage)
+            if exact:
+                load_config(cls, base[0] if base else None, section=stage, values=dict([exact]))
+            else:
+                parse_cli(cls, base + [word], section=stage)
         except ConfigError as exc:
             ok = key in str(exc)
-            tally.add(f"config:{what}", ok, f"{stage} {word}: message does not name {key!r}: {exc}")
+            tally.add(f"config:{what}", ok, f"{stage} {word or exact}: message does not name {key!r}: {exc}")
             return
         except Exception as exc:  # noqa: BLE001
-            tally.add(f"config:{what}", False, f"{stage} {word}: {type(exc).__name__} instead of ConfigError: {exc}")
+            tally.add(f"config:{what}", False, f"{stage} {word or exact}: {type(exc).__name__} instead of ConfigError: {exc}")
             return
-        tally.add(f"config:{what}", False, f"{stage} {word}: accepted (silent pass)")
+        tally.add(f"config:{what}", False, f"{stage} {word or exact}: accepted (silent pass)")
 
     @hypothesis_settings(examples, seed)
     @given(st.one_of(st.sampled_from(cases), unknown.flatmap(
-        lambda su: st.sampled_from(tables[su[0]]).map(lambda t: (su[0], t + "zz_" + su[1], "unknown key", f"{t}zz_{su[1]}=1")))))
+        lambda su: st.sampled_from(tables[su[0]]).map(lambda t: (su[0], t + "zz_" + su[1], "unknown key", f"{t}zz_{su[1]}=1", ())))))
     def check(case):
         judge(*case)
 
@@ -459,7 +469,7 @@ def mismatched_shards(world: World, tally: Tally, work: Path) -> None:
         tally.add("shards:eval", ok, f"{change}: exit {code}: {line[:400] or err[-400:]}")
 
 
-def run(world: World, *, record_examples: int, config_examples: int, seed: int | None, work: Path) -> Outcome:
+def run(world: World, *, record_examples: int, config_examples: int, seed: int | None, work: Path, writer_pairs: int = 3) -> Outcome:
     outcome = Outcome(5, "Bad inputs")
     start = time.perf_counter()
     tally = Tally()
@@ -467,6 +477,10 @@ def run(world: World, *, record_examples: int, config_examples: int, seed: int |
     fuzz_records(world, tally, record_examples, seed, lines)
     random.Random(seed).shuffle(lines)
     fuzzed_corpus_runs(world, tally, lines[:300], work)
+    from tests.reliability import corpus_inputs, writers  # they build on this module's strategies
+
+    corpus_inputs.run_all(world, tally, examples=record_examples // 3, seed=seed, lines=lines, work=work)
+    writers_line = writers.concurrent_writers(world, tally, work, extraction_pairs=writer_pairs, training_pairs=max(1, writer_pairs - 1))
     fuzz_configs(world, tally, config_examples, seed, work)
     semantic_config_cases(world, tally, work)
     mismatched_shards(world, tally, work)
@@ -477,6 +491,8 @@ def run(world: World, *, record_examples: int, config_examples: int, seed: int |
         t, c = groups.get(group, (0, 0))
         groups[group] = (t + tried, c + clear)
     outcome.details.append("by family: " + ", ".join(f"{g} {c}/{t}" for g, (t, c) in sorted(groups.items())))
-    outcome.details.append("record kinds tried: " + ", ".join(f"{k.split(':', 1)[1]} {t}" for k, (t, c) in sorted(tally.kinds.items()) if k.startswith("record:")))
+    for family in ("record", "format", "encoding", "tool_call", "control_token", "writers"):
+        outcome.details.append(f"{family} kinds tried: " + ", ".join(f"{k.split(':', 1)[1]} {t}" for k, (t, c) in sorted(tally.kinds.items()) if k.startswith(f"{family}:")))
+    outcome.details.append(writers_line)
     outcome.seconds = time.perf_counter() - start
     return outcome.finish(f"{tally.tried} cases tried, {tally.clear} with a clear answer")

@@ -17,6 +17,7 @@ ISSUE_FIGURES = {
     4: "scenarios passed",
     5: "cases tried, cases with a clear answer",
     6: "checks passed",
+    7: "kills survived / N with what resume promises kept; samples lost, duplicated; values not bit-identical (observed)",
 }
 
 HOW = """\
@@ -26,8 +27,8 @@ All scenarios run on a tiny random Qwen3 target (4 layers, hidden 64, the projec
 built from a config by `tests/reliability/world.py`, and a 70-line chat corpus with one bad record of
 each kind; the extraction stores taps [0, 2], top-4, in 30 kB shards (2-3 samples each, so a run
 commits about 25 shards and every commit window comes up many times). Training runs a 1-layer
-drafter on that extraction. Everything is single-threaded, so results are bit-identical between
-processes.
+drafter on that extraction. Everything but scenario 7 is single-threaded, so results are
+bit-identical between processes.
 
 1. **Extraction kills.** `python -m extract` processes (`tests/reliability/child.py`, the real CLI
    with fault hooks installed from outside) are SIGKILLed either by a hook the n-th time they reach
@@ -64,11 +65,25 @@ processes.
    every wrong type / range / choice of every config key plus generated unknown keys, semantic
    config errors through the CLIs (layer ids beyond the model, missing paths, widths that do not
    fit), and shards that do not fit the drafter, through `train` and `train.eval`.
+   Issue 21 added: chats in ShareGPT form and with OpenAI content parts (the same sample as the
+   `messages` form, or the right reason), the fuzzed lines in UTF-8 with a BOM, UTF-16 and UTF-32
+   (read exactly like UTF-8), generated agent conversations with tool calls through a template
+   that renders tools like Qwen3.6's (the loss mask equals the one transformers derives from the
+   template's `{% generation %}` markers; malformed calls and a template without tool support get
+   their reasons), control-token text planted in any text of a record (the ids hold exactly the
+   template's control tokens, the mask still matches), and concurrent writers: two real extractions
+   into one out_dir at once with different batch settings, two trainings into one run directory,
+   and a lock held by a process that is then SIGKILLed.
 6. **Security.** An AST scan of common/, shards/, extract/, train/ for every load site; a
    checkpoint whose optimizer.pt is a code-running pickle (with a matching checksum); a shard whose
    schema carries a pickled Arrow extension type; targets and exported drafters that ship Python
    code; generated split and run names; what `extract`, `train`, `shards merge` and `export` write,
    by running them from an empty working directory.
+7. **Extraction kills, default threads.** As scenario 1 (kills at random moments) but the
+   children run with torch's default thread count. Judged is what resume promises (README, "What
+   resume guarantees" in shards/FORMAT.md): the same samples as an uninterrupted run with the same
+   threads, each once, with the same tokens, loss masks, counts and rejects. Whether the stored
+   values are bit-identical is observed and reported, not judged.
 
 ## Short versions in `make test`
 
@@ -78,7 +93,8 @@ merge windows; kills in a half-written checkpoint file, after a checkpoint renam
 of pruning; 5 damaged dataset files and 5 damaged checkpoint files plus the three `on_corrupt=skip`
 runs; ENOSPC in shard data and in a manifest update, in a checkpoint file and EIO in a checkpoint
 fsync; 80 generated records, one fuzzed corpus, every bad value of every config key, the semantic
-and mismatched-shard cases; every security check. The fixes the suite led to have their own
+and mismatched-shard cases, 30 generated cases of each issue-21 family, one pair of concurrent
+extractions and a crashed lock holder; every security check; one default-threads kill. The fixes the suite led to have their own
 regression tests next to the component (tests/shards/test_integrity.py,
 tests/extract/test_failures.py, tests/train/test_checkpoint_integrity.py,
 tests/train/test_remote_code.py).

@@ -70,20 +70,23 @@ def run_stage(
     mode: str = "fork",
     watch: Callable[[float], bool] | None = None,
     timeout: float = 300.0,
+    default_threads: bool = False,
 ) -> ChildResult:
     """Run `stage` ("extract" with `config`, or "train" with `train_args`) with `fault` in a child.
 
     `watch(elapsed_seconds)` is polled every few milliseconds while the child runs; when it returns
-    True the parent SIGKILLs the child (a kill at a random moment).
+    True the parent SIGKILLs the child (a kill at a random moment). `default_threads`: the child
+    runs with torch's own thread count instead of one (process mode only).
     """
     assert mode in MODES, mode
+    assert not default_threads or mode == "process", "a forked child keeps the parent's one thread"
     assert (stage == "extract") == (config is not None) and (stage == "train") == (train_args is not None)
     with tempfile.TemporaryDirectory(prefix="fault-") as tmp:
         log_path = Path(tmp) / "fault.jsonl"
         err_path = Path(tmp) / "stderr.txt"
         start = time.perf_counter()
         if mode == "process":
-            wait, kill = _start_process(stage, config, train_args, fault, log_path, err_path)
+            wait, kill = _start_process(stage, config, train_args, fault, log_path, err_path, default_threads)
         else:
             wait, kill = _start_fork(world, stage, config, train_args, fault, log_path, err_path)
         status, by_parent = _supervise(wait, kill, watch, timeout, start)
@@ -106,8 +109,8 @@ def _supervise(wait, kill, watch, timeout, start) -> tuple[int, bool]:
         time.sleep(0.003)
 
 
-def _start_process(stage, config, train_args, fault, log_path, err_path):
-    env = child_env()
+def _start_process(stage, config, train_args, fault, log_path, err_path, default_threads=False):
+    env = child_env(threads=None if default_threads else 1)
     env[faults.ENV_LOG] = str(log_path)
     if fault is not None:
         env[faults.ENV_FAULT] = fault.spec

@@ -311,7 +311,7 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
     @given(names)
     def run_names(name):
         try:
-            cfg = load_config(TrainConfig, None, [f"out_dir={work / 'runs-x'}", f"run_name={json.dumps(name)}"])
+            cfg = load_config(TrainConfig, None, [f"out_dir={work / 'runs-x'}"], values={"run_name": name})
         except ConfigError:
             return
         except Exception as exc:  # noqa: BLE001

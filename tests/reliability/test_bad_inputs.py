@@ -38,3 +38,46 @@ def test_the_judge_catches_a_silent_pass(world):
     assert bad_inputs.judge_record(builder, good, should_pass=True) == (True, "sample")
     ok, what = bad_inputs.judge_record(builder, good, should_pass=False)
     assert not ok and "silent pass" in what
+
+
+def test_formats_encodings_tool_calls_and_control_tokens_get_a_clear_answer(world, tmp_path):
+    from tests.reliability import corpus_inputs
+
+    tally, lines = bad_inputs.Tally(), []
+    bad_inputs.fuzz_records(world, tally, examples=40, seed=None, keep=lines)
+    corpus_inputs.run_all(world, tally, examples=30, seed=None, lines=lines, work=tmp_path)
+    assert not tally.failures, tally.failures[:10]
+    families = {kind.split(":")[0] for kind in tally.kinds}
+    assert {"format", "encoding", "tool_call", "control_token"} <= families
+
+
+def test_concurrent_writers_never_both_write(world, tmp_path):
+    from tests.reliability import writers
+
+    tally = bad_inputs.Tally()
+    line = writers.concurrent_writers(world, tally, tmp_path, extraction_pairs=1, training_pairs=0)
+    assert not tally.failures, tally.failures
+    assert tally.kinds.keys() == {"writers:two_extractions", "writers:crashed_holder"} and "1 extraction pairs" in line
+
+
+def test_the_tool_call_judge_catches_a_wrong_mask(world):
+    """The family can fail: a mask that also covers a tool result is reported."""
+    from extract import corpus as C
+    from tests.extract.conftest import tool_chat_tokenizer
+    from tests.reliability import corpus_inputs
+
+    builder = corpus_inputs.builder_for(tool_chat_tokenizer())
+    record = {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+                           {"role": "tool", "content": "result text"}, {"role": "assistant", "content": "done"}]}
+    assert corpus_inputs.judge_chat(builder, record, mask_reference=True) == (True, "sample")
+    real = C.loss_mask_from_spans
+
+    def also_tool_results(offsets, spans, ids, eot):
+        return real(offsets, spans + [(0, 10 ** 6)], ids, eot)
+
+    C.loss_mask_from_spans = also_tool_results
+    try:
+        ok, what = corpus_inputs.judge_chat(builder, record, mask_reference=True)
+    finally:
+        C.loss_mask_from_spans = real
+    assert not ok and "loss mask differs" in what

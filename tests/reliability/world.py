@@ -17,7 +17,7 @@ from pathlib import Path
 
 import tomli_w
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO, child_pythonpath
 
 # The extraction every scenario uses: 2 taps of a 4-layer target, top-4, small shards (2-3 samples
 # each) so that a run commits dozens of shards and every commit window is reached many times.
@@ -35,19 +35,26 @@ EXTRACT_SETTINGS = {
     "writer_threads": 1,
 }
 
-# A 1-layer drafter on the extracted shards: ~30 ms a step on one CPU thread.
+# A 1-layer drafter on the extracted shards: ~30 ms a step on one CPU thread. On the CPU also on a
+# GPU host: the scenarios compare resumed runs with the uninterrupted one bit for bit, a property
+# of the CPU kernels (CUDA reductions need not repeat to the bit between processes).
 TRAIN_SETTINGS = [
     "data.token_budget=512", "data.num_buckets=2", "data.holdout_fraction=0", "data.prefetch_threads=1",
     "data.prefetch_depth=2", "model.num_layers=1", "loss.num_anchors=8", "log.progress=false", "optim.lr=3e-3",
+    "device=cpu",
 ]
 
 
-def child_env() -> dict:
-    """Environment of every child process: one thread, offline, the repository importable."""
-    return dict(
-        os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-        TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
-    )
+def child_env(threads: int | None = 1) -> dict:
+    """Environment of every child process: one thread (None: torch's default), offline, the repository importable."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=child_pythonpath(), PYTHONUNBUFFERED="1")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if threads is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(threads)
+    return env
 
 
 def single_thread() -> None:

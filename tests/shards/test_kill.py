@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from shards import ShardDataset, verify_dataset
+from tests.paths import child_pythonpath
 from tests.shards.synth import assert_same, make_sample
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,7 +20,7 @@ N_SAMPLES = 3000  # far more than a child writes before it is killed
 
 
 def start_child(root: Path, n: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
     child = subprocess.Popen([sys.executable, "-m", "tests.shards.writer_child", str(root), str(n)],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = child.stdout.readline()

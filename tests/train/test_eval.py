@@ -1,4 +1,5 @@
-"""Offline evaluation (`train.eval`) on CPU with a tiny target, tiny synthetic shards and a real run.
+"""Offline evaluation (`train.eval`) with a tiny target, tiny synthetic shards and a real run: the
+block-level tests run on the CPU; the trainer run and the CLI tests use device=auto (CUDA on a GPU host).
 
 Proves: an oracle drafter (its predictions forced to equal the labels) gets τ = 16 and every block
 fully accepted, a drafter forced wrong gets τ = 1; the batched evaluation of a real tiny drafter
@@ -41,6 +42,7 @@ from train.eval import (
     label_baseline,
     label_frequency_topk,
 )
+from train.kernels import KernelPlan
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
 V, H, LAYERS, TAPS, TOPK = 64, 32, 4, [0, 2], 4
@@ -107,10 +109,10 @@ def eval_config(*overrides) -> EvalConfig:
     return load_config(EvalConfig, None, ["progress=false", "load_threads=1", *overrides])
 
 
-def random_drafter_model() -> EvalModel:
+def random_drafter_model(**layout) -> EvalModel:
     torch.manual_seed(1)
     cfg = DrafterConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=8, vocab_size=V, target_layer_ids=TAPS, num_target_layers=LAYERS, mask_token_id=MASK_ID)
+                        head_dim=8, vocab_size=V, target_layer_ids=TAPS, num_target_layers=LAYERS, mask_token_id=MASK_ID, **layout)
     drafter = DFlashDrafter(cfg).eval()
     # Larger weights than the init so the random drafter's top-k is peaked and varied, not near-uniform.
     with torch.no_grad():
@@ -118,7 +120,7 @@ def random_drafter_model() -> EvalModel:
             if p.ndim == 2:
                 p.normal_(0.0, 0.2)
     head = TargetHead(torch.randn(V, H), torch.randn(V, H) * 0.3)
-    return EvalModel(drafter, head, K, MASK_ID)
+    return EvalModel(drafter, head, K, MASK_ID, cfg.mask_rules)
 
 
 class PositionOracle(nn.Module):
@@ -149,7 +151,7 @@ def evaluate(models, tiny, cfg, boundaries=(), background=False):
     ds = ShardDataset(str(tiny / "shards"))
     data = select_eval_data(ds, str(tiny / "shards"), split="all", holdout_fraction=None, max_samples=cfg.max_samples)
     buckets, bucket_of_sample = bucket_table(list(boundaries), data.lengths)
-    runtime = Runtime(torch.device("cpu"), None, "sdpa", score_in_background=background)
+    runtime = Runtime(KernelPlan(torch.device("cpu"), None, "sdpa", False, "test"), score_in_background=background)
     table, scores = run_blocks(models, data, cfg, runtime, bucket_of_sample)
     return data, buckets, table, scores
 
@@ -266,6 +268,17 @@ def test_batched_evaluation_equals_a_one_block_at_a_time_loop(tiny):
         assert all(torch.equal(scores2[0].ddtree_tau[b], scores[0].ddtree_tau[b]) for b in (8, 16, 32, 64))
 
 
+@pytest.mark.parametrize("sliding_in_block", ["causal", "bidirectional"])
+def test_batched_evaluation_with_sliding_layers_equals_one_block_at_a_time(tiny, sliding_in_block):
+    """Offline evaluation of a sliding_then_full drafter (window 6, shorter than most contexts) runs many
+    blocks per forward under the per-type training masks; each block alone at inference agrees."""
+    model = random_drafter_model(layer_types="sliding_then_full", sliding_window=6, sliding_in_block=sliding_in_block)
+    data, _, table, scores = evaluate([model], tiny, eval_config("max_samples=4", "blocks_per_forward=9"))
+    rows = brute_force_blocks(model, data.dataset, range(data.n_samples), data.indices)
+    assert table.anchor_N.tolist() == [r["anchor"] for r in rows] and max(r["anchor"] for r in rows) > 6
+    assert torch.equal(scores[0].draft_ids_ND, torch.stack([r["draft"] for r in rows]))
+
+
 def test_most_frequent_label_baseline_on_the_same_blocks(tiny):
     data, buckets, table, _ = evaluate([random_drafter_model()], tiny, eval_config("max_samples=8"), boundaries=[25])
     labels = [int(y) for row, n in zip(table.target_ids_ND, table.valid_len_N) for y in row[: int(n)]]
@@ -314,7 +327,13 @@ def test_cli_on_a_trained_run_holdout_buckets_and_json(tiny, tmp_path, capsys):
     assert data["samples"] == held.size and data["manifest_digest"] == json_digest(ds.manifest)
     resolved = config_from_dict(EvalConfig, report["config"])  # the resolved config loads back
     assert resolved.data == str(tiny / "shards") and resolved.split == "holdout" and resolved.holdout_fraction == 0.25
-    assert resolved.out == str(out) and resolved.device == "cpu" and resolved.attention == "sdpa" and resolved.blocks_per_forward == 128
+    # device=auto: on a GPU host the CLI evaluates on CUDA (bf16, 512 blocks per forward), elsewhere on the CPU.
+    # The drafter's head_dim 8 is below what flex's CUDA kernel takes, so auto picks sdpa on both, saying why.
+    on_cuda = torch.cuda.is_available()
+    assert resolved.out == str(out) and resolved.device == ("cuda" if on_cuda else "cpu") and resolved.attention == "sdpa"
+    assert resolved.blocks_per_forward == (512 if on_cuda else 128)
+    assert report["kernels"]["attention"] == "sdpa" and ("head_dim >= 16" in report["kernels"]["reason"] if on_cuda else "on cpu" in report["kernels"]["reason"])
+    assert f"attention sdpa ({report['kernels']['reason']})" in table
     ckpt = report["checkpoints"][0]
     assert ckpt["path"] == str(run_dir / "checkpoints" / "step-00000002") and ckpt["step"] == 2
 
@@ -351,7 +370,12 @@ def test_two_checkpoints_side_by_side_with_ratios(tiny, tmp_path, capsys):
     report = json.loads(out.read_text())
     a, b = (c["overall"] for c in report["checkpoints"])
     assert a["n_blocks"] == b["n_blocks"] and a["position_count"] == b["position_count"]  # the same blocks
-    assert a["tau"] != b["tau"] or a["ddtree_tau_64"] != b["ddtree_tau_64"]
+    # Each column is its own checkpoint's evaluation: equal to evaluating that checkpoint alone. (Two
+    # training steps need not change tau: on CUDA in bf16 both checkpoints can accept the same tokens.)
+    for ckpt, overall in ((first, a), (second, b)):
+        alone = tmp_path / f"{ckpt.name}.json"
+        run_cli(capsys, ckpt, "--data", tiny / "shards", "--out", alone, "split=all", "max_samples=10")
+        assert json.loads(alone.read_text())["checkpoints"][0]["overall"] == overall
     ratio = report["ratio"]["overall"]
     assert ratio["tau"] == pytest.approx(b["tau"] / a["tau"])
     assert ratio["ddtree_tau_64"] == pytest.approx(b["ddtree_tau_64"] / a["ddtree_tau_64"])
@@ -387,3 +411,18 @@ def test_refuses_incompatible_shards_and_bad_requests(tiny, tmp_path, capsys):
     assert "neither a checkpoint directory" in capsys.readouterr().err
     assert main([str(run_dir), "--data", str(tiny / "shards"), "budgets=[]"]) == 2
     assert "budgets" in capsys.readouterr().err
+
+
+def test_cli_takes_any_path_the_filesystem_takes(tiny, tmp_path, capsys):
+    """Issue 21: --data DIR with a character outside Unicode's basic plane failed (the path went
+    through json.dumps into TOML, whose escapes cannot spell a surrogate pair)."""
+    import shutil
+
+    odd = tmp_path / 'a=b "quoted" \U0001f600 1e3'
+    shutil.copytree(tiny / "shards", odd / "shards")
+    shutil.copytree(tiny / "runs" / "r", odd / "run=2024-06-01")
+    out = odd / "out \U0001f600.json"
+    table, wrote = run_cli(capsys, odd / "run=2024-06-01", "--data", odd / "shards", f"--out={out}")
+    assert wrote == f"wrote {out}"
+    report = json.loads(out.read_text())
+    assert report["config"]["data"] == str(odd / "shards") and report["checkpoints"][0]["path"].startswith(str(odd / "run=2024-06-01"))

@@ -8,6 +8,7 @@ import ast
 import json
 import os
 import stat
+import sys
 
 import pytest
 import torch
@@ -59,6 +60,9 @@ CONFIGS = {
                               rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     "linear_rope_mha": dict(num_key_value_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "wide_target_features": dict(target_hidden_size=24, target_layer_ids=[0, 1, 3]),
+    # Per-layer attention types, with windows shorter than the test contexts (S = 11 below).
+    "sliding_then_full": dict(layer_types="sliding_then_full", sliding_window=5),
+    "sliding_bidirectional": dict(layer_types="sliding", sliding_window=3, sliding_in_block="bidirectional"),
 }
 
 
@@ -109,21 +113,23 @@ def test_exported_model_takes_the_training_mask_for_many_blocks(tmp_path):
     assert torch.isfinite(got).all()  # padding blocks (see nothing) give no NaN
 
 
-def test_context_cache_equals_recomputing_the_whole_context(tmp_path):
-    """Serving keeps the context K/V in a DynamicCache across rounds and crops the block entries away."""
+@pytest.mark.parametrize("layout", [{}, dict(num_hidden_layers=3, layer_types="sliding_then_full", sliding_window=5)], ids=["full", "sliding"])
+def test_context_cache_equals_recomputing_the_whole_context(tmp_path, layout):
+    """Serving keeps the context K/V in a DynamicCache across rounds and crops the block entries away
+    (cached keys sit at positions 0..cached-1, and a sliding window still applies to them)."""
     from transformers import DynamicCache
 
     from train.specdecode import crop_cache
 
-    cfg = tiny_config(block_size=4)
+    cfg = tiny_config(block_size=4, **layout)
     model = random_drafter(cfg, seed=2)
     export_drafter(model.state_dict(), cfg, tmp_path / "e", dtype="float32")
     exported = load_exported(tmp_path / "e", trust_remote_code=True)
-    features = torch.randn(1, 20, cfg.feature_width)
+    features = torch.randn(1, 24, cfg.feature_width)
     K = cfg.block_size
     cache = DynamicCache()
     cached = 0
-    for anchor in (6, 9, 15):  # three rounds; the context grows by what was verified
+    for anchor in (6, 9, 19):  # three rounds; the context grows by what was verified
         noise = torch.randn(1, K, cfg.hidden_size)
         with torch.no_grad():
             step = exported(position_ids=torch.arange(cached, anchor + K)[None], noise_embedding=noise,
@@ -131,8 +137,10 @@ def test_context_cache_equals_recomputing_the_whole_context(tmp_path):
             crop_cache(cache, anchor)
             cached = anchor
             full = exported(position_ids=torch.arange(anchor + K)[None], noise_embedding=noise, target_hidden=features[:, :anchor])
+            trained = model(noise, features[:, :anchor], torch.arange(anchor + K)[None])
         assert cache.get_seq_length() == anchor
         torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(step, trained, rtol=1e-5, atol=1e-6)
 
 
 def test_config_is_the_published_format(tmp_path):
@@ -145,12 +153,14 @@ def test_config_is_the_published_format(tmp_path):
     assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert config["model_type"] == "qwen3"
     assert (config["block_size"], config["num_target_layers"]) == (16, 8)
-    assert config["dflash_config"] == {"mask_token_id": 38, "target_layer_ids": [1, 3, 5], "block_size": 16}
+    assert config["dflash_config"] == {"mask_token_id": 38, "target_layer_ids": [1, 3, 5], "block_size": 16,
+                                       "causal": False, "layer_causal": [False, False], "use_swa": False}
     assert config["layer_types"] == ["full_attention"] * 2 and config["use_sliding_window"] is False
+    assert config["sliding_window"] is None and config["is_causal"] is False and config["is_neox_style"] is True
     assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (32, 48, 2)
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 8)
     assert config["rope_theta"] == 10000.0 and config["rope_scaling"] is None and config["partial_rotary_factor"] == 1.0
-    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
     assert (config["vocab_size"], config["dtype"], config["torch_dtype"], config["tie_word_embeddings"]) == (40, "bfloat16", "bfloat16", False)
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
     assert drafter_config_from_export(config) == cfg
@@ -203,7 +213,7 @@ def test_model_file_is_self_contained(tmp_path):
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, "relative import in dflash.py"
             roots.add(node.module.split(".")[0])
-    assert roots <= {"__future__", "torch", "transformers"}, roots
+    assert roots - set(sys.stdlib_module_names) <= {"torch", "transformers"}, roots
 
 
 def _write_run(tmp_path, cfg: DrafterConfig, model: DFlashDrafter, target: str | None = None):
@@ -267,3 +277,102 @@ def test_user_errors_name_the_problem(tmp_path, capsys):
     assert (busy / "notes.txt").read_text() == "mine"
     assert main([str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
     assert "neither a checkpoint directory" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-layer attention types in the export
+
+from train.attention import MaskRule, build_layer_masks  # noqa: E402
+
+MIXED = dict(num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=5)
+
+
+@pytest.mark.parametrize("sliding_in_block", ["causal", "bidirectional"])
+def test_many_block_training_masks_equal_one_block_at_a_time_in_the_export(tmp_path, sliding_in_block):
+    """Train/serve agreement: the per-type training masks over many blocks give, for every block,
+    what the exported model computes for that block alone at inference (no mask: positions decide),
+    with its context cut back to the anchor; contexts reach beyond the window."""
+    cfg = tiny_config(**MIXED, sliding_in_block=sliding_in_block)
+    model = random_drafter(cfg, seed=5)
+    export_drafter(model.state_dict(), cfg, tmp_path / "e", dtype="float32")
+    exported = load_exported(tmp_path / "e", trust_remote_code=True)
+    rules = {t: MaskRule(window=w, causal=c) for t, (w, c) in exported.attention_rules.items()}
+    assert rules == cfg.mask_rules
+    S, K = 14, cfg.block_size
+    anchors, keep = torch.tensor([[2, 9, 13]]), torch.tensor([[True, True, True]])
+    positions = torch.cat([torch.arange(S)[None], (anchors[:, :, None] + torch.arange(K)).view(1, -1)], 1)
+    masks = build_layer_masks("sdpa", anchors, keep, S, K, rules)
+    noise, hidden = torch.randn(1, 3 * K, cfg.hidden_size), torch.randn(1, S, cfg.feature_width)
+    with torch.no_grad():
+        many = exported(position_ids=positions, noise_embedding=noise, target_hidden=hidden, attention_mask=masks)
+        torch.testing.assert_close(many, model(noise, hidden, positions, masks), rtol=1e-6, atol=1e-6)
+        for n, a in enumerate(anchors[0].tolist()):
+            alone = exported(position_ids=torch.arange(a + K)[None], noise_embedding=noise[:, n * K:(n + 1) * K],
+                             target_hidden=hidden[:, :a])
+            torch.testing.assert_close(alone, many[:, n * K:(n + 1) * K], rtol=1e-5, atol=1e-6)
+    # The semantics matter: the same weights under the other in-block rule compute something else.
+    other = _with_rule(model, "bidirectional" if sliding_in_block == "causal" else "causal")
+    other_masks = build_layer_masks("sdpa", anchors, keep, S, K, other.config.mask_rules)
+    with torch.no_grad():
+        assert not torch.allclose(other(noise, hidden, positions, other_masks), many, atol=1e-3)
+
+
+def _with_rule(model: DFlashDrafter, sliding_in_block: str) -> DFlashDrafter:
+    """The same weights under another in-block rule (forward with attn_mask=None: one block, positions decide)."""
+    import dataclasses
+
+    other = DFlashDrafter(dataclasses.replace(model.config, sliding_in_block=sliding_in_block)).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def test_config_states_the_attention_semantics(tmp_path):
+    cfg = tiny_config(**MIXED)
+    config = export_config(cfg)
+    assert config["layer_types"] == MIXED["layer_types"] and config["sliding_window"] == 5
+    assert config["use_sliding_window"] is True and config["max_window_layers"] == 3
+    # Mixed causality is the engines' own default: no override, the per-layer result stated.
+    assert config["is_causal"] is None and config["dflash_config"]["causal"] is None
+    assert config["dflash_config"]["layer_causal"] == [True, True, False]
+    assert config["dflash_config"]["swa_window_size"] == 5 and config["dflash_config"]["use_swa"] is False
+    bidirectional = export_config(tiny_config(**MIXED, sliding_in_block="bidirectional"))
+    assert bidirectional["is_causal"] is False and bidirectional["dflash_config"]["causal"] is False
+    assert bidirectional["dflash_config"]["layer_causal"] == [False, False, False]
+    all_sliding = export_config(tiny_config(layer_types="sliding", sliding_window=7))
+    assert all_sliding["is_causal"] is True and all_sliding["dflash_config"]["causal"] is True
+    for c in (cfg, tiny_config(**MIXED, sliding_in_block="bidirectional"), tiny_config(layer_types="sliding", sliding_window=7)):
+        assert drafter_config_from_export(export_config(c)) == c
+
+
+def test_serving_warning_for_bidirectional_sliding_layers(tmp_path, capsys):
+    from train.export import serving_warnings
+
+    assert serving_warnings(tiny_config(**MIXED)) == []
+    assert serving_warnings(tiny_config()) == []
+    assert "SGLang" in serving_warnings(tiny_config(**MIXED, sliding_in_block="bidirectional"))[0]
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda c: c.update(is_causal=True), "full_attention layers \\[2\\] are causal"),
+    (lambda c: c["dflash_config"].update(layer_causal=[True, False, False]), "layer_causal"),
+    (lambda c: c["dflash_config"].update(swa_window_size=9), "disagree"),
+    (lambda c: c.update(sliding_window=None) or c["dflash_config"].pop("swa_window_size"), "need sliding_window"),
+    (lambda c: c.update(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "layer_types"),
+])
+def test_unreadable_attention_semantics_are_refused(edit, needle):
+    config = export_config(tiny_config(**MIXED))
+    edit(config)
+    with pytest.raises(ValueError, match=needle):
+        drafter_config_from_export(config)
+
+
+def test_a_published_style_config_reads_as_the_engines_read_it():
+    """z-lab's configs carry no causality keys and block_size at the top level: sliding layers are then causal."""
+    config = export_config(tiny_config(**MIXED))
+    for key in ("is_causal", "is_neox_style"):
+        config.pop(key)
+    config["dflash_config"] = {"mask_token_id": 39, "target_layer_ids": [0, 2]}
+    cfg = drafter_config_from_export(config)
+    assert cfg.layer_types == MIXED["layer_types"] and cfg.sliding_window == 5 and cfg.sliding_in_block == "causal"
+    config["is_causal"] = False  # as z-lab's DFlash2 configs write it
+    assert drafter_config_from_export(config).sliding_in_block == "bidirectional"

@@ -1,15 +1,22 @@
-"""The training loop end to end on CPU: a tiny target saved by transformers and tiny synthetic
-shards written with `shards.ShardWriter` (no trained model needed).
+"""The training loop end to end: a tiny target saved by transformers and tiny synthetic shards
+written with `shards.ShardWriter` (no trained model needed).
 
 Proves: every step is logged with exactly the contract's keys; N steps == K steps + stop + resume
-(new objects) to N, bit for bit; a planted NaN batch is skipped and logged, N in a row abort;
-resume and shard mismatches are refused by name; the run directory holds what the contract says.
+(new objects) to N, bit for bit (on the CPU); a planted NaN batch is skipped and logged, N in a row
+abort; resume and shard mismatches are refused by name; the run directory holds what the contract
+says; the kernel choice is logged once and saved, and an explicit kernel that cannot work is refused.
+
+Device: most tests use device=auto, so on a GPU host they run the CUDA path (bf16 autocast, and
+attention=auto must pick sdpa there: the tiny drafter's head_dim 8 is below what flex's CUDA kernel
+takes). Tests of properties that hold on one device only say so and pin device=cpu; the CUDA
+counterparts are in tests/gpu.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 
 import numpy as np
@@ -38,7 +45,8 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=raw, mask_token="<|MASK|>", unk_token="t0")
 
 
-def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_token_id=MASK_ID):
+def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_token_id=MASK_ID, nan_at=None):
+    """n tiny samples; `nan_at`: the index of one whose hidden states are all NaN (written unchecked)."""
     prov = {
         "target": {"name_or_path": str(target_dir), "num_layers": LAYERS, "hidden_size": H, "vocab_size": V},
         "tokenizer": {"hash": tokenizer_hash, "mask_token_id": mask_token_id},
@@ -46,12 +54,15 @@ def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_to
         "dtype": "bfloat16", "topk": TOPK,
     }
     rng = np.random.default_rng(seed)
-    with ShardWriter(str(root), provenance=prov, hidden_width=len(TAPS) * H, topk=TOPK, shard_bytes=1 << 15) as writer:
-        for _ in range(n):
+    with ShardWriter(str(root), provenance=prov, hidden_width=len(TAPS) * H, topk=TOPK, shard_bytes=1 << 15,
+                     reject_nonfinite=nan_at is None) as writer:
+        for index in range(n):
             T = int(rng.integers(12, 41))
             ids = rng.integers(0, V - 1, T).astype(np.int32)
             lm = (np.arange(T) >= T // 4).astype(np.uint8)
             hidden = (rng.normal(0, 1, (T, len(TAPS) * H)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            if index == nan_at:
+                hidden[:] = 0x7FC0  # bf16 NaN
             top1 = np.roll(ids, -1)  # a learnable "target": the next data token
             topk = np.stack([top1] + [rng.integers(0, V - 1, T) for _ in range(TOPK - 1)], 1).astype(np.int32)
             logprobs = -np.sort(rng.exponential(1.0, (T, TOPK)).astype(np.float32), 1)
@@ -59,21 +70,23 @@ def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_to
     return root
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def make_tiny(root, head_dim: int = 8):
+    """A tiny Qwen3 target (with tokenizer) under root/target and synthetic shards for it under root/shards."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    root = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+                      num_key_value_heads=2, head_dim=head_dim, tie_word_embeddings=False)
     Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
     _tokenizer().save_pretrained(root / "target")
-    from transformers import AutoTokenizer
-
     digest = tokenizer_digest(AutoTokenizer.from_pretrained(root / "target"))
     write_shards(root / "shards", root / "target", tokenizer_hash=digest)
     return root
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
 
 
 def config(tiny, tmp_path, *overrides) -> TrainConfig:
@@ -100,9 +113,10 @@ def test_lr_schedule():
     assert lr_at(1, 10, 0, 2.0) == 2.0
 
 
-def test_every_step_logged_with_the_contract_keys_and_run_files(tiny, tmp_path):
+def test_every_step_logged_with_the_contract_keys_and_run_files(tiny, tmp_path, caplog):
     cfg = config(tiny, tmp_path)
-    summary = train(cfg)
+    with caplog.at_level(logging.INFO, logger="train.kernels"):
+        summary = train(cfg)
     run = tmp_path / "runs" / "r"
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 7))
@@ -120,6 +134,10 @@ def test_every_step_logged_with_the_contract_keys_and_run_files(tiny, tmp_path):
     info = json.loads((run / "run.json").read_text())
     assert info["manifest_digest"] and info["git_sha"] and info["drafter_config"]["mask_token_id"] == MASK_ID
     assert info["mask_token_source"].startswith("shards provenance")
+    # The kernel choice: one log line with its reason, the same in run.json. head_dim 8 rules flex out on both devices.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:")]
+    assert len(lines) == 1 and info["kernels"]["attention"] == "sdpa" and info["kernels"]["reason"] in lines[0]
+    assert info["kernels"]["device"] == info["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2, 4, 6][-cfg.checkpoint.keep_last:]
     ckpt = load_checkpoint(run / "checkpoints" / "step-00000006")
     assert set(ckpt["model"]) >= {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"}
@@ -127,12 +145,14 @@ def test_every_step_logged_with_the_contract_keys_and_run_files(tiny, tmp_path):
 
 
 def test_resume_is_bit_identical(tiny, tmp_path):
-    full = config(tiny, tmp_path, "run_name=full")
+    # On the CPU: bit-identity is a property of the kernels (CUDA reductions with atomics may differ in
+    # the last bits between processes); tests/gpu/test_train_cuda.py checks resume on CUDA.
+    full = config(tiny, tmp_path, "run_name=full", "device=cpu")
     train(full)
-    split = config(tiny, tmp_path, "run_name=split", "stop_after=3")
+    split = config(tiny, tmp_path, "run_name=split", "stop_after=3", "device=cpu")
     train(split)
     assert len(losses(tmp_path / "runs" / "split")) == 3
-    train(config(tiny, tmp_path, "run_name=split"))  # new objects, resumes from step 3
+    train(config(tiny, tmp_path, "run_name=split", "device=cpu"))  # new objects, resumes from step 3
     a, b = losses(tmp_path / "runs" / "full"), losses(tmp_path / "runs" / "split")
     assert len(a) == 6 and a == b  # exact float equality
     assert a[0] != a[-1]
@@ -198,6 +218,14 @@ def test_nonfinite_steps_in_a_row_abort(tiny, tmp_path):
     assert [r["skipped"] for r in records] == [False, True, True, True]
 
 
+def test_an_explicit_flex_that_cannot_run_is_refused_before_training(tiny, tmp_path):
+    # On the CPU flex has no backward; on CUDA its kernel needs head_dim >= 16 and this drafter has 8.
+    with pytest.raises(ValueError, match="config key 'model.attention': flex cannot run here") as err:
+        train(config(tiny, tmp_path, "model.attention=flex"))
+    assert ("head_dim >= 16" if torch.cuda.is_available() else "no backward on CPU") in str(err.value)
+    assert not (tmp_path / "runs" / "r").exists()  # refused before anything was written
+
+
 def test_incompatible_shards_are_refused_by_field(tiny, tmp_path):
     with pytest.raises(ValueError, match="provenance.taps.layer_ids"):
         train(config(tiny, tmp_path, "model.target_layer_ids=[0,1]"))
@@ -242,7 +270,7 @@ def test_cli_entry_point(tiny, tmp_path, capsys):
 
 def test_bf16_autocast_path_runs_on_cpu(tiny, tmp_path):
     """The GPU precision path (bf16 autocast, fp32 master weights, bf16 head) exercised on CPU."""
-    summary = train(config(tiny, tmp_path, "precision=bf16", "optim.max_steps=2", "loss.max_blocks=8"))
+    summary = train(config(tiny, tmp_path, "device=cpu", "precision=bf16", "optim.max_steps=2", "loss.max_blocks=8"))
     records = read_metrics(tmp_path / "runs" / "r" / "metrics.jsonl")
     assert summary["steps"] == 2 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records)
     assert all(r["block_tokens"] <= 8 * 16 for r in records)
@@ -254,7 +282,8 @@ def test_drafter_learns_to_read_the_context(tmp_path):
     """Sequences with x[t+1] = x[t-1] + 1: block position 1 (token a+1) is predictable only from
     x[a-1], which the drafter sees only through the target features of position a-1 (the features
     of position t encode x[t]). Trained end to end, position 1 is learned; with the context
-    features zeroed it falls to chance. Proves the context really flows in, strictly before the anchor."""
+    features zeroed it falls to chance. Proves the context really flows in, strictly before the anchor.
+    On the CPU in fp32, where the thresholds were set (bf16 autocast on CUDA follows another trajectory)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from train.attention import build_dense_mask
@@ -285,7 +314,7 @@ def test_drafter_learns_to_read_the_context(tmp_path):
     cfg = load_config(TrainConfig, None, [
         f"out_dir={tmp_path / 'runs'}", "run_name=ctx", f"data.shards={tmp_path / 'shards'}", "data.token_budget=256",
         "data.num_buckets=2", "data.holdout_fraction=0", "model.num_layers=1", "loss.num_anchors=8", f"optim.max_steps={steps}",
-        "optim.lr=3e-3", f"checkpoint.every={steps}", "log.progress=false"])
+        "optim.lr=3e-3", f"checkpoint.every={steps}", "log.progress=false", "device=cpu"])
     train(cfg)
     ckpt = load_checkpoint(tmp_path / "runs" / "ctx" / "checkpoints" / f"step-{steps:08d}")
     model = DFlashDrafter(DrafterConfig.from_dict(ckpt["drafter_config"]))

@@ -70,7 +70,10 @@ def test_partial_rotary_matches_qwen3_5_for_the_27b_rope():
     hf_cfg = Qwen3_5TextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
                                rope_parameters=dict(QWEN36_TEXT["rope_parameters"]))
     positions = torch.tensor([[0, 1, 2, 3000, 70000]])
-    ref_cos, ref_sin = modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(hf_cfg)(torch.zeros(1, dtype=torch.float32), positions)
+    # Text-only M-RoPE: the three position streams (t, h, w) are equal. transformers 5.17 takes them only
+    # as [3, batch, T]; later versions also broadcast [batch, T]. Both get the same numbers from [3, batch, T].
+    streams = positions[None].expand(3, -1, -1)
+    ref_cos, ref_sin = modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(hf_cfg)(torch.zeros(1, dtype=torch.float32), streams)
     cos, sin = RotaryEmbedding(cfg)(positions, torch.float32)
     assert cos.shape[-1] == 64
     torch.testing.assert_close(cos, ref_cos)
@@ -196,7 +199,8 @@ def test_from_target_qwen36_widths_and_parameter_count():
     cfg = DrafterConfig.from_target(QWEN36_TEXT, [1, 16, 31, 46], mask_token_id=248319)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (5120, 17408, 5)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (24, 4, 256, 248320)
-    assert (cfg.rope_theta, cfg.partial_rotary_factor, cfg.rope_scaling, cfg.num_target_layers) == (1e7, 0.25, None, 64)
+    # The target's theta, but never its partial rotary factor (0.25): the drafter rotates its whole head.
+    assert (cfg.rope_theta, cfg.partial_rotary_factor, cfg.rope_scaling, cfg.num_target_layers) == (1e7, 1.0, None, 64)
     assert cfg.feature_width == 4 * 5120 and cfg.block_size == 16
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
@@ -233,26 +237,28 @@ def test_compiled_paths_trace_as_one_graph():
     (fullgraph) and match eager, forward and backward. aot_eager checks tracing without a C compiler."""
     import warnings
 
-    from train.attention import build_block_mask
+    from train.attention import build_layer_masks
     from train.loss import chunk_loss_and_grad
 
     torch.manual_seed(4)
-    model = DFlashDrafter(tiny_config(num_hidden_layers=1, partial_rotary_factor=0.5))
+    # The training step's real inputs: {layer type: mask} for a mixed layout (one sliding, one full layer).
+    cfg = tiny_config(num_hidden_layers=2, partial_rotary_factor=0.5, layer_types="sliding_then_full", sliding_window=3)
+    model = DFlashDrafter(cfg)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     B, S, K = 2, 10, 4
     anchors, keep = torch.tensor([[2, 5, 7], [1, 3, 0]]), torch.tensor([[True, True, True], [True, True, False]])
     positions = torch.cat([torch.arange(S).expand(B, S), (anchors[:, :, None] + torch.arange(K)).view(B, -1)], 1)
     noise, hidden = torch.randn(B, 3 * K, 32), torch.randn(B, S, 64)
-    mask = build_dense_mask(anchors, keep, S, K)
-    out, ref = compiled(noise, hidden, positions, mask), model(noise, hidden, positions, mask)
+    masks = build_layer_masks("sdpa", anchors, keep, S, K, cfg.mask_rules)
+    out, ref = compiled(noise, hidden, positions, masks), model(noise, hidden, positions, masks)
     torch.testing.assert_close(out, ref)
     (g_out,) = torch.autograd.grad(out.square().sum(), model.fc.weight)
     (g_ref,) = torch.autograd.grad(ref.square().sum(), model.fc.weight)
     torch.testing.assert_close(g_out, g_ref)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        block_mask = build_block_mask(anchors, keep, S, K)
-        torch.testing.assert_close(compiled(noise, hidden, positions, block_mask), model(noise, hidden, positions, block_mask))
+        block_masks = build_layer_masks("flex", anchors, keep, S, K, cfg.mask_rules)
+        torch.testing.assert_close(compiled(noise, hidden, positions, block_masks), model(noise, hidden, positions, block_masks))
     chunk = torch.compile(chunk_loss_and_grad, backend="aot_eager", dynamic=True, fullgraph=True)
     for rows in (5, 7):
         args = (torch.randn(rows, 40), torch.randint(0, 40, (rows,)), torch.rand(rows), torch.randint(0, 40, (rows, 3)),

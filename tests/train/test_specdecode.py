@@ -230,15 +230,17 @@ def test_partial_acceptance_tau_and_summary():
 # A drafter with real acceptance: trained for a few seconds on the target's greedy text
 
 
-def train_drafter(target: SpecTarget, prompts: list[list[int]], new_tokens: int, steps: int) -> DFlashDrafter:
+def train_drafter(target: SpecTarget, prompts: list[list[int]], new_tokens: int, steps: int, config: DrafterConfig | None = None,
+                  features_of=lambda features_TF: features_TF) -> DFlashDrafter:
     """The training recipe in miniature (train.blocks anchors/labels, the training mask, weighted CE on
-    the target's greedy top-1) on the target's own greedy continuations of `prompts`."""
+    the target's greedy top-1) on the target's own greedy continuations of `prompts`; `features_of`
+    maps the target's tap features to what the drafter (of `config`) reads."""
     rows = []
     for prompt in prompts:
         gen = greedy_generate(target, prompt, new_tokens)
         ids = torch.tensor(prompt + gen.tokens)
         greedy, features = target.teacher_forced(ids[None])
-        rows.append((ids, greedy, features.float(), len(prompt)))
+        rows.append((ids, greedy, features_of(features.float()), len(prompt)))
     S = max(len(r[0]) for r in rows)
     input_ids = torch.zeros(len(rows), S, dtype=torch.long)
     loss_mask = torch.zeros(len(rows), S, dtype=torch.bool)
@@ -250,7 +252,7 @@ def train_drafter(target: SpecTarget, prompts: list[list[int]], new_tokens: int,
         input_ids[i, :n], topk[i, :n, 0], hidden[i, :n] = ids, greedy, features
         loss_mask[i, prompt_len:n] = True
     torch.manual_seed(0)
-    drafter = DFlashDrafter(drafter_config())
+    drafter = DFlashDrafter(config or drafter_config())
     embed = target.embed_VD.float()
     head = target.target.lm_head.weight.float()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
@@ -454,7 +456,8 @@ def test_prompts_are_first_user_turns_with_the_generation_prompt(tmp_path):
     assert len(prompts_from_jsonl(path, tokenizer, limit=1)) == 1
 
 
-def test_cli_end_to_end(tmp_path, capsys):
+def cli_inputs(tmp_path, n_prompts: int = 3):
+    """A saved tiny target with a tokenizer, an exported random drafter and a prompts file, as the CLI takes them."""
     from transformers import GenerationConfig
 
     tokenizer = word_tokenizer()
@@ -464,7 +467,12 @@ def test_cli_end_to_end(tmp_path, capsys):
     tokenizer.save_pretrained(tmp_path / "target")
     export_drafter(DFlashDrafter(drafter_config()).state_dict(), drafter_config(), tmp_path / "drafter")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"}]}) + "\n" for i in range(3)))
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"}]}) + "\n" for i in range(n_prompts)))
+    return prompts
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    prompts = cli_inputs(tmp_path)
     out = tmp_path / "result.json"
     code = main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
                  "--max-new-tokens", "24", "--num-prompts", "2", "--out", str(out), "--agreement", "--threads", "1"])
@@ -572,3 +580,68 @@ def test_ddtree_refuses_hybrid_targets(tmp_path):
     proposer = DFlashProposer(exported(tmp_path, DFlashDrafter(drafter_config())), target)
     with pytest.raises(ValueError, match="hybrid"):
         ddtree_generate(target, proposer, [1, 2, 3], 10, budget=8)
+
+
+# ----------------------------------------------------------------------------------------------
+# z-lab's quick start on our export: `drafter.spec_generate(...)` of the exported dflash.py
+
+
+def quick_start(drafter_dir, target_model, prompt: list[int], max_new_tokens: int, stop_token_ids, **sampling):
+    """z-lab's README snippet, from `AutoModel.from_pretrained` on (no device_map: CPU)."""
+    from transformers import AutoModel
+
+    draft = AutoModel.from_pretrained(str(drafter_dir), trust_remote_code=True, dtype="auto").eval()
+    input_ids = torch.tensor([prompt]).to(draft.device)
+    output = draft.spec_generate(input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=sampling.pop("temperature", 0.0),
+                                 target=target_model, stop_token_ids=stop_token_ids, **sampling)
+    assert output.shape[0] == 1 and output[0, : len(prompt)].tolist() == prompt
+    return output[0, len(prompt):].tolist(), draft
+
+
+def test_quick_start_on_our_export_is_target_greedy_decoding(trained):
+    target, drafter, prompts = trained
+    drafter_dir = drafter.name_or_path
+    taus = []
+    for prompt in prompts:
+        base = greedy_generate(target, prompt, 60)
+        tokens, draft = quick_start(drafter_dir, target.model, prompt, 60, stop_token_ids=None)
+        assert type(draft).__module__.endswith("dflash")  # the export's own dflash.py ran
+        assert tokens == base.tokens
+        assert sum(draft.last_acceptance_lengths) == len(tokens) - 1  # the first token is the prefill's
+        taus += draft.last_acceptance_lengths
+    assert max(taus) > 4 and min(taus) == 1, taus  # whole blocks, partial blocks and rejections were all exercised
+    # transformers' own greedy generate agrees, stop token included (cut right after its first occurrence).
+    prompt = prompts[0]
+    stop = greedy_generate(target, prompt, 60).tokens[20]
+    reference = target.model.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False, eos_token_id=stop,
+                                      pad_token_id=stop)[0, len(prompt):].tolist()
+    tokens, _ = quick_start(drafter_dir, target.model, prompt, 60, stop_token_ids=[stop])
+    assert tokens == reference and tokens[-1] == stop and stop not in tokens[:-1]
+
+
+def test_quick_start_with_sliding_layers_and_a_hybrid_target(tmp_path):
+    """The published Qwen3.6 layout (sliding layers, a window shorter than the context) on a Gated
+    DeltaNet target whose cache cannot be cut back: still the target's greedy tokens."""
+    torch.manual_seed(3)
+    cfg = drafter_config(num_hidden_layers=3, layer_types="sliding_then_full", sliding_window=8)
+    export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp_path / "d", dtype="float32")
+    for model in (tiny_qwen3(), tiny_qwen35()):
+        target = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[])
+        proposer = DFlashProposer(load_exported(tmp_path / "d"), target)  # train.specdecode's own loop too
+        for prompt in random_prompts(2, lengths=(23, 9), seed=4):
+            base = greedy_generate(target, prompt, 40)
+            tokens, draft = quick_start(tmp_path / "d", model, prompt, 40, stop_token_ids=[])
+            assert tokens == base.tokens == speculative_generate(target, proposer, prompt, 40).tokens
+            assert draft.layer_attention == [(8, True), (8, True), (None, False)]
+
+
+def test_quick_start_sampling_with_top_k_one_is_greedy(trained):
+    """Temperature > 0 goes through rejection sampling; with top_k = 1 both distributions are one-hot,
+    so it must reproduce greedy decoding exactly (and use the sampling code to do it)."""
+    target, drafter, prompts = trained
+    base = greedy_generate(target, prompts[1], 40)
+    torch.manual_seed(0)
+    tokens, draft = quick_start(drafter.name_or_path, target.model, prompts[1], 40, stop_token_ids=None, temperature=0.7, top_k=1)
+    assert tokens == base.tokens and max(draft.last_acceptance_lengths) > 1
+    with pytest.raises(ValueError, match="temperature"):
+        quick_start(drafter.name_or_path, target.model, prompts[1], 4, stop_token_ids=None, temperature=-1.0)

@@ -1,0 +1,225 @@
+"""`python -m extract.regenerate.bench` (`make bench-regenerate ARGS=...`): regeneration throughput.
+
+    server  the real `python -m extract.regenerate` run with backend=server against `transformers
+            serve` (started here on localhost, CPU, or `--url` of a running endpoint), once per number
+            of requests in flight: requests/s and generated tokens/s (a warm-up run first).
+            python -m extract.regenerate.bench server --target artifacts/tiny/target \\
+                --corpus artifacts/tiny/corpus/heldout.jsonl --in-flight 1,2,4,8
+    local   `extract.regenerate.local.generate_batch` on a random-weight target of the exact
+            Qwen3.6-27B text shape (built on the GPU in bf16, nothing downloaded; `extract.bench`
+            builds it), once per batch size: generated tokens/s (prefill included, and decode alone),
+            peak GPU memory. Every row generates exactly --new-tokens (no stop token).
+            python -m extract.regenerate.bench local --batch-sizes 16,64,128,256 --out local.json
+            python -m extract.regenerate.bench local --shape tiny --device cpu     # CPU smoke run
+
+Not a test: numbers depend on the machine. Prints a table and, with --out, JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m extract.regenerate.bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="mode", required=True)
+    s = sub.add_parser("server", help="backend=server against transformers serve")
+    s.add_argument("--target", default="artifacts/tiny/target", help="checkpoint directory served and used for the tokenizer")
+    s.add_argument("--corpus", default="artifacts/tiny/corpus/heldout.jsonl", help="prompts to answer")
+    s.add_argument("--records", type=int, default=48, help="records per measurement")
+    s.add_argument("--in-flight", default="1,2,4,8", help="requests in flight, comma-separated")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--url", default=None, help="an endpoint already running (default: start transformers serve here)")
+    s.add_argument("--serve-args", default="", help="extra `transformers serve` arguments, e.g. '--continuous-batching'")
+    s.add_argument("--out", default=None)
+    g = sub.add_parser("local", help="backend=local on a random-weight target")
+    g.add_argument("--shape", choices=["qwen3.6-27b", "tiny"], default="qwen3.6-27b")
+    g.add_argument("--batch-sizes", default="16,64,128,256", help="comma-separated; the sweep stops at the first out-of-memory")
+    g.add_argument("--prompt-len", type=int, default=256)
+    g.add_argument("--new-tokens", type=int, default=256)
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.mode == "server":
+        args.in_flight = [int(x) for x in args.in_flight.split(",")]
+    else:
+        args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    return args
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    info = {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+# ----------------------------------------------------------------------------------------------
+# server
+
+
+def start_serve(target: str, extra: str) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    cli = shutil.which("transformers", path=os.path.dirname(sys.executable)) or shutil.which("transformers")
+    if cli is None:
+        raise SystemExit("bench: the `transformers` command is not installed (pip install 'transformers[serving]')")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Spinning OpenMP threads starve the client (and everything else) on a small shared CPU machine.
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+    process = subprocess.Popen([cli, "serve", target, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *extra.split()],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 300
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"bench: transformers serve exited with {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return process, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise SystemExit("bench: transformers serve did not start in 300 s") from None
+            time.sleep(0.5)
+
+
+def run_server(args) -> dict:
+    from common.config import load_config
+    from extract.regenerate import run as R
+    from extract.regenerate.config import RegenerateConfig
+
+    process, url = (None, args.url) if args.url else start_serve(args.target, args.serve_args)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            def measure(in_flight: int, records: int, name: str) -> dict:
+                words = [f"target={args.target}", f"corpus={args.corpus}", f"out={os.path.join(work, name)}", "backend=server",
+                         f"urls={json.dumps([url])}", f"max_new_tokens={args.max_new_tokens}", f"max_in_flight={in_flight}",
+                         f"max_records={records}", "progress=false"]
+                summary = R.run(load_config(RegenerateConfig, None, words))
+                if summary.get("stopped"):
+                    raise SystemExit(f"bench: the run stopped: {summary['stopped']}")
+                counts = summary["counts"]
+                seconds = summary["seconds"]
+                requests = summary["requests"] - 1  # the first request of a run checks the endpoint
+                return {"in_flight": in_flight, "records": counts["stored"] + counts["rejected"], "requests": requests,
+                        "answer_tokens": counts["answer_tokens"], "seconds": seconds, "requests_per_s": requests / seconds,
+                        "tokens_per_s": counts["answer_tokens"] / seconds, "answers_at_cap": counts["answers_at_cap"]}
+
+            measure(2, min(4, args.records), "warmup")
+            for in_flight in args.in_flight:
+                rows.append(measure(in_flight, args.records, f"run-{in_flight}"))
+                print(format_server_row(rows[-1]), flush=True)
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
+    return {"mode": "server", "url": args.url or "transformers serve (started here, CPU)", "serve_args": args.serve_args,
+            "target": args.target, "corpus": args.corpus, "max_new_tokens": args.max_new_tokens, "rows": rows, "machine": machine()}
+
+
+def format_server_row(row: dict) -> str:
+    return (f"in flight {row['in_flight']:>3}: {row['requests']:>4} requests, {row['answer_tokens']:>6} tokens in {row['seconds']:6.1f} s = "
+            f"{row['requests_per_s']:6.2f} requests/s, {row['tokens_per_s']:7.1f} tok/s")
+
+
+# ----------------------------------------------------------------------------------------------
+# local
+
+
+def run_local(args) -> dict:
+    import torch
+
+    from extract.bench import QWEN36_27B_TEXT, TINY_TEXT, build_random_target, kernel_report
+    from extract.regenerate.local import generate_batch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    started = time.perf_counter()
+    target, n_params = build_random_target(QWEN36_27B_TEXT if args.shape == "qwen3.6-27b" else TINY_TEXT, device, dtype)
+    model = target.model
+    build_seconds = time.perf_counter() - started
+    vocab = target.vocab_size
+    generator = torch.Generator().manual_seed(args.seed)
+
+    def prompts(batch: int) -> list[list[int]]:
+        return torch.randint(0, vocab, (batch, args.prompt_len), generator=generator).tolist()
+
+    def timed(batch_prompts, new_tokens: int) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        out = generate_batch(model, batch_prompts, new_tokens, set(), 0)
+        sync(device)
+        assert all(len(tokens) == new_tokens for tokens, _ in out)
+        return time.perf_counter() - t0
+
+    timed(prompts(2), 4)  # warm-up: kernels for these shapes (Triton autotuning with fla)
+    rows = []
+    for batch in args.batch_sizes:
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        batch_prompts = prompts(batch)
+        try:
+            prefill = timed(batch_prompts, 1)
+            total = timed(batch_prompts, args.new_tokens)
+        except torch.OutOfMemoryError:
+            rows.append({"batch": batch, "oom": True})
+            print(f"batch {batch:>4}: out of memory; the sweep stops here", flush=True)
+            break
+        generated = batch * args.new_tokens
+        row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seconds": total,
+               "prefill_seconds": prefill, "generated_tokens_per_s": generated / total,
+               "decode_tokens_per_s": batch * (args.new_tokens - 1) / max(total - prefill, 1e-9),
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None}
+        rows.append(row)
+        print(format_local_row(row), flush=True)
+    best = max((r for r in rows if not r.get("oom")), key=lambda r: r["generated_tokens_per_s"], default=None)
+    return {"mode": "local", "shape": args.shape, "device": device, "dtype": str(dtype), "parameters": n_params,
+            "build_seconds": build_seconds, "rows": rows, "best": best, "kernels": kernel_report(), "machine": machine()}
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def format_local_row(row: dict) -> str:
+    peak = f", peak {row['peak_gib']:.1f} GiB" if row.get("peak_gib") is not None else ""
+    return (f"batch {row['batch']:>4}: {row['batch'] * row['new_tokens']:>7} tokens in {row['seconds']:7.1f} s = "
+            f"{row['generated_tokens_per_s']:8.1f} generated tok/s (prefill {row['prefill_seconds']:.1f} s; decode alone "
+            f"{row['decode_tokens_per_s']:8.1f} tok/s){peak}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    report = run_server(args) if args.mode == "server" else run_local(args)
+    if report["mode"] == "local" and report["best"] is not None:
+        best = report["best"]
+        print(f"best: batch {best['batch']}: {best['generated_tokens_per_s']:,.0f} generated tok/s "
+              f"({report['parameters'] / 1e9:.2f} B parameters, {report['device']}, {report['dtype']}; fla {report['kernels']})")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""The `local` backend: batched generation in this process with transformers, a KV cache, greedy or
+sampled; under `torchrun` each rank answers its share of the records (position % world size).
+
+`generate_batch` decodes left-padded prompts together: position ids count each row's real tokens
+and padding is masked out, so every row decodes as it would alone (tests hold it to transformers'
+`generate`, one prompt at a time). Rows that finish are dropped from the batch (and its cache) once
+a quarter of the batch has finished. Sampling draws each row from its own generator, seeded from
+(seed, record id, turn), so an answer does not depend on which records share its batch, and a
+rerun after a kill samples the same answer.
+
+`answer_window` answers a window of conversations turn by turn: all first answers (batched by
+prompt length), then all second answers, and so on. The tiny build (`extract.tiny`) regenerates
+its corpus through this same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from extract.regenerate.conversation import Conversation, Generated
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 = greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def answer_seed(seed: int, record_id: str, turn: int) -> int:
+    """The seed of one answer: a function of the run's seed, the record and the turn only."""
+    return xxhash.xxh3_64_intdigest(f"{seed}:{record_id}:{turn}".encode()) & ((1 << 63) - 1)
+
+
+def answer_stop_ids(model, tokenizer) -> set[int]:
+    """Ids that end an answer: the generation config's EOS ids and the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def pad_token_id(tokenizer) -> int:
+    return next((int(i) for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding
+
+
+def generate_answers(
+    model, prompts: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set[int], pad_id: int,
+    sampling: Sampling = Sampling(), seeds: Sequence[int] | None = None, on_batch: Callable[[int], None] | None = None,
+    stop_repeat: int = 0,
+) -> list[tuple[list[int], str]]:
+    """(tokens before the first stop token, how the answer ended: see `generate_batch`) per prompt,
+    at most `max_new_tokens` generated; prompts batched by length (less padding), results in input order."""
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    results: list[tuple[list[int], str]] = [([], "cap")] * len(prompts)
+    for at in range(0, len(order), batch_size):
+        batch = order[at : at + batch_size]
+        batch_seeds = None if seeds is None else [seeds[i] for i in batch]
+        for i, answer in zip(batch, generate_batch(model, [prompts[i] for i in batch], max_new_tokens, stop_ids, pad_id, sampling, batch_seeds,
+                                                   stop_repeat)):
+            results[i] = answer
+        if on_batch is not None:
+            on_batch(len(batch))
+    return results
+
+
+def generate_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int,
+    sampling: Sampling = Sampling(), seeds: Sequence[int] | None = None, stop_repeat: int = 0,
+) -> list[tuple[list[int], str]]:
+    """Decoding of left-padded prompts with a KV cache (see the module docstring). Each answer ends
+    before its first stop token ("stop"), where it starts looping if `stop_repeat` > 0 ("repeat":
+    `common.repeat.RepeatWatch`; the looping tokens that show it are kept), or after
+    `max_new_tokens` tokens ("cap")."""
+    import torch
+
+    from common.repeat import RepeatWatch
+
+    device = model.get_input_embeddings().weight.device
+    rows, width = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    # transformers renamed `past_key_values` to `cache` (5.2x); pass whichever this version takes.
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    generators = None if sampling.greedy else row_generators(seeds if seeds is not None else range(rows), device)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    ends: list[str | None] = [None] * rows
+    alive = list(range(rows))  # batch row -> prompt index
+    watch = RepeatWatch(rows, max_new_tokens, stop_repeat) if stop_repeat else None
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        last = positions[:, -1:]
+        for step in range(max_new_tokens):
+            cache, logits = cache_of(out), out.logits[:, -1]
+            next_ids = logits.argmax(-1) if generators is None else sample_rows(logits, sampling, [generators[row] for row in alive])
+            next_list = next_ids.tolist()
+            looping = watch.push(next_list) if watch else [False] * len(alive)
+            for row, token, loops in zip(alive, next_list, looping):
+                if ends[row] is not None:
+                    continue
+                if token in stop_ids:
+                    ends[row] = "stop"
+                else:
+                    tokens[row].append(token)
+                    if loops:
+                        ends[row] = "repeat"
+            running = [n for n, row in enumerate(alive) if ends[row] is None]
+            if not running or step == max_new_tokens - 1:
+                break
+            if 4 * (len(alive) - len(running)) >= len(alive):
+                keep = torch.tensor(running, device=device)
+                select_cache_rows(cache, keep)
+                mask, last, next_ids = mask[keep], last[keep], next_ids[keep]
+                if watch:
+                    watch.keep_rows(running)
+                alive = [alive[n] for n in running]
+            mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
+            last = last + 1
+            out = model(input_ids=next_ids[:, None], attention_mask=mask, position_ids=last, use_cache=True, **{cache_kwarg: cache})
+    return [(t, end or "cap") for t, end in zip(tokens, ends)]
+
+
+def cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def select_cache_rows(cache, keep: "torch.Tensor") -> None:
+    """Keep only the rows `keep` of a KV cache. Linear-attention layers (Qwen3.5/3.6 Gated DeltaNet:
+    conv and recurrent states) have no `batch_select_indices` in transformers 5.x; their
+    `reorder_cache` selects rows the same way."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or all(hasattr(layer, "batch_select_indices") for layer in layers):
+        cache.batch_select_indices(keep)
+        return
+    for layer in layers:
+        select = getattr(layer, "batch_select_indices", None) or layer.reorder_cache
+        select(keep)
+
+
+def row_generators(seeds, device) -> list["torch.Generator"]:
+    import torch
+
+    return [torch.Generator(device=device).manual_seed(int(seed)) for seed in seeds]
+
+
+def sample_rows(logits_RV: "torch.Tensor", sampling: Sampling, generators: list) -> "torch.Tensor":
+    """One token per row from softmax(logits / temperature), cut to top-k and top-p, each row drawing
+    from its own generator (Gumbel-max: argmax of log-probabilities plus Gumbel noise)."""
+    import torch
+
+    scores_RV = logits_RV.float() / sampling.temperature
+    if sampling.top_k:
+        kth_R1 = torch.topk(scores_RV, min(sampling.top_k, scores_RV.shape[-1]), dim=-1).values[:, -1:]
+        scores_RV = scores_RV.masked_fill(scores_RV < kth_R1, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_RV, order_RV = scores_RV.sort(dim=-1, descending=True)
+        before_RV = sorted_RV.softmax(-1).cumsum(-1) - sorted_RV.softmax(-1)  # mass of the tokens ranked above
+        drop_RV = before_RV >= sampling.top_p  # the top token is always kept
+        scores_RV = scores_RV.scatter(-1, order_RV, sorted_RV.masked_fill(drop_RV, float("-inf")))
+    uniform_RV = torch.stack([torch.rand(scores_RV.shape[-1], generator=g, device=scores_RV.device) for g in generators])
+    gumbel_RV = -torch.log(-torch.log(uniform_RV.clamp(min=1e-20, max=1 - 1e-7)))
+    return (scores_RV.log_softmax(-1) + gumbel_RV).argmax(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversations
+
+
+@dataclasses.dataclass
+class LocalGenerator:
+    """A loaded model and how it answers: what `answer_window` needs."""
+
+    model: object
+    tokenizer: object
+    max_new_tokens: int
+    batch_size: int
+    sampling: Sampling = Sampling()
+    seed: int = 0
+    stop_ids: set[int] | None = None
+    stop_repeat: int = 0  # > 0: cut answers where they start looping (`generate_batch`)
+
+    def __post_init__(self):
+        if self.stop_ids is None:
+            self.stop_ids = answer_stop_ids(self.model, self.tokenizer)
+        self.pad_id = pad_token_id(self.tokenizer)
+
+
+def answer_window(conversations: list[Conversation], generator: LocalGenerator, on_batch: Callable[[int], None] | None = None) -> None:
+    """Answer every conversation, turn by turn (all answers of one depth batched together)."""
+    while True:
+        todo = [c for c in conversations if c.wants_turn()]
+        if not todo:
+            return
+        prompts = [c.prompt()[1] for c in todo]
+        seeds = None if generator.sampling.greedy else [answer_seed(generator.seed, c.record_id, c.stats["answers"]) for c in todo]
+        answers = generate_answers(generator.model, prompts, generator.max_new_tokens, generator.batch_size, generator.stop_ids,
+                                   generator.pad_id, generator.sampling, seeds, on_batch, generator.stop_repeat)
+        for conversation, (ids, end) in zip(todo, answers):
+            conversation.finish_turn(Generated(ids=ids, at_cap=end == "cap", at_repeat=end == "repeat"))

@@ -1,0 +1,298 @@
+"""Exactly once, whatever happens: the journal of finished records and the atomic commit.
+
+Layout of `out/` (docs/regenerate.md):
+
+    data.jsonl            the regenerated corpus, records in input order   } written at the end,
+    rejects.jsonl         one line per rejected record, with the reason    } each atomically;
+    regenerate.json       provenance, settings, counts (written last)      } regenerate.json last
+    summary.json          this run's counts and throughput (also when incomplete)
+    journal.rankNNN.jsonl finished records, appended as they finish (removed after the commit)
+
+Each rank appends one JSON line per finished record (stored or rejected) to its own journal,
+flushed at once (a killed process loses nothing it wrote) and fsynced at most every
+`fsync_every_s` seconds and at the end (a power loss loses at most that much). The first line is
+a header with the settings that decide the corpus; a run with other settings is refused. Records
+are keyed by a stable id (`conversation.record_id`), so a rerun reads every journal, skips what
+is done, and finishes the rest; a torn last line (a kill in the middle of a write) is cut off
+before appending. Records that failed (a server that stayed down through every retry) are not
+finished: a rerun tries them again.
+
+The commit (rank 0, after every rank finished) reads all journals, keeps one entry per id, checks
+that every record of the corpus has one, and writes data.jsonl, rejects.jsonl and then
+regenerate.json by temporary file + fsync + rename; then removes the journals. A kill at any point
+leaves either the journals (a rerun commits again) or the finished output (a rerun says so).
+
+One writer at a time: each rank holds `common.locks.exclusive_lock` on `.rankNNN.lock` for its
+whole run (the commit included), released by the OS if the process dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+
+from common.io import atomic_write_json, commit, remove_temp_files, temp_name, resolve
+from common.locks import Lock, exclusive_lock
+
+log = logging.getLogger(__name__)
+
+DATA_FILE = "data.jsonl"
+REJECTS_FILE = "rejects.jsonl"
+PROVENANCE_FILE = "regenerate.json"
+SUMMARY_FILE = "summary.json"
+JOURNAL_VERSION = 1
+
+
+def journal_name(rank: int) -> str:
+    return f"journal.rank{rank:03d}.jsonl"
+
+
+def lock_rank(out: str, rank: int) -> Lock:
+    return exclusive_lock(
+        os.path.join(out, f".rank{rank:03d}.lock"), what=f"the regenerated corpus {out} (rank {rank})",
+        hint="Wait for it to finish, or stop it; a killed run leaves nothing locked.",
+    )
+
+
+def journal_files(out: str) -> list[str]:
+    return sorted(f for f in os.listdir(out) if f.startswith("journal.rank") and f.endswith(".jsonl")) if os.path.isdir(out) else []
+
+
+@dataclasses.dataclass
+class JournalScan:
+    """What one pass over a journal found: its header, the byte length of its complete lines, the
+    finished records (id -> `Finished`, without the stored records), and its run lines."""
+
+    header: dict | None = None
+    complete_bytes: int = 0
+    finished: dict = dataclasses.field(default_factory=dict)
+    runs: list = dataclasses.field(default_factory=list)
+    duplicates: int = 0
+
+
+@dataclasses.dataclass
+class Finished:
+    position: int
+    status: str  # ok | rejected
+    file: str
+    offset: int  # of the journal line
+    length: int
+    stats: dict
+    reason: str | None = None
+
+
+def scan_journal(path: str) -> JournalScan:
+    """One streaming pass over a journal (a line at a time: a corpus of a million records is never
+    held in memory). An incomplete last line (a kill mid-write) is not read; a broken line before it
+    is an error naming the file and line."""
+    scan = JournalScan()
+    with open(path, "rb") as f:
+        offset = 0
+        for n, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break  # torn by a kill: not part of the journal
+            try:
+                item = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{path}:{n}: not a journal line ({err}); the journal is damaged: move it away to start this rank afresh") from None
+            if n == 1:
+                if not isinstance(item, dict) or item.get("journal") != JOURNAL_VERSION:
+                    raise ValueError(f"{path}: the first line is not a version-{JOURNAL_VERSION} journal header")
+                scan.header = item
+            elif item.get("status") in ("ok", "rejected"):
+                if item["id"] in scan.finished:
+                    scan.duplicates += 1
+                else:
+                    scan.finished[item["id"]] = Finished(item["position"], item["status"], path, offset, len(line), item.get("stats", {}), item.get("reason"))
+            elif item.get("status") == "run":
+                scan.runs.append(item)
+            offset += len(line)
+        scan.complete_bytes = offset
+    return scan
+
+
+def scan_all(out: str) -> dict[str, JournalScan]:
+    return {name: scan_journal(os.path.join(out, name)) for name in journal_files(out)}
+
+
+class Journal:
+    """This rank's append-only journal (see the module docstring)."""
+
+    def __init__(self, out: str, rank: int, header: dict, fsync_every_s: float):
+        self.path = os.path.join(out, journal_name(rank))
+        self.fsync_every_s = fsync_every_s
+        self.torn_bytes = 0
+        for name, scan in scan_all(out).items():  # every rank's: a resume may change the world size
+            problems = header_problems(scan.header, header)
+            if problems and scan.finished:
+                raise ValueError(f"{out}: cannot resume: " + "; ".join(problems) + f" ({name}). Use the same settings, or another out directory.")
+        if os.path.exists(self.path):
+            scan = scan_journal(self.path)
+            size, complete = os.path.getsize(self.path), scan.complete_bytes
+            if header_problems(scan.header, header):  # nothing finished under those settings: start afresh with these
+                complete = 0
+            self.torn_bytes = size - complete
+            if self.torn_bytes:
+                log.warning("%s: discarding %d bytes of a line torn by a kill", self.path, self.torn_bytes)
+                os.truncate(self.path, complete)
+        self.file = open(self.path, "ab")
+        if self.file.tell() == 0:
+            self.file.write((json.dumps({"journal": JOURNAL_VERSION, **header}, sort_keys=True) + "\n").encode())
+            self.sync()
+        self.last_sync = time.monotonic()
+
+    def append(self, entry: dict) -> None:
+        self.file.write((json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8"))
+        self.file.flush()
+        if time.monotonic() - self.last_sync >= self.fsync_every_s:
+            self.sync()
+
+    def sync(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.last_sync = time.monotonic()
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.sync()
+            self.file.close()
+
+
+def header_problems(stored: dict | None, fresh: dict) -> list[str]:
+    """What differs between a journal's settings and this run's, in words."""
+    if stored is None:
+        return []
+    problems = []
+    for part in ("settings", "target", "corpus"):
+        old, new = stored.get(part, {}), fresh.get(part, {})
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                problems.append(f"{part} {key} is {old.get(key)!r} in the journal but {new.get(key)!r} now")
+    return problems
+
+
+def finished_records(out: str) -> tuple[dict[str, Finished], int]:
+    """Every finished record in every journal of `out` (the first entry of an id wins), and how many
+    entries repeated an id (none under the lock)."""
+    finished: dict[str, Finished] = {}
+    duplicates = 0
+    for scan in scan_all(out).values():
+        duplicates += scan.duplicates
+        for record_id, entry in scan.finished.items():
+            if record_id in finished:
+                duplicates += 1
+            else:
+                finished[record_id] = entry
+    return finished, duplicates
+
+
+def done_ids(out: str) -> set[str]:
+    return set(finished_records(out)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Commit
+
+
+def is_complete(out: str) -> dict | None:
+    """The provenance of a committed corpus in `out`, or None."""
+    path = os.path.join(out, PROVENANCE_FILE)
+    if not os.path.exists(path) or not os.path.exists(os.path.join(out, DATA_FILE)):
+        return None
+    with open(path, encoding="utf-8") as f:
+        provenance = json.load(f)
+    return provenance if provenance.get("complete") else None
+
+
+def commit_corpus(out: str, expected_records: int, provenance: dict) -> dict:
+    """Write data.jsonl, rejects.jsonl and regenerate.json from the journals (atomically, the
+    provenance last) and remove the journals. Returns the counts. ValueError if records are missing."""
+    finished, duplicates = finished_records(out)
+    if len(finished) != expected_records:
+        raise ValueError(f"{out}: {len(finished)} of {expected_records} records are finished; rerun to finish the rest")
+    entries = sorted(finished.values(), key=lambda e: e.position)
+    counts = count_entries(entries)
+    counts["journal_duplicates"] = duplicates
+    fs, _ = resolve(out)
+    remove_temp_files(fs, out)
+    data_tmp, rejects_tmp = temp_name(os.path.join(out, DATA_FILE)), temp_name(os.path.join(out, REJECTS_FILE))
+    journals: dict[str, object] = {}
+    try:
+        with open(data_tmp, "w", encoding="utf-8") as data, open(rejects_tmp, "w", encoding="utf-8") as rejects:
+            for entry in entries:
+                journal = journals.get(entry.file) or journals.setdefault(entry.file, open(entry.file, "rb"))
+                journal.seek(entry.offset)
+                item = json.loads(journal.read(entry.length))
+                if entry.status == "ok":
+                    data.write(json.dumps(item["record"], ensure_ascii=False) + "\n")
+                else:
+                    rejects.write(json.dumps({k: item[k] for k in ("position", "source", "reason", "detail", "id")}, ensure_ascii=False) + "\n")
+    finally:
+        for journal in journals.values():
+            journal.close()
+    commit(fs, data_tmp, os.path.join(out, DATA_FILE))
+    commit(fs, rejects_tmp, os.path.join(out, REJECTS_FILE))
+    atomic_write_json(os.path.join(out, PROVENANCE_FILE), {**provenance, "counts": counts, "complete": True})
+    for name in journal_files(out):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, name))
+    return counts
+
+
+def count_entries(entries: list[Finished]) -> dict:
+    """Records stored and rejected (by reason), answers, tokens, answers at the cap or cut."""
+    counts = {"records": len(entries), "stored": 0, "rejected": 0, "rejected_by_reason": {}, "answers": 0, "answer_tokens": 0,
+              "prompt_tokens": 0, "answers_at_cap": 0, "answers_cut": 0, "records_cut_at_tool_turn": 0}
+    for entry in entries:
+        stats = entry.stats
+        if entry.status == "ok":
+            counts["stored"] += 1
+            counts["answers"] += stats.get("answers", 0)
+            counts["answer_tokens"] += stats.get("answer_tokens", 0)
+            counts["prompt_tokens"] += stats.get("prompt_tokens", 0)
+            counts["answers_at_cap"] += stats.get("at_cap", 0)
+            counts["answers_cut"] += stats.get("cut", 0)
+            counts["records_cut_at_tool_turn"] += stats.get("turns_cut", 0)
+        else:
+            counts["rejected"] += 1
+            by_reason = counts["rejected_by_reason"]
+            by_reason[entry.reason] = by_reason.get(entry.reason, 0) + 1
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a regenerated corpus back (extraction)
+
+
+def regeneration_of(corpus_path: str) -> tuple[str, dict] | None:
+    """(data file, provenance) when `corpus_path` is a regeneration's output directory or its
+    data file, else None. ValueError for an output directory whose regeneration is unfinished."""
+    if os.path.isdir(corpus_path):
+        directory, named = corpus_path, None
+    elif os.path.isfile(corpus_path):
+        directory, named = os.path.dirname(os.path.abspath(corpus_path)), os.path.basename(corpus_path)
+    else:
+        return None
+    provenance_path = os.path.join(directory, PROVENANCE_FILE)
+    if not os.path.isfile(provenance_path):
+        if named is None and journal_files(directory):
+            raise ValueError(f"corpus: '{corpus_path}' is a regeneration that has not finished (journals, no {PROVENANCE_FILE}); "
+                             "rerun its `python -m extract.regenerate` command to finish it")
+        return None
+    with open(provenance_path, encoding="utf-8") as f:
+        provenance = json.load(f)
+    data_file = provenance.get("data_file", DATA_FILE)
+    if named is not None and named != data_file:
+        return None  # another file that happens to sit next to a regeneration
+    if not provenance.get("complete"):
+        raise ValueError(f"corpus: '{corpus_path}': {provenance_path} says the regeneration is not complete")
+    return os.path.join(directory, data_file), provenance
+
+
+def provenance_for_manifest(provenance: dict) -> dict:
+    """The part of regenerate.json an extraction manifest carries (everything but the bulky config copy)."""
+    return {k: v for k, v in provenance.items() if k not in ("config", "journal_header")}

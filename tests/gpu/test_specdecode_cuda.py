@@ -1,0 +1,74 @@
+"""On CUDA: speculative decoding (`train.specdecode`) is lossless: its output is token for token the
+target-only greedy decoding, with the DFlash drafter and with stub proposers that accept everything,
+up to a position, or nothing (so whole, partial and empty acceptances all occur).
+
+As in the CPU suite, the API tests run the target in float64, so the 16-token verification and the
+one-token greedy steps cannot flip an argmax by rounding: on a plain Qwen3 target (cache cropped)
+and on a hybrid Qwen3.5 target (cache snapshots; float64 takes the torch Gated DeltaNet, as fla has
+no float64 kernels). The command line runs in float32 on CUDA, as a user runs it, and must report
+`lossless: True` (its own check against target-only greedy decoding).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.gpu import GPU
+from tests.train.test_specdecode import (
+    LAYER_IDS,
+    BrokenAtProposer,
+    OracleProposer,
+    WrongProposer,
+    check_round_bookkeeping,
+    cli_inputs,
+    drafter_config,
+    random_prompts,
+    tiny_qwen3,
+    tiny_qwen35,
+)
+from train.export import export_drafter, load_exported
+from train.model import DFlashDrafter
+from train.specdecode import DFlashProposer, SpecTarget, greedy_generate, main, speculative_generate
+
+pytestmark = GPU
+
+
+def cuda_drafter(tmp_path, **overrides):
+    cfg = drafter_config(**overrides)
+    torch.manual_seed(0)
+    export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp_path / "drafter", dtype="float32")
+    return load_exported(tmp_path / "drafter", dtype=torch.float64, device="cuda")
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["qwen3", "qwen3.5-hybrid"])
+def test_speculative_decoding_on_cuda_equals_greedy(tmp_path, hybrid):
+    model = (tiny_qwen35() if hybrid else tiny_qwen3()).cuda()
+    target = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[])
+    assert target.device.type == "cuda"
+    proposer = DFlashProposer(cuda_drafter(tmp_path, partial_rotary_factor=0.25 if hybrid else 1.0), target)
+    accepted = 0
+    for prompt in random_prompts(3, lengths=(9, 4, 23), seed=7):
+        base = greedy_generate(target, prompt, 40)
+        sequence = prompt + base.tokens
+        for stub in (proposer, OracleProposer(sequence), BrokenAtProposer(sequence, 6), WrongProposer(sequence)):
+            spec = speculative_generate(target, stub, prompt, 40)
+            assert spec.tokens == base.tokens, (type(stub).__name__, prompt)
+            check_round_bookkeeping(spec)
+            accepted += sum(r.accepted for r in spec.rounds)
+    assert accepted > 0
+    assert target.cache_mode == ("snapshot" if hybrid else "crop")
+
+
+def test_the_specdecode_cli_is_lossless_on_cuda(tmp_path, capsys):
+    prompts = cli_inputs(tmp_path, n_prompts=4)
+    out = tmp_path / "result.json"
+    code = main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+                 "--max-new-tokens", "32", "--num-prompts", "4", "--out", str(out), "--device", "cuda"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "lossless: True" in printed.out
+    result = json.loads(out.read_text())
+    assert result["summary"]["lossless"] and result["summary"]["prompts"] == 4 and result["config"]["device"] == "cuda"

@@ -1,0 +1,261 @@
+"""`make tiers` / `python -m train.choose_tier [CONFIG] [key=value ...]`: choose a storage tier for
+your own model by measuring what each one costs, side by side with lossless.
+
+Steps, each the project's own command (rerunning the command resumes: finished steps are skipped):
+  1. (optional, `extract=true`) extract a small lossless subset of your corpus
+         python -m extract CONFIG out_dir=OUT/data/lossless max_records=N      (CONFIG's [extract] table)
+  2. derive every tier from it, without the target
+         python -m shards transcode OUT/data/lossless OUT/data/TIER encoding=... [projection=...]
+  3. train a drafter on each tier (and on lossless) for every seed
+         python -m train CONFIG data.shards=OUT/data/TIER run_name=TIER-sSEED seed=SEED out_dir=OUT/runs
+  4. evaluate each tier's drafter against lossless's of the same seed, side by side, on the lossless
+     held-out data (what the drafter meets when it serves: full bf16 features)
+         python -m train.eval OUT/runs/lossless-sSEED OUT/runs/TIER-sSEED --data HELDOUT
+  5. (optional, `online=true`) export each drafter and decode speculatively with the real target
+         python -m train.export RUN RUN/export ; python -m train.specdecode --target T --drafter RUN/export ...
+and writes OUT/tiers.md and OUT/tiers.json: one row per tier (lossless first) with bytes/token and
+the ratio to raw bf16 of the full features, reconstruction error per tap (recorded at encode time),
+held-out acc@1 (block position 1), chain τ, DDTree-B τ and online τ, each as the mean over seeds
+with the per-seed values, and the change against lossless.
+
+Tiers are written `ENCODING` or `ENCODING@PROJECTION`, e.g. `fp8`, `nf4-g64`, `fp8@pca:rank=32`.
+With no CONFIG the tiny default runs (configs/tiny.toml; `make tiny` and `make extract` first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common.config import knob, parse_cli
+
+TINY_CONFIG = "configs/tiny.toml"
+
+
+@dataclasses.dataclass
+class ChooseTierConfig:
+    config: str = knob(TINY_CONFIG, help="the experiment's config file: its [extract] table (step 1) and [train] table (step 3)")
+    out_dir: str = knob("runs/tiers", help="where tier datasets (data/), runs (runs/) and the comparison (tiers.md, tiers.json) go")
+    tiers: list[str] = knob(
+        factory=lambda: ["fp8", "nf4-g64", "fp8@pca:rank=32"],
+        help="tiers to compare with lossless: ENCODING or ENCODING@pca:rank=R / @pca:variance=V / @PROJECTION_FILE",
+    )
+    seeds: list[int] = knob(factory=lambda: [0, 1], help="training seeds per tier (the spread shows the noise)")
+    lossless: str = knob("artifacts/tiny/shards/train", help="the lossless training subset (written by step 1 with extract=true)")
+    heldout: str | None = knob(
+        "artifacts/tiny/shards/heldout", help="lossless held-out dataset every drafter is evaluated on; none = the held-out split "
+        "(holdout_fraction) of `lossless`, which the training runs then leave out"
+    )
+    holdout_fraction: float = knob(0.02, help="with heldout = none: share of `lossless` held out (by sample-id hash) for evaluation", min=0.0, max=0.5)
+    extract: bool = knob(False, help="step 1: extract `lossless` first with CONFIG's [extract] table and max_records")
+    max_records: int = knob(2000, help="step 1: corpus records to extract", min=1)
+    calibration_samples: int = knob(256, help="samples the PCA of a projected tier is fitted on", min=1)
+    train_overrides: list[str] = knob(factory=list, help="extra key=value overrides for every training run, e.g. ['optim.epochs=3']")
+    eval_overrides: list[str] = knob(factory=lambda: ["max_anchors=16"], help="extra key=value overrides for every evaluation")
+    online: bool = knob(True, help="step 5: export and run real speculative decoding (needs the target checkpoint)")
+    target: str | None = knob(None, help="target checkpoint for step 5; none = the lossless dataset's provenance target")
+    prompts: str = knob("artifacts/tiny/corpus/heldout_regen.jsonl", help="step 5: JSONL prompts ({'messages': [...]})")
+    num_prompts: int = knob(8, help="step 5: prompts decoded per drafter", min=1)
+    max_new_tokens: int = knob(96, help="step 5: tokens generated per prompt", min=1)
+    budget: int = knob(32, help="the DDTree node budget reported (one of the eval budgets)", min=1)
+
+
+def _run(args: list[str], log: list) -> None:
+    """Run one step's command; stop with its exit status if it fails."""
+    print(f"\n=== python {' '.join(args)}", flush=True)
+    started = time.time()
+    result = subprocess.run([sys.executable, *args])
+    log.append({"command": "python " + " ".join(args), "seconds": round(time.time() - started, 1), "exit": result.returncode})
+    if result.returncode != 0:
+        raise SystemExit(f"choose_tier: step failed (exit {result.returncode}): python {' '.join(args)}")
+
+
+def tier_name(tier: str) -> str:
+    """A directory name for a tier: fp8@pca:rank=32 -> fp8-pca-rank32."""
+    encoding, _, projection = tier.partition("@")
+    if not projection:
+        return encoding
+    if projection.startswith("pca:"):
+        return f"{encoding}-pca-{projection[4:].replace('=', '')}"
+    return f"{encoding}-proj-{Path(projection).stem}"
+
+
+def _complete(root: str) -> bool:
+    path = Path(root, "manifest.json")
+    return path.is_file() and bool(json.loads(path.read_text()).get("complete"))
+
+
+def _latest_checkpoint(run: Path) -> bool:
+    return any((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else False
+
+
+def run_all(cfg: ChooseTierConfig) -> dict:
+    out = Path(cfg.out_dir)
+    log: list = []
+    if cfg.extract and not _complete(cfg.lossless):
+        _run(["-m", "extract", cfg.config, f"out_dir={cfg.lossless}", f"max_records={cfg.max_records}", "splits={}",
+              "corpus=" + _extract_corpus(cfg)], log)
+    if not _complete(cfg.lossless):
+        raise SystemExit(f"choose_tier: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or set extract=true)")
+    datasets = {"lossless": cfg.lossless}
+    for tier in cfg.tiers:
+        encoding, _, projection = tier.partition("@")
+        path = str(out / "data" / tier_name(tier))
+        datasets[tier] = path
+        if not _complete(path):
+            args = ["-m", "shards", "transcode", cfg.lossless, path, f"encoding={encoding}", f"calibration_samples={cfg.calibration_samples}"]
+            _run(args + ([f"projection={projection}"] if projection else []), log)
+    runs: dict = {}
+    for tier in datasets:
+        for seed in cfg.seeds:
+            name = f"{tier_name(tier)}-s{seed}"
+            run = out / "runs" / name
+            runs[(tier, seed)] = run
+            if not (run / "done.json").is_file():
+                holdout = [] if cfg.heldout else [f"data.holdout_fraction={cfg.holdout_fraction}"]
+                _run(["-m", "train", cfg.config, f"data.shards={datasets[tier]}", f"run_name={name}", f"seed={seed}",
+                      f"out_dir={out / 'runs'}", "log.progress=false", *holdout, *cfg.train_overrides], log)
+                (run / "done.json").write_text(json.dumps({"finished": time.time()}) + "\n")
+    for tier in cfg.tiers:
+        for seed in cfg.seeds:
+            report = out / "eval" / f"{tier_name(tier)}-s{seed}.json"
+            if not report.is_file():
+                split = ["split=all"] if cfg.heldout else ["split=holdout", f"holdout_fraction={cfg.holdout_fraction}"]
+                _run(["-m", "train.eval", str(runs[("lossless", seed)]), str(runs[(tier, seed)]), "--data", cfg.heldout or cfg.lossless,
+                      "--out", str(report), "progress=false", *split, *cfg.eval_overrides], log)
+    if cfg.online:
+        target = cfg.target or _provenance_target(cfg.lossless)
+        for (tier, seed), run in runs.items():
+            result = run / "specdecode.json"
+            if not result.is_file():
+                _run(["-m", "train.export", str(run), str(run / "export")], log)
+                _run(["-m", "train.specdecode", "--target", target, "--drafter", str(run / "export"), "--prompts", cfg.prompts,
+                      "--num-prompts", str(cfg.num_prompts), "--max-new-tokens", str(cfg.max_new_tokens), "--no-baseline",
+                      "--out", str(result)], log)
+    table = collect(cfg, datasets, runs)
+    (out / "tiers.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), "rows": table, "steps": log}, indent=1) + "\n")
+    (out / "tiers.md").write_text("\n".join(markdown(table, cfg)) + "\n")
+    print("\n" + "\n".join(markdown(table, cfg)))
+    print(f"\nwrote {out / 'tiers.md'} and {out / 'tiers.json'}")
+    return {"rows": table}
+
+
+def _extract_corpus(cfg: ChooseTierConfig) -> str:
+    import tomllib
+
+    table = tomllib.loads(Path(cfg.config).read_text()).get("extract", {})
+    corpus = table.get("corpus") or (table.get("splits") or {}).get("train")
+    if not corpus:
+        raise SystemExit(f"choose_tier: {cfg.config} [extract] names no corpus (or splits.train) for step 1")
+    return corpus
+
+
+def _provenance_target(root: str) -> str:
+    manifest = json.loads(Path(root, "manifest.json").read_text())
+    return manifest["provenance"]["target"]["name_or_path"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The comparison
+
+
+def dataset_facts(root: str) -> dict:
+    """bytes/token (shard files), ratio to raw bf16 of the full features, recorded error per tap."""
+    from shards import ShardDataset
+    from shards.describe import raw_bytes_per_token, reconstruction_by_tap
+
+    ds = ShardDataset(root, verify_samples=False)
+    tokens = ds.manifest["counts"]["tokens"]
+    stored = sum(e["bytes"] + e["index_bytes"] for e in ds.shards)
+    full_width = ds.projection["in_width"] if ds.projection else ds.hidden_width
+    taps, _, _ = reconstruction_by_tap(ds.shards)
+    return {
+        "bytes_per_token": stored / tokens, "ratio_to_raw_bf16": stored / tokens / raw_bytes_per_token(full_width, ds.topk)["hidden"],
+        "rel_rms_per_tap": [t["rel_rms"] for t in taps], "worst_channel_rel_rms": max((t["worst_channel_rel_rms"] for t in taps), default=0.0),
+        "projection_file_bytes": ds.projection["bytes"] if ds.projection else 0,
+    }
+
+
+def _eval_metrics(overall: dict, budget: int) -> dict:
+    return {"acc1": overall["position_acceptance"][0], "chain_tau": overall["tau"], "ddtree_tau": overall.get(f"ddtree_tau_{budget}")}
+
+
+def collect(cfg: ChooseTierConfig, datasets: dict, runs: dict) -> list[dict]:
+    out = Path(cfg.out_dir)
+    per_seed: dict = {tier: {} for tier in datasets}
+    for tier in cfg.tiers:
+        for seed in cfg.seeds:
+            report = json.loads((out / "eval" / f"{tier_name(tier)}-s{seed}.json").read_text())
+            lossless, this = report["checkpoints"]
+            per_seed["lossless"].setdefault(seed, _eval_metrics(lossless["overall"], cfg.budget))
+            per_seed[tier][seed] = _eval_metrics(this["overall"], cfg.budget)
+    for (tier, seed), run in runs.items():
+        spec = run / "specdecode.json"
+        if spec.is_file() and seed in per_seed[tier]:
+            per_seed[tier][seed]["online_tau"] = json.loads(spec.read_text())["summary"]["tau"]
+    rows = []
+    for tier, path in datasets.items():
+        row = {"tier": tier, **dataset_facts(path), "seeds": per_seed[tier]}
+        for metric in ("acc1", "chain_tau", "ddtree_tau", "online_tau"):
+            values = [v[metric] for v in per_seed[tier].values() if v.get(metric) is not None]
+            row[metric] = statistics.fmean(values) if values else None
+        rows.append(row)
+    reference = rows[0]
+    for row in rows:
+        for metric in ("chain_tau", "online_tau", "ddtree_tau", "acc1"):
+            a, b = reference.get(metric), row.get(metric)
+            row[f"delta_{metric}"] = (b - a) / a if a and b is not None else None
+    return rows
+
+
+def _cell(row: dict, metric: str, spec: str = ".3f") -> str:
+    mean = row.get(metric)
+    if mean is None:
+        return "-"
+    values = [v.get(metric) for v in row["seeds"].values()]
+    per_seed = " / ".join(format(v, spec) for v in values if v is not None)
+    delta = row.get(f"delta_{metric}")
+    change = "" if row["tier"] == "lossless" or delta is None else f" ({delta:+.1%})"
+    return f"{mean:{spec}}{change} [{per_seed}]"
+
+
+def markdown(rows: list[dict], cfg: ChooseTierConfig) -> list[str]:
+    lines = [
+        f"| tier | bytes/token | vs raw bf16 | rel. RMS per tap | worst channel | acc@1 | chain τ | DDTree-{cfg.budget} τ | online τ |",
+        "|---|---:|---:|---|---:|---|---|---|---|",
+    ]
+    for r in rows:
+        rel = " / ".join(f"{x:.3f}" for x in r["rel_rms_per_tap"]) or "0 (exact)"
+        lines.append(f"| {r['tier']} | {r['bytes_per_token']:,.0f} | {r['ratio_to_raw_bf16']:.3f} | {rel} | {r['worst_channel_rel_rms']:.2f} | "
+                     f"{_cell(r, 'acc1')} | {_cell(r, 'chain_tau')} | {_cell(r, 'ddtree_tau')} | {_cell(r, 'online_tau')} |")
+    lines.append(f"\nmean over seeds {cfg.seeds} (change against lossless) [per seed]; evaluated on {cfg.heldout} with lossless features; "
+                 f"online: {cfg.num_prompts} prompts x {cfg.max_new_tokens} tokens of {cfg.prompts}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`[CONFIG] key=value ...`: CONFIG's [tiers] table (if any) and the overrides; CONFIG is also the
+    experiment config of steps 1 and 3 unless `config=` says otherwise."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+    import tomllib
+
+    path = argv[0] if argv and "=" not in argv[0] else None
+    table = tomllib.loads(Path(path).read_text()).get("tiers") if path and Path(path).is_file() else None
+    # A config without a [tiers] table is only the experiment's config (steps 1 and 3).
+    cfg = parse_cli(ChooseTierConfig, argv if table is not None else argv[1:] if path else argv, section="tiers")
+    if path and "config" not in (table or {}) and not any(word.startswith("config=") for word in argv[1:]):
+        cfg.config = path
+    run_all(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
