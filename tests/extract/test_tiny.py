@@ -29,6 +29,8 @@ from extract.tiny import (
     write_jsonl,
 )
 
+from tests.common.test_repeat import first_loop_reference
+
 REPO = Path(__file__).resolve().parents[2]
 # Sizes that make a whole build take a few seconds.
 TINY_MODEL = dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
@@ -274,15 +276,15 @@ def test_batched_greedy_decoding_equals_generate_one_prompt_at_a_time(qwen3_mode
                                  eos_token_id=sorted(stop) or None, pad_token_id=0)
         tokens = out[0, len(prompt):].tolist()
         cut = next((i for i, t in enumerate(tokens) if t in stop), None)
-        return (tokens, False) if cut is None else (tokens[:cut], True)
+        return (tokens, "cap") if cut is None else (tokens[:cut], "stop")
 
     # Stop tokens chosen from the free-running answers so that rows stop at different steps and some never.
     free = [generate_alone(p, set())[0] for p in prompts]
     # (Batches are formed by prompt length: two rows of each batch of 6 get a stop token.)
     stop = {free[0][2], free[9][4], free[5][3], free[1][6]}
     expected = [generate_alone(p, stop) for p in prompts]
-    stop_steps = {len(tokens) for tokens, stopped in expected if stopped}
-    assert len(stop_steps) >= 2 and not all(stopped for _, stopped in expected), (stop_steps, expected)
+    stop_steps = {len(tokens) for tokens, end in expected if end == "stop"}
+    assert len(stop_steps) >= 2 and not all(end == "stop" for _, end in expected), (stop_steps, expected)
 
     drops = []
     real_select = DynamicCache.batch_select_indices
@@ -290,6 +292,32 @@ def test_batched_greedy_decoding_equals_generate_one_prompt_at_a_time(qwen3_mode
     got = tiny.greedy_answers(model, prompts, new_tokens, batch_size=6, stop_ids=stop, pad_id=0)
     assert got == expected
     assert drops, "no finished row was ever dropped from a batch: the test does not exercise that path"
+
+
+def test_batched_greedy_decoding_cut_where_it_loops_equals_generate_cut_there(qwen3_model):
+    """Rows of a random model loop at different steps: each row stops right after its first
+    repetition (as `first_loop_reference` finds it in generate's free-running answer), or at a stop
+    token before it, or at the cap; rows are dropped from the batch as they finish."""
+    model, new_tokens, min_repeat = qwen3_model, 40, 6
+    rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, model.config.vocab_size, (n,), generator=rng).tolist() for n in (3, 17, 8, 25, 5, 12, 30, 9, 14, 4, 21, 7)]
+    free = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+        free.append(out[0, len(prompt):].tolist())
+    stop = {free[1][20]}  # one stop token, so that a stop before a loop is exercised too
+    expected = []
+    for tokens in free:
+        cut = next((i for i, t in enumerate(tokens) if t in stop), None)
+        loop = first_loop_reference(tokens[:cut], min_repeat)
+        expected.append((tokens[:loop], "repeat") if loop else (tokens[:cut], "stop") if cut is not None else (tokens, "cap"))
+    ends = [end for _, end in expected]
+    assert {"repeat", "stop", "cap"} <= set(ends) and len({len(t) for t, end in expected if end == "repeat"}) >= 3, expected
+
+    got = tiny.greedy_answers(model, prompts, new_tokens, batch_size=6, stop_ids=stop, pad_id=0, stop_repeat=min_repeat)
+    assert got == expected
 
 
 def test_round_trip_keeps_the_longest_prefix_that_survives(small_tokenizer):
@@ -398,7 +426,7 @@ def fake_target(out_dir, train, heldout, cfg, progress=True):
               "mask_token_id": 399, "tap_layer_ids": [0, 1],
               "corpus": {"train": {"records": len(train), "tokens": 1}, "heldout": {"records": len(heldout), "tokens": 1}}}
     (out / "tiny_report.json").write_text(json.dumps(report))
-    return {**report, "train_seconds": 0.0}
+    return {**report, "train_seconds": 0.0, "device": "cpu"}
 
 
 def fake_regeneration(target_dir, train, heldout, cfg=None, progress=True):
@@ -434,6 +462,50 @@ def test_a_build_that_dies_midway_leaves_nothing_that_looks_finished(tmp_path, m
         build_tiny(cfg, progress=False)
     assert not (tmp_path / "tiny").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_the_recipe_keys_on_the_device_type_and_the_precision_it_resolves_to(monkeypatch):
+    cfg = TinyConfig(**TINY_MODEL)
+    seen = {}
+    for device in ("cpu", "cuda"):
+        monkeypatch.setattr(tiny, "resolve_build_device", lambda choice, device=device: device)
+        seen[device] = (tiny.recipe(cfg)["params"], tiny.recipe_digest(cfg))
+        # how many threads build it changes the rounding at most, not the recipe
+        assert tiny.recipe_digest(TinyConfig(**{**TINY_MODEL, "threads": 2})) == seen[device][1]
+    assert seen["cpu"][0]["device"] == "cpu" and seen["cuda"][0]["device"] == "cuda"
+    assert seen["cuda"][0]["precision"] == "bf16"  # auto on a GPU
+    assert seen["cpu"][1] != seen["cuda"][1]  # a CPU-built cache is not taken for a GPU build
+
+
+def test_build_compute_sets_and_restores_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    before = torch.get_num_threads()
+    with tiny.build_compute(TinyConfig(device="cpu")) as compute:
+        assert compute.device.type == "cpu" and torch.get_num_threads() == 3
+    with tiny.build_compute(TinyConfig(device="cpu", threads=1)):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_deterministic_mode_reports_ops_without_a_deterministic_kernel_and_is_undone():
+    """What the GPU build runs under, checked on the CPU: `put_` has no deterministic kernel on any device."""
+    noticed = []
+    with tiny.deterministic_cuda(noticed):
+        assert torch.are_deterministic_algorithms_enabled()
+        torch.zeros(3).put_(torch.tensor([0]), torch.tensor([1.0]))
+        torch.zeros(3).put_(torch.tensor([1]), torch.tensor([1.0]))  # the same op again: reported once
+    assert len(noticed) == 1 and "put_" in noticed[0]
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_next_token_loss_equals_the_models_own_loss(qwen3_model):
+    ids = torch.randint(10, qwen3_model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        out = qwen3_model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert torch.allclose(tiny.next_token_loss(out.logits, labels), out.loss, rtol=1e-5)
 
 
 def test_config_checks_name_the_key():
