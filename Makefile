@@ -1,5 +1,5 @@
 # One entry point per job. Every target depends on `setup`, so a fresh clone needs no manual step.
-#   make demo                                   the whole pipeline on the built-in tiny default (CPU)
+#   make demo                                   the whole pipeline on the built-in tiny default (on the GPU if there is one)
 #   make test                                   the test suite
 #   make test-gpu                               only the GPU tier (pytest -m gpu): the CUDA paths, on a GPU host
 #   make extract [CONFIG=configs/x.toml] [key=value ...]

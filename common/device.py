@@ -1,13 +1,28 @@
-"""Device and precision choices shared by the stages that run the drafter (train, eval).
+"""Device, precision and CPU-thread choices shared by the stages (train, eval, the tiny build, the demo).
 
 `device = "auto" | "cpu" | "cuda"`: auto takes the GPU when torch sees one. `precision = "auto" |
 "fp32" | "bf16"`: the autocast dtype, auto meaning bf16 on a GPU and plain fp32 on a CPU (where bf16
 autocast is slower on most machines and changes the numbers the tests compare).
+`small_model_threads()`: torch CPU threads for the tiny default's small models.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# Torch CPU threads for small models (the tiny default: a 2.6 M-parameter target, a 0.5 M-parameter
+# drafter). Their ops last tens to hundreds of microseconds, so extra threads add fork-join and
+# wake-up time (OMP_WAIT_POLICY=PASSIVE: sleeping threads are woken per parallel region) and remove
+# little work: torch splits an elementwise op into grains of 32K elements, and a 1,024-token batch
+# of width 128 has 128K, so threads past 4 get nothing to do there. Measured on the idle 2-core VM
+# (2026-12-01, `python -m benchmarks.tiny_threads`): the tiny target's training step took 0.13 s on
+# 1 thread and 0.15 s on 2, batched greedy decoding 0.46 s and 0.54 s; the drafter's steps
+# (4,096-token batches) gained at most 1.3x from a second thread. On the 16-core H200 host the tiny
+# target trained more slowly with torch's default of 8 threads than on this VM with 2 (issue 14).
+# Hence: the usable cores, at most 4 (a user's OMP_NUM_THREADS wins).
+SMALL_MODEL_MAX_THREADS = 4
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -24,3 +39,35 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype for a `precision` config value on `device` (None = plain fp32)."""
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     return torch.bfloat16 if use_bf16 else None
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask (a container's or taskset's share), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def small_model_threads() -> int:
+    """Torch CPU threads for the tiny default's models: OMP_NUM_THREADS when it is set (the user's
+    choice), else the usable cores, at most `SMALL_MODEL_MAX_THREADS`."""
+    configured = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return max(1, min(usable_cores(), SMALL_MODEL_MAX_THREADS))
+
+
+def describe_machine() -> dict:
+    """What a run ran on, for its records: CPU model, usable cores, torch version, and the GPU
+    torch sees (None without one)."""
+    import platform
+
+    cpu = platform.machine()  # (platform.processor() runs a subprocess)
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": usable_cores(), "torch": torch.__version__, "gpu": gpu}

@@ -1,6 +1,7 @@
-"""`make demo`: the whole pipeline on the built-in tiny default, on CPU, in one command.
+"""`make demo`: the whole pipeline on the built-in tiny default, in one command, on the GPU when
+torch sees one (every step), else on the CPU.
 
-    python -m train.demo [run=demo] [epochs=6] [prompts=8] [new_tokens=96]
+    python -m train.demo [run=demo] [steps=400] [prompts=0 (all)] [new_tokens=96]
 
 Steps, each the project's own command (so the demo proves the CLIs users run):
   1. build the tiny target and corpus if absent          python -m extract.tiny
@@ -9,7 +10,10 @@ Steps, each the project's own command (so the demo proves the CLIs users run):
   4. evaluate it offline on the held-out shards            python -m train.eval RUN --data .../heldout
   5. export it for serving and decode speculatively        python -m train.export / train.specdecode
   6. write the training-health report                      python -m train.report RUN
-and prints where everything is, with the measured numbers.
+and prints where everything is, with the measured numbers. The steps run with the interpreter
+that runs the demo (`sys.executable`), so `python3 -m train.demo` works without the Makefile's
+venv, and with OMP_NUM_THREADS = `common.device.small_model_threads()` unless it is set: on a
+many-core host, torch's default of one thread per core makes these small models slower.
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ CONFIG = "configs/tiny.toml"
 @dataclasses.dataclass
 class DemoConfig:
     run: str = knob("demo", help="run name under runs/ (a plain name)")
-    epochs: float = knob(6.0, help="training epochs over the tiny train split (about 100 s on 2 cores; the schedule runs to completion)", min=0.1, max=100)
+    steps: int = knob(400, help="drafter training steps (about 100 s on 2 cores). A step count, not epochs: how much "
+                      "text the tiny target's answers make varies from machine to machine, the drafter's training should not", min=1, max=100_000)
     eval_anchors: int = knob(16, help="anchors per held-out sequence in the offline evaluation", min=1)
-    prompts: int = knob(8, help="held-out prompts for real speculative decoding", min=1)
-    new_tokens: int = knob(96, help="tokens generated per prompt", min=1)
+    prompts: int = knob(0, help="held-out prompts for real speculative decoding; 0 = all of them (74; fewer make the online τ "
+                        "a noisy estimate: its mean over 8 prompts moved by 10% with the choice of prompts)", min=0)
+    new_tokens: int = knob(96, help="at most this many tokens generated per prompt (a response also ends where it starts "
+                           "looping, as the tiny build's answers do)", min=1)
     fresh: bool = knob(True, help="delete an earlier run of the same name first (the tiny target and shards are kept: they are cached)")
 
 
@@ -48,34 +55,62 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
     heldout = f"{TINY}/shards/heldout"
     export_dir = os.path.join(run_dir, "export")
-    step(timings, "tiny target + corpus", ["-m", "extract.tiny"])
-    step(timings, "extraction", ["-m", "extract", CONFIG])
-    step(timings, "drafter training", ["-m", "train", CONFIG, f"run_name={cfg.run}", f"optim.epochs={cfg.epochs}"])
+    machine = demo_machine()
+    print(f"demo: running on {machine_line(machine)}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(machine["threads"])}
+    # The tiny build, extraction (configs/tiny.toml: device = auto), training and evaluation take the GPU by themselves.
+    step(timings, "tiny target + corpus", ["-m", "extract.tiny"], env)
+    step(timings, "extraction", ["-m", "extract", CONFIG], env)
+    step(timings, "drafter training", ["-m", "train", CONFIG, f"run_name={cfg.run}", f"optim.max_steps={cfg.steps}"], env)
     step(timings, "offline evaluation", ["-m", "train.eval", run_dir, "--data", heldout, "--out", f"{run_dir}/eval_heldout.json",
-                                         f"max_anchors={cfg.eval_anchors}"])
-    step(timings, "export", ["-m", "train.export", run_dir, export_dir])
+                                         f"max_anchors={cfg.eval_anchors}"], env)
+    step(timings, "export", ["-m", "train.export", run_dir, export_dir], env)
     step(timings, "speculative decoding", ["-m", "train.specdecode", "--target", f"{TINY}/target", "--drafter", export_dir,
                                            "--prompts", f"{TINY}/corpus/heldout_regen.jsonl", "--num-prompts", str(cfg.prompts),
-                                           "--max-new-tokens", str(cfg.new_tokens), "--agreement", "--agreement-bf16",
-                                           "--out", f"{run_dir}/specdecode.json"])
-    step(timings, "report", ["-m", "train.report", run_dir])
-    summary = summarize(run_dir, timings)
+                                           "--max-new-tokens", str(cfg.new_tokens), "--stop-repeat", str(tiny_stop_repeat()),
+                                           "--agreement", "--agreement-bf16", "--device", machine["device"],
+                                           "--out", f"{run_dir}/specdecode.json"], env)
+    step(timings, "report", ["-m", "train.report", run_dir], env)
+    summary = summarize(run_dir, timings, machine)
     with open(os.path.join(run_dir, "demo_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print_summary(summary, run_dir, export_dir)
     return 0
 
 
-def step(timings: dict[str, float], name: str, args: list[str]) -> None:
+def tiny_stop_repeat() -> int:
+    """The loop rule the tiny build cut its answers by, so that online decoding ends responses where
+    the training and held-out answers end (extract.tiny `regen_stop_repeat`)."""
+    regen = _read_json(f"{TINY}/target/tiny_report.json").get("regenerated_corpus", {})
+    return int(regen.get("stop_repeat", 0))
+
+
+def demo_machine() -> dict:
+    """The device the demo's steps use (cuda when torch sees a GPU), the torch CPU threads they get,
+    and the machine (CPU, cores, GPU, torch version)."""
+    import torch
+
+    from common.device import describe_machine, small_model_threads
+
+    return {"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": small_model_threads(), **describe_machine()}
+
+
+def machine_line(machine: dict) -> str:
+    where = f"GPU ({machine.get('gpu')})" if machine.get("device") == "cuda" else "CPU"
+    return (f"{where}; {machine.get('cpu')}, {machine.get('cores')} usable cores, {machine.get('threads')} torch CPU threads, "
+            f"torch {machine.get('torch')}")
+
+
+def step(timings: dict[str, float], name: str, args: list[str], env: dict[str, str] | None = None) -> None:
     print(f"\n=== {name}: python {' '.join(args)}", flush=True)
     start = time.time()
-    result = subprocess.run([sys.executable, *args])
+    result = subprocess.run([sys.executable, *args], env=env)
     timings[name] = time.time() - start
     if result.returncode != 0:
         raise SystemExit(f"demo: step '{name}' failed (exit {result.returncode}); its output is above")
 
 
-def summarize(run_dir: str, timings: dict[str, float]) -> dict:
+def summarize(run_dir: str, timings: dict[str, float], machine: dict | None = None) -> dict:
     """The numbers the README quotes, read back from the files the steps wrote."""
     report = _read_json(f"{TINY}/target/tiny_report.json")
     target_keys = ("heldout_next_token_accuracy", "most_frequent_token_accuracy", "heldout_answer_next_token_accuracy",
@@ -84,6 +119,7 @@ def summarize(run_dir: str, timings: dict[str, float]) -> dict:
     spec = _read_json(f"{run_dir}/specdecode.json")
     checkpoints = evaluation.get("checkpoints") or [{}]
     return {
+        "machine": machine or {},
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "total_s": round(sum(timings.values()), 1),
         "target": {k: report[k] for k in target_keys if k in report},
@@ -107,11 +143,16 @@ def _pick_spec(spec: dict) -> dict:
     agreement = spec.get("agreement", {})
     return {
         "prompts": summary.get("prompts"), "max_new_tokens": config.get("max_new_tokens"), "tau": summary.get("tau"),
+        "stop_repeat": config.get("stop_repeat"),
+        "device": config.get("device"), "dtype": config.get("dtype"),
         "lossless": summary.get("lossless"), "speedup": summary.get("speedup"),
         "spec_tokens_per_s": summary.get("spec", {}).get("decode_tokens_per_s"),
         "target_tokens_per_s": summary.get("baseline", {}).get("decode_tokens_per_s"),
         "offline_tau_at_rounds_bf16": agreement.get("offline_tau_at_rounds"),
     }
+
+
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", None: "fp32"}
 
 
 def _read_json(path: str) -> dict:
@@ -135,6 +176,7 @@ def summary_text(summary: dict) -> str:
     lines = [
         "=" * 78,
         f"demo finished in {summary['total_s'] / 60:.1f} min ({timings})",
+        *([f"on {machine_line(summary['machine'])}"] if summary.get("machine") else []),
         "",
         f"tiny target ({target.get('num_layers')} layers, {_num(target.get('parameters', 0) / 1e6, '.1f')} M parameters): "
         f"held-out next-token accuracy {_num(target.get('heldout_next_token_accuracy'))} "
@@ -146,7 +188,9 @@ def summary_text(summary: dict) -> str:
     lines += [f"  {label:<22}{_num(ev.get(key)):>10}{_num(base.get(key)):>31}" for label, key in rows]
     lines += [
         "",
-        f"drafter, online: real speculative decoding, {spec.get('prompts')} held-out prompts x {spec.get('max_new_tokens')} tokens, CPU fp32:",
+        f"drafter, online: real speculative decoding, {spec.get('prompts')} held-out prompts, up to {spec.get('max_new_tokens')} tokens each"
+        f"{' (cut where they start repeating)' if spec.get('stop_repeat') else ''}, "
+        f"{str(spec.get('device') or 'cpu').upper()} {DTYPE_NAMES.get(spec.get('dtype'), spec.get('dtype'))}:",
         f"  tau {_num(spec.get('tau'))} (offline tau of the same rounds, bf16 features: {_num(spec.get('offline_tau_at_rounds_bf16'))}); "
         f"output identical to target-only greedy decoding: {spec.get('lossless')}",
         f"  {_num(spec.get('spec_tokens_per_s'), '.0f')} tok/s against {_num(spec.get('target_tokens_per_s'), '.0f')} tok/s for the "

@@ -185,10 +185,21 @@ class Dist:
                           for peer in self.peers]}
 
     def close(self) -> None:
+        """Leave the process group once every rank is done with it.
+
+        The barrier keeps one rank from tearing its connections down while a peer still has a
+        collective (or a DDP hook's callback) in flight; dropping the DDP wrapper first lets its
+        reducer release the group before the group is destroyed. Without both, a rank aborted at
+        exit now and then (`terminate called without an active exception`) after a complete run."""
         if self.initialized:
+            import gc
+
             import torch.distributed as dist
 
             if dist.is_initialized():
+                dist.barrier(group=self.host_group)
+                self._ddp = None
+                gc.collect()
                 dist.destroy_process_group()
             self.backend = None
 

@@ -61,6 +61,7 @@ class Generated:
     text: str | None = None  # the answer text (server); None when ids are given
     ids: list[int] | None = None  # the answer's token ids before the stop token (local)
     at_cap: bool = False  # stopped by max_new_tokens, not by a stop token
+    at_repeat: bool = False  # cut where it started looping (local backend with stop_repeat)
     message: dict | None = None  # chat API: the server's parsed assistant message (content, reasoning, tool_calls)
     refused: str | None = None  # the server refused the request (its message)
 
@@ -155,7 +156,7 @@ class Conversation:
         self.tools: list | None = None
         self.record_id = f"position-{raw.position}"
         self.outcome: Outcome | None = None
-        self.stats = {"answers": 0, "answer_tokens": 0, "prompt_tokens": 0, "at_cap": 0, "cut": 0, "turns_cut": 0}
+        self.stats = {"answers": 0, "answer_tokens": 0, "prompt_tokens": 0, "at_cap": 0, "at_repeat": 0, "cut": 0, "turns_cut": 0}
         self.answer_lengths: list[int] = []  # tokens of each stored answer
         self._prompt: tuple[str, list[int]] | None = None
         try:
@@ -231,6 +232,7 @@ class Conversation:
         self.answer_lengths.append(n_tokens)
         self.stats["prompt_tokens"] += len(prompt_ids)
         self.stats["at_cap"] += int(generated.at_cap)
+        self.stats["at_repeat"] += int(generated.at_repeat)
 
     def prompt_for_storage(self, messages: list[dict]) -> tuple[str, list[int]]:
         """The prompt extraction will see before this answer: the generation prompt, except for

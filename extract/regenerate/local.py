@@ -66,15 +66,17 @@ def pad_token_id(tokenizer) -> int:
 def generate_answers(
     model, prompts: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set[int], pad_id: int,
     sampling: Sampling = Sampling(), seeds: Sequence[int] | None = None, on_batch: Callable[[int], None] | None = None,
-) -> list[tuple[list[int], bool]]:
-    """(tokens before the first stop token, whether a stop token came) per prompt, at most
-    `max_new_tokens` generated; prompts batched by length (less padding), results in input order."""
+    stop_repeat: int = 0,
+) -> list[tuple[list[int], str]]:
+    """(tokens before the first stop token, how the answer ended: see `generate_batch`) per prompt,
+    at most `max_new_tokens` generated; prompts batched by length (less padding), results in input order."""
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    results: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
+    results: list[tuple[list[int], str]] = [([], "cap")] * len(prompts)
     for at in range(0, len(order), batch_size):
         batch = order[at : at + batch_size]
         batch_seeds = None if seeds is None else [seeds[i] for i in batch]
-        for i, answer in zip(batch, generate_batch(model, [prompts[i] for i in batch], max_new_tokens, stop_ids, pad_id, sampling, batch_seeds)):
+        for i, answer in zip(batch, generate_batch(model, [prompts[i] for i in batch], max_new_tokens, stop_ids, pad_id, sampling, batch_seeds,
+                                                   stop_repeat)):
             results[i] = answer
         if on_batch is not None:
             on_batch(len(batch))
@@ -83,10 +85,15 @@ def generate_answers(
 
 def generate_batch(
     model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int,
-    sampling: Sampling = Sampling(), seeds: Sequence[int] | None = None,
-) -> list[tuple[list[int], bool]]:
-    """Decoding of left-padded prompts with a KV cache (see the module docstring)."""
+    sampling: Sampling = Sampling(), seeds: Sequence[int] | None = None, stop_repeat: int = 0,
+) -> list[tuple[list[int], str]]:
+    """Decoding of left-padded prompts with a KV cache (see the module docstring). Each answer ends
+    before its first stop token ("stop"), where it starts looping if `stop_repeat` > 0 ("repeat":
+    `common.repeat.RepeatWatch`; the looping tokens that show it are kept), or after
+    `max_new_tokens` tokens ("cap")."""
     import torch
+
+    from common.repeat import RepeatWatch
 
     device = model.get_input_embeddings().weight.device
     rows, width = len(prompts), max(len(p) for p in prompts)
@@ -101,33 +108,40 @@ def generate_batch(
     cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     generators = None if sampling.greedy else row_generators(seeds if seeds is not None else range(rows), device)
     tokens: list[list[int]] = [[] for _ in prompts]
-    stopped = [False] * rows
+    ends: list[str | None] = [None] * rows
     alive = list(range(rows))  # batch row -> prompt index
+    watch = RepeatWatch(rows, max_new_tokens, stop_repeat) if stop_repeat else None
     with torch.inference_mode():
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         last = positions[:, -1:]
         for step in range(max_new_tokens):
             cache, logits = cache_of(out), out.logits[:, -1]
             next_ids = logits.argmax(-1) if generators is None else sample_rows(logits, sampling, [generators[row] for row in alive])
-            for row, token in zip(alive, next_ids.tolist()):
-                if stopped[row]:
+            next_list = next_ids.tolist()
+            looping = watch.push(next_list) if watch else [False] * len(alive)
+            for row, token, loops in zip(alive, next_list, looping):
+                if ends[row] is not None:
                     continue
                 if token in stop_ids:
-                    stopped[row] = True
+                    ends[row] = "stop"
                 else:
                     tokens[row].append(token)
-            running = [n for n, row in enumerate(alive) if not stopped[row]]
+                    if loops:
+                        ends[row] = "repeat"
+            running = [n for n, row in enumerate(alive) if ends[row] is None]
             if not running or step == max_new_tokens - 1:
                 break
             if 4 * (len(alive) - len(running)) >= len(alive):
                 keep = torch.tensor(running, device=device)
                 select_cache_rows(cache, keep)
                 mask, last, next_ids = mask[keep], last[keep], next_ids[keep]
+                if watch:
+                    watch.keep_rows(running)
                 alive = [alive[n] for n in running]
             mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
             last = last + 1
             out = model(input_ids=next_ids[:, None], attention_mask=mask, position_ids=last, use_cache=True, **{cache_kwarg: cache})
-    return [(t, s) for t, s in zip(tokens, stopped)]
+    return [(t, end or "cap") for t, end in zip(tokens, ends)]
 
 
 def cache_of(output):
@@ -188,6 +202,7 @@ class LocalGenerator:
     sampling: Sampling = Sampling()
     seed: int = 0
     stop_ids: set[int] | None = None
+    stop_repeat: int = 0  # > 0: cut answers where they start looping (`generate_batch`)
 
     def __post_init__(self):
         if self.stop_ids is None:
@@ -204,6 +219,6 @@ def answer_window(conversations: list[Conversation], generator: LocalGenerator, 
         prompts = [c.prompt()[1] for c in todo]
         seeds = None if generator.sampling.greedy else [answer_seed(generator.seed, c.record_id, c.stats["answers"]) for c in todo]
         answers = generate_answers(generator.model, prompts, generator.max_new_tokens, generator.batch_size, generator.stop_ids,
-                                   generator.pad_id, generator.sampling, seeds, on_batch)
-        for conversation, (ids, stopped) in zip(todo, answers):
-            conversation.finish_turn(Generated(ids=ids, at_cap=not stopped))
+                                   generator.pad_id, generator.sampling, seeds, on_batch, generator.stop_repeat)
+        for conversation, (ids, end) in zip(todo, answers):
+            conversation.finish_turn(Generated(ids=ids, at_cap=end == "cap", at_repeat=end == "repeat"))

@@ -1,8 +1,11 @@
 """The built-in tiny default: a small chat corpus made from text shipped with Python, a byte-level
 BPE chat tokenizer trained on it, and a small Qwen3-architecture target trained briefly on it.
 
-Everything is built offline and deterministically by `python -m extract.tiny [key=value ...]`
-(`make tiny`, knobs in `TinyConfig`) and cached; a second run with the same recipe does nothing:
+Everything is built offline by `python -m extract.tiny [key=value ...]` (`make tiny`, knobs in
+`TinyConfig`), on the GPU when torch sees one (`device`), else on the CPU, and cached; a second run
+with the same recipe does nothing. A build is deterministic on a given machine (on a GPU with
+torch's deterministic kernels); another CPU type, another precision or a GPU rounds differently,
+and 1,000 steps of training turn that into a different, equally good target (see `recipe`):
 
     artifacts/tiny/corpus/train.jsonl, heldout.jsonl   chat records {"messages": [...]} (a few {"text": ...})
     artifacts/tiny/corpus/train_regen.jsonl,           the same user turns answered by the trained target
@@ -20,8 +23,15 @@ max_new_tokens)`, `tap_layer_ids(num_layers, n_taps)`.
 
 Target-regenerated answers: each user turn is rendered as `train.specdecode` renders prompts
 (`add_generation_prompt=True`, `enable_thinking=False`) and answered by the saved target (float32,
-as extraction and speculative decoding run it) with greedy decoding until `<|im_end|>`/EOS or
-`regen_max_new_tokens`; multi-turn records are answered turn by turn. So the held-out first answers
+as extraction and speculative decoding run it) with greedy decoding until `<|im_end|>`/EOS,
+`regen_max_new_tokens`, or the token where the answer starts looping (`regen_stop_repeat`,
+`common.repeat.RepeatWatch`); multi-turn records are answered turn by turn. The tiny target loops
+in about half of its answers, and how often depends on the build: 345 to 732 of 1,495 answers ran
+to the 256-token cap in three builds that differ only in rounding. A drafter trained on the
+uncut answers learns mostly loops, and its τ went with how often the target looped (online τ
+1.35 to 3.35). Cut after the first repetition, the answers keep what the target says rather than
+how long it keeps repeating it (`train.specdecode --stop-repeat` ends online responses by the
+same rule). So the held-out first answers
 are exactly what target-only greedy decoding produces from the speculative-decoding prompts, and
 offline τ on them estimates online τ (dflash.md §4.3). (An earlier answer of a multi-turn record was
 generated after the empty think block, which the template drops from past turns: only a

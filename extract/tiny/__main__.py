@@ -9,7 +9,8 @@ import os
 import sys
 
 from common.config import ConfigError, parse_cli
-from extract.tiny.build import build_tiny, log
+from extract.tiny.build import build_tiny
+from extract.tiny.compute import log
 from extract.tiny.config import TinyConfig
 from extract.tiny.regenerate import REGEN_FILES
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from common.config import config_to_dict
+from extract.tiny.compute import log, resolve_build_device
 from extract.tiny.config import TinyConfig, resolve_precision
 from extract.tiny.corpus import build_corpus, write_jsonl
 from extract.tiny.regenerate import REGEN_FILES, regenerate_corpus
@@ -41,21 +42,31 @@ REQUIRED_FILES = (
 NOT_IN_RECIPE = ("out_dir", "threads", "force")
 
 
-# The code that decides the artifacts: this package and the regeneration code it answers the corpus with.
+# The code that decides the artifacts: this package, the regeneration code it answers the corpus with, the repeat rule.
 _EXTRACT = Path(__file__).resolve().parents[1]
 RECIPE_CODE = (
     *sorted(Path(__file__).resolve().parent.glob("*.py")),
     _EXTRACT / "regenerate" / "local.py",
     _EXTRACT / "regenerate" / "conversation.py",
+    _EXTRACT.parent / "common" / "repeat.py",
 )
 
 
 def recipe(cfg: TinyConfig) -> dict[str, Any]:
-    """Everything that decides the artifacts: build parameters, the code of this package (and of the regeneration), and the Python
-    version (its bundled documentation is the corpus). Library versions are left out on purpose:
-    a newer torch gives a slightly different but equally valid target, not a reason to rebuild."""
+    """Everything that decides the artifacts: build parameters with the device type and precision
+    they resolve to here, the code of this package (and the regeneration's and the repeat rule's),
+    and the Python version (its bundled documentation is the corpus).
+
+    A CPU build and a GPU build are different computations (other kernels, bf16 on the GPU where a
+    CPU may train in fp32), so the device type is part of the recipe: on a GPU host a CPU-built
+    cache is rebuilt, not passed off as a GPU build, and the other way round. Left out on purpose:
+    library versions, the CPU model and the thread count. They change the rounding, which after
+    1,000 training steps gives a different but equally valid target, not a different recipe (the
+    demo's numbers differ with it: README and docs/benchmarks.md give the spread measured across
+    machines), and build.json records the machine that built the cache (`built_on`)."""
     params = {k: v for k, v in config_to_dict(cfg).items() if k not in NOT_IN_RECIPE}
-    params["precision"] = resolve_precision(cfg.precision)
+    params["device"] = resolve_build_device(cfg.device)
+    params["precision"] = resolve_precision(cfg.precision, params["device"])
     return {
         "params": params,
         "code": hashlib.sha256(b"".join(path.read_bytes() for path in RECIPE_CODE)).hexdigest()[:16],
@@ -106,6 +117,8 @@ def build_tiny(cfg: TinyConfig | None = None, *, progress: bool = True) -> Path:
 
 
 def build_into(tmp: Path, cfg: TinyConfig, digest: str, progress: bool) -> None:
+    from common.device import describe_machine
+
     started = time.perf_counter()
     log(f"building the tiny default (recipe {digest}) in {tmp}")
     train, heldout = build_corpus(cfg.seed, cfg.heldout_fraction)
@@ -113,7 +126,7 @@ def build_into(tmp: Path, cfg: TinyConfig, digest: str, progress: bool) -> None:
     write_jsonl(tmp / "corpus/heldout.jsonl", heldout)
     log(f"corpus: {len(train)} train and {len(heldout)} held-out records")
     report = build_tiny_target(tmp / "target", train, heldout, cfg, progress=progress)
-    log(f"target trained in {report['train_seconds']:.0f} s; regenerating the answers with it")
+    log(f"target trained on {report['device']} in {report['train_seconds']:.0f} s; regenerating the answers with it")
     train_regen, heldout_regen, regen = regenerate_corpus(tmp / "target", train, heldout, cfg, progress=progress)
     write_jsonl(tmp / REGEN_FILES["train"], train_regen)
     write_jsonl(tmp / REGEN_FILES["heldout"], heldout_regen)
@@ -122,6 +135,7 @@ def build_into(tmp: Path, cfg: TinyConfig, digest: str, progress: bool) -> None:
     record = {
         "recipe_digest": digest,
         "recipe": recipe(cfg),
+        "built_on": describe_machine(),
         "build_seconds": round(time.perf_counter() - started, 1),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -175,15 +189,12 @@ def regen_summary_lines(regen: dict[str, Any] | None) -> list[str]:
     skipped = train["skipped_no_user_turn"] + heldout["skipped_no_user_turn"]
     answers = train["answers"] + heldout["answers"]
     at_cap = train["answers_at_cap"] + heldout["answers_at_cap"]
+    at_repeat = train.get("answers_cut_at_repeat", 0) + heldout.get("answers_cut_at_repeat", 0)
     return [
         f"target-regenerated corpus: {train['records_out']} train and {heldout['records_out']} held-out records "
         f"(dropped: {dropped} with an empty answer, {no_round_trip} whose answer does not survive tokenization; "
         f"{skipped} without a user turn skipped), {answers} greedy answers, "
-        f"median {train['answer_length'].get('p50')} tokens, {at_cap} cut at {regen['max_new_tokens']}; "
-        f"{regen['seconds']:.0f} s",
+        f"median {train['answer_length'].get('p50')} tokens, {at_repeat} cut where they start repeating, "
+        f"{at_cap} cut at {regen['max_new_tokens']}; {regen['seconds']:.0f} s on {regen.get('device', 'cpu')}",
         f"held-out regenerated answer tokens equal to the target's greedy token: {regen['heldout_answer_greedy_agreement']:.4f}",
     ]
-
-
-def log(message: str) -> None:
-    print(f"[tiny] {message}", flush=True)

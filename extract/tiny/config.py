@@ -6,12 +6,12 @@ file), and the tap layer ids it recommends for its target.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from common.config import fail, knob
+from common.repeat import REPEAT_MAX_PERIOD
 
 
 @dataclass
@@ -31,16 +31,27 @@ class TinyConfig:
     n_taps: int = knob(4, help="how many tap layer ids to recommend (evenly spread, never the last layer)", min=1, max=16)
     steps: int = knob(1000, help="optimizer steps of target training", min=0)
     batch_tokens: int = knob(1024, help="padded tokens per training batch (sequences of similar length are batched together)", min=64)
-    max_len: int = knob(2048, help="longer training sequences are truncated", min=16)
+    max_len: int = knob(
+        512, help="training sequences are cut to their first max_len tokens. The regenerated answers (prompt + at most "
+        "regen_max_new_tokens) stay below 512 tokens, so 512 trains the target where it is used: 4.4 passes over what is "
+        "left instead of 3.5 over 2048-token samples, in the same time; held-out next-token accuracy 0.26 against 0.24 "
+        "over the first 512 tokens, 0.17 against 0.15 on answer tokens", min=16,
+    )
     lr: float = knob(3e-3, help="peak AdamW learning rate (linear warmup, cosine decay to 10%)", min=0.0, max=1.0)
     warmup_steps: int = knob(40, help="learning-rate warmup steps", min=0)
     weight_decay: float = knob(0.1, help="AdamW weight decay on matrices", min=0.0, max=1.0)
     regen_max_new_tokens: int = knob(256, help="cap on each target-regenerated answer (greedy answers that hit it are truncated)", min=1, max=4096)
     regen_batch: int = knob(128, help="prompts per batch of the greedy regeneration (left-padded; larger is faster on CPU up to ~128)", min=1)
-    precision: Literal["auto", "fp32", "bf16"] = knob(
-        "auto", help="training compute: bf16 autocast (fast where the CPU has bf16 instructions), fp32, or auto-detect"
+    regen_stop_repeat: int = knob(
+        16, help="cut a regenerated answer where it starts looping: once its last n >= max(this, p) tokens repeat the p tokens "
+        f"before them (any period p <= {REPEAT_MAX_PERIOD}); 0 = answers end only at the stop token or the cap", min=0, max=4096,
     )
-    threads: int = knob(0, help="torch threads; 0 = every core this process may use", min=0)
+    device: Literal["auto", "cpu", "cuda"] = knob("auto", help="where the target trains and answers; auto = cuda when torch sees a GPU")
+    precision: Literal["auto", "fp32", "bf16"] = knob(
+        "auto", help="training compute: bf16 autocast (fast where the CPU has bf16 instructions), fp32, or auto "
+        "(bf16 on a GPU or a CPU with bf16 instructions, else fp32)"
+    )
+    threads: int = knob(0, help="torch CPU threads; 0 = common.device.small_model_threads() (OMP_NUM_THREADS, else at most 4)", min=0)
     force: bool = knob(False, help="rebuild even when a matching build exists")
 
     def check(self) -> None:
@@ -66,19 +77,14 @@ def tap_layer_ids(num_layers: int, n_taps: int) -> list[int]:
     return ids
 
 
-def resolve_precision(precision: str) -> str:
-    """'bf16' where the CPU has native bf16 math (autocast is then about twice as fast), else 'fp32'."""
+def resolve_precision(precision: str, device_type: str = "cpu") -> str:
+    """'bf16' on a GPU and where the CPU has native bf16 math (autocast is then about twice as fast), else 'fp32'."""
     if precision != "auto":
         return precision
+    if device_type == "cuda":
+        return "bf16"
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "fp32"
     return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "fp32"
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from common.schedule import warmup_cosine
 from extract.tiny.chat import EOS_TOKEN, IM_END, MASK_TOKEN, MODEL_MAX_LENGTH, build_chat_tokenizer
-from extract.tiny.config import TinyConfig, resolve_precision, tap_layer_ids, usable_cores
+from extract.tiny.compute import Compute, build_compute
+from extract.tiny.config import TinyConfig, resolve_precision, tap_layer_ids
 from extract.tiny.corpus import record_texts
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions: importing this module does no work
@@ -138,23 +139,26 @@ def make_optimizer(model, cfg: TinyConfig) -> "torch.optim.Optimizer":
 
 
 def train_target(model, seqs: list[list[int]], cfg: TinyConfig, pad_id: int, progress: bool = True) -> list[float]:
-    """Next-token training on every position of the rendered samples; returns the loss per step."""
+    """Next-token training on every position of the rendered samples, on the model's device (the
+    same batches and steps on a CPU and a GPU); returns the loss per step."""
     import torch
     from tqdm.auto import tqdm
 
     model.train()
+    device = next(model.parameters()).device
     optimizer = make_optimizer(model, cfg)
-    use_bf16 = resolve_precision(cfg.precision) == "bf16"
+    use_bf16 = resolve_precision(cfg.precision, device.type) == "bf16"
     batches = endless_batches(seqs, cfg.batch_tokens, cfg.seed)
     losses = []
-    bar = tqdm(range(cfg.steps), desc="train tiny target", unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(range(cfg.steps), desc=f"train tiny target ({device.type})", unit="step", disable=not progress, dynamic_ncols=True)
     tokens, start = 0, time.perf_counter()
     for step in bar:
-        batch = collate(next(batches), pad_id)
+        batch = {name: t.to(device) for name, t in collate(next(batches), pad_id).items()}
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
-            loss = model(**batch).loss
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            logits_BTV = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = next_token_loss(logits_BTV, batch["labels"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -166,6 +170,16 @@ def train_target(model, seqs: list[list[int]], cfg: TinyConfig, pad_id: int, pro
     return losses
 
 
+def next_token_loss(logits_BTV: "torch.Tensor", labels_BT: "torch.Tensor") -> "torch.Tensor":
+    """Mean cross-entropy of every position's prediction of the next token (labels -100 skipped),
+    computed as log-softmax + gather: torch has no deterministic CUDA kernel for nll_loss."""
+    logprobs_BTV = logits_BTV[:, :-1].float().log_softmax(-1)
+    targets_BT = labels_BT[:, 1:]
+    valid_BT = targets_BT != -100
+    picked_BT = logprobs_BTV.gather(-1, targets_BT.clamp(min=0)[..., None])[..., 0]
+    return -(picked_BT * valid_BT).sum() / valid_BT.sum().clamp(min=1)
+
+
 def next_token_accuracy(
     model, seqs: list[list[int]], batch_tokens: int, pad_id: int, masks: list[list[bool]] | None = None
 ) -> tuple[int, int]:
@@ -175,17 +189,18 @@ def next_token_accuracy(
 
     correct = total = 0
     lengths = [len(s) for s in seqs]
+    device = next(model.parameters()).device
     with torch.inference_mode():
         for batch_idx in length_batches(lengths, batch_tokens, random.Random(0)):
-            batch = collate([seqs[i] for i in batch_idx], pad_id)
+            batch = {name: t.to(device) for name, t in collate([seqs[i] for i in batch_idx], pad_id).items()}
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             predicted, target = logits[:, :-1].argmax(-1), batch["labels"][:, 1:]
             valid = target != -100
             if masks is not None:
-                marked = torch.zeros_like(batch["attention_mask"], dtype=torch.bool)
+                marked = torch.zeros(batch["attention_mask"].shape, dtype=torch.bool)
                 for row, i in enumerate(batch_idx):
                     marked[row, : len(masks[i])] = torch.tensor(masks[i], dtype=torch.bool)
-                valid &= marked[:, 1:]
+                valid &= marked[:, 1:].to(device)
             correct += int((predicted == target)[valid].sum())
             total += int(valid.sum())
     return correct, total
@@ -262,31 +277,28 @@ def build_tiny_target(
     Returns the report. `out_dir` gets `config.json`, `model.safetensors` (bf16),
     `generation_config.json`, the tokenizer files with the chat template, and `tiny_report.json`.
     """
-    import torch
-
     cfg = cfg or TinyConfig()
     if not train_records or not heldout_records:
         raise ValueError("build_tiny_target needs training and held-out records")
     out = Path(out_dir)
     started = time.perf_counter()
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or usable_cores())
-    try:
-        return train_and_report(out, train_records, heldout_records, cfg, progress, started)
-    finally:
-        torch.set_num_threads(threads_before)
+    with build_compute(cfg) as compute:
+        report = train_and_report(out, train_records, heldout_records, cfg, compute, progress, started)
+    report["gpu_nondeterministic_ops"] = compute.nondeterministic_ops
+    (out / "tiny_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return report
 
 
 def train_and_report(
-    out: Path, train_records: list[dict], heldout_records: list[dict], cfg: TinyConfig, progress: bool, started: float
+    out: Path, train_records: list[dict], heldout_records: list[dict], cfg: TinyConfig, compute: Compute, progress: bool, started: float
 ) -> dict[str, Any]:
     tokenizer = build_chat_tokenizer(record_texts(train_records), cfg.vocab_size)
     train_seqs = encode_records(tokenizer, train_records, cfg.max_len)
     heldout_seqs = encode_records(tokenizer, heldout_records, cfg.max_len)
-    losses = train_and_save(out, tokenizer, train_seqs, cfg, progress)
+    losses = train_and_save(out, tokenizer, train_seqs, cfg, compute.device, progress)
     train_seconds = time.perf_counter() - started
     report = {
-        **evaluate_saved(out, tokenizer, train_seqs, heldout_seqs, heldout_records, cfg),
+        **evaluate_saved(out, tokenizer, train_seqs, heldout_seqs, heldout_records, cfg, compute.device),
         "final_train_loss": sum(losses[-20:]) / len(losses[-20:]) if losses else None,
         "tap_layer_ids": tap_layer_ids(cfg.num_layers, cfg.n_taps),
         "num_layers": cfg.num_layers,
@@ -298,31 +310,34 @@ def train_and_report(
         "pad_token_id": tokenizer.pad_token_id,
         "im_end_token_id": tokenizer.convert_tokens_to_ids(IM_END),
         "chat_template": "qwen3-style; enable_thinking=False adds an empty <think> block (see extract/tiny/)",
-        "precision": resolve_precision(cfg.precision),
+        "device": compute.device.type,
+        "precision": resolve_precision(cfg.precision, compute.device.type),
         "threads": torch_threads(),
         "train_seconds": round(train_seconds, 1),
         "corpus": {"train": length_summary(train_seqs), "heldout": length_summary(heldout_seqs)},
     }
-    (out / "tiny_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return report
 
 
-def train_and_save(out: Path, tokenizer, train_seqs: list[list[int]], cfg: TinyConfig, progress: bool) -> list[float]:
-    """Train a fresh Qwen3 from `cfg.seed`; save it in bf16 (as the real target ships) with the tokenizer."""
+def train_and_save(
+    out: Path, tokenizer, train_seqs: list[list[int]], cfg: TinyConfig, device: "torch.device", progress: bool
+) -> list[float]:
+    """Train a fresh Qwen3 from `cfg.seed` on `device`; save it in bf16 (as the real target ships) with the tokenizer."""
     import torch
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(cfg.seed)
-    model = Qwen3ForCausalLM(qwen3_config(cfg, tokenizer))
+    model = Qwen3ForCausalLM(qwen3_config(cfg, tokenizer))  # initialized on the CPU: the same weights on every device
     model.generation_config = generation_config(tokenizer)
-    losses = train_target(model, train_seqs, cfg, tokenizer.pad_token_id, progress)
-    model.to(torch.bfloat16).save_pretrained(out)
+    losses = train_target(model.to(device), train_seqs, cfg, tokenizer.pad_token_id, progress)
+    model.to("cpu", torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return losses
 
 
 def evaluate_saved(
-    out: Path, tokenizer, train_seqs: list[list[int]], heldout_seqs: list[list[int]], heldout_records: list[dict], cfg: TinyConfig
+    out: Path, tokenizer, train_seqs: list[list[int]], heldout_seqs: list[list[int]], heldout_records: list[dict], cfg: TinyConfig,
+    device: "torch.device | str" = "cpu",
 ) -> dict[str, Any]:
     """Next-token accuracy of the model as saved (reloaded in bf16, as extraction will run it), on
     every held-out position and on answer tokens only, against always predicting the most
@@ -330,7 +345,7 @@ def evaluate_saved(
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, trust_remote_code=False).eval()
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, trust_remote_code=False).to(device).eval()
     pad = tokenizer.pad_token_id
     answers = assistant_masks(tokenizer, heldout_records, cfg.max_len)
     correct, total = next_token_accuracy(model, heldout_seqs, EVAL_BATCH_TOKENS, pad)

@@ -8,14 +8,20 @@ import json
 import subprocess
 
 import pytest
+import torch
 
 from train import demo
 
 
-def fake_outputs(root, run="demo"):
-    (root / "artifacts/tiny/target").mkdir(parents=True)
+def fake_tiny_build(root):
+    (root / "artifacts/tiny/target").mkdir(parents=True, exist_ok=True)
     (root / "artifacts/tiny/target/tiny_report.json").write_text(json.dumps(
-        {"num_layers": 8, "parameters": 2_600_000, "heldout_next_token_accuracy": 0.25, "most_frequent_token_accuracy": 0.05}))
+        {"num_layers": 8, "parameters": 2_600_000, "heldout_next_token_accuracy": 0.25, "most_frequent_token_accuracy": 0.05,
+         "regenerated_corpus": {"stop_repeat": 16}}))
+
+
+def fake_outputs(root, run="demo"):
+    fake_tiny_build(root)
     run_dir = root / "runs" / run
     run_dir.mkdir(parents=True)
     overall = {"n_blocks": 900, "tau": 2.5, "position_acceptance": [0.6] + [0.1] * 14, "ddtree_tau_8": 3.0, "ddtree_tau_64": 4.0}
@@ -33,6 +39,8 @@ def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeyp
 
     def fake_run(args, **kwargs):
         calls.append(args[1:])
+        if args[1:3] == ["-m", "extract.tiny"]:
+            fake_tiny_build(tmp_path)
         if args[1:3] == ["-m", "train.report"]:  # the last step: everything before it has written its files
             fake_outputs(tmp_path)
         return subprocess.CompletedProcess(args, 0)
@@ -42,9 +50,12 @@ def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeyp
     modules = [c[1] for c in calls]
     assert modules == ["extract.tiny", "extract", "train", "train.eval", "train.export", "train.specdecode", "train.report"]
     train_args, eval_args, spec_args = calls[2], calls[3], calls[5]
-    assert "run_name=demo" in train_args and any(a.startswith("optim.epochs=") for a in train_args)
+    assert "run_name=demo" in train_args and "optim.max_steps=400" in train_args
     assert eval_args[2] == "runs/demo" and eval_args[eval_args.index("--data") + 1] == "artifacts/tiny/shards/heldout"
     assert spec_args[spec_args.index("--drafter") + 1] == "runs/demo/export" == calls[4][3]
+    assert spec_args[spec_args.index("--device") + 1] == ("cuda" if torch.cuda.is_available() else "cpu")
+    # every held-out prompt, each response ending where it loops, by the rule the tiny build cut its answers with
+    assert spec_args[spec_args.index("--num-prompts") + 1] == "0" and spec_args[spec_args.index("--stop-repeat") + 1] == "16"
 
     out = capsys.readouterr().out
     rows = {line.strip().rsplit(None, 2)[0]: line.split()[-2:] for line in out.splitlines()
@@ -56,6 +67,43 @@ def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeyp
     assert summary["eval"]["tau"] == 2.5 and summary["eval_baseline"]["acceptance_k1"] == 0.04
     assert set(summary["timings_s"]) == {"tiny target + corpus", "extraction", "drafter training", "offline evaluation",
                                          "export", "speculative decoding", "report"}
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_steps_run_with_this_interpreter_few_threads_and_the_gpu_when_there_is_one(tmp_path, monkeypatch, capsys, cuda):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Fake GPU")
+    monkeypatch.setattr("common.device.usable_cores", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    calls = []
+
+    def fake_run(args, env=None, **kwargs):
+        calls.append((args, env))
+        if "train.report" in args:
+            fake_outputs(tmp_path)
+        return subprocess.CompletedProcess(args, 0)
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    assert demo.main([]) == 0
+    assert all(args[0] == demo.sys.executable for args, _ in calls)  # not a venv path: `python3 -m train.demo` works anywhere
+    assert {env["OMP_NUM_THREADS"] for _, env in calls} == {"4"}  # 16 cores, small models: 4 threads
+    spec = next(args for args, _ in calls if "train.specdecode" in args)
+    assert spec[spec.index("--device") + 1] == ("cuda" if cuda else "cpu")
+    summary = json.loads((tmp_path / "runs/demo/demo_summary.json").read_text())
+    assert summary["machine"]["device"] == ("cuda" if cuda else "cpu") and summary["machine"]["threads"] == 4
+    assert summary["machine"]["gpu"] == ("Fake GPU" if cuda else None)
+    assert ("on GPU (Fake GPU)" if cuda else "on CPU;") in capsys.readouterr().out
+
+
+def test_a_set_omp_num_threads_is_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    envs = []
+    monkeypatch.setattr(demo.subprocess, "run", lambda args, env=None, **kw: (envs.append(env), subprocess.CompletedProcess(args, 1))[1])
+    with pytest.raises(SystemExit):
+        demo.main([])
+    assert envs[0]["OMP_NUM_THREADS"] == "3"
 
 
 def test_a_failing_step_stops_the_demo_and_names_it(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@ greedy decoding, and the agreement of offline chain τ with the online τ.
 
     python -m train.specdecode --target DIR --drafter EXPORT_DIR [--prompts FILE.jsonl | --data SHARDS]
         [--max-new-tokens N] [--num-prompts N] [--out result.json] [--agreement [--agreement-bf16]]
-        [--tree-budgets 8,32] [--dtype float32] [--threads N] [--thinking] [--no-baseline]
+        [--tree-budgets 8,32] [--dtype float32] [--threads N] [--thinking] [--no-baseline] [--stop-repeat N]
     make specdecode ARGS="--target artifacts/tiny/target --drafter exports/NAME --agreement"
 
 Prompts: the first user turn of each `{"messages": [...]}` record (default
@@ -32,7 +32,8 @@ accepted tokens are run through the target once more (one extra target forward p
 
 τ accounting (dflash.md §4.1, the conventions of `train.eval.acceptance`): τ of a round = 1 + the number
 of leading drafts that equal the target's tokens, counted only over the tokens the round produced
-(the last round of a response is cut at the stop token or the token budget, where a cut block's
+(the last round of a response is cut at the stop token, the token budget, or with --stop-repeat
+where the response starts looping (`Ending`), where a cut block's
 streak is at most its valid length). The reported τ is the mean over prompts of the per-prompt mean
 over rounds; the histogram counts rounds by τ = 1..B. The first token comes from the prefill and
 is not a round. (z-lab's benchmark counts a last round's committed tokens instead: the two differ
@@ -78,11 +79,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.repeat import RepeatWatch
 from common.target import TapHooks, Target, check_layer_ids, load_target, reach_text_parts
 
 __all__ = [
     "Round",
     "Generation",
+    "Ending",
     "SpecTarget",
     "Proposer",
     "DFlashProposer",
@@ -130,7 +133,7 @@ class Generation:
 
     prompt_len: int
     tokens: list[int]                 # generated tokens; the first comes from the prefill
-    stop: str                         # "eos" or "length"
+    stop: str                         # "eos", "length", or "repeat" (stop_repeat: where it started looping)
     rounds: list[Round] = dataclasses.field(default_factory=list)   # empty for target-only decoding
     prefill_s: float = 0.0
     decode_s: float = 0.0             # everything after the prefill
@@ -345,12 +348,33 @@ def round_tau(drafts: Sequence[int], committed: Sequence[int]) -> int:
     return 1 + _leading_matches(drafts, committed)
 
 
-def _cut(tokens: list[int], stop_ids: frozenset, budget: int) -> tuple[list[int], bool]:
-    """Tokens up to and including the first stop token, at most `budget`; and whether a stop token ended them."""
-    for i, token in enumerate(tokens[:budget]):
-        if token in stop_ids:
-            return tokens[: i + 1], True
-    return tokens[:budget], False
+class Ending:
+    """Where a response ends: with its first stop token ("eos", the token kept), after
+    `max_new_tokens` tokens ("length"), or, with `stop_repeat` > 0, after the token where it starts
+    looping ("repeat"; `common.repeat.RepeatWatch`, the rule by which the tiny default's
+    regenerated answers are cut, so a response decoded here ends where its training answer does)."""
+
+    def __init__(self, stop_ids: frozenset, max_new_tokens: int, stop_repeat: int = 0):
+        self.stop_ids, self.max_new_tokens = stop_ids, max_new_tokens
+        self.watch = RepeatWatch(1, max_new_tokens, stop_repeat) if stop_repeat else None
+        self.count = 0
+        self.reason: str | None = None
+
+    def take(self, tokens: Sequence[int]) -> list[int]:
+        """The leading `tokens` the response keeps: all of them, unless it ends among them."""
+        kept: list[int] = []
+        for token in tokens:
+            if self.reason is not None:
+                break
+            kept.append(token)
+            self.count += 1
+            if token in self.stop_ids:
+                self.reason = "eos"
+            elif self.watch is not None and self.watch.push([token])[0]:
+                self.reason = "repeat"
+            elif self.count >= self.max_new_tokens:
+                self.reason = "length"
+        return kept
 
 
 def _prompt_tensor(prompt_ids: Sequence[int], device) -> torch.Tensor:
@@ -360,40 +384,43 @@ def _prompt_tensor(prompt_ids: Sequence[int], device) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_generate(target: SpecTarget, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
-    """Target-only greedy decoding with the same KV cache, one token per forward."""
+def greedy_generate(target: SpecTarget, prompt_ids: Sequence[int], max_new_tokens: int, *, stop_repeat: int = 0) -> Generation:
+    """Target-only greedy decoding with the same KV cache, one token per forward (ends: `Ending`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     started = time.perf_counter()
+    ending = Ending(target.stop_ids, max_new_tokens, stop_repeat)
     logits, _, cache = target.forward(_prompt_tensor(prompt_ids, target.device), None, taps=False, last_only=True)
-    tokens = [int(logits[0, -1].argmax())]
+    tokens = ending.take([int(logits[0, -1].argmax())])
     result = Generation(prompt_len=len(prompt_ids), tokens=tokens, stop="length")
     prefilled = time.perf_counter()
-    while tokens[-1] not in target.stop_ids and len(tokens) < max_new_tokens:
+    while ending.reason is None:
         logits, _, cache = target.forward(torch.tensor([[tokens[-1]]]), cache, taps=False)
-        tokens.append(int(logits[0, -1].argmax()))
+        tokens.extend(ending.take([int(logits[0, -1].argmax())]))
         result.target_forwards += 1
-    result.stop = "eos" if tokens[-1] in target.stop_ids else "length"
+    result.stop = ending.reason
     result.prefill_s, result.decode_s = prefilled - started, time.perf_counter() - prefilled
     return result
 
 
 @torch.inference_mode()
-def speculative_generate(target: SpecTarget, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
-    """Greedy speculative decoding; the tokens equal `greedy_generate`'s."""
+def speculative_generate(target: SpecTarget, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
+                         *, stop_repeat: int = 0) -> Generation:
+    """Greedy speculative decoding; the tokens equal `greedy_generate`'s (ends: `Ending`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     B = proposer.block_size
     started = time.perf_counter()
+    ending = Ending(target.stop_ids, max_new_tokens, stop_repeat)
     proposer.reset()
     logits, features_1TF, cache = target.forward(_prompt_tensor(prompt_ids, target.device), None, taps=True, last_only=True)
     mode = target.cache_mode = cache_mode_for(cache, target.target.text_config)
-    tokens = [int(logits[0, -1].argmax())]
+    tokens = ending.take([int(logits[0, -1].argmax())])
     result = Generation(prompt_len=len(prompt_ids), tokens=tokens, stop="length")
     anchor = len(prompt_ids)  # position of tokens[-1]
     new_features_1SF = features_1TF
     prefilled = time.perf_counter()
-    while tokens[-1] not in target.stop_ids and len(tokens) < max_new_tokens:
+    while ending.reason is None:
         t0 = time.perf_counter()
         drafts = [int(d) for d in proposer.propose(new_features_1SF, tokens[-1], anchor)]
         assert len(drafts) == B - 1, (len(drafts), B)
@@ -405,7 +432,7 @@ def speculative_generate(target: SpecTarget, proposer: Proposer, prompt_ids: Seq
         logits, features_1TF, cache = target.forward(block_1Q, cache, taps=True)
         greedy = logits[0].argmax(-1).tolist()  # greedy[k] = the target's token for position anchor+k+1
         accepted = _leading_matches(drafts[: verify_len - 1], greedy)
-        committed, stopped = _cut(drafts[:accepted] + [greedy[accepted]], target.stop_ids, budget)
+        committed = ending.take(drafts[:accepted] + [greedy[accepted]])
         t2 = time.perf_counter()
         verified = accepted + 1  # positions anchor..anchor+accepted hold correct tokens; their K/V and features are right
         if mode == "crop":
@@ -419,9 +446,7 @@ def speculative_generate(target: SpecTarget, proposer: Proposer, prompt_ids: Seq
         tokens.extend(committed)
         new_features_1SF = features_1TF[:, :verified]
         anchor += verified
-        if stopped:
-            break
-    result.stop = "eos" if tokens[-1] in target.stop_ids else "length"
+    result.stop = ending.reason
     result.prefill_s, result.decode_s = prefilled - started, time.perf_counter() - prefilled
     return result
 
@@ -474,7 +499,7 @@ def walk_verified_tree(parent_M: torch.Tensor, token_M: torch.Tensor, greedy: Se
 
 @torch.inference_mode()
 def ddtree_generate(target: SpecTarget, proposer: DFlashProposer, prompt_ids: Sequence[int], max_new_tokens: int,
-                    budget: int) -> Generation:
+                    budget: int, *, stop_repeat: int = 0) -> Generation:
     """Greedy speculative decoding that verifies a DDTree of `budget` nodes per round (one target forward
     with an ancestor-only mask over [root | nodes]); the accepted path's K/V are kept and compacted.
 
@@ -486,16 +511,17 @@ def ddtree_generate(target: SpecTarget, proposer: DFlashProposer, prompt_ids: Se
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     started = time.perf_counter()
+    ending = Ending(target.stop_ids, max_new_tokens, stop_repeat)
     proposer.reset()
     logits, features_1TF, cache = target.forward(_prompt_tensor(prompt_ids, target.device), None, taps=True, last_only=True)
     target.cache_mode = cache_mode_for(cache, target.target.text_config)
     if target.cache_mode != "crop":
         raise ValueError("DDTree verification is not supported for targets whose cache cannot be cut back (hybrid models)")
-    tokens = [int(logits[0, -1].argmax())]
+    tokens = ending.take([int(logits[0, -1].argmax())])
     result = Generation(prompt_len=len(prompt_ids), tokens=tokens, stop="length")
     anchor, new_features_1SF = len(prompt_ids), features_1TF
     prefilled = time.perf_counter()
-    while tokens[-1] not in target.stop_ids and len(tokens) < max_new_tokens:
+    while ending.reason is None:
         t0 = time.perf_counter()
         logits_DV = proposer.draft_logits(new_features_1SF, tokens[-1], anchor).float().cpu()
         lp_1DK, ids_1DK = draft_topk(logits_DV[None], min(budget, logits_DV.shape[-1]))
@@ -508,7 +534,7 @@ def ddtree_generate(target: SpecTarget, proposer: DFlashProposer, prompt_ids: Se
         greedy = logits[0].argmax(-1).tolist()
         path = walk_verified_tree(tree.parent_M, tree.token_M, greedy)
         bonus = greedy[path[-1] + 1] if path else greedy[0]
-        committed, stopped = _cut([int(tree.token_M[i]) for i in path] + [bonus], target.stop_ids, max_new_tokens - len(tokens))
+        committed = ending.take([int(tree.token_M[i]) for i in path] + [bonus])
         t2 = time.perf_counter()
         rows = torch.tensor([0] + [i + 1 for i in path])  # root and accepted nodes in the verify input
         compact_cache(cache, torch.cat((torch.arange(anchor), anchor + rows)))
@@ -518,9 +544,7 @@ def ddtree_generate(target: SpecTarget, proposer: DFlashProposer, prompt_ids: Se
         tokens.extend(committed)
         new_features_1SF = features_1TF[:, rows.to(features_1TF.device)]
         anchor += len(path) + 1
-        if stopped:
-            break
-    result.stop = "eos" if tokens[-1] in target.stop_ids else "length"
+    result.stop = ending.reason
     result.prefill_s, result.decode_s = prefilled - started, time.perf_counter() - prefilled
     return result
 
@@ -614,9 +638,10 @@ def generation_record(index: int, spec: Generation, base: Generation | None) -> 
 
 def run_benchmark(target: SpecTarget, proposer: Proposer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                   *, baseline: bool = True, warmup: bool = True, progress: bool = False,
-                  tree_budgets: Sequence[int] = ()) -> dict:
+                  tree_budgets: Sequence[int] = (), stop_repeat: int = 0) -> dict:
     """Speculative and (interleaved, per prompt) target-only greedy decoding of every prompt; with
-    `tree_budgets`, DDTree verification at each budget too (`ddtree`: one summary per budget)."""
+    `tree_budgets`, DDTree verification at each budget too (`ddtree`: one summary per budget).
+    `stop_repeat` > 0 ends every response where it starts looping (`Ending`)."""
     from tqdm.auto import tqdm
 
     if warmup and prompts:  # first calls allocate and pick kernels; keep that out of the timings
@@ -626,10 +651,10 @@ def run_benchmark(target: SpecTarget, proposer: Proposer, prompts: Sequence[Sequ
     specs, bases, records = [], [], []
     trees: dict[int, list[Generation]] = {int(b): [] for b in tree_budgets}
     for i, prompt in enumerate(tqdm(prompts, desc="specdecode", unit="prompt", disable=not progress)):
-        base = greedy_generate(target, prompt, max_new_tokens) if baseline else None
-        spec = speculative_generate(target, proposer, prompt, max_new_tokens)
+        base = greedy_generate(target, prompt, max_new_tokens, stop_repeat=stop_repeat) if baseline else None
+        spec = speculative_generate(target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat)
         for budget, gens in trees.items():
-            gens.append(ddtree_generate(target, proposer, prompt, max_new_tokens, budget))
+            gens.append(ddtree_generate(target, proposer, prompt, max_new_tokens, budget, stop_repeat=stop_repeat))
         specs.append(spec)
         bases.append(base)
         records.append(generation_record(i, spec, base))
@@ -702,7 +727,7 @@ def chained_anchors(tau_N: torch.Tensor, first: int, end: int) -> list[int]:
 
 def agreement(target: SpecTarget, drafter: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
               *, feature_dtype: torch.dtype | None = None, progress: bool = False,
-              generations: Sequence[Generation] | None = None) -> dict:
+              generations: Sequence[Generation] | None = None, stop_repeat: int = 0) -> dict:
     """Online τ against offline chain τ on the target's own greedy continuations of `prompts`.
 
     Per prompt: speculative decoding gives the continuation and the online rounds; the whole
@@ -739,7 +764,8 @@ def agreement(target: SpecTarget, drafter: nn.Module, prompts: Sequence[Sequence
     proposer = DFlashProposer(drafter, target) if generations is None else None
     per_prompt = []
     for index, prompt in enumerate(tqdm(prompts, desc="agreement", unit="prompt", disable=not progress)):
-        gen = speculative_generate(target, proposer, prompt, max_new_tokens) if generations is None else generations[index]
+        gen = (speculative_generate(target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat)
+               if generations is None else generations[index])
         if not gen.rounds:
             continue
         ids_T = torch.tensor(list(prompt) + gen.tokens, dtype=torch.long)
@@ -895,7 +921,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--prompts", default=None, help=f"JSONL of {{\"messages\": [...]}} records (default: {DEFAULT_PROMPTS})")
     source.add_argument("--data", default=None, help="shard dataset: prompts = the tokens before each sample's first response")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=16, help="use the first N prompts; 0 = all")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--agreement", action="store_true", help="also compare offline chain τ with the online τ")
     parser.add_argument("--agreement-bf16", action="store_true", help="round the offline features to bf16, as shards store them")
@@ -906,9 +932,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--thinking", action="store_true", help="render prompts with enable_thinking=True (default: non-thinking, as the published drafters)")
     parser.add_argument("--no-context-cache", action="store_true", help="recompute the drafter's context every round (checks the cache)")
     parser.add_argument("--tree-budgets", default="", help="also verify DDTrees of these node budgets, e.g. 8,32 (stretch goal; not for hybrid targets)")
+    parser.add_argument("--stop-repeat", type=int, default=0,
+                        help="end each response where it starts looping: after its last N >= max(this, p) tokens repeat the p before "
+                             "them (p <= 64; the rule extract.tiny cuts its regenerated answers by); 0 = off")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.num_prompts < 1:
-        parser.error("--max-new-tokens and --num-prompts must be >= 1")
+    if args.max_new_tokens < 1 or args.num_prompts < 0:
+        parser.error("--max-new-tokens must be >= 1 and --num-prompts >= 0")
+    if args.stop_repeat < 0:
+        parser.error("--stop-repeat must be >= 0")
     try:
         args.tree_budgets = [int(b) for b in args.tree_budgets.split(",") if b.strip()]
     except ValueError:
@@ -971,19 +1002,19 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size {target_obj.hidden_size}")
         samples = None
         if args.data:
-            prompts, samples = prompts_from_shards(args.data, args.num_prompts)
+            prompts, samples = prompts_from_shards(args.data, args.num_prompts or None)
         else:
             path = args.prompts or DEFAULT_PROMPTS
             if not Path(path).is_file():
                 raise ValueError(f"prompts file '{path}' does not exist (give --prompts or --data)")
-            prompts = prompts_from_jsonl(path, target_obj.tokenizer, args.num_prompts, thinking=args.thinking)
+            prompts = prompts_from_jsonl(path, target_obj.tokenizer, args.num_prompts or None, thinking=args.thinking)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     proposer = DFlashProposer(drafter, target, context_cache=not args.no_context_cache)
     try:
         result = run_benchmark(target, proposer, prompts, args.max_new_tokens, baseline=not args.no_baseline, progress=True,
-                               tree_budgets=args.tree_budgets)
+                               tree_budgets=args.tree_budgets, stop_repeat=args.stop_repeat)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -991,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.agreement:  # on the very rounds the benchmark decoded, not a second decoding
         result["agreement"] = agreement(target, drafter, prompts, args.max_new_tokens,
                                         feature_dtype=torch.bfloat16 if args.agreement_bf16 else None, progress=True,
-                                        generations=generations)
+                                        generations=generations, stop_repeat=args.stop_repeat)
         if samples is not None:
             result["agreement"].update(corpus_offline_tau(drafter, target, samples))
     import transformers
@@ -1001,6 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": args.data, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
         "device": args.device, "threads": torch.get_num_threads(), "thinking": args.thinking,
         "block_size": proposer.block_size, "context_cache": not args.no_context_cache, "tree_budgets": args.tree_budgets,
+        "stop_repeat": args.stop_repeat,
         "torch": torch.__version__, "transformers": transformers.__version__,
     }
     _print_summary(result)

@@ -44,6 +44,19 @@ def test_build_is_cached_and_a_changed_recipe_rebuilds(tmp_path, monkeypatch, ca
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
+def test_the_recipe_keys_on_the_device_type_and_the_precision_it_resolves_to(monkeypatch):
+    cfg = TinyConfig(**TINY_MODEL)
+    seen = {}
+    for device in ("cpu", "cuda"):
+        monkeypatch.setattr(tiny_build, "resolve_build_device", lambda choice, device=device: device)
+        seen[device] = (tiny_build.recipe(cfg)["params"], tiny_build.recipe_digest(cfg))
+        # how many threads build it changes the rounding at most, not the recipe
+        assert tiny_build.recipe_digest(TinyConfig(**{**TINY_MODEL, "threads": 2})) == seen[device][1]
+    assert seen["cpu"][0]["device"] == "cpu" and seen["cuda"][0]["device"] == "cuda"
+    assert seen["cuda"][0]["precision"] == "bf16"  # auto on a GPU
+    assert seen["cpu"][1] != seen["cuda"][1]  # a CPU-built cache is not taken for a GPU build
+
+
 def fake_target(out_dir, train, heldout, cfg, progress=True):
     """Stands in for the (slow) real target build: writes the files the cache checks."""
     out = Path(out_dir)
@@ -56,7 +69,7 @@ def fake_target(out_dir, train, heldout, cfg, progress=True):
               "mask_token_id": 399, "tap_layer_ids": [0, 1],
               "corpus": {"train": {"records": len(train), "tokens": 1}, "heldout": {"records": len(heldout), "tokens": 1}}}
     (out / "tiny_report.json").write_text(json.dumps(report))
-    return {**report, "train_seconds": 0.0}
+    return {**report, "train_seconds": 0.0, "device": "cpu"}
 
 
 def fake_regeneration(target_dir, train, heldout, cfg=None, progress=True):

@@ -11,6 +11,7 @@ from extract.tiny import (
     build_tiny_target,
 )
 from extract.tiny import regenerate as tiny_regen
+from tests.common.test_repeat import first_loop_reference
 
 # Sizes that make a whole build take a few seconds.
 TINY_MODEL = dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
@@ -57,15 +58,15 @@ def test_batched_greedy_decoding_equals_generate_one_prompt_at_a_time(qwen3_mode
                                  eos_token_id=sorted(stop) or None, pad_token_id=0)
         tokens = out[0, len(prompt):].tolist()
         cut = next((i for i, t in enumerate(tokens) if t in stop), None)
-        return (tokens, False) if cut is None else (tokens[:cut], True)
+        return (tokens, "cap") if cut is None else (tokens[:cut], "stop")
 
     # Stop tokens chosen from the free-running answers so that rows stop at different steps and some never.
     free = [generate_alone(p, set())[0] for p in prompts]
     # (Batches are formed by prompt length: two rows of each batch of 6 get a stop token.)
     stop = {free[0][2], free[9][4], free[5][3], free[1][6]}
     expected = [generate_alone(p, stop) for p in prompts]
-    stop_steps = {len(tokens) for tokens, stopped in expected if stopped}
-    assert len(stop_steps) >= 2 and not all(stopped for _, stopped in expected), (stop_steps, expected)
+    stop_steps = {len(tokens) for tokens, end in expected if end == "stop"}
+    assert len(stop_steps) >= 2 and not all(end == "stop" for _, end in expected), (stop_steps, expected)
 
     drops = []
     real_select = DynamicCache.batch_select_indices
@@ -73,6 +74,32 @@ def test_batched_greedy_decoding_equals_generate_one_prompt_at_a_time(qwen3_mode
     got = tiny_regen.greedy_answers(model, prompts, new_tokens, batch_size=6, stop_ids=stop, pad_id=0)
     assert got == expected
     assert drops, "no finished row was ever dropped from a batch: the test does not exercise that path"
+
+
+def test_batched_greedy_decoding_cut_where_it_loops_equals_generate_cut_there(qwen3_model):
+    """Rows of a random model loop at different steps: each row stops right after its first
+    repetition (as `first_loop_reference` finds it in generate's free-running answer), or at a stop
+    token before it, or at the cap; rows are dropped from the batch as they finish."""
+    model, new_tokens, min_repeat = qwen3_model, 40, 6
+    rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, model.config.vocab_size, (n,), generator=rng).tolist() for n in (3, 17, 8, 25, 5, 12, 30, 9, 14, 4, 21, 7)]
+    free = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+        free.append(out[0, len(prompt):].tolist())
+    stop = {free[1][20]}  # one stop token, so that a stop before a loop is exercised too
+    expected = []
+    for tokens in free:
+        cut = next((i for i, t in enumerate(tokens) if t in stop), None)
+        loop = first_loop_reference(tokens[:cut], min_repeat)
+        expected.append((tokens[:loop], "repeat") if loop else (tokens[:cut], "stop") if cut is not None else (tokens, "cap"))
+    ends = [end for _, end in expected]
+    assert {"repeat", "stop", "cap"} <= set(ends) and len({len(t) for t, end in expected if end == "repeat"}) >= 3, expected
+
+    got = tiny_regen.greedy_answers(model, prompts, new_tokens, batch_size=6, stop_ids=stop, pad_id=0, stop_repeat=min_repeat)
+    assert got == expected
 
 
 def test_round_trip_keeps_the_longest_prefix_that_survives(small_tokenizer):

@@ -70,3 +70,13 @@ def test_length_batches_cover_every_sequence_once_within_the_budget():
         assert len(batch) == 1 or len(batch) * tiny_target.padded_width(max(lengths[i] for i in batch)) <= 1024
     assert batches == tiny_target.length_batches(lengths, 1024, random.Random(0))
     assert batches != tiny_target.length_batches(lengths, 1024, random.Random(1))
+
+
+def test_next_token_loss_equals_the_models_own_loss(qwen3_model):
+    ids = torch.randint(10, qwen3_model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        out = qwen3_model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert torch.allclose(tiny_target.next_token_loss(out.logits, labels), out.loss, rtol=1e-5)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from tests.common.test_repeat import first_loop_reference
 from train.attention import build_dense_mask
 from train.blocks import make_blocks
 from train.serve.export import export_drafter, load_exported
@@ -151,6 +152,24 @@ def test_stop_token_ends_both_loops_at_the_same_token():
         spec = speculative_generate(target, proposer, prompt, 40)
         assert spec.tokens == stopped.tokens and spec.stop == "eos"
         check_round_bookkeeping(spec)
+
+
+def test_stop_repeat_ends_both_loops_where_the_response_starts_looping():
+    """With stop_repeat, a response ends right after its first repetition, where extract.tiny cuts
+    its regenerated answers (`first_loop_reference`), in target-only and speculative decoding alike."""
+    target = SpecTarget.from_model(tiny_qwen3(seed=3), LAYER_IDS, stop_ids=[])
+    ends = []
+    for prompt in random_prompts(8, seed=7):
+        free = greedy_generate(target, prompt, 60)
+        loop = first_loop_reference(free.tokens, 6)
+        base = greedy_generate(target, prompt, 60, stop_repeat=6)
+        assert base.tokens == (free.tokens[:loop] if loop else free.tokens) and base.stop == ("repeat" if loop else "length")
+        for proposer in (OracleProposer(prompt + free.tokens), BrokenAtProposer(prompt + free.tokens, 3)):
+            spec = speculative_generate(target, proposer, prompt, 60, stop_repeat=6)
+            assert spec.tokens == base.tokens and spec.stop == base.stop
+            check_round_bookkeeping(spec)
+        ends.append((base.stop, len(base.tokens)))
+    assert len({n for stop, n in ends if stop == "repeat"}) >= 2, ends  # cut at several places
 
 
 # ----------------------------------------------------------------------------------------------
