@@ -1,6 +1,7 @@
 # One entry point per job. Every target depends on `setup`, so a fresh clone needs no manual step.
 #   make demo                                   the whole pipeline on the built-in tiny default (on the GPU if there is one)
-#   make test                                   the test suite
+#   make test                                   lint (ruff) and the test suite
+#   make format                                 apply ruff's fixes and formatting
 #   make test-gpu                               only the GPU tier (pytest -m gpu): the CUDA paths, on a GPU host
 #   make extract [CONFIG=configs/x.toml] [key=value ...]
 #   make train   [CONFIG=configs/x.toml] [RUN=name] [key=value ...]
@@ -19,7 +20,7 @@ export PYTHONUNBUFFERED := 1
 # torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup test test-gpu demo extract regenerate train eval export specdecode report tiny tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train reliability clean
+.PHONY: setup test lint format test-gpu demo extract regenerate train eval export specdecode report tiny tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train reliability clean
 
 setup: $(VENV)/.installed
 
@@ -31,8 +32,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
-test: setup
+# Lint first (seconds): `ruff format --check` and `ruff check` (pyproject.toml [tool.ruff]); `make format` fixes what it can.
+test: setup lint
 	$(PY) -m pytest -q -n 2 $(ARGS)
+
+lint: setup
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 # Four workers: most of the tier's time is torch.compile / Triton compilation, which is CPU-bound.
 test-gpu: setup

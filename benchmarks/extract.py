@@ -38,30 +38,73 @@ import torch
 
 # Qwen/Qwen3.6-27B config.json `text_config` (docs: qwen3.6-27b.md section 1.2).
 QWEN36_27B_TEXT = dict(
-    attention_bias=False, attention_dropout=0.0, attn_output_gate=True, bos_token_id=248044, eos_token_id=248044,
-    pad_token_id=None, full_attention_interval=4, head_dim=256, hidden_act="silu", hidden_size=5120,
-    initializer_range=0.02, intermediate_size=17408, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-    linear_num_key_heads=16, linear_value_head_dim=128, linear_num_value_heads=48, max_position_embeddings=262144,
-    mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False, num_attention_heads=24, num_key_value_heads=4,
-    num_hidden_layers=64, partial_rotary_factor=0.25, rms_norm_eps=1e-6,
-    rope_parameters=dict(mrope_interleaved=True, mrope_section=[11, 11, 10], partial_rotary_factor=0.25, rope_theta=10000000, rope_type="default"),
-    tie_word_embeddings=False, use_cache=True, vocab_size=248320,
+    attention_bias=False,
+    attention_dropout=0.0,
+    attn_output_gate=True,
+    bos_token_id=248044,
+    eos_token_id=248044,
+    pad_token_id=None,
+    full_attention_interval=4,
+    head_dim=256,
+    hidden_act="silu",
+    hidden_size=5120,
+    initializer_range=0.02,
+    intermediate_size=17408,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_num_key_heads=16,
+    linear_value_head_dim=128,
+    linear_num_value_heads=48,
+    max_position_embeddings=262144,
+    mtp_num_hidden_layers=1,
+    mtp_use_dedicated_embeddings=False,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    num_hidden_layers=64,
+    partial_rotary_factor=0.25,
+    rms_norm_eps=1e-6,
+    rope_parameters=dict(
+        mrope_interleaved=True,
+        mrope_section=[11, 11, 10],
+        partial_rotary_factor=0.25,
+        rope_theta=10000000,
+        rope_type="default",
+    ),
+    tie_word_embeddings=False,
+    use_cache=True,
+    vocab_size=248320,
 )
 # The same architecture (hybrid layers, gated attention, partial rope), small enough for a CPU.
 TINY_TEXT = dict(
-    QWEN36_27B_TEXT, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=32, linear_key_head_dim=16, linear_num_key_heads=2, linear_value_head_dim=16, linear_num_value_heads=4,
-    vocab_size=4096, bos_token_id=1, eos_token_id=1, max_position_embeddings=4096,
+    QWEN36_27B_TEXT,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_key_head_dim=16,
+    linear_num_key_heads=2,
+    linear_value_head_dim=16,
+    linear_num_value_heads=4,
+    vocab_size=4096,
+    bos_token_id=1,
+    eos_token_id=1,
+    max_position_embeddings=4096,
 )
 SHAPES = {
-    "qwen3.6-27b": dict(text=QWEN36_27B_TEXT, layer_ids=[1, 16, 31, 46], tokens=1_000_000, min_len=500, max_len=8000, budget=16384),
+    "qwen3.6-27b": dict(
+        text=QWEN36_27B_TEXT, layer_ids=[1, 16, 31, 46], tokens=1_000_000, min_len=500, max_len=8000, budget=16384
+    ),
     "tiny": dict(text=TINY_TEXT, layer_ids=[1, 3, 5], tokens=12_000, min_len=32, max_len=400, budget=2048),
 }
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.extract", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.6-27b", help="target shape (tiny runs on CPU in seconds)")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default="qwen3.6-27b", help="target shape (tiny runs on CPU in seconds)"
+    )
     p.add_argument("--tokens", type=int, default=None, help="synthetic corpus size in tokens, all ranks together")
     p.add_argument("--min-len", type=int, default=None, help="shortest sequence")
     p.add_argument("--max-len", type=int, default=None, help="longest sequence")
@@ -73,14 +116,25 @@ def parse_args(argv):
     p.add_argument("--hidden-encoding", choices=["planes", "plain"], default=None)
     p.add_argument("--writer-threads", type=int, default=4)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--workdir", default=None, help="where the corpus and shards go (local disk); default /tmp/extract-bench")
+    p.add_argument(
+        "--workdir", default=None, help="where the corpus and shards go (local disk); default /tmp/extract-bench"
+    )
     p.add_argument("--keep", action="store_true", help="keep the written shards")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip the untimed bare pass that first tunes kernels for each shape: (b) then runs cold and "
-                        "(a) warm after it, so (b)/(a) reads low")
-    p.add_argument("--variant", action="append", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
-                   help="run (b) once more with these extract config overrides, e.g. launch_ahead_layers=4 or "
-                        "gil_switch_interval=0.0005 (repeatable; (b) runs once per --variant, in order; default: once as configured)")
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the untimed bare pass that first tunes kernels for each shape: (b) then runs cold and "
+        "(a) warm after it, so (b)/(a) reads low",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="run (b) once more with these extract config overrides, e.g. launch_ahead_layers=4 or "
+        "gil_switch_interval=0.0005 (repeatable; (b) runs once per --variant, in order; default: once as configured)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -212,7 +266,12 @@ def measure_bare(target, cfg, batches: list, device: str) -> dict:
         del captured
     sync(device)
     seconds = time.perf_counter() - start
-    return {"tokens": tokens, "seconds": seconds, "batches": len(batches), "padded_tokens": sum(int(i.numel()) for i, _ in batches)}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "batches": len(batches),
+        "padded_tokens": sum(int(i.numel()) for i, _ in batches),
+    }
 
 
 class GilProbe:
@@ -246,8 +305,13 @@ class GilProbe:
         if not self.delays:
             return {"wakeups": 0}
         d = np.array(self.delays) * 1e3
-        return {"wakeups": int(d.size), "mean_ms": float(d.mean()), "p50_ms": float(np.percentile(d, 50)),
-                "p99_ms": float(np.percentile(d, 99)), "max_ms": float(d.max())}
+        return {
+            "wakeups": int(d.size),
+            "mean_ms": float(d.mean()),
+            "p50_ms": float(np.percentile(d, 50)),
+            "p99_ms": float(np.percentile(d, 99)),
+            "max_ms": float(d.max()),
+        }
 
 
 def run_full(cfg, target, ranks, device: str, overrides: list[str]) -> tuple[dict, dict]:
@@ -266,11 +330,17 @@ def run_full(cfg, target, ranks, device: str, overrides: list[str]) -> tuple[dic
     run = summary.get("this_run", {})
     tier = _tier_facts(cfg.out_dir) if ranks.rank == 0 else None
     full = {
-        "tokens": run.get("tokens", 0), "seconds": seconds, "samples": run.get("samples", 0),
-        "peak_gpu_gib": peak_gib(device), "bytes_written": summary["bytes"] if ranks.world == 1 else None,
-        "pad_efficiency": run.get("pad_efficiency"), "overrides": overrides,
-        "process_cpu_cores": cpu / seconds if seconds else None, "gil_probe": probe.summary(),
-        "startup_seconds": run.get("startup_seconds"), "drain_seconds": run.get("drain_seconds"),
+        "tokens": run.get("tokens", 0),
+        "seconds": seconds,
+        "samples": run.get("samples", 0),
+        "peak_gpu_gib": peak_gib(device),
+        "bytes_written": summary["bytes"] if ranks.world == 1 else None,
+        "pad_efficiency": run.get("pad_efficiency"),
+        "overrides": overrides,
+        "process_cpu_cores": cpu / seconds if seconds else None,
+        "gil_probe": probe.summary(),
+        "startup_seconds": run.get("startup_seconds"),
+        "drain_seconds": run.get("drain_seconds"),
         **{k: v for k, v in run.items() if k.startswith("write") or k.startswith("commit")},
         "tier": tier,
     }
@@ -287,8 +357,13 @@ def _tier_facts(out_dir: str) -> dict | None:
     except (OSError, ValueError):
         return None
     taps, tokens, _ = reconstruction_by_tap(ds.shards)
-    return {"encoding": ds.encoding, "projection": (ds.projection or {}).get("spec"), "error_tokens": tokens,
-            "rel_rms_per_tap": [t["rel_rms"] for t in taps], "worst_channel_rel_rms": [t["worst_channel_rel_rms"] for t in taps]}
+    return {
+        "encoding": ds.encoding,
+        "projection": (ds.projection or {}).get("spec"),
+        "error_tokens": tokens,
+        "rel_rms_per_tap": [t["rel_rms"] for t in taps],
+        "worst_channel_rel_rms": [t["worst_channel_rel_rms"] for t in taps],
+    }
 
 
 def fit_projections_once(cfgs: list, target, ranks, workdir: str) -> tuple[list, list]:
@@ -312,8 +387,15 @@ def fit_projections_once(cfgs: list, target, ranks, workdir: str) -> tuple[list,
             projection = calibrate(c, target)
             with open(path, "wb") as f:
                 f.write(projection_bytes(projection))
-            infos.append({"spec": c.projection, "seconds": time.perf_counter() - started, "rank_per_tap": projection.rank,
-                          "explained": projection.info["explained"], **projection.info.get("calibration", {})})
+            infos.append(
+                {
+                    "spec": c.projection,
+                    "seconds": time.perf_counter() - started,
+                    "rank_per_tap": projection.rank,
+                    "explained": projection.info["explained"],
+                    **projection.info.get("calibration", {}),
+                }
+            )
         else:
             infos.append({"spec": c.projection, "fitted_by": "rank 0"})
         ranks.barrier()
@@ -358,7 +440,11 @@ def main(argv=None) -> int:
         shutil.rmtree(out_dir, ignore_errors=True)
         lengths = length_mix(args.tokens, args.min_len, args.max_len, np.random.default_rng(args.seed))
         owned = write_token_corpus(corpus_path, lengths, shape["text"]["vocab_size"], args.seed, ranks.world)
-        print(f"corpus: {len(lengths)} sequences, {sum(lengths):,} tokens; per rank: {', '.join(f'{n:,}' for n in owned)}", file=sys.stderr)
+        print(
+            f"corpus: {len(lengths)} sequences, {sum(lengths):,} tokens; per rank: "
+            f"{', '.join(f'{n:,}' for n in owned)}",
+            file=sys.stderr,
+        )
     ranks.barrier()
 
     t0 = time.perf_counter()
@@ -366,16 +452,26 @@ def main(argv=None) -> int:
     sync(device)
     build_seconds = time.perf_counter() - t0
     overrides = [
-        "target=random-weights", f"out_dir={out_dir}", f"corpus={corpus_path}",
-        f"layer_ids={args.layer_ids}", f"topk={args.topk}", f"max_len={args.max_len}", "min_loss_tokens=1",
-        f"tokens_per_batch={args.tokens_per_batch}", f"logits_chunk={args.logits_chunk}", f"writer_threads={args.writer_threads}",
-        f"dtype={'bfloat16' if use_cuda else 'float32'}", f"device={'cuda' if use_cuda else 'cpu'}",
+        "target=random-weights",
+        f"out_dir={out_dir}",
+        f"corpus={corpus_path}",
+        f"layer_ids={args.layer_ids}",
+        f"topk={args.topk}",
+        f"max_len={args.max_len}",
+        "min_loss_tokens=1",
+        f"tokens_per_batch={args.tokens_per_batch}",
+        f"logits_chunk={args.logits_chunk}",
+        f"writer_threads={args.writer_threads}",
+        f"dtype={'bfloat16' if use_cuda else 'float32'}",
+        f"device={'cuda' if use_cuda else 'cpu'}",
     ]
     if args.zstd_level:
         overrides.append(f"zstd_level={args.zstd_level}")
     if args.hidden_encoding:
         overrides.append(f"hidden_encoding={args.hidden_encoding}")
-    cfgs = [load_config(ExtractConfig, None, overrides + variant) for variant in args.variants]  # all checked before any work
+    cfgs = [
+        load_config(ExtractConfig, None, overrides + variant) for variant in args.variants
+    ]  # all checked before any work
     cfg = cfgs[0]
 
     # Kernels are tuned (and Triton kernels compiled) on the first use of each sequence shape, which
@@ -392,8 +488,13 @@ def main(argv=None) -> int:
         full["calibration"] = calibration
         fulls.append(full)
         if ranks.rank == 0:  # a line per variant as it finishes (kept if a time limit stops the run later)
-            print(f"(b) {', '.join(variant) or 'as configured'}: {full['tokens'] / full['seconds']:,.0f} tok/s over {full['tokens']:,} tokens, "
-                  f"{(full['bytes_written'] or 0) / max(full['tokens'], 1):,.0f} B/token; tier {json.dumps(full.get('tier'))}", flush=True)
+            print(
+                f"(b) {', '.join(variant) or 'as configured'}: {full['tokens'] / full['seconds']:,.0f} tok/s over "
+                f"{full['tokens']:,} tokens, "
+                f"{(full['bytes_written'] or 0) / max(full['tokens'], 1):,.0f} B/token; tier "
+                f"{json.dumps(full.get('tier'))}",
+                flush=True,
+            )
 
     reset_peak(device)
     with GilProbe() as probe:
@@ -401,8 +502,12 @@ def main(argv=None) -> int:
     bare["peak_gpu_gib"] = peak_gib(device)
     bare["gil_probe"] = probe.summary()
     result = {
-        "rank": ranks.rank, "bare": bare, "full_variants": fulls, "host_rss_gib": host_rss_gib(),
-        "build_seconds": build_seconds, "warmup_seconds": warmup["seconds"] if warmup else None,
+        "rank": ranks.rank,
+        "bare": bare,
+        "full_variants": fulls,
+        "host_rss_gib": host_rss_gib(),
+        "build_seconds": build_seconds,
+        "warmup_seconds": warmup["seconds"] if warmup else None,
     }
     results = gather(result, ranks)
     if ranks.rank == 0:
@@ -438,22 +543,41 @@ def make_report(args, results: list[dict], n_params: int, device: str, summary: 
         for r in results:
             full = r["full_variants"][variant]
             a, b = rate(r["bare"]), rate(full)
-            rows.append({
-                "rank": r["rank"], "bare_tok_s": a, "full_tok_s": b, "full_over_bare": b / a if a else None,
-                "bare_tflops": 2 * n_params * a / 1e12, "full_tflops": 2 * n_params * b / 1e12,
-                "bare_tokens": r["bare"]["tokens"], "full_tokens": full["tokens"],
-                "peak_gpu_gib_bare": r["bare"]["peak_gpu_gib"], "peak_gpu_gib_full": full["peak_gpu_gib"],
-                "host_rss_gib": r["host_rss_gib"], "pad_efficiency": full["pad_efficiency"], "model_build_seconds": r["build_seconds"],
-                "write_thread_busy": full.get("write_thread_busy"), "commit_busy": full.get("commit_busy"),
-                "write_thread_cpu": full.get("write_thread_cpu"), "process_cpu_cores": full.get("process_cpu_cores"),
-                "writer_timings": {k: v for k, v in full.items() if k.startswith("writer_")},
-                "gil_probe_full": full.get("gil_probe"), "gil_probe_bare": r["bare"].get("gil_probe"),
-                "warmup_seconds": r.get("warmup_seconds"), "bare_seconds": r["bare"]["seconds"], "full_seconds": full["seconds"],
-                "full_startup_seconds": full.get("startup_seconds"), "full_drain_seconds": full.get("drain_seconds"),
-                "warmup_tok_s": r["bare"]["tokens"] / r["warmup_seconds"] if r.get("warmup_seconds") else None,
-                "full_bytes_per_token": full["bytes_written"] / full["tokens"] if full.get("bytes_written") and full["tokens"] else None,
-                "calibration": full.get("calibration"), "tier": full.get("tier"),
-            })
+            rows.append(
+                {
+                    "rank": r["rank"],
+                    "bare_tok_s": a,
+                    "full_tok_s": b,
+                    "full_over_bare": b / a if a else None,
+                    "bare_tflops": 2 * n_params * a / 1e12,
+                    "full_tflops": 2 * n_params * b / 1e12,
+                    "bare_tokens": r["bare"]["tokens"],
+                    "full_tokens": full["tokens"],
+                    "peak_gpu_gib_bare": r["bare"]["peak_gpu_gib"],
+                    "peak_gpu_gib_full": full["peak_gpu_gib"],
+                    "host_rss_gib": r["host_rss_gib"],
+                    "pad_efficiency": full["pad_efficiency"],
+                    "model_build_seconds": r["build_seconds"],
+                    "write_thread_busy": full.get("write_thread_busy"),
+                    "commit_busy": full.get("commit_busy"),
+                    "write_thread_cpu": full.get("write_thread_cpu"),
+                    "process_cpu_cores": full.get("process_cpu_cores"),
+                    "writer_timings": {k: v for k, v in full.items() if k.startswith("writer_")},
+                    "gil_probe_full": full.get("gil_probe"),
+                    "gil_probe_bare": r["bare"].get("gil_probe"),
+                    "warmup_seconds": r.get("warmup_seconds"),
+                    "bare_seconds": r["bare"]["seconds"],
+                    "full_seconds": full["seconds"],
+                    "full_startup_seconds": full.get("startup_seconds"),
+                    "full_drain_seconds": full.get("drain_seconds"),
+                    "warmup_tok_s": r["bare"]["tokens"] / r["warmup_seconds"] if r.get("warmup_seconds") else None,
+                    "full_bytes_per_token": full["bytes_written"] / full["tokens"]
+                    if full.get("bytes_written") and full["tokens"]
+                    else None,
+                    "calibration": full.get("calibration"),
+                    "tier": full.get("tier"),
+                }
+            )
         return rows
 
     def totals(variant: int) -> dict:
@@ -461,11 +585,18 @@ def make_report(args, results: list[dict], n_params: int, device: str, summary: 
         wall_b = max(r["full_variants"][variant]["seconds"] for r in results)
         total_a = sum(r["bare"]["tokens"] for r in results) / wall_a if wall_a else 0.0
         total_b = sum(r["full_variants"][variant]["tokens"] for r in results) / wall_b if wall_b else 0.0
-        return {"bare_tok_s": total_a, "full_tok_s": total_b, "full_over_bare": total_b / total_a if total_a else None,
-                "bare_tflops": 2 * n_params * total_a / 1e12, "full_tflops": 2 * n_params * total_b / 1e12}
+        return {
+            "bare_tok_s": total_a,
+            "full_tok_s": total_b,
+            "full_over_bare": total_b / total_a if total_a else None,
+            "bare_tflops": 2 * n_params * total_a / 1e12,
+            "full_tflops": 2 * n_params * total_b / 1e12,
+        }
 
-    variants = [{"overrides": results[0]["full_variants"][v]["overrides"], "per_rank": per_rank_rows(v), "total": totals(v)}
-                for v in range(len(results[0]["full_variants"]))]
+    variants = [
+        {"overrides": results[0]["full_variants"][v]["overrides"], "per_rank": per_rank_rows(v), "total": totals(v)}
+        for v in range(len(results[0]["full_variants"]))
+    ]
     first = variants[0]["total"]["full_tok_s"]
     for variant in variants:  # storage tiers and other variants against the first one, in the same run
         variant["total"]["full_over_first_variant"] = variant["total"]["full_tok_s"] / first if first else None
@@ -473,16 +604,36 @@ def make_report(args, results: list[dict], n_params: int, device: str, summary: 
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "python -m benchmarks.extract " + " ".join(sys.argv[1:]),
-        "shape": args.shape, "parameters": n_params, "device": gpu, "world_size": len(results),
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__, "kernels": kernels,
-        "settings": {"tokens": args.tokens, "min_len": args.min_len, "max_len": args.max_len, "tokens_per_batch": args.tokens_per_batch,
-                     "layer_ids": args.layer_ids, "topk": args.topk, "logits_chunk": args.logits_chunk, "zstd_level": args.zstd_level,
-                     "hidden_encoding": args.hidden_encoding, "writer_threads": args.writer_threads, "warmup": args.warmup,
-                     "variants": args.variants},
+        "shape": args.shape,
+        "parameters": n_params,
+        "device": gpu,
+        "world_size": len(results),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "kernels": kernels,
+        "settings": {
+            "tokens": args.tokens,
+            "min_len": args.min_len,
+            "max_len": args.max_len,
+            "tokens_per_batch": args.tokens_per_batch,
+            "layer_ids": args.layer_ids,
+            "topk": args.topk,
+            "logits_chunk": args.logits_chunk,
+            "zstd_level": args.zstd_level,
+            "hidden_encoding": args.hidden_encoding,
+            "writer_threads": args.writer_threads,
+            "warmup": args.warmup,
+            "variants": args.variants,
+        },
         "per_rank": variants[0]["per_rank"],
         "total": variants[0]["total"],
         "variants": variants,
-        "dataset": {"samples": summary["samples"], "tokens": summary["tokens"], "bytes": summary["bytes"], "bytes_per_token": summary["bytes_per_token"]},
+        "dataset": {
+            "samples": summary["samples"],
+            "tokens": summary["tokens"],
+            "bytes": summary["bytes"],
+            "bytes_per_token": summary["bytes_per_token"],
+        },
     }
 
 
@@ -492,53 +643,85 @@ def format_report(report: dict) -> str:
 
     k = report["kernels"]
     lines = [
-        f"benchmarks.extract  shape={report['shape']}  params={report['parameters'] / 1e9:.2f}B  device={report['device']} x{report['world_size']}",
-        f"torch {report['torch']}, transformers {report['transformers']}; fla importable: {k['fla_importable']}, used: {k['fla_used_by_transformers']}",
+        f"benchmarks.extract  shape={report['shape']}  params={report['parameters'] / 1e9:.2f}B  "
+        f"device={report['device']} x{report['world_size']}",
+        f"torch {report['torch']}, transformers {report['transformers']}; fla importable: {k['fla_importable']}, "
+        f"used: {k['fla_used_by_transformers']}",
     ]
     for variant in report["variants"]:
         lines += [
             "",
             "(b) with " + (", ".join(variant["overrides"]) or "the settings above"),
-            f"{'rank':>4} {'(a) bare tok/s':>15} {'(b) full tok/s':>15} {'(b)/(a)':>8} {'(a) TFLOP/s':>12} {'(b) TFLOP/s':>12} {'peak GPU GiB':>13} "
-            f"{'host RSS GiB':>13} {'pad eff':>8} {'write busy':>10} {'of it commit':>12} {'write CPU':>9} {'cores':>6}",
+            f"{'rank':>4} {'(a) bare tok/s':>15} {'(b) full tok/s':>15} {'(b)/(a)':>8} {'(a) TFLOP/s':>12} "
+            f"{'(b) TFLOP/s':>12} {'peak GPU GiB':>13} "
+            f"{'host RSS GiB':>13} {'pad eff':>8} {'write busy':>10} {'of it commit':>12} {'write CPU':>9} "
+            f"{'cores':>6}",
         ]
         for r in variant["per_rank"]:
             lines.append(
-                f"{r['rank']:>4} {f(r['bare_tok_s']):>15} {f(r['full_tok_s']):>15} {f(r['full_over_bare'], '.3f'):>8} {f(r['bare_tflops'], '.1f'):>12} "
-                f"{f(r['full_tflops'], '.1f'):>12} {f(r['peak_gpu_gib_full'], '.1f'):>13} {f(r['host_rss_gib'], '.1f'):>13} {f(r['pad_efficiency'], '.3f'):>8} "
-                f"{f(r.get('write_thread_busy'), '.0%'):>10} {f(r.get('commit_busy'), '.0%'):>12} {f(r.get('write_thread_cpu'), '.0%'):>9} "
+                f"{r['rank']:>4} {f(r['bare_tok_s']):>15} {f(r['full_tok_s']):>15} "
+                f"{f(r['full_over_bare'], '.3f'):>8} {f(r['bare_tflops'], '.1f'):>12} "
+                f"{f(r['full_tflops'], '.1f'):>12} {f(r['peak_gpu_gib_full'], '.1f'):>13} "
+                f"{f(r['host_rss_gib'], '.1f'):>13} {f(r['pad_efficiency'], '.3f'):>8} "
+                f"{f(r.get('write_thread_busy'), '.0%'):>10} {f(r.get('commit_busy'), '.0%'):>12} "
+                f"{f(r.get('write_thread_cpu'), '.0%'):>9} "
                 f"{f(r.get('process_cpu_cores'), '.1f'):>6}"
             )
         t = variant["total"]
-        lines.append(f"{'all':>4} {f(t['bare_tok_s']):>15} {f(t['full_tok_s']):>15} {f(t['full_over_bare'], '.3f'):>8} {f(t['bare_tflops'], '.1f'):>12} {f(t['full_tflops'], '.1f'):>12}")
+        lines.append(
+            f"{'all':>4} {f(t['bare_tok_s']):>15} {f(t['full_tok_s']):>15} {f(t['full_over_bare'], '.3f'):>8} "
+            f"{f(t['bare_tflops'], '.1f'):>12} {f(t['full_tflops'], '.1f'):>12}"
+        )
         bpt = [r["full_bytes_per_token"] for r in variant["per_rank"] if r.get("full_bytes_per_token")]
         tier = variant["per_rank"][0].get("tier") or {}
         error = ", ".join(f"{x:.4f}" for x in tier.get("rel_rms_per_tap") or []) or "none (lossless)"
-        lines.append(f"  (b) against the first variant: {f(t.get('full_over_first_variant'), '.3f')} of its tok/s; written "
-                     + (f"{f(sum(bpt) / len(bpt))} B/token" if bpt else "- B/token")
-                     + f"; tier {tier.get('encoding', '-')}{' + ' + tier['projection'] if tier.get('projection') else ''}, relative RMS error per tap {error}")
+        lines.append(
+            f"  (b) against the first variant: {f(t.get('full_over_first_variant'), '.3f')} of its tok/s; written "
+            + (f"{f(sum(bpt) / len(bpt))} B/token" if bpt else "- B/token")
+            + f"; tier {tier.get('encoding', '-')}{' + ' + tier['projection'] if tier.get('projection') else ''}, "
+            f"relative RMS error per tap {error}"
+        )
         for r in variant["per_rank"]:
             if r.get("calibration") and r["calibration"].get("seconds") is not None:
                 c = r["calibration"]
-                lines.append(f"  projection {c['spec']}: calibration pass (untimed in (b)) {c['seconds']:.1f} s over {c.get('samples')} samples / "
-                             f"{c.get('tokens')} tokens, rank {c['rank_per_tap']} per tap keeps {', '.join(f'{x:.3f}' for x in c['explained'])}")
+                lines.append(
+                    f"  projection {c['spec']}: calibration pass (untimed in (b)) {c['seconds']:.1f} s over "
+                    f"{c.get('samples')} samples / "
+                    f"{c.get('tokens')} tokens, rank {c['rank_per_tap']} per tap keeps "
+                    f"{', '.join(f'{x:.3f}' for x in c['explained'])}"
+                )
         for r in variant["per_rank"]:
-            timings = ", ".join(f"{key.removeprefix('writer_')} {value:,.0f}" if key.endswith("_calls") else f"{key.removeprefix('writer_')} {value:.0%}"
-                                for key, value in r["writer_timings"].items())
+            timings = ", ".join(
+                f"{key.removeprefix('writer_')} {value:,.0f}"
+                if key.endswith("_calls")
+                else f"{key.removeprefix('writer_')} {value:.0%}"
+                for key, value in r["writer_timings"].items()
+            )
             gil_b, gil_a = r.get("gil_probe_full") or {}, r.get("gil_probe_bare") or {}
             lines.append(
-                f"  rank {r['rank']}: (b) took {f(r['full_seconds'], '.1f')} s, of it {f(r['full_startup_seconds'], '.1f')} s from the call to the first "
-                f"forward and {f(r['full_drain_seconds'], '.1f')} s after the last forward was launched; (a) took {f(r['bare_seconds'], '.1f')} s"
+                f"  rank {r['rank']}: (b) took {f(r['full_seconds'], '.1f')} s, of it "
+                f"{f(r['full_startup_seconds'], '.1f')} s from the call to the first "
+                f"forward and {f(r['full_drain_seconds'], '.1f')} s after the last forward was launched; (a) took "
+                f"{f(r['bare_seconds'], '.1f')} s"
             )
             lines.append(
-                f"  rank {r['rank']}: writer time shares: {timings or '-'}; GIL wait (1 ms sleeps) during (b): mean {f(gil_b.get('mean_ms'), '.2f')} ms, "
-                f"p99 {f(gil_b.get('p99_ms'), '.2f')} ms; during (a): mean {f(gil_a.get('mean_ms'), '.2f')} ms, p99 {f(gil_a.get('p99_ms'), '.2f')} ms"
+                f"  rank {r['rank']}: writer time shares: {timings or '-'}; GIL wait (1 ms sleeps) during (b): "
+                f"mean {f(gil_b.get('mean_ms'), '.2f')} ms, "
+                f"p99 {f(gil_b.get('p99_ms'), '.2f')} ms; during (a): mean {f(gil_a.get('mean_ms'), '.2f')} ms, "
+                f"p99 {f(gil_a.get('p99_ms'), '.2f')} ms"
             )
     warm = [r["warmup_tok_s"] for r in report["per_rank"] if r.get("warmup_tok_s")]
     if warm:
-        lines += ["", "untimed warm-up pass (bare forward, cold kernels) per rank: " + ", ".join(f"{f(x)} tok/s" for x in warm)]
+        lines += [
+            "",
+            "untimed warm-up pass (bare forward, cold kernels) per rank: " + ", ".join(f"{f(x)} tok/s" for x in warm),
+        ]
     d = report["dataset"]
-    lines += ["", f"dataset: {d['samples']:,} samples, {d['tokens']:,} tokens, {d['bytes'] / 1e9:.2f} GB written = {f(d['bytes_per_token'])} B/token"]
+    lines += [
+        "",
+        f"dataset: {d['samples']:,} samples, {d['tokens']:,} tokens, {d['bytes'] / 1e9:.2f} GB written = "
+        f"{f(d['bytes_per_token'])} B/token",
+    ]
     return "\n".join(lines)
 
 

@@ -67,20 +67,38 @@ def parse_args(argv):
     p.add_argument("--taps", type=int, default=WIDTH_TAPS)
     p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--topk", type=int, default=32)
-    p.add_argument("--hidden-split", type=int, default=None,
-                   help="column pieces per hidden plane in the current path (default: one per tap, as extract writes)")
-    p.add_argument("--writer-threads", type=int, default=4, help="pyarrow compression threads (the pipeline's writer_threads)")
+    p.add_argument(
+        "--hidden-split",
+        type=int,
+        default=None,
+        help="column pieces per hidden plane in the current path (default: one per tap, as extract writes)",
+    )
+    p.add_argument(
+        "--writer-threads", type=int, default=4, help="pyarrow compression threads (the pipeline's writer_threads)"
+    )
     p.add_argument("--inflight-batches", type=int, default=4, help="host buffers (the pipeline's inflight_batches)")
     p.add_argument("--shard-bytes", type=int, default=None, help="default: the shard writer's (1 GiB)")
-    p.add_argument("--write-behind-bytes", type=int, default=None,
-                   help="early write-back every this many bytes of a shard; 0 = off; default: the shard writer's (64 MiB)")
+    p.add_argument(
+        "--write-behind-bytes",
+        type=int,
+        default=None,
+        help="early write-back every this many bytes of a shard; 0 = off; default: the shard writer's (64 MiB)",
+    )
     p.add_argument("--path", choices=["current", "legacy", "both"], default="both")
-    p.add_argument("--encoding", default="planes",
-                   help="hidden encoding of the current path: planes, or a storage tier (fp8, int4-gG, nf4-gG) whose codes and "
-                        "scales the device would have laid out in the buffer (quantized here once, untimed)")
+    p.add_argument(
+        "--encoding",
+        default="planes",
+        help="hidden encoding of the current path: planes, or a storage tier (fp8, int4-gG, nf4-gG) whose codes and "
+        "scales the device would have laid out in the buffer (quantized here once, untimed)",
+    )
     p.add_argument("--mode", choices=["serial", "pipelined", "both"], default="both")
     p.add_argument("--dir", default=None, help="where shards are written (local disk; deleted afterwards)")
-    p.add_argument("--repeats", type=int, default=2, help="measurements of each path and mode; the cheapest is reported (after one warm-up)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="measurements of each path and mode; the cheapest is reported (after one warm-up)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -119,9 +137,9 @@ class Synthetic:
 
 def make_batches(args, syn: Synthetic) -> list[list]:
     """Micro-batches of tokenized samples (as the pipeline plans them), each sample with its pool slice."""
+    from benchmarks.extract import length_mix
     from common.hashing import sample_id
     from extract.batching import plan_micro_batches
-    from benchmarks.extract import length_mix
     from extract.corpus import TokenizedSample
 
     lengths = length_mix(args.tokens, args.min_len, args.max_len, np.random.default_rng(args.seed))
@@ -129,7 +147,9 @@ def make_batches(args, syn: Synthetic) -> list[list]:
     for position, n in enumerate(lengths):
         input_ids = syn.rng.integers(0, 248_320, n, dtype=np.int32)
         loss_mask = np.ones(n, dtype=np.uint8)
-        tokenized = TokenizedSample(position, f"bench:{position + 1}", sample_id(input_ids, loss_mask), input_ids, loss_mask)
+        tokenized = TokenizedSample(
+            position, f"bench:{position + 1}", sample_id(input_ids, loss_mask), input_ids, loss_mask
+        )
         samples.append((tokenized, syn.window(n)))
     return [[samples[i] for i in plan] for plan in plan_micro_batches(lengths, args.tokens_per_batch)]
 
@@ -221,11 +241,23 @@ def instrument_writer(clock: StageClock) -> None:
 def open_writer(root: str, args, width: int, hidden_split: int = 1):
     from shards import ShardWriter
 
-    kwargs = {"shard_bytes": args.shard_bytes, "hidden_split": hidden_split} if args.shard_bytes else {"hidden_split": hidden_split}
+    kwargs = (
+        {"shard_bytes": args.shard_bytes, "hidden_split": hidden_split}
+        if args.shard_bytes
+        else {"hidden_split": hidden_split}
+    )
     if args.write_behind_bytes is not None:
         kwargs["write_behind_bytes"] = args.write_behind_bytes or None
-    return ShardWriter(root, provenance={}, hidden_width=width, topk=args.topk, manifest_name="manifest.rank000.json",
-                       shard_prefix="r000-shard", hidden_encoding=getattr(args, "encoding", "planes"), **kwargs)
+    return ShardWriter(
+        root,
+        provenance={},
+        hidden_width=width,
+        topk=args.topk,
+        manifest_name="manifest.rank000.json",
+        shard_prefix="r000-shard",
+        hidden_encoding=getattr(args, "encoding", "planes"),
+        **kwargs,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,11 +275,26 @@ class CurrentRun:
         self.syn = syn
         self.writer = open_writer(root, args, syn.width, hidden_split(args))
         self.rejects = RejectLog(os.path.join(root, "rejects.rank000.jsonl"), 0)
-        self.pool = BufferPool(args.inflight_batches, n_taps=syn.n_taps, hidden_size=syn.hidden, token_budget=args.tokens_per_batch, topk=args.topk,
-                               pin=False, encoding=self.writer.encoding, hidden_split=self.writer.hidden_split)
+        self.pool = BufferPool(
+            args.inflight_batches,
+            n_taps=syn.n_taps,
+            hidden_size=syn.hidden,
+            token_budget=args.tokens_per_batch,
+            topk=args.topk,
+            pin=False,
+            encoding=self.writer.encoding,
+            hidden_split=self.writer.hidden_split,
+        )
         self.stats = collections.Counter()
-        self.path = HostPath(self.writer, self.rejects, self.pool, Progress(None, "bench", enabled=False), self.stats,
-                             on_error="skip", depth=args.inflight_batches)
+        self.path = HostPath(
+            self.writer,
+            self.rejects,
+            self.pool,
+            Progress(None, "bench", enabled=False),
+            self.stats,
+            on_error="skip",
+            depth=args.inflight_batches,
+        )
 
     def fill(self, host, batch):
         """What the device-to-host copy leaves in the buffer: the planes of each sample's rows, the
@@ -288,7 +335,9 @@ class CurrentRun:
 
         def put_planes(b: int, L: int, rows) -> None:
             for plane, values_TW in enumerate((self.syn.hi_TW, self.syn.lo_TW)):
-                planes[plane, :, b, :L] = torch.from_numpy(values_TW[rows]).unflatten(-1, (S, piece_width)).transpose(0, 1)
+                planes[plane, :, b, :L] = (
+                    torch.from_numpy(values_TW[rows]).unflatten(-1, (S, piece_width)).transpose(0, 1)
+                )
 
         return put_planes
 
@@ -357,7 +406,11 @@ class LegacyBuffers:
         offset = 0
         for b, (tokenized, rows) in enumerate(batch):
             L = tokenized.n_tokens
-            src = torch.from_numpy(self.syn.hidden_TW[rows]).view(torch.bfloat16).view(L, self.syn.n_taps, self.syn.hidden)
+            src = (
+                torch.from_numpy(self.syn.hidden_TW[rows])
+                .view(torch.bfloat16)
+                .view(L, self.syn.n_taps, self.syn.hidden)
+            )
             taps[:, b, :L].copy_(src.permute(1, 0, 2))
             self.topk_ids[offset : offset + L] = torch.from_numpy(self.syn.topk_ids[rows])
             self.topk_logprobs[offset : offset + L] = torch.from_numpy(self.syn.topk_logprobs[rows])
@@ -393,7 +446,9 @@ def legacy_serial(args, syn, batches, root) -> dict:
                 with clock.stage("unpack (cut sample out of the buffer)"):
                     hidden, ids, logprobs = legacy_unpack(buf, len(batch), T, b, lengths[b], offset)
                 offset += lengths[b]
-                writer.write(Sample(tokenized.sample_id, tokenized.input_ids, tokenized.loss_mask, hidden, ids, logprobs))
+                writer.write(
+                    Sample(tokenized.sample_id, tokenized.input_ids, tokenized.loss_mask, hidden, ids, logprobs)
+                )
         writer.close()
     finally:
         clock.restore()
@@ -477,47 +532,87 @@ def faults_per_token(start, fill_faults: int, batches) -> float:
 def serial_result(clock: StageClock, start, fill: FillMeter, batches) -> dict:
     tokens = n_tokens(batches)
     total_cpu = time.process_time() - start[0] - fill.cpu
-    stages = {name: {"cpu_us_per_token": 1e6 * cpu / tokens, "wall_us_per_token": 1e6 * clock.wall[name] / tokens, "calls": clock.calls[name]}
-              for name, cpu in clock.cpu.items()}
+    stages = {
+        name: {
+            "cpu_us_per_token": 1e6 * cpu / tokens,
+            "wall_us_per_token": 1e6 * clock.wall[name] / tokens,
+            "calls": clock.calls[name],
+        }
+        for name, cpu in clock.cpu.items()
+    }
     other = total_cpu - sum(clock.cpu.values())
-    stages["other (driver loop, Sample objects)"] = {"cpu_us_per_token": 1e6 * other / tokens, "wall_us_per_token": None, "calls": None}
-    return {"tokens": tokens, "samples": sum(len(b) for b in batches), "batches": len(batches),
-            "cpu_us_per_token": 1e6 * total_cpu / tokens, "page_faults_per_token": faults_per_token(start, fill.faults, batches), "stages": stages}
+    stages["other (driver loop, Sample objects)"] = {
+        "cpu_us_per_token": 1e6 * other / tokens,
+        "wall_us_per_token": None,
+        "calls": None,
+    }
+    return {
+        "tokens": tokens,
+        "samples": sum(len(b) for b in batches),
+        "batches": len(batches),
+        "cpu_us_per_token": 1e6 * total_cpu / tokens,
+        "page_faults_per_token": faults_per_token(start, fill.faults, batches),
+        "stages": stages,
+    }
 
 
 def pipelined_result(start, fill: FillMeter, batches) -> dict:
     tokens = n_tokens(batches)
     cpu = time.process_time() - start[0] - fill.cpu
     wall = time.perf_counter() - start[1]
-    return {"tokens": tokens, "cpu_us_per_token": 1e6 * cpu / tokens, "page_faults_per_token": faults_per_token(start, fill.faults, batches),
-            "wall_s": wall, "wall_tok_s": tokens / wall}
+    return {
+        "tokens": tokens,
+        "cpu_us_per_token": 1e6 * cpu / tokens,
+        "page_faults_per_token": faults_per_token(start, fill.faults, batches),
+        "wall_s": wall,
+        "wall_tok_s": tokens / wall,
+    }
 
 
 def format_report(report: dict) -> str:
-    lines = [f"benchmarks.extract_host  encoding {report.get('encoding', 'planes')}  W={report['width']:,} top-{report['topk']}  {report['tokens']:,} tokens in "
-             f"{report['samples']} samples / {report['batches']} micro-batches  ({report['machine']})"]
+    lines = [
+        f"benchmarks.extract_host  encoding {report.get('encoding', 'planes')}  W={report['width']:,} "
+        f"top-{report['topk']}  {report['tokens']:,} tokens in "
+        f"{report['samples']} samples / {report['batches']} micro-batches  ({report['machine']})"
+    ]
     for path, pc in report["plane_compression"].items():
-        lines.append(f"zstd alone [{path}, {pc['split']} piece(s) per plane]: high plane {pc['zstd_hi_us_per_token']:.1f} us/token "
-                     f"(ratio {pc['zstd_hi_ratio']:.3f}), low plane {pc['zstd_lo_us_per_token']:.1f} us/token (ratio {pc['zstd_lo_ratio']:.3f}), "
-                     f"slowest piece {pc['zstd_slowest_piece_us_per_token']:.1f}")
+        lines.append(
+            f"zstd alone [{path}, {pc['split']} piece(s) per plane]: high plane {pc['zstd_hi_us_per_token']:.1f} "
+            "us/token "
+            f"(ratio {pc['zstd_hi_ratio']:.3f}), low plane {pc['zstd_lo_us_per_token']:.1f} us/token (ratio "
+            f"{pc['zstd_lo_ratio']:.3f}), "
+            f"slowest piece {pc['zstd_slowest_piece_us_per_token']:.1f}"
+        )
     lines.append("")
     for path, result in report["paths"].items():
         serial = result.get("serial")
         if serial:
-            lines.append(f"[{path}] serial: CPU (and wall) us per token by stage, best of {len(serial['all_runs_cpu_us_per_token'])}")
+            lines.append(
+                f"[{path}] serial: CPU (and wall) us per token by stage, best of "
+                f"{len(serial['all_runs_cpu_us_per_token'])}"
+            )
             for name, s in sorted(serial["stages"].items(), key=lambda kv: -kv[1]["cpu_us_per_token"]):
                 wall = "" if s["wall_us_per_token"] is None else f"  ({s['wall_us_per_token']:.2f})"
                 lines.append(f"  {name:<52} {s['cpu_us_per_token']:8.2f}{wall}")
-            lines.append(f"  {'total':<52} {serial['cpu_us_per_token']:8.2f}  = {1e6 / serial['cpu_us_per_token']:,.0f} tok/s per core"
-                         f"; {serial['page_faults_per_token']:.1f} page faults/token")
+            lines.append(
+                f"  {'total':<52} {serial['cpu_us_per_token']:8.2f}  = {1e6 / serial['cpu_us_per_token']:,.0f} "
+                "tok/s per core"
+                f"; {serial['page_faults_per_token']:.1f} page faults/token"
+            )
             critical = serial.get("write_thread_serial_us_per_token")
             if critical is not None:  # (derived from the planes' zstd; not computed for a quantized encoding)
-                lines.append(f"  {'in series on the write thread (incl. fsync wait)':<52} {critical:8.2f}  = at most {1e6 / critical:,.0f} tok/s per rank")
+                lines.append(
+                    f"  {'in series on the write thread (incl. fsync wait)':<52} {critical:8.2f}  = at most "
+                    f"{1e6 / critical:,.0f} tok/s per rank"
+                )
         piped = result.get("pipelined")
         if piped:
-            lines.append(f"[{path}] pipelined: {piped['cpu_us_per_token']:.2f} CPU us/token in all threads (runs: "
-                         + ", ".join(f"{x:.1f}" for x in piped["all_runs_cpu_us_per_token"])
-                         + f"); {piped['page_faults_per_token']:.1f} page faults/token; wall {piped['wall_s']:.1f} s = {piped['wall_tok_s']:,.0f} tok/s on this machine")
+            lines.append(
+                f"[{path}] pipelined: {piped['cpu_us_per_token']:.2f} CPU us/token in all threads (runs: "
+                + ", ".join(f"{x:.1f}" for x in piped["all_runs_cpu_us_per_token"])
+                + f"); {piped['page_faults_per_token']:.1f} page faults/token; wall {piped['wall_s']:.1f} s = "
+                f"{piped['wall_tok_s']:,.0f} tok/s on this machine"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -544,7 +639,9 @@ def plane_compression(syn: Synthetic, level: int, split: int) -> dict:
             nbytes += codec.compress(piece).size
             elapsed = time.process_time() - start
             seconds += elapsed
-            out["zstd_slowest_piece_us_per_token"] = max(out["zstd_slowest_piece_us_per_token"], 1e6 * elapsed / plane.shape[0])
+            out["zstd_slowest_piece_us_per_token"] = max(
+                out["zstd_slowest_piece_us_per_token"], 1e6 * elapsed / plane.shape[0]
+            )
         out[f"zstd_{name}_us_per_token"] = 1e6 * seconds / plane.shape[0]
         out[f"zstd_{name}_ratio"] = nbytes / plane.nbytes
     return out
@@ -554,8 +651,10 @@ def measure_all(args, syn, batches, base: str, paths: list[str], modes: list[str
     """{path: {mode: result}}, each the cheapest (CPU per token) of `repeats` runs. The first
     touches of fresh memory and page cache cost several times the steady state on a VM, so the
     page cache is warmed first and the paths take turns going first."""
-    runners = {"current": {"serial": current_serial, "pipelined": current_pipelined},
-               "legacy": {"serial": legacy_serial, "pipelined": legacy_pipelined}}
+    runners = {
+        "current": {"serial": current_serial, "pipelined": current_pipelined},
+        "legacy": {"serial": legacy_serial, "pipelined": legacy_pipelined},
+    }
     warm_page_cache(base, n_tokens(batches) * syn.width * 3 // 2)
     for path in paths:  # imports, allocator pools
         runners[path]["serial"](args, syn, batches[:1], os.path.join(base, f"{path}-warmup"))
@@ -595,7 +694,9 @@ def critical_path(serial: dict, planes: dict) -> float:
     unpack = stages.get("unpack (cut sample out of the buffer)", {}).get("cpu_us_per_token", 0.0)
     commit = stages.get(COMMIT, {"cpu_us_per_token": 0.0, "wall_us_per_token": 0.0})
     fsync_wait = max(0.0, commit["wall_us_per_token"] - commit["cpu_us_per_token"])
-    parallel = planes["zstd_hi_us_per_token"] + planes["zstd_lo_us_per_token"] - planes["zstd_slowest_piece_us_per_token"]
+    parallel = (
+        planes["zstd_hi_us_per_token"] + planes["zstd_lo_us_per_token"] - planes["zstd_slowest_piece_us_per_token"]
+    )
     return serial["cpu_us_per_token"] - unpack - parallel + fsync_wait
 
 
@@ -613,7 +714,10 @@ def main(argv=None) -> int:
     quantized = args.encoding != "planes"
     if quantized:
         if args.path != "current":
-            print("benchmarks.extract_host: --encoding other than planes measures the current path only (--path current)", file=sys.stderr)
+            print(
+                "benchmarks.extract_host: --encoding other than planes measures the current path only (--path current)",
+                file=sys.stderr,
+            )
             return 2
         syn.quantize(args.encoding, hidden_split(args))
     batches = make_batches(args, syn)
@@ -625,16 +729,35 @@ def main(argv=None) -> int:
         results = measure_all(args, syn, batches, base, paths, modes)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    planes = {} if quantized else {path: plane_compression(syn, DEFAULT_ZSTD_LEVEL, 1 if path == "legacy" else hidden_split(args)) for path in results}
+    planes = (
+        {}
+        if quantized
+        else {
+            path: plane_compression(syn, DEFAULT_ZSTD_LEVEL, 1 if path == "legacy" else hidden_split(args))
+            for path in results
+        }
+    )
     for path, result in results.items():
         if "serial" in result and path in planes:
             result["serial"]["write_thread_serial_us_per_token"] = critical_path(result["serial"], planes[path])
     report = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": "python -m benchmarks.extract_host " + " ".join(argv),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs, load {os.getloadavg()[0]:.1f}",
-        "pyarrow": pa.__version__, "numpy": np.__version__, "torch": torch.__version__,
-        "encoding": args.encoding, "width": syn.width, "topk": args.topk, "tokens": n_tokens(batches), "samples": sum(len(b) for b in batches), "batches": len(batches),
-        "writer_threads": args.writer_threads, "repeats": args.repeats, "plane_compression": planes, "paths": results,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": "python -m benchmarks.extract_host " + " ".join(argv),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs, load "
+        f"{os.getloadavg()[0]:.1f}",
+        "pyarrow": pa.__version__,
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "encoding": args.encoding,
+        "width": syn.width,
+        "topk": args.topk,
+        "tokens": n_tokens(batches),
+        "samples": sum(len(b) for b in batches),
+        "batches": len(batches),
+        "writer_threads": args.writer_threads,
+        "repeats": args.repeats,
+        "plane_compression": planes,
+        "paths": results,
     }
     print(format_report(report), flush=True)
     if args.out:

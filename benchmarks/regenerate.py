@@ -32,17 +32,23 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.regenerate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
     s = sub.add_parser("server", help="backend=server against transformers serve")
-    s.add_argument("--target", default="artifacts/tiny/target", help="checkpoint directory served and used for the tokenizer")
+    s.add_argument(
+        "--target", default="artifacts/tiny/target", help="checkpoint directory served and used for the tokenizer"
+    )
     s.add_argument("--corpus", default="artifacts/tiny/corpus/heldout.jsonl", help="prompts to answer")
     s.add_argument("--records", type=int, default=48, help="records per measurement")
     s.add_argument("--in-flight", default="1,2,4,8", help="requests in flight, comma-separated")
     s.add_argument("--max-new-tokens", type=int, default=64)
     s.add_argument("--url", default=None, help="an endpoint already running (default: start transformers serve here)")
-    s.add_argument("--serve-args", default="", help="extra `transformers serve` arguments, e.g. '--continuous-batching'")
+    s.add_argument(
+        "--serve-args", default="", help="extra `transformers serve` arguments, e.g. '--continuous-batching'"
+    )
     s.add_argument("--out", default=None)
     g = sub.add_parser("local", help="backend=local on a random-weight target")
     g.add_argument("--shape", choices=["qwen3.6-27b", "tiny"], default="qwen3.6-27b")
-    g.add_argument("--batch-sizes", default="16,64,128,256", help="comma-separated; the sweep stops at the first out-of-memory")
+    g.add_argument(
+        "--batch-sizes", default="16,64,128,256", help="comma-separated; the sweep stops at the first out-of-memory"
+    )
     g.add_argument("--prompt-len", type=int, default=256)
     g.add_argument("--new-tokens", type=int, default=256)
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -60,8 +66,14 @@ def machine() -> dict:
     import torch
     import transformers
 
-    info = {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    info = {
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -82,8 +94,12 @@ def start_serve(target: str, extra: str) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     # Spinning OpenMP threads starve the client (and everything else) on a small shared CPU machine.
     env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
-    process = subprocess.Popen([cli, "serve", target, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *extra.split()],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    process = subprocess.Popen(
+        [cli, "serve", target, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *extra.split()],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     deadline = time.monotonic() + 300
     while True:
         if process.poll() is not None:
@@ -107,19 +123,35 @@ def run_server(args) -> dict:
     rows = []
     try:
         with tempfile.TemporaryDirectory() as work:
+
             def measure(in_flight: int, records: int, name: str) -> dict:
-                words = [f"target={args.target}", f"corpus={args.corpus}", f"out={os.path.join(work, name)}", "backend=server",
-                         f"urls={json.dumps([url])}", f"max_new_tokens={args.max_new_tokens}", f"max_in_flight={in_flight}",
-                         f"max_records={records}", "progress=false"]
+                words = [
+                    f"target={args.target}",
+                    f"corpus={args.corpus}",
+                    f"out={os.path.join(work, name)}",
+                    "backend=server",
+                    f"urls={json.dumps([url])}",
+                    f"max_new_tokens={args.max_new_tokens}",
+                    f"max_in_flight={in_flight}",
+                    f"max_records={records}",
+                    "progress=false",
+                ]
                 summary = R.run(load_config(RegenerateConfig, None, words))
                 if summary.get("stopped"):
                     raise SystemExit(f"bench: the run stopped: {summary['stopped']}")
                 counts = summary["counts"]
                 seconds = summary["seconds"]
                 requests = summary["requests"] - 1  # the first request of a run checks the endpoint
-                return {"in_flight": in_flight, "records": counts["stored"] + counts["rejected"], "requests": requests,
-                        "answer_tokens": counts["answer_tokens"], "seconds": seconds, "requests_per_s": requests / seconds,
-                        "tokens_per_s": counts["answer_tokens"] / seconds, "answers_at_cap": counts["answers_at_cap"]}
+                return {
+                    "in_flight": in_flight,
+                    "records": counts["stored"] + counts["rejected"],
+                    "requests": requests,
+                    "answer_tokens": counts["answer_tokens"],
+                    "seconds": seconds,
+                    "requests_per_s": requests / seconds,
+                    "tokens_per_s": counts["answer_tokens"] / seconds,
+                    "answers_at_cap": counts["answers_at_cap"],
+                }
 
             measure(2, min(4, args.records), "warmup")
             for in_flight in args.in_flight:
@@ -129,13 +161,24 @@ def run_server(args) -> dict:
         if process is not None:
             process.terminate()
             process.wait(timeout=60)
-    return {"mode": "server", "url": args.url or "transformers serve (started here, CPU)", "serve_args": args.serve_args,
-            "target": args.target, "corpus": args.corpus, "max_new_tokens": args.max_new_tokens, "rows": rows, "machine": machine()}
+    return {
+        "mode": "server",
+        "url": args.url or "transformers serve (started here, CPU)",
+        "serve_args": args.serve_args,
+        "target": args.target,
+        "corpus": args.corpus,
+        "max_new_tokens": args.max_new_tokens,
+        "rows": rows,
+        "machine": machine(),
+    }
 
 
 def format_server_row(row: dict) -> str:
-    return (f"in flight {row['in_flight']:>3}: {row['requests']:>4} requests, {row['answer_tokens']:>6} tokens in {row['seconds']:6.1f} s = "
-            f"{row['requests_per_s']:6.2f} requests/s, {row['tokens_per_s']:7.1f} tok/s")
+    return (
+        f"in flight {row['in_flight']:>3}: {row['requests']:>4} requests, {row['answer_tokens']:>6} tokens in "
+        f"{row['seconds']:6.1f} s = "
+        f"{row['requests_per_s']:6.2f} requests/s, {row['tokens_per_s']:7.1f} tok/s"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,15 +226,31 @@ def run_local(args) -> dict:
             print(f"batch {batch:>4}: out of memory; the sweep stops here", flush=True)
             break
         generated = batch * args.new_tokens
-        row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seconds": total,
-               "prefill_seconds": prefill, "generated_tokens_per_s": generated / total,
-               "decode_tokens_per_s": batch * (args.new_tokens - 1) / max(total - prefill, 1e-9),
-               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None}
+        row = {
+            "batch": batch,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "seconds": total,
+            "prefill_seconds": prefill,
+            "generated_tokens_per_s": generated / total,
+            "decode_tokens_per_s": batch * (args.new_tokens - 1) / max(total - prefill, 1e-9),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None,
+        }
         rows.append(row)
         print(format_local_row(row), flush=True)
     best = max((r for r in rows if not r.get("oom")), key=lambda r: r["generated_tokens_per_s"], default=None)
-    return {"mode": "local", "shape": args.shape, "device": device, "dtype": str(dtype), "parameters": n_params,
-            "build_seconds": build_seconds, "rows": rows, "best": best, "kernels": kernel_report(), "machine": machine()}
+    return {
+        "mode": "local",
+        "shape": args.shape,
+        "device": device,
+        "dtype": str(dtype),
+        "parameters": n_params,
+        "build_seconds": build_seconds,
+        "rows": rows,
+        "best": best,
+        "kernels": kernel_report(),
+        "machine": machine(),
+    }
 
 
 def sync(device: str) -> None:
@@ -203,9 +262,11 @@ def sync(device: str) -> None:
 
 def format_local_row(row: dict) -> str:
     peak = f", peak {row['peak_gib']:.1f} GiB" if row.get("peak_gib") is not None else ""
-    return (f"batch {row['batch']:>4}: {row['batch'] * row['new_tokens']:>7} tokens in {row['seconds']:7.1f} s = "
-            f"{row['generated_tokens_per_s']:8.1f} generated tok/s (prefill {row['prefill_seconds']:.1f} s; decode alone "
-            f"{row['decode_tokens_per_s']:8.1f} tok/s){peak}")
+    return (
+        f"batch {row['batch']:>4}: {row['batch'] * row['new_tokens']:>7} tokens in {row['seconds']:7.1f} s = "
+        f"{row['generated_tokens_per_s']:8.1f} generated tok/s (prefill {row['prefill_seconds']:.1f} s; decode alone "
+        f"{row['decode_tokens_per_s']:8.1f} tok/s){peak}"
+    )
 
 
 def main(argv=None) -> int:
@@ -213,8 +274,11 @@ def main(argv=None) -> int:
     report = run_server(args) if args.mode == "server" else run_local(args)
     if report["mode"] == "local" and report["best"] is not None:
         best = report["best"]
-        print(f"best: batch {best['batch']}: {best['generated_tokens_per_s']:,.0f} generated tok/s "
-              f"({report['parameters'] / 1e9:.2f} B parameters, {report['device']}, {report['dtype']}; fla {report['kernels']})")
+        print(
+            f"best: batch {best['batch']}: {best['generated_tokens_per_s']:,.0f} generated tok/s "
+            f"({report['parameters'] / 1e9:.2f} B parameters, {report['device']}, {report['dtype']}; fla "
+            f"{report['kernels']})"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -8,7 +8,8 @@ channels of `benchmarks/synthetic.py`) or on the samples of an existing lossless
 A tier is `ENCODING` or `ENCODING@pca:rank=R` / `ENCODING@pca:variance=V` (projected first; the
 projection is fitted on the first half of the samples and applied to all). For each tier the samples
 are encoded (`shards.tiers.encode_features`) and written with `ShardWriter` (zstd level 1); what zstd
-buys is measured against the raw size of the stored arrays; reported: bytes/token of the shard files, the ratio to raw bf16 of the full features, the
+buys is measured against the raw size of the stored arrays; reported: bytes/token of the shard files, the ratio to raw
+bf16 of the full features, the
 zstd saving, relative RMS error per tap and its worst channel, the error of the massive-activation
 channels and of the channels that share a 4-bit group with one, and CPU time per token on one
 thread to encode, to read dequantized to bf16 (`ShardDataset.torch`) and to read compact
@@ -30,16 +31,18 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from benchmarks.synthetic import realistic_samples
 from shards.describe import raw_bytes_per_token
 from shards.projection import SecondMoments, fit_projection, parse_projection_spec, save_projection
 from shards.quant import ErrorSums, QuantizedHidden, parse_encoding
 from shards.reader import ShardDataset
-from benchmarks.synthetic import realistic_samples
 from shards.tiers import encode_features
 from shards.writer import ShardWriter
 
-DEFAULT_TIERS = ("planes,fp8,int4-g32,int4-g64,int4-g128,nf4-g16,nf4-g32,nf4-g64,nf4-g128,nf4-g256,"
-                 "planes@pca:rank={q},fp8@pca:rank={q},nf4-g64@pca:rank={q},fp8@pca:rank={e}")
+DEFAULT_TIERS = (
+    "planes,fp8,int4-g32,int4-g64,int4-g128,nf4-g16,nf4-g32,nf4-g64,nf4-g128,nf4-g256,"
+    "planes@pca:rank={q},fp8@pca:rank={q},nf4-g64@pca:rank={q},fp8@pca:rank={e}"
+)
 
 
 def parse_tier(text: str) -> tuple[str, str | None]:
@@ -48,9 +51,12 @@ def parse_tier(text: str) -> tuple[str, str | None]:
 
 
 def provenance_for(n_taps: int, hidden: int, topk: int) -> dict:
-    return {"target": {"name_or_path": "synthetic", "hidden_size": hidden, "vocab_size": 248_320},
-            "taps": {"layer_ids": list(range(n_taps)), "meaning": "id i = output of decoder layer i = hidden_states[i+1]"},
-            "dtype": "bfloat16", "topk": topk}
+    return {
+        "target": {"name_or_path": "synthetic", "hidden_size": hidden, "vocab_size": 248_320},
+        "taps": {"layer_ids": list(range(n_taps)), "meaning": "id i = output of decoder layer i = hidden_states[i+1]"},
+        "dtype": "bfloat16",
+        "topk": topk,
+    }
 
 
 _MOMENTS: dict = {}  # the calibration sums (and their eigendecomposition) are shared by every projected tier
@@ -89,15 +95,25 @@ def bench_tier(samples, tier: str, root: str, n_taps: int, hidden: int, topk: in
     encoded = []
     for sample in samples:
         start = time.process_time()
-        stored, sums = encode_features(torch.from_numpy(sample.hidden).view(torch.bfloat16), encoding, n_taps, projection)
+        stored, sums = encode_features(
+            torch.from_numpy(sample.hidden).view(torch.bfloat16), encoding, n_taps, projection
+        )
         encode_s += time.process_time() - start
         if sums is not None:
             error.add(sums)
         raw_stored += stored_raw_bytes(stored)
         tokens += sample.n_tokens
         encoded.append((sample, stored))
-    with ShardWriter(root, provenance=provenance_for(n_taps, hidden, topk), hidden_width=width, topk=topk, hidden_encoding=encoding,
-                     use_threads=False, shard_bytes=1 << 34, projection=entry) as writer:
+    with ShardWriter(
+        root,
+        provenance=provenance_for(n_taps, hidden, topk),
+        hidden_width=width,
+        topk=topk,
+        hidden_encoding=encoding,
+        use_threads=False,
+        shard_bytes=1 << 34,
+        projection=entry,
+    ) as writer:
         for sample, stored in encoded:
             writer.write(dataclass_replace(sample, stored), hidden_known_finite=True)
     ds = ShardDataset(root)
@@ -113,10 +129,17 @@ def bench_tier(samples, tier: str, root: str, n_taps: int, hidden: int, topk: in
     raw = raw_bytes_per_token(n_taps * hidden, topk)
     other = (raw["all"] - raw["hidden"]) * tokens  # ids, mask and top-k stored alongside, before zstd
     result = {
-        "tier": tier, "encoding": encoding, "projection": projection_text, "width": width, "tokens": tokens,
-        "bytes_per_token": shard_bytes / tokens, "ratio_to_raw_bf16": shard_bytes / tokens / raw["hidden"],
-        "unzstd_bytes_per_token": (raw_stored + other) / tokens, "zstd_saving": 1 - shard_bytes / (raw_stored + other),
-        "encode_us_per_token": encode_s / tokens * 1e6, "read_us_per_token": read_s / tokens * 1e6,
+        "tier": tier,
+        "encoding": encoding,
+        "projection": projection_text,
+        "width": width,
+        "tokens": tokens,
+        "bytes_per_token": shard_bytes / tokens,
+        "ratio_to_raw_bf16": shard_bytes / tokens / raw["hidden"],
+        "unzstd_bytes_per_token": (raw_stored + other) / tokens,
+        "zstd_saving": 1 - shard_bytes / (raw_stored + other),
+        "encode_us_per_token": encode_s / tokens * 1e6,
+        "read_us_per_token": read_s / tokens * 1e6,
         "read_compact_us_per_token": compact_s / tokens * 1e6,
         "explained": projection.info["explained"] if projection else None,
     }
@@ -129,9 +152,13 @@ def bench_tier(samples, tier: str, root: str, n_taps: int, hidden: int, topk: in
             G = spec.group_size
             neighbours = np.unique(np.concatenate([np.arange(c // G * G, c // G * G + G) for c in massive_idx]))
             neighbours = np.setdiff1d(neighbours, massive_idx)
-            result["massive_group_neighbours_median_rel_rms"] = float(np.median(rel_c[neighbours])) if neighbours.size else None
+            result["massive_group_neighbours_median_rel_rms"] = (
+                float(np.median(rel_c[neighbours])) if neighbours.size else None
+            )
             others = np.setdiff1d(np.arange(n_taps * hidden), np.concatenate([neighbours, massive_idx]))
-            result["other_channels_median_rel_rms"] = float(np.median(rel_c[others])) if others.size else None  # every group holds one
+            result["other_channels_median_rel_rms"] = (
+                float(np.median(rel_c[others])) if others.size else None
+            )  # every group holds one
     return result
 
 
@@ -151,9 +178,12 @@ def load_dataset_samples(path: str, limit: int | None):
 
 
 def format_table(results: list[dict]) -> list[str]:
-    lines = ["| tier | bytes/token | vs raw bf16 | without zstd | zstd saves | rel. RMS per tap | worst channel rel. RMS "
-             "| massive ch. | their 4-bit group (median) | other ch. (median) | encode µs/tok | read bf16 µs/tok | read compact µs/tok |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| tier | bytes/token | vs raw bf16 | without zstd | zstd saves | rel. RMS per tap | worst channel rel. RMS "
+        "| massive ch. | their 4-bit group (median) | other ch. (median) | encode µs/tok | read bf16 µs/tok | "
+        "read compact µs/tok |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         taps = r.get("taps")
         rel = " / ".join(f"{t['rel_rms']:.4f}" for t in taps) if taps else "0 (exact)"
@@ -162,10 +192,13 @@ def format_table(results: list[dict]) -> list[str]:
         def opt(key):
             return f"{r[key]:.3f}" if r.get(key) is not None else "-"
 
-        lines.append(f"| {r['tier']} | {r['bytes_per_token']:,.0f} | {r['ratio_to_raw_bf16']:.3f} | {r['unzstd_bytes_per_token']:,.0f} | "
-                     f"{r['zstd_saving']:.1%} | {rel} | {worst:.3f} | {opt('massive_channels_rel_rms')} | "
-                     f"{opt('massive_group_neighbours_median_rel_rms')} | {opt('other_channels_median_rel_rms')} | "
-                     f"{r['encode_us_per_token']:.1f} | {r['read_us_per_token']:.1f} | {r['read_compact_us_per_token']:.1f} |")
+        lines.append(
+            f"| {r['tier']} | {r['bytes_per_token']:,.0f} | {r['ratio_to_raw_bf16']:.3f} | "
+            f"{r['unzstd_bytes_per_token']:,.0f} | "
+            f"{r['zstd_saving']:.1%} | {rel} | {worst:.3f} | {opt('massive_channels_rel_rms')} | "
+            f"{opt('massive_group_neighbours_median_rel_rms')} | {opt('other_channels_median_rel_rms')} | "
+            f"{r['encode_us_per_token']:.1f} | {r['read_us_per_token']:.1f} | {r['read_compact_us_per_token']:.1f} |"
+        )
     return lines
 
 
@@ -176,7 +209,11 @@ def main(argv=None) -> None:
     p.add_argument("--taps", type=int, default=4)
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--topk", type=int, default=32)
-    p.add_argument("--tiers", default=None, help="comma list (default: lossless, fp8, 4-bit group sizes, projections to H/4 and H/8)")
+    p.add_argument(
+        "--tiers",
+        default=None,
+        help="comma list (default: lossless, fp8, 4-bit group sizes, projections to H/4 and H/8)",
+    )
     p.add_argument("--dataset", default=None, help="use the samples of this lossless dataset instead of synthetic ones")
     p.add_argument("--max-samples", type=int, default=None, help="with --dataset: at most this many samples")
     p.add_argument("--seed", type=int, default=0)
@@ -204,14 +241,21 @@ def main(argv=None) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     tokens = sum(s.n_tokens for s in samples)
     raw = raw_bytes_per_token(n_taps * hidden, topk)
-    print(f"\n{len(samples)} samples, {tokens} tokens of {source}; {n_taps} taps x {hidden} + top-{topk}; raw bf16 hidden "
-          f"{raw['hidden']} B/token; zstd level 1; one thread, CPU-seconds; "
-          f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, pyarrow {pa.__version__}, {time.time() - started:.0f} s wall")
+    print(
+        f"\n{len(samples)} samples, {tokens} tokens of {source}; {n_taps} taps x {hidden} + top-{topk}; raw bf16 "
+        "hidden "
+        f"{raw['hidden']} B/token; zstd level 1; one thread, CPU-seconds; "
+        f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}, pyarrow {pa.__version__}, {time.time() - started:.0f} s wall"
+    )
     print("\n".join(format_table(results)))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"source": source, "tokens": tokens, "n_taps": n_taps, "hidden": hidden, "results": results}, f, indent=1)
+            json.dump(
+                {"source": source, "tokens": tokens, "n_taps": n_taps, "hidden": hidden, "results": results},
+                f,
+                indent=1,
+            )
         print(f"wrote {args.out}")
 
 

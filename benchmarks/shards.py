@@ -5,7 +5,8 @@ storage, on synthetic samples shaped like the Qwen3.6-27B case (4 taps x 5120 bf
     python -m benchmarks.shards [--samples N] [--tokens T] [--taps 4] [--hidden 5120] [--topk 32]
                            [--levels 1,3,6] [--splits 1,4] [--repeats 2] [--dir DIR] [--no-gzip]
 
-For each zstd level, with and without byte planes, unsplit and in column pieces (`hidden_split`), it writes the samples with `ShardWriter` and
+For each zstd level, with and without byte planes, unsplit and in column pieces (`hidden_split`), it writes the samples
+with `ShardWriter` and
 reads every sample back with `ShardDataset.torch` into a preallocated batch buffer (hidden states
 are decoded straight into it; the other fields are copied), as a trainer's collate does, with the
 per-sample checksums checked (the default) and, in alternating passes, without them: the
@@ -33,17 +34,16 @@ import shutil
 import tempfile
 import time
 
-import numpy as np
 import pyarrow as pa
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.synthetic import realistic_samples
 from shards.describe import raw_bytes_per_token
 from shards.manifest import read_index
 from shards.reader import ShardDataset
 from shards.sample_checksums import SampleRanges
 from shards.schema import Sample
-from benchmarks.synthetic import realistic_samples
 from shards.writer import ShardWriter
 
 
@@ -104,8 +104,17 @@ def bench_shards(samples, root, encoding, level, collate, repeats, split: int = 
     width, topk = samples[0].hidden.shape[1], samples[0].topk_ids.shape[1]
 
     def write():
-        with ShardWriter(root, provenance={}, hidden_width=width, topk=topk, zstd_level=level, hidden_encoding=encoding,
-                         use_threads=False, shard_bytes=1 << 34, hidden_split=split) as w:
+        with ShardWriter(
+            root,
+            provenance={},
+            hidden_width=width,
+            topk=topk,
+            zstd_level=level,
+            hidden_encoding=encoding,
+            use_threads=False,
+            shard_bytes=1 << 34,
+            hidden_split=split,
+        ) as w:
             for sample in samples:
                 w.write(sample)
 
@@ -172,7 +181,9 @@ def bench_torch_save(samples, root, collate, repeats, gzip_level=None) -> Result
     write_s = _cpu_time(write)
     read_s = min(_cpu_time(read) for _ in range(repeats))
     stored, files = _dir_bytes(root)
-    return Result(f"torch.save per sample{' + gzip-%d' % gzip_level if gzip_level else ''}", stored, files, write_s, read_s)
+    return Result(
+        f"torch.save per sample{' + gzip-%d' % gzip_level if gzip_level else ''}", stored, files, write_s, read_s
+    )
 
 
 def bench_safetensors(samples, root, collate, repeats) -> Result:
@@ -204,15 +215,20 @@ def _warm_up(samples, root, collate) -> None:
 def format_table(results: list[Result], tokens: int, raw: dict[str, int]) -> list[str]:
     raw_total = tokens * raw["all"]
     lines = [
-        "| format | bytes/token | vs raw bf16 hidden | vs raw all fields | write MB/s per core | read+decode tok/s per core "
+        "| format | bytes/token | vs raw bf16 hidden | vs raw all fields | write MB/s per core | read+decode "
+        "tok/s per core "
         "| per-sample check | files |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         per_token = r.stored_bytes / tokens
-        check = "-" if r.read_unchecked_cpu_s is None else (
-            f"+{(r.read_cpu_s - r.read_unchecked_cpu_s) / r.read_unchecked_cpu_s:.1%} "
-            f"({(r.read_cpu_s - r.read_unchecked_cpu_s) / tokens * 1e6:.2f} us/token)"
+        check = (
+            "-"
+            if r.read_unchecked_cpu_s is None
+            else (
+                f"+{(r.read_cpu_s - r.read_unchecked_cpu_s) / r.read_unchecked_cpu_s:.1%} "
+                f"({(r.read_cpu_s - r.read_unchecked_cpu_s) / tokens * 1e6:.2f} us/token)"
+            )
         )
         lines.append(
             f"| {r.name} | {per_token:,.0f} | {per_token / raw['hidden']:.3f} | {per_token / raw['all']:.3f} | "
@@ -222,15 +238,24 @@ def format_table(results: list[Result], tokens: int, raw: dict[str, int]) -> lis
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.shards", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.shards", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--samples", type=int, default=8, help="number of samples (default 8)")
-    p.add_argument("--tokens", type=int, default=512, help="mean tokens per sample; lengths span 0.5x-1.5x (default 512)")
+    p.add_argument(
+        "--tokens", type=int, default=512, help="mean tokens per sample; lengths span 0.5x-1.5x (default 512)"
+    )
     p.add_argument("--taps", type=int, default=4)
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--topk", type=int, default=32)
-    p.add_argument("--levels", default="1,3,6", help="zstd levels, comma separated (the first one's data also times the hashes)")
-    p.add_argument("--splits", default=None,
-                   help="hidden_split values, comma separated (column pieces per hidden plane; default: 1 and one per tap)")
+    p.add_argument(
+        "--levels", default="1,3,6", help="zstd levels, comma separated (the first one's data also times the hashes)"
+    )
+    p.add_argument(
+        "--splits",
+        default=None,
+        help="hidden_split values, comma separated (column pieces per hidden plane; default: 1 and one per tap)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="read passes; the fastest is reported")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed at the end)")
     p.add_argument("--no-gzip", action="store_true", help="skip the slow torch.save + gzip baseline")
@@ -264,20 +289,30 @@ def main(argv: list[str] | None = None) -> None:
         speeds = hash_speeds(os.path.join(scratch, f"z{levels[0]}-planes-s{splits[0]}"), args.repeats)
         results.append(bench_torch_save(samples, os.path.join(scratch, "torch"), collate, args.repeats))
         if not args.no_gzip:
-            results.append(bench_torch_save(samples, os.path.join(scratch, "torch-gz"), collate, args.repeats, gzip_level=6))
+            results.append(
+                bench_torch_save(samples, os.path.join(scratch, "torch-gz"), collate, args.repeats, gzip_level=6)
+            )
         results.append(bench_safetensors(samples, os.path.join(scratch, "safetensors"), collate, args.repeats))
     finally:
         if args.dir is None:
             shutil.rmtree(scratch, ignore_errors=True)
     print()
-    print(f"{args.samples} samples, {tokens} tokens ({args.tokens} mean), {args.taps} taps x {args.hidden} bf16 + top-{args.topk}; "
-          f"raw {raw['hidden']} B/token hidden, {raw['all']} B/token all fields")
-    print(f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} logical CPUs, pyarrow {pa.__version__}, torch {torch.__version__}; one thread; "
-          f"speeds per CPU-second; {time.time() - started:.0f} s wall")
+    print(
+        f"{args.samples} samples, {tokens} tokens ({args.tokens} mean), {args.taps} taps x {args.hidden} bf16 + "
+        f"top-{args.topk}; "
+        f"raw {raw['hidden']} B/token hidden, {raw['all']} B/token all fields"
+    )
+    print(
+        f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} logical CPUs, pyarrow {pa.__version__}, torch {torch.__version__}; one thread; "
+        f"speeds per CPU-second; {time.time() - started:.0f} s wall"
+    )
     print("\n".join(format_table(results, tokens, raw)))
-    print(f"per-sample checksum alone, over the zstd-{levels[0]} planes record batches from the page cache: "
-          + ", ".join(f"{name} {gbps:.1f} GB/s" for name, gbps in speeds.items()) + " per core")
+    print(
+        f"per-sample checksum alone, over the zstd-{levels[0]} planes record batches from the page cache: "
+        + ", ".join(f"{name} {gbps:.1f} GB/s" for name, gbps in speeds.items())
+        + " per core"
+    )
 
 
 if __name__ == "__main__":

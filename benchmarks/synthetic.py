@@ -29,12 +29,18 @@ TAP_SCALES = (0.05, 0.4, 1.5, 4.0)
 def _tap_structure(rng: np.random.Generator, n_taps: int, hidden: int) -> list[dict]:
     taps = []
     for tap in range(n_taps):
-        scale = TAP_SCALES[min(tap, len(TAP_SCALES) - 1)] if n_taps == len(TAP_SCALES) else float(np.geomspace(0.05, 4.0, n_taps)[tap])
+        scale = (
+            TAP_SCALES[min(tap, len(TAP_SCALES) - 1)]
+            if n_taps == len(TAP_SCALES)
+            else float(np.geomspace(0.05, 4.0, n_taps)[tap])
+        )
         channel_std = scale * rng.lognormal(0.0, 0.6, hidden)
         outliers = rng.choice(hidden, 4, replace=False)
         channel_mean = rng.normal(0.0, 0.3, hidden) * channel_std
         channel_mean[outliers] = scale * rng.uniform(30, 200, 4) * rng.choice([-1, 1], 4)
-        taps.append({"std": channel_std.astype(np.float32), "mean": channel_mean.astype(np.float32), "outliers": outliers})
+        taps.append(
+            {"std": channel_std.astype(np.float32), "mean": channel_mean.astype(np.float32), "outliers": outliers}
+        )
     return taps
 
 
@@ -65,7 +71,9 @@ def realistic_topk(rng: np.random.Generator, n_tokens: int, topk: int, vocab: in
     return ids, np.ascontiguousarray(logprobs)
 
 
-def realistic_samples(n_samples: int, mean_tokens: int, n_taps: int, hidden: int, topk: int, vocab: int = 248_320, seed: int = 0) -> list[Sample]:
+def realistic_samples(
+    n_samples: int, mean_tokens: int, n_taps: int, hidden: int, topk: int, vocab: int = 248_320, seed: int = 0
+) -> list[Sample]:
     """`n_samples` samples with lengths spread around `mean_tokens` (0.5x to 1.5x)."""
     rng = np.random.default_rng(seed)
     taps = _tap_structure(rng, n_taps, hidden)
@@ -76,5 +84,7 @@ def realistic_samples(n_samples: int, mean_tokens: int, n_taps: int, hidden: int
         loss_mask = (np.arange(T) >= int(0.3 * T)).astype(np.uint8)
         topk_ids, topk_logprobs = realistic_topk(rng, T, topk, vocab)
         hidden_TW = realistic_hidden(rng, T, taps)
-        samples.append(Sample(sample_id(input_ids, loss_mask), input_ids, loss_mask, hidden_TW, topk_ids, topk_logprobs))
+        samples.append(
+            Sample(sample_id(input_ids, loss_mask), input_ids, loss_mask, hidden_TW, topk_ids, topk_logprobs)
+        )
     return samples

@@ -44,9 +44,15 @@ def build_model() -> torch.nn.Module:
 
     cfg = TinyConfig()
     config = Qwen3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     return Qwen3ForCausalLM(config)
@@ -63,7 +69,9 @@ def time_train_step(model, optimizer, ids_BT: torch.Tensor, use_bf16: bool) -> f
 
 
 def time_decode(model, prompts_BT: torch.Tensor) -> float:
-    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # as greedy_batch
+    cache_kwarg = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )  # as greedy_batch
     start = time.perf_counter()
     with torch.inference_mode():
         out = model(input_ids=prompts_BT, use_cache=True, logits_to_keep=1)
@@ -89,11 +97,24 @@ def measure(thread_counts: list[int], rounds: int) -> dict:
             times[n]["train"].append(min(time_train_step(model, optimizer, train_ids, use_bf16) for _ in range(3)))
             model.eval()
             times[n]["decode"].append(time_decode(model, prompts))
-    rows = [{"threads": n, **{f"{kind}_{stat}_s": round(fn(ts), 4) for kind, ts in kinds.items()
-                              for stat, fn in (("min", min), ("median", statistics.median))}}
-            for n, kinds in times.items()]
-    return {"precision": "bf16" if use_bf16 else "fp32", "rounds": rounds, "machine": describe_machine(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rows": rows}
+    rows = [
+        {
+            "threads": n,
+            **{
+                f"{kind}_{stat}_s": round(fn(ts), 4)
+                for kind, ts in kinds.items()
+                for stat, fn in (("min", min), ("median", statistics.median))
+            },
+        }
+        for n, kinds in times.items()
+    ]
+    return {
+        "precision": "bf16" if use_bf16 else "fp32",
+        "rounds": rounds,
+        "machine": describe_machine(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "rows": rows,
+    }
 
 
 def default_thread_counts() -> list[int]:
@@ -105,8 +126,12 @@ def default_thread_counts() -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", default="", help="comma-separated thread counts (default: 1, 2, 4, ... and the usable cores)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--threads", default="", help="comma-separated thread counts (default: 1, 2, 4, ... and the usable cores)"
+    )
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the thread counts")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -118,12 +143,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--threads and --rounds must be positive")
     result = measure(counts, args.rounds)
     machine = result["machine"]
-    print(f"tiny default, CPU work per torch thread count ({result['precision']}; {machine['cpu']}, {machine['cores']} usable cores; "
-          f"fastest / median of {args.rounds} rounds)")
+    print(
+        f"tiny default, CPU work per torch thread count ({result['precision']}; {machine['cpu']}, "
+        f"{machine['cores']} usable cores; "
+        f"fastest / median of {args.rounds} rounds)"
+    )
     print(f"{'threads':>8} {'train step (1,024 tokens)':>28} {'decode (128 x (24 + 32) tokens)':>34}")
     for row in result["rows"]:
-        print(f"{row['threads']:>8} {row['train_min_s']:>14.3f} / {row['train_median_s']:.3f} s"
-              f" {row['decode_min_s']:>20.3f} / {row['decode_median_s']:.3f} s")
+        print(
+            f"{row['threads']:>8} {row['train_min_s']:>14.3f} / {row['train_median_s']:.3f} s"
+            f" {row['decode_min_s']:>20.3f} / {row['decode_median_s']:.3f} s"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

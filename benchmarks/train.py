@@ -4,7 +4,8 @@
     python -m benchmarks.train --shape tiny          # the same code path at toy widths, runs on CPU in seconds
     python -m benchmarks.train --shape 27b-zlab      # the published z-lab layout (configs/qwen3.6-27b-zlab.toml)
     python -m benchmarks.train --out bench.json --rows 2 --seq-len 3072 --anchors 512
-    python -m benchmarks.train --phases stream --ddp 1      # plain trainer, then world size 1 under torchrun (DDP), one table
+    python -m benchmarks.train --phases stream --ddp 1      # plain trainer, then world size 1 under torchrun (DDP),
+    one table
     python -m benchmarks.train --phases stream --token-budget 12288 --max-blocks 2048 --accumulation 2 --ddp 2
                                                 # 1 GPU (accumulation 2) against 2 GPUs, same tokens per optimizer step
 
@@ -32,7 +33,8 @@ Data parallel (`--ddp N`): after the in-process phases the same stream phase run
 `train.distributed` (DDP, the global batch split by tokens over N x accumulation parts); the
 table gets a `stream-ddpN` row (tokens/s and MFU of all ranks together, MFU against N x peak;
 fetch fraction: the largest any rank waited; step time: rank 0's) and per-rank step times and
-peak memory, and the ratios against the in-process `stream` row (of the same tier with `--tiers`). `--accumulation` splits the
+peak memory, and the ratios against the in-process `stream` row (of the same tier with `--tiers`). `--accumulation`
+splits the
 in-process stream phase's global batch the same way on one GPU (for a comparison at equal tokens
 per optimizer step); the workers use `--ddp-accumulation` (default accumulation / N).
 
@@ -77,26 +79,90 @@ FLOP_PARTS = ("fc", "context_kv", "block_matmuls", "attention", "lm_head")  # th
 
 SHAPES = {
     # Qwen3.6-27B (qwen3.6-27b.md §1): the drafter has the target's widths, 5 layers, 4 taps.
-    "27b": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46], rope_theta=1e7,
-                partial_rotary_factor=1.0, max_position_embeddings=262144, seq_len=3072, anchors=512, rows=2,
-                token_budget=6144, max_blocks=1024, samples=160),
+    "27b": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+        num_target_layers=64,
+        target_layer_ids=[1, 16, 31, 46],
+        rope_theta=1e7,
+        partial_rotary_factor=1.0,
+        max_position_embeddings=262144,
+        seq_len=3072,
+        anchors=512,
+        rows=2,
+        token_budget=6144,
+        max_blocks=1024,
+        samples=160,
+    ),
     # configs/qwen3.6-27b-zlab.toml: the published z-lab layout (5 taps, 32/8 heads of 128, 4 sliding + 1 full).
-    "27b-zlab": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     vocab_size=248320, num_target_layers=64, target_layer_ids=[1, 16, 31, 46, 61], rope_theta=1e7,
-                     partial_rotary_factor=1.0, max_position_embeddings=262144, layer_types="sliding_then_full",
-                     sliding_window=2048, sliding_in_block="causal", seq_len=4096, anchors=512, rows=2,
-                     token_budget=8192, max_blocks=1024, samples=160),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 vocab_size=1024, num_target_layers=8, target_layer_ids=[1, 3, 5, 6], rope_theta=1e6,
-                 partial_rotary_factor=1.0, max_position_embeddings=4096, seq_len=256, anchors=32, rows=2,
-                 token_budget=1024, max_blocks=64, samples=48),
+    "27b-zlab": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=248320,
+        num_target_layers=64,
+        target_layer_ids=[1, 16, 31, 46, 61],
+        rope_theta=1e7,
+        partial_rotary_factor=1.0,
+        max_position_embeddings=262144,
+        layer_types="sliding_then_full",
+        sliding_window=2048,
+        sliding_in_block="causal",
+        seq_len=4096,
+        anchors=512,
+        rows=2,
+        token_budget=8192,
+        max_blocks=1024,
+        samples=160,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1024,
+        num_target_layers=8,
+        target_layer_ids=[1, 3, 5, 6],
+        rope_theta=1e6,
+        partial_rotary_factor=1.0,
+        max_position_embeddings=4096,
+        seq_len=256,
+        anchors=32,
+        rows=2,
+        token_budget=1024,
+        max_blocks=64,
+        samples=48,
+    ),
     # The 27b-zlab layout at toy widths (a window shorter than the sequences): a CPU check of that path.
-    "tiny-zlab": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      vocab_size=1024, num_target_layers=8, target_layer_ids=[1, 2, 3, 5, 6], rope_theta=1e6,
-                      partial_rotary_factor=1.0, max_position_embeddings=4096, layer_types="sliding_then_full",
-                      sliding_window=64, sliding_in_block="causal", seq_len=256, anchors=32, rows=2,
-                      token_budget=1024, max_blocks=64, samples=48),
+    "tiny-zlab": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1024,
+        num_target_layers=8,
+        target_layer_ids=[1, 2, 3, 5, 6],
+        rope_theta=1e6,
+        partial_rotary_factor=1.0,
+        max_position_embeddings=4096,
+        layer_types="sliding_then_full",
+        sliding_window=64,
+        sliding_in_block="causal",
+        seq_len=256,
+        anchors=32,
+        rows=2,
+        token_budget=1024,
+        max_blocks=64,
+        samples=48,
+    ),
 }
 
 
@@ -134,15 +200,24 @@ def synthetic_batch(rows: int, seq_len: int, vocab: int, width: int, topk: int, 
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab - 1, (rows, seq_len), generator=g)
     loss_mask = torch.zeros(rows, seq_len, dtype=torch.bool)
-    loss_mask[:, seq_len // 10:] = True
+    loss_mask[:, seq_len // 10 :] = True
     hidden = (torch.randn(rows, seq_len, width, generator=g) * 0.8).to(torch.bfloat16)
     topk_ids = torch.randint(0, vocab - 1, (rows, seq_len, topk), generator=g)
     logprobs = torch.log_softmax(torch.randn(rows, seq_len, topk, generator=g), -1).sort(-1, descending=True).values
     if torch.cuda.is_available():
         hidden = hidden.pin_memory()
-    return Batch(input_ids=input_ids, loss_mask=loss_mask, hidden=hidden, topk_ids=topk_ids, topk_logprobs=logprobs,
-                 lengths=torch.full((rows,), seq_len), sample_ids=[f"synthetic-{i}" for i in range(rows)], bucket=0,
-                 epoch=0, state={})
+    return Batch(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        hidden=hidden,
+        topk_ids=topk_ids,
+        topk_logprobs=logprobs,
+        lengths=torch.full((rows,), seq_len),
+        sample_ids=[f"synthetic-{i}" for i in range(rows)],
+        bucket=0,
+        epoch=0,
+        state={},
+    )
 
 
 def length_mix(n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
@@ -154,25 +229,36 @@ def length_mix(n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
 
 def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: int = 32, seed: int = 0) -> dict:
     """Synthetic shards with the shape's provenance (reused when `root` already holds a complete set)."""
-    from shards import Sample, ShardWriter
     from common.hashing import sample_id
+    from shards import Sample, ShardWriter
 
     H, taps = shape["hidden_size"], shape["target_layer_ids"]
     width = len(taps) * H
     provenance = {
-        "target": {"name_or_path": "synthetic", "num_layers": shape["num_target_layers"], "hidden_size": H, "vocab_size": shape["vocab_size"]},
+        "target": {
+            "name_or_path": "synthetic",
+            "num_layers": shape["num_target_layers"],
+            "hidden_size": H,
+            "vocab_size": shape["vocab_size"],
+        },
         "tokenizer": {"hash": "synthetic", "mask_token_id": shape["vocab_size"] - 1},
         "taps": {"layer_ids": list(taps), "meaning": "id i = output of decoder layer i = hidden_states[i+1]"},
-        "dtype": "bfloat16", "topk": topk, "max_len": max_len,
+        "dtype": "bfloat16",
+        "topk": topk,
+        "max_len": max_len,
     }
     manifest_path = os.path.join(root, "manifest.json")
     if os.path.exists(manifest_path):
         manifest = json.load(open(manifest_path))
-        if manifest.get("complete") and manifest.get("counts", {}).get("samples") == n and manifest.get("hidden_width") == width:
+        if (
+            manifest.get("complete")
+            and manifest.get("counts", {}).get("samples") == n
+            and manifest.get("hidden_width") == width
+        ):
             return manifest
     rng = np.random.default_rng(seed)
     lengths = length_mix(n, max_len, rng)
-    pool = (torch.randn(int(max_len * width * 1.5), generator=torch.Generator().manual_seed(seed)) * 0.8)
+    pool = torch.randn(int(max_len * width * 1.5), generator=torch.Generator().manual_seed(seed)) * 0.8
     pool = pool.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     start = time.perf_counter()
     with ShardWriter(root, provenance=provenance, hidden_width=width, topk=topk) as writer:
@@ -180,11 +266,14 @@ def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: i
             ids = rng.integers(0, shape["vocab_size"] - 1, T).astype(np.int32)
             lm = (np.arange(T) >= int(T * rng.uniform(0.1, 0.4))).astype(np.uint8)
             offset = int(rng.integers(0, pool.size - T * width))
-            hidden = pool[offset:offset + T * width].reshape(T, width)
+            hidden = pool[offset : offset + T * width].reshape(T, width)
             topk_ids = rng.integers(0, shape["vocab_size"] - 1, (T, topk)).astype(np.int32)
             logprobs = -np.sort(rng.exponential(1.0, (T, topk)).astype(np.float32), 1)
             writer.write(Sample(sample_id(ids, lm), ids, lm, hidden, topk_ids, logprobs))
-    print(f"wrote {n} synthetic samples ({int(lengths.sum())} tokens) to {root} in {time.perf_counter() - start:.1f}s", flush=True)
+    print(
+        f"wrote {n} synthetic samples ({int(lengths.sum())} tokens) to {root} in {time.perf_counter() - start:.1f}s",
+        flush=True,
+    )
     return json.load(open(manifest_path))
 
 
@@ -204,8 +293,17 @@ def tier_shards(root: str, tier: str) -> str:
     if not (os.path.exists(manifest) and json.load(open(manifest)).get("complete")):
         started = time.perf_counter()
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        cfg = load_config(TranscodeConfig, None, [f"encoding={tier}", f"threads={max(2, (os.cpu_count() or 2) // 2)}", "verify=false",
-                                                  "progress=false", f"device={device}"])
+        cfg = load_config(
+            TranscodeConfig,
+            None,
+            [
+                f"encoding={tier}",
+                f"threads={max(2, (os.cpu_count() or 2) // 2)}",
+                "verify=false",
+                "progress=false",
+                f"device={device}",
+            ],
+        )
         transcode(root, out, cfg)
         print(f"transcoded the synthetic shards to {tier} in {time.perf_counter() - started:.1f}s", flush=True)
     return out
@@ -223,13 +321,24 @@ def tier_phase_name(name: str, tier: str) -> str:
 # Runner
 
 
-def build_run(args, shape: dict, device: torch.device, stream=None, workdir: str = ".", dist: Dist | None = None) -> Run:
+def build_run(
+    args, shape: dict, device: torch.device, stream=None, workdir: str = ".", dist: Dist | None = None
+) -> Run:
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
-    overrides = [f"loss.num_anchors={args.anchors}", f"loss.chunk_rows={args.chunk_rows}", f"model.attention={args.attention}",
-                 f"loss.max_blocks={args.max_blocks}", "optim.lr=1e-4", f"device={device.type}", f"compile={str(use_compile).lower()}"]
+    overrides = [
+        f"loss.num_anchors={args.anchors}",
+        f"loss.chunk_rows={args.chunk_rows}",
+        f"model.attention={args.attention}",
+        f"loss.max_blocks={args.max_blocks}",
+        "optim.lr=1e-4",
+        f"device={device.type}",
+        f"compile={str(use_compile).lower()}",
+    ]
     cfg = load_config(TrainConfig, None, overrides)
     drafter_cfg = DrafterConfig(
-        num_hidden_layers=args.layers, mask_token_id=shape["vocab_size"] - 1, block_size=16,
+        num_hidden_layers=args.layers,
+        mask_token_id=shape["vocab_size"] - 1,
+        block_size=16,
         **{k: v for k, v in shape.items() if k in {f.name for f in dataclasses.fields(DrafterConfig)}},
     )
     dist = dist if dist is not None else Dist.single(args.accumulation)
@@ -240,11 +349,26 @@ def build_run(args, shape: dict, device: torch.device, stream=None, workdir: str
         drafter = DFlashDrafter(drafter_cfg)
     dtype = kernels.autocast_dtype or torch.float32
     V, D = shape["vocab_size"], shape["hidden_size"]
-    head = TargetHead(torch.randn(V, D, device=device, dtype=dtype) * 0.02, torch.randn(V, D, device=device, dtype=dtype) * 0.02)
+    head = TargetHead(
+        torch.randn(V, D, device=device, dtype=dtype) * 0.02, torch.randn(V, D, device=device, dtype=dtype) * 0.02
+    )
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
     forward, chunk_fn = step_functions(drafter, dist, kernels.compile, args.ddp_compile)
-    return Run(cfg=cfg, run_dir=workdir, kernels=kernels, drafter_cfg=drafter_cfg, drafter=drafter, forward=forward, head=head,
-               optimizer=optimizer, stream=stream, total_steps=10**9, warmup_steps=0, chunk_fn=chunk_fn, dist=dist)
+    return Run(
+        cfg=cfg,
+        run_dir=workdir,
+        kernels=kernels,
+        drafter_cfg=drafter_cfg,
+        drafter=drafter,
+        forward=forward,
+        head=head,
+        optimizer=optimizer,
+        stream=stream,
+        total_steps=10**9,
+        warmup_steps=0,
+        chunk_fn=chunk_fn,
+        dist=dist,
+    )
 
 
 def _sync(device):
@@ -279,31 +403,68 @@ def run_phase(name: str, run: Run, next_batch, steps: int, warmup: int, wait_of=
             block_tokens.append(result.block_tokens)
             losses.append(result.loss)
         if dist.is_main:
-            print(f"  {name} step {step}: {elapsed:.3f}s loss {result.loss:.3f} blocks {result.block_tokens // 16}"
-                  f"{' (warmup)' if step <= warmup else ''}", flush=True)
+            print(
+                f"  {name} step {step}: {elapsed:.3f}s loss {result.loss:.3f} blocks {result.block_tokens // 16}"
+                f"{' (warmup)' if step <= warmup else ''}",
+                flush=True,
+            )
     keys = list(flops[0])
     per_rank_flops = dist.sum([sum(f[k] for f in flops) for k in keys])  # every rank's parts together
     parts = {k: float(v) / steps for k, v in zip(keys, per_rank_flops)}
     total_flops = float(per_rank_flops.sum())
     total_time = sum(times)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**30
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    )
     ranks = dist.gather([statistics.median(times), total_time / steps, peak])
     return {
-        "phase": name, "world_size": dist.world_size, "accumulation": dist.accumulation, "steps": steps,
-        "step_s_mean": total_time / steps, "step_s_median": statistics.median(times), "step_s_max": max(times),
-        "context_tok_s": sum(ctx_tokens) / total_time, "block_tok_s": sum(block_tokens) / total_time,
-        "tflop_per_step": sum(parts.values()) / 1e12, "tflop_s": total_flops / total_time / 1e12,
-        "mfu": total_flops / total_time / (PEAK_FLOPS * dist.world_size), "fetch_frac": sum(waits) / total_time,
-        "peak_mem_gib": float(ranks[:, 2].max()), "flops_by_part_per_step": parts, "mean_context_tokens": sum(ctx_tokens) / steps,
-        "mean_block_tokens": sum(block_tokens) / steps, "last_loss": losses[-1],
-        "per_rank": [{"rank": r, "step_s_median": float(ranks[r, 0]), "step_s_mean": float(ranks[r, 1]), "peak_mem_gib": float(ranks[r, 2])}
-                     for r in range(dist.world_size)],
+        "phase": name,
+        "world_size": dist.world_size,
+        "accumulation": dist.accumulation,
+        "steps": steps,
+        "step_s_mean": total_time / steps,
+        "step_s_median": statistics.median(times),
+        "step_s_max": max(times),
+        "context_tok_s": sum(ctx_tokens) / total_time,
+        "block_tok_s": sum(block_tokens) / total_time,
+        "tflop_per_step": sum(parts.values()) / 1e12,
+        "tflop_s": total_flops / total_time / 1e12,
+        "mfu": total_flops / total_time / (PEAK_FLOPS * dist.world_size),
+        "fetch_frac": sum(waits) / total_time,
+        "peak_mem_gib": float(ranks[:, 2].max()),
+        "flops_by_part_per_step": parts,
+        "mean_context_tokens": sum(ctx_tokens) / steps,
+        "mean_block_tokens": sum(block_tokens) / steps,
+        "last_loss": losses[-1],
+        "per_rank": [
+            {
+                "rank": r,
+                "step_s_median": float(ranks[r, 0]),
+                "step_s_mean": float(ranks[r, 1]),
+                "peak_mem_gib": float(ranks[r, 2]),
+            }
+            for r in range(dist.world_size)
+        ],
     }
 
 
 def print_table(results: list[dict], header: dict) -> None:
     print("\n" + " ".join(f"{k}={v}" for k, v in header.items()))
-    cols = ("phase", "steps", "step_s_median", "step_s_max", "context_tok_s", "block_tok_s", "tflop_per_step", "tflop_s", "mfu", "fetch_frac", "peak_mem_gib")
+    cols = (
+        "phase",
+        "steps",
+        "step_s_median",
+        "step_s_max",
+        "context_tok_s",
+        "block_tok_s",
+        "tflop_per_step",
+        "tflop_s",
+        "mfu",
+        "fetch_frac",
+        "peak_mem_gib",
+    )
     for r in results:  # rows measured before the layout was recorded have none
         r.setdefault("world_size", 1)
         r.setdefault("accumulation", 1)
@@ -315,15 +476,23 @@ def print_table(results: list[dict], header: dict) -> None:
         cells = []
         for c in cols:
             v = r[c]
-            cells.append(f"{v:>14.3%}" if c in ("mfu", "fetch_frac") else f"{v:>14.4g}" if isinstance(v, float) else f"{v:>14}")
+            cells.append(
+                f"{v:>14.3%}" if c in ("mfu", "fetch_frac") else f"{v:>14.4g}" if isinstance(v, float) else f"{v:>14}"
+            )
         print(" | ".join(cells))
     for r in results:
         if "flops_by_part_per_step" in r:
             parts = ", ".join(f"{k} {v / 1e12:.4g}" for k, v in r["flops_by_part_per_step"].items())
-            print(f"{r['phase']}: {r['world_size']} process(es) x {r['accumulation']} micro-step(s); TFLOP per step by part: {parts} "
-                  f"(peak {PEAK_FLOPS / 1e12:.0f} TFLOP/s per GPU)")
+            print(
+                f"{r['phase']}: {r['world_size']} process(es) x {r['accumulation']} micro-step(s); TFLOP per step "
+                f"by part: {parts} "
+                f"(peak {PEAK_FLOPS / 1e12:.0f} TFLOP/s per GPU)"
+            )
         for rank in r.get("per_rank", []) if r.get("world_size", 1) > 1 else []:
-            print(f"  rank {rank['rank']}: step median {rank['step_s_median']:.4f} s, mean {rank['step_s_mean']:.4f} s, peak mem {rank['peak_mem_gib']:.2f} GiB")
+            print(
+                f"  rank {rank['rank']}: step median {rank['step_s_median']:.4f} s, mean {rank['step_s_mean']:.4f} "
+                f"s, peak mem {rank['peak_mem_gib']:.2f} GiB"
+            )
     for line in compare(results):
         print(line)
 
@@ -331,8 +500,11 @@ def print_table(results: list[dict], header: dict) -> None:
 def compare(results: list[dict]) -> list[str]:
     """The data-parallel rows against the in-process stream row of the same storage tier (same
     tokens per optimizer step)."""
-    bases = {r.get("storage_tier", "planes"): r for r in results
-             if r.get("phase") == tier_phase_name("stream", r.get("storage_tier", "planes")) and "error" not in r}
+    bases = {
+        r.get("storage_tier", "planes"): r
+        for r in results
+        if r.get("phase") == tier_phase_name("stream", r.get("storage_tier", "planes")) and "error" not in r
+    }
     lines = []
     for r in results:
         base = bases.get(r.get("storage_tier", "planes"))
@@ -340,11 +512,15 @@ def compare(results: list[dict]) -> list[str]:
             continue
         lines.append(
             f"{r['phase']} / {base['phase']}: step time (median) {r['step_s_median'] / base['step_s_median']:.4f}, "
-            f"step time (mean) {r['step_s_mean'] / base['step_s_mean']:.4f}, context tok/s {r['context_tok_s'] / base['context_tok_s']:.4f}, "
+            f"step time (mean) {r['step_s_mean'] / base['step_s_mean']:.4f}, context tok/s "
+            f"{r['context_tok_s'] / base['context_tok_s']:.4f}, "
             f"peak mem (largest rank) {r['peak_mem_gib'] / base['peak_mem_gib']:.4f}"
         )
-        r["vs_stream"] = {"step_s_median": r["step_s_median"] / base["step_s_median"], "step_s_mean": r["step_s_mean"] / base["step_s_mean"],
-                          "context_tok_s": r["context_tok_s"] / base["context_tok_s"]}
+        r["vs_stream"] = {
+            "step_s_median": r["step_s_median"] / base["step_s_median"],
+            "step_s_mean": r["step_s_mean"] / base["step_s_mean"],
+            "context_tok_s": r["context_tok_s"] / base["context_tok_s"],
+        }
     return lines
 
 
@@ -366,18 +542,35 @@ def parse_args(argv):
     p.add_argument("--compile", dest="compile", action="store_true", default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--prefetch-threads", type=int, default=8)
-    p.add_argument("--tiers", default="planes",
-                   help="storage tiers of the stream phase, comma list (planes = lossless; fp8, int4-gG, nf4-gG: the synthetic shards "
-                        "transcoded, `python -m shards transcode`); every tier streams through the same compiled drafter")
+    p.add_argument(
+        "--tiers",
+        default="planes",
+        help="storage tiers of the stream phase, comma list (planes = lossless; fp8, int4-gG, nf4-gG: the "
+        "synthetic shards "
+        "transcoded, `python -m shards transcode`); every tier streams through the same compiled drafter",
+    )
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dflash-bench-train"))
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step in the in-process stream phase")
-    p.add_argument("--ddp", default="", help="comma list of process counts: run the stream phase again under torchrun with each")
-    p.add_argument("--ddp-accumulation", type=int, default=None, help="micro-batches per process in the --ddp runs (default accumulation / N)")
+    p.add_argument(
+        "--ddp", default="", help="comma list of process counts: run the stream phase again under torchrun with each"
+    )
+    p.add_argument(
+        "--ddp-accumulation",
+        type=int,
+        default=None,
+        help="micro-batches per process in the --ddp runs (default accumulation / N)",
+    )
     p.add_argument("--bucket-mb", type=int, default=DistributedConfig.bucket_mb, help="DDP gradient bucket size (MiB)")
-    p.add_argument("--ddp-compile", choices=["outer", "inner"], default=DistributedConfig.ddp_compile,
-                   help="compile around DDP (graph cut at buckets, all-reduce overlapped) or inside it (distributed.ddp_compile)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of a --ddp run (started by torchrun)
+    p.add_argument(
+        "--ddp-compile",
+        choices=["outer", "inner"],
+        default=DistributedConfig.ddp_compile,
+        help="compile around DDP (graph cut at buckets, all-reduce overlapped) or inside it (distributed.ddp_compile)",
+    )
+    p.add_argument(
+        "--worker", action="store_true", help=argparse.SUPPRESS
+    )  # one rank of a --ddp run (started by torchrun)
     args = p.parse_args(argv)
     shape = SHAPES[args.shape]
     for key in ("seq_len", "rows", "anchors", "max_blocks", "token_budget", "samples"):
@@ -389,8 +582,16 @@ def parse_args(argv):
     return args, shape
 
 
-def stream_phase(args, shape: dict, device: torch.device, dist: Dist, name: str, tier: str = "planes",
-                 run: Run | None = None, warmup: int | None = None) -> tuple[dict, Run]:
+def stream_phase(
+    args,
+    shape: dict,
+    device: torch.device,
+    dist: Dist,
+    name: str,
+    tier: str = "planes",
+    run: Run | None = None,
+    warmup: int | None = None,
+) -> tuple[dict, Run]:
     """The stream phase: synthetic shards in storage tier `tier` through `DataStream` (this rank's
     share when split). Returns (result, run): pass `run` back for the next tier, so every tier
     streams through the same (compiled) drafter and only where the batches come from changes."""
@@ -401,25 +602,44 @@ def stream_phase(args, shape: dict, device: torch.device, dist: Dist, name: str,
         write_synthetic_shards(root, shape, args.samples, args.seq_len)
         tier_shards(root, tier)
     dist.gather_objects(None)  # the other ranks wait for the shards
-    data_cfg = DataConfig(shards=tier_root(root, tier), token_budget=args.token_budget, num_buckets=4, holdout_fraction=0.0,
-                          prefetch_threads=args.prefetch_threads, prefetch_depth=max(args.prefetch_threads, 8))
+    data_cfg = DataConfig(
+        shards=tier_root(root, tier),
+        token_budget=args.token_budget,
+        num_buckets=4,
+        holdout_fraction=0.0,
+        prefetch_threads=args.prefetch_threads,
+        prefetch_depth=max(args.prefetch_threads, 8),
+    )
     stream = DataStream(data_cfg, split=dist.split)
     if run is None:
         run = build_run(args, shape, device, stream=stream, workdir=args.workdir, dist=dist)
         if dist.is_main:
             print(run.kernels.describe(), flush=True)
     try:
-        result = run_phase(name, run, lambda: next(stream), args.steps, args.warmup if warmup is None else warmup, lambda: stream.last_wait)
+        result = run_phase(
+            name,
+            run,
+            lambda: next(stream),
+            args.steps,
+            args.warmup if warmup is None else warmup,
+            lambda: stream.last_wait,
+        )
     finally:
         stream.close()
     result["kernels"] = run.kernels.to_dict()
     result["data_plan"] = {k: v for k, v in stream.data_plan().items() if k != "buckets"}
     result["storage_tier"] = tier
-    result["tier"] = {"encoding": stream.dataset.encoding,
-                      "shard_bytes_per_token": sum(e["bytes"] for e in stream.dataset.shards) / stream.dataset.manifest["counts"]["tokens"]}
+    result["tier"] = {
+        "encoding": stream.dataset.encoding,
+        "shard_bytes_per_token": sum(e["bytes"] for e in stream.dataset.shards)
+        / stream.dataset.manifest["counts"]["tokens"],
+    }
     if dist.is_main:
-        print(f"{name}: fetch fraction {result['fetch_frac']:.3%}, step median {result['step_s_median']:.3f} s, "
-              f"{result['tier']['shard_bytes_per_token']:,.0f} B/token", flush=True)
+        print(
+            f"{name}: fetch fraction {result['fetch_frac']:.3%}, step median {result['step_s_median']:.3f} s, "
+            f"{result['tier']['shard_bytes_per_token']:,.0f} B/token",
+            flush=True,
+        )
     return result, run
 
 
@@ -430,7 +650,9 @@ def stream_tiers(args, shape: dict, device: torch.device, dist: Dist, name: str,
     for i, tier in enumerate(parse_tiers(args.tiers)):
         phase = tier_phase_name(name, tier)
         try:
-            result, run = stream_phase(args, shape, device, dist, phase, tier, run=run, warmup=args.warmup if i == 0 else min(args.warmup, 2))
+            result, run = stream_phase(
+                args, shape, device, dist, phase, tier, run=run, warmup=args.warmup if i == 0 else min(args.warmup, 2)
+            )
             results.append(result)
         except Exception as exc:  # noqa: BLE001 - report and go on to the next tier
             traceback.print_exc()
@@ -446,18 +668,60 @@ def ddp_phase(args, nproc: int) -> list[dict]:
     name = f"stream-ddp{nproc}"
     accumulation = args.ddp_accumulation or max(1, args.accumulation // nproc)
     out = os.path.join(args.workdir, f"{name}.json")
-    forwarded = ["--shape", args.shape, "--layers", args.layers, "--seq-len", args.seq_len, "--anchors", args.anchors,
-                 "--max-blocks", args.max_blocks, "--token-budget", args.token_budget, "--samples", args.samples,
-                 "--steps", args.steps, "--warmup", args.warmup, "--chunk-rows", args.chunk_rows, "--attention", args.attention,
-                 "--prefetch-threads", args.prefetch_threads, "--workdir", args.workdir, "--accumulation", accumulation,
-                 "--bucket-mb", args.bucket_mb, "--ddp-compile", args.ddp_compile, "--tiers", args.tiers, "--out", out, "--worker"]
+    forwarded = [
+        "--shape",
+        args.shape,
+        "--layers",
+        args.layers,
+        "--seq-len",
+        args.seq_len,
+        "--anchors",
+        args.anchors,
+        "--max-blocks",
+        args.max_blocks,
+        "--token-budget",
+        args.token_budget,
+        "--samples",
+        args.samples,
+        "--steps",
+        args.steps,
+        "--warmup",
+        args.warmup,
+        "--chunk-rows",
+        args.chunk_rows,
+        "--attention",
+        args.attention,
+        "--prefetch-threads",
+        args.prefetch_threads,
+        "--workdir",
+        args.workdir,
+        "--accumulation",
+        accumulation,
+        "--bucket-mb",
+        args.bucket_mb,
+        "--ddp-compile",
+        args.ddp_compile,
+        "--tiers",
+        args.tiers,
+        "--out",
+        out,
+        "--worker",
+    ]
     if args.compile is not None:
         forwarded.append("--compile" if args.compile else "--no-compile")
     env = dict(os.environ)
     # torchrun sets 1 thread per process when it starts several; give each its share of the cores instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "benchmarks.train",
-           *map(str, forwarded)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "benchmarks.train",
+        *map(str, forwarded),
+    ]
     print(f"\n{' '.join(cmd)}  (OMP_NUM_THREADS={env['OMP_NUM_THREADS']})", flush=True)
     if os.path.exists(out):
         os.remove(out)
@@ -496,15 +760,29 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     width = len(shape["target_layer_ids"]) * shape["hidden_size"]
-    header = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "gpus": torch.cuda.device_count(), "torch": torch.__version__, "seq_len": args.seq_len, "rows": args.rows,
-              "anchors": args.anchors, "layers": args.layers, "attention": args.attention,
-              "compile": args.compile if args.compile is not None else device.type == "cuda", "chunk_rows": args.chunk_rows,
-              "taps": len(shape["target_layer_ids"]), "layer_types": shape.get("layer_types", "full"),
-              "sliding_window": shape.get("sliding_window"),
-              "heads": f"{shape['num_attention_heads']}/{shape['num_key_value_heads']}x{shape['head_dim']}",
-              "token_budget": args.token_budget, "max_blocks": args.max_blocks, "accumulation": args.accumulation,
-              "ddp": args.ddp, "bucket_mb": args.bucket_mb, "ddp_compile": args.ddp_compile}
+    header = {
+        "shape": args.shape,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "seq_len": args.seq_len,
+        "rows": args.rows,
+        "anchors": args.anchors,
+        "layers": args.layers,
+        "attention": args.attention,
+        "compile": args.compile if args.compile is not None else device.type == "cuda",
+        "chunk_rows": args.chunk_rows,
+        "taps": len(shape["target_layer_ids"]),
+        "layer_types": shape.get("layer_types", "full"),
+        "sliding_window": shape.get("sliding_window"),
+        "heads": f"{shape['num_attention_heads']}/{shape['num_key_value_heads']}x{shape['head_dim']}",
+        "token_budget": args.token_budget,
+        "max_blocks": args.max_blocks,
+        "accumulation": args.accumulation,
+        "ddp": args.ddp,
+        "bucket_mb": args.bucket_mb,
+        "ddp_compile": args.ddp_compile,
+    }
     print(json.dumps(header), flush=True)
     results = []
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
@@ -513,7 +791,9 @@ def main(argv: list[str] | None = None) -> int:
             run = build_run(args, shape, device, workdir=args.workdir, dist=Dist.single())
             print(run.kernels.describe(), flush=True)
             batch = synthetic_batch(args.rows, args.seq_len, shape["vocab_size"], width, 32)
-            results.append(run_phase("fixed", run, lambda: batch, args.steps, args.warmup) | {"kernels": run.kernels.to_dict()})
+            results.append(
+                run_phase("fixed", run, lambda: batch, args.steps, args.warmup) | {"kernels": run.kernels.to_dict()}
+            )
             print(f"drafter parameters: {run.drafter.num_parameters() / 1e9:.3f} B", flush=True)
             del run
         except Exception as exc:  # noqa: BLE001 - report and go on to the next phase
@@ -522,6 +802,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "stream" in phases:
+
         def save(tier_results: list[dict]) -> None:  # after every tier, so a time limit keeps what was measured
             if args.out:
                 with open(args.out, "w") as f:
@@ -536,7 +817,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     for nproc in [int(n) for n in args.ddp.split(",") if n.strip()]:
         if device.type == "cuda" and nproc > torch.cuda.device_count():
-            results.append({"phase": f"stream-ddp{nproc}", "error": f"{nproc} processes but {torch.cuda.device_count()} GPU(s)"})
+            results.append(
+                {"phase": f"stream-ddp{nproc}", "error": f"{nproc} processes but {torch.cuda.device_count()} GPU(s)"}
+            )
             continue
         results += ddp_phase(args, nproc)
     print_table(results, header)

@@ -87,7 +87,11 @@ def parse_cli(cls: type, argv: typing.Sequence[str], *, section: str | None = No
 
 
 def load_config(
-    cls: type, path: str | os.PathLike | None, overrides: typing.Sequence[str] = (), *, section: str | None = None,
+    cls: type,
+    path: str | os.PathLike | None,
+    overrides: typing.Sequence[str] = (),
+    *,
+    section: str | None = None,
     values: typing.Mapping[str, Any] | None = None,
 ) -> Any:
     """Read `path` (TOML or JSON; its `[section]` table if it has one), apply the `key=value`
@@ -120,7 +124,9 @@ def _read_file(path: Path) -> dict[str, Any]:
         else:
             data = tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"config file '{path}' is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}") from None
+        raise ConfigError(
+            f"config file '{path}' is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a table at the top level")
     return data
@@ -200,9 +206,7 @@ def config_from_dict(cls: type, data: dict[str, Any], *, prefix: str = "") -> An
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ConfigError(
-            f"unknown config key '{prefix}{unknown[0]}'; allowed keys here: {', '.join(sorted(known))}"
-        )
+        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}'; allowed keys here: {', '.join(sorted(known))}")
     kwargs = {}
     for name, f in known.items():
         key = prefix + name
@@ -231,9 +235,13 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping[str, Any]
         items = value if isinstance(value, list) else [value]
         for item in items:
             if lo is not None and item < lo:
-                fail(key, f"{item!r} is below the minimum {lo}" + (f" (allowed: {lo} to {hi})" if hi is not None else ""))
+                fail(
+                    key, f"{item!r} is below the minimum {lo}" + (f" (allowed: {lo} to {hi})" if hi is not None else "")
+                )
             if hi is not None and item > hi:
-                fail(key, f"{item!r} is above the maximum {hi}" + (f" (allowed: {lo} to {hi})" if lo is not None else ""))
+                fail(
+                    key, f"{item!r} is above the maximum {hi}" + (f" (allowed: {lo} to {hi})" if lo is not None else "")
+                )
     return value
 
 
@@ -243,7 +251,11 @@ def _type_name(hint: Any) -> str:
 
 def _quote_hint(value: Any) -> str:
     """TOML reads an unquoted 2024-06-01 in a config file as a date: say how to make it text."""
-    return " (TOML read a date or time: quote it in the config file)" if isinstance(value, (datetime.date, datetime.time)) else ""
+    return (
+        " (TOML read a date or time: quote it in the config file)"
+        if isinstance(value, (datetime.date, datetime.time))
+        else ""
+    )
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
@@ -263,7 +275,12 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError:
                 continue  # the message below names every type the key takes
-        fail(key, f"expected {' or '.join(_type_name(a) for a in non_none)}" + (" or none" if type(None) in args else "") + f", got {value!r}{_quote_hint(value)}")
+        fail(
+            key,
+            f"expected {' or '.join(_type_name(a) for a in non_none)}"
+            + (" or none" if type(None) in args else "")
+            + f", got {value!r}{_quote_hint(value)}",
+        )
     if isinstance(value, CommandLineValue) and not dataclasses.is_dataclass(hint):
         value = _plain(value, hint)
     if value is None:
@@ -352,7 +369,11 @@ def describe(cls: type, prefix: str = "") -> str:
         if dataclasses.is_dataclass(hint):
             lines.append(describe(hint, prefix + f.name + "."))
             continue
-        default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING else "<required>")
+        default = (
+            f.default
+            if f.default is not MISSING
+            else (f.default_factory() if f.default_factory is not MISSING else "<required>")
+        )
         allowed = ""
         if f.metadata.get("choices"):
             allowed = f"  one of {list(f.metadata['choices'])}"

@@ -67,7 +67,9 @@ def tensor_names(target_dir: str | os.PathLike) -> dict[str, str]:
         return dict(weight_map)
     files = [root / _SINGLE_FILE] if (root / _SINGLE_FILE).is_file() else sorted(root.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"target directory '{target_dir}' holds no safetensors weights ({_SINGLE_FILE} or {_INDEX_FILE})")
+        raise ValueError(
+            f"target directory '{target_dir}' holds no safetensors weights ({_SINGLE_FILE} or {_INDEX_FILE})"
+        )
     from safetensors import safe_open
 
     names: dict[str, str] = {}
@@ -81,7 +83,7 @@ def tensor_names(target_dir: str | os.PathLike) -> dict[str, str]:
 def _candidates(name: str) -> list[str]:
     """Spellings of a causal-LM tensor name in plain and multimodal checkpoints, most common first."""
     if name.startswith("model."):
-        rest = name[len("model."):]
+        rest = name[len("model.") :]
         return [name, f"model.language_model.{rest}", f"language_model.model.{rest}", f"model.text_model.{rest}"]
     if name.startswith("lm_head."):
         return [name, f"language_model.{name}", f"model.language_model.{name}"]
@@ -116,7 +118,10 @@ def load_tensors(target_dir: str | os.PathLike, names: Iterable[str]) -> dict[st
             found = next((c for c in _candidates(EMBED) if c in stored), None)
         if found is None:
             sample = ", ".join(sorted(stored)[:5])
-            raise ValueError(f"target '{target_dir}': no tensor '{name}' (looked for {_candidates(name)}; stored names start: {sample}, ...)")
+            raise ValueError(
+                f"target '{target_dir}': no tensor '{name}' (looked for {_candidates(name)}; stored names start: "
+                f"{sample}, ...)"
+            )
         where[name] = found
 
     # Read each stored tensor once: a tied head is then the very same tensor as the embedding.

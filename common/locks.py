@@ -95,7 +95,9 @@ def exclusive_lock(path: str, *, what: str, hint: str, wait_seconds: float = 0.0
             if fd is not False:
                 break
             if time.monotonic() >= deadline:
-                raise LockedError(f"{what} is being written by another process ({_holder(path)}; lock file {path}). {hint}")
+                raise LockedError(
+                    f"{what} is being written by another process ({_holder(path)}; lock file {path}). {hint}"
+                )
             time.sleep(0.2)
         _held[path] = _Held(fd)
         if fd is not None:
@@ -116,7 +118,12 @@ def _try_lock(path: str) -> int | None | bool:
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 return False
             if err.errno in _UNSUPPORTED:
-                log.warning("%s: the file system does not support flock (%s); going on WITHOUT protection against a second writer", path, err)
+                log.warning(
+                    "%s: the file system does not support flock (%s); going on WITHOUT protection against a "
+                    "second writer",
+                    path,
+                    err,
+                )
                 return None
             raise
         try:

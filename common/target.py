@@ -21,7 +21,6 @@ keeps the fast kernels for CUDA tensors.
 a second, not after minutes of loading.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -53,7 +52,9 @@ class Target:
     """A loaded target reduced to the parts extraction touches."""
 
     model: nn.Module  # the causal LM (text) or the multimodal wrapper
-    decoder: nn.Module  # base text model: forward(input_ids, attention_mask, use_cache) -> last_hidden_state (final-normed)
+    decoder: (
+        nn.Module
+    )  # base text model: forward(input_ids, attention_mask, use_cache) -> last_hidden_state (final-normed)
     layers: nn.ModuleList
     final_norm: nn.Module
     lm_head: nn.Module
@@ -106,11 +107,16 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
     """ConfigError naming `layer_ids` unless every id is a decoder layer; warn on the last layer."""
     bad = [i for i in layer_ids if not 0 <= i < num_layers]
     if bad:
-        fail("layer_ids", f"{bad} out of range: the target has {num_layers} decoder layers, so ids must lie in 0..{num_layers - 1}")
+        fail(
+            "layer_ids",
+            f"{bad} out of range: the target has {num_layers} decoder layers, so ids must lie in 0..{num_layers - 1}",
+        )
     if num_layers - 1 in layer_ids:
         warnings.warn(
-            f"extract: layer_ids taps the last decoder layer ({num_layers - 1}). Its raw output is stored; note that HF "
-            f"output_hidden_states[{num_layers}] is the final-normed state instead, and DFlash taps normally stop at L-3.",
+            f"extract: layer_ids taps the last decoder layer ({num_layers - 1}). Its raw output is stored; note "
+            "that HF "
+            f"output_hidden_states[{num_layers}] is the final-normed state instead, and DFlash taps normally stop "
+            "at L-3.",
             stacklevel=2,
         )
 
@@ -157,15 +163,21 @@ def reach_text_parts(model: nn.Module, tokenizer=None, path: str = "") -> Target
     final_norm = _find_attr(decoder, FINAL_NORMS, nn.Module)
     lm_head = model.get_output_embeddings()
     if layers is None or final_norm is None or lm_head is None:
-        missing = [n for n, m in (("decoder layers", layers), ("final norm", final_norm), ("lm_head", lm_head)) if m is None]
-        raise ValueError(f"target: cannot find the {', '.join(missing)} of {type(model).__name__} (decoder {type(decoder).__name__})")
+        missing = [
+            n for n, m in (("decoder layers", layers), ("final norm", final_norm), ("lm_head", lm_head)) if m is None
+        ]
+        raise ValueError(
+            f"target: cannot find the {', '.join(missing)} of {type(model).__name__} (decoder {type(decoder).__name__})"
+        )
     text_config = model.config.get_text_config()
     expected = getattr(text_config, "num_hidden_layers", len(layers))
     assert len(layers) == expected, f"{type(decoder).__name__} has {len(layers)} layers but its config says {expected}"
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     route_kernels_by_device(model)
-    return Target(model, decoder, layers, final_norm, lm_head, text_config, tokenizer, path, final_logits_fn(text_config))
+    return Target(
+        model, decoder, layers, final_norm, lm_head, text_config, tokenizer, path, final_logits_fn(text_config)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,7 +217,9 @@ def _routed(fn: Callable, reference: Callable) -> Callable:
         if first is None or _kernel_takes(first):
             return fn(*args, **kwargs)
         if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-            raise ValueError(f"{fn.__name__}: packed sequences need the CUDA kernel; the torch implementation cannot keep them apart")
+            raise ValueError(
+                f"{fn.__name__}: packed sequences need the CUDA kernel; the torch implementation cannot keep them apart"
+            )
         if not takes_any:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
         return reference(*args, **kwargs)
@@ -231,7 +245,9 @@ def external_kernels(model: nn.Module) -> dict[str, str]:
         bound = _external_kernel(getattr(fn, "__wrapped__", None) if getattr(fn, "_dflash_routed", False) else fn)
         if bound is not None:
             kernel = bound[0]
-            found[f"{module.__name__}.{name}"] = f"{getattr(kernel, '__module__', '?')}.{getattr(kernel, '__qualname__', kernel)}"
+            found[f"{module.__name__}.{name}"] = (
+                f"{getattr(kernel, '__module__', '?')}.{getattr(kernel, '__qualname__', kernel)}"
+            )
     return found
 
 
@@ -316,7 +332,9 @@ def weights_digest(path: str) -> str:
 
 def target_provenance(target: Target) -> dict:
     top = read_config(target.path) if target.path else target.model.config.to_dict()
-    architectures = top.get("architectures") or getattr(target.model.config, "architectures", None) or [type(target.model).__name__]
+    architectures = (
+        top.get("architectures") or getattr(target.model.config, "architectures", None) or [type(target.model).__name__]
+    )
     return {
         "name_or_path": target.path,
         "revision": getattr(target.model.config, "_commit_hash", None),
@@ -343,7 +361,9 @@ def layer_output(output) -> torch.Tensor:
 class TapHooks:
     """Context manager: calls `on_tap(slot, hidden_BTH)` when decoder layer `layer_ids[slot]` returns."""
 
-    def __init__(self, layers: torch.nn.ModuleList, layer_ids: Sequence[int], on_tap: Callable[[int, torch.Tensor], None]):
+    def __init__(
+        self, layers: torch.nn.ModuleList, layer_ids: Sequence[int], on_tap: Callable[[int, torch.Tensor], None]
+    ):
         self.layers, self.layer_ids, self.on_tap = layers, list(layer_ids), on_tap
         self.handles: list = []
 

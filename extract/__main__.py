@@ -57,5 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"extract: {'' if name is None else f'[{name}] '}{pipeline.no_samples_reason(summary)}", file=sys.stderr)
     return 3 if empty else 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

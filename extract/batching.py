@@ -80,7 +80,15 @@ class HostBatch:
     reconstruction error sums float32 [B, W] (energy and squared error per channel)."""
 
     def __init__(
-        self, *, n_taps: int, hidden_size: int, token_budget: int, topk: int, pin: bool, encoding: str = "planes", hidden_split: int = 1,
+        self,
+        *,
+        n_taps: int,
+        hidden_size: int,
+        token_budget: int,
+        topk: int,
+        pin: bool,
+        encoding: str = "planes",
+        hidden_split: int = 1,
         stored_width: int | None = None,
     ):
         check_encoding(encoding)
@@ -140,7 +148,10 @@ class HostBatch:
     @property
     def nbytes(self) -> int:
         extra = [] if self._errors is None else [self._errors]
-        return sum(t.numel() * t.element_size() for t in (self.hidden, self.topk_ids, self.topk_logprobs, self.hidden_ok, self.logits_ok, *extra))
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.hidden, self.topk_ids, self.topk_logprobs, self.hidden_ok, self.logits_ok, *extra)
+        )
 
 
 class BufferPool:

@@ -31,8 +31,8 @@ WAIT_SECONDS = 6 * 3600  # how long a rank waits for rank 0's calibration
 
 def listed_projection(root: str) -> dict | None:
     """The projection entry a manifest in `root` (merged or a rank's) lists, if any."""
-    from shards.manifest import load_manifest
     from common.io import resolve
+    from shards.manifest import load_manifest
 
     if not os.path.isdir(root):
         return None
@@ -60,7 +60,9 @@ def ensure_projection(cfg, target, ranks, root: str):
     if not cfg.projection.startswith("pca:"):
         projection, data = load_projection_file(cfg.projection)
         if projection.in_width != width:
-            raise ValueError(f"projection: {cfg.projection!r} reads {projection.in_width} features, the taps give {width}")
+            raise ValueError(
+                f"projection: {cfg.projection!r} reads {projection.in_width} features, the taps give {width}"
+            )
         return projection, save_projection(root, projection, data)
     path = os.path.join(root, PROJECTION_FILE)
     if ranks.rank != 0:
@@ -83,7 +85,10 @@ def _matching_file(path: str, cfg):
     if not os.path.exists(path):
         return None
     projection, _ = load_projection_file(path)
-    made_with = {"spec": projection.info.get("spec"), "samples": (projection.info.get("calibration") or {}).get("requested")}
+    made_with = {
+        "spec": projection.info.get("spec"),
+        "samples": (projection.info.get("calibration") or {}).get("requested"),
+    }
     return projection if made_with == _settings(cfg) else None
 
 
@@ -102,7 +107,9 @@ def _wait_for(path: str, cfg):
 def calibration_samples(cfg, target) -> list:
     """The first `cfg.calibration_samples` tokenized samples of the corpus (rejects skipped)."""
     corpus = C.find_corpus(cfg.corpus, cfg.corpus_format)
-    policy = C.SamplePolicy(cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, cfg.chat_template_kwargs, target.vocab_size)
+    policy = C.SamplePolicy(
+        cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, cfg.chat_template_kwargs, target.vocab_size
+    )
     builder = C.SampleBuilder(target.tokenizer, policy)
     records = C.iter_records(corpus, streaming=cfg.streaming, max_records=cfg.max_records)
     samples: list = []
@@ -140,13 +147,31 @@ def calibrate(cfg, target):
             rows_NH = rows_NH[torch.isfinite(rows_NH).all(dim=-1)]
             moments.add_tap(slot, rows_NH)
 
-        forward_with_taps(target, to_device_async(ids_BT, target.input_device),
-                          None if mask is None else to_device_async(mask, target.input_device), cfg.layer_ids, keep)
+        forward_with_taps(
+            target,
+            to_device_async(ids_BT, target.input_device),
+            None if mask is None else to_device_async(mask, target.input_device),
+            cfg.layer_ids,
+            keep,
+        )
     spec = parse_encoding(cfg.hidden_encoding or "planes")
     multiple = spec.group_size if spec is not None and spec.four_bit else 1
-    info = {"calibration": {"requested": cfg.calibration_samples, "samples": len(samples), "tokens": sum(lengths),
-                            "chosen_by": "the first samples of the corpus", "corpus": cfg.corpus}}
+    info = {
+        "calibration": {
+            "requested": cfg.calibration_samples,
+            "samples": len(samples),
+            "tokens": sum(lengths),
+            "chosen_by": "the first samples of the corpus",
+            "corpus": cfg.corpus,
+        }
+    }
     projection = fit_projection(moments, parse_projection_spec(cfg.projection), multiple=multiple, info=info)
-    log.info("calibration pass: %d samples, %d tokens, %.1f s; rank %d per tap keeps %s of the second moment",
-             len(samples), sum(lengths), time.perf_counter() - started, projection.rank, json.dumps([round(x, 4) for x in projection.info["explained"]]))
+    log.info(
+        "calibration pass: %d samples, %d tokens, %.1f s; rank %d per tap keeps %s of the second moment",
+        len(samples),
+        sum(lengths),
+        time.perf_counter() - started,
+        projection.rank,
+        json.dumps([round(x, 4) for x in projection.info["explained"]]),
+    )
     return projection

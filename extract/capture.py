@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -38,7 +38,9 @@ STORE_DTYPE = torch.bfloat16
 assert sys.byteorder == "little", "byte-plane layout assumes a little-endian host (as are CUDA devices)"
 
 
-def forward_with_taps(target, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, layer_ids, on_tap) -> torch.Tensor:
+def forward_with_taps(
+    target, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, layer_ids, on_tap
+) -> torch.Tensor:
     """Run the base model once; return its final-normed last hidden state [B, T, H]."""
     with torch.inference_mode(), TapHooks(target.layers, layer_ids, on_tap):
         out = target.decoder(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
@@ -99,7 +101,9 @@ class Captured:
     last_hidden: torch.Tensor  # [B, T, H], final-normed
 
 
-def capture(target, input_ids_BT: torch.Tensor, lengths: Sequence[int], layer_ids, topk: int, logits_chunk: int = 1024) -> Captured:
+def capture(
+    target, input_ids_BT: torch.Tensor, lengths: Sequence[int], layer_ids, topk: int, logits_chunk: int = 1024
+) -> Captured:
     """The whole capture on device, synchronously (tests and the benchmark's bare forward)."""
     B, T = input_ids_BT.shape
     mask = attention_mask_for(lengths, T)
@@ -199,7 +203,15 @@ class TierEncoder:
         self.encoding = encoding
         self.projection = projection.to(device) if projection is not None else None
 
-    def put(self, layout, slot: int, stored_BTH: torch.Tensor, valid_BT: torch.Tensor, ok_BT: torch.Tensor, errors_2BW: torch.Tensor) -> None:
+    def put(
+        self,
+        layout,
+        slot: int,
+        stored_BTH: torch.Tensor,
+        valid_BT: torch.Tensor,
+        ok_BT: torch.Tensor,
+        errors_2BW: torch.Tensor,
+    ) -> None:
         from shards.quant import channel_error_sums, decode_piece, encode_piece
 
         H = stored_BTH.shape[-1]
@@ -237,8 +249,15 @@ class Capturer:
     """Launches captures whose device-to-host copies overlap compute (CUDA), or copies directly (CPU).
     With a `TierEncoder` the taps are stored in a storage tier (projected and/or quantized on the device)."""
 
-    def __init__(self, target, layer_ids: Sequence[int], topk: int, logits_chunk: int, launch_ahead_layers: int = 0,
-                 tier: TierEncoder | None = None):
+    def __init__(
+        self,
+        target,
+        layer_ids: Sequence[int],
+        topk: int,
+        logits_chunk: int,
+        launch_ahead_layers: int = 0,
+        tier: TierEncoder | None = None,
+    ):
         self.target, self.layer_ids, self.topk, self.logits_chunk = target, list(layer_ids), topk, logits_chunk
         self.out_device = target.output_device
         self.cuda = self.out_device.type == "cuda"
@@ -263,7 +282,9 @@ class Capturer:
         hidden_host = host.hidden_block(B, T)
         # On a GPU the taps are assembled in a device buffer of the host layout, then copied in one
         # piece; on a CPU they go straight into the host buffer.
-        staging_block = torch.empty(hidden_host.shape, dtype=hidden_host.dtype, device=out_dev) if self.cuda else hidden_host
+        staging_block = (
+            torch.empty(hidden_host.shape, dtype=hidden_host.dtype, device=out_dev) if self.cuda else hidden_host
+        )
         staging = host.layout(staging_block, B, T)
         ok_BT = torch.ones(B, T, dtype=torch.bool, device=out_dev)
         arrived: list[int] = []
@@ -356,7 +377,9 @@ def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
     rows = host.hidden_view(len(inflight.lengths), inflight.T)
     pieces = range(host.hidden_split)
     error = None
-    if host.stored_width != host.width or host.quant is not None:  # a storage tier: its reconstruction error travels along
+    if (
+        host.stored_width != host.width or host.quant is not None
+    ):  # a storage tier: its reconstruction error travels along
         from shards.quant import ErrorSums
 
         sums = host.error_rows(len(inflight.lengths))
@@ -365,10 +388,17 @@ def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
         from shards.quant import QuantizedHidden, scales_to_numpy
 
         codes, scales = rows
-        hidden = QuantizedHidden(host.encoding, tuple(codes[j, b, :L].numpy() for j in pieces),
-                                 tuple(scales_to_numpy(scales[j, b, :L]) for j in pieces), host.stored_width, error)
+        hidden = QuantizedHidden(
+            host.encoding,
+            tuple(codes[j, b, :L].numpy() for j in pieces),
+            tuple(scales_to_numpy(scales[j, b, :L]) for j in pieces),
+            host.stored_width,
+            error,
+        )
     elif host.encoding == "planes":
-        hidden = HiddenPlanes(tuple(rows[0, j, b, :L].numpy() for j in pieces), tuple(rows[1, j, b, :L].numpy() for j in pieces), error)
+        hidden = HiddenPlanes(
+            tuple(rows[0, j, b, :L].numpy() for j in pieces), tuple(rows[1, j, b, :L].numpy() for j in pieces), error
+        )
     else:
         hidden = rows[b, :L].view(torch.uint16).numpy()
     topk_ids = host.topk_ids[offset : offset + L].numpy()

@@ -140,21 +140,35 @@ def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> str:
     return text
 
 
-def chat_spans(tokenizer, chat: Chat, text: str, template_kwargs: dict, control_texts: tuple[str, ...] = ()) -> list[Span]:
+def chat_spans(
+    tokenizer, chat: Chat, text: str, template_kwargs: dict, control_texts: tuple[str, ...] = ()
+) -> list[Span]:
     """Every span of `text` the record wrote (see `Span`); RecordError when what the target generates
     cannot be located, or when record text spelling a control token cannot be."""
     spans, unlocated = content_char_spans(tokenizer, chat.messages, text, template_kwargs)
-    if unlocated is None:  # located by searching alone: a control token spelled in a content could be matched to the template's
-        unlocated = [(i, key) for i, m in enumerate(chat.messages) for key in ("reasoning_content", "content") if isinstance(m.get(key), str)]
+    if (
+        unlocated is None
+    ):  # located by searching alone: a control token spelled in a content could be matched to the template's
+        unlocated = [
+            (i, key)
+            for i, m in enumerate(chat.messages)
+            for key in ("reasoning_content", "content")
+            if isinstance(m.get(key), str)
+        ]
     for i, key in unlocated:
         value = chat.messages[i][key]
         if any(t in value for t in control_texts):
-            raise RecordError(CONTROL_TOKEN_IN_CONTENT, f"messages[{i}].{key} spells a control token and was not found in the rendered text, "
-                                                        "so it cannot be kept from forging a turn boundary")
+            raise RecordError(
+                CONTROL_TOKEN_IN_CONTENT,
+                f"messages[{i}].{key} spells a control token and was not found in the rendered text, "
+                "so it cannot be kept from forging a turn boundary",
+            )
     return spans + tool_call_spans(tokenizer, chat.messages, text, template_kwargs)
 
 
-def content_char_spans(tokenizer, messages: list[dict], text: str, template_kwargs: dict) -> tuple[list[Span], list[tuple[int, str]] | None]:
+def content_char_spans(
+    tokenizer, messages: list[dict], text: str, template_kwargs: dict
+) -> tuple[list[Span], list[tuple[int, str]] | None]:
     """Character spans of the message contents (and rendered reasoning) inside `text`, and the
     (message, field) pairs the template renders but that could not be located (None: not known,
     the template failed on the placeholders and every content was searched for).
@@ -165,7 +179,12 @@ def content_char_spans(tokenizer, messages: list[dict], text: str, template_kwar
     order, starting after the template text that precedes it in the skeleton, so role headers are
     never mistaken for content; an assistant content that cannot be found rejects the record.
     """
-    fields = [(i, key) for i, m in enumerate(messages) for key in ("reasoning_content", "content") if isinstance(m.get(key), str)]
+    fields = [
+        (i, key)
+        for i, m in enumerate(messages)
+        for key in ("reasoning_content", "content")
+        if isinstance(m.get(key), str)
+    ]
     values = {f: messages[f[0]][f[1]] for f in fields}
     placeholder = _free_placeholder(values.values())
     holders = {f: placeholder.format(n) for n, f in enumerate(fields)}
@@ -214,7 +233,11 @@ def _search_spans(messages, text: str, values: dict, skeleton) -> tuple[list[Spa
         cursor = _skip_header(text, cursor, headers.get(f, ""))
         value = values[f]
         assistant = messages[f[0]]["role"] == "assistant"
-        candidates = [c for c in dict.fromkeys((value, value.strip(), value.strip("\n"), value.lstrip("\n"), value.rstrip())) if c or not value]
+        candidates = [
+            c
+            for c in dict.fromkeys((value, value.strip(), value.strip("\n"), value.lstrip("\n"), value.rstrip()))
+            if c or not value
+        ]
         at, found = -1, ""
         if skeleton is not None:
             here = [c for c in candidates if text.startswith(c, cursor)]
@@ -269,16 +292,24 @@ def tool_call_spans(tokenizer, messages: list[dict], text: str, template_kwargs:
         try:
             other = render_chat(tokenizer, without, template_kwargs)
         except RecordError as err:
-            raise RecordError(SPAN_NOT_FOUND, f"messages[{i}].tool_calls: the template fails on the turn without its calls ({err.detail})") from None
+            raise RecordError(
+                SPAN_NOT_FOUND,
+                f"messages[{i}].tool_calls: the template fails on the turn without its calls ({err.detail})",
+            ) from None
         if other == text:
             raise RecordError(
                 TOOL_CALLS_NOT_RENDERED,
-                f"messages[{i}] has {len(message['tool_calls'])} tool call(s) but the chat template does not render tool_calls; "
+                f"messages[{i}] has {len(message['tool_calls'])} tool call(s) but the chat template does not "
+                "render tool_calls; "
                 "use the target's own template (Qwen3.6 renders them as <tool_call> blocks) or drop the calls",
             )
         span = inserted_span(text, other)
         if span is None:
-            raise RecordError(SPAN_NOT_FOUND, f"messages[{i}].tool_calls: the template renders the turn differently without its calls, not just without them")
+            raise RecordError(
+                SPAN_NOT_FOUND,
+                f"messages[{i}].tool_calls: the template renders the turn differently without its calls, not just "
+                "without them",
+            )
         spans.append(Span(*span, loss=True, data=json.dumps(message["tool_calls"], ensure_ascii=False)))
     return spans
 
@@ -310,7 +341,9 @@ def _common_prefix(a: str, b: str) -> int:
     return lo
 
 
-def loss_mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], input_ids: list[int], end_of_turn_ids: set[int]) -> np.ndarray:
+def loss_mask_from_spans(
+    offsets: list[tuple[int, int]], spans: list[tuple[int, int]], input_ids: list[int], end_of_turn_ids: set[int]
+) -> np.ndarray:
     """1 on tokens overlapping a span, and on the end-of-turn token that follows each span."""
     mask = np.zeros(len(offsets), dtype=np.uint8)
     if not spans:
@@ -345,12 +378,17 @@ class SampleBuilder:
 
     def __init__(self, tokenizer, policy: SamplePolicy):
         if tokenizer is not None and not getattr(tokenizer, "is_fast", False):
-            raise ValueError("tokenizer: a fast (Rust) tokenizer is needed for character offsets; this checkpoint has only a slow one")
+            raise ValueError(
+                "tokenizer: a fast (Rust) tokenizer is needed for character offsets; this checkpoint has only a "
+                "slow one"
+            )
         self.tokenizer = tokenizer
         self.policy = policy
         self.end_of_turn_ids = end_of_turn_token_ids(tokenizer) if tokenizer is not None else set()
         self.control_ids = control_token_ids(tokenizer) if tokenizer is not None else set()
-        self.control_texts = tuple(tokenizer.convert_ids_to_tokens(sorted(self.control_ids))) if tokenizer is not None else ()
+        self.control_texts = (
+            tuple(tokenizer.convert_ids_to_tokens(sorted(self.control_ids))) if tokenizer is not None else ()
+        )
 
     def build(self, records: list[RawRecord]) -> list[TokenizedSample | Reject]:
         """Tokenize a window of records (batched tokenizer calls); results in input order."""
@@ -378,23 +416,33 @@ class SampleBuilder:
                     mask = np.ones(len(ids), dtype=np.uint8)
                 else:
                     ids, offsets = self.keep_record_text_plain(text, spans, ids, offsets)
-                    mask = loss_mask_from_spans(offsets, [(s.start, s.end) for s in spans if s.loss], ids, self.end_of_turn_ids)
+                    mask = loss_mask_from_spans(
+                        offsets, [(s.start, s.end) for s in spans if s.loss], ids, self.end_of_turn_ids
+                    )
                 results[n] = self._finish(records[n], np.asarray(ids, dtype=np.int32), mask)
         return [results[n] for n in range(len(records))]
 
     def _encode(self, texts: list[str], *, add_special_tokens: bool = False, split_special_tokens: bool = False):
         return self.tokenizer(
-            texts, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens, return_offsets_mapping=True,
-            return_attention_mask=False, verbose=False,
+            texts,
+            add_special_tokens=add_special_tokens,
+            split_special_tokens=split_special_tokens,
+            return_offsets_mapping=True,
+            return_attention_mask=False,
+            verbose=False,
         )
 
-    def keep_record_text_plain(self, text: str, spans: list[Span], ids: list[int], offsets: list) -> tuple[list[int], list]:
+    def keep_record_text_plain(
+        self, text: str, spans: list[Span], ids: list[int], offsets: list
+    ) -> tuple[list[int], list]:
         """The tokens of a rendered chat (`ids`, `offsets`: its plain tokenization) with any control
         token that record text spelled re-tokenized as text."""
         forged = self.forged_spans(ids, offsets, text, spans)
         return self.encode_as_text(text, forged) if forged else (ids, offsets)
 
-    def forged_spans(self, ids: list[int], offsets: list[tuple[int, int]], text: str, spans: list[Span]) -> list[tuple[int, int]]:
+    def forged_spans(
+        self, ids: list[int], offsets: list[tuple[int, int]], text: str, spans: list[Span]
+    ) -> list[tuple[int, int]]:
         """The record spans in which the tokenizer read a control token out of record text, each cut
         to the tokens that lie wholly inside it (a tool-call span may reach into the `<` of the
         template's own `<|im_end|>`, see `inserted_span`, which must stay whole)."""
@@ -448,7 +496,7 @@ class SampleBuilder:
         if not getattr(self.tokenizer, "chat_template", None):
             raise CorpusError(
                 f"{raw.source}: a chat record, but the tokenizer has no chat_template; "
-                "give the checkpoint a chat template or convert the corpus to {\"text\": ...} records"
+                'give the checkpoint a chat template or convert the corpus to {"text": ...} records'
             )
         kwargs = payload.template_kwargs(self.policy.chat_template_kwargs)
         rendered = render_chat(self.tokenizer, payload.messages, kwargs)
@@ -459,19 +507,32 @@ class SampleBuilder:
             return Reject(raw.position, raw.source, EMPTY_SAMPLE, "the record tokenizes to 0 tokens")
         vocab = self.policy.vocab_size
         if vocab is not None and int(input_ids.max()) >= vocab:
-            return Reject(raw.position, raw.source, BAD_TOKENS, f"token id {int(input_ids.max())} >= the target's vocab_size {vocab}")
+            return Reject(
+                raw.position,
+                raw.source,
+                BAD_TOKENS,
+                f"token id {int(input_ids.max())} >= the target's vocab_size {vocab}",
+            )
         policy, truncated_from = self.policy, None
         if input_ids.size > policy.max_len:
             if policy.length_policy == "drop":
                 sid = hash_sample(input_ids, mask)
-                return Reject(raw.position, raw.source, TOO_LONG, f"{input_ids.size} tokens > max_len {policy.max_len}", sid)
+                return Reject(
+                    raw.position, raw.source, TOO_LONG, f"{input_ids.size} tokens > max_len {policy.max_len}", sid
+                )
             truncated_from = int(input_ids.size)
             input_ids, mask = input_ids[: policy.max_len], mask[: policy.max_len]
         sid = hash_sample(input_ids, mask)
         n_loss = int(mask.sum())
         if n_loss < policy.min_loss_tokens:
             where = f" (after truncation from {truncated_from} tokens)" if truncated_from else ""
-            return Reject(raw.position, raw.source, TOO_FEW_LOSS_TOKENS, f"{n_loss} loss tokens < min_loss_tokens {policy.min_loss_tokens}{where}", sid)
+            return Reject(
+                raw.position,
+                raw.source,
+                TOO_FEW_LOSS_TOKENS,
+                f"{n_loss} loss tokens < min_loss_tokens {policy.min_loss_tokens}{where}",
+                sid,
+            )
         return TokenizedSample(raw.position, raw.source, sid, input_ids, mask, truncated_from)
 
 

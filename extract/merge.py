@@ -24,14 +24,18 @@ def infer_world(root: str) -> int:
     if not worlds:
         raise ValueError(f"{root}: no manifest.rank*.json files; is this an extraction output directory?")
     if len(worlds) != 1 or None in worlds:
-        raise ValueError(f"{root}: rank manifests disagree on the world size ({sorted(map(str, worlds))}); pass --world")
+        raise ValueError(
+            f"{root}: rank manifests disagree on the world size ({sorted(map(str, worlds))}); pass --world"
+        )
     return worlds.pop()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m extract.merge", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="the extraction's output directory (one split)")
-    parser.add_argument("--world", type=int, default=None, help="number of ranks (default: read from the rank manifests)")
+    parser.add_argument(
+        "--world", type=int, default=None, help="number of ranks (default: read from the rank manifests)"
+    )
     args = parser.parse_args(argv)
     from extract import pipeline
 

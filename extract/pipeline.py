@@ -27,8 +27,8 @@ import json
 import logging
 import os
 import queue
-import threading
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -38,6 +38,7 @@ from common.config import config_to_dict, fail, save_config
 from common.hashing import file_checksum, json_digest, text_digest, tokenizer_digest
 from common.io import atomic_write_json, atomic_write_text, remove_temp_files, resolve
 from common.provenance import provenance as tool_provenance
+from common.target import Target, check_layer_ids, load_target, read_text_config, target_provenance
 from extract import corpus as C
 from extract.batching import BufferPool, HostBatch, collate_right_padded, plan_micro_batches
 from extract.calibrate import ensure_projection
@@ -45,7 +46,6 @@ from extract.capture import Capturer, sample_views, tier_for
 from extract.config import DATASET_KEYS, ExtractConfig
 from extract.sink import Progress, RejectLog, Worker, read_committed_rejects
 from shards.manifest import MERGE_WAIT_SECONDS, lock_manifest
-from common.target import Target, check_layer_ids, load_target, read_text_config, target_provenance
 
 log = logging.getLogger("extract")
 
@@ -118,7 +118,8 @@ def resolve_devices(cfg: ExtractConfig, ranks: Ranks) -> dict:
     gpus = list(range(first, first + per))
     if gpus[-1] >= torch.cuda.device_count():
         raise ValueError(
-            f"gpus_per_replica: local rank {ranks.local_rank} needs GPUs {gpus}, but this node has {torch.cuda.device_count()}; "
+            f"gpus_per_replica: local rank {ranks.local_rank} needs GPUs {gpus}, but this node has "
+            f"{torch.cuda.device_count()}; "
             "start (GPUs per node / gpus_per_replica) processes per node"
         )
     torch.cuda.set_device(first)
@@ -143,8 +144,21 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
         check_topk(cfg.topk, getattr(text_config, "vocab_size", None))
         devices = resolve_devices(cfg, ranks)
         t0 = time.perf_counter()
-        target = load_target(cfg.target, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code, **devices)
-        log.info("loaded %s (%s, %d layers) on %s in %.1fs", cfg.target, type(target.model).__name__, target.num_layers, devices, time.perf_counter() - t0)
+        target = load_target(
+            cfg.target,
+            dtype=cfg.dtype,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            **devices,
+        )
+        log.info(
+            "loaded %s (%s, %d layers) on %s in %.1fs",
+            cfg.target,
+            type(target.model).__name__,
+            target.num_layers,
+            devices,
+            time.perf_counter() - t0,
+        )
     else:
         check_layer_ids(cfg.layer_ids, target.num_layers)
     check_topk(cfg.topk, target.vocab_size)
@@ -214,7 +228,9 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
     os.makedirs(root, exist_ok=True)
     fs, _ = resolve(root)
     try:
-        with lock_manifest(fs, root, names["manifest"]):  # one writer per rank of a dataset; released by the OS on a crash
+        with lock_manifest(
+            fs, root, names["manifest"]
+        ):  # one writer per rank of a dataset; released by the OS on a crash
             return _extract_locked(cfg, target, ranks, root, corpus, fingerprint, fresh, label, entered, created)
     except BaseException:
         for path in created:
@@ -233,7 +249,9 @@ def _missing_dirs(root: str) -> list[str]:
     return missing
 
 
-def _extract_locked(cfg, target, ranks: Ranks, root: str, corpus, fingerprint: dict, fresh: dict, label, entered: float, created: list) -> dict:
+def _extract_locked(
+    cfg, target, ranks: Ranks, root: str, corpus, fingerprint: dict, fresh: dict, label, entered: float, created: list
+) -> dict:
     from shards import ShardWriter, load_manifest
     from shards.manifest import hidden_split_of
 
@@ -277,18 +295,35 @@ def _extract_locked(cfg, target, ranks: Ranks, root: str, corpus, fingerprint: d
 
     # Storage tier with projection: P is settled (calibration pass, or reused) before any shard.
     projection, projection_entry = ensure_projection(cfg, target, ranks, root)
-    writer_kwargs = dict(shard_bytes=cfg.shard_bytes, zstd_level=cfg.zstd_level, hidden_encoding=cfg.hidden_encoding, projection=projection_entry)
+    writer_kwargs = dict(
+        shard_bytes=cfg.shard_bytes,
+        zstd_level=cfg.zstd_level,
+        hidden_encoding=cfg.hidden_encoding,
+        projection=projection_entry,
+    )
     hidden_width = projection.out_width if projection is not None else len(cfg.layer_ids) * target.hidden_size
     started = time.time()
     try:
         with ShardWriter(
-            root, provenance=provenance, hidden_width=hidden_width, topk=cfg.topk,
-            manifest_name=names["manifest"], shard_prefix=names["prefix"], hidden_split=hidden_split, **writer_kwargs,
+            root,
+            provenance=provenance,
+            hidden_width=hidden_width,
+            topk=cfg.topk,
+            manifest_name=names["manifest"],
+            shard_prefix=names["prefix"],
+            hidden_split=hidden_split,
+            **writer_kwargs,
         ) as writer:
             writer.stage_state["world_size"] = ranks.world
             writer.stage_state["rank"] = ranks.rank
             runs = list(stage_state.get("runs", []))
-            runs.append({"started": _iso(started), "config_digest": json_digest(config_to_dict(cfg)), "runtime": _runtime_keys(cfg)})
+            runs.append(
+                {
+                    "started": _iso(started),
+                    "config_digest": json_digest(config_to_dict(cfg)),
+                    "runtime": _runtime_keys(cfg),
+                }
+            )
             writer.stage_state["runs"] = runs
             rejects = RejectLog(os.path.join(root, names["rejects"]), int(writer.stage_state.get("rejects_bytes", 0)))
             try:
@@ -298,7 +333,9 @@ def _extract_locked(cfg, target, ranks: Ranks, root: str, corpus, fingerprint: d
                 rejects.close()
             run_stats["seconds"] = time.time() - started
             run_stats["rank"], run_stats["world"] = ranks.rank, ranks.world
-            writer.stage_state["runs"][-1].update(finished=_iso(time.time()), **{k: run_stats[k] for k in ("tokens", "samples", "seconds")})
+            writer.stage_state["runs"][-1].update(
+                finished=_iso(time.time()), **{k: run_stats[k] for k in ("tokens", "samples", "seconds")}
+            )
             writer.stage_state["records_owned"] = run_stats["records_owned"]
             manifest = writer.manifest
     except BaseException:
@@ -312,7 +349,12 @@ def _extract_locked(cfg, target, ranks: Ranks, root: str, corpus, fingerprint: d
     log.info(
         "rank %d/%d: %s samples (%s tokens) written this run in %.1fs (%.0f tok/s); write thread busy %.0f%% of it "
         "(committing shards: fsync, index, rename, manifest %.0f%%)",
-        ranks.rank, ranks.world, f"{run_stats['samples']:,}", f"{run_stats['tokens']:,}", run_stats["seconds"], run_stats["tokens"] / max(run_stats["seconds"], 1e-9),
+        ranks.rank,
+        ranks.world,
+        f"{run_stats['samples']:,}",
+        f"{run_stats['tokens']:,}",
+        run_stats["seconds"],
+        run_stats["tokens"] / max(run_stats["seconds"], 1e-9),
         100 * run_stats.get("write_busy_seconds", 0.0) / max(run_stats["seconds"], 1e-9),
         100 * run_stats.get("commit_seconds", 0.0) / max(run_stats["seconds"], 1e-9),
     )
@@ -376,7 +418,10 @@ def _existing_rank_manifest(root: str, own: str) -> str | None:
 
 def _local_dir(out_dir: str) -> str:
     if "://" in out_dir:
-        raise ValueError(f"out_dir: {out_dir!r} is a URI; extraction writes to a local or mounted path (copy the finished dataset afterwards)")
+        raise ValueError(
+            f"out_dir: {out_dir!r} is a URI; extraction writes to a local or mounted path (copy the finished "
+            "dataset afterwards)"
+        )
     return os.path.abspath(out_dir)
 
 
@@ -395,7 +440,14 @@ def _runtime_keys(cfg: ExtractConfig) -> dict:
 
 def corpus_fingerprint(corpus: C.CorpusFiles, max_records: int | None) -> dict:
     """Content checksums of the corpus files (what a resume compares) and the record count."""
-    files = [{"name": os.path.relpath(f, corpus.root) if corpus.format == "datasets" else os.path.basename(f), "bytes": os.path.getsize(f), "checksum": file_checksum(resolve(f)[0], os.path.abspath(f))} for f in corpus.files]
+    files = [
+        {
+            "name": os.path.relpath(f, corpus.root) if corpus.format == "datasets" else os.path.basename(f),
+            "bytes": os.path.getsize(f),
+            "checksum": file_checksum(resolve(f)[0], os.path.abspath(f)),
+        }
+        for f in corpus.files
+    ]
     records = C.count_records(corpus)
     if records is not None and max_records is not None:
         records = min(records, max_records)
@@ -405,7 +457,9 @@ def corpus_fingerprint(corpus: C.CorpusFiles, max_records: int | None) -> dict:
 def tokenizer_provenance(tokenizer, mask_token_id: int | None, template_kwargs: dict) -> dict:
     return {
         "hash": tokenizer_digest(tokenizer),
-        "chat_template_hash": text_digest(tokenizer.chat_template) if isinstance(getattr(tokenizer, "chat_template", None), str) else None,
+        "chat_template_hash": text_digest(tokenizer.chat_template)
+        if isinstance(getattr(tokenizer, "chat_template", None), str)
+        else None,
         "chat_template_kwargs": dict(template_kwargs),
         "mask_token_id": mask_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -426,9 +480,12 @@ def with_regeneration(cfg: ExtractConfig) -> tuple[ExtractConfig, dict | None]:
     kwargs = dict(provenance.get("chat_template_kwargs") or {})
     if cfg.chat_template_kwargs and cfg.chat_template_kwargs != kwargs:
         mode = provenance.get("thinking", {}).get("mode")
-        fail("chat_template_kwargs", f"{cfg.chat_template_kwargs} differs from {kwargs}, the variables the regenerated corpus "
-                                     f"'{cfg.corpus}' was answered for (thinking = {mode}); leave chat_template_kwargs unset "
-                                     "(extraction then takes the regeneration's) or make them equal")
+        fail(
+            "chat_template_kwargs",
+            f"{cfg.chat_template_kwargs} differs from {kwargs}, the variables the regenerated corpus "
+            f"'{cfg.corpus}' was answered for (thinking = {mode}); leave chat_template_kwargs unset "
+            "(extraction then takes the regeneration's) or make them equal",
+        )
     return dataclasses.replace(cfg, chat_template_kwargs=kwargs), provenance_for_manifest(provenance)
 
 
@@ -440,12 +497,20 @@ def check_regeneration_target(regeneration: dict | None, target: dict) -> None:
     answered_by = regeneration.get("target", {})
     for key in ("config_hash", "weights_digest"):
         if answered_by.get(key) and target.get(key) and answered_by[key] != target[key]:
-            log.warning("the regenerated corpus was answered by %s (%s %s), not by the target extracted now (%s %s)",
-                        answered_by.get("name_or_path"), key, answered_by[key], key, target[key])
+            log.warning(
+                "the regenerated corpus was answered by %s (%s %s), not by the target extracted now (%s %s)",
+                answered_by.get("name_or_path"),
+                key,
+                answered_by[key],
+                key,
+                target[key],
+            )
             return
 
 
-def build_provenance(cfg: ExtractConfig, target: Target, corpus: C.CorpusFiles, fingerprint: dict, regeneration: dict | None = None) -> dict:
+def build_provenance(
+    cfg: ExtractConfig, target: Target, corpus: C.CorpusFiles, fingerprint: dict, regeneration: dict | None = None
+) -> dict:
     from shards import TAP_MEANING
 
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(target.tokenizer, "mask_token_id", None)
@@ -453,7 +518,13 @@ def build_provenance(cfg: ExtractConfig, target: Target, corpus: C.CorpusFiles, 
         log.warning("no mask token: the tokenizer has none and mask_token_id is not set; the trainer will need one")
     target_info = target_provenance(target)
     check_regeneration_target(regeneration, target_info)
-    corpus_info = {"source": cfg.corpus, "format": corpus.format, "hash": fingerprint["hash"], "files": fingerprint["files"], "records": fingerprint["records"]}
+    corpus_info = {
+        "source": cfg.corpus,
+        "format": corpus.format,
+        "hash": fingerprint["hash"],
+        "files": fingerprint["files"],
+        "records": fingerprint["records"],
+    }
     if regeneration is not None:
         corpus_info["regeneration"] = regeneration
     return {
@@ -471,7 +542,15 @@ def build_provenance(cfg: ExtractConfig, target: Target, corpus: C.CorpusFiles, 
 
 
 RESUME_COMPARED = {
-    "target": ("config_hash", "weights_digest", "architecture", "model_type", "num_layers", "hidden_size", "vocab_size"),
+    "target": (
+        "config_hash",
+        "weights_digest",
+        "architecture",
+        "model_type",
+        "num_layers",
+        "hidden_size",
+        "vocab_size",
+    ),
     "tokenizer": ("hash", "chat_template_hash", "mask_token_id", "eos_token_id", "pad_token_id"),
 }
 
@@ -487,13 +566,22 @@ def resume_problems(stored: dict, fresh: dict) -> list[str]:
         for key in keys:
             old, new = stored.get(part, {}).get(key), fresh[part].get(key)
             if old != new:
-                problems.append(f"{part} {key} changed: {old!r} in the dataset, {new!r} now ({fresh[part].get('name_or_path', '')})".replace(" ()", ""))
+                problems.append(
+                    f"{part} {key} changed: {old!r} in the dataset, {new!r} now "
+                    f"({fresh[part].get('name_or_path', '')})".replace(" ()", "")
+                )
     old_corpus, new_corpus = stored.get("corpus", {}), fresh["corpus"]
     if old_corpus.get("hash") != new_corpus["hash"]:
         old_files = {f["name"]: f for f in old_corpus.get("files", [])}
         new_files = {f["name"]: f for f in new_corpus["files"]}
-        what = [f"{n} added" for n in new_files.keys() - old_files.keys()] + [f"{n} removed" for n in old_files.keys() - new_files.keys()]
-        what += [f"{n} changed ({old_files[n]['bytes']} -> {new_files[n]['bytes']} bytes)" for n in new_files.keys() & old_files.keys() if old_files[n] != new_files[n]]
+        what = [f"{n} added" for n in new_files.keys() - old_files.keys()] + [
+            f"{n} removed" for n in old_files.keys() - new_files.keys()
+        ]
+        what += [
+            f"{n} changed ({old_files[n]['bytes']} -> {new_files[n]['bytes']} bytes)"
+            for n in new_files.keys() & old_files.keys()
+            if old_files[n] != new_files[n]
+        ]
         problems.append(f"corpus content changed: {', '.join(sorted(what)) or 'files renamed or reordered'}")
     return problems
 
@@ -502,12 +590,26 @@ def _refuse_changed(root: str, stored_manifest: dict, fresh: dict, ranks: Ranks)
     problems = resume_problems(stored_manifest["provenance"], fresh)
     world = stored_manifest.get("stage_state", {}).get("world_size")
     if world is not None and world != ranks.world:
-        problems.append(f"world size is {ranks.world} but the dataset is being extracted by {world} ranks (resume with {world} processes)")
+        problems.append(
+            f"world size is {ranks.world} but the dataset is being extracted by {world} ranks (resume with {world} "
+            "processes)"
+        )
     if problems:
-        raise ValueError(f"{root}: cannot resume: " + "; ".join(problems) + ". Use the dataset's settings, or write to a new out_dir.")
-    changed = {k: (v, fresh["extract_config"][k]) for k, v in stored_manifest["provenance"].get("extract_config", {}).items() if k not in DATASET_KEYS and fresh["extract_config"].get(k) != v}
+        raise ValueError(
+            f"{root}: cannot resume: "
+            + "; ".join(problems)
+            + ". Use the dataset's settings, or write to a new out_dir."
+        )
+    changed = {
+        k: (v, fresh["extract_config"][k])
+        for k, v in stored_manifest["provenance"].get("extract_config", {}).items()
+        if k not in DATASET_KEYS and fresh["extract_config"].get(k) != v
+    }
     if changed:
-        log.info("resuming with changed runtime settings (allowed): %s", ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
+        log.info(
+            "resuming with changed runtime settings (allowed): %s",
+            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())),
+        )
 
 
 def _already_complete(fs, root: str, fresh: dict, load_manifest) -> dict | None:
@@ -518,7 +620,11 @@ def _already_complete(fs, root: str, fresh: dict, load_manifest) -> dict | None:
         return None
     problems = resume_problems(manifest["provenance"], fresh)
     if problems:
-        raise ValueError(f"{root}: holds a finished dataset made with other settings: " + "; ".join(problems) + ". Write to a new out_dir.")
+        raise ValueError(
+            f"{root}: holds a finished dataset made with other settings: "
+            + "; ".join(problems)
+            + ". Write to a new out_dir."
+        )
     return manifest
 
 
@@ -551,7 +657,15 @@ def _windows(cfg: ExtractConfig, corpus: C.CorpusFiles, builder: C.SampleBuilder
             if isinstance(result, C.Reject):
                 window.rejects.append(result)
             elif result.sample_id in seen:
-                window.rejects.append(C.Reject(result.position, result.source, C.DUPLICATE, f"same tokens and loss mask as position {seen[result.sample_id]}", result.sample_id))
+                window.rejects.append(
+                    C.Reject(
+                        result.position,
+                        result.source,
+                        C.DUPLICATE,
+                        f"same tokens and loss mask as position {seen[result.sample_id]}",
+                        result.sample_id,
+                    )
+                )
             else:
                 seen[result.sample_id] = result.position
                 window.samples.append(result)
@@ -636,7 +750,17 @@ class HostPath:
     the forward loop down. `benchmarks.extract_host` measures this class on synthetic batches.
     """
 
-    def __init__(self, writer, rejects: RejectLog, pool: BufferPool, progress: Progress, stats: dict, *, on_error: str, depth: int):
+    def __init__(
+        self,
+        writer,
+        rejects: RejectLog,
+        pool: BufferPool,
+        progress: Progress,
+        stats: dict,
+        *,
+        on_error: str,
+        depth: int,
+    ):
         self.writer, self.rejects, self.pool, self.progress, self.stats = writer, rejects, pool, progress, stats
         self.on_error = on_error
         self.writing = Worker("write", self._write, maxsize=2, on_discard=self._release)
@@ -705,7 +829,8 @@ class HostPath:
 
     @staticmethod
     def cut(inflight, samples: list, to_write: list[bool]) -> list[tuple]:
-        """(tokenized, Sample of views into the buffer, hidden_ok, logits_ok) of each wanted sample of a landed batch."""
+        """(tokenized, Sample of views into the buffer, hidden_ok, logits_ok) of each wanted sample of a landed
+        batch."""
         from shards import Sample
 
         out = []
@@ -713,7 +838,9 @@ class HostPath:
         for b, (tokenized, wanted) in enumerate(zip(samples, to_write)):
             if wanted:
                 hidden, topk_ids, topk_logprobs, hidden_ok, logits_ok = sample_views(inflight, b, offsets[b])
-                sample = Sample(tokenized.sample_id, tokenized.input_ids, tokenized.loss_mask, hidden, topk_ids, topk_logprobs)
+                sample = Sample(
+                    tokenized.sample_id, tokenized.input_ids, tokenized.loss_mask, hidden, topk_ids, topk_logprobs
+                )
                 out.append((tokenized, sample, hidden_ok, logits_ok))
         return out
 
@@ -726,7 +853,9 @@ class HostPath:
         if not (hidden_ok and logits_ok):
             reason = C.NONFINITE_HIDDEN if not hidden_ok else C.NONFINITE_LOGITS
             what = "tap hidden states" if not hidden_ok else "final logits"
-            self.record_reject(C.Reject(tokenized.position, tokenized.source, reason, f"NaN/Inf in the {what}", tokenized.sample_id))
+            self.record_reject(
+                C.Reject(tokenized.position, tokenized.source, reason, f"NaN/Inf in the {what}", tokenized.sample_id)
+            )
             return
         writer = self.writer
         writer.stage_state["rejects_bytes"] = self.rejects.sync()  # committed with the next shard
@@ -771,22 +900,42 @@ class _Lease:
             self._pool.release(host)
 
 
-def _extract_into(cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer, rejects: RejectLog, label, entered: float) -> dict:
+def _extract_into(
+    cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer, rejects: RejectLog, label, entered: float
+) -> dict:
     import pyarrow as pa
 
     tokenizer = target.tokenizer
-    policy = C.SamplePolicy(cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, cfg.chat_template_kwargs, target.vocab_size)
+    policy = C.SamplePolicy(
+        cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, cfg.chat_template_kwargs, target.vocab_size
+    )
     builder = C.SampleBuilder(tokenizer, policy)
     committed, done_positions = writer.committed_ids(), set(rejects.positions)
     n_taps = len(cfg.layer_ids)
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     stats = {"records_owned": 0, "samples": 0, "tokens": 0, "batches": 0, "skipped_batches": 0, "padded_tokens": 0}
-    desc = f"extract {label or os.path.basename(cfg.out_dir)}" + (f" rank {ranks.rank}/{ranks.world}" if ranks.world > 1 else "")
+    desc = f"extract {label or os.path.basename(cfg.out_dir)}" + (
+        f" rank {ranks.rank}/{ranks.world}" if ranks.world > 1 else ""
+    )
     progress = Progress(fingerprint["records"], desc, enabled=cfg.progress and ranks.rank == 0)
-    capturer = Capturer(target, cfg.layer_ids, cfg.topk, cfg.logits_chunk, cfg.launch_ahead_layers, tier=tier_for(writer, target.output_device))
+    capturer = Capturer(
+        target,
+        cfg.layer_ids,
+        cfg.topk,
+        cfg.logits_chunk,
+        cfg.launch_ahead_layers,
+        tier=tier_for(writer, target.output_device),
+    )
     pool = BufferPool(
-        cfg.inflight_batches, n_taps=n_taps, hidden_size=target.hidden_size, token_budget=cfg.tokens_per_batch, topk=cfg.topk,
-        pin=capturer.cuda, encoding=writer.encoding, hidden_split=writer.hidden_split, stored_width=writer.hidden_width,
+        cfg.inflight_batches,
+        n_taps=n_taps,
+        hidden_size=target.hidden_size,
+        token_budget=cfg.tokens_per_batch,
+        topk=cfg.topk,
+        pin=capturer.cuda,
+        encoding=writer.encoding,
+        hidden_split=writer.hidden_split,
+        stored_width=writer.hidden_width,
     )
     pa.set_cpu_count(cfg.writer_threads)  # zstd runs on pyarrow's pool while the write thread waits
 
@@ -846,12 +995,17 @@ def _run_window(window: Window, cfg, capturer, host_path: HostPath, progress, is
 def _check_coverage(manifest: dict, run_stats: dict) -> None:
     """Every record this rank owns is a committed sample, a reject or a duplicate, exactly once."""
     counts = manifest["counts"]
-    accounted = counts["samples"] + sum(v for k, v in counts.items() if k.startswith("rejected.")) + counts.get("duplicates", 0)
+    accounted = (
+        counts["samples"] + sum(v for k, v in counts.items() if k.startswith("rejected.")) + counts.get("duplicates", 0)
+    )
     run_stats["coverage_ok"] = accounted == run_stats["records_owned"]
     if not run_stats["coverage_ok"]:
         log.error(
-            "coverage mismatch: this rank owns %d records but the dataset accounts for %d (samples %d + rejects + duplicates); please report this",
-            run_stats["records_owned"], accounted, counts["samples"],
+            "coverage mismatch: this rank owns %d records but the dataset accounts for %d (samples %d + rejects + "
+            "duplicates); please report this",
+            run_stats["records_owned"],
+            accounted,
+            counts["samples"],
         )
 
 
@@ -875,16 +1029,31 @@ def merge_ranks(root: str, world: int, *, required: bool = True) -> dict | None:
     fs, root = resolve(root)
     names = [rank_names(r) for r in range(world)]
     missing = [n["manifest"] for n in names if not os.path.exists(os.path.join(root, n["manifest"]))]
-    unfinished = missing + [n["manifest"] for n in names if n["manifest"] not in missing and not load_manifest(fs, root, n["manifest"]).get("complete")]
+    unfinished = missing + [
+        n["manifest"]
+        for n in names
+        if n["manifest"] not in missing and not load_manifest(fs, root, n["manifest"]).get("complete")
+    ]
     if unfinished:
         if required:
             raise ValueError(f"{root}: cannot merge, ranks not finished: {', '.join(unfinished)}")
-        log.info("%s: waiting for %s; the last rank to finish merges (or run `python -m extract.merge %s`)", root, ", ".join(unfinished), root)
+        log.info(
+            "%s: waiting for %s; the last rank to finish merges (or run `python -m extract.merge %s`)",
+            root,
+            ", ".join(unfinished),
+            root,
+        )
         return None
-    extra = sorted(f for f in os.listdir(root) if f.startswith("manifest.rank") and f.endswith(".json") and f not in {n["manifest"] for n in names})
+    extra = sorted(
+        f
+        for f in os.listdir(root)
+        if f.startswith("manifest.rank") and f.endswith(".json") and f not in {n["manifest"] for n in names}
+    )
     if extra:
         raise ValueError(f"{root}: found {extra} from a run with more ranks; merge with that world size or remove them")
-    with lock_manifest(fs, root, FINAL_MANIFEST, wait_seconds=MERGE_WAIT_SECONDS):  # the last two ranks may finish together
+    with lock_manifest(
+        fs, root, FINAL_MANIFEST, wait_seconds=MERGE_WAIT_SECONDS
+    ):  # the last two ranks may finish together
         return _merge_locked(root, names)
 
 
@@ -900,7 +1069,9 @@ def _merge_locked(root: str, names: list[dict]) -> dict:
         committed = load_manifest(fs, root, n["manifest"]).get("stage_state", {}).get("rejects_bytes", 0)
         entries += read_committed_rejects(os.path.join(root, n["rejects"]), committed)
     entries.sort(key=lambda e: e["position"])
-    atomic_write_text(os.path.join(root, FINAL_REJECTS), "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
+    atomic_write_text(
+        os.path.join(root, FINAL_REJECTS), "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries)
+    )
     merged = merge_manifests(root, [n["manifest"] for n in names], FINAL_MANIFEST)
     write_summary(root, merged)
     return merged
@@ -909,7 +1080,9 @@ def _merge_locked(root: str, names: list[dict]) -> dict:
 def remove_merge_leftovers(root: str) -> None:
     """Temporaries of the merged files left by a killed merge (the shard writers clean only their own)."""
     fs, root = resolve(root)
-    remove_temp_files(fs, root, prefixes=tuple(f"{name}." for name in (FINAL_REJECTS, FINAL_MANIFEST, SUMMARY_FILE, CONFIG_FILE)))
+    remove_temp_files(
+        fs, root, prefixes=tuple(f"{name}." for name in (FINAL_REJECTS, FINAL_MANIFEST, SUMMARY_FILE, CONFIG_FILE))
+    )
 
 
 def write_summary(root: str, manifest: dict) -> dict:
@@ -938,8 +1111,19 @@ def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, parti
         "bytes_per_token": nbytes / counts["tokens"] if counts["tokens"] else None,
     }
     if this_run is not None:
-        keys = ("rank", "world", "samples", "tokens", "seconds", "batches", "skipped_batches", "padded_tokens", "coverage_ok",
-                "startup_seconds", "drain_seconds")
+        keys = (
+            "rank",
+            "world",
+            "samples",
+            "tokens",
+            "seconds",
+            "batches",
+            "skipped_batches",
+            "padded_tokens",
+            "coverage_ok",
+            "startup_seconds",
+            "drain_seconds",
+        )
         summary["this_run"] = {k: this_run[k] for k in keys if k in this_run}
         if this_run.get("seconds"):
             summary["this_run"]["tok_per_s"] = this_run["tokens"] / this_run["seconds"]
@@ -964,14 +1148,28 @@ def no_samples_reason(summary: dict) -> str:
     else:
         rejects = ", ".join(f"{k} {v:,}" for k, v in summary["rejects"].items())
         dupes = f", duplicates {summary['duplicates']:,}" if summary["duplicates"] else ""
-        what = f"every one of its {summary['records']:,} records was rejected ({rejects}{dupes}); see {os.path.join(where, FINAL_REJECTS)}"
-    return (f"0 samples written to {where}: {what}. Fix the corpus or the settings, then delete {where} "
-            "(it is a finished, empty dataset) or write to another out_dir.")
+        what = (
+            f"every one of its {summary['records']:,} records was rejected ({rejects}{dupes}); see "
+            f"{os.path.join(where, FINAL_REJECTS)}"
+        )
+    return (
+        f"0 samples written to {where}: {what}. Fix the corpus or the settings, then delete {where} "
+        "(it is a finished, empty dataset) or write to another out_dir."
+    )
 
 
 def format_summary(summary: dict) -> str:
     """The end-of-run report, in words; says so when a group is empty."""
-    lines = [f"dataset   {summary['root']}" + ("" if summary["complete"] else "  (this rank's part; other ranks still running)" if summary.get("partial") else "  (incomplete)")]
+    lines = [
+        f"dataset   {summary['root']}"
+        + (
+            ""
+            if summary["complete"]
+            else "  (this rank's part; other ranks still running)"
+            if summary.get("partial")
+            else "  (incomplete)"
+        )
+    ]
     line = f"records   {summary['records']:,} accounted for = samples + rejects + duplicates"
     lines_in = summary.get("input_lines")
     if lines_in is not None and lines_in != summary["records"]:
@@ -980,13 +1178,19 @@ def format_summary(summary: dict) -> str:
     if not summary["records"]:
         lines.append("samples   none: the corpus holds no records")
     elif summary["samples"]:
-        lines.append(f"samples   {summary['samples']:,} in {summary['shards']} shards; {summary['tokens']:,} tokens, {summary['loss_tokens']:,} loss tokens")
+        lines.append(
+            f"samples   {summary['samples']:,} in {summary['shards']} shards; {summary['tokens']:,} tokens, "
+            f"{summary['loss_tokens']:,} loss tokens"
+        )
         lines.append(f"bytes     {summary['bytes'] / 1e6:,.1f} MB on disk = {summary['bytes_per_token']:,.0f} B/token")
     else:
         lines.append("samples   none: every record was rejected or a duplicate (see rejects.jsonl)")
     lines.append(f"duplicates {summary['duplicates']:,}" if summary["duplicates"] else "duplicates none")
     if summary["rejects"]:
-        lines.append(f"rejects   {sum(summary['rejects'].values()):,}: " + ", ".join(f"{k} {v:,}" for k, v in summary["rejects"].items()))
+        lines.append(
+            f"rejects   {sum(summary['rejects'].values()):,}: "
+            + ", ".join(f"{k} {v:,}" for k, v in summary["rejects"].items())
+        )
     else:
         lines.append("rejects   none")
     run = summary.get("this_run")

@@ -90,10 +90,18 @@ def find_corpus(path: str, corpus_format: str = "auto") -> CorpusFiles:
             files = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(path) for f in fs)
             return CorpusFiles("datasets", files, path)
         if corpus_format == "datasets":
-            raise ValueError(f"corpus: '{path}' is not a saved `datasets` directory (no dataset_info.json / state.json)")
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if data_kind(f) is not None and os.path.isfile(os.path.join(path, f)))
+            raise ValueError(
+                f"corpus: '{path}' is not a saved `datasets` directory (no dataset_info.json / state.json)"
+            )
+        files = sorted(
+            os.path.join(path, f)
+            for f in os.listdir(path)
+            if data_kind(f) is not None and os.path.isfile(os.path.join(path, f))
+        )
         if not files:
-            raise ValueError(f"corpus: directory '{path}' holds no {' / '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)} files")
+            raise ValueError(
+                f"corpus: directory '{path}' holds no {' / '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)} files"
+            )
     elif os.path.isfile(path):
         files = [path]
     elif os.path.exists(path):
@@ -116,7 +124,8 @@ def _file_kind(file: str, path: str, corpus_format: str) -> str:
     if corpus_format == "auto":
         if named is None:
             raise ValueError(
-                f"corpus: cannot tell the format of '{file}' from its name (known: {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}); "
+                f"corpus: cannot tell the format of '{file}' from its name (known: "
+                f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}); "
                 "set corpus_format = jsonl or parquet"
             )
         return named
@@ -178,8 +187,13 @@ def _open_binary(path: str):
 
 def sniff_encoding(head: bytes) -> tuple[str, int]:
     """(codec, length of its byte order mark) of a text file from its first bytes."""
-    for bom, codec in ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"), (codecs.BOM_UTF8, "utf-8"),
-                       (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be")):
+    for bom, codec in (
+        (codecs.BOM_UTF32_LE, "utf-32-le"),
+        (codecs.BOM_UTF32_BE, "utf-32-be"),
+        (codecs.BOM_UTF8, "utf-8"),
+        (codecs.BOM_UTF16_LE, "utf-16-le"),
+        (codecs.BOM_UTF16_BE, "utf-16-be"),
+    ):
         if head.startswith(bom):
             return codec, len(bom)
     if len(head) >= 4:
@@ -224,7 +238,11 @@ def parse_json_line(raw: bytes | str, position: int, source: str) -> RawRecord:
     else:
         text = raw
         if _UNDECODABLE in text:
-            return RawRecord(position, source, error=(INVALID_JSON, "bytes that are not valid text in the file's encoding (UTF-16/32)"))
+            return RawRecord(
+                position,
+                source,
+                error=(INVALID_JSON, "bytes that are not valid text in the file's encoding (UTF-16/32)"),
+            )
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
@@ -234,7 +252,14 @@ def parse_json_line(raw: bytes | str, position: int, source: str) -> RawRecord:
     surrogate = _LONE_SURROGATE_ESCAPE.search(text)
     if surrogate and _holds_lone_surrogate(record):
         # JSON's \udXXX escapes can spell half of a UTF-16 pair, which is no text: tokenizers fail on it.
-        return RawRecord(position, source, error=(INVALID_TEXT, f"a string holds a lone UTF-16 surrogate ({surrogate.group(0)}), which is not valid Unicode text"))
+        return RawRecord(
+            position,
+            source,
+            error=(
+                INVALID_TEXT,
+                f"a string holds a lone UTF-16 surrogate ({surrogate.group(0)}), which is not valid Unicode text",
+            ),
+        )
     return RawRecord(position, source, record)
 
 
@@ -302,7 +327,9 @@ def _load_saved(path: str, streaming: bool):
 
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
-        raise ValueError(f"corpus: '{path}' holds several splits ({', '.join(ds)}); point `corpus` at one split's directory")
+        raise ValueError(
+            f"corpus: '{path}' holds several splits ({', '.join(ds)}); point `corpus` at one split's directory"
+        )
     return ds.to_iterable_dataset() if streaming else ds
 
 
@@ -315,7 +342,10 @@ def _iter_datasets(ds: Iterable[dict], root: str) -> Iterator[RawRecord]:
 def count_records(corpus: CorpusFiles) -> int | None:
     """How many records (positions) the corpus holds, or None if unknown (only for `datasets`)."""
     if corpus.format != "datasets":
-        return sum(count_jsonl_lines(f) if kind == "jsonl" else parquet_file(f).metadata.num_rows for f, kind in zip(corpus.files, corpus.kinds))
+        return sum(
+            count_jsonl_lines(f) if kind == "jsonl" else parquet_file(f).metadata.num_rows
+            for f, kind in zip(corpus.files, corpus.kinds)
+        )
     try:
         import datasets
 

@@ -53,8 +53,17 @@ NONFINITE_LOGITS = "nonfinite_logits"
 INVALID_TEXT = "invalid_text"
 
 SHAREGPT_ROLES = {
-    "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-    "model": "assistant", "observation": "tool", "tool": "tool", "function_response": "tool", "function_call": "assistant",
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+    "function_response": "tool",
+    "function_call": "assistant",
 }
 ROLE_ALIASES = {"function": "tool"}  # OpenAI's legacy role for function results
 
@@ -88,7 +97,9 @@ def parse_record(record: Any, *, answers_required: bool = True) -> tuple[str, An
     for key in ("messages", "conversations"):
         if record.get(key) is not None:
             messages = _system_turn(record) + _sharegpt_or_messages(record[key], key)
-            return "chat", Chat(check_messages(messages, key, answers_required=answers_required), _tools(record.get("tools")))
+            return "chat", Chat(
+                check_messages(messages, key, answers_required=answers_required), _tools(record.get("tools"))
+            )
     if record.get("prompt") is not None or record.get("response") is not None:
         needed = ("prompt", "response") if answers_required else ("prompt",)
         for key in needed:
@@ -108,7 +119,10 @@ def parse_record(record: Any, *, answers_required: bool = True) -> tuple[str, An
     if record.get("input_ids") is not None:
         return "tokens", check_tokens(record["input_ids"], record.get("loss_mask"))
     present = ", ".join(sorted(map(str, record))) or "none"
-    raise RecordError(MISSING_FIELD, f"needs 'messages', 'conversations', 'prompt' + 'response', 'text' or 'input_ids'; fields present: {present}")
+    raise RecordError(
+        MISSING_FIELD,
+        f"needs 'messages', 'conversations', 'prompt' + 'response', 'text' or 'input_ids'; fields present: {present}",
+    )
 
 
 def check_tokens(input_ids: Any, loss_mask: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -118,9 +132,14 @@ def check_tokens(input_ids: Any, loss_mask: Any) -> tuple[np.ndarray, np.ndarray
     except (TypeError, ValueError) as err:
         raise RecordError(BAD_TOKENS, f"'input_ids' / 'loss_mask' are not lists of integers: {err}") from None
     if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise RecordError(BAD_TOKENS, f"'input_ids' must be a flat list of integers, got {ids.dtype} of shape {ids.shape}")
+        raise RecordError(
+            BAD_TOKENS, f"'input_ids' must be a flat list of integers, got {ids.dtype} of shape {ids.shape}"
+        )
     if mask.shape != ids.shape or (mask.size and (mask.dtype.kind not in "iub" or mask.min() < 0 or mask.max() > 1)):
-        raise RecordError(BAD_TOKENS, f"'loss_mask' must be 0/1 with one entry per token ({ids.size}), got {mask.dtype} of shape {mask.shape}")
+        raise RecordError(
+            BAD_TOKENS,
+            f"'loss_mask' must be 0/1 with one entry per token ({ids.size}), got {mask.dtype} of shape {mask.shape}",
+        )
     if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
         raise RecordError(BAD_TOKENS, f"'input_ids' out of range: [{ids.min()}, {ids.max()}]")
     return ids.astype(np.int32), mask.astype(np.uint8)
@@ -144,7 +163,10 @@ def _sharegpt_or_messages(turns: Any, key: str) -> list:
     """The turns as role/content messages: ShareGPT `from`/`value` turns are converted."""
     if not isinstance(turns, list):
         raise RecordError(BAD_MESSAGE, f"'{key}' is {type(turns).__name__}, not a list")
-    return [_from_sharegpt(turn, f"{key}[{i}]") if isinstance(turn, dict) and turn.get("from") is not None else turn for i, turn in enumerate(turns)]
+    return [
+        _from_sharegpt(turn, f"{key}[{i}]") if isinstance(turn, dict) and turn.get("from") is not None else turn
+        for i, turn in enumerate(turns)
+    ]
 
 
 def _from_sharegpt(turn: dict, where: str) -> dict:
@@ -181,13 +203,17 @@ def _check_message(message: Any, where: str) -> dict:
         raise RecordError(MISSING_FIELD, f"{where} has no 'role'")
     role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
     if role not in CHAT_ROLES:
-        raise RecordError(UNKNOWN_ROLE, f"{where} has role {role!r}; allowed: {', '.join(CHAT_ROLES)} (and 'function', read as tool)")
+        raise RecordError(
+            UNKNOWN_ROLE, f"{where} has role {role!r}; allowed: {', '.join(CHAT_ROLES)} (and 'function', read as tool)"
+        )
     message["role"] = role
     if "function_call" in message and role == "assistant":
         message.setdefault("tool_calls", [message.pop("function_call")])
     if "tool_calls" in message:
         if role != "assistant":
-            raise RecordError(BAD_TOOL_CALL, f"{where} is a {role} message with 'tool_calls'; only assistant turns call tools")
+            raise RecordError(
+                BAD_TOOL_CALL, f"{where} is a {role} message with 'tool_calls'; only assistant turns call tools"
+            )
         message["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
         if not message["tool_calls"]:
             del message["tool_calls"]
@@ -211,9 +237,15 @@ def _content_text(content: Any, where: str, *, calls_tools: bool) -> str:
         for j, part in enumerate(content):
             kind = part.get("type", "text" if "text" in part else None)
             if kind != "text":
-                raise RecordError(NON_TEXT_CONTENT, f"{where}.content[{j}] is a {kind!r} part; only text parts can be extracted (the drafter sees text only)")
+                raise RecordError(
+                    NON_TEXT_CONTENT,
+                    f"{where}.content[{j}] is a {kind!r} part; only text parts can be extracted (the drafter sees "
+                    "text only)",
+                )
             if not isinstance(part.get("text"), str):
-                raise RecordError(NON_STRING_CONTENT, f"{where}.content[{j}].text is {type(part.get('text')).__name__}, not a string")
+                raise RecordError(
+                    NON_STRING_CONTENT, f"{where}.content[{j}].text is {type(part.get('text')).__name__}, not a string"
+                )
             texts.append(part["text"])
         return "".join(texts)
     what = "null without tool_calls" if content is None else type(content).__name__
@@ -245,7 +277,9 @@ def _tool_call(call: Any, where: str) -> dict:
     elif isinstance(arguments, str):
         arguments = _json_value(arguments, f"{where} arguments", "an object")
     if not isinstance(arguments, dict):
-        raise RecordError(BAD_TOOL_CALL, f"{where} arguments are {type(arguments).__name__}, not an object of named arguments")
+        raise RecordError(
+            BAD_TOOL_CALL, f"{where} arguments are {type(arguments).__name__}, not an object of named arguments"
+        )
     out = {"type": "function", "function": {"name": name, "arguments": arguments}}
     if isinstance(call.get("id"), str):
         out["id"] = call["id"]
@@ -264,9 +298,13 @@ def _json_value(value: Any, where: str, what: str) -> Any:
 
 def _tools(tools: Any) -> list | None:
     """The record's `tools` (function schemas for the template's system prompt), or None."""
-    tools = _json_value(tools, "'tools'", "a list of tool schemas") if isinstance(tools, str) and tools.strip() else tools
+    tools = (
+        _json_value(tools, "'tools'", "a list of tool schemas") if isinstance(tools, str) and tools.strip() else tools
+    )
     if tools in (None, "", []):
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise RecordError(BAD_TOOL_CALL, f"'tools' must be a list of tool schemas (objects), got {type(tools).__name__}")
+        raise RecordError(
+            BAD_TOOL_CALL, f"'tools' must be a list of tool schemas (objects), got {type(tools).__name__}"
+        )
     return tools

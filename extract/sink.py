@@ -112,7 +112,10 @@ class RejectLog:
             pass
         size = os.path.getsize(path)
         if size < committed_bytes:
-            raise ValueError(f"{path}: {size} bytes, but the manifest committed {committed_bytes}; the rejects file was truncated or replaced")
+            raise ValueError(
+                f"{path}: {size} bytes, but the manifest committed {committed_bytes}; the rejects file was "
+                "truncated or replaced"
+            )
         if size > committed_bytes:
             log.info("%s: dropping %d bytes written after the last commit", path, size - committed_bytes)
             os.truncate(path, committed_bytes)
@@ -170,9 +173,18 @@ class Progress:
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit="rec", dynamic_ncols=True, smoothing=0.05, bar_format=(
-                "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total_fmt} rec [{elapsed}<{remaining}] {postfix}"
-            ) if total else None)
+            self.bar = tqdm(
+                total=total,
+                desc=desc,
+                unit="rec",
+                dynamic_ncols=True,
+                smoothing=0.05,
+                bar_format=(
+                    "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total_fmt} rec [{elapsed}<{remaining}] {postfix}"
+                )
+                if total
+                else None,
+            )
 
     def advance(self, records: float) -> None:
         with self._lock:
@@ -203,7 +215,10 @@ class Progress:
         if self.bar is None or now - self._last < 0.5:
             return
         self._last = now
-        postfix = f"samples={self.samples:,} tok={self.tokens:,} tok/s={self.tokens_per_second():,.0f} written={self.bytes / 1e9:.2f}GB rejects={self.rejects:,}"
+        postfix = (
+            f"samples={self.samples:,} tok={self.tokens:,} tok/s={self.tokens_per_second():,.0f} "
+            f"written={self.bytes / 1e9:.2f}GB rejects={self.rejects:,}"
+        )
         if self.skipped_samples:
             postfix += f" resumed-past={self.skipped_samples:,}"
         self.bar.set_postfix_str(postfix, refresh=False)

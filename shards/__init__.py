@@ -1,6 +1,6 @@
 """The shard format: schema, writer, reader, manifest and verification (see shards/FORMAT.md).
 
-    from shards import Sample, ShardWriter, ShardDataset, merge_manifests, verify_dataset
+from shards import Sample, ShardWriter, ShardDataset, merge_manifests, verify_dataset
 """
 
 from shards.manifest import MANIFEST_NAME, load_manifest, merge_manifests

@@ -30,7 +30,9 @@ from shards.verify import verify_dataset
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m shards", description="Inspect, verify, show and merge shard datasets.")
+    parser = argparse.ArgumentParser(
+        prog="python -m shards", description="Inspect, verify, show and merge shard datasets."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="provenance, counts, length histogram, bytes per token")
     p.add_argument("dir")
@@ -38,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check checksums, schema, every sample, counts; exit 1 on any problem")
     p.add_argument("dir")
     p.add_argument("--manifest", default=MANIFEST_NAME)
-    p.add_argument("--no-checksums", action="store_true", help="skip hashing whole files (faster; samples are still checked)")
+    p.add_argument(
+        "--no-checksums", action="store_true", help="skip hashing whole files (faster; samples are still checked)"
+    )
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("show", help="one sample: tokens, top-k of the first positions, per-tap hidden statistics")
     p.add_argument("dir")
@@ -50,11 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("names", nargs="+", help="manifest file names inside DIR (paths are reduced to their base name)")
     p.add_argument("--out", default=MANIFEST_NAME)
-    p = sub.add_parser("transcode", help="derive a cheaper dataset (quantized and/or projected) from SRC, without the target",
-                       description="key=value settings:\n" + describe(TranscodeConfig), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "transcode",
+        help="derive a cheaper dataset (quantized and/or projected) from SRC, without the target",
+        description="key=value settings:\n" + describe(TranscodeConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("settings", nargs="*", help="key=value: encoding=... (required), projection=..., calibration_samples=..., ...")
+    p.add_argument(
+        "settings", nargs="*", help="key=value: encoding=... (required), projection=..., calibration_samples=..., ..."
+    )
     return parser
 
 
@@ -81,13 +91,23 @@ def _verify(args) -> int:
         print(f"FAILED: {len(problems)} problem(s) in {args.dir}")
         return 1
     ds = ShardDataset(args.dir, args.manifest, verify_samples=False)  # only for the summary line
-    print(f"OK: {len(ds)} samples, {ds.manifest['counts']['tokens']} tokens in {len(ds.shards)} shards"
-          + ("" if args.no_checksums else ", checksums match")
-          + ("" if ds.manifest.get("complete") else "; note: the manifest is not marked complete (a writer is running, was killed, or stopped on an error)"))
+    print(
+        f"OK: {len(ds)} samples, {ds.manifest['counts']['tokens']} tokens in {len(ds.shards)} shards"
+        + ("" if args.no_checksums else ", checksums match")
+        + (
+            ""
+            if ds.manifest.get("complete")
+            else "; note: the manifest is not marked complete (a writer is running, was killed, or stopped on an error)"
+        )
+    )
     unchecked = unchecked_shards(ds.shards)
     if unchecked:
-        print(f"note: {len(unchecked)} of {len(ds.shards)} shards were written before per-sample checksums (format version 1): "
-              "training reads their samples unchecked" + ("" if args.no_checksums else "; their whole-file checksums match"))
+        print(
+            f"note: {len(unchecked)} of {len(ds.shards)} shards were written before per-sample checksums (format "
+            "version 1): "
+            "training reads their samples unchecked"
+            + ("" if args.no_checksums else "; their whole-file checksums match")
+        )
     return 0
 
 
@@ -99,14 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "transcode":
             return _transcode(args)
         if args.command == "inspect":
-            lines = inspect_lines(ShardDataset(args.dir, args.manifest, verify_samples=False))  # its checksum line says it
+            lines = inspect_lines(
+                ShardDataset(args.dir, args.manifest, verify_samples=False)
+            )  # its checksum line says it
         elif args.command == "show":
-            lines = show_lines(ShardDataset(args.dir, args.manifest), args.sample, _load_tokenizer(args.tokenizer), args.positions)
+            lines = show_lines(
+                ShardDataset(args.dir, args.manifest), args.sample, _load_tokenizer(args.tokenizer), args.positions
+            )
         else:
             merged = merge_manifests(args.dir, [os.path.basename(n) for n in args.names], args.out)
             counts = merged["counts"]
-            lines = [f"merged {len(args.names)} manifests into {args.out}: {len(merged['shards'])} shards, "
-                     f"{counts['samples']} samples, {counts['tokens']} tokens, complete: {merged['complete']}"]
+            lines = [
+                f"merged {len(args.names)} manifests into {args.out}: {len(merged['shards'])} shards, "
+                f"{counts['samples']} samples, {counts['tokens']} tokens, complete: {merged['complete']}"
+            ]
     except (ValueError, KeyError, IndexError, FileNotFoundError, ShardFormatError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -58,9 +58,14 @@ def checksum_line(ds: ShardDataset) -> str:
     if not ds.shards:
         return "checksums  (no shards)"
     if not unchecked:
-        return f"checksums  every sample checked against its {'/'.join(algos)} on every read (all {len(ds.shards)} shards)"
-    return (f"checksums  {len(unchecked)} of {len(ds.shards)} shards written before per-sample checksums (format version 1): "
-            "their samples are read unchecked; `python -m shards verify` checks their whole-file checksums")
+        return (
+            f"checksums  every sample checked against its {'/'.join(algos)} on every read (all {len(ds.shards)} shards)"
+        )
+    return (
+        f"checksums  {len(unchecked)} of {len(ds.shards)} shards written before per-sample checksums (format "
+        "version 1): "
+        "their samples are read unchecked; `python -m shards verify` checks their whole-file checksums"
+    )
 
 
 def inspect_lines(ds: ShardDataset) -> list[str]:
@@ -76,9 +81,11 @@ def inspect_lines(ds: ShardDataset) -> list[str]:
     lines = [
         f"dataset    {io.join(ds.root, ds.manifest_name)}",
         f"format     {m['format']} v{m['format_version']}, complete: {'yes' if m.get('complete') else 'NO'}",
-        f"layout     encoding {ds.encoding}, hidden_width {ds.hidden_width} in {ds.hidden_split} column piece(s), topk {ds.topk}, "
+        f"layout     encoding {ds.encoding}, hidden_width {ds.hidden_width} in {ds.hidden_split} column piece(s), "
+        f"topk {ds.topk}, "
         f"zstd level(s) {levels or '-'}",
-        f"written by {m['writer'].get('tool_version')} at {m['writer'].get('git_sha')}, updated {m['writer'].get('updated')}",
+        f"written by {m['writer'].get('tool_version')} at {m['writer'].get('git_sha')}, updated "
+        f"{m['writer'].get('updated')}",
         "provenance",
         *("  " + line for line in json.dumps(ds.provenance, indent=2, sort_keys=True).splitlines()),
         f"counts     {counts['samples']} samples, {tokens} tokens, {counts['loss_tokens']} loss tokens"
@@ -86,12 +93,16 @@ def inspect_lines(ds: ShardDataset) -> list[str]:
     ]
     extra = {k: v for k, v in counts.items() if k not in RESERVED_COUNTS}
     lines.append(f"extra      {', '.join(f'{k}={v}' for k, v in extra.items()) if extra else '(none)'}")
-    lines.append(f"files      {len(ds.shards)} shards, {_human_bytes(shard_bytes)} (+ {_human_bytes(index_bytes)} of index files)")
+    lines.append(
+        f"files      {len(ds.shards)} shards, {_human_bytes(shard_bytes)} (+ {_human_bytes(index_bytes)} of index "
+        "files)"
+    )
     lines.append(checksum_line(ds))
     if tokens:
         per_token = shard_bytes / tokens
         lines.append(
-            f"size       {per_token:.1f} B/token; raw bf16 hidden is {raw['hidden']} B/token ({per_token / raw['hidden']:.3f} of it), "
+            f"size       {per_token:.1f} B/token; raw bf16 hidden is {raw['hidden']} B/token "
+            f"({per_token / raw['hidden']:.3f} of it), "
             f"all fields raw {raw['all']} B/token ({per_token / raw['all']:.3f} of it)"
         )
     else:
@@ -113,8 +124,13 @@ def reconstruction_by_tap(entries: list[dict]) -> tuple[list[dict], int, int]:
         parts = [r["taps"][i] for r in recorded]
         sq, err2 = sum(p["sq"] for p in parts), sum(p["err2"] for p in parts)
         worst = max(parts, key=lambda p: p["worst_channel_rel_rms"])
-        taps.append({"rel_rms": (err2 / sq) ** 0.5 if sq > 0 else 0.0, "worst_channel": worst["worst_channel"],
-                     "worst_channel_rel_rms": worst["worst_channel_rel_rms"]})
+        taps.append(
+            {
+                "rel_rms": (err2 / sq) ** 0.5 if sq > 0 else 0.0,
+                "worst_channel": worst["worst_channel"],
+                "worst_channel_rel_rms": worst["worst_channel_rel_rms"],
+            }
+        )
     return taps, sum(r["tokens"] for r in recorded), len(entries) - len(recorded)
 
 
@@ -124,29 +140,45 @@ def tier_lines(ds: ShardDataset) -> list[str]:
     lines = [f"tier       {'lossless (' + ds.encoding + ')' if lossless else _tier_name(ds)}"]
     if ds.quant is not None:
         piece = ds.hidden_width // ds.hidden_split
-        scales = "one power-of-two scale per token per piece" if not ds.quant.four_bit else f"one bf16 scale per {ds.quant.group_size} values"
+        scales = (
+            "one power-of-two scale per token per piece"
+            if not ds.quant.four_bit
+            else f"one bf16 scale per {ds.quant.group_size} values"
+        )
         lines.append(f"           {ds.encoding}: {ds.quant.bytes_per_value(piece):.4f} B/value before zstd ({scales})")
     if ds.projection is not None:
         p = ds.projection
         explained = ", ".join(f"{x:.4f}" for x in p.get("explained") or [])
-        lines.append(f"           projection {p['in_width']} -> {p['out_width']} features ({p.get('method')}, {p.get('spec')}, "
-                     f"rank {p.get('rank_per_tap')} per tap), second-moment share kept per tap on {p.get('calibration_tokens')} "
-                     f"calibration tokens: {explained}; {p['file']} {p['checksum']}")
+        lines.append(
+            f"           projection {p['in_width']} -> {p['out_width']} features ({p.get('method')}, {p.get('spec')}, "
+            f"rank {p.get('rank_per_tap')} per tap), second-moment share kept per tap on {p.get('calibration_tokens')} "
+            f"calibration tokens: {explained}; {p['file']} {p['checksum']}"
+        )
     if lossless:
         lines.append("error      none: bit-exact bf16")
         return lines
     taps, tokens, missing = reconstruction_by_tap(ds.shards)
     if not taps:
-        lines.append("error      (no reconstruction error recorded: the writer was given quantized values without their originals)"
-                     if ds.shards else "error      (no shards: nothing recorded)")
+        lines.append(
+            "error      (no reconstruction error recorded: the writer was given quantized values without their "
+            "originals)"
+            if ds.shards
+            else "error      (no shards: nothing recorded)"
+        )
         return lines
     layer_ids = (ds.provenance.get("taps") or {}).get("layer_ids") or []
-    lines.append(f"error      reconstruction error recorded at encode time over {tokens} tokens"
-                 + (f" ({missing} shards without a record)" if missing else "") + ":")
+    lines.append(
+        f"error      reconstruction error recorded at encode time over {tokens} tokens"
+        + (f" ({missing} shards without a record)" if missing else "")
+        + ":"
+    )
     lines.append(f"  {'tap':>3}  {'layer id':>8}  {'rel. RMS':>9}  {'worst channel':>13}  {'its rel. RMS':>12}")
     for i, tap in enumerate(taps):
         layer = layer_ids[i] if i < len(layer_ids) and len(layer_ids) == len(taps) else "-"
-        lines.append(f"  {i:>3}  {layer!s:>8}  {tap['rel_rms']:>9.4f}  {tap['worst_channel']:>13}  {tap['worst_channel_rel_rms']:>12.4f}")
+        lines.append(
+            f"  {i:>3}  {layer!s:>8}  {tap['rel_rms']:>9.4f}  {tap['worst_channel']:>13}  "
+            f"{tap['worst_channel_rel_rms']:>12.4f}"
+        )
     return lines
 
 
@@ -191,7 +223,10 @@ def tap_statistics(sample: Sample, layer_ids: list | None) -> list[str]:
         bad = count_nonfinite_bf16(sample.hidden.reshape(sample.n_tokens, n_taps, -1)[:, tap])
         layer = layer_ids[tap] if layer_ids else "-"
         if finite.size:
-            lines.append(f"  {tap:>3}  {layer!s:>8}  {finite.mean():>10.4g}  {finite.std():>10.4g}  {np.abs(finite).max():>10.4g}  {bad:>7}")
+            lines.append(
+                f"  {tap:>3}  {layer!s:>8}  {finite.mean():>10.4g}  {finite.std():>10.4g}  "
+                f"{np.abs(finite).max():>10.4g}  {bad:>7}"
+            )
         else:
             lines.append(f"  {tap:>3}  {layer!s:>8}  (no finite values)  {bad:>7}")
     return lines
@@ -216,14 +251,23 @@ def show_lines(ds: ShardDataset, key: str, tokenizer=None, positions: int = 8, t
     next_ids = sample.input_ids[1:]
     agree = float(np.mean(sample.topk_ids[:-1, 0] == next_ids)) if next_ids.size else float("nan")
     lines.append(f"top-1 at t equals input_ids[t+1] at {agree:.1%} of positions (row t predicts token t+1)")
-    lines.append(f"top-{min(topk_shown, ds.topk)} for the first {min(positions, sample.n_tokens)} positions (id:logprob):")
+    lines.append(
+        f"top-{min(topk_shown, ds.topk)} for the first {min(positions, sample.n_tokens)} positions (id:logprob):"
+    )
     for t in range(min(positions, sample.n_tokens)):
-        nxt = f"{int(sample.input_ids[t + 1])}{_token_text(tokenizer, sample.input_ids[t + 1])}" if t + 1 < sample.n_tokens else "-"
+        nxt = (
+            f"{int(sample.input_ids[t + 1])}{_token_text(tokenizer, sample.input_ids[t + 1])}"
+            if t + 1 < sample.n_tokens
+            else "-"
+        )
         entries = "  ".join(
             f"{int(i)}{_token_text(tokenizer, i)}:{lp:.3f}"
             for i, lp in zip(sample.topk_ids[t, :topk_shown], sample.topk_logprobs[t, :topk_shown])
         )
-        lines.append(f"  t={t:<4} loss={int(sample.loss_mask[t])} in={int(sample.input_ids[t])}{_token_text(tokenizer, sample.input_ids[t])} next={nxt}  |  {entries}")
+        lines.append(
+            f"  t={t:<4} loss={int(sample.loss_mask[t])} "
+            f"in={int(sample.input_ids[t])}{_token_text(tokenizer, sample.input_ids[t])} next={nxt}  |  {entries}"
+        )
     layer_ids = (ds.provenance.get("taps") or {}).get("layer_ids")
     lines.append(f"hidden     [{sample.n_tokens}, {sample.hidden.shape[1]}] bf16, per tap:")
     lines += tap_statistics(sample, layer_ids)

@@ -20,8 +20,8 @@ import pyarrow.fs as pafs
 from common import io, locks
 from common.hashing import CHECKSUM_ALGO, bytes_digest, text_digest
 from common.provenance import git_sha, tool_version
-from shards.sample_checksums import SAMPLE_CHECKSUM_ALGOS
 from shards.quant import parse_encoding
+from shards.sample_checksums import SAMPLE_CHECKSUM_ALGOS
 from shards.schema import (
     FIRST_SPLIT_VERSION,
     FORMAT_NAME,
@@ -41,7 +41,17 @@ RESERVED_COUNTS = ("samples", "tokens", "loss_tokens")
 # Optional in a shard entry: the per-sample checksum algorithm of its index (absent: format version 1
 # shards, whose samples are read without a per-sample check).
 SAMPLE_CHECKSUM_ALGO_KEY = "sample_checksum_algo"
-SHARD_ENTRY_KEYS = ("file", "index_file", "samples", "tokens", "loss_tokens", "bytes", "checksum", "index_bytes", "index_checksum")
+SHARD_ENTRY_KEYS = (
+    "file",
+    "index_file",
+    "samples",
+    "tokens",
+    "loss_tokens",
+    "bytes",
+    "checksum",
+    "index_bytes",
+    "index_checksum",
+)
 # Optional: the projection of a projected dataset (format version 4, `shards/projection.py`).
 PROJECTION_KEY = "projection"
 PROJECTION_ENTRY_KEYS = ("file", "bytes", "checksum", "in_width", "out_width")
@@ -69,7 +79,12 @@ def hidden_split_of(manifest: dict) -> int:
 
 def layout_of(manifest: dict) -> dict:
     """The dataset's layout as keyword arguments (encoding, hidden_width, topk, hidden_split)."""
-    return {"encoding": manifest["encoding"], "hidden_width": manifest["hidden_width"], "topk": manifest["topk"], "hidden_split": hidden_split_of(manifest)}
+    return {
+        "encoding": manifest["encoding"],
+        "hidden_width": manifest["hidden_width"],
+        "topk": manifest["topk"],
+        "hidden_split": hidden_split_of(manifest),
+    }
 
 
 def projection_of(manifest: dict) -> dict | None:
@@ -77,7 +92,15 @@ def projection_of(manifest: dict) -> dict | None:
     return manifest.get(PROJECTION_KEY)
 
 
-def new_manifest(*, provenance: dict, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1, projection: dict | None = None) -> dict:
+def new_manifest(
+    *,
+    provenance: dict,
+    encoding: str,
+    hidden_width: int,
+    topk: int,
+    hidden_split: int = 1,
+    projection: dict | None = None,
+) -> dict:
     """An empty manifest (no shards) for a dataset of this layout."""
     manifest = {
         "format": FORMAT_NAME,
@@ -102,11 +125,15 @@ def new_manifest(*, provenance: dict, encoding: str, hidden_width: int, topk: in
 def check_manifest(manifest: Any, where: str) -> dict:
     """Raise ShardFormatError (naming `where`) unless `manifest` is a manifest this code can read."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise ShardFormatError(f"{where}: not a {FORMAT_NAME} manifest (field 'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+        raise ShardFormatError(
+            f"{where}: not a {FORMAT_NAME} manifest (field 'format' is "
+            f"{manifest.get('format') if isinstance(manifest, dict) else None!r})"
+        )
     version = manifest.get("format_version")
     if version not in SUPPORTED_FORMAT_VERSIONS:
         raise ShardFormatError(
-            f"{where}: format_version {version!r} is not supported by this code (it reads {list(SUPPORTED_FORMAT_VERSIONS)}); "
+            f"{where}: format_version {version!r} is not supported by this code (it reads "
+            f"{list(SUPPORTED_FORMAT_VERSIONS)}); "
             "use a newer tool version"
         )
     for key in ("encoding", "hidden_width", "topk", "counts", "shards", "provenance"):
@@ -118,22 +145,28 @@ def check_manifest(manifest: Any, where: str) -> dict:
         raise ShardFormatError(f"{where}: unknown hidden encoding {manifest['encoding']!r}") from None
     tier = parse_encoding(manifest["encoding"]) is not None or PROJECTION_KEY in manifest
     if tier and version < TIER_FORMAT_VERSION:
-        raise ShardFormatError(f"{where}: encoding {manifest['encoding']!r} / projection in a format_version {version} manifest "
-                               f"(storage tiers are version {TIER_FORMAT_VERSION})")
+        raise ShardFormatError(
+            f"{where}: encoding {manifest['encoding']!r} / projection in a format_version {version} manifest "
+            f"(storage tiers are version {TIER_FORMAT_VERSION})"
+        )
     projection = manifest.get(PROJECTION_KEY)
     if projection is not None:
         missing = [key for key in PROJECTION_ENTRY_KEYS if not isinstance(projection, dict) or key not in projection]
         if missing:
             raise ShardFormatError(f"{where}: projection entry has no field(s) {missing}")
         if projection["out_width"] != manifest["hidden_width"]:
-            raise ShardFormatError(f"{where}: projection out_width {projection['out_width']} != hidden_width {manifest['hidden_width']}")
+            raise ShardFormatError(
+                f"{where}: projection out_width {projection['out_width']} != hidden_width {manifest['hidden_width']}"
+            )
     split = hidden_split_of(manifest)
     try:
         check_hidden_split(split, manifest["hidden_width"])
     except ValueError as err:
         raise ShardFormatError(f"{where}: {err}") from None
     if split != 1 and version < FIRST_SPLIT_VERSION:
-        raise ShardFormatError(f"{where}: hidden_split {split} in a format_version {version} manifest (split hidden columns are version 3)")
+        raise ShardFormatError(
+            f"{where}: hidden_split {split} in a format_version {version} manifest (split hidden columns are version 3)"
+        )
     for position, entry in enumerate(manifest["shards"]):
         missing = [key for key in SHARD_ENTRY_KEYS if key not in entry]
         if missing:
@@ -166,8 +199,14 @@ def load_manifest(fs: pafs.FileSystem, root: str, name: str = MANIFEST_NAME) -> 
         manifest = io.read_json(fs, path)
     except ValueError as err:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
         raise ShardFormatError(f"{path}: manifest is not valid JSON ({err})") from None
-    if isinstance(manifest, dict) and MANIFEST_CHECKSUM_KEY in manifest and manifest[MANIFEST_CHECKSUM_KEY] != manifest_digest(manifest):
-        raise ShardFormatError(f"{path}: manifest content does not match its manifest_checksum (corrupted, or edited by hand)")
+    if (
+        isinstance(manifest, dict)
+        and MANIFEST_CHECKSUM_KEY in manifest
+        and manifest[MANIFEST_CHECKSUM_KEY] != manifest_digest(manifest)
+    ):
+        raise ShardFormatError(
+            f"{path}: manifest content does not match its manifest_checksum (corrupted, or edited by hand)"
+        )
     return check_manifest(manifest, path)
 
 
@@ -198,18 +237,34 @@ def _projection_identity(projection: dict | None) -> dict | None:
 
 
 def layout_difference(
-    manifest: dict, *, provenance: dict, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1, projection: dict | None = None
+    manifest: dict,
+    *,
+    provenance: dict,
+    encoding: str,
+    hidden_width: int,
+    topk: int,
+    hidden_split: int = 1,
+    projection: dict | None = None,
 ) -> str | None:
     """The first field in which a dataset's layout and provenance differ from the given ones, or None."""
     layout = layout_of(manifest)
-    for key, value in (("encoding", encoding), ("hidden_width", hidden_width), ("topk", topk), ("hidden_split", hidden_split)):
+    for key, value in (
+        ("encoding", encoding),
+        ("hidden_width", hidden_width),
+        ("topk", topk),
+        ("hidden_split", hidden_split),
+    ):
         if layout[key] != value:
             return f"{key}: {layout[key]!r} vs {value!r}"
     ours, theirs = _projection_identity(projection_of(manifest)), _projection_identity(projection)
     if ours != theirs:
-        return first_difference(ours, theirs, "projection") if ours and theirs else f"projection: {ours!r} vs {theirs!r}"
+        return (
+            first_difference(ours, theirs, "projection") if ours and theirs else f"projection: {ours!r} vs {theirs!r}"
+        )
     return first_difference(
-        comparable_provenance(manifest["provenance"]), comparable_provenance(json_normalized(provenance, "provenance")), "provenance"
+        comparable_provenance(manifest["provenance"]),
+        comparable_provenance(json_normalized(provenance, "provenance")),
+        "provenance",
     )
 
 
@@ -228,14 +283,19 @@ def read_index(fs: pafs.FileSystem, root: str, entry: dict, *, check_checksum: b
         raise FileNotFoundError(f"{path}: index file listed in the manifest is missing")
     algo = entry.get(SAMPLE_CHECKSUM_ALGO_KEY)
     if algo is not None and algo not in SAMPLE_CHECKSUM_ALGOS:
-        raise ShardFormatError(f"{path}: unknown per-sample checksum algorithm {algo!r} in the manifest (this code knows {list(SAMPLE_CHECKSUM_ALGOS)})")
+        raise ShardFormatError(
+            f"{path}: unknown per-sample checksum algorithm {algo!r} in the manifest (this code knows "
+            f"{list(SAMPLE_CHECKSUM_ALGOS)})"
+        )
     try:
         with fs.open_input_file(path) as f:
             data = f.read()
     except OSError as err:
         raise ShardFormatError(f"{path}: unreadable index file ({err})") from None
     if check_checksum and bytes_digest(data) != entry["index_checksum"]:
-        raise ShardFormatError(f"{path}: index file checksum does not match the manifest's {entry['index_checksum']} (corrupted file)")
+        raise ShardFormatError(
+            f"{path}: index file checksum does not match the manifest's {entry['index_checksum']} (corrupted file)"
+        )
     try:
         table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
         table.validate(full=True)  # offsets and UTF-8 of the ids: Arrow does not check them on read
@@ -243,7 +303,9 @@ def read_index(fs: pafs.FileSystem, root: str, entry: dict, *, check_checksum: b
         raise ShardFormatError(f"{path}: unreadable index file ({err})") from None
     expected = index_schema(sample_checksums=algo is not None)
     if not table.schema.equals(expected, check_metadata=False):
-        raise ShardFormatError(f"{path}: index schema {table.schema.names} does not match the format (expected {expected.names})")
+        raise ShardFormatError(
+            f"{path}: index schema {table.schema.names} does not match the format (expected {expected.names})"
+        )
     if table.num_rows != entry["samples"]:
         raise ShardFormatError(f"{path}: index has {table.num_rows} rows, manifest says {entry['samples']} samples")
     return table
@@ -271,7 +333,9 @@ def _refuse_duplicates(fs, root, names, manifests) -> None:
                     seen[sid] = where
     if duplicates:
         shown = "; ".join(duplicates[:10])
-        raise ValueError(f"merge: {len(duplicates)} sample ids are listed twice (shard them by sample id across ranks): {shown}")
+        raise ValueError(
+            f"merge: {len(duplicates)} sample ids are listed twice (shard them by sample id across ranks): {shown}"
+        )
 
 
 def lock_manifest(fs: pafs.FileSystem, root: str, manifest_name: str, *, wait_seconds: float = 0.0):
@@ -280,8 +344,11 @@ def lock_manifest(fs: pafs.FileSystem, root: str, manifest_name: str, *, wait_se
     if not io.is_local(fs):
         return locks.Lock.unheld()
     return locks.exclusive_lock(
-        os.path.join(root, f".{manifest_name}.lock"), what=f"{manifest_path(root, manifest_name)}", wait_seconds=wait_seconds,
-        hint="Two writers of one dataset would corrupt it: wait for the other to finish (or stop it), or write to another directory.",
+        os.path.join(root, f".{manifest_name}.lock"),
+        what=f"{manifest_path(root, manifest_name)}",
+        wait_seconds=wait_seconds,
+        hint="Two writers of one dataset would corrupt it: wait for the other to finish (or stop it), or write to "
+        "another directory.",
     )
 
 
@@ -309,13 +376,18 @@ def _merge_locked(fs, root: str, names: list[str], out_name: str) -> dict:
     manifests = [load_manifest(fs, root, name) for name in names]
     first = manifests[0]
     for name, manifest in zip(names[1:], manifests[1:]):
-        diff = layout_difference(manifest, provenance=first["provenance"], projection=projection_of(first), **layout_of(first))
+        diff = layout_difference(
+            manifest, provenance=first["provenance"], projection=projection_of(first), **layout_of(first)
+        )
         if diff:
             raise ValueError(f"merge: {name} disagrees with {names[0]} in {diff}")
     files = [entry["file"] for manifest in manifests for entry in manifest["shards"]]
     repeated = sorted({f for f in files if files.count(f) > 1})
     if repeated:
-        raise ValueError(f"merge: shard files listed by more than one manifest: {repeated[:10]} (give each rank its own shard_prefix)")
+        raise ValueError(
+            f"merge: shard files listed by more than one manifest: {repeated[:10]} (give each rank its own "
+            "shard_prefix)"
+        )
     _refuse_duplicates(fs, root, names, manifests)
     merged = new_manifest(provenance=first["provenance"], projection=projection_of(first), **layout_of(first))
     merged["complete"] = all(m.get("complete", False) for m in manifests)

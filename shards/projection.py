@@ -116,7 +116,9 @@ class Projection:
     def fold(self, weight_DR: torch.Tensor) -> torch.Tensor:
         """A linear map on projected features W' [D, r] as one on full features: W' P [D, F], in float32."""
         if weight_DR.shape[-1] != self.out_width:
-            raise ValueError(f"fold: the weight reads {weight_DR.shape[-1]} features, the projection gives {self.out_width}")
+            raise ValueError(
+                f"fold: the weight reads {weight_DR.shape[-1]} features, the projection gives {self.out_width}"
+            )
         parts = weight_DR.float().unflatten(-1, (self.n_taps, self.rank))
         return torch.cat([parts[:, i, :] @ self.blocks[i].to(weight_DR.device) for i in range(self.n_taps)], dim=-1)
 
@@ -126,13 +128,17 @@ class SecondMoments:
 
     def __init__(self, n_taps: int, tap_width: int, device=None):
         self.n_taps, self.tap_width = n_taps, tap_width
-        self.sums: torch.Tensor | None = None if device is None else torch.zeros(n_taps, tap_width, tap_width, dtype=torch.float64, device=device)
+        self.sums: torch.Tensor | None = (
+            None if device is None else torch.zeros(n_taps, tap_width, tap_width, dtype=torch.float64, device=device)
+        )
         self.tokens = 0
 
     def add_tap(self, tap: int, h_NH: torch.Tensor) -> None:
         """Add the tokens [N, H] of one tap (only real tokens: leave padding out before)."""
         if self.sums is None:
-            self.sums = torch.zeros(self.n_taps, self.tap_width, self.tap_width, dtype=torch.float64, device=h_NH.device)
+            self.sums = torch.zeros(
+                self.n_taps, self.tap_width, self.tap_width, dtype=torch.float64, device=h_NH.device
+            )
         h = h_NH.reshape(-1, self.tap_width).to(self.sums.device, torch.float64)
         self.sums[tap].addmm_(h.t(), h)
         self._eigen = None
@@ -162,7 +168,9 @@ def _canonical_signs(vectors_HR: torch.Tensor) -> torch.Tensor:
     return vectors_HR * torch.where(signs == 0, torch.ones_like(signs), signs)
 
 
-def fit_projection(moments: SecondMoments, spec: ProjectionSpec, *, multiple: int = 1, info: dict | None = None) -> Projection:
+def fit_projection(
+    moments: SecondMoments, spec: ProjectionSpec, *, multiple: int = 1, info: dict | None = None
+) -> Projection:
     """P from the calibration sums: per tap the top eigenvectors of sum h hᵀ; the rank per tap from
     `spec`: as given (ValueError unless a multiple of `multiple`, a 4-bit encoding's group size), or the
     smallest that keeps the variance share in every tap, rounded up to a multiple of `multiple`; at most H."""
@@ -175,11 +183,20 @@ def fit_projection(moments: SecondMoments, spec: ProjectionSpec, *, multiple: in
     if spec.rank is not None:
         rank = spec.rank
         if rank % multiple:  # a rank asked for is kept, or refused: never changed behind the user's back
-            raise ValueError(f"projection: rank {rank} per tap is not a multiple of the 4-bit group size {multiple}; "
-                             f"ask for pca:rank={-(-rank // multiple) * multiple}, or a smaller group")
+            raise ValueError(
+                f"projection: rank {rank} per tap is not a multiple of the 4-bit group size {multiple}; "
+                f"ask for pca:rank={-(-rank // multiple) * multiple}, or a smaller group"
+            )
     else:
-        needed = [int(torch.searchsorted(shares[i], torch.tensor(spec.variance - 1e-12, dtype=shares.dtype, device=shares.device))) + 1
-                  for i in range(moments.n_taps)]
+        needed = [
+            int(
+                torch.searchsorted(
+                    shares[i], torch.tensor(spec.variance - 1e-12, dtype=shares.dtype, device=shares.device)
+                )
+            )
+            + 1
+            for i in range(moments.n_taps)
+        ]
         rank = max(needed)
     rank = min(H, int(math.ceil(rank / multiple) * multiple))
     if rank > H:
@@ -187,8 +204,14 @@ def fit_projection(moments: SecondMoments, spec: ProjectionSpec, *, multiple: in
     blocks = torch.stack([_canonical_signs(eigenvectors[i][:, :rank]).t() for i in range(moments.n_taps)]).float().cpu()
     explained = [float(shares[i, rank - 1]) for i in range(moments.n_taps)]
     details = {
-        "method": METHOD, "spec": spec.describe(), "rank_per_tap": rank, "n_taps": moments.n_taps, "tap_width": H,
-        "explained": explained, "calibration_tokens": moments.tokens, **(info or {}),
+        "method": METHOD,
+        "spec": spec.describe(),
+        "rank_per_tap": rank,
+        "n_taps": moments.n_taps,
+        "tap_width": H,
+        "explained": explained,
+        "calibration_tokens": moments.tokens,
+        **(info or {}),
     }
     return Projection(blocks, details)
 
@@ -196,7 +219,10 @@ def fit_projection(moments: SecondMoments, spec: ProjectionSpec, *, multiple: in
 def projection_bytes(projection: Projection) -> bytes:
     from safetensors.torch import save
 
-    return save({"blocks": projection.blocks.contiguous().float().cpu()}, metadata={"info": json.dumps(projection.info, sort_keys=True)})
+    return save(
+        {"blocks": projection.blocks.contiguous().float().cpu()},
+        metadata={"info": json.dumps(projection.info, sort_keys=True)},
+    )
 
 
 def projection_from_bytes(data: bytes, where: str) -> Projection:
@@ -219,9 +245,16 @@ def entry_for(projection: Projection, data: bytes, file: str = PROJECTION_FILE) 
     """The manifest's `projection` entry for this projection stored as `data` under `file`."""
     info = projection.info
     return {
-        "file": file, "bytes": len(data), "checksum": bytes_digest(data), "in_width": projection.in_width,
-        "out_width": projection.out_width, "method": info.get("method", METHOD), "rank_per_tap": projection.rank,
-        "explained": info.get("explained"), "spec": info.get("spec"), "calibration_tokens": info.get("calibration_tokens"),
+        "file": file,
+        "bytes": len(data),
+        "checksum": bytes_digest(data),
+        "in_width": projection.in_width,
+        "out_width": projection.out_width,
+        "method": info.get("method", METHOD),
+        "rank_per_tap": projection.rank,
+        "explained": info.get("explained"),
+        "spec": info.get("spec"),
+        "calibration_tokens": info.get("calibration_tokens"),
     }
 
 
@@ -246,11 +279,15 @@ def load_projection(root: str, entry: dict) -> Projection:
         raise FileNotFoundError(f"{target}: projection file listed in the manifest is missing")
     data = io.read_bytes(fs, target)
     if len(data) != entry["bytes"] or bytes_digest(data) != entry["checksum"]:
-        raise ValueError(f"{target}: projection file does not match the manifest's size/checksum (corrupted or replaced)")
+        raise ValueError(
+            f"{target}: projection file does not match the manifest's size/checksum (corrupted or replaced)"
+        )
     projection = projection_from_bytes(data, target)
     if projection.in_width != entry["in_width"] or projection.out_width != entry["out_width"]:
-        raise ValueError(f"{target}: maps {projection.in_width} -> {projection.out_width} features, the manifest says "
-                         f"{entry['in_width']} -> {entry['out_width']}")
+        raise ValueError(
+            f"{target}: maps {projection.in_width} -> {projection.out_width} features, the manifest says "
+            f"{entry['in_width']} -> {entry['out_width']}"
+        )
     return projection
 
 

@@ -44,10 +44,22 @@ LOSSLESS_ENCODINGS = ("plain", "planes")
 
 INT4_LEVELS = [-8 / 7] + [k / 7 for k in range(-7, 8)]  # code 0 (-8/7) is never written
 NF4_LEVELS = [
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0,
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
 ]
 CODEBOOKS = {"int4": INT4_LEVELS, "nf4": NF4_LEVELS}
 _NAME = re.compile(r"^(fp8|int4|nf4)(?:-g(\d+))?$")
@@ -143,11 +155,15 @@ def _refuse_nonfinite(amax: torch.Tensor, what: str) -> None:
     bad = ~torch.isfinite(amax)
     if bool(bad.any()):
         first = [int(i) for i in torch.nonzero(bad)[0].tolist()]
-        raise ValueError(f"{what}: {int(bad.sum())} NaN/Inf values found at encode (first at index {first}); "
-                         "quantized encodings refuse non-finite hidden states")
+        raise ValueError(
+            f"{what}: {int(bad.sum())} NaN/Inf values found at encode (first at index {first}); "
+            "quantized encodings refuse non-finite hidden states"
+        )
 
 
-def fp8_encode(x: torch.Tensor, *, check_finite: bool = True, what: str = "hidden") -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_encode(
+    x: torch.Tensor, *, check_finite: bool = True, what: str = "hidden"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes uint8 [..., n], exponents int8 [..., 1]) of values x [..., n] (one piece)."""
     x = x.float()
     amax = x.abs().amax(dim=-1)
@@ -182,7 +198,9 @@ def _levels(kind: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     return _LEVELS[key]
 
 
-def lut4_encode(x: torch.Tensor, spec: QuantSpec, *, check_finite: bool = True, what: str = "hidden") -> tuple[torch.Tensor, torch.Tensor]:
+def lut4_encode(
+    x: torch.Tensor, spec: QuantSpec, *, check_finite: bool = True, what: str = "hidden"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed 4-bit codes uint8 [..., n/2], bf16 scales as their bits in int16 [..., n/G]) of x [..., n].
     (Torch keeps the bits in int16, which every device copies; numpy and Arrow see them as uint16.)"""
     x = x.float()
@@ -193,13 +211,17 @@ def lut4_encode(x: torch.Tensor, spec: QuantSpec, *, check_finite: bool = True, 
         _refuse_nonfinite(amax, what)
     scale = amax.to(torch.bfloat16)
     s = scale.float().unsqueeze(-1)
-    unit = torch.where(s > 0, groups / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(groups)).clamp(-1.0, 1.0)
+    unit = torch.where(s > 0, groups / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(groups)).clamp(
+        -1.0, 1.0
+    )
     codes = torch.bucketize(unit, _levels(spec.kind, x.device)[1]).to(torch.uint8).flatten(-2)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, scale.view(torch.int16)
 
 
-def lut4_decode(packed: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def lut4_decode(
+    packed: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Values [..., n] of packed 4-bit codes [..., n/2] with bf16 scales (their bits, int16 or uint16) [..., n/G]."""
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
     values = _levels(spec.kind, packed.device)[0][codes]
@@ -208,24 +230,33 @@ def lut4_decode(packed: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dty
     return values.to(dtype)
 
 
-def encode_piece(x: torch.Tensor, spec: QuantSpec, *, check_finite: bool = True, what: str = "hidden") -> tuple[torch.Tensor, torch.Tensor]:
+def encode_piece(
+    x: torch.Tensor, spec: QuantSpec, *, check_finite: bool = True, what: str = "hidden"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of one column piece x [..., n] in encoding `spec`."""
     if spec.four_bit:
         return lut4_encode(x, spec, check_finite=check_finite, what=what)
     return fp8_encode(x, check_finite=check_finite, what=what)
 
 
-def decode_piece(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def decode_piece(
+    codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     if spec.four_bit:
         return lut4_decode(codes, scales, spec, dtype)
     return fp8_decode(codes, scales, dtype)
 
 
-def encode_pieces(x: torch.Tensor, spec: QuantSpec, pieces: int, *, check_finite: bool = True, what: str = "hidden") -> list[tuple[torch.Tensor, torch.Tensor]]:
+def encode_pieces(
+    x: torch.Tensor, spec: QuantSpec, pieces: int, *, check_finite: bool = True, what: str = "hidden"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(codes, scales) of each of `pieces` equal column pieces of x [..., W]."""
     width = x.shape[-1] // pieces
     spec.check_piece_width(width)
-    return [encode_piece(x[..., j * width : (j + 1) * width], spec, check_finite=check_finite, what=what) for j in range(pieces)]
+    return [
+        encode_piece(x[..., j * width : (j + 1) * width], spec, check_finite=check_finite, what=what)
+        for j in range(pieces)
+    ]
 
 
 def decode_pieces(pairs, spec: QuantSpec, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -279,7 +310,12 @@ def quantize_bf16_bits(hidden_TW: np.ndarray, encoding: str, pieces: int, *, wha
     assert spec is not None, encoding
     values = torch.from_numpy(np.ascontiguousarray(hidden_TW)).view(torch.bfloat16)
     pairs = encode_pieces(values, spec, pieces, what=what)
-    return QuantizedHidden(spec.name, tuple(c.numpy() for c, _ in pairs), tuple(scales_to_numpy(s) for _, s in pairs), int(hidden_TW.shape[1]))
+    return QuantizedHidden(
+        spec.name,
+        tuple(c.numpy() for c, _ in pairs),
+        tuple(scales_to_numpy(s) for _, s in pairs),
+        int(hidden_TW.shape[1]),
+    )
 
 
 def scales_to_numpy(scales: torch.Tensor) -> np.ndarray:
@@ -330,15 +366,21 @@ class ErrorSums:
         for sq, err2 in zip(np.split(self.sq, n_taps), np.split(self.err2, n_taps)):
             rel_c = np.where(sq > 0, np.sqrt(err2 / np.where(sq > 0, sq, 1.0)), 0.0)
             worst = int(np.argmax(rel_c))
-            out.append({
-                "sq": float(sq.sum()), "err2": float(err2.sum()),
-                "rel_rms": float(np.sqrt(err2.sum() / sq.sum())) if sq.sum() > 0 else 0.0,
-                "worst_channel": worst, "worst_channel_rel_rms": float(rel_c[worst]),
-            })
+            out.append(
+                {
+                    "sq": float(sq.sum()),
+                    "err2": float(err2.sum()),
+                    "rel_rms": float(np.sqrt(err2.sum() / sq.sum())) if sq.sum() > 0 else 0.0,
+                    "worst_channel": worst,
+                    "worst_channel_rel_rms": float(rel_c[worst]),
+                }
+            )
         return out
 
 
-def channel_error_sums(x: torch.Tensor, x_hat: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def channel_error_sums(
+    x: torch.Tensor, x_hat: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum x^2, sum (x - x̂)^2) over the token dimension -2 of [..., T, F], in float32 on x's device;
     `valid` [..., T] (bool) leaves padded positions out."""
     x, x_hat = x.float(), x_hat.float()

@@ -32,7 +32,14 @@ import pyarrow.fs as pafs
 
 from common import io
 from common.hashing import file_checksum
-from shards.manifest import MANIFEST_NAME, SAMPLE_CHECKSUM_ALGO_KEY, hidden_split_of, load_manifest, projection_of, read_index
+from shards.manifest import (
+    MANIFEST_NAME,
+    SAMPLE_CHECKSUM_ALGO_KEY,
+    hidden_split_of,
+    load_manifest,
+    projection_of,
+    read_index,
+)
 from shards.quant import parse_encoding
 from shards.sample_checksums import SampleRanges, decode_message
 from shards.schema import Sample, ShardFormatError, decode_sample, shard_schema, shard_schema_matches
@@ -74,7 +81,9 @@ class ShardDataset:
         self.verify_checksums = verify_checksums
         self.verify_samples = verify_samples
         self.max_open_shards = max_open_shards
-        self._schema = shard_schema(self.encoding, self.hidden_width, self.topk, hidden_split=self.hidden_split)  # decodes checked samples
+        self._schema = shard_schema(
+            self.encoding, self.hidden_width, self.topk, hidden_split=self.hidden_split
+        )  # decodes checked samples
         self._starts = list(itertools.accumulate((e["samples"] for e in self.shards), initial=0))
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -89,9 +98,13 @@ class ShardDataset:
         unchecked = [e["file"] for e in self.shards if SAMPLE_CHECKSUM_ALGO_KEY not in e]
         if unchecked:
             log.warning(
-                "%s: %d of %d shards (e.g. %s) were written before per-sample checksums (format version 1); their samples "
+                "%s: %d of %d shards (e.g. %s) were written before per-sample checksums (format version 1); their "
+                "samples "
                 "are read without a per-sample check. `python -m shards verify` checks their whole-file checksums.",
-                io.join(self.root, self.manifest_name), len(unchecked), len(self.shards), unchecked[0],
+                io.join(self.root, self.manifest_name),
+                len(unchecked),
+                len(self.shards),
+                unchecked[0],
             )
 
     def __getstate__(self) -> dict:
@@ -112,7 +125,9 @@ class ShardDataset:
         return self._starts[-1]
 
     def __repr__(self) -> str:
-        return f"ShardDataset({self.root!r}, samples={len(self)}, shards={len(self.shards)}, encoding={self.encoding!r})"
+        return (
+            f"ShardDataset({self.root!r}, samples={len(self)}, shards={len(self.shards)}, encoding={self.encoding!r})"
+        )
 
     @property
     def index(self) -> pa.Table:
@@ -133,8 +148,15 @@ class ShardDataset:
         with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
             tables = list(pool.map(self._read_shard_index, range(len(self.shards))))
         if not tables:
-            return pa.table({"sample_id": pa.array([], pa.string()), "n_tokens": pa.array([], pa.int32()),
-                             "n_loss_tokens": pa.array([], pa.int32()), "shard": pa.array([], pa.int32()), "row": pa.array([], pa.int32())})
+            return pa.table(
+                {
+                    "sample_id": pa.array([], pa.string()),
+                    "n_tokens": pa.array([], pa.int32()),
+                    "n_loss_tokens": pa.array([], pa.int32()),
+                    "shard": pa.array([], pa.int32()),
+                    "row": pa.array([], pa.int32()),
+                }
+            )
         return pa.concat_tables(tables)
 
     def _read_shard_index(self, shard: int) -> pa.Table:
@@ -142,14 +164,18 @@ class ShardDataset:
         table = read_index(self.fs, self.root, entry, check_checksum=self.verify_checksums or self.verify_samples)
         if self.verify_samples and SAMPLE_CHECKSUM_ALGO_KEY in entry:
             # A plain dict store: atomic, and a race only loads the same small table twice.
-            self._ranges[shard] = SampleRanges.from_index(table, entry["bytes"], io.join(self.root, entry["index_file"]))
-        return pa.table({
-            "sample_id": table.column("sample_id"),
-            "n_tokens": table.column("n_tokens"),
-            "n_loss_tokens": table.column("n_loss_tokens"),
-            "shard": pa.array(np.full(table.num_rows, shard, dtype=np.int32)),
-            "row": table.column("row"),
-        })
+            self._ranges[shard] = SampleRanges.from_index(
+                table, entry["bytes"], io.join(self.root, entry["index_file"])
+            )
+        return pa.table(
+            {
+                "sample_id": table.column("sample_id"),
+                "n_tokens": table.column("n_tokens"),
+                "n_loss_tokens": table.column("n_loss_tokens"),
+                "shard": pa.array(np.full(table.num_rows, shard, dtype=np.int32)),
+                "row": table.column("row"),
+            }
+        )
 
     # ------------------------------------------------------------------ samples
 
@@ -211,7 +237,9 @@ class ShardDataset:
             hidden = _tensor(sample.hidden).view(torch.bfloat16)
         else:
             if hidden_out.dtype != torch.bfloat16 or hidden_out.device.type != "cpu" or not hidden_out.is_contiguous():
-                raise ValueError(f"hidden_out: need a contiguous CPU bfloat16 tensor, got {hidden_out.dtype} on {hidden_out.device}")
+                raise ValueError(
+                    f"hidden_out: need a contiguous CPU bfloat16 tensor, got {hidden_out.dtype} on {hidden_out.device}"
+                )
             sample = self._read(*self.locate(int(i)), hidden_out=hidden_out.view(torch.uint16).numpy())
             hidden = hidden_out[: sample.n_tokens]
         return {
@@ -239,11 +267,15 @@ class ShardDataset:
         except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged zstd data
             raise ShardFormatError(f"{path}: row {row} cannot be read: {err}") from None
         try:
-            sample = decode_sample(batch, self.encoding, self.hidden_width, self.topk, hidden_out, self.hidden_split, compact=compact)
+            sample = decode_sample(
+                batch, self.encoding, self.hidden_width, self.topk, hidden_out, self.hidden_split, compact=compact
+            )
         except (pa.ArrowException, OSError, ShardFormatError) as err:
             raise ShardFormatError(f"{path}: row {row} cannot be decoded: {err}") from None
         if ranges is not None and sample.sample_id != ranges.sample_id(row):
-            raise ShardFormatError(f"{path}: row {row} holds sample {sample.sample_id}, the index says {ranges.sample_id(row)}")
+            raise ShardFormatError(
+                f"{path}: row {row} holds sample {sample.sample_id}, the index says {ranges.sample_id(row)}"
+            )
         return sample
 
     def _sample_ranges(self, shard: int) -> SampleRanges | None:
@@ -275,7 +307,9 @@ class ShardDataset:
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"{path}: shard file listed in the manifest is missing")
         if info.size != entry["bytes"]:
-            raise ShardFormatError(f"{path}: {info.size} bytes on disk, manifest says {entry['bytes']} (truncated or overwritten)")
+            raise ShardFormatError(
+                f"{path}: {info.size} bytes on disk, manifest says {entry['bytes']} (truncated or overwritten)"
+            )
         with self._lock:
             if self.verify_checksums and shard not in self._checked_shards:
                 self._check_checksum(entry["file"], entry["checksum"])
@@ -286,16 +320,22 @@ class ShardDataset:
         except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged data too
             raise ShardFormatError(f"{path}: not a readable Arrow IPC file ({err})") from None
         if not shard_schema_matches(reader.schema, self.encoding, self.hidden_width, self.topk, self.hidden_split):
-            raise ShardFormatError(f"{path}: the file's schema does not match the manifest's layout (damaged, or another dataset's file)")
+            raise ShardFormatError(
+                f"{path}: the file's schema does not match the manifest's layout (damaged, or another dataset's file)"
+            )
         if reader.num_record_batches != entry["samples"]:
-            raise ShardFormatError(f"{path}: {reader.num_record_batches} samples in the file, manifest says {entry['samples']}")
+            raise ShardFormatError(
+                f"{path}: {reader.num_record_batches} samples in the file, manifest says {entry['samples']}"
+            )
         return _OpenShardFile(source, reader)
 
     def _check_checksum(self, file: str, expected: str) -> None:
         path = io.join(self.root, file)
         actual = file_checksum(self.fs, path)
         if actual != expected:
-            raise ShardFormatError(f"{path}: checksum {actual} does not match the manifest's {expected} (corrupted file)")
+            raise ShardFormatError(
+                f"{path}: checksum {actual} does not match the manifest's {expected} (corrupted file)"
+            )
 
 
 def _tensor(array: np.ndarray):

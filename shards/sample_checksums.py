@@ -49,7 +49,9 @@ def record_batches_start(head: bytes) -> int:
     magic and padding (8 bytes), then the schema message, whose length those bytes give (a schema
     message has no body). The file holds no dictionaries, so record batches follow directly."""
     assert len(head) >= HEADER_PROBE_BYTES, len(head)
-    assert head[:6] == _FILE_MAGIC and head[8:12] == _CONTINUATION, f"not the start of an Arrow IPC file: {bytes(head[:16])!r}"
+    assert head[:6] == _FILE_MAGIC and head[8:12] == _CONTINUATION, (
+        f"not the start of an Arrow IPC file: {bytes(head[:16])!r}"
+    )
     metadata_length = int.from_bytes(head[12:16], "little")
     assert metadata_length > 0 and metadata_length % 8 == 0, metadata_length
     return HEADER_PROBE_BYTES + metadata_length
@@ -97,17 +99,21 @@ class SampleRanges:
         source.seek(offset)
         data = source.read_buffer(length)
         if data.size != length:
-            raise ShardFormatError(f"{shard_path}: sample {self.sample_id(row)} (row {row}): bytes {offset}..{offset + length} "
-                                   "are past the end of the file (truncated)")
+            raise ShardFormatError(
+                f"{shard_path}: sample {self.sample_id(row)} (row {row}): bytes {offset}..{offset + length} "
+                "are past the end of the file (truncated)"
+            )
         return data
 
     def check(self, data, row: int, shard_path: str) -> None:
-        """ShardFormatError naming the shard file, the sample and its row unless `data` hashes to the index's checksum."""
+        """ShardFormatError naming the shard file, the sample and its row unless `data` hashes to the index's
+        checksum."""
         actual, expected = sample_digest(data), int(self.checksum[row])
         if actual != expected:
             start = int(self.offset[row])
             raise ShardFormatError(
-                f"{shard_path}: sample {self.sample_id(row)} (row {row}): bytes {start}..{start + int(self.length[row])} "
+                f"{shard_path}: sample {self.sample_id(row)} (row {row}): bytes "
+                f"{start}..{start + int(self.length[row])} "
                 f"have xxh3-64 {actual:016x} but the index says {expected:016x} (corrupted shard data)"
             )
 

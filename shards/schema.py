@@ -130,9 +130,16 @@ def format_version_for(encoding: str, projected: bool = False) -> int:
 
 def check_hidden_split(hidden_split, hidden_width: int) -> int:
     """`hidden_split` if it is a positive integer dividing `hidden_width`, else ValueError naming it."""
-    if (not isinstance(hidden_split, int) or isinstance(hidden_split, bool) or hidden_split < 1
-            or not isinstance(hidden_width, int) or hidden_width % hidden_split):
-        raise ValueError(f"hidden_split: expected a positive integer that divides hidden_width {hidden_width}, got {hidden_split!r}")
+    if (
+        not isinstance(hidden_split, int)
+        or isinstance(hidden_split, bool)
+        or hidden_split < 1
+        or not isinstance(hidden_width, int)
+        or hidden_width % hidden_split
+    ):
+        raise ValueError(
+            f"hidden_split: expected a positive integer that divides hidden_width {hidden_width}, got {hidden_split!r}"
+        )
     return hidden_split
 
 
@@ -186,10 +193,14 @@ def hidden_column_types(encoding: str, hidden_width: int, hidden_split: int) -> 
         value_type = pa.uint16() if encoding == "plain" else pa.uint8()
         return [(value_type, piece)] * len(hidden_field_names(encoding, hidden_split))
     scale_type = pa.uint16() if spec.four_bit else pa.int8()
-    return [(pa.uint8(), spec.code_width(piece))] * hidden_split + [(scale_type, spec.scale_width(piece))] * hidden_split
+    return [(pa.uint8(), spec.code_width(piece))] * hidden_split + [
+        (scale_type, spec.scale_width(piece))
+    ] * hidden_split
 
 
-def shard_schema(encoding: str, hidden_width: int, topk: int, format_version: int | None = None, hidden_split: int = 1) -> pa.Schema:
+def shard_schema(
+    encoding: str, hidden_width: int, topk: int, format_version: int | None = None, hidden_split: int = 1
+) -> pa.Schema:
     """The schema of a shard file; its metadata repeats the encoding, widths and split so a shard
     describes itself, and names the format version of the writer that wrote it (default: the
     version this code writes for the encoding, `format_version_for`)."""
@@ -204,7 +215,9 @@ def shard_schema(encoding: str, hidden_width: int, topk: int, format_version: in
     assert spec is None or format_version >= TIER_FORMAT_VERSION, (encoding, format_version)
     hidden_fields = [
         pa.field(name, _rows_of(value_type, width), nullable=False)
-        for name, (value_type, width) in zip(hidden_field_names(encoding, hidden_split), hidden_column_types(encoding, hidden_width, hidden_split))
+        for name, (value_type, width) in zip(
+            hidden_field_names(encoding, hidden_split), hidden_column_types(encoding, hidden_width, hidden_split)
+        )
     ]
     fields = [
         pa.field("sample_id", pa.string(), nullable=False),
@@ -228,7 +241,9 @@ def shard_schema(encoding: str, hidden_width: int, topk: int, format_version: in
 
 def shard_schema_matches(schema: pa.Schema, encoding: str, hidden_width: int, topk: int, hidden_split: int = 1) -> bool:
     """True if `schema` is the shard schema of this layout, written by any supported format version."""
-    first = TIER_FORMAT_VERSION if parse_encoding(encoding) is not None else FIRST_SPLIT_VERSION if hidden_split > 1 else 1
+    first = (
+        TIER_FORMAT_VERSION if parse_encoding(encoding) is not None else FIRST_SPLIT_VERSION if hidden_split > 1 else 1
+    )
     return any(
         schema.equals(shard_schema(encoding, hidden_width, topk, v, hidden_split), check_metadata=True)
         for v in SUPPORTED_FORMAT_VERSIONS
@@ -249,13 +264,20 @@ def index_schema(sample_checksums: bool = True) -> pa.Schema:
     ]
     if sample_checksums:
         fields += [
-            pa.field("offset", pa.int64(), nullable=False),  # where the sample's record batch message starts in the shard file
-            pa.field("length", pa.int64(), nullable=False),  # its bytes: metadata + body, up to where the next one starts
+            pa.field(
+                "offset", pa.int64(), nullable=False
+            ),  # where the sample's record batch message starts in the shard file
+            pa.field(
+                "length", pa.int64(), nullable=False
+            ),  # its bytes: metadata + body, up to where the next one starts
             pa.field("xxh3_64", pa.uint64(), nullable=False),  # xxh3-64 of those bytes
         ]
     return pa.schema(
         fields,
-        metadata={_META_PREFIX + b"format": FORMAT_NAME.encode(), _META_PREFIX + b"format_version": str(FORMAT_VERSION).encode()},
+        metadata={
+            _META_PREFIX + b"format": FORMAT_NAME.encode(),
+            _META_PREFIX + b"format_version": str(FORMAT_VERSION).encode(),
+        },
     )
 
 
@@ -379,7 +401,11 @@ def encode_sample(sample: Sample, schema: pa.Schema, encoding: str, hidden_split
     hidden = sample.hidden
     k = sample.topk_ids.shape[1]
     if isinstance(hidden, QuantizedHidden):
-        assert hidden.encoding == encoding and len(hidden.codes) == hidden_split, (hidden.encoding, encoding, len(hidden.codes))
+        assert hidden.encoding == encoding and len(hidden.codes) == hidden_split, (
+            hidden.encoding,
+            encoding,
+            len(hidden.codes),
+        )
         stored = [np.ascontiguousarray(a) for a in (*hidden.codes, *hidden.scales)]
     elif encoding == "plain":
         bits = hidden.join() if isinstance(hidden, HiddenPlanes) else hidden
@@ -402,7 +428,9 @@ def _rows(column: pa.Array, T: int, width: int, name: str) -> np.ndarray:
     """[T, width] view of a list<fixed_size_list> column, checking it has T positions."""
     values = _values(column, 2)
     if values.size != T * width:
-        raise ShardFormatError(f"field {name!r} has {values.size // max(width, 1)} positions of width {width}, input_ids has {T}")
+        raise ShardFormatError(
+            f"field {name!r} has {values.size // max(width, 1)} positions of width {width}, input_ids has {T}"
+        )
     return values.reshape(T, width)
 
 
@@ -419,7 +447,9 @@ def _values(column: pa.Array, depth: int) -> np.ndarray:
     return np.frombuffer(values.buffers()[1], dtype=dtype, count=len(values), offset=values.offset * dtype.itemsize)
 
 
-def _quantized_hidden(batch: pa.RecordBatch, spec: QuantSpec, T: int, hidden_width: int, hidden_split: int) -> QuantizedHidden:
+def _quantized_hidden(
+    batch: pa.RecordBatch, spec: QuantSpec, T: int, hidden_width: int, hidden_split: int
+) -> QuantizedHidden:
     """The codes and scales of a quantized sample, as views of the Arrow buffers."""
     names = hidden_field_names(spec.name, hidden_split)
     widths = [width for _, width in hidden_column_types(spec.name, hidden_width, hidden_split)]
@@ -438,7 +468,9 @@ def _dequantize_into(quantized: QuantizedHidden, destination) -> np.ndarray:
     return destination
 
 
-def _decode_hidden(batch: pa.RecordBatch, encoding: str, T: int, hidden_width: int, hidden_split: int, destination) -> np.ndarray:
+def _decode_hidden(
+    batch: pa.RecordBatch, encoding: str, T: int, hidden_width: int, hidden_split: int, destination
+) -> np.ndarray:
     """uint16 [T, W] from the hidden columns: a view of the Arrow buffer for unsplit `plain` without a
     destination, else written into `destination` (or a new array) piece by piece; quantized
     encodings are dequantized to bf16."""
@@ -471,7 +503,12 @@ def _decode_hidden(batch: pa.RecordBatch, encoding: str, T: int, hidden_width: i
 
 
 def decode_sample(
-    batch: pa.RecordBatch, encoding: str, hidden_width: int, topk: int, hidden_out: np.ndarray | None = None, hidden_split: int = 1,
+    batch: pa.RecordBatch,
+    encoding: str,
+    hidden_width: int,
+    topk: int,
+    hidden_out: np.ndarray | None = None,
+    hidden_split: int = 1,
     compact: bool = False,
 ) -> Sample:
     """The `Sample` held by a one-row record batch. Every array is a zero-copy view of the decoded
@@ -488,8 +525,15 @@ def decode_sample(
     T = input_ids.shape[0]
     destination = None
     if hidden_out is not None:
-        if hidden_out.dtype != np.uint16 or hidden_out.ndim != 2 or hidden_out.shape[1] != hidden_width or hidden_out.shape[0] < T:
-            raise ValueError(f"hidden_out: need uint16 [>= {T}, {hidden_width}], got {hidden_out.dtype} {tuple(hidden_out.shape)}")
+        if (
+            hidden_out.dtype != np.uint16
+            or hidden_out.ndim != 2
+            or hidden_out.shape[1] != hidden_width
+            or hidden_out.shape[0] < T
+        ):
+            raise ValueError(
+                f"hidden_out: need uint16 [>= {T}, {hidden_width}], got {hidden_out.dtype} {tuple(hidden_out.shape)}"
+            )
         destination = hidden_out[:T]
     spec = parse_encoding(encoding)
     if compact and spec is not None:

@@ -10,12 +10,26 @@ import numpy as np
 import torch
 
 from shards.projection import Projection
-from shards.quant import ErrorSums, QuantizedHidden, decode_pieces, encode_pieces, error_sums_of, parse_encoding, scales_to_numpy
+from shards.quant import (
+    ErrorSums,
+    QuantizedHidden,
+    decode_pieces,
+    encode_pieces,
+    error_sums_of,
+    parse_encoding,
+    scales_to_numpy,
+)
 
 
 def encode_features(
-    hidden_TF: torch.Tensor, encoding: str, pieces: int, projection: Projection | None = None, *, what: str = "hidden",
-    with_error: bool = True, device=None,
+    hidden_TF: torch.Tensor,
+    encoding: str,
+    pieces: int,
+    projection: Projection | None = None,
+    *,
+    what: str = "hidden",
+    with_error: bool = True,
+    device=None,
 ) -> tuple[np.ndarray | QuantizedHidden, ErrorSums | None]:
     """(what a `Sample.hidden` holds for a writer of this tier, the reconstruction error sums or None).
 
@@ -37,7 +51,12 @@ def encode_features(
         stored, z_hat = stored_bf16.cpu().view(torch.uint16).numpy(), stored_bf16.float()
     else:
         pairs = encode_pieces(z, spec, pieces, what=what)
-        stored = QuantizedHidden(spec.name, tuple(c.cpu().numpy() for c, _ in pairs), tuple(scales_to_numpy(s) for _, s in pairs), int(z.shape[-1]))
+        stored = QuantizedHidden(
+            spec.name,
+            tuple(c.cpu().numpy() for c, _ in pairs),
+            tuple(scales_to_numpy(s) for _, s in pairs),
+            int(z.shape[-1]),
+        )
         z_hat = decode_pieces(pairs, spec, torch.float32)
     if not with_error:
         return stored, None

@@ -59,12 +59,20 @@ _CALIBRATION_SALT = b"dflash-calibration:"
 @dataclasses.dataclass
 class TranscodeConfig:
     encoding: str = knob(help="target encoding: planes, plain (lossless), fp8, int4-gG, nf4-gG (int4 / nf4 = group 64)")
-    projection: str | None = knob(None, help="pca:rank=R, pca:variance=V, or a projection file to reuse; none = full features")
-    calibration_samples: int = knob(256, help="samples of SRC the PCA is fitted on (spread over SRC by a hash of their ids)", min=1)
+    projection: str | None = knob(
+        None, help="pca:rank=R, pca:variance=V, or a projection file to reuse; none = full features"
+    )
+    calibration_samples: int = knob(
+        256, help="samples of SRC the PCA is fitted on (spread over SRC by a hash of their ids)", min=1
+    )
     zstd_level: int = knob(DEFAULT_ZSTD_LEVEL, help="zstd level of DST's shards", min=1, max=22)
     shard_bytes: int = knob(DEFAULT_SHARD_BYTES, help="size at which a DST shard is committed, in bytes", min=1 << 10)
-    threads: int = knob(2, help="threads that read and encode samples ahead of the writer (zstd uses pyarrow's pool)", min=1, max=256)
-    device: str = knob("cpu", help="where samples are projected, quantized and measured, and the PCA fitted: cpu, cuda or cuda:N")
+    threads: int = knob(
+        2, help="threads that read and encode samples ahead of the writer (zstd uses pyarrow's pool)", min=1, max=256
+    )
+    device: str = knob(
+        "cpu", help="where samples are projected, quantized and measured, and the PCA fitted: cpu, cuda or cuda:N"
+    )
     manifest: str = knob(MANIFEST_NAME, help="manifest file name of SRC (DST's is manifest.json)")
     verify: bool = knob(True, help="verify DST at the end (every sample and whole-file checksum)")
     progress: bool = knob(True, help="show a progress bar")
@@ -74,44 +82,72 @@ class TranscodeConfig:
             self.encoding = canonical_encoding(self.encoding)
         except ValueError as err:
             fail("encoding", str(err).removeprefix("hidden_encoding: "))
-        if self.projection is not None and not self.projection.startswith("pca:") and not os.path.exists(self.projection):
-            fail("projection", f"{self.projection!r} is neither pca:rank=R / pca:variance=V nor an existing projection file")
+        if (
+            self.projection is not None
+            and not self.projection.startswith("pca:")
+            and not os.path.exists(self.projection)
+        ):
+            fail(
+                "projection",
+                f"{self.projection!r} is neither pca:rank=R / pca:variance=V nor an existing projection file",
+            )
         if self.projection is not None and self.projection.startswith("pca:"):
             try:
                 parse_projection_spec(self.projection)
             except ValueError as err:
                 fail("projection", str(err).removeprefix("projection: "))
-        if not (self.device == "cpu" or self.device == "cuda" or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+        if not (
+            self.device == "cpu"
+            or self.device == "cuda"
+            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        ):
             fail("device", f"{self.device!r} is not allowed; use cpu, cuda or cuda:N")
 
 
 def calibration_indices(ds: ShardDataset, n: int) -> list[int]:
     """`n` samples spread over the dataset: the smallest xxh3 of (salt, id); fixed by the ids alone."""
     ids = ds.index.column("sample_id").to_pylist()
-    rank = np.fromiter((xxhash.xxh3_64_intdigest(_CALIBRATION_SALT + s.encode()) for s in ids), dtype=np.uint64, count=len(ids))
+    rank = np.fromiter(
+        (xxhash.xxh3_64_intdigest(_CALIBRATION_SALT + s.encode()) for s in ids), dtype=np.uint64, count=len(ids)
+    )
     return sorted(np.argsort(rank, kind="stable")[:n].tolist())
 
 
-def fit_on_dataset(ds: ShardDataset, spec_text: str, n_samples: int, n_taps: int, multiple: int, device="cpu") -> Projection:
+def fit_on_dataset(
+    ds: ShardDataset, spec_text: str, n_samples: int, n_taps: int, multiple: int, device="cpu"
+) -> Projection:
     """A PCA projection fitted on `n_samples` samples of `ds` (uncentered, per tap)."""
     width = ds.hidden_width
     moments = SecondMoments(n_taps, width // n_taps, device=device)
     chosen = calibration_indices(ds, n_samples)
     for i in chosen:
         moments.add(torch.from_numpy(ds[i].hidden).view(torch.bfloat16).to(device))
-    info = {"calibration": {"samples": len(chosen), "of": len(ds), "chosen_by": "smallest xxh3-64 of 'dflash-calibration:' + sample id"}}
+    info = {
+        "calibration": {
+            "samples": len(chosen),
+            "of": len(ds),
+            "chosen_by": "smallest xxh3-64 of 'dflash-calibration:' + sample id",
+        }
+    }
     return fit_projection(moments, parse_projection_spec(spec_text), multiple=multiple, info=info)
 
 
 def _source_record(src: str, ds: ShardDataset) -> dict:
     m = ds.manifest
-    return {"path": os.path.abspath(src) if "://" not in src else src, "manifest": ds.manifest_name,
-            "manifest_digest": json_digest({k: v for k, v in m.items() if k not in ("writer", "manifest_checksum")}),
-            "encoding": m["encoding"], "projection": (projection_of(m) or {}).get("checksum"),
-            "samples": m["counts"]["samples"], "tokens": m["counts"]["tokens"]}
+    return {
+        "path": os.path.abspath(src) if "://" not in src else src,
+        "manifest": ds.manifest_name,
+        "manifest_digest": json_digest({k: v for k, v in m.items() if k not in ("writer", "manifest_checksum")}),
+        "encoding": m["encoding"],
+        "projection": (projection_of(m) or {}).get("checksum"),
+        "samples": m["counts"]["samples"],
+        "tokens": m["counts"]["tokens"],
+    }
 
 
-def _projection(cfg: TranscodeConfig, ds: ShardDataset, dst_root: str, n_taps: int) -> tuple[Projection | None, dict | None]:
+def _projection(
+    cfg: TranscodeConfig, ds: ShardDataset, dst_root: str, n_taps: int
+) -> tuple[Projection | None, dict | None]:
     """The projection DST uses (resumed from DST, loaded from a file, or fitted), and its manifest entry."""
     if cfg.projection is None:
         return None, None
@@ -127,14 +163,22 @@ def _projection(cfg: TranscodeConfig, ds: ShardDataset, dst_root: str, n_taps: i
         return projection, save_projection(dst_root, projection)
     projection, data = load_projection_file(cfg.projection)
     if projection.in_width != ds.hidden_width:
-        raise ValueError(f"projection: {cfg.projection!r} reads {projection.in_width} features, SRC has {ds.hidden_width}")
+        raise ValueError(
+            f"projection: {cfg.projection!r} reads {projection.in_width} features, SRC has {ds.hidden_width}"
+        )
     return projection, save_projection(dst_root, projection, data)
 
 
 def _encode(ds: ShardDataset, i: int, cfg: TranscodeConfig, pieces: int, projection: Projection | None):
     sample = ds[i]
-    stored, error = encode_features(sample.hidden, cfg.encoding, pieces, projection, what=f"sample {sample.sample_id!r}: field 'hidden'",
-                                    device=cfg.device)
+    stored, error = encode_features(
+        sample.hidden,
+        cfg.encoding,
+        pieces,
+        projection,
+        what=f"sample {sample.sample_id!r}: field 'hidden'",
+        device=cfg.device,
+    )
     return dataclasses.replace(sample, hidden=stored), error
 
 
@@ -142,9 +186,13 @@ def transcode(src: str, dst: str, cfg: TranscodeConfig) -> dict:
     """Write DST from SRC (resuming what DST already holds); returns a summary."""
     ds = ShardDataset(src, manifest_name=cfg.manifest)
     if not ds.manifest.get("complete"):
-        raise ValueError(f"{src}: the source dataset is not complete (a writer is running, was killed or failed); finish it first")
+        raise ValueError(
+            f"{src}: the source dataset is not complete (a writer is running, was killed or failed); finish it first"
+        )
     if ds.projection is not None and cfg.projection is not None:
-        raise ValueError(f"{src}: already projected ({ds.projection['checksum']}); transcode from the unprojected dataset")
+        raise ValueError(
+            f"{src}: already projected ({ds.projection['checksum']}); transcode from the unprojected dataset"
+        )
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError("DST must be another directory than SRC")
     fs, root = io.resolve(dst)
@@ -156,13 +204,21 @@ def transcode(src: str, dst: str, cfg: TranscodeConfig) -> dict:
     problems = verify_dataset(dst, progress=cfg.progress) if cfg.verify else []
     out = ShardDataset(dst)
     tokens = out.manifest["counts"]["tokens"]
-    dst_bytes = sum(e["bytes"] + e["index_bytes"] for e in out.shards)  # the projection file is a fixed cost, shown apart
+    dst_bytes = sum(
+        e["bytes"] + e["index_bytes"] for e in out.shards
+    )  # the projection file is a fixed cost, shown apart
     src_bytes = sum(e["bytes"] + e["index_bytes"] for e in ds.shards)
     raw = raw_bytes_per_token(ds.projection["in_width"] if ds.projection else ds.hidden_width, ds.topk)
     return {
-        "samples": len(out), "tokens": tokens, "resumed_past": resumed_past, "problems": [str(p) for p in problems],
-        "bytes_per_token": dst_bytes / max(tokens, 1), "source_bytes_per_token": src_bytes / max(tokens, 1),
-        "ratio_to_raw_bf16": dst_bytes / max(tokens, 1) / raw["hidden"], "projection": entry, "verified": cfg.verify,
+        "samples": len(out),
+        "tokens": tokens,
+        "resumed_past": resumed_past,
+        "problems": [str(p) for p in problems],
+        "bytes_per_token": dst_bytes / max(tokens, 1),
+        "source_bytes_per_token": src_bytes / max(tokens, 1),
+        "ratio_to_raw_bf16": dst_bytes / max(tokens, 1) / raw["hidden"],
+        "projection": entry,
+        "verified": cfg.verify,
     }
 
 
@@ -181,8 +237,16 @@ def _transcode_locked(src: str, dst: str, ds: ShardDataset, cfg: TranscodeConfig
     }
     width = projection.out_width if projection is not None else ds.hidden_width
     projection = projection.to(cfg.device) if projection is not None else None
-    with ShardWriter(dst, provenance=provenance, hidden_width=width, topk=ds.topk, hidden_encoding=cfg.encoding,
-                     zstd_level=cfg.zstd_level, shard_bytes=cfg.shard_bytes, projection=entry) as writer:
+    with ShardWriter(
+        dst,
+        provenance=provenance,
+        hidden_width=width,
+        topk=ds.topk,
+        hidden_encoding=cfg.encoding,
+        zstd_level=cfg.zstd_level,
+        shard_bytes=cfg.shard_bytes,
+        projection=entry,
+    ) as writer:
         done = writer.committed_ids()
         ids = ds.index.column("sample_id").to_pylist()
         todo = [i for i, sid in enumerate(ids) if sid not in done]
@@ -195,7 +259,13 @@ def _write_all(ds, writer: ShardWriter, todo: list[int], cfg: TranscodeConfig, p
     from tqdm import tqdm
 
     pieces = writer.hidden_split
-    bar = tqdm(total=len(todo) + skipped, initial=skipped, unit="sample", desc="transcode", disable=None if cfg.progress else True)
+    bar = tqdm(
+        total=len(todo) + skipped,
+        initial=skipped,
+        unit="sample",
+        desc="transcode",
+        disable=None if cfg.progress else True,
+    )
     with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="transcode") as pool:
         window: deque = deque()
         queue = iter(todo)
@@ -217,16 +287,19 @@ def summary_lines(src: str, dst: str, result: dict) -> list[str]:
     lines = [
         f"transcoded {src} -> {dst}: {result['samples']} samples, {result['tokens']} tokens"
         + (f" ({result['resumed_past']} already there: resumed)" if result["resumed_past"] else ""),
-        f"size       {result['bytes_per_token']:.1f} B/token ({result['ratio_to_raw_bf16']:.3f} of raw bf16 of the full features; "
+        f"size       {result['bytes_per_token']:.1f} B/token ({result['ratio_to_raw_bf16']:.3f} of raw bf16 of the "
+        "full features; "
         f"the source: {result['source_bytes_per_token']:.1f} B/token)",
     ]
     if result["projection"]:
         p = result["projection"]
-        lines.append(f"projection {p['in_width']} -> {p['out_width']} ({p.get('spec')}), second-moment share kept per tap: "
-                     + ", ".join(f"{x:.4f}" for x in p.get("explained") or []) + f"; {p['file']}: {p['bytes']} bytes, once")
+        lines.append(
+            f"projection {p['in_width']} -> {p['out_width']} ({p.get('spec')}), second-moment share kept per tap: "
+            + ", ".join(f"{x:.4f}" for x in p.get("explained") or [])
+            + f"; {p['file']}: {p['bytes']} bytes, once"
+        )
     if result["problems"]:
         lines += result["problems"] + [f"FAILED: {len(result['problems'])} problem(s) in {dst}"]
     elif result["verified"]:
         lines.append("verified   OK (every sample, whole-file checksums)")
     return lines
-

@@ -41,7 +41,12 @@ def _check_quantized(sample_id, hidden: QuantizedHidden) -> None:
         _check_array(sample_id, f"hidden.scales[{j}]", scales, spec.scale_dtype, 2)
         expected = [(hidden.shape[0], spec.code_width(piece)), (hidden.shape[0], spec.scale_width(piece))]
         if [codes.shape, scales.shape] != expected:
-            _fail(sample_id, "hidden", f"piece {j}: codes {codes.shape} / scales {scales.shape}, expected {expected[0]} / {expected[1]} for {spec.name}")
+            _fail(
+                sample_id,
+                "hidden",
+                f"piece {j}: codes {codes.shape} / scales {scales.shape}, expected {expected[0]} / {expected[1]} "
+                f"for {spec.name}",
+            )
 
 
 def count_nonfinite_quantized(hidden: QuantizedHidden) -> int:
@@ -97,10 +102,16 @@ def _check_shapes(sample: Sample, hidden_width: int, topk: int) -> None:
         if length != T:
             _fail(sid, name, f"has {length} positions but input_ids has {T}")
     if sample.hidden.shape[1] != hidden_width:
-        _fail(sid, "hidden", f"width {sample.hidden.shape[1]} != dataset hidden_width {hidden_width} (n_taps * hidden_size)")
+        _fail(
+            sid,
+            "hidden",
+            f"width {sample.hidden.shape[1]} != dataset hidden_width {hidden_width} (n_taps * hidden_size)",
+        )
     for name in ("topk_ids", "topk_logprobs"):
         if getattr(sample, name).shape[1] != topk:
-            _fail(sid, name, f"has {getattr(sample, name).shape[1]} entries per position but the dataset's topk is {topk}")
+            _fail(
+                sid, name, f"has {getattr(sample, name).shape[1]} entries per position but the dataset's topk is {topk}"
+            )
 
 
 def _check_values(sample: Sample, vocab_size: int | None, reject_nonfinite: bool, hidden_known_finite: bool) -> None:
@@ -122,13 +133,23 @@ def _check_values(sample: Sample, vocab_size: int | None, reject_nonfinite: bool
     logprobs = sample.topk_logprobs
     # Comparisons with NaN are False, so NaNs (allowed when reject_nonfinite is off) pass these two.
     if np.any(logprobs > LOGPROB_MAX):
-        _fail(sid, "topk_logprobs", f"log-probabilities must be <= 0, found {float(np.nanmax(logprobs)):.4g} (logits instead of log_softmax?)")
+        _fail(
+            sid,
+            "topk_logprobs",
+            f"log-probabilities must be <= 0, found {float(np.nanmax(logprobs)):.4g} (logits instead of log_softmax?)",
+        )
     if logprobs.shape[1] > 1 and np.any(logprobs[:, 1:] > logprobs[:, :-1]):
         _fail(sid, "topk_logprobs", "each position's top-k must be sorted by descending log-probability")
 
 
 def validate_sample(
-    sample, *, hidden_width: int, topk: int, vocab_size: int | None = None, reject_nonfinite: bool = True, hidden_known_finite: bool = False
+    sample,
+    *,
+    hidden_width: int,
+    topk: int,
+    vocab_size: int | None = None,
+    reject_nonfinite: bool = True,
+    hidden_known_finite: bool = False,
 ) -> None:
     """Raise ValueError naming the sample and field if `sample` cannot be stored as is.
 

@@ -63,19 +63,29 @@ def _check_manifest_counts(manifest: dict, path: str) -> list[Problem]:
     for key in RESERVED_COUNTS:
         listed = sum(entry.get(key, 0) for entry in manifest["shards"])
         if manifest["counts"].get(key) != listed:
-            problems.append(Problem(path, f"counts.{key} is {manifest['counts'].get(key)} but the shard entries add up to {listed}"))
+            problems.append(
+                Problem(path, f"counts.{key} is {manifest['counts'].get(key)} but the shard entries add up to {listed}")
+            )
     prov = manifest["provenance"]
     taps = (prov.get("taps") or {}).get("layer_ids")
     hidden_size = (prov.get("target") or {}).get("hidden_size")
     projection = projection_of(manifest)
-    width, what = (projection["in_width"], "projection in_width") if projection else (manifest["hidden_width"], "hidden_width")
+    width, what = (
+        (projection["in_width"], "projection in_width") if projection else (manifest["hidden_width"], "hidden_width")
+    )
     if taps is not None and hidden_size is not None and len(taps) * hidden_size != width:
         problems.append(Problem(path, f"{what} {width} != {len(taps)} taps x hidden_size {hidden_size}"))
     if "topk" in prov and prov["topk"] != manifest["topk"]:
         problems.append(Problem(path, f"topk {manifest['topk']} != provenance topk {prov['topk']}"))
     for entry in manifest["shards"]:
         if entry.get("encoding", manifest["encoding"]) != manifest["encoding"]:
-            problems.append(Problem(path, f"shard {entry['file']} is {entry['encoding']} but the dataset is {manifest['encoding']} (mixed encodings)"))
+            problems.append(
+                Problem(
+                    path,
+                    f"shard {entry['file']} is {entry['encoding']} but the dataset is {manifest['encoding']} "
+                    "(mixed encodings)",
+                )
+            )
     return problems
 
 
@@ -146,7 +156,9 @@ def _open_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool) -> 
     except (pa.ArrowException, OSError) as err:
         return problems + [Problem(path, f"cannot be opened as an Arrow IPC file: {err}")], None
     if not shard_schema_matches(reader.schema, **layout_of(manifest)):
-        return problems + [Problem(path, f"schema does not match the manifest's layout: {_field_names(reader.schema)}")], None
+        return problems + [
+            Problem(path, f"schema does not match the manifest's layout: {_field_names(reader.schema)}")
+        ], None
     if reader.num_record_batches != entry["samples"]:
         problems.append(Problem(path, f"holds {reader.num_record_batches} samples, manifest says {entry['samples']}"))
     return problems, (source, reader)
@@ -181,7 +193,9 @@ def _read_batch(source, reader, ranges: SampleRanges | None, row: int, manifest:
     return decode_message(data, shard_schema(**layout_of(manifest)))
 
 
-def _check_sample(opened, ranges: SampleRanges | None, row: int, manifest: dict, index_row: dict | None, path: str) -> list[Problem]:
+def _check_sample(
+    opened, ranges: SampleRanges | None, row: int, manifest: dict, index_row: dict | None, path: str
+) -> list[Problem]:
     expected_id = index_row["sample_id"] if index_row else None
     try:
         batch = _read_batch(*opened, ranges, row, manifest, path)
@@ -192,7 +206,14 @@ def _check_sample(opened, ranges: SampleRanges | None, row: int, manifest: dict,
             return [Problem(path, m, sample_id, row) for m in length_problems]
         sample = decode_sample(batch, **layout_of(manifest))
     except ShardFormatError as err:  # a per-sample checksum mismatch; the Problem names the sample and row itself
-        return [Problem(path, str(err).removeprefix(path + ": ").removeprefix(f"sample {expected_id} (row {row}): "), expected_id, row)]
+        return [
+            Problem(
+                path,
+                str(err).removeprefix(path + ": ").removeprefix(f"sample {expected_id} (row {row}): "),
+                expected_id,
+                row,
+            )
+        ]
     except (pa.ArrowException, OSError, ValueError, IndexError) as err:  # pyarrow raises OSError for zstd data errors
         return [Problem(path, f"cannot be decoded: {err}", expected_id, row)]
     problems = []
@@ -220,7 +241,9 @@ def _check_sample(opened, ranges: SampleRanges | None, row: int, manifest: dict,
     return problems
 
 
-def _check_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool, decode: bool, sample_checksums: bool, bar) -> tuple[list[Problem], list[str]]:
+def _check_shard(
+    fs, root: str, entry: dict, manifest: dict, checksums: bool, decode: bool, sample_checksums: bool, bar
+) -> tuple[list[Problem], list[str]]:
     """Problems of one shard and its index, and the sample ids the index lists."""
     problems, index = _check_index(fs, root, entry, checksums)
     range_problems, ranges = _sample_ranges(entry, index, io.join(root, entry["index_file"]))
@@ -239,7 +262,12 @@ def _check_shard(fs, root: str, entry: dict, manifest: dict, checksums: bool, de
 
 
 def verify_dataset(
-    root: str, manifest_name: str = MANIFEST_NAME, *, checksums: bool = True, decode: bool = True, sample_checksums: bool = True,
+    root: str,
+    manifest_name: str = MANIFEST_NAME,
+    *,
+    checksums: bool = True,
+    decode: bool = True,
+    sample_checksums: bool = True,
     progress: bool = False,
 ) -> list[Problem]:
     """Every problem found in the dataset at `root` (empty list: the dataset is sound).
@@ -255,7 +283,13 @@ def verify_dataset(
     problems = _check_manifest_counts(manifest, path)
     problems += _check_projection(fs, root, manifest, checksums)
     if MANIFEST_CHECKSUM_KEY not in manifest:  # every save writes it; without it, damage to the manifest goes unseen
-        problems.append(Problem(path, f"manifest has no {MANIFEST_CHECKSUM_KEY}: written by an older version, or the field was damaged or removed"))
+        problems.append(
+            Problem(
+                path,
+                f"manifest has no {MANIFEST_CHECKSUM_KEY}: written by an older version, or the field was damaged "
+                "or removed",
+            )
+        )
     seen: dict[str, str] = {}
     total = sum(entry["samples"] for entry in manifest["shards"])
     with tqdm(total=total, unit="sample", desc="verify", disable=None if progress else True) as bar:
@@ -264,6 +298,10 @@ def verify_dataset(
             problems += shard_problems
             for row, sid in enumerate(ids):
                 if sid in seen:
-                    problems.append(Problem(io.join(root, entry["index_file"]), f"duplicate sample id, also in {seen[sid]}", sid, row))
+                    problems.append(
+                        Problem(
+                            io.join(root, entry["index_file"]), f"duplicate sample id, also in {seen[sid]}", sid, row
+                        )
+                    )
                 seen.setdefault(sid, entry["file"])
     return problems

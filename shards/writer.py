@@ -51,11 +51,17 @@ from shards.manifest import (
     manifest_path,
     new_manifest,
     now_iso,
-    projection_of,
     read_index,
     save_manifest,
 )
-from shards.quant import ErrorSums, QuantizedHidden, canonical_encoding, error_sums_of, parse_encoding, quantize_bf16_bits
+from shards.quant import (
+    ErrorSums,
+    QuantizedHidden,
+    canonical_encoding,
+    error_sums_of,
+    parse_encoding,
+    quantize_bf16_bits,
+)
 from shards.sample_checksums import HEADER_PROBE_BYTES, SAMPLE_CHECKSUM_ALGO, record_batches_start
 from shards.sample_checksums import new_hasher as new_sample_hasher
 from shards.schema import (
@@ -129,7 +135,9 @@ class _WriteBehind:
         except OSError as err:
             if err.errno in self._UNSUPPORTED:
                 self.enabled = False
-                log.info("early write-back is not supported for %s (%s); the fsync at commit does it all", self.path, err)
+                log.info(
+                    "early write-back is not supported for %s (%s); the fsync at commit does it all", self.path, err
+                )
             else:
                 self._error = err
 
@@ -254,8 +262,16 @@ class _OpenShard:
         self.checksums.append(checksum)
 
     def index_table(self) -> pa.Table:
-        columns = [self.sample_ids, self.n_tokens, self.n_loss_tokens, list(range(len(self.sample_ids))), self.nbytes,
-                   self.offsets, self.lengths, self.checksums]
+        columns = [
+            self.sample_ids,
+            self.n_tokens,
+            self.n_loss_tokens,
+            list(range(len(self.sample_ids))),
+            self.nbytes,
+            self.offsets,
+            self.lengths,
+            self.checksums,
+        ]
         schema = index_schema()
         return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, schema)], schema=schema)
 
@@ -275,12 +291,15 @@ def _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level, 
     feature_width = hidden_width
     if projection is not None:
         if projection.get("out_width") != hidden_width:
-            raise ValueError(f"hidden_width: {hidden_width} but the projection maps to {projection.get('out_width')} features")
+            raise ValueError(
+                f"hidden_width: {hidden_width} but the projection maps to {projection.get('out_width')} features"
+            )
         feature_width = projection.get("in_width")
     if taps is not None and hidden_size is not None and len(taps) * hidden_size != feature_width:
         what = "the projection's in_width" if projection is not None else "hidden_width"
         raise ValueError(
-            f"{what}: {feature_width} but provenance has {len(taps)} taps x hidden_size {hidden_size} = {len(taps) * hidden_size}"
+            f"{what}: {feature_width} but provenance has {len(taps)} taps x hidden_size {hidden_size} = "
+            f"{len(taps) * hidden_size}"
         )
 
 
@@ -389,13 +408,20 @@ class ShardWriter:
         if is_new:
             if self.hidden_split is None:
                 self.hidden_split = default_hidden_split(provenance, self.hidden_width)
-            layout = dict(encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk, hidden_split=self.hidden_split)
+            layout = dict(
+                encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk, hidden_split=self.hidden_split
+            )
             return new_manifest(provenance=provenance, projection=self.projection, **layout), set()
         manifest = load_manifest(self.fs, self.root, self.manifest_name)
         if self.hidden_split is None:
             self.hidden_split = hidden_split_of(manifest)
         diff = layout_difference(
-            manifest, provenance=provenance, encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk, hidden_split=self.hidden_split,
+            manifest,
+            provenance=provenance,
+            encoding=self.encoding,
+            hidden_width=self.hidden_width,
+            topk=self.topk,
+            hidden_split=self.hidden_split,
             projection=self.projection,
         )
         if diff:
@@ -414,13 +440,21 @@ class ShardWriter:
         we would renumber over, or clean up, that dataset's files. A merged manifest lists ours too."""
         ours = {entry["file"] for entry in self._manifest["shards"]}
         for info in self.fs.get_file_info(pafs.FileSelector(self.root, recursive=False)):
-            if not info.base_name.endswith(".json") or info.base_name == self.manifest_name or info.type != pafs.FileType.File:
+            if (
+                not info.base_name.endswith(".json")
+                or info.base_name == self.manifest_name
+                or info.type != pafs.FileType.File
+            ):
                 continue
             try:
                 other = load_manifest(self.fs, self.root, info.base_name)
             except (ValueError, FileNotFoundError, OSError):
                 continue  # not a shard manifest
-            theirs = [e["file"] for e in other["shards"] if shard_number(self.shard_prefix, e["file"]) is not None and e["file"] not in ours]
+            theirs = [
+                e["file"]
+                for e in other["shards"]
+                if shard_number(self.shard_prefix, e["file"]) is not None and e["file"] not in ours
+            ]
             if theirs:
                 raise ValueError(
                     f"shard_prefix: {self.shard_prefix!r} is used by {info.path} (e.g. {theirs[0]}); "
@@ -467,7 +501,9 @@ class ShardWriter:
         """Sample ids already listed in the manifest (skip these when resuming)."""
         return set(self._committed_ids)
 
-    def write(self, sample: Sample, *, hidden_known_finite: bool = False, hidden_error: ErrorSums | None = None) -> None:
+    def write(
+        self, sample: Sample, *, hidden_known_finite: bool = False, hidden_error: ErrorSums | None = None
+    ) -> None:
         """Validate `sample` and append it to the open shard (ValueError, and nothing written, if invalid).
 
         `sample.hidden` may be uint16 or `HiddenPlanes` (stored as is by the `planes` encoding), or,
@@ -489,12 +525,17 @@ class ShardWriter:
         hidden = getattr(sample, "hidden", None)
         if self.quant is None or not isinstance(sample, Sample):
             if isinstance(hidden, QuantizedHidden):
-                raise ValueError(f"sample {sample.sample_id!r}: field 'hidden': quantized ({hidden.encoding}) but the dataset is {self.encoding}")
+                raise ValueError(
+                    f"sample {sample.sample_id!r}: field 'hidden': quantized ({hidden.encoding}) but the dataset "
+                    f"is {self.encoding}"
+                )
             return sample, None
         if isinstance(hidden, QuantizedHidden):
             if hidden.encoding != self.encoding or len(hidden.codes) != self.hidden_split:
-                raise ValueError(f"sample {sample.sample_id!r}: field 'hidden': {hidden.encoding} in {len(hidden.codes)} pieces, "
-                                 f"the dataset stores {self.encoding} in {self.hidden_split}")
+                raise ValueError(
+                    f"sample {sample.sample_id!r}: field 'hidden': {hidden.encoding} in {len(hidden.codes)} pieces, "
+                    f"the dataset stores {self.encoding} in {self.hidden_split}"
+                )
             return sample, None
         if isinstance(hidden, HiddenPlanes):
             hidden = hidden.join()
@@ -502,7 +543,9 @@ class ShardWriter:
             return sample, None  # validate_sample names what is wrong
         if hidden.shape[1] != self.hidden_width or hidden.shape[0] != sample.n_tokens:
             return sample, None
-        quantized = quantize_bf16_bits(hidden, self.encoding, self.hidden_split, what=f"sample {sample.sample_id!r}: field 'hidden'")
+        quantized = quantize_bf16_bits(
+            hidden, self.encoding, self.hidden_split, what=f"sample {sample.sample_id!r}: field 'hidden'"
+        )
         import torch
 
         original = torch.from_numpy(np.ascontiguousarray(hidden)).view(torch.bfloat16)
@@ -514,11 +557,17 @@ class ShardWriter:
         for measured in (own_error, getattr(getattr(sample, "hidden", None), "error", None)):
             hidden_error = hidden_error if hidden_error is not None else measured
         validate_sample(
-            sample, hidden_width=self.hidden_width, topk=self.topk, vocab_size=self._vocab_size,
-            reject_nonfinite=self.reject_nonfinite, hidden_known_finite=hidden_known_finite,
+            sample,
+            hidden_width=self.hidden_width,
+            topk=self.topk,
+            vocab_size=self._vocab_size,
+            reject_nonfinite=self.reject_nonfinite,
+            hidden_known_finite=hidden_known_finite,
         )
         if sample.sample_id in self._ids:
-            raise ValueError(f"sample {sample.sample_id!r}: field 'sample_id': duplicate, this id is already in the dataset")
+            raise ValueError(
+                f"sample {sample.sample_id!r}: field 'sample_id': duplicate, this id is already in the dataset"
+            )
         batch = encode_sample(sample, self._schema, self.encoding, self.hidden_split)
         if self._open_shard is not None and self._open_shard.stream.nbytes >= self.shard_bytes:
             self._commit_open_shard()
@@ -586,7 +635,11 @@ class ShardWriter:
         file = shard_file_name(self.shard_prefix, self._next_number)
         tmp_path = io.temp_name(io.join(self.root, file))
         raw = self.fs.open_output_stream(tmp_path, buffer_size=1 << 20)
-        write_behind = _WriteBehind(tmp_path, self.write_behind_bytes) if self.write_behind_bytes and io.is_local(self.fs) else None
+        write_behind = (
+            _WriteBehind(tmp_path, self.write_behind_bytes)
+            if self.write_behind_bytes and io.is_local(self.fs)
+            else None
+        )
         stream = _HashingStream(raw, write_behind, self.timings)
         ipc_writer = pa.ipc.new_file(pa.PythonFile(stream, mode="w"), self._schema, options=self._ipc_options)
         self._open_shard = _OpenShard(self._next_number, file, tmp_path, stream, ipc_writer)

@@ -32,8 +32,10 @@ def _setup_logging() -> None:
     rank = int(os.environ.get("RANK", 0))
     prefix = f"[rank {rank}] " if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 else ""
     # Ranks other than 0 say only what goes wrong; rank 0 speaks for the run.
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(config_to_dict(cfg), sort_keys=True), flush=True)
         summary = train(cfg)
     except PeerLost as exc:
-        print(f"train: {exc}. Stopping; rerunning the same command resumes from the last complete checkpoint.", file=sys.stderr, flush=True)
+        print(
+            f"train: {exc}. Stopping; rerunning the same command resumes from the last complete checkpoint.",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(LINGER_AFTER_PEER_LOST_S)
         sys.stdout.flush()
         os._exit(5)  # skip the process group's destructors: with a peer gone they can abort the process
@@ -61,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train: {exc}", file=sys.stderr)
         return 2
     except (CheckpointSaveError, OSError) as exc:
-        print(f"train: I/O error, stopping: {exc}. Rerunning the same command resumes from the last complete checkpoint.", file=sys.stderr)
+        print(
+            f"train: I/O error, stopping: {exc}. Rerunning the same command resumes from the last complete checkpoint.",
+            file=sys.stderr,
+        )
         return 4
     if is_main:
         print(json.dumps(summary, indent=2), flush=True)

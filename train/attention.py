@@ -8,7 +8,8 @@ N x B block tokens. Query `q` belongs to block `n = q // B`, anchored at `anchor
     allow(q, kv) = keep[n] and ( (kv < S and kv < anchor[n])            # context strictly before the anchor
                                 or (kv >= S and (kv - S) // B == n) )    # its own block
                    and the layer's `MaskRule`:
-                       window W:  q_pos - kv_pos < W                      # W keys back, the query's own position included
+                       window W:  q_pos - kv_pos < W                      # W keys back, the query's own position
+                       included
                        causal:    inside the block, kv offset <= q offset
                        window and not causal: also kv_pos - q_pos < W     # symmetric, as flash-attention's (W-1, W-1)
 
@@ -55,7 +56,7 @@ class MaskRule:
     """What one layer's queries see beyond the §3.5 rule: a sliding window and in-block causality."""
 
     window: int | None = None  # keys at most window-1 positions before the query (None: no window)
-    causal: bool = False       # inside the block, a query sees only block tokens at or before its own offset
+    causal: bool = False  # inside the block, a query sees only block tokens at or before its own offset
 
     def __post_init__(self) -> None:
         assert self.window is None or self.window >= 1, self.window
@@ -64,7 +65,9 @@ class MaskRule:
 FULL = MaskRule()
 
 
-def mask_mod_for(anchors_BN: torch.Tensor, keep_BN: torch.Tensor, context_len: int, block_size: int, rule: MaskRule = FULL):
+def mask_mod_for(
+    anchors_BN: torch.Tensor, keep_BN: torch.Tensor, context_len: int, block_size: int, rule: MaskRule = FULL
+):
     """The §3.5 rule under `rule` as a flex `mask_mod(b, h, q_idx, kv_idx) -> bool`."""
     S, K = context_len, block_size
     window, causal = rule.window, rule.causal
@@ -90,7 +93,12 @@ def mask_mod_for(anchors_BN: torch.Tensor, keep_BN: torch.Tensor, context_len: i
 
 
 def build_block_mask(
-    anchors_BN: torch.Tensor, keep_BN: torch.Tensor, context_len: int, block_size: int, rule: MaskRule = FULL, *,
+    anchors_BN: torch.Tensor,
+    keep_BN: torch.Tensor,
+    context_len: int,
+    block_size: int,
+    rule: MaskRule = FULL,
+    *,
     compile_mask: bool | None = None,
 ):
     """A flex `BlockMask` over [B, 1, N*K, S + N*K] (mask creation is compiled on CUDA by default)."""
@@ -102,8 +110,13 @@ def build_block_mask(
     if compile_mask is None:
         compile_mask = device.type == "cuda"
     return create_block_mask(
-        mask_mod_for(anchors_BN, keep_BN, context_len, block_size, rule), B, None, Q, context_len + Q,
-        device=device, _compile=compile_mask,
+        mask_mod_for(anchors_BN, keep_BN, context_len, block_size, rule),
+        B,
+        None,
+        Q,
+        context_len + Q,
+        device=device,
+        _compile=compile_mask,
     )
 
 
@@ -136,8 +149,14 @@ def build_dense_mask(
     return allowed_BQP[:, None]
 
 
-def build_layer_masks(kernel: str, anchors_BN: torch.Tensor, keep_BN: torch.Tensor, context_len: int, block_size: int,
-                      rules: dict[str, MaskRule]) -> dict:
+def build_layer_masks(
+    kernel: str,
+    anchors_BN: torch.Tensor,
+    keep_BN: torch.Tensor,
+    context_len: int,
+    block_size: int,
+    rules: dict[str, MaskRule],
+) -> dict:
     """{layer type: mask} for a drafter's layer types (`DrafterConfig.mask_rules`): a flex `BlockMask`
     per rule with kernel "flex", a dense bool mask with "sdpa". Layer types with the same rule share one."""
     assert kernel in ("flex", "sdpa"), kernel

@@ -32,7 +32,16 @@ import dataclasses
 
 import torch
 
-__all__ = ["Blocks", "make_blocks", "position_weights", "default_gamma", "anchor_candidates", "anchors_per_row", "sample_anchors", "step_generator"]
+__all__ = [
+    "Blocks",
+    "make_blocks",
+    "position_weights",
+    "default_gamma",
+    "anchor_candidates",
+    "anchors_per_row",
+    "sample_anchors",
+    "step_generator",
+]
 
 # gamma per block size from the paper's Eq. 4 (via SpecForge / Model-Optimizer help texts).
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -41,7 +50,9 @@ _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 def default_gamma(block_size: int) -> float:
     """The paper's decay for a block size; ValueError for a size it gives none for."""
     if block_size not in _PAPER_GAMMA:
-        raise ValueError(f"no default loss gamma for block size {block_size} (known: {sorted(_PAPER_GAMMA)}); set loss.gamma")
+        raise ValueError(
+            f"no default loss gamma for block size {block_size} (known: {sorted(_PAPER_GAMMA)}); set loss.gamma"
+        )
     return _PAPER_GAMMA[block_size]
 
 
@@ -62,15 +73,15 @@ def step_generator(seed: int, step: int) -> torch.Generator:
 class Blocks:
     """The block side of one batch. All tensors on the same device."""
 
-    anchors_BN: torch.Tensor      # int64, anchor position of each block (0 for padding blocks)
-    keep_BN: torch.Tensor         # bool, False for padding blocks
-    block_ids_BQ: torch.Tensor    # int64, [x[a], MASK...] per block; all MASK for padding blocks
+    anchors_BN: torch.Tensor  # int64, anchor position of each block (0 for padding blocks)
+    keep_BN: torch.Tensor  # bool, False for padding blocks
+    block_ids_BQ: torch.Tensor  # int64, [x[a], MASK...] per block; all MASK for padding blocks
     position_ids_BP: torch.Tensor  # int64, context 0..S-1 then a..a+K-1 per block
-    labels_BQ: torch.Tensor       # int64, label of each block token (0 where weight is 0)
-    weights_BQ: torch.Tensor      # float32, loss weight of each block token
-    loss_rows_M: torch.Tensor     # int64, flat indices into B*Q of the tokens with weight > 0
-    num_blocks: int               # kept (non-padding) blocks, counted on the host
-    soft_ids_BQk: torch.Tensor | None = None       # int64, target top-k ids behind each label (KL ablation)
+    labels_BQ: torch.Tensor  # int64, label of each block token (0 where weight is 0)
+    weights_BQ: torch.Tensor  # float32, loss weight of each block token
+    loss_rows_M: torch.Tensor  # int64, flat indices into B*Q of the tokens with weight > 0
+    num_blocks: int  # kept (non-padding) blocks, counted on the host
+    soft_ids_BQk: torch.Tensor | None = None  # int64, target top-k ids behind each label (KL ablation)
     soft_logprobs_BQk: torch.Tensor | None = None  # float32, their log-probs
 
     def to(self, device, non_blocking: bool = False) -> "Blocks":
@@ -103,8 +114,13 @@ def anchors_per_row(counts_B: torch.Tensor, num_anchors: int, max_blocks: int | 
 
 
 def sample_anchors(
-    candidates_BS: torch.Tensor, num_anchors: int, generator: torch.Generator | None, max_blocks: int | None = None,
-    *, keys_BS: torch.Tensor | None = None, quota_B: torch.Tensor | None = None,
+    candidates_BS: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None,
+    max_blocks: int | None = None,
+    *,
+    keys_BS: torch.Tensor | None = None,
+    quota_B: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchors_BN, keep_BN): up to `num_anchors` candidates per row, uniform without replacement, sorted.
 
@@ -162,7 +178,7 @@ def make_blocks(
     first_BN = input_ids_BS.long().gather(1, anchors_BN)
     block_ids_BNK[:, :, 0] = torch.where(keep_BN, first_BN, torch.full_like(first_BN, int(mask_token_id)))
 
-    target_pos_BNK = anchors_BN[:, :, None] + offsets_K        # the token each block position predicts
+    target_pos_BNK = anchors_BN[:, :, None] + offsets_K  # the token each block position predicts
     in_seq_BNK = target_pos_BNK < lengths_B[:, None, None]
     safe_pos_BNK = target_pos_BNK.clamp(max=S - 1)
     label_mask_BNK = loss_mask_BS.bool().gather(1, safe_pos_BNK.view(B, -1)).view(B, N, K)
@@ -199,4 +215,3 @@ def make_blocks(
         soft_ids_BQk=soft_ids,
         soft_logprobs_BQk=soft_logprobs,
     )
-

@@ -336,23 +336,27 @@ def bucket_summary(lengths: np.ndarray, layout: BucketLayout, plan: EpochPlan) -
     K = layout.num_buckets
     samples_b, batches_b = layout.samples_per_bucket, layout.batches_per_bucket
     tokens_b = np.bincount(layout.bucket_of_sample, weights=lengths, minlength=K).astype(np.int64)
-    padded_b = np.bincount(plan.bucket_of_batch, weights=padded_tokens(lengths, plan.batches), minlength=K).astype(np.int64)
+    padded_b = np.bincount(plan.bucket_of_batch, weights=padded_tokens(lengths, plan.batches), minlength=K).astype(
+        np.int64
+    )
     lower = [1, *(b + 1 for b in layout.boundaries)]
     upper = [*layout.boundaries, None]
     rows = []
     for b in range(K):
         members = lengths[layout.bucket_of_sample == b]
-        rows.append({
-            "bucket": b,
-            "range": [lower[b], upper[b]],  # inclusive; None = no upper edge
-            "samples": int(samples_b[b]),
-            "tokens": int(tokens_b[b]),
-            "min_len": int(members.min()) if members.size else None,
-            "max_len": int(members.max()) if members.size else None,
-            "batch_size": int(layout.batch_sizes[b]),
-            "batches_per_epoch": int(batches_b[b]),
-            "share_of_samples": float(samples_b[b] / max(samples_b.sum(), 1)),
-            "share_of_batches": float(batches_b[b] / max(batches_b.sum(), 1)),
-            "padding_efficiency": float(tokens_b[b] / padded_b[b]) if padded_b[b] else None,
-        })
+        rows.append(
+            {
+                "bucket": b,
+                "range": [lower[b], upper[b]],  # inclusive; None = no upper edge
+                "samples": int(samples_b[b]),
+                "tokens": int(tokens_b[b]),
+                "min_len": int(members.min()) if members.size else None,
+                "max_len": int(members.max()) if members.size else None,
+                "batch_size": int(layout.batch_sizes[b]),
+                "batches_per_epoch": int(batches_b[b]),
+                "share_of_samples": float(samples_b[b] / max(samples_b.sum(), 1)),
+                "share_of_batches": float(batches_b[b] / max(batches_b.sum(), 1)),
+                "padding_efficiency": float(tokens_b[b] / padded_b[b]) if padded_b[b] else None,
+            }
+        )
     return rows

@@ -61,7 +61,12 @@ log = logging.getLogger(__name__)
 _FINAL = re.compile(r"^step-(\d{8})$")
 _TMP_MARK = ".tmp-"
 _LOCAL_FS = pafs.LocalFileSystem()
-MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, DRAFTER_CONFIG_FILE = "model.safetensors", "optimizer.pt", "state.json", "drafter_config.json"
+MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, DRAFTER_CONFIG_FILE = (
+    "model.safetensors",
+    "optimizer.pt",
+    "state.json",
+    "drafter_config.json",
+)
 # state.json keys that make a checkpoint self-checking: {file: {"bytes", "xxh3_128"}} of the other
 # files, and the xxh3-128 of state.json's own content without this key (see `verify_checkpoint`).
 FILE_CHECKSUMS_KEY, STATE_CHECKSUM_KEY = "file_checksums", "state_checksum"
@@ -139,7 +144,9 @@ def _to_host(value: Any, non_blocking: bool) -> Any:
     return value
 
 
-def take_snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, drafter_config: dict) -> Snapshot:
+def take_snapshot(
+    step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, drafter_config: dict
+) -> Snapshot:
     """Copy model and optimizer tensors to host memory (asynchronously on CUDA) plus the JSON state."""
     on_cuda = any(p.is_cuda for p in model.parameters())
     model_state = _to_host(model.state_dict(), non_blocking=on_cuda)
@@ -180,11 +187,15 @@ def _state_digest(state: dict) -> str:
 def _write_files(snapshot: Snapshot, directory: Path) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in snapshot.model.items()}, str(directory / MODEL_FILE), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in snapshot.model.items()}, str(directory / MODEL_FILE), metadata={"format": "pt"}
+    )
     torch.save(snapshot.optimizer, directory / OPTIMIZER_FILE)
     (directory / DRAFTER_CONFIG_FILE).write_text(json.dumps(snapshot.drafter_config, indent=2, sort_keys=True) + "\n")
     state = dict(snapshot.state)
-    state[FILE_CHECKSUMS_KEY] = {name: _file_digest(directory / name) for name in (MODEL_FILE, OPTIMIZER_FILE, DRAFTER_CONFIG_FILE)}
+    state[FILE_CHECKSUMS_KEY] = {
+        name: _file_digest(directory / name) for name in (MODEL_FILE, OPTIMIZER_FILE, DRAFTER_CONFIG_FILE)
+    }
     state[STATE_CHECKSUM_KEY] = _state_digest(state)
     # state.json last: a directory is only ever renamed complete, but this keeps even the tmp one readable in order.
     (directory / STATE_FILE).write_text(json.dumps(state, sort_keys=True) + "\n")
@@ -314,7 +325,9 @@ def _read_json(path: Path, what: str) -> Any:
         raise ValueError(f"{path}: {what} is not valid JSON (corrupted?): {exc}") from None
 
 
-def verify_checkpoint(path: str | os.PathLike, files: tuple[str, ...] = (MODEL_FILE, OPTIMIZER_FILE, DRAFTER_CONFIG_FILE)) -> dict:
+def verify_checkpoint(
+    path: str | os.PathLike, files: tuple[str, ...] = (MODEL_FILE, OPTIMIZER_FILE, DRAFTER_CONFIG_FILE)
+) -> dict:
     """Check a checkpoint's state.json against its own checksum and `files` against the sizes and
     checksums it lists; return the state. ValueError naming the damaged file.
 
@@ -360,7 +373,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     try:
         optimizer = torch.load(path / OPTIMIZER_FILE, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - unpickling errors, zip errors, missing file
-        raise ValueError(f"{path / OPTIMIZER_FILE}: cannot be read with torch.load(weights_only=True): {type(exc).__name__}: {exc}") from None
+        raise ValueError(
+            f"{path / OPTIMIZER_FILE}: cannot be read with torch.load(weights_only=True): {type(exc).__name__}: {exc}"
+        ) from None
     return {
         "model": model,
         "optimizer": optimizer,

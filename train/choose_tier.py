@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -40,26 +39,44 @@ TINY_CONFIG = "configs/tiny.toml"
 
 @dataclasses.dataclass
 class ChooseTierConfig:
-    config: str = knob(TINY_CONFIG, help="the experiment's config file: its [extract] table (step 1) and [train] table (step 3)")
-    out_dir: str = knob("runs/tiers", help="where tier datasets (data/), runs (runs/) and the comparison (tiers.md, tiers.json) go")
+    config: str = knob(
+        TINY_CONFIG, help="the experiment's config file: its [extract] table (step 1) and [train] table (step 3)"
+    )
+    out_dir: str = knob(
+        "runs/tiers", help="where tier datasets (data/), runs (runs/) and the comparison (tiers.md, tiers.json) go"
+    )
     tiers: list[str] = knob(
         factory=lambda: ["fp8", "nf4-g64", "fp8@pca:rank=32"],
         help="tiers to compare with lossless: ENCODING or ENCODING@pca:rank=R / @pca:variance=V / @PROJECTION_FILE",
     )
     seeds: list[int] = knob(factory=lambda: [0, 1], help="training seeds per tier (the spread shows the noise)")
-    lossless: str = knob("artifacts/tiny/shards/train", help="the lossless training subset (written by step 1 with extract=true)")
-    heldout: str | None = knob(
-        "artifacts/tiny/shards/heldout", help="lossless held-out dataset every drafter is evaluated on; none = the held-out split "
-        "(holdout_fraction) of `lossless`, which the training runs then leave out"
+    lossless: str = knob(
+        "artifacts/tiny/shards/train", help="the lossless training subset (written by step 1 with extract=true)"
     )
-    holdout_fraction: float = knob(0.02, help="with heldout = none: share of `lossless` held out (by sample-id hash) for evaluation", min=0.0, max=0.5)
+    heldout: str | None = knob(
+        "artifacts/tiny/shards/heldout",
+        help="lossless held-out dataset every drafter is evaluated on; none = the held-out split "
+        "(holdout_fraction) of `lossless`, which the training runs then leave out",
+    )
+    holdout_fraction: float = knob(
+        0.02,
+        help="with heldout = none: share of `lossless` held out (by sample-id hash) for evaluation",
+        min=0.0,
+        max=0.5,
+    )
     extract: bool = knob(False, help="step 1: extract `lossless` first with CONFIG's [extract] table and max_records")
     max_records: int = knob(2000, help="step 1: corpus records to extract", min=1)
     calibration_samples: int = knob(256, help="samples the PCA of a projected tier is fitted on", min=1)
-    train_overrides: list[str] = knob(factory=list, help="extra key=value overrides for every training run, e.g. ['optim.epochs=3']")
-    eval_overrides: list[str] = knob(factory=lambda: ["max_anchors=16"], help="extra key=value overrides for every evaluation")
+    train_overrides: list[str] = knob(
+        factory=list, help="extra key=value overrides for every training run, e.g. ['optim.epochs=3']"
+    )
+    eval_overrides: list[str] = knob(
+        factory=lambda: ["max_anchors=16"], help="extra key=value overrides for every evaluation"
+    )
     online: bool = knob(True, help="step 5: export and run real speculative decoding (needs the target checkpoint)")
-    target: str | None = knob(None, help="target checkpoint for step 5; none = the lossless dataset's provenance target")
+    target: str | None = knob(
+        None, help="target checkpoint for step 5; none = the lossless dataset's provenance target"
+    )
     prompts: str = knob("artifacts/tiny/corpus/heldout_regen.jsonl", help="step 5: JSONL prompts ({'messages': [...]})")
     num_prompts: int = knob(8, help="step 5: prompts decoded per drafter", min=1)
     max_new_tokens: int = knob(96, help="step 5: tokens generated per prompt", min=1)
@@ -71,7 +88,9 @@ def _run(args: list[str], log: list) -> None:
     print(f"\n=== python {' '.join(args)}", flush=True)
     started = time.time()
     result = subprocess.run([sys.executable, *args])
-    log.append({"command": "python " + " ".join(args), "seconds": round(time.time() - started, 1), "exit": result.returncode})
+    log.append(
+        {"command": "python " + " ".join(args), "seconds": round(time.time() - started, 1), "exit": result.returncode}
+    )
     if result.returncode != 0:
         raise SystemExit(f"choose_tier: step failed (exit {result.returncode}): python {' '.join(args)}")
 
@@ -99,17 +118,38 @@ def run_all(cfg: ChooseTierConfig) -> dict:
     out = Path(cfg.out_dir)
     log: list = []
     if cfg.extract and not _complete(cfg.lossless):
-        _run(["-m", "extract", cfg.config, f"out_dir={cfg.lossless}", f"max_records={cfg.max_records}", "splits={}",
-              "corpus=" + _extract_corpus(cfg)], log)
+        _run(
+            [
+                "-m",
+                "extract",
+                cfg.config,
+                f"out_dir={cfg.lossless}",
+                f"max_records={cfg.max_records}",
+                "splits={}",
+                "corpus=" + _extract_corpus(cfg),
+            ],
+            log,
+        )
     if not _complete(cfg.lossless):
-        raise SystemExit(f"choose_tier: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or set extract=true)")
+        raise SystemExit(
+            f"choose_tier: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or "
+            "set extract=true)"
+        )
     datasets = {"lossless": cfg.lossless}
     for tier in cfg.tiers:
         encoding, _, projection = tier.partition("@")
         path = str(out / "data" / tier_name(tier))
         datasets[tier] = path
         if not _complete(path):
-            args = ["-m", "shards", "transcode", cfg.lossless, path, f"encoding={encoding}", f"calibration_samples={cfg.calibration_samples}"]
+            args = [
+                "-m",
+                "shards",
+                "transcode",
+                cfg.lossless,
+                path,
+                f"encoding={encoding}",
+                f"calibration_samples={cfg.calibration_samples}",
+            ]
             _run(args + ([f"projection={projection}"] if projection else []), log)
     runs: dict = {}
     for tier in datasets:
@@ -119,27 +159,73 @@ def run_all(cfg: ChooseTierConfig) -> dict:
             runs[(tier, seed)] = run
             if not (run / "done.json").is_file():
                 holdout = [] if cfg.heldout else [f"data.holdout_fraction={cfg.holdout_fraction}"]
-                _run(["-m", "train", cfg.config, f"data.shards={datasets[tier]}", f"run_name={name}", f"seed={seed}",
-                      f"out_dir={out / 'runs'}", "log.progress=false", *holdout, *cfg.train_overrides], log)
+                _run(
+                    [
+                        "-m",
+                        "train",
+                        cfg.config,
+                        f"data.shards={datasets[tier]}",
+                        f"run_name={name}",
+                        f"seed={seed}",
+                        f"out_dir={out / 'runs'}",
+                        "log.progress=false",
+                        *holdout,
+                        *cfg.train_overrides,
+                    ],
+                    log,
+                )
                 (run / "done.json").write_text(json.dumps({"finished": time.time()}) + "\n")
     for tier in cfg.tiers:
         for seed in cfg.seeds:
             report = out / "eval" / f"{tier_name(tier)}-s{seed}.json"
             if not report.is_file():
                 split = ["split=all"] if cfg.heldout else ["split=holdout", f"holdout_fraction={cfg.holdout_fraction}"]
-                _run(["-m", "train.eval", str(runs[("lossless", seed)]), str(runs[(tier, seed)]), "--data", cfg.heldout or cfg.lossless,
-                      "--out", str(report), "progress=false", *split, *cfg.eval_overrides], log)
+                _run(
+                    [
+                        "-m",
+                        "train.eval",
+                        str(runs[("lossless", seed)]),
+                        str(runs[(tier, seed)]),
+                        "--data",
+                        cfg.heldout or cfg.lossless,
+                        "--out",
+                        str(report),
+                        "progress=false",
+                        *split,
+                        *cfg.eval_overrides,
+                    ],
+                    log,
+                )
     if cfg.online:
         target = cfg.target or _provenance_target(cfg.lossless)
         for (tier, seed), run in runs.items():
             result = run / "specdecode.json"
             if not result.is_file():
                 _run(["-m", "train.export", str(run), str(run / "export")], log)
-                _run(["-m", "train.specdecode", "--target", target, "--drafter", str(run / "export"), "--prompts", cfg.prompts,
-                      "--num-prompts", str(cfg.num_prompts), "--max-new-tokens", str(cfg.max_new_tokens), "--no-baseline",
-                      "--out", str(result)], log)
+                _run(
+                    [
+                        "-m",
+                        "train.specdecode",
+                        "--target",
+                        target,
+                        "--drafter",
+                        str(run / "export"),
+                        "--prompts",
+                        cfg.prompts,
+                        "--num-prompts",
+                        str(cfg.num_prompts),
+                        "--max-new-tokens",
+                        str(cfg.max_new_tokens),
+                        "--no-baseline",
+                        "--out",
+                        str(result),
+                    ],
+                    log,
+                )
     table = collect(cfg, datasets, runs)
-    (out / "tiers.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), "rows": table, "steps": log}, indent=1) + "\n")
+    (out / "tiers.json").write_text(
+        json.dumps({"config": dataclasses.asdict(cfg), "rows": table, "steps": log}, indent=1) + "\n"
+    )
     (out / "tiers.md").write_text("\n".join(markdown(table, cfg)) + "\n")
     print("\n" + "\n".join(markdown(table, cfg)))
     print(f"\nwrote {out / 'tiers.md'} and {out / 'tiers.json'}")
@@ -176,14 +262,20 @@ def dataset_facts(root: str) -> dict:
     full_width = ds.projection["in_width"] if ds.projection else ds.hidden_width
     taps, _, _ = reconstruction_by_tap(ds.shards)
     return {
-        "bytes_per_token": stored / tokens, "ratio_to_raw_bf16": stored / tokens / raw_bytes_per_token(full_width, ds.topk)["hidden"],
-        "rel_rms_per_tap": [t["rel_rms"] for t in taps], "worst_channel_rel_rms": max((t["worst_channel_rel_rms"] for t in taps), default=0.0),
+        "bytes_per_token": stored / tokens,
+        "ratio_to_raw_bf16": stored / tokens / raw_bytes_per_token(full_width, ds.topk)["hidden"],
+        "rel_rms_per_tap": [t["rel_rms"] for t in taps],
+        "worst_channel_rel_rms": max((t["worst_channel_rel_rms"] for t in taps), default=0.0),
         "projection_file_bytes": ds.projection["bytes"] if ds.projection else 0,
     }
 
 
 def _eval_metrics(overall: dict, budget: int) -> dict:
-    return {"acc1": overall["position_acceptance"][0], "chain_tau": overall["tau"], "ddtree_tau": overall.get(f"ddtree_tau_{budget}")}
+    return {
+        "acc1": overall["position_acceptance"][0],
+        "chain_tau": overall["tau"],
+        "ddtree_tau": overall.get(f"ddtree_tau_{budget}"),
+    }
 
 
 def collect(cfg: ChooseTierConfig, datasets: dict, runs: dict) -> list[dict]:
@@ -227,15 +319,22 @@ def _cell(row: dict, metric: str, spec: str = ".3f") -> str:
 
 def markdown(rows: list[dict], cfg: ChooseTierConfig) -> list[str]:
     lines = [
-        f"| tier | bytes/token | vs raw bf16 | rel. RMS per tap | worst channel | acc@1 | chain τ | DDTree-{cfg.budget} τ | online τ |",
+        "| tier | bytes/token | vs raw bf16 | rel. RMS per tap | worst channel | acc@1 | chain τ | "
+        f"DDTree-{cfg.budget} τ | online τ |",
         "|---|---:|---:|---|---:|---|---|---|---|",
     ]
     for r in rows:
         rel = " / ".join(f"{x:.3f}" for x in r["rel_rms_per_tap"]) or "0 (exact)"
-        lines.append(f"| {r['tier']} | {r['bytes_per_token']:,.0f} | {r['ratio_to_raw_bf16']:.3f} | {rel} | {r['worst_channel_rel_rms']:.2f} | "
-                     f"{_cell(r, 'acc1')} | {_cell(r, 'chain_tau')} | {_cell(r, 'ddtree_tau')} | {_cell(r, 'online_tau')} |")
-    lines.append(f"\nmean over seeds {cfg.seeds} (change against lossless) [per seed]; evaluated on {cfg.heldout} with lossless features; "
-                 f"online: {cfg.num_prompts} prompts x {cfg.max_new_tokens} tokens of {cfg.prompts}")
+        lines.append(
+            f"| {r['tier']} | {r['bytes_per_token']:,.0f} | {r['ratio_to_raw_bf16']:.3f} | {rel} | "
+            f"{r['worst_channel_rel_rms']:.2f} | "
+            f"{_cell(r, 'acc1')} | {_cell(r, 'chain_tau')} | {_cell(r, 'ddtree_tau')} | {_cell(r, 'online_tau')} |"
+        )
+    lines.append(
+        f"\nmean over seeds {cfg.seeds} (change against lossless) [per seed]; evaluated on {cfg.heldout} with "
+        "lossless features; "
+        f"online: {cfg.num_prompts} prompts x {cfg.max_new_tokens} tokens of {cfg.prompts}"
+    )
     return lines
 
 

@@ -22,7 +22,17 @@ from common.config import fail, flatten_dotted, knob
 from train.blocks import default_gamma
 from train.data import DataConfig
 
-__all__ = ["ModelConfig", "LossConfig", "OptimConfig", "CheckpointConfig", "LogConfig", "DistributedConfig", "TrainConfig", "RESUME_FREE_KEYS", "resume_conflicts"]
+__all__ = [
+    "ModelConfig",
+    "LossConfig",
+    "OptimConfig",
+    "CheckpointConfig",
+    "LogConfig",
+    "DistributedConfig",
+    "TrainConfig",
+    "RESUME_FREE_KEYS",
+    "resume_conflicts",
+]
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 MAX_NAME_CHARS = 128
@@ -33,48 +43,81 @@ class ModelConfig:
     """The drafter's shape; widths default to the target's (dflash.md §1.7)."""
 
     target: str | None = knob(
-        None, help="target checkpoint directory (HF layout) for widths, rope, embedding and lm_head; none = the shards' provenance target.name_or_path"
+        None,
+        help="target checkpoint directory (HF layout) for widths, rope, embedding and lm_head; none = the shards' "
+        "provenance target.name_or_path",
     )
     num_layers: int = knob(5, help="drafter decoder layers", min=1, max=64)
     block_size: int = knob(16, help="tokens per block: the anchor plus block_size-1 drafted tokens", min=2, max=128)
     target_layer_ids: list[int] | None = knob(
-        None, help="tap layer ids the drafter reads (id i = output of decoder layer i); none = the shards' taps (checked against them)", min=0
+        None,
+        help="tap layer ids the drafter reads (id i = output of decoder layer i); none = the shards' taps "
+        "(checked against them)",
+        min=0,
     )
     mask_token_id: int | None = knob(
-        None, help="mask token id; used only when neither the shards' provenance nor the target tokenizer has one (a conflict is an error)", min=0
+        None,
+        help="mask token id; used only when neither the shards' provenance nor the target tokenizer has one (a "
+        "conflict is an error)",
+        min=0,
     )
     projection: str | None = knob(
-        "auto", help="storage tier: which projected features fc reads; auto = the dataset's projection if it has one, "
-        "none = full tap features only (a projected dataset is refused), or a projection checksum the dataset must have"
+        "auto",
+        help="storage tier: which projected features fc reads; auto = the dataset's projection if it has one, "
+        "none = full tap features only (a projected dataset is refused), or a projection checksum the dataset "
+        "must have",
     )
-    hidden_size: int | None = knob(None, help="drafter hidden size; none = the target's (the frozen embedding/lm_head must match it)", min=1)
+    hidden_size: int | None = knob(
+        None, help="drafter hidden size; none = the target's (the frozen embedding/lm_head must match it)", min=1
+    )
     intermediate_size: int | None = knob(None, help="MLP width; none = the target's", min=1)
     num_attention_heads: int | None = knob(None, help="query heads; none = the target's", min=1)
     num_key_value_heads: int | None = knob(None, help="key/value heads; none = the target's", min=1)
     head_dim: int | None = knob(None, help="head dim; none = the target's", min=1)
-    initializer_range: float | None = knob(None, help="init std of linear weights; none = the target's (0.02 for Qwen)", min=0.0)
+    initializer_range: float | None = knob(
+        None, help="init std of linear weights; none = the target's (0.02 for Qwen)", min=0.0
+    )
     attention: Literal["auto", "flex", "sdpa"] = knob(
-        "auto", help="attention kernel with the DFlash mask: flex (compiled on CUDA), sdpa with a dense mask, auto = flex where its CUDA kernel works for the head dim (16..256, Triton), else sdpa (train.kernels; the choice is logged)"
+        "auto",
+        help="attention kernel with the DFlash mask: flex (compiled on CUDA), sdpa with a dense mask, auto = flex "
+        "where its CUDA kernel works for the head dim (16..256, Triton), else sdpa (train.kernels; the "
+        "choice is logged)",
     )
     layer_types: list[str] | str = knob(
-        "full", help="attention type per drafter layer: a list of full_attention / sliding_attention, or a preset: "
-        "full, sliding, sliding_then_full (all sliding but the last: the published Qwen3.6 layout)"
+        "full",
+        help="attention type per drafter layer: a list of full_attention / sliding_attention, or a preset: "
+        "full, sliding, sliding_then_full (all sliding but the last: the published Qwen3.6 layout)",
     )
-    sliding_window: int | None = knob(None, help="keys a sliding_attention query sees, its own position included (2048 in the published Qwen3.6 drafter); required with sliding layers", min=1)
+    sliding_window: int | None = knob(
+        None,
+        help="keys a sliding_attention query sees, its own position included (2048 in the published Qwen3.6 "
+        "drafter); required with sliding layers",
+        min=1,
+    )
     sliding_in_block: Literal["causal", "bidirectional"] = knob(
-        "causal", help="sliding_attention layers inside the block: causal (what vLLM and SGLang serve) or bidirectional "
-        "(z-lab's earlier reference code: every layer non-causal, the window limits the context only); docs/serving.md"
+        "causal",
+        help="sliding_attention layers inside the block: causal (what vLLM and SGLang serve) or bidirectional "
+        "(z-lab's earlier reference code: every layer non-causal, the window limits the context only); docs/serving.md",
     )
     rope_theta: float | None = knob(None, help="drafter rope theta; none = the target's", min=1.0)
     rope_scaling: dict | None = knob(
-        None, help="drafter rope scaling as a table, e.g. {rope_type = \"yarn\", factor = 4.0, original_max_position_embeddings = 32768}; none = the target's (static types only)"
+        None,
+        help='drafter rope scaling as a table, e.g. {rope_type = "yarn", factor = 4.0, '
+        "original_max_position_embeddings = 32768}; none = the target's (static types only)",
     )
     partial_rotary_factor: float = knob(
-        1.0, help="share of each head's dims the drafter's rope rotates; 1.0 (all) by default, never the target's own factor (docs/serving.md, Rope)", min=0.01, max=1.0
+        1.0,
+        help="share of each head's dims the drafter's rope rotates; 1.0 (all) by default, never the target's own "
+        "factor (docs/serving.md, Rope)",
+        min=0.01,
+        max=1.0,
     )
     init_from: str | None = knob(
-        None, help="warm start: a DFlash drafter directory (config.json + model.safetensors, e.g. a published drafter or an export) "
-        "whose weights start the run; it must match this run's drafter exactly (taps, mask id, block, layer types, widths, rope)"
+        None,
+        help="warm start: a DFlash drafter directory (config.json + model.safetensors, e.g. a published drafter "
+        "or an export) "
+        "whose weights start the run; it must match this run's drafter exactly (taps, mask id, block, layer "
+        "types, widths, rope)",
     )
 
     def check(self) -> None:
@@ -87,22 +130,43 @@ class ModelConfig:
         if SLIDING_ATTENTION in types and self.sliding_window is None:
             fail("model.sliding_window", "required: model.layer_types has sliding_attention layers")
         if SLIDING_ATTENTION not in types and self.sliding_window is not None:
-            fail("model.sliding_window", f"set, but model.layer_types {self.layer_types!r} has no sliding_attention layer")
+            fail(
+                "model.sliding_window",
+                f"set, but model.layer_types {self.layer_types!r} has no sliding_attention layer",
+            )
 
 
 @dataclass
 class LossConfig:
     """Anchors, labels and the objective (dflash.md §3.4-§3.6); the non-default values are ablations."""
 
-    num_anchors: int = knob(512, help="blocks per sequence, sampled without replacement from eligible response positions", min=1)
-    max_blocks: int | None = knob(
-        None, help="cap on blocks per batch (all rows; per optimizer step when data parallel); rows' anchor counts shrink proportionally beyond it; bounds the memory of batches of many short samples; none = no cap", min=1
+    num_anchors: int = knob(
+        512, help="blocks per sequence, sampled without replacement from eligible response positions", min=1
     )
-    gamma: float | None = knob(None, help="position decay w_k = exp(-(k-1)/gamma); none = paper value for the block size (7 for 16, 5 for 10, 4 for 8)", min=0.01)
-    labels: Literal["target", "data"] = knob("target", help="label of block position k: the target's stored top-1 for token a+k (default) or the data token itself (ablation)")
-    kl_weight: float = knob(0.0, help="weight of the soft top-k KL term against the stored top-k log-probs (ablation; 0 = off)", min=0.0)
+    max_blocks: int | None = knob(
+        None,
+        help="cap on blocks per batch (all rows; per optimizer step when data parallel); rows' anchor counts "
+        "shrink proportionally beyond it; bounds the memory of batches of many short samples; none = no cap",
+        min=1,
+    )
+    gamma: float | None = knob(
+        None,
+        help="position decay w_k = exp(-(k-1)/gamma); none = paper value for the block size (7 for 16, 5 for 10, "
+        "4 for 8)",
+        min=0.01,
+    )
+    labels: Literal["target", "data"] = knob(
+        "target",
+        help="label of block position k: the target's stored top-1 for token a+k (default) or the data token "
+        "itself (ablation)",
+    )
+    kl_weight: float = knob(
+        0.0, help="weight of the soft top-k KL term against the stored top-k log-probs (ablation; 0 = off)", min=0.0
+    )
     kl_temperature: float = knob(1.0, help="temperature of the soft KL term (teacher and student)", min=0.05, max=100.0)
-    chunk_rows: int = knob(1024, help="block tokens per lm_head chunk: full-vocabulary logits exist for this many rows at once", min=1)
+    chunk_rows: int = knob(
+        1024, help="block tokens per lm_head chunk: full-vocabulary logits exist for this many rows at once", min=1
+    )
 
 
 @dataclass
@@ -135,7 +199,9 @@ class LogConfig:
     progress: bool = knob(True, help="show a tqdm progress bar")
     wandb: bool = knob(False, help="also log to Weights & Biases (the run continues without it if wandb is absent)")
     wandb_project: str = knob("dflash-offline", help="wandb project")
-    wandb_mode: Literal["offline", "online"] = knob("offline", help="wandb mode; offline writes under the run directory")
+    wandb_mode: Literal["offline", "online"] = knob(
+        "offline", help="wandb mode; offline writes under the run directory"
+    )
 
 
 @dataclass
@@ -145,26 +211,57 @@ class DistributedConfig:
     split by tokens into world_size x accumulation micro-batches, so runs that differ only here are
     the same ablation."""
 
-    accumulation: int = knob(1, help="micro-batches per process per optimizer step (gradient accumulation); 1 GPU with N matches N GPUs with 1", min=1, max=1024)
-    backend: Literal["auto", "nccl", "gloo"] = knob("auto", help="torch.distributed backend for gradients: auto = nccl on CUDA, gloo on CPU")
-    timeout_s: float = knob(600.0, help="a collective waiting longer than this fails the run (a hung or lost rank); checkpoints stay, rerun resumes", min=1.0)
-    ddp_compile: Literal["outer", "inner"] = knob(
-        "outer", help="with compile=true: outer = torch.compile(DDP(drafter)), Dynamo cuts the graph at the gradient buckets so the all-reduce "
-        "overlaps the backward; inner = DDP(torch.compile(drafter)), one graph, the all-reduce after the backward (a fallback)"
+    accumulation: int = knob(
+        1,
+        help="micro-batches per process per optimizer step (gradient accumulation); 1 GPU with N matches N GPUs with 1",
+        min=1,
+        max=1024,
     )
-    bucket_mb: int = knob(250, help="DDP gradient bucket size in MiB: all-reduce granularity, overlapped with backward (under torch.compile each bucket is one graph piece: few large buckets)", min=1, max=4096)
+    backend: Literal["auto", "nccl", "gloo"] = knob(
+        "auto", help="torch.distributed backend for gradients: auto = nccl on CUDA, gloo on CPU"
+    )
+    timeout_s: float = knob(
+        600.0,
+        help="a collective waiting longer than this fails the run (a hung or lost rank); checkpoints stay, rerun "
+        "resumes",
+        min=1.0,
+    )
+    ddp_compile: Literal["outer", "inner"] = knob(
+        "outer",
+        help="with compile=true: outer = torch.compile(DDP(drafter)), Dynamo cuts the graph at the gradient "
+        "buckets so the all-reduce "
+        "overlaps the backward; inner = DDP(torch.compile(drafter)), one graph, the all-reduce after the backward "
+        "(a fallback)",
+    )
+    bucket_mb: int = knob(
+        250,
+        help="DDP gradient bucket size in MiB: all-reduce granularity, overlapped with backward (under "
+        "torch.compile each bucket is one graph piece: few large buckets)",
+        min=1,
+        max=4096,
+    )
 
 
 @dataclass
 class TrainConfig:
-    run_name: str | None = knob(None, help="run directory name under out_dir (a plain name); none = run-YYYYmmdd-HHMMSS")
+    run_name: str | None = knob(
+        None, help="run directory name under out_dir (a plain name); none = run-YYYYmmdd-HHMMSS"
+    )
     out_dir: str = knob("runs", help="directory that holds the run directories")
     seed: int = knob(0, help="seed of the drafter init and of the anchor sampling", min=0)
     device: Literal["auto", "cpu", "cuda"] = knob("auto", help="auto = cuda when available")
-    precision: Literal["auto", "bf16", "fp32"] = knob("auto", help="bf16 autocast with fp32 master weights, or fp32; auto = bf16 on CUDA, fp32 on CPU")
-    compile: bool = knob(False, help="torch.compile the drafter and the loss chunk (needs Triton on CUDA, a C++ compiler on CPU; refused with the reason where it cannot work)")
+    precision: Literal["auto", "bf16", "fp32"] = knob(
+        "auto", help="bf16 autocast with fp32 master weights, or fp32; auto = bf16 on CUDA, fp32 on CPU"
+    )
+    compile: bool = knob(
+        False,
+        help="torch.compile the drafter and the loss chunk (needs Triton on CUDA, a C++ compiler on CPU; refused "
+        "with the reason where it cannot work)",
+    )
     resume: str = knob(
-        "auto", help="auto: continue from the run's latest checkpoint if there is one; never: refuse an existing run; or a checkpoint directory"
+        "auto",
+        help="auto: continue from the run's latest checkpoint if there is one; never: refuse an existing run; or "
+        "a checkpoint directory",
     )
     stop_after: int | None = knob(None, help="stop after this step (the schedule is unchanged; resume later)", min=1)
     model: ModelConfig = knob(factory=ModelConfig, help="drafter")
@@ -173,12 +270,20 @@ class TrainConfig:
     optim: OptimConfig = knob(factory=OptimConfig, help="optimizer and schedule")
     checkpoint: CheckpointConfig = knob(factory=CheckpointConfig, help="checkpoints")
     log: LogConfig = knob(factory=LogConfig, help="logging")
-    distributed: DistributedConfig = knob(factory=DistributedConfig, help="data parallel over several processes / GPUs / nodes")
+    distributed: DistributedConfig = knob(
+        factory=DistributedConfig, help="data parallel over several processes / GPUs / nodes"
+    )
 
     def check(self) -> None:
         if self.run_name is not None and (not _PLAIN_NAME.match(self.run_name) or self.run_name in (".", "..")):
-            fail("run_name", f"{self.run_name!r} must be a plain name: ASCII letters, digits, '.', '_' and '-', starting with a letter or digit")
-        if self.run_name is not None and len(self.run_name) > MAX_NAME_CHARS:  # a directory name; filesystems stop at 255 bytes
+            fail(
+                "run_name",
+                f"{self.run_name!r} must be a plain name: ASCII letters, digits, '.', '_' and '-', starting with a "
+                "letter or digit",
+            )
+        if (
+            self.run_name is not None and len(self.run_name) > MAX_NAME_CHARS
+        ):  # a directory name; filesystems stop at 255 bytes
             fail("run_name", f"{len(self.run_name)} characters; at most {MAX_NAME_CHARS}")
         if self.loss.gamma is None:
             try:
@@ -191,9 +296,19 @@ class TrainConfig:
 
 # Keys (dotted prefixes) that a resumed run may change.
 RESUME_FREE_KEYS = (
-    "resume", "stop_after", "run_name", "out_dir", "log", "checkpoint", "compile",
-    "data.prefetch_threads", "data.prefetch_depth", "data.pin_memory", "data.verify_checksums",
-    "data.verify_samples", "distributed",
+    "resume",
+    "stop_after",
+    "run_name",
+    "out_dir",
+    "log",
+    "checkpoint",
+    "compile",
+    "data.prefetch_threads",
+    "data.prefetch_depth",
+    "data.pin_memory",
+    "data.verify_checksums",
+    "data.verify_samples",
+    "distributed",
 )
 
 
@@ -211,6 +326,8 @@ def resume_conflicts(saved: dict, current: dict) -> list[str]:
     keys = sorted(set(a) | set(b))
     free = lambda k: any(k == p or k.startswith(p + ".") for p in RESUME_FREE_KEYS)  # noqa: E731
     added = lambda k: k not in a and k in b and (b[k] == defaults.get(k, object()) or k.startswith("model."))  # noqa: E731
-    return [f"{k}: checkpoint {a.get(k, '<absent>')!r} vs now {b.get(k, '<absent>')!r}" for k in keys
-            if not free(k) and not added(k) and a.get(k) != b.get(k)]
-
+    return [
+        f"{k}: checkpoint {a.get(k, '<absent>')!r} vs now {b.get(k, '<absent>')!r}"
+        for k in keys
+        if not free(k) and not added(k) and a.get(k) != b.get(k)
+    ]

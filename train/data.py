@@ -53,7 +53,7 @@ import pyarrow as pa
 import torch
 import xxhash
 
-from common.config import knob, fail
+from common.config import fail, knob
 from train import buckets
 
 __all__ = [
@@ -89,32 +89,59 @@ class DataConfig:
     shards: str = knob("artifacts/tiny/shards/train", help="shards dataset root (local path or pyarrow.fs URI)")
     manifest: str = knob("manifest.json", help="manifest file name inside the shards root")
     verify_samples: bool = knob(
-        True, help="check each sample's bytes against its xxh3-64 in the shard index on every read, and each index file "
-        "against the manifest (about 7% of read+decode time; shards/FORMAT.md); shards written before format version 2 have none"
+        True,
+        help="check each sample's bytes against its xxh3-64 in the shard index on every read, and each index file "
+        "against the manifest (about 7% of read+decode time; shards/FORMAT.md); shards written before format "
+        "version 2 have none",
     )
     verify_checksums: bool = knob(
         False, help="also hash each whole shard file on its first open (slow: one more read of every 1 GiB shard)"
     )
     holdout_fraction: float = knob(
-        0.01, help="share of samples held out for eval, chosen by a hash of the sample id (same for every seed)", min=0.0, max=0.5
+        0.01,
+        help="share of samples held out for eval, chosen by a hash of the sample id (same for every seed)",
+        min=0.0,
+        max=0.5,
     )
-    max_samples: int | None = knob(None, help="train on at most this many samples (a fixed, uniformly spread subset); none = all", min=1)
+    max_samples: int | None = knob(
+        None, help="train on at most this many samples (a fixed, uniformly spread subset); none = all", min=1
+    )
     min_loss_tokens: int = knob(
         0, help="leave out samples with fewer loss tokens (DFlash drops those with < 2 x block_size = 32)", min=0
     )
     boundaries: list[int] | None = knob(
-        None, help="length-bucket upper edges, inclusive and strictly increasing; none = quantiles into num_buckets", min=1
+        None,
+        help="length-bucket upper edges, inclusive and strictly increasing; none = quantiles into num_buckets",
+        min=1,
     )
-    num_buckets: int = knob(8, help="number of quantile buckets when boundaries is none (equal repeated quantiles merge)", min=1, max=64)
-    token_budget: int = knob(49152, help="max padded tokens per batch (= per optimizer step): batch size x longest sample in it; "
-                             "data parallel splits each batch over world_size x distributed.accumulation micro-batches", min=1)
-    max_batch_samples: int | None = knob(None, help="cap on samples per batch; none = only the token budget limits", min=1)
-    oversize: str = knob("fail", help="a sample longer than token_budget: fail at start, or skip it (counted in data_plan)", choices=["fail", "skip"])
+    num_buckets: int = knob(
+        8, help="number of quantile buckets when boundaries is none (equal repeated quantiles merge)", min=1, max=64
+    )
+    token_budget: int = knob(
+        49152,
+        help="max padded tokens per batch (= per optimizer step): batch size x longest sample in it; "
+        "data parallel splits each batch over world_size x distributed.accumulation micro-batches",
+        min=1,
+    )
+    max_batch_samples: int | None = knob(
+        None, help="cap on samples per batch; none = only the token budget limits", min=1
+    )
+    oversize: str = knob(
+        "fail",
+        help="a sample longer than token_budget: fail at start, or skip it (counted in data_plan)",
+        choices=["fail", "skip"],
+    )
     seed: int = knob(0, help="seed of the per-epoch shuffle and interleaving offsets", min=0)
     prefetch_threads: int = knob(4, help="background threads that read and collate batches", min=1, max=64)
-    prefetch_depth: int = knob(4, help="batches loaded ahead of the consumer (bounds host memory); >= prefetch_threads", min=1, max=256)
+    prefetch_depth: int = knob(
+        4, help="batches loaded ahead of the consumer (bounds host memory); >= prefetch_threads", min=1, max=256
+    )
     pin_memory: bool = knob(True, help="collate into pinned host memory (only when CUDA is available)")
-    on_corrupt: str = knob("fail", help="an unreadable sample or shard: fail, or skip it (counted and logged with the file)", choices=["skip", "fail"])
+    on_corrupt: str = knob(
+        "fail",
+        help="an unreadable sample or shard: fail, or skip it (counted and logged with the file)",
+        choices=["skip", "fail"],
+    )
 
     def check(self) -> None:
         if self.boundaries is not None:
@@ -123,7 +150,11 @@ class DataConfig:
             except ValueError:
                 fail("data.boundaries", f"must be strictly increasing positive lengths, got {self.boundaries}")
         if self.prefetch_depth < self.prefetch_threads:
-            fail("data.prefetch_depth", f"{self.prefetch_depth} is below data.prefetch_threads={self.prefetch_threads}; threads beyond the depth would idle")
+            fail(
+                "data.prefetch_depth",
+                f"{self.prefetch_depth} is below data.prefetch_threads={self.prefetch_threads}; threads beyond the "
+                "depth would idle",
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +206,15 @@ class Share:
     def of_batch(cls, batch: Batch) -> "Share":
         """A whole batch as the single part of a one-part split (the plain single-process case)."""
         lengths = batch.lengths.numpy().astype(np.int64)
-        return cls([batch], [np.arange(lengths.size, dtype=np.int64)], lengths, list(batch.sample_ids), batch.bucket, batch.epoch, batch.state)
+        return cls(
+            [batch],
+            [np.arange(lengths.size, dtype=np.int64)],
+            lengths,
+            list(batch.sample_ids),
+            batch.bucket,
+            batch.epoch,
+            batch.state,
+        )
 
 
 class DataLoadError(RuntimeError):
@@ -248,7 +287,8 @@ def check_compatible(manifest: dict, expected: dict) -> None:
     `expected` holds any of the keys of `EXPECTED_FIELDS` (an unknown key is an error, so a typo
     never silently skips a check), and may hold `projection`: the drafter's projection identity
     ({checksum, in_width, out_width}) or None for full tap features (storage tiers, `train.tiers`).
-    Shards whose encodings differ from the dataset's are always refused. `topk` is a minimum (the loss needs at least that many entries);
+    Shards whose encodings differ from the dataset's are always refused. `topk` is a minimum (the loss needs at least
+    that many entries);
     every other field must be equal. A field missing from the manifest is reported too. The
     manifest must also be complete and self-consistent (hidden_width = n_taps x hidden_size). All
     problems are reported at once in one ValueError, each naming the manifest field and both values.
@@ -259,7 +299,9 @@ def check_compatible(manifest: dict, expected: dict) -> None:
     projection = expected.pop("projection", _MISSING)  # the drafter's projection identity, or None
     unknown = sorted(set(expected) - set(EXPECTED_FIELDS))
     if unknown:
-        raise ValueError(f"check_compatible: unknown expected field(s) {unknown}; known: {sorted(EXPECTED_FIELDS) + ['projection']}")
+        raise ValueError(
+            f"check_compatible: unknown expected field(s) {unknown}; known: {sorted(EXPECTED_FIELDS) + ['projection']}"
+        )
     problems = []
     if manifest.get("complete") is False:
         problems.append("manifest field 'complete' is false: the extraction has not finished")
@@ -283,7 +325,8 @@ def check_compatible(manifest: dict, expected: dict) -> None:
         width = manifest["projection"].get("in_width", _MISSING)  # the projection reads the taps' features
     if _MISSING not in (layer_ids, hidden_size, width) and width != len(layer_ids) * hidden_size:
         problems.append(
-            f"manifest field 'hidden_width' = {width!r} but len(provenance.taps.layer_ids) x provenance.target.hidden_size "
+            f"manifest field 'hidden_width' = {width!r} but len(provenance.taps.layer_ids) x "
+            "provenance.target.hidden_size "
             f"= {len(layer_ids)} x {hidden_size!r}: the manifest contradicts itself"
         )
     if problems:
@@ -302,7 +345,9 @@ class Selection:
     excluded: dict  # reason -> count
 
 
-def select_samples(sample_ids: list[str], n_tokens: np.ndarray, n_loss_tokens: np.ndarray, cfg: DataConfig) -> Selection:
+def select_samples(
+    sample_ids: list[str], n_tokens: np.ndarray, n_loss_tokens: np.ndarray, cfg: DataConfig
+) -> Selection:
     """Apply holdout, min_loss_tokens, oversize and max_samples, in that order."""
     n_tokens = np.asarray(n_tokens, dtype=np.int64)
     keep = np.ones(len(sample_ids), dtype=bool)
@@ -361,7 +406,9 @@ def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: i
     compact = isinstance(samples[0]["hidden"], QuantizedHidden)
     input_ids_BS = empty(B, S, dtype=torch.int64)
     loss_mask_BS = empty(B, S, dtype=torch.bool)
-    hidden_BSW = collate_compact([s["hidden"] for s in samples], S, pin) if compact else empty(B, S, W, dtype=torch.bfloat16)
+    hidden_BSW = (
+        collate_compact([s["hidden"] for s in samples], S, pin) if compact else empty(B, S, W, dtype=torch.bfloat16)
+    )
     topk_ids_BSk = empty(B, S, k, dtype=torch.int64)
     topk_logprobs_BSk = empty(B, S, k, dtype=torch.float32)
     for i, (sample, T) in enumerate(zip(samples, lengths)):
@@ -397,13 +444,17 @@ def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: i
 def _open_dataset(cfg: DataConfig):
     from shards import ShardDataset
 
-    return ShardDataset(cfg.shards, manifest_name=cfg.manifest, verify_checksums=cfg.verify_checksums, verify_samples=cfg.verify_samples)
+    return ShardDataset(
+        cfg.shards, manifest_name=cfg.manifest, verify_checksums=cfg.verify_checksums, verify_samples=cfg.verify_samples
+    )
 
 
 class DataStream:
     """Endless, exactly resumable iterator of `Batch`es over a shards dataset (see the file docstring)."""
 
-    def __init__(self, cfg: DataConfig, dataset=None, *, expected: dict | None = None, split: buckets.RankSplit | None = None):
+    def __init__(
+        self, cfg: DataConfig, dataset=None, *, expected: dict | None = None, split: buckets.RankSplit | None = None
+    ):
         self.cfg = cfg
         self.split = split if split is not None and split.num_parts > 1 else None
         self.dataset = dataset if dataset is not None else _open_dataset(cfg)
@@ -418,8 +469,12 @@ class DataStream:
         self.sample_ids = [all_ids[i] for i in self._dataset_index]
         self.lengths = all_lengths[self._dataset_index]
         if self.lengths.size == 0:
-            raise ValueError(f"no training samples left in '{cfg.shards}' after selection (excluded: {self.selection.excluded})")
-        boundaries = cfg.boundaries if cfg.boundaries is not None else buckets.quantile_boundaries(self.lengths, cfg.num_buckets)
+            raise ValueError(
+                f"no training samples left in '{cfg.shards}' after selection (excluded: {self.selection.excluded})"
+            )
+        boundaries = (
+            cfg.boundaries if cfg.boundaries is not None else buckets.quantile_boundaries(self.lengths, cfg.num_buckets)
+        )
         self.layout = buckets.bucket_layout(self.lengths, boundaries, cfg.token_budget, cfg.max_batch_samples)
         self._digest = _selection_digest(self.sample_ids, self.lengths)
         self._pin = bool(cfg.pin_memory and torch.cuda.is_available())
@@ -507,7 +562,11 @@ class DataStream:
             raise ValueError(f"data state: version {found!r} is not supported (expected {STATE_VERSION})")
         mine = self._identity()
         for key, why in (
-            ("selection_digest", "another dataset or sample selection (shards, holdout_fraction, max_samples, min_loss_tokens, oversize)"),
+            (
+                "selection_digest",
+                "another dataset or sample selection (shards, holdout_fraction, max_samples, min_loss_tokens, "
+                "oversize)",
+            ),
             ("samples", "another dataset or sample selection"),
             ("seed", "another data.seed"),
             ("token_budget", "another data.token_budget"),
@@ -517,10 +576,15 @@ class DataStream:
             if key not in state:
                 raise ValueError(f"data state: field '{key}' is missing")
             if state[key] != mine[key]:
-                raise ValueError(f"data state: field '{key}' is {state[key]!r} but this stream has {mine[key]!r}: it was saved with {why}")
+                raise ValueError(
+                    f"data state: field '{key}' is {state[key]!r} but this stream has {mine[key]!r}: it was saved "
+                    f"with {why}"
+                )
         epoch, batch = state.get("epoch"), state.get("batch")
         if not (isinstance(epoch, int) and epoch >= 0 and isinstance(batch, int) and 0 <= batch < self.steps_per_epoch):
-            raise ValueError(f"data state: position epoch={epoch!r}, batch={batch!r} is outside 0..{self.steps_per_epoch - 1}")
+            raise ValueError(
+                f"data state: position epoch={epoch!r}, batch={batch!r} is outside 0..{self.steps_per_epoch - 1}"
+            )
         if state.get("plan_digest") != self.plan(epoch).digest:
             raise ValueError(
                 f"data state: the plan of epoch {epoch} rebuilt here differs from the saved one "
@@ -591,18 +655,31 @@ class DataStream:
         parts = buckets.split_by_tokens(lengths, self.split.num_parts)
         batches, rows = [], []
         for positions in (parts[p] for p in self.split.mine):
-            loaded = [(pos, self._load_sample(dataset_indices[pos], sample_ids[pos], lengths[pos])) for pos in positions.tolist()]
+            loaded = [
+                (pos, self._load_sample(dataset_indices[pos], sample_ids[pos], lengths[pos]))
+                for pos in positions.tolist()
+            ]
             loaded = [(pos, sample) for pos, sample in loaded if sample is not None]
             rows.append(np.asarray([pos for pos, _ in loaded], dtype=np.int64))
             batches.append(
-                collate([s for _, s in loaded], [sample_ids[pos] for pos, _ in loaded], bucket=bucket, epoch=epoch, state=state, pin=self._pin)
-                if loaded else None
+                collate(
+                    [s for _, s in loaded],
+                    [sample_ids[pos] for pos, _ in loaded],
+                    bucket=bucket,
+                    epoch=epoch,
+                    state=state,
+                    pin=self._pin,
+                )
+                if loaded
+                else None
             )
         return Share(batches, rows, np.asarray(lengths, dtype=np.int64), list(sample_ids), bucket, epoch, state)
 
     def _load_sample(self, i: int, sample_id: str, n_tokens: int) -> dict | None:
         try:
-            sample = self._compact_sample(i) if getattr(self.dataset, "quant", None) is not None else self.dataset.torch(i)
+            sample = (
+                self._compact_sample(i) if getattr(self.dataset, "quant", None) is not None else self.dataset.torch(i)
+            )
             T = int(sample["input_ids"].shape[0])
             if T != n_tokens:
                 raise ValueError(f"sample has {T} tokens but the index says {n_tokens}")
@@ -637,8 +714,15 @@ class DataStream:
             count = len(skipped)
         # The first skip of a shard is a warning; more from the same file would flood the log.
         level = logging.WARNING if count == 1 else logging.DEBUG
-        log.log(level, "skipping unreadable sample %s of shard '%s' (%d skipped from this file): %s: %s",
-                sample_id, shard, count, type(exc).__name__, exc)
+        log.log(
+            level,
+            "skipping unreadable sample %s of shard '%s' (%d skipped from this file): %s: %s",
+            sample_id,
+            shard,
+            count,
+            type(exc).__name__,
+            exc,
+        )
         return None
 
     def _shard_name(self, i: int) -> str:

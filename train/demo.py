@@ -35,14 +35,29 @@ CONFIG = "configs/tiny.toml"
 @dataclasses.dataclass
 class DemoConfig:
     run: str = knob("demo", help="run name under runs/ (a plain name)")
-    steps: int = knob(400, help="drafter training steps (about 100 s on 2 cores). A step count, not epochs: how much "
-                      "text the tiny target's answers make varies from machine to machine, the drafter's training should not", min=1, max=100_000)
+    steps: int = knob(
+        400,
+        help="drafter training steps (about 100 s on 2 cores). A step count, not epochs: how much "
+        "text the tiny target's answers make varies from machine to machine, the drafter's training should not",
+        min=1,
+        max=100_000,
+    )
     eval_anchors: int = knob(16, help="anchors per held-out sequence in the offline evaluation", min=1)
-    prompts: int = knob(0, help="held-out prompts for real speculative decoding; 0 = all of them (74; fewer make the online τ "
-                        "a noisy estimate: its mean over 8 prompts moved by 10% with the choice of prompts)", min=0)
-    new_tokens: int = knob(96, help="at most this many tokens generated per prompt (a response also ends where it starts "
-                           "looping, as the tiny build's answers do)", min=1)
-    fresh: bool = knob(True, help="delete an earlier run of the same name first (the tiny target and shards are kept: they are cached)")
+    prompts: int = knob(
+        0,
+        help="held-out prompts for real speculative decoding; 0 = all of them (74; fewer make the online τ "
+        "a noisy estimate: its mean over 8 prompts moved by 10% with the choice of prompts)",
+        min=0,
+    )
+    new_tokens: int = knob(
+        96,
+        help="at most this many tokens generated per prompt (a response also ends where it starts "
+        "looping, as the tiny build's answers do)",
+        min=1,
+    )
+    fresh: bool = knob(
+        True, help="delete an earlier run of the same name first (the tiny target and shards are kept: they are cached)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,15 +76,52 @@ def main(argv: list[str] | None = None) -> int:
     # The tiny build, extraction (configs/tiny.toml: device = auto), training and evaluation take the GPU by themselves.
     step(timings, "tiny target + corpus", ["-m", "extract.tiny"], env)
     step(timings, "extraction", ["-m", "extract", CONFIG], env)
-    step(timings, "drafter training", ["-m", "train", CONFIG, f"run_name={cfg.run}", f"optim.max_steps={cfg.steps}"], env)
-    step(timings, "offline evaluation", ["-m", "train.eval", run_dir, "--data", heldout, "--out", f"{run_dir}/eval_heldout.json",
-                                         f"max_anchors={cfg.eval_anchors}"], env)
+    step(
+        timings, "drafter training", ["-m", "train", CONFIG, f"run_name={cfg.run}", f"optim.max_steps={cfg.steps}"], env
+    )
+    step(
+        timings,
+        "offline evaluation",
+        [
+            "-m",
+            "train.eval",
+            run_dir,
+            "--data",
+            heldout,
+            "--out",
+            f"{run_dir}/eval_heldout.json",
+            f"max_anchors={cfg.eval_anchors}",
+        ],
+        env,
+    )
     step(timings, "export", ["-m", "train.export", run_dir, export_dir], env)
-    step(timings, "speculative decoding", ["-m", "train.specdecode", "--target", f"{TINY}/target", "--drafter", export_dir,
-                                           "--prompts", f"{TINY}/corpus/heldout_regen.jsonl", "--num-prompts", str(cfg.prompts),
-                                           "--max-new-tokens", str(cfg.new_tokens), "--stop-repeat", str(tiny_stop_repeat()),
-                                           "--agreement", "--agreement-bf16", "--device", machine["device"],
-                                           "--out", f"{run_dir}/specdecode.json"], env)
+    step(
+        timings,
+        "speculative decoding",
+        [
+            "-m",
+            "train.specdecode",
+            "--target",
+            f"{TINY}/target",
+            "--drafter",
+            export_dir,
+            "--prompts",
+            f"{TINY}/corpus/heldout_regen.jsonl",
+            "--num-prompts",
+            str(cfg.prompts),
+            "--max-new-tokens",
+            str(cfg.new_tokens),
+            "--stop-repeat",
+            str(tiny_stop_repeat()),
+            "--agreement",
+            "--agreement-bf16",
+            "--device",
+            machine["device"],
+            "--out",
+            f"{run_dir}/specdecode.json",
+        ],
+        env,
+    )
     step(timings, "report", ["-m", "train.report", run_dir], env)
     summary = summarize(run_dir, timings, machine)
     with open(os.path.join(run_dir, "demo_summary.json"), "w") as f:
@@ -92,13 +144,20 @@ def demo_machine() -> dict:
 
     from common.device import describe_machine, small_model_threads
 
-    return {"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": small_model_threads(), **describe_machine()}
+    return {
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "threads": small_model_threads(),
+        **describe_machine(),
+    }
 
 
 def machine_line(machine: dict) -> str:
     where = f"GPU ({machine.get('gpu')})" if machine.get("device") == "cuda" else "CPU"
-    return (f"{where}; {machine.get('cpu')}, {machine.get('cores')} usable cores, {machine.get('threads')} torch CPU threads, "
-            f"torch {machine.get('torch')}")
+    return (
+        f"{where}; {machine.get('cpu')}, {machine.get('cores')} usable cores, {machine.get('threads')} torch CPU "
+        "threads, "
+        f"torch {machine.get('torch')}"
+    )
 
 
 def step(timings: dict[str, float], name: str, args: list[str], env: dict[str, str] | None = None) -> None:
@@ -113,8 +172,17 @@ def step(timings: dict[str, float], name: str, args: list[str], env: dict[str, s
 def summarize(run_dir: str, timings: dict[str, float], machine: dict | None = None) -> dict:
     """The numbers the README quotes, read back from the files the steps wrote."""
     report = _read_json(f"{TINY}/target/tiny_report.json")
-    target_keys = ("heldout_next_token_accuracy", "most_frequent_token_accuracy", "heldout_answer_next_token_accuracy",
-                   "most_frequent_token_answer_accuracy", "parameters", "num_layers", "hidden_size", "vocab_size", "tap_layer_ids")
+    target_keys = (
+        "heldout_next_token_accuracy",
+        "most_frequent_token_accuracy",
+        "heldout_answer_next_token_accuracy",
+        "most_frequent_token_answer_accuracy",
+        "parameters",
+        "num_layers",
+        "hidden_size",
+        "vocab_size",
+        "tap_layer_ids",
+    )
     evaluation = _read_json(f"{run_dir}/eval_heldout.json")
     spec = _read_json(f"{run_dir}/specdecode.json")
     checkpoints = evaluation.get("checkpoints") or [{}]
@@ -142,10 +210,14 @@ def _pick_spec(spec: dict) -> dict:
     summary, config = spec.get("summary", {}), spec.get("config", {})
     agreement = spec.get("agreement", {})
     return {
-        "prompts": summary.get("prompts"), "max_new_tokens": config.get("max_new_tokens"), "tau": summary.get("tau"),
+        "prompts": summary.get("prompts"),
+        "max_new_tokens": config.get("max_new_tokens"),
+        "tau": summary.get("tau"),
         "stop_repeat": config.get("stop_repeat"),
-        "device": config.get("device"), "dtype": config.get("dtype"),
-        "lossless": summary.get("lossless"), "speedup": summary.get("speedup"),
+        "device": config.get("device"),
+        "dtype": config.get("dtype"),
+        "lossless": summary.get("lossless"),
+        "speedup": summary.get("speedup"),
         "spec_tokens_per_s": summary.get("spec", {}).get("decode_tokens_per_s"),
         "target_tokens_per_s": summary.get("baseline", {}).get("decode_tokens_per_s"),
         "offline_tau_at_rounds_bf16": agreement.get("offline_tau_at_rounds"),
@@ -172,13 +244,16 @@ def summary_text(summary: dict) -> str:
     timings = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in summary["timings_s"].items())
     target, ev, base, spec = summary["target"], summary["eval"], summary["eval_baseline"], summary["specdecode"]
     budgets = [b for b in (8, 16, 32, 64) if f"ddtree_tau_{b}" in ev]
-    rows = [("acceptance at k=1", "acceptance_k1"), ("tau, chain of 15", "tau")] + [(f"tau, DDTree-{b}", f"ddtree_tau_{b}") for b in budgets]
+    rows = [("acceptance at k=1", "acceptance_k1"), ("tau, chain of 15", "tau")] + [
+        (f"tau, DDTree-{b}", f"ddtree_tau_{b}") for b in budgets
+    ]
     lines = [
         "=" * 78,
         f"demo finished in {summary['total_s'] / 60:.1f} min ({timings})",
         *([f"on {machine_line(summary['machine'])}"] if summary.get("machine") else []),
         "",
-        f"tiny target ({target.get('num_layers')} layers, {_num(target.get('parameters', 0) / 1e6, '.1f')} M parameters): "
+        f"tiny target ({target.get('num_layers')} layers, {_num(target.get('parameters', 0) / 1e6, '.1f')} M "
+        "parameters): "
         f"held-out next-token accuracy {_num(target.get('heldout_next_token_accuracy'))} "
         f"(always the most frequent token: {_num(target.get('most_frequent_token_accuracy'))})",
         "",
@@ -188,13 +263,17 @@ def summary_text(summary: dict) -> str:
     lines += [f"  {label:<22}{_num(ev.get(key)):>10}{_num(base.get(key)):>31}" for label, key in rows]
     lines += [
         "",
-        f"drafter, online: real speculative decoding, {spec.get('prompts')} held-out prompts, up to {spec.get('max_new_tokens')} tokens each"
+        f"drafter, online: real speculative decoding, {spec.get('prompts')} held-out prompts, up to "
+        f"{spec.get('max_new_tokens')} tokens each"
         f"{' (cut where they start repeating)' if spec.get('stop_repeat') else ''}, "
         f"{str(spec.get('device') or 'cpu').upper()} {DTYPE_NAMES.get(spec.get('dtype'), spec.get('dtype'))}:",
-        f"  tau {_num(spec.get('tau'))} (offline tau of the same rounds, bf16 features: {_num(spec.get('offline_tau_at_rounds_bf16'))}); "
+        f"  tau {_num(spec.get('tau'))} (offline tau of the same rounds, bf16 features: "
+        f"{_num(spec.get('offline_tau_at_rounds_bf16'))}); "
         f"output identical to target-only greedy decoding: {spec.get('lossless')}",
-        f"  {_num(spec.get('spec_tokens_per_s'), '.0f')} tok/s against {_num(spec.get('target_tokens_per_s'), '.0f')} tok/s for the "
-        f"target alone = {_num(spec.get('speedup'), '.2f')}x (a 2.6 M-parameter target costs no more per forward than its drafter;",
+        f"  {_num(spec.get('spec_tokens_per_s'), '.0f')} tok/s against "
+        f"{_num(spec.get('target_tokens_per_s'), '.0f')} tok/s for the "
+        f"target alone = {_num(spec.get('speedup'), '.2f')}x (a 2.6 M-parameter target costs no more per forward "
+        "than its drafter;",
         "  speed-ups need a target whose forward costs far more than the drafter's, e.g. the 27B on a GPU)",
     ]
     return "\n".join(lines)

@@ -54,8 +54,18 @@ log = logging.getLogger(__name__)
 
 # Substrings of the RuntimeErrors gloo and NCCL raise when a peer is gone or a collective timed out
 # (older torch raises plain RuntimeError, newer torch.distributed.DistError).
-_COMM_ERROR_HINTS = ("gloo", "nccl", "connection reset", "connection closed", "connection refused", "timed out",
-                     "timeout", "socket", "broken pipe", "peer")
+_COMM_ERROR_HINTS = (
+    "gloo",
+    "nccl",
+    "connection reset",
+    "connection closed",
+    "connection refused",
+    "timed out",
+    "timeout",
+    "socket",
+    "broken pipe",
+    "peer",
+)
 
 
 class PeerLost(RuntimeError):
@@ -136,11 +146,15 @@ class Dist:
         if "MASTER_ADDR" not in os.environ:
             if world == 1:  # a scheduler that sets RANK=0 WORLD_SIZE=1 for every job: a plain run
                 return cls.single(cfg.accumulation)
-            raise ValueError("RANK and WORLD_SIZE are set but MASTER_ADDR is not: start the run with torchrun or accelerate launch")
+            raise ValueError(
+                "RANK and WORLD_SIZE are set but MASTER_ADDR is not: start the run with torchrun or accelerate launch"
+            )
         if device.type == "cuda":
             if local_rank >= torch.cuda.device_count():
-                raise ValueError(f"LOCAL_RANK={local_rank} but this machine has {torch.cuda.device_count()} GPU(s): "
-                                 "start at most one process per GPU (--nproc-per-node)")
+                raise ValueError(
+                    f"LOCAL_RANK={local_rank} but this machine has {torch.cuda.device_count()} GPU(s): "
+                    "start at most one process per GPU (--nproc-per-node)"
+                )
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
@@ -153,13 +167,29 @@ class Dist:
         me = cls._me(rank, local_rank, device)
         peers: list = [None] * world
         dist.all_gather_object(peers, me, group=host_group)
-        return cls(rank=rank, world_size=world, local_rank=local_rank, accumulation=cfg.accumulation, device=device,
-                   backend=backend, timeout_s=cfg.timeout_s, bucket_mb=cfg.bucket_mb, peers=peers, host_group=host_group)
+        return cls(
+            rank=rank,
+            world_size=world,
+            local_rank=local_rank,
+            accumulation=cfg.accumulation,
+            device=device,
+            backend=backend,
+            timeout_s=cfg.timeout_s,
+            bucket_mb=cfg.bucket_mb,
+            peers=peers,
+            host_group=host_group,
+        )
 
     @staticmethod
     def _me(rank: int, local_rank: int, device) -> dict:
-        return {"rank": rank, "local_rank": local_rank, "host": socket.gethostname(), "host_id": _host_id(),
-                "pid": os.getpid(), "device": str(device) if device is not None else None}
+        return {
+            "rank": rank,
+            "local_rank": local_rank,
+            "host": socket.gethostname(),
+            "host_id": _host_id(),
+            "pid": os.getpid(),
+            "device": str(device) if device is not None else None,
+        }
 
     @property
     def initialized(self) -> bool:
@@ -179,10 +209,18 @@ class Dist:
 
     def describe(self) -> dict:
         """What run.json records about the layout of this run."""
-        return {"world_size": self.world_size, "accumulation": self.accumulation, "parts_per_step": self.num_parts,
-                "backend": self.backend, "timeout_s": self.timeout_s if self.initialized else None,
-                "ranks": [{k: v for k, v in peer.items() if k != "host_id"} | {"parts": list(RankSplit.of(peer["rank"], self.world_size, self.accumulation).mine)}
-                          for peer in self.peers]}
+        return {
+            "world_size": self.world_size,
+            "accumulation": self.accumulation,
+            "parts_per_step": self.num_parts,
+            "backend": self.backend,
+            "timeout_s": self.timeout_s if self.initialized else None,
+            "ranks": [
+                {k: v for k, v in peer.items() if k != "host_id"}
+                | {"parts": list(RankSplit.of(peer["rank"], self.world_size, self.accumulation).mine)}
+                for peer in self.peers
+            ],
+        }
 
     def close(self) -> None:
         """Leave the process group once every rank is done with it.
@@ -212,11 +250,17 @@ class Dist:
         from torch.nn.parallel import DistributedDataParallel
 
         # The drafter's only buffer (rotary inv_freq) is a constant: no need to broadcast it every forward.
-        no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                          else {"broadcast_buffers": False})  # torch < 2.13
+        no_buffer_sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+            else {"broadcast_buffers": False}
+        )  # torch < 2.13
         ddp = DistributedDataParallel(
-            module, device_ids=[self.device] if self.device is not None and self.device.type == "cuda" else None,
-            bucket_cap_mb=self.bucket_mb, gradient_as_bucket_view=True, **no_buffer_sync,
+            module,
+            device_ids=[self.device] if self.device is not None and self.device.type == "cuda" else None,
+            bucket_cap_mb=self.bucket_mb,
+            gradient_as_bucket_view=True,
+            **no_buffer_sync,
         )
         ddp.register_comm_hook(None, _allreduce_sum)
         self._ddp = ddp
@@ -297,8 +341,10 @@ class Dist:
         """A `PeerLost` for a failed collective, naming the rank(s) that are gone if they can be told."""
         me = self.peers[self.rank] if self.peers else self._me(self.rank, self.local_rank, self.device)
         cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-        return PeerLost(f"rank {self.rank} (pid {me['pid']} on {me['host']}): a collective failed {where}; "
-                        f"{self.diagnose()}. Cause: {cause}")
+        return PeerLost(
+            f"rank {self.rank} (pid {me['pid']} on {me['host']}): a collective failed {where}; "
+            f"{self.diagnose()}. Cause: {cause}"
+        )
 
     def diagnose(self, wait_s: float = 2.0) -> str:
         """Which ranks are gone: peers on this machine whose process has exited; if none, the ranks
@@ -309,18 +355,31 @@ class Dist:
             return "lost " + ", ".join(f"rank {p['rank']} (pid {p['pid']} on {p['host']} has exited)" for p in exited)
         silent = self._silent_ranks(wait_s)
         if silent is None:
-            return "could not tell which rank failed (the rendezvous store is unreachable: its host, rank 0 or the launcher, may be the one that died)"
+            return (
+                "could not tell which rank failed (the rendezvous store is unreachable: its host, rank 0 or "
+                "the launcher, may be the one that died)"
+            )
         if not silent:
-            return "every rank still answers: a collective timed out or failed on another rank's error (see that rank's message)"
+            return (
+                "every rank still answers: a collective timed out or failed on another rank's error (see that "
+                "rank's message)"
+            )
         hosts = {p["rank"]: p["host"] for p in self.peers}
-        return "lost " + ", ".join(f"rank {r} (on {hosts.get(r, '?')}: did not answer within {wait_s:.0f} s; dead, hung or unreachable)" for r in silent)
+        return "lost " + ", ".join(
+            f"rank {r} (on {hosts.get(r, '?')}: did not answer within {wait_s:.0f} s; dead, hung or unreachable)"
+            for r in silent
+        )
 
     def _silent_ranks(self, wait_s: float) -> list[int] | None:
         try:
             import torch.distributed as dist
 
             store = dist.distributed_c10d._get_default_store()
-            prefix = f"dflash/alive/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            run_id, restart = (
+                os.environ.get("TORCHELASTIC_RUN_ID", ""),
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            )
+            prefix = f"dflash/alive/{run_id}/{restart}"
             store.set(f"{prefix}/{self.rank}", json.dumps({"time": time.time()}))
             pending = set(range(self.world_size)) - {self.rank}
             deadline = time.monotonic() + wait_s
@@ -337,7 +396,12 @@ class Dist:
         """At a checkpoint: every rank's data position (they must agree: one global plan) and a
         fingerprint of its weights (they must agree: the same update on every rank). Returns the
         positions, one per rank; RuntimeError naming the ranks if they disagree."""
-        mine = {"rank": self.rank, "epoch": data_state.get("epoch"), "batch": data_state.get("batch"), "parts": list(self.split.mine)}
+        mine = {
+            "rank": self.rank,
+            "epoch": data_state.get("epoch"),
+            "batch": data_state.get("batch"),
+            "parts": list(self.split.mine),
+        }
         if self.world_size == 1:
             return [mine]
         with torch.no_grad():
@@ -346,7 +410,9 @@ class Dist:
         positions = [g[0] for g in gathered]
         where = {(p["epoch"], p["batch"]) for p in positions}
         if len(where) > 1:
-            raise RuntimeError(f"ranks disagree on the data position: {[(p['rank'], p['epoch'], p['batch']) for p in positions]}")
+            raise RuntimeError(
+                f"ranks disagree on the data position: {[(p['rank'], p['epoch'], p['batch']) for p in positions]}"
+            )
         prints = [g[1] for g in gathered]
         if any(not (f == prints[0] or abs(f - prints[0]) <= 1e-9 * max(1.0, abs(prints[0]))) for f in prints):
             raise RuntimeError(f"ranks hold different weights (parameter sums {prints}): their updates diverged")

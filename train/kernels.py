@@ -3,7 +3,8 @@ evaluation (`train.eval`) and the bench: device, autocast dtype, attention kerne
 
     plan = choose_kernels(device="auto", precision="auto", attention="auto", compile=False,
                           head_dims=[drafter_cfg.head_dim], training=True, keys=TRAIN_KEYS)
-    mask = plan.mask(anchors_BN, keep_BN, context_len, block_size, drafter_cfg.mask_rules)  # {layer type: flex BlockMask or dense mask}
+    mask = plan.mask(anchors_BN, keep_BN, context_len, block_size, drafter_cfg.mask_rules)  # {layer type: flex
+    BlockMask or dense mask}
     with plan.autocast(): ...
 
 `attention = auto` takes flex only where its kernel works for the head size and the device, else
@@ -36,8 +37,18 @@ import torch
 from common.device import autocast_dtype, resolve_device
 from train.attention import build_block_mask, build_dense_mask, build_layer_masks
 
-__all__ = ["KernelKeys", "KernelPlan", "OnKernels", "TRAIN_KEYS", "EVAL_KEYS", "choose_kernels", "flex_problem", "compile_problem",
-           "FLEX_MIN_HEAD_DIM", "FLEX_TUNED_MAX_HEAD_DIM"]
+__all__ = [
+    "KernelKeys",
+    "KernelPlan",
+    "OnKernels",
+    "TRAIN_KEYS",
+    "EVAL_KEYS",
+    "choose_kernels",
+    "flex_problem",
+    "compile_problem",
+    "FLEX_MIN_HEAD_DIM",
+    "FLEX_TUNED_MAX_HEAD_DIM",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +83,14 @@ class KernelPlan:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def mask(self, anchors_BN: torch.Tensor, keep_BN: torch.Tensor, context_len: int, block_size: int,
-             rules: dict | None = None):
+    def mask(
+        self,
+        anchors_BN: torch.Tensor,
+        keep_BN: torch.Tensor,
+        context_len: int,
+        block_size: int,
+        rules: dict | None = None,
+    ):
         """The DFlash training mask in the form the chosen kernel takes (train.attention.attend runs either):
         {layer type: mask} for a drafter's `DrafterConfig.mask_rules`, or one full-attention mask without rules."""
         if rules is not None:
@@ -88,12 +105,19 @@ class KernelPlan:
     def describe(self) -> str:
         """The one log line: `kernels: device cuda, bf16 autocast, attention sdpa (...), compile off`."""
         precision = "bf16 autocast" if self.autocast_dtype is not None else "fp32"
-        return (f"kernels: device {self.device.type}, {precision}, attention {self.attention} ({self.reason}), "
-                f"compile {'on' if self.compile else 'off'}")
+        return (
+            f"kernels: device {self.device.type}, {precision}, attention {self.attention} ({self.reason}), "
+            f"compile {'on' if self.compile else 'off'}"
+        )
 
     def to_dict(self) -> dict:
-        return {"device": self.device.type, "precision": self.precision, "attention": self.attention,
-                "compile": self.compile, "reason": self.reason}
+        return {
+            "device": self.device.type,
+            "precision": self.precision,
+            "attention": self.attention,
+            "compile": self.compile,
+            "reason": self.reason,
+        }
 
 
 class OnKernels:
@@ -142,9 +166,15 @@ def flex_problem(device: torch.device, head_dim: int, *, training: bool) -> str 
     if head_dim < FLEX_MIN_HEAD_DIM:
         return f"flex's CUDA kernel needs head_dim >= {FLEX_MIN_HEAD_DIM} (Triton tl.dot), the drafter has {head_dim}"
     if not _triton_usable():
-        return "flex on CUDA needs its compiled Triton kernel and Triton is not usable here (torch.utils._triton.has_triton() is False)"
+        return (
+            "flex on CUDA needs its compiled Triton kernel and Triton is not usable here "
+            "(torch.utils._triton.has_triton() is False)"
+        )
     if not _power_of_two(head_dim) and _torch_version() < (2, 6):
-        return f"flex in torch {torch.__version__} takes power-of-two head dims only (any from torch 2.6), the drafter has {head_dim}"
+        return (
+            f"flex in torch {torch.__version__} takes power-of-two head dims only (any from torch 2.6), the "
+            f"drafter has {head_dim}"
+        )
     return None
 
 
@@ -158,7 +188,10 @@ def compile_problem(device: torch.device) -> str | None:
         return f"TorchDynamo does not support this Python ({sys.version.split()[0]}) with torch {torch.__version__}"
     if device.type == "cuda":
         if not _triton_usable():
-            return "Inductor compiles CUDA code with Triton and Triton is not usable here (torch.utils._triton.has_triton() is False)"
+            return (
+                "Inductor compiles CUDA code with Triton and Triton is not usable here "
+                "(torch.utils._triton.has_triton() is False)"
+            )
         return None
     if device.type == "cpu":
         try:
@@ -177,7 +210,9 @@ def compile_problem(device: torch.device) -> str | None:
 # The choice
 
 
-def _choose_attention(choice: str, device: torch.device, head_dims: Sequence[int], *, training: bool, key: str) -> tuple[str, str]:
+def _choose_attention(
+    choice: str, device: torch.device, head_dims: Sequence[int], *, training: bool, key: str
+) -> tuple[str, str]:
     """(kernel, reason) for an `attention` config value."""
     if choice == "sdpa":
         return "sdpa", f"{key}=sdpa"
@@ -188,20 +223,34 @@ def _choose_attention(choice: str, device: torch.device, head_dims: Sequence[int
         return "flex", f"{key}=flex"
     assert choice == "auto", choice
     if device.type != "cuda":
-        return "sdpa", f"auto: sdpa with a dense mask on {device.type} (flex is taken only on CUDA, as its compiled kernel)"
+        return (
+            "sdpa",
+            f"auto: sdpa with a dense mask on {device.type} (flex is taken only on CUDA, as its compiled kernel)",
+        )
     if problems:
         return "sdpa", f"auto: sdpa with a dense mask, not flex: {problems[0]}"
     large = [e for e in head_dims if e > FLEX_TUNED_MAX_HEAD_DIM]
     if large:
-        return "sdpa", (f"auto: sdpa with a dense mask, not flex: head_dim {max(large)} > {FLEX_TUNED_MAX_HEAD_DIM}, "
-                        f"the largest torch's flex kernels are tuned for (set {key}=flex to try it)")
+        return "sdpa", (
+            f"auto: sdpa with a dense mask, not flex: head_dim {max(large)} > {FLEX_TUNED_MAX_HEAD_DIM}, "
+            f"the largest torch's flex kernels are tuned for (set {key}=flex to try it)"
+        )
     dims = ", ".join(str(e) for e in sorted(set(head_dims)))
     return "flex", f"auto: flex on CUDA for head_dim {dims}"
 
 
-def choose_kernels(device: str, precision: str, attention: str, compile: bool, head_dims: Sequence[int], *,
-                   training: bool, keys: KernelKeys, rank_device: torch.device | None = None,
-                   announce: bool = True) -> KernelPlan:
+def choose_kernels(
+    device: str,
+    precision: str,
+    attention: str,
+    compile: bool,
+    head_dims: Sequence[int],
+    *,
+    training: bool,
+    keys: KernelKeys,
+    rank_device: torch.device | None = None,
+    announce: bool = True,
+) -> KernelPlan:
     """Resolve the config's device/precision/attention/compile for drafters of these head dims.
 
     ValueError naming the key when an explicit choice cannot work here; logs the choice once.

@@ -43,6 +43,7 @@ from common.locks import LockedError, exclusive_lock
 from common.provenance import git_sha, tool_version
 from common.schedule import warmup_cosine
 from train.blocks import Blocks, anchor_candidates, anchors_per_row, make_blocks, step_generator
+from train.buckets import RankSplit, split_summary
 from train.checkpoint import (
     CheckpointWriter,
     latest_checkpoint,
@@ -53,7 +54,6 @@ from train.checkpoint import (
     take_snapshot,
 )
 from train.config import TrainConfig, resume_conflicts
-from train.buckets import RankSplit, split_summary
 from train.data import Batch, DataStream, Share
 from train.distributed import Dist
 from train.kernels import TRAIN_KEYS, KernelPlan, OnKernels, choose_kernels
@@ -62,7 +62,17 @@ from train.metrics import MetricsLog, truncate_after
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 from train.warm_start import check_init_from, config_differences, warm_start
 
-__all__ = ["lr_at", "train", "train_step", "step_functions", "Run", "StepResult", "TrainingAborted", "resolve_mask_token", "build_drafter_config"]
+__all__ = [
+    "lr_at",
+    "train",
+    "train_step",
+    "step_functions",
+    "Run",
+    "StepResult",
+    "TrainingAborted",
+    "resolve_mask_token",
+    "build_drafter_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +86,8 @@ class TrainingAborted(RuntimeError):
 
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, peak: float) -> float:
-    """Learning rate of 1-based `step`: linear warmup to `peak` over `warmup_steps`, then cosine to 0 at `total_steps`."""
+    """Learning rate of 1-based `step`: linear warmup to `peak` over `warmup_steps`, then cosine to 0 at
+    `total_steps`."""
     return warmup_cosine(step - 1, total_steps, warmup_steps, peak)
 
 
@@ -122,15 +133,29 @@ def build_drafter_config(cfg: TrainConfig, target_cfg: dict, provenance: dict, m
     taps = (provenance.get("taps") or {}).get("layer_ids")
     layer_ids = cfg.model.target_layer_ids if cfg.model.target_layer_ids is not None else taps
     if layer_ids is None:
-        raise ValueError("config key 'model.target_layer_ids' is not set and the shards' provenance has no taps.layer_ids")
+        raise ValueError(
+            "config key 'model.target_layer_ids' is not set and the shards' provenance has no taps.layer_ids"
+        )
     m = cfg.model
     try:
         return DrafterConfig.from_target(
-            target_cfg, layer_ids, num_layers=m.num_layers, block_size=m.block_size, mask_token_id=mask_token_id,
-            hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, initializer_range=m.initializer_range,
-            layer_types=m.layer_types, sliding_window=m.sliding_window, sliding_in_block=m.sliding_in_block,
-            rope_theta=m.rope_theta, rope_scaling=m.rope_scaling, partial_rotary_factor=m.partial_rotary_factor,
+            target_cfg,
+            layer_ids,
+            num_layers=m.num_layers,
+            block_size=m.block_size,
+            mask_token_id=mask_token_id,
+            hidden_size=m.hidden_size,
+            intermediate_size=m.intermediate_size,
+            num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads,
+            head_dim=m.head_dim,
+            initializer_range=m.initializer_range,
+            layer_types=m.layer_types,
+            sliding_window=m.sliding_window,
+            sliding_in_block=m.sliding_in_block,
+            rope_theta=m.rope_theta,
+            rope_scaling=m.rope_scaling,
+            partial_rotary_factor=m.partial_rotary_factor,
         )
     except ValueError as exc:
         raise ValueError(f"config table 'model': {exc}") from None
@@ -197,8 +222,17 @@ def choose_run_kernels(cfg: TrainConfig, drafter_cfg: DrafterConfig, dist: Dist 
     Under data parallelism the plan runs on this rank's own device (`dist.device`, cuda:LOCAL_RANK)
     and only rank 0 logs it."""
     dist = dist or Dist.single()
-    return choose_kernels(cfg.device, cfg.precision, cfg.model.attention, cfg.compile, [drafter_cfg.head_dim],
-                          training=True, keys=TRAIN_KEYS, rank_device=dist.device, announce=dist.is_main)
+    return choose_kernels(
+        cfg.device,
+        cfg.precision,
+        cfg.model.attention,
+        cfg.compile,
+        [drafter_cfg.head_dim],
+        training=True,
+        keys=TRAIN_KEYS,
+        rank_device=dist.device,
+        announce=dist.is_main,
+    )
 
 
 def _agreed_kernels(cfg: TrainConfig, drafter_cfg: DrafterConfig, dist: Dist) -> KernelPlan:
@@ -227,12 +261,13 @@ class StepResult:
     skip_reason: str | None
     stats: LossOutput | None
     block_tokens: int
-    blocks: list[Blocks] = dataclasses.field(default_factory=list)  # this rank's host-side blocks, one per part it ran (FLOP counts)
+    blocks: list[Blocks] = dataclasses.field(
+        default_factory=list
+    )  # this rank's host-side blocks, one per part it ran (FLOP counts)
     tokens: int = 0  # real (unpadded) context tokens
     samples: int = 0
     padded_tokens: int = 0
     wait: float = 0.0  # the longest any rank waited for its data this step
-
 
 
 def compile_step_functions(drafter: torch.nn.Module):
@@ -252,6 +287,7 @@ def compile_step_functions(drafter: torch.nn.Module):
     if hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
         inductor_config.triton.coalesce_tiling_analysis = False
     return torch.compile(drafter, dynamic=True), torch.compile(chunk_loss_and_grad, dynamic=True)
+
 
 def step_functions(drafter: torch.nn.Module, dist: Dist, compile: bool, ddp_compile: str = "outer"):
     """(forward module, loss chunk function): the drafter in DDP when there is a process group (its
@@ -302,7 +338,9 @@ class Run(OnKernels):
     def _prepare_claimed(cls, cfg: TrainConfig, stream: DataStream | None, dist: Dist, run_dir: Path, lock) -> "Run":
         stream = stream if stream is not None else _open_stream(cfg, dist.split)
         target = resolve_target(cfg, stream.dataset.manifest)  # refuses incompatible shards
-        kernels = _agreed_kernels(cfg, target.drafter_cfg, dist)  # refuses a kernel that cannot work, before anything runs
+        kernels = _agreed_kernels(
+            cfg, target.drafter_cfg, dist
+        )  # refuses a kernel that cannot work, before anything runs
         device, autocast_dtype = kernels.device, kernels.autocast_dtype  # this rank's own device under data parallelism
         if cfg.model.init_from and Path(cfg.model.init_from).exists():
             check_init_from(cfg.model.init_from, target.drafter_cfg)  # before the run directory exists
@@ -312,19 +350,34 @@ class Run(OnKernels):
         head = TargetHead.from_pretrained(target.path, dtype=autocast_dtype or torch.float32).to(device)
         if head.hidden_size != target.drafter_cfg.hidden_size:
             raise ValueError(
-                f"config key 'model.hidden_size': the drafter width {target.drafter_cfg.hidden_size} must equal the target "
+                f"config key 'model.hidden_size': the drafter width {target.drafter_cfg.hidden_size} must equal "
+                "the target "
                 f"embedding width {head.hidden_size} (the frozen embedding and lm_head are the target's)"
             )
         optimizer = torch.optim.AdamW(
-            drafter.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda",
+            drafter.parameters(),
+            lr=cfg.optim.lr,
+            betas=tuple(cfg.optim.betas),
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+            fused=device.type == "cuda",
         )
         total = cfg.optim.max_steps or max(1, round(cfg.optim.epochs * stream.steps_per_epoch))
         forward, chunk_fn = step_functions(drafter, dist, kernels.compile, cfg.distributed.ddp_compile)
         run = cls(
-            cfg=cfg, run_dir=run_dir, kernels=kernels, drafter_cfg=target.drafter_cfg,
-            drafter=drafter, forward=forward, head=head, optimizer=optimizer, stream=stream,
-            total_steps=total, warmup_steps=round(cfg.optim.warmup_ratio * total), chunk_fn=chunk_fn, dist=dist,
+            cfg=cfg,
+            run_dir=run_dir,
+            kernels=kernels,
+            drafter_cfg=target.drafter_cfg,
+            drafter=drafter,
+            forward=forward,
+            head=head,
+            optimizer=optimizer,
+            stream=stream,
+            total_steps=total,
+            warmup_steps=round(cfg.optim.warmup_ratio * total),
+            chunk_fn=chunk_fn,
+            dist=dist,
             lock=lock,
         )
         resumed_from = run._maybe_resume()
@@ -344,11 +397,21 @@ class Run(OnKernels):
         drafter forward and backward (DDP needs every rank's backward) and adds exactly zero gradient."""
         if self._placeholder is None:
             F = self.drafter_cfg.feature_width
-            batch = Batch(input_ids=torch.zeros(1, 1, dtype=torch.int64), loss_mask=torch.zeros(1, 1, dtype=torch.bool),
-                          hidden=torch.zeros(1, 1, F, dtype=torch.bfloat16), topk_ids=torch.zeros(1, 1, 1, dtype=torch.int64),
-                          topk_logprobs=torch.zeros(1, 1, 1), lengths=torch.ones(1, dtype=torch.int64), sample_ids=[],
-                          bucket=-1, epoch=-1, state={})
-            blocks = _make_part_blocks(self, batch, keys_BS=torch.zeros(1, 1), quota_B=torch.zeros(1, dtype=torch.int64))
+            batch = Batch(
+                input_ids=torch.zeros(1, 1, dtype=torch.int64),
+                loss_mask=torch.zeros(1, 1, dtype=torch.bool),
+                hidden=torch.zeros(1, 1, F, dtype=torch.bfloat16),
+                topk_ids=torch.zeros(1, 1, 1, dtype=torch.int64),
+                topk_logprobs=torch.zeros(1, 1, 1),
+                lengths=torch.ones(1, dtype=torch.int64),
+                sample_ids=[],
+                bucket=-1,
+                epoch=-1,
+                state={},
+            )
+            blocks = _make_part_blocks(
+                self, batch, keys_BS=torch.zeros(1, 1), quota_B=torch.zeros(1, dtype=torch.int64)
+            )
             assert blocks.loss_rows_M.numel() == 0 and blocks.num_blocks == 0
             self._placeholder = (batch, blocks)
         return self._placeholder
@@ -380,12 +443,17 @@ class Run(OnKernels):
         remove_partial_checkpoints(ckpt_root)
         if self.cfg.resume == "never":
             if (self.run_dir / "metrics.jsonl").exists() or latest_checkpoint(ckpt_root):
-                raise ValueError(f"config key 'resume': run directory '{self.run_dir}' already holds a run (resume=never); choose another run_name")
+                raise ValueError(
+                    f"config key 'resume': run directory '{self.run_dir}' already holds a run (resume=never); "
+                    "choose another run_name"
+                )
             return None
         path = latest_checkpoint(ckpt_root) if self.cfg.resume == "auto" else Path(self.cfg.resume)
         if path is None:
             if (self.run_dir / "metrics.jsonl").exists():
-                truncate_after(self.run_dir / "metrics.jsonl", 0)  # a run killed before its first checkpoint starts over
+                truncate_after(
+                    self.run_dir / "metrics.jsonl", 0
+                )  # a run killed before its first checkpoint starts over
             return None
         return str(path)
 
@@ -394,10 +462,16 @@ class Run(OnKernels):
         ckpt = load_checkpoint(path, map_location="cpu")
         conflicts = resume_conflicts(ckpt["state"]["config"], config_to_dict(self.cfg))
         if conflicts:
-            raise ValueError(f"checkpoint '{path}' was made with another config; differing keys:\n  " + "\n  ".join(conflicts))
-        differences = config_differences(DrafterConfig.from_dict(ckpt["drafter_config"]), self.drafter_cfg, "the checkpoint")
+            raise ValueError(
+                f"checkpoint '{path}' was made with another config; differing keys:\n  " + "\n  ".join(conflicts)
+            )
+        differences = config_differences(
+            DrafterConfig.from_dict(ckpt["drafter_config"]), self.drafter_cfg, "the checkpoint"
+        )
         if differences:
-            raise ValueError(f"checkpoint '{path}' holds another drafter than this config builds:\n  " + "\n  ".join(differences))
+            raise ValueError(
+                f"checkpoint '{path}' holds another drafter than this config builds:\n  " + "\n  ".join(differences)
+            )
         self.drafter.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         state = ckpt["state"]
@@ -408,11 +482,19 @@ class Run(OnKernels):
 
     def snapshot(self, data_state: dict, data_state_by_rank: list[dict] | None = None):
         state = {
-            "step": self.step, "tokens": self.tokens, "nonfinite_total": self.nonfinite_total,
-            "nonfinite_in_row": self.nonfinite_in_row, "data_state": data_state, "rng": rng_state(),
-            "config": config_to_dict(self.cfg), "config_digest": config_digest(self.cfg),
-            "total_steps": self.total_steps, "git_sha": git_sha(), "time": time.time(),
-            "world_size": self.dist.world_size, "accumulation": self.dist.accumulation,
+            "step": self.step,
+            "tokens": self.tokens,
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_in_row": self.nonfinite_in_row,
+            "data_state": data_state,
+            "rng": rng_state(),
+            "config": config_to_dict(self.cfg),
+            "config_digest": config_digest(self.cfg),
+            "total_steps": self.total_steps,
+            "git_sha": git_sha(),
+            "time": time.time(),
+            "world_size": self.dist.world_size,
+            "accumulation": self.dist.accumulation,
             "data_state_by_rank": data_state_by_rank or [],
         }
         return take_snapshot(self.step, self.drafter, self.optimizer, state, self.drafter_cfg.to_dict())
@@ -427,32 +509,43 @@ class Run(OnKernels):
         info_path = self.run_dir / "run.json"
         info = json.loads(info_path.read_text()) if info_path.exists() else {}
         manifest = self.stream.dataset.manifest
-        info.update({
-            "run_name": self.run_dir.name,
-            "shards": self.cfg.data.shards,
-            "manifest_digest": json_digest(manifest),
-            "target": target.path,
-            "mask_token_source": target.mask_source,
-            "drafter_config": self.drafter_cfg.to_dict(),
-            "drafter_parameters": self.drafter.num_parameters(),
-            "total_steps": self.total_steps,
-            "steps_per_epoch": self.stream.steps_per_epoch,
-            "device": str(self.device),
-            "precision": str(self.autocast_dtype or torch.float32).replace("torch.", ""),
-            "kernels": self.kernels.to_dict(),
-            "world_size": self.dist.world_size,
-            "accumulation": self.dist.accumulation,
-            "distributed": self._split_record(),
-        })
+        info.update(
+            {
+                "run_name": self.run_dir.name,
+                "shards": self.cfg.data.shards,
+                "manifest_digest": json_digest(manifest),
+                "target": target.path,
+                "mask_token_source": target.mask_source,
+                "drafter_config": self.drafter_cfg.to_dict(),
+                "drafter_parameters": self.drafter.num_parameters(),
+                "total_steps": self.total_steps,
+                "steps_per_epoch": self.stream.steps_per_epoch,
+                "device": str(self.device),
+                "precision": str(self.autocast_dtype or torch.float32).replace("torch.", ""),
+                "kernels": self.kernels.to_dict(),
+                "world_size": self.dist.world_size,
+                "accumulation": self.dist.accumulation,
+                "distributed": self._split_record(),
+            }
+        )
         if init_from is not None:
-            info.setdefault("init_from", init_from)  # the weights the run started from (a resume keeps the first record)
+            info.setdefault(
+                "init_from", init_from
+            )  # the weights the run started from (a resume keeps the first record)
         info.setdefault("start_time", time.time())
-        info.setdefault("starts", []).append({
-            "time": time.time(), "git_sha": git_sha(), "tool_version": tool_version(), "step": self.step,
-            "resumed_from": str(resumed_from) if resumed_from else None, "torch": torch.__version__,
-            "world_size": self.dist.world_size, "accumulation": self.dist.accumulation,
-            "ranks": [{k: p[k] for k in ("rank", "host", "pid", "device")} for p in self.dist.peers],
-        })
+        info.setdefault("starts", []).append(
+            {
+                "time": time.time(),
+                "git_sha": git_sha(),
+                "tool_version": tool_version(),
+                "step": self.step,
+                "resumed_from": str(resumed_from) if resumed_from else None,
+                "torch": torch.__version__,
+                "world_size": self.dist.world_size,
+                "accumulation": self.dist.accumulation,
+                "ranks": [{k: p[k] for k in ("rank", "host", "pid", "device")} for p in self.dist.peers],
+            }
+        )
         info["git_sha"] = git_sha()
         info["tool_version"] = tool_version()
         atomic_write_json(str(info_path), info)
@@ -462,7 +555,9 @@ class Run(OnKernels):
         epoch 0's global batches fall to the ranks (`buckets.split_summary`)."""
         record = self.dist.describe()
         if self.dist.num_parts > 1:
-            record.update(split_summary(self.stream.lengths, self.stream.plan(0), self.dist.split, self.dist.world_size))
+            record.update(
+                split_summary(self.stream.lengths, self.stream.plan(0), self.dist.split, self.dist.world_size)
+            )
         return record
 
 
@@ -474,8 +569,12 @@ def _claim_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, object, list[Pat
     run_dir, created = _make_run_dir(cfg, dist)
     if dist.is_main:
         try:
-            lock = exclusive_lock(str(run_dir / ".train.lock"), what=f"the run directory {run_dir}",
-                                  hint="Two trainings into one run would corrupt its checkpoints and metrics: wait for the other, or choose another run_name.")
+            lock = exclusive_lock(
+                str(run_dir / ".train.lock"),
+                what=f"the run directory {run_dir}",
+                hint="Two trainings into one run would corrupt its checkpoints and metrics: wait for the other, "
+                "or choose another run_name.",
+            )
         except LockedError as exc:
             if dist.world_size == 1:
                 raise
@@ -504,7 +603,10 @@ def _make_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, list[Path]]:
     out = Path(cfg.out_dir).resolve()
     run_dir = (out / name).resolve()
     if run_dir.parent != out:  # run_name is a plain name, so only a symlink out_dir/NAME gets here
-        raise ValueError(f"config key 'run_name': '{out / name}' leads to '{run_dir}', outside out_dir '{out}'; choose another run_name")
+        raise ValueError(
+            f"config key 'run_name': '{out / name}' leads to '{run_dir}', outside out_dir '{out}'; choose another "
+            "run_name"
+        )
     if cfg.run_name is None:
         cfg.run_name = name
     # The directories this start creates (out_dir too, when new): a refused start removes them again.
@@ -517,9 +619,15 @@ def _make_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, list[Path]]:
             (run_dir / token).touch()
         dist.gather_objects(None)  # a barrier over the host group
         seen = (run_dir / token).exists()
-        problem = None if seen else (
-            f"config key 'out_dir': rank {dist.rank} on {dist.peers[dist.rank]['host']} does not see the run directory "
-            f"'{run_dir}' that rank 0 created; out_dir must be on a filesystem every node shares")
+        problem = (
+            None
+            if seen
+            else (
+                f"config key 'out_dir': rank {dist.rank} on {dist.peers[dist.rank]['host']} does not see the run "
+                "directory "
+                f"'{run_dir}' that rank 0 created; out_dir must be on a filesystem every node shares"
+            )
+        )
         try:
             dist.agree(problem)
         finally:
@@ -537,7 +645,7 @@ def train_step(run: Run, batch: Batch | Share, step: int, wait: float = 0.0) -> 
 
     `batch` is a whole batch (one process, no accumulation) or this rank's `Share` of the global
     batch; `wait` is how long this rank waited for it (reduced into the step's fetch time)."""
-    cfg, K = run.cfg, run.drafter_cfg.block_size
+    cfg = run.cfg
     lr = lr_at(step, run.total_steps, run.warmup_steps, cfg.optim.lr)
     share = batch if isinstance(batch, Share) else Share.of_batch(batch)
     whole = len(share.parts) == 1 and run.dist.world_size == 1  # the global batch is one micro-batch: no reductions
@@ -613,10 +721,20 @@ def _share_blocks(run: Run, share: Share, step: int) -> list[Blocks | None]:
 def _make_part_blocks(run: Run, batch: Batch, **given) -> Blocks:
     cfg = run.cfg
     return make_blocks(
-        batch.input_ids, batch.loss_mask, batch.lengths, batch.topk_ids,
-        block_size=run.drafter_cfg.block_size, num_anchors=cfg.loss.num_anchors, gamma=cfg.loss.gamma,
-        mask_token_id=run.drafter_cfg.mask_token_id, generator=None, labels=cfg.loss.labels,
-        topk_logprobs_BSk=batch.topk_logprobs, soft_targets=cfg.loss.kl_weight > 0, max_blocks=cfg.loss.max_blocks, **given,
+        batch.input_ids,
+        batch.loss_mask,
+        batch.lengths,
+        batch.topk_ids,
+        block_size=run.drafter_cfg.block_size,
+        num_anchors=cfg.loss.num_anchors,
+        gamma=cfg.loss.gamma,
+        mask_token_id=run.drafter_cfg.mask_token_id,
+        generator=None,
+        labels=cfg.loss.labels,
+        topk_logprobs_BSk=batch.topk_logprobs,
+        soft_targets=cfg.loss.kl_weight > 0,
+        max_blocks=cfg.loss.max_blocks,
+        **given,
     )
 
 
@@ -628,8 +746,13 @@ def _forward_backward(run: Run, batch: Batch, blocks: Blocks, weight_total: torc
     with run.kernels.autocast():
         out_BQD = run.forward(run.head.embed(blocks.block_ids_BQ), hidden_BSF, blocks.position_ids_BP, mask)
         stats = block_loss(
-            out_BQD, run.head.lm_head_VD, blocks, chunk_rows=cfg.loss.chunk_rows,
-            kl_weight=cfg.loss.kl_weight, kl_temperature=cfg.loss.kl_temperature, chunk_fn=run.chunk_fn,
+            out_BQD,
+            run.head.lm_head_VD,
+            blocks,
+            chunk_rows=cfg.loss.chunk_rows,
+            kl_weight=cfg.loss.kl_weight,
+            kl_temperature=cfg.loss.kl_temperature,
+            chunk_fn=run.chunk_fn,
             weight_total=weight_total,
         )
     stats.loss.backward()
@@ -639,15 +762,25 @@ def _forward_backward(run: Run, batch: Batch, blocks: Blocks, weight_total: torc
 def _local_sizes(share: Share, ran: list[Blocks], wait: float, K: int) -> list[float]:
     """[real tokens, samples, padded tokens, block tokens, wait] of this rank's parts."""
     parts = [p for p in share.parts if p is not None]
-    return [float(sum(p.real_tokens for p in parts)), float(sum(len(p.sample_ids) for p in parts)),
-            float(sum(p.padded_tokens for p in parts)), float(sum(b.num_blocks * K for b in ran)), float(wait)]
+    return [
+        float(sum(p.real_tokens for p in parts)),
+        float(sum(len(p.sample_ids) for p in parts)),
+        float(sum(p.padded_tokens for p in parts)),
+        float(sum(b.num_blocks * K for b in ran)),
+        float(wait),
+    ]
 
 
 def _sizes_from(rows_RN: np.ndarray) -> dict:
     """StepResult's size fields from the gathered `_local_sizes` of every rank (wait: the largest)."""
     tokens, samples, padded, block_tokens, _ = rows_RN.sum(axis=0)
-    return {"tokens": int(tokens), "samples": int(samples), "padded_tokens": int(padded),
-            "block_tokens": int(block_tokens), "wait": float(rows_RN[:, 4].max())}
+    return {
+        "tokens": int(tokens),
+        "samples": int(samples),
+        "padded_tokens": int(padded),
+        "block_tokens": int(block_tokens),
+        "wait": float(rows_RN[:, 4].max()),
+    }
 
 
 def _reduce_sizes(run: Run, share: Share, ran: list[Blocks], wait: float, whole: bool) -> dict:
@@ -665,18 +798,29 @@ def _reduce_step(run: Run, share: Share, ran: list[Blocks], parts_stats: list[Lo
     streak = sum(float(s.streak_sum) for s in parts_stats)
     blocks = sum(s.num_blocks for s in parts_stats)
     loss_value, norm_value = float(loss), float(grad_norm)
-    local = [loss_value if math.isfinite(loss_value) else 0.0, float(not math.isfinite(loss_value)),
-             float(not math.isfinite(norm_value)), streak, float(blocks), *correct_K.tolist(), *counted_K.tolist(),
-             *_local_sizes(share, ran, wait, K)]
+    local = [
+        loss_value if math.isfinite(loss_value) else 0.0,
+        float(not math.isfinite(loss_value)),
+        float(not math.isfinite(norm_value)),
+        streak,
+        float(blocks),
+        *correct_K.tolist(),
+        *counted_K.tolist(),
+        *_local_sizes(share, ran, wait, K),
+    ]
     rows = run.dist.gather(local)
     summed = rows.sum(axis=0)
     loss_value = float(summed[0]) if rows[:, 1].max() == 0 else math.nan
     if rows[:, 2].max() > 0:
         norm_value = math.nan
     n = 5 + 2 * K
-    stats = LossOutput(loss=torch.tensor(loss_value), correct_K=torch.from_numpy(summed[5:5 + K]),
-                       counted_K=torch.from_numpy(summed[5 + K:n]), streak_sum=torch.tensor(float(summed[3])),
-                       num_blocks=int(summed[4]))
+    stats = LossOutput(
+        loss=torch.tensor(loss_value),
+        correct_K=torch.from_numpy(summed[5 : 5 + K]),
+        counted_K=torch.from_numpy(summed[5 + K : n]),
+        streak_sum=torch.tensor(float(summed[3])),
+        num_blocks=int(summed[4]),
+    )
     return stats, loss_value, norm_value, _sizes_from(rows[:, n:])
 
 
@@ -728,8 +872,15 @@ def _wandb_run(cfg: TrainConfig, run_dir: Path):
         log.warning("log.wandb is true but wandb is not installed; logging to metrics.jsonl only")
         return None
     try:
-        return wandb.init(project=cfg.log.wandb_project, name=run_dir.name, id=run_dir.name, dir=str(run_dir),
-                          mode=cfg.log.wandb_mode, config=config_to_dict(cfg), resume="allow")
+        return wandb.init(
+            project=cfg.log.wandb_project,
+            name=run_dir.name,
+            id=run_dir.name,
+            dir=str(run_dir),
+            mode=cfg.log.wandb_mode,
+            config=config_to_dict(cfg),
+            resume="allow",
+        )
     except Exception as exc:  # noqa: BLE001 - the run works without wandb
         log.warning("wandb.init failed, logging to metrics.jsonl only: %s", exc)
         return None
@@ -738,7 +889,13 @@ def _wandb_run(cfg: TrainConfig, run_dir: Path):
 def _progress_bar(run: Run):
     from tqdm import tqdm
 
-    return tqdm(total=run.total_steps, initial=run.step, disable=not (run.cfg.log.progress and run.dist.is_main), unit="step", dynamic_ncols=True)
+    return tqdm(
+        total=run.total_steps,
+        initial=run.step,
+        disable=not (run.cfg.log.progress and run.dist.is_main),
+        unit="step",
+        dynamic_ncols=True,
+    )
 
 
 def train(cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | None = None) -> dict:
@@ -753,9 +910,17 @@ def train(cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | No
     saver = CheckpointWriter(run.run_dir / "checkpoints", cfg.checkpoint.keep_last) if main else None
     bar = _progress_bar(run)
     if main:
-        log.info("run %s: %d steps (%d per epoch), drafter %.1fM parameters, device %s, %d process(es) x %d micro-step(s) per step",
-                 run.run_dir, run.total_steps, run.stream.steps_per_epoch, run.drafter.num_parameters() / 1e6, run.device,
-                 run.dist.world_size, run.dist.accumulation)
+        log.info(
+            "run %s: %d steps (%d per epoch), drafter %.1fM parameters, device %s, %d process(es) x %d "
+            "micro-step(s) per step",
+            run.run_dir,
+            run.total_steps,
+            run.stream.steps_per_epoch,
+            run.drafter.num_parameters() / 1e6,
+            run.device,
+            run.dist.world_size,
+            run.dist.accumulation,
+        )
     step_end = time.perf_counter()
     step = run.step
     try:
@@ -769,7 +934,9 @@ def train(cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | No
             run.nonfinite_total += int(result.skipped and result.stats is not None)
             save_now = step % cfg.checkpoint.every == 0 or step == last
             if save_now:
-                positions = run.dist.check_in_step(batch.state, run.drafter)  # every rank's data position, checked equal
+                positions = run.dist.check_in_step(
+                    batch.state, run.drafter
+                )  # every rank's data position, checked equal
                 if main:
                     saver.save(run.snapshot(batch.state, positions))
             now = time.perf_counter()
@@ -778,9 +945,12 @@ def train(cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | No
             if main:
                 metrics.write(record)
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}" if record["loss"] is not None else "skip",
-                            tau=f"{record['tau']:.2f}" if record["tau"] is not None else "-",
-                            tok_s=f"{record['tok_s']:.0f}" if record["tok_s"] else "-", refresh=False)
+            bar.set_postfix(
+                loss=f"{record['loss']:.3f}" if record["loss"] is not None else "skip",
+                tau=f"{record['tau']:.2f}" if record["tau"] is not None else "-",
+                tok_s=f"{record['tok_s']:.0f}" if record["tok_s"] else "-",
+                refresh=False,
+            )
             if result.skipped and main:
                 log.warning("step %d skipped (%s); samples %s", step, result.skip_reason, batch.sample_ids)
             if run.nonfinite_in_row >= cfg.optim.max_nonfinite_in_row:
@@ -809,7 +979,9 @@ def train(cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | No
     # data.on_corrupt=skip: unreadable samples skipped by this process, per shard file.
     corrupt = {shard: len(ids) for shard, ids in sorted(getattr(run.stream, "corrupt_samples", {}).items())}
     if corrupt:
-        log.warning("skipped %d unreadable samples (data.on_corrupt=skip), per shard file: %s", sum(corrupt.values()), corrupt)
+        log.warning(
+            "skipped %d unreadable samples (data.on_corrupt=skip), per shard file: %s", sum(corrupt.values()), corrupt
+        )
     return {
         "run_dir": str(run.run_dir),
         "steps": run.step,

@@ -69,7 +69,19 @@ class ChunkedHeadLoss(torch.autograd.Function):
     """loss, argmax = f(hidden_MD) through a frozen head, never holding more than C x V logits."""
 
     @staticmethod
-    def forward(ctx, hidden_MD, head_VD, labels_M, w_M, soft_ids_Mk, soft_logprobs_Mk, kl_weight, temperature, chunk_rows, chunk_fn):
+    def forward(
+        ctx,
+        hidden_MD,
+        head_VD,
+        labels_M,
+        w_M,
+        soft_ids_Mk,
+        soft_logprobs_Mk,
+        kl_weight,
+        temperature,
+        chunk_rows,
+        chunk_fn,
+    ):
         M = hidden_MD.shape[0]
         compute = hidden_MD.detach().to(head_VD.dtype)
         grad_MD = torch.zeros(hidden_MD.shape, dtype=torch.float32, device=hidden_MD.device)
@@ -79,7 +91,9 @@ class ChunkedHeadLoss(torch.autograd.Function):
             rows = slice(start, min(start + chunk_rows, M))
             logits_CV = compute[rows] @ head_VD.t()
             soft = (soft_ids_Mk[rows], soft_logprobs_Mk[rows]) if soft_ids_Mk is not None else (None, None)
-            loss_c, dlogits_CV, preds_M[rows] = chunk_fn(logits_CV, labels_M[rows], w_M[rows], *soft, kl_weight, temperature)
+            loss_c, dlogits_CV, preds_M[rows] = chunk_fn(
+                logits_CV, labels_M[rows], w_M[rows], *soft, kl_weight, temperature
+            )
             total = total + loss_c
             grad_MD[rows] = (dlogits_CV @ head_VD).float()
             del logits_CV, dlogits_CV
@@ -96,11 +110,11 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
 @dataclasses.dataclass
 class LossOutput:
-    loss: torch.Tensor          # scalar with grad: sum(w * (CE + kl_weight * KL)) / sum(w)
-    correct_K: torch.Tensor     # float [K]: per block position, how many weighted positions the argmax got right
-    counted_K: torch.Tensor     # float [K]: per block position, how many positions had weight > 0
-    streak_sum: torch.Tensor    # float: sum over kept blocks of leading correct positions 1..K-1
-    num_blocks: int             # kept blocks
+    loss: torch.Tensor  # scalar with grad: sum(w * (CE + kl_weight * KL)) / sum(w)
+    correct_K: torch.Tensor  # float [K]: per block position, how many weighted positions the argmax got right
+    counted_K: torch.Tensor  # float [K]: per block position, how many positions had weight > 0
+    streak_sum: torch.Tensor  # float: sum over kept blocks of leading correct positions 1..K-1
+    num_blocks: int  # kept blocks
 
     def accuracy(self) -> list[float | None]:
         """Accuracy at block positions 1..K-1 (None where no position had weight)."""
@@ -155,7 +169,16 @@ def block_loss(
         soft_logp = blocks.soft_logprobs_BQk.reshape(-1, k).index_select(0, rows_M)
     hidden_MD = hidden_BQD.reshape(-1, D).index_select(0, rows_M)
     loss, preds_M = ChunkedHeadLoss.apply(
-        hidden_MD, head_VD, labels_M, w_M, soft_ids, soft_logp, float(kl_weight), float(kl_temperature), int(chunk_rows), chunk_fn
+        hidden_MD,
+        head_VD,
+        labels_M,
+        w_M,
+        soft_ids,
+        soft_logp,
+        float(kl_weight),
+        float(kl_temperature),
+        int(chunk_rows),
+        chunk_fn,
     )
     with torch.no_grad():
         correct_flat = torch.zeros(B * Q, dtype=torch.bool, device=hidden_BQD.device)
@@ -165,4 +188,6 @@ def block_loss(
         correct_K, counted_K, streak_sum = block_accuracy(
             correct_flat.view(B, N, K), valid_flat.view(B, N, K), blocks.keep_BN
         )
-    return LossOutput(loss=loss, correct_K=correct_K, counted_K=counted_K, streak_sum=streak_sum, num_blocks=blocks.num_blocks)
+    return LossOutput(
+        loss=loss, correct_K=correct_K, counted_K=counted_K, streak_sum=streak_sum, num_blocks=blocks.num_blocks
+    )

@@ -27,9 +27,28 @@ __all__ = ["STEP_KEYS", "SKIP_KEYS", "MetricsLog", "truncate_after", "read_metri
 log = logging.getLogger(__name__)
 
 STEP_KEYS = (
-    "step", "epoch", "time", "loss", "acc", "streak", "tau", "grad_norm", "clipped", "lr", "tokens",
-    "batch_tokens", "batch_samples", "block_tokens", "tok_s", "step_time", "fetch_frac", "pad_eff",
-    "bucket", "mean_len", "skipped", "ckpt",
+    "step",
+    "epoch",
+    "time",
+    "loss",
+    "acc",
+    "streak",
+    "tau",
+    "grad_norm",
+    "clipped",
+    "lr",
+    "tokens",
+    "batch_tokens",
+    "batch_samples",
+    "block_tokens",
+    "tok_s",
+    "step_time",
+    "fetch_frac",
+    "pad_eff",
+    "bucket",
+    "mean_len",
+    "skipped",
+    "ckpt",
 )
 SKIP_KEYS = ("skip_reason", "sample_ids")
 
@@ -59,7 +78,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def truncate_after(path: str | os.PathLike, step: int) -> int:
-    """Keep only the records with step <= `step` (a resumed run re-does the later ones); returns how many were dropped."""
+    """Keep only the records with step <= `step` (a resumed run re-does the later ones); returns how many were
+    dropped."""
     records = read_metrics(path)
     kept = [r for r in records if int(r.get("step", 0)) <= step]
     if Path(path).exists():  # rewrite even when nothing is dropped: it also removes a torn last line
@@ -78,7 +98,9 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         expected = set(STEP_KEYS) | (set(SKIP_KEYS) if record.get("skipped") else set())
-        assert set(record) == expected, f"metrics record keys differ from the contract: {sorted(set(record) ^ expected)}"
+        assert set(record) == expected, (
+            f"metrics record keys differ from the contract: {sorted(set(record) ^ expected)}"
+        )
         clean = {k: _finite_or_none(v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
@@ -86,7 +108,9 @@ class MetricsLog:
             self._mirror_to_wandb(clean)
 
     def _mirror_to_wandb(self, record: dict) -> None:
-        flat = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        flat = {
+            k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+        }
         flat.update({f"acc/{k}": v for k, v in enumerate(record.get("acc") or [], start=1) if v is not None})
         flat["skipped"] = int(bool(record["skipped"]))
         try:

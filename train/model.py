@@ -29,8 +29,16 @@ from torch import nn
 from train.attention import MaskRule, attend, position_mask
 
 __all__ = [
-    "DrafterConfig", "DFlashDrafter", "TargetHead", "RotaryEmbedding", "apply_rotary", "rope_settings",
-    "LAYER_TYPES", "LAYER_TYPE_PRESETS", "SLIDING_IN_BLOCK", "resolve_layer_types",
+    "DrafterConfig",
+    "DFlashDrafter",
+    "TargetHead",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "rope_settings",
+    "LAYER_TYPES",
+    "LAYER_TYPE_PRESETS",
+    "SLIDING_IN_BLOCK",
+    "resolve_layer_types",
 ]
 
 # rope types whose frequencies depend only on the config (not on the running sequence length).
@@ -57,7 +65,10 @@ def resolve_layer_types(spec: str | list[str] | None, num_layers: int) -> list[s
         return [FULL_ATTENTION] * num_layers
     if isinstance(spec, str):
         if spec not in LAYER_TYPE_PRESETS:
-            raise ValueError(f"unknown layer_types preset {spec!r}; presets: {', '.join(LAYER_TYPE_PRESETS)}, or a list of {', '.join(LAYER_TYPES)}")
+            raise ValueError(
+                f"unknown layer_types preset {spec!r}; presets: {', '.join(LAYER_TYPE_PRESETS)}, or a list of "
+                f"{', '.join(LAYER_TYPES)}"
+            )
         return LAYER_TYPE_PRESETS[spec](num_layers)
     types = [str(t) for t in spec]
     bad = sorted(set(types) - set(LAYER_TYPES))
@@ -134,8 +145,17 @@ class DrafterConfig:
 
     def check(self) -> None:
         """ValueError naming the field for a shape that cannot work."""
-        positive = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers", "block_size")
+        positive = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "num_target_layers",
+            "block_size",
+        )
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"drafter config '{name}' must be >= 1, got {getattr(self, name)}")
@@ -154,26 +174,48 @@ class DrafterConfig:
         if bad:
             raise ValueError(f"drafter config 'target_layer_ids' {bad} outside 0..{self.num_target_layers - 1}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"drafter config 'mask_token_id' {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}")
+            raise ValueError(
+                f"drafter config 'mask_token_id' {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}"
+            )
         if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise ValueError(f"drafter config 'partial_rotary_factor' must be in (0, 1], got {self.partial_rotary_factor}")
+            raise ValueError(
+                f"drafter config 'partial_rotary_factor' must be in (0, 1], got {self.partial_rotary_factor}"
+            )
         if self.rotary_dim % 2 or self.rotary_dim < 2:
-            raise ValueError(f"drafter config: rotary dims head_dim*partial_rotary_factor = {self.rotary_dim} must be even and >= 2")
+            raise ValueError(
+                f"drafter config: rotary dims head_dim*partial_rotary_factor = {self.rotary_dim} must be even and >= 2"
+            )
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         if kind not in _STATIC_ROPE_TYPES:
-            raise ValueError(f"drafter config 'rope_scaling': rope_type {kind!r} is not supported (supported: {', '.join(_STATIC_ROPE_TYPES)})")
+            raise ValueError(
+                f"drafter config 'rope_scaling': rope_type {kind!r} is not supported (supported: "
+                f"{', '.join(_STATIC_ROPE_TYPES)})"
+            )
         if self.projection is not None:
             full = self.n_taps * (self.target_hidden_size or self.hidden_size)
-            if not isinstance(self.projection, dict) or self.projection.get("in_width") != full or not self.projection.get("out_width"):
-                raise ValueError(f"drafter config 'projection' must map the {full} tap features (n_taps x target hidden), got {self.projection!r}")
+            if (
+                not isinstance(self.projection, dict)
+                or self.projection.get("in_width") != full
+                or not self.projection.get("out_width")
+            ):
+                raise ValueError(
+                    f"drafter config 'projection' must map the {full} tap features (n_taps x target hidden), got "
+                    f"{self.projection!r}"
+                )
         if self.hidden_act != "silu":
             raise ValueError(f"drafter config 'hidden_act' must be 'silu' (Qwen3 MLP), got {self.hidden_act!r}")
         if self.sliding_in_block not in SLIDING_IN_BLOCK:
-            raise ValueError(f"drafter config 'sliding_in_block' must be one of {SLIDING_IN_BLOCK}, got {self.sliding_in_block!r}")
+            raise ValueError(
+                f"drafter config 'sliding_in_block' must be one of {SLIDING_IN_BLOCK}, got {self.sliding_in_block!r}"
+            )
         if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
-            raise ValueError(f"drafter config 'sliding_window' must be >= 1 with sliding_attention layers, got {self.sliding_window}")
+            raise ValueError(
+                f"drafter config 'sliding_window' must be >= 1 with sliding_attention layers, got {self.sliding_window}"
+            )
         if SLIDING_ATTENTION not in self.layer_types and self.sliding_window is not None:
-            raise ValueError("drafter config 'sliding_window' is set but no layer is sliding_attention (set layer_types)")
+            raise ValueError(
+                "drafter config 'sliding_window' is set but no layer is sliding_attention (set layer_types)"
+            )
 
     @property
     def n_taps(self) -> int:
@@ -283,8 +325,11 @@ def _rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
     kind = params.pop("rope_type", params.pop("type", "default"))
     params.update(rope_type=kind, rope_theta=cfg.rope_theta, partial_rotary_factor=cfg.partial_rotary_factor)
     hf = Qwen3Config(
-        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=params,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=params,
     )
     inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf, None)
     assert inv_freq.numel() * 2 == dim, (inv_freq.shape, dim)
@@ -302,7 +347,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids_BP: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs_BPh = position_ids_BP[..., None].float() * self.inv_freq.float()
         angles_BPR = torch.cat((freqs_BPh, freqs_BPh), dim=-1)
-        return (angles_BPR.cos() * self.attention_scaling).to(dtype), (angles_BPR.sin() * self.attention_scaling).to(dtype)
+        return (angles_BPR.cos() * self.attention_scaling).to(dtype), (angles_BPR.sin() * self.attention_scaling).to(
+            dtype
+        )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -462,7 +509,9 @@ class DFlashDrafter(nn.Module):
         if attn_mask is None:
             q_pos_BQ = position_ids_BP[:, context_len:]
             return {t: position_mask(q_pos_BQ, position_ids_BP, rule) for t, rule in self._mask_rules.items()}
-        assert self._one_mask_fits_all, f"layer types {list(self._mask_rules)} need one mask each (train.attention.build_layer_masks)"
+        assert self._one_mask_fits_all, (
+            f"layer types {list(self._mask_rules)} need one mask each (train.attention.build_layer_masks)"
+        )
         return {t: attn_mask for t in self._mask_rules}
 
     def num_parameters(self) -> int:

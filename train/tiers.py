@@ -19,7 +19,9 @@ import torch
 
 from shards.quant import QuantizedHidden, decode_pieces, parse_encoding, scales_to_torch
 
-PROJECTION_CHOICES_HELP = "auto = the dataset's projection (if any), none = refuse a projected dataset, or a projection checksum"
+PROJECTION_CHOICES_HELP = (
+    "auto = the dataset's projection (if any), none = refuse a projected dataset, or a projection checksum"
+)
 
 
 @dataclasses.dataclass
@@ -50,7 +52,10 @@ class CompactHidden:
 
     def to(self, device, non_blocking: bool = False) -> torch.Tensor:
         spec = parse_encoding(self.encoding)
-        pairs = [(c.to(device, non_blocking=non_blocking), s.to(device, non_blocking=non_blocking)) for c, s in zip(self.codes, self.scales)]
+        pairs = [
+            (c.to(device, non_blocking=non_blocking), s.to(device, non_blocking=non_blocking))
+            for c, s in zip(self.codes, self.scales)
+        ]
         return decode_pieces(pairs, spec, torch.bfloat16)
 
     def dequantize(self) -> torch.Tensor:
@@ -110,11 +115,17 @@ def projection_problems(manifest: dict, expected: dict | None) -> list[str]:
     if have is None and expected is None:
         return []
     if have is None:
-        return [f"manifest has no 'projection' (full tap features) but the drafter config expects projected features "
-                f"(projection checksum {expected.get('checksum')}, {expected.get('in_width')} -> {expected.get('out_width')})"]
+        return [
+            f"manifest has no 'projection' (full tap features) but the drafter config expects projected features "
+            f"(projection checksum {expected.get('checksum')}, {expected.get('in_width')} -> "
+            f"{expected.get('out_width')})"
+        ]
     if expected is None:
-        return [f"manifest field 'projection' = {have['checksum']} ({have['in_width']} -> {have['out_width']} features) but the drafter "
-                "config expects full tap features (model.projection = none, or a checkpoint trained without projection)"]
+        return [
+            f"manifest field 'projection' = {have['checksum']} ({have['in_width']} -> {have['out_width']} "
+            "features) but the drafter "
+            "config expects full tap features (model.projection = none, or a checkpoint trained without projection)"
+        ]
     return [
         f"manifest field 'projection.{key}' = {have.get(key)!r} but the drafter config expects {expected.get(key)!r}"
         for key in ("checksum", "in_width", "out_width")
@@ -151,8 +162,10 @@ def fold_projection(state: dict[str, torch.Tensor], cfg, projection) -> tuple[di
         return state, cfg
     expected = cfg.projection
     if projection.out_width != expected["out_width"] or projection.in_width != expected["in_width"]:
-        raise ValueError(f"projection maps {projection.in_width} -> {projection.out_width}, the drafter expects "
-                         f"{expected['in_width']} -> {expected['out_width']}")
+        raise ValueError(
+            f"projection maps {projection.in_width} -> {projection.out_width}, the drafter expects "
+            f"{expected['in_width']} -> {expected['out_width']}"
+        )
     weight = state["fc.weight"]
     folded = dict(state)
     folded["fc.weight"] = projection.fold(weight).to(weight.dtype)
@@ -172,19 +185,28 @@ def projection_for_drafter(cfg, shards_root: str | None, override: str | None = 
 
         projection, data = load_projection_file(override)
         if bytes_digest(data) != want:
-            raise ValueError(f"projection file {override!r} has checksum {bytes_digest(data)}, the drafter was trained with {want}")
+            raise ValueError(
+                f"projection file {override!r} has checksum {bytes_digest(data)}, the drafter was trained with {want}"
+            )
         return projection
     if not shards_root:
-        raise ValueError(f"the drafter reads projected features (projection {want}) and its training dataset is unknown: "
-                         "pass the projection file (--projection PATH)")
+        raise ValueError(
+            f"the drafter reads projected features (projection {want}) and its training dataset is unknown: "
+            "pass the projection file (--projection PATH)"
+        )
     fs, root = resolve(shards_root)
     if not exists(fs, join(root, PROJECTION_FILE)):
-        raise ValueError(f"the drafter reads projected features (projection {want}) but its training dataset '{shards_root}' has no "
-                         f"{PROJECTION_FILE} (moved?): pass the projection file (--projection PATH)")
+        raise ValueError(
+            f"the drafter reads projected features (projection {want}) but its training dataset '{shards_root}' has no "
+            f"{PROJECTION_FILE} (moved?): pass the projection file (--projection PATH)"
+        )
     entry = load_manifest(fs, root).get("projection") or {}
     if entry.get("checksum") != want:
-        raise ValueError(f"the drafter was trained with projection {want}, dataset '{shards_root}' now holds {entry.get('checksum')}: "
-                         "pass the right projection file (--projection PATH)")
+        raise ValueError(
+            f"the drafter was trained with projection {want}, dataset '{shards_root}' now holds "
+            f"{entry.get('checksum')}: "
+            "pass the right projection file (--projection PATH)"
+        )
     return load_projection(shards_root, entry)
 
 

@@ -68,7 +68,7 @@ def read_drafter_dir(path: str | os.PathLike) -> tuple[DrafterConfig, dict[str, 
         raise ValueError(f"config key 'model.init_from': no {MODEL_FILE} in '{path}'")
     state = load_file(str(model_path))
     if state and all(name.startswith("model.") for name in state):  # some trainers save under a `model.` prefix
-        state = {name[len("model."):]: tensor for name, tensor in state.items()}
+        state = {name[len("model.") :]: tensor for name, tensor in state.items()}
     return cfg, state
 
 
@@ -89,7 +89,10 @@ def config_differences(found: DrafterConfig, expected: DrafterConfig, found_in: 
     out = []
     for key in sorted(set(a) | set(b)):
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
-            out.append(f"{key}: {a.get(key, '<absent>')!r} in {found_in}, {b.get(key, '<absent>')!r} here ({SOURCES.get(key, key)})")
+            out.append(
+                f"{key}: {a.get(key, '<absent>')!r} in {found_in}, {b.get(key, '<absent>')!r} here "
+                f"({SOURCES.get(key, key)})"
+            )
     return out
 
 
@@ -99,11 +102,16 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
 
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
-        raise ValueError(f"config key 'model.init_from': no {CONFIG_FILE} in '{path}' (a DFlash drafter directory has config.json and model.safetensors)")
+        raise ValueError(
+            f"config key 'model.init_from': no {CONFIG_FILE} in '{path}' (a DFlash drafter directory has "
+            "config.json and model.safetensors)"
+        )
     try:
         return drafter_config_from_export(json.loads(config_path.read_text()))
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"config key 'model.init_from': '{config_path}' is not a DFlash drafter config: {exc}") from None
+        raise ValueError(
+            f"config key 'model.init_from': '{config_path}' is not a DFlash drafter config: {exc}"
+        ) from None
 
 
 def check_init_from(path: str | os.PathLike, expected: DrafterConfig) -> DrafterConfig:
@@ -111,8 +119,10 @@ def check_init_from(path: str | os.PathLike, expected: DrafterConfig) -> Drafter
     found = read_drafter_config(path)
     differences = config_differences(found, expected)
     if differences:
-        raise ValueError(f"config key 'model.init_from': the drafter in '{path}' is not the drafter this run trains:\n  "
-                         + "\n  ".join(differences))
+        raise ValueError(
+            f"config key 'model.init_from': the drafter in '{path}' is not the drafter this run trains:\n  "
+            + "\n  ".join(differences)
+        )
     return found
 
 

@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"regenerate: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        print(f"regenerate: I/O error, stopping: {err}. Finished records are in the journal; rerun the same command to resume.", file=sys.stderr)
+        print(
+            f"regenerate: I/O error, stopping: {err}. Finished records are in the journal; rerun the same command "
+            "to resume.",
+            file=sys.stderr,
+        )
         return 4
     if summary.get("rank", 0) != 0:
         return 0 if summary.get("stopped") is None and not summary["counts"]["failed"] else 4
@@ -54,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     counts = summary["counts"] if summary.get("already_complete") else summary["corpus_counts"]
     if counts["stored"] == 0:
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts.get("rejected_by_reason", {}).items())) or "the corpus holds no records"
+        reasons = (
+            ", ".join(f"{k} {v}" for k, v in sorted(counts.get("rejected_by_reason", {}).items()))
+            or "the corpus holds no records"
+        )
         print(f"regenerate: no record could be stored ({reasons}); see {cfg.out}/rejects.jsonl", file=sys.stderr)
         return 3
     return 0

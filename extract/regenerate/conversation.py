@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
 import xxhash
 
@@ -93,7 +92,10 @@ class Renderer:
 
     def __init__(self, tokenizer, thinking: str, generation_kwargs: dict, extraction_kwargs: dict):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("target: the tokenizer has no chat_template; regeneration renders prompts with the target's own template")
+            raise ValueError(
+                "target: the tokenizer has no chat_template; regeneration renders prompts with the target's own "
+                "template"
+            )
         self.tokenizer, self.thinking = tokenizer, thinking
         self.generation_kwargs, self.extraction_kwargs = dict(generation_kwargs), dict(extraction_kwargs)
 
@@ -101,10 +103,14 @@ class Renderer:
         kwargs = self.extraction_kwargs if for_extraction else self.generation_kwargs
         return self.render(messages, tools, kwargs, add_generation_prompt=True)
 
-    def render(self, messages: list[dict], tools: list | None, kwargs: dict, *, add_generation_prompt: bool = False) -> str:
+    def render(
+        self, messages: list[dict], tools: list | None, kwargs: dict, *, add_generation_prompt: bool = False
+    ) -> str:
         extra = {**kwargs, "tools": tools} if tools else dict(kwargs)
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+            )
         except Exception as err:  # noqa: BLE001 - a template may raise anything (jinja raise_exception)
             raise RecordError(TEMPLATE_ERROR, f"{type(err).__name__}: {err}") from None
 
@@ -156,7 +162,15 @@ class Conversation:
         self.tools: list | None = None
         self.record_id = f"position-{raw.position}"
         self.outcome: Outcome | None = None
-        self.stats = {"answers": 0, "answer_tokens": 0, "prompt_tokens": 0, "at_cap": 0, "at_repeat": 0, "cut": 0, "turns_cut": 0}
+        self.stats = {
+            "answers": 0,
+            "answer_tokens": 0,
+            "prompt_tokens": 0,
+            "at_cap": 0,
+            "at_repeat": 0,
+            "cut": 0,
+            "turns_cut": 0,
+        }
         self.answer_lengths: list[int] = []  # tokens of each stored answer
         self._prompt: tuple[str, list[int]] | None = None
         try:
@@ -169,14 +183,19 @@ class Conversation:
             raise RecordError(*raw.error)
         kind, chat = parse_record(raw.record, answers_required=False)
         if kind != "chat":
-            raise RecordError(NOT_A_CHAT, f"a {kind!r} record has no prompt to answer; regeneration reads chats "
-                                          "(messages, conversations, prompt [+ response])")
+            raise RecordError(
+                NOT_A_CHAT,
+                f"a {kind!r} record has no prompt to answer; regeneration reads chats "
+                "(messages, conversations, prompt [+ response])",
+            )
         self.tools = chat.tools
         self.record_id = record_id(raw.position, chat.messages, chat.tools)
         self.turns, cut = prompt_turns(chat.messages)
         self.stats["turns_cut"] = int(cut)
         if not self.turns or not any(m["role"] == "user" for m in self.turns[0]):
-            raise RecordError(NO_USER_TURN, "no user turn before the first answer" + (" (it follows a tool result)" if cut else ""))
+            raise RecordError(
+                NO_USER_TURN, "no user turn before the first answer" + (" (it follows a tool result)" if cut else "")
+            )
 
     # -- driving --------------------------------------------------------------------------------
 
@@ -211,7 +230,9 @@ class Conversation:
             self.outcome = Outcome(self.position, self.source, self.record_id, record=record, stats=dict(self.stats))
 
     def reject(self, reason: str, detail: str) -> None:
-        self.outcome = Outcome(self.position, self.source, self.record_id, reason=reason, detail=detail, stats=dict(self.stats))
+        self.outcome = Outcome(
+            self.position, self.source, self.record_id, reason=reason, detail=detail, stats=dict(self.stats)
+        )
 
     # -- one answer -----------------------------------------------------------------------------
 
@@ -242,15 +263,22 @@ class Conversation:
         text = self.renderer.prompt_text(messages, self.tools, for_extraction=True)
         return text, self.renderer.encode(text)
 
-    def _fitted_message(self, generated: Generated, messages, prompt_text: str, prompt_ids: list[int]) -> tuple[dict, int]:
+    def _fitted_message(
+        self, generated: Generated, messages, prompt_text: str, prompt_ids: list[int]
+    ) -> tuple[dict, int]:
         ids = self._stored_ids(generated, prompt_text, prompt_ids)
         if not ids:
-            raise RecordError(EMPTY_ANSWER, f"answer {self.stats['answers'] + 1} is empty (the target ended its turn at once)")
+            raise RecordError(
+                EMPTY_ANSWER, f"answer {self.stats['answers'] + 1} is empty (the target ended its turn at once)"
+            )
         thinking_open = self.renderer.thinking == "keep" and _opens_thinking(prompt_text)
         kept = fitted_length(self.renderer, messages, self.tools, prompt_text, prompt_ids, ids, thinking_open)
         if kept == 0:
-            raise RecordError(NOT_REPRODUCIBLE, f"answer {self.stats['answers'] + 1}: no prefix of its {len(ids)} tokens renders and "
-                                                "tokenizes back to itself through the chat template")
+            raise RecordError(
+                NOT_REPRODUCIBLE,
+                f"answer {self.stats['answers'] + 1}: no prefix of its {len(ids)} tokens renders and "
+                "tokenizes back to itself through the chat template",
+            )
         self.stats["cut"] += int(kept < len(ids))
         return answer_message(self.renderer.decode(ids[:kept]), self.renderer.thinking, thinking_open), kept
 
@@ -262,15 +290,21 @@ class Conversation:
         if self.renderer.thinking == "strip":
             if THINK_CLOSE not in text:
                 if _opens_thinking(self.prompt()[0]) or text.lstrip().startswith(THINK_OPEN):
-                    raise RecordError(THINKING_NOT_CLOSED, f"answer {self.stats['answers'] + 1} never closed its thinking "
-                                                           f"({THINK_CLOSE}); nothing is left after stripping it")
+                    raise RecordError(
+                        THINKING_NOT_CLOSED,
+                        f"answer {self.stats['answers'] + 1} never closed its thinking "
+                        f"({THINK_CLOSE}); nothing is left after stripping it",
+                    )
             else:
                 text = text.split(THINK_CLOSE, 1)[1].lstrip("\n")
         # Text from a server, or the stripped part: its ids are how the text tokenizes after the prompt.
         ids = self.renderer.encode(prompt_text + text)
         if ids[: len(prompt_ids)] != prompt_ids:
-            raise RecordError(NOT_REPRODUCIBLE, f"answer {self.stats['answers'] + 1} merges into the prompt's last token when tokenized")
-        return ids[len(prompt_ids):]
+            raise RecordError(
+                NOT_REPRODUCIBLE,
+                f"answer {self.stats['answers'] + 1} merges into the prompt's last token when tokenized",
+            )
+        return ids[len(prompt_ids) :]
 
     def _chat_message(self, reply: dict, messages, prompt_text: str, prompt_ids: list[int]) -> tuple[dict, int]:
         """Chat API: the server's parsed message, kept as it is (content, reasoning per `thinking`,
@@ -289,7 +323,10 @@ class Conversation:
             raise RecordError(EMPTY_ANSWER, f"answer {self.stats['answers'] + 1} is empty")
         rendered = self.renderer.render(messages + [message], self.tools, self.renderer.extraction_kwargs)
         if not rendered.startswith(prompt_text):
-            raise RecordError(NOT_REPRODUCIBLE, f"answer {self.stats['answers'] + 1}: the conversation with it does not render after its prompt")
+            raise RecordError(
+                NOT_REPRODUCIBLE,
+                f"answer {self.stats['answers'] + 1}: the conversation with it does not render after its prompt",
+            )
         ids = self.renderer.encode(rendered)
         return message, max(0, len(ids) - len(prompt_ids))
 
@@ -305,19 +342,31 @@ def answer_message(text: str, thinking: str, thinking_open: bool) -> dict:
         return {"role": "assistant", "content": text}
     if THINK_CLOSE in text:
         reasoning, content = text.split(THINK_CLOSE, 1)
-        return {"role": "assistant", "content": content.lstrip("\n"), "reasoning_content": reasoning.split(THINK_OPEN, 1)[-1].strip("\n")}
+        return {
+            "role": "assistant",
+            "content": content.lstrip("\n"),
+            "reasoning_content": reasoning.split(THINK_OPEN, 1)[-1].strip("\n"),
+        }
     if thinking_open or text.lstrip().startswith(THINK_OPEN):  # cut inside the thinking
         return {"role": "assistant", "content": "", "reasoning_content": text.split(THINK_OPEN, 1)[-1].strip("\n")}
     return {"role": "assistant", "content": text}
 
 
-def fitted_length(renderer: Renderer, messages: list[dict], tools, prompt_text: str, prompt_ids: list[int], ids: list[int],
-                  thinking_open: bool = False) -> int:
+def fitted_length(
+    renderer: Renderer,
+    messages: list[dict],
+    tools,
+    prompt_text: str,
+    prompt_ids: list[int],
+    ids: list[int],
+    thinking_open: bool = False,
+) -> int:
     """The longest n such that the first n answer tokens, stored as a message and rendered with the
     conversation (as extraction renders it), give back exactly `prompt_text` + their text, and that
     text tokenizes back to exactly `prompt_ids + ids[:n]`. Tried from the longest down: survival is
     not monotone in n (a cut past the first difference can survive again), and only the few
     answers that do not survive whole pay."""
+
     def survives(n: int) -> bool:
         text = renderer.decode(ids[:n])
         if renderer.encode(prompt_text + text) != prompt_ids + ids[:n]:

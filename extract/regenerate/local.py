@@ -64,8 +64,15 @@ def pad_token_id(tokenizer) -> int:
 
 
 def generate_answers(
-    model, prompts: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set[int], pad_id: int,
-    sampling: Sampling = Sampling(), seeds: Sequence[int] | None = None, on_batch: Callable[[int], None] | None = None,
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    stop_ids: set[int],
+    pad_id: int,
+    sampling: Sampling = Sampling(),
+    seeds: Sequence[int] | None = None,
+    on_batch: Callable[[int], None] | None = None,
     stop_repeat: int = 0,
 ) -> list[tuple[list[int], str]]:
     """(tokens before the first stop token, how the answer ended: see `generate_batch`) per prompt,
@@ -75,8 +82,12 @@ def generate_answers(
     for at in range(0, len(order), batch_size):
         batch = order[at : at + batch_size]
         batch_seeds = None if seeds is None else [seeds[i] for i in batch]
-        for i, answer in zip(batch, generate_batch(model, [prompts[i] for i in batch], max_new_tokens, stop_ids, pad_id, sampling, batch_seeds,
-                                                   stop_repeat)):
+        for i, answer in zip(
+            batch,
+            generate_batch(
+                model, [prompts[i] for i in batch], max_new_tokens, stop_ids, pad_id, sampling, batch_seeds, stop_repeat
+            ),
+        ):
             results[i] = answer
         if on_batch is not None:
             on_batch(len(batch))
@@ -84,8 +95,14 @@ def generate_answers(
 
 
 def generate_batch(
-    model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], pad_id: int,
-    sampling: Sampling = Sampling(), seeds: Sequence[int] | None = None, stop_repeat: int = 0,
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    pad_id: int,
+    sampling: Sampling = Sampling(),
+    seeds: Sequence[int] | None = None,
+    stop_repeat: int = 0,
 ) -> list[tuple[list[int], str]]:
     """Decoding of left-padded prompts with a KV cache (see the module docstring). Each answer ends
     before its first stop token ("stop"), where it starts looping if `stop_repeat` > 0 ("repeat":
@@ -116,7 +133,11 @@ def generate_batch(
         last = positions[:, -1:]
         for step in range(max_new_tokens):
             cache, logits = cache_of(out), out.logits[:, -1]
-            next_ids = logits.argmax(-1) if generators is None else sample_rows(logits, sampling, [generators[row] for row in alive])
+            next_ids = (
+                logits.argmax(-1)
+                if generators is None
+                else sample_rows(logits, sampling, [generators[row] for row in alive])
+            )
             next_list = next_ids.tolist()
             looping = watch.push(next_list) if watch else [False] * len(alive)
             for row, token, loops in zip(alive, next_list, looping):
@@ -140,7 +161,13 @@ def generate_batch(
                 alive = [alive[n] for n in running]
             mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
             last = last + 1
-            out = model(input_ids=next_ids[:, None], attention_mask=mask, position_ids=last, use_cache=True, **{cache_kwarg: cache})
+            out = model(
+                input_ids=next_ids[:, None],
+                attention_mask=mask,
+                position_ids=last,
+                use_cache=True,
+                **{cache_kwarg: cache},
+            )
     return [(t, end or "cap") for t, end in zip(tokens, ends)]
 
 
@@ -182,7 +209,9 @@ def sample_rows(logits_RV: "torch.Tensor", sampling: Sampling, generators: list)
         before_RV = sorted_RV.softmax(-1).cumsum(-1) - sorted_RV.softmax(-1)  # mass of the tokens ranked above
         drop_RV = before_RV >= sampling.top_p  # the top token is always kept
         scores_RV = scores_RV.scatter(-1, order_RV, sorted_RV.masked_fill(drop_RV, float("-inf")))
-    uniform_RV = torch.stack([torch.rand(scores_RV.shape[-1], generator=g, device=scores_RV.device) for g in generators])
+    uniform_RV = torch.stack(
+        [torch.rand(scores_RV.shape[-1], generator=g, device=scores_RV.device) for g in generators]
+    )
     gumbel_RV = -torch.log(-torch.log(uniform_RV.clamp(min=1e-20, max=1 - 1e-7)))
     return (scores_RV.log_softmax(-1) + gumbel_RV).argmax(-1)
 
@@ -210,15 +239,31 @@ class LocalGenerator:
         self.pad_id = pad_token_id(self.tokenizer)
 
 
-def answer_window(conversations: list[Conversation], generator: LocalGenerator, on_batch: Callable[[int], None] | None = None) -> None:
+def answer_window(
+    conversations: list[Conversation], generator: LocalGenerator, on_batch: Callable[[int], None] | None = None
+) -> None:
     """Answer every conversation, turn by turn (all answers of one depth batched together)."""
     while True:
         todo = [c for c in conversations if c.wants_turn()]
         if not todo:
             return
         prompts = [c.prompt()[1] for c in todo]
-        seeds = None if generator.sampling.greedy else [answer_seed(generator.seed, c.record_id, c.stats["answers"]) for c in todo]
-        answers = generate_answers(generator.model, prompts, generator.max_new_tokens, generator.batch_size, generator.stop_ids,
-                                   generator.pad_id, generator.sampling, seeds, on_batch, generator.stop_repeat)
+        seeds = (
+            None
+            if generator.sampling.greedy
+            else [answer_seed(generator.seed, c.record_id, c.stats["answers"]) for c in todo]
+        )
+        answers = generate_answers(
+            generator.model,
+            prompts,
+            generator.max_new_tokens,
+            generator.batch_size,
+            generator.stop_ids,
+            generator.pad_id,
+            generator.sampling,
+            seeds,
+            on_batch,
+            generator.stop_repeat,
+        )
         for conversation, (ids, end) in zip(todo, answers):
             conversation.finish_turn(Generated(ids=ids, at_cap=end == "cap", at_repeat=end == "repeat"))

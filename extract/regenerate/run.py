@@ -71,18 +71,24 @@ def target_fingerprint(target_dir: str, tokenizer) -> dict:
         "model_type": config.get("model_type"),
         "weights_digest": weights_digest(target_dir),
         "tokenizer_hash": tokenizer_digest(tokenizer),
-        "chat_template_hash": text_digest(tokenizer.chat_template) if isinstance(tokenizer.chat_template, str) else None,
+        "chat_template_hash": text_digest(tokenizer.chat_template)
+        if isinstance(tokenizer.chat_template, str)
+        else None,
     }
 
 
 def journal_header(cfg: RegenerateConfig, target: dict, fingerprint: dict) -> dict:
     """What decides the corpus: a resume must match it exactly."""
-    return {"settings": dataset_keys(cfg), "target": {k: v for k, v in target.items() if k != "name_or_path"},
-            "corpus": {"hash": fingerprint["hash"]}}
+    return {
+        "settings": dataset_keys(cfg),
+        "target": {k: v for k, v in target.items() if k != "name_or_path"},
+        "corpus": {"hash": fingerprint["hash"]},
+    }
 
 
 def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
-    """Regenerate `cfg.corpus` into `cfg.out`; returns this rank's summary (`model`/`tokenizer`: already loaded ones)."""
+    """Regenerate `cfg.corpus` into `cfg.out`; returns this rank's summary (`model`/`tokenizer`: already loaded
+    ones)."""
     entered = time.perf_counter()
     corpus = check_inputs(cfg)
     info = rank_info(cfg)
@@ -112,8 +118,11 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
     if done is not None:
         problems = store.header_problems(done.get("journal_header"), header)
         if problems:
-            raise ValueError(f"{out}: holds a finished regenerated corpus made with other settings: " + "; ".join(problems) +
-                             ". Choose another out directory.")
+            raise ValueError(
+                f"{out}: holds a finished regenerated corpus made with other settings: "
+                + "; ".join(problems)
+                + ". Choose another out directory."
+            )
         log.info("%s: already complete (%d records stored); nothing to do", out, done["counts"]["stored"])
         return {"complete": True, "already_complete": True, "counts": done["counts"], "out": out}
     with store.lock_rank(out, info.rank):
@@ -159,8 +168,19 @@ class Tally:
         from tqdm.auto import tqdm
 
         self.journal = journal
-        self.counts = {"records_seen": 0, "records_owned": 0, "already_done": 0, "stored": 0, "rejected": 0, "failed": 0,
-                       "answers": 0, "answer_tokens": 0, "prompt_tokens": 0, "answers_at_cap": 0, "answers_cut": 0}
+        self.counts = {
+            "records_seen": 0,
+            "records_owned": 0,
+            "already_done": 0,
+            "stored": 0,
+            "rejected": 0,
+            "failed": 0,
+            "answers": 0,
+            "answer_tokens": 0,
+            "prompt_tokens": 0,
+            "answers_at_cap": 0,
+            "answers_cut": 0,
+        }
         self.rejected_by_reason: dict[str, int] = {}
         self.failures: list[dict] = []
         self.bar = tqdm(total=total, desc=desc, unit="rec", disable=not enabled, dynamic_ncols=True, smoothing=0.05)
@@ -173,8 +193,13 @@ class Tally:
         stats = outcome.stats
         if outcome.record is not None:
             self.counts["stored"] += 1
-            for key, name in (("answers", "answers"), ("answer_tokens", "answer_tokens"), ("prompt_tokens", "prompt_tokens"),
-                              ("at_cap", "answers_at_cap"), ("cut", "answers_cut")):
+            for key, name in (
+                ("answers", "answers"),
+                ("answer_tokens", "answer_tokens"),
+                ("prompt_tokens", "prompt_tokens"),
+                ("at_cap", "answers_at_cap"),
+                ("cut", "answers_cut"),
+            ):
                 self.counts[name] += stats.get(key, 0)
         else:
             self.counts["rejected"] += 1
@@ -183,8 +208,13 @@ class Tally:
 
     def failed(self, conversation: Conversation, detail: str) -> None:
         self.counts["failed"] += 1
-        entry = {"id": conversation.record_id, "position": conversation.position, "source": conversation.source,
-                 "status": "failed", "detail": detail}
+        entry = {
+            "id": conversation.record_id,
+            "position": conversation.position,
+            "source": conversation.source,
+            "status": "failed",
+            "detail": detail,
+        }
         self.journal.append(entry)
         if len(self.failures) < 20:
             self.failures.append(entry)
@@ -201,7 +231,9 @@ class Tally:
         self.bar.set_postfix(postfix, refresh=False)
 
 
-def _conversations(cfg, corpus, renderer, info: RankInfo, tally: Tally, done: set[str], seen: list) -> Iterator[Conversation]:
+def _conversations(
+    cfg, corpus, renderer, info: RankInfo, tally: Tally, done: set[str], seen: list
+) -> Iterator[Conversation]:
     """This rank's conversations that still need answers; bad records go to the journal at once."""
     for raw in reading.iter_records(corpus, streaming=cfg.streaming, max_records=cfg.max_records):
         seen[0] += 1
@@ -222,10 +254,23 @@ def _conversations(cfg, corpus, renderer, info: RankInfo, tally: Tally, done: se
 def _answer_rank(cfg, corpus, fingerprint, renderer, journal, info: RankInfo, backend, model, entered: float) -> dict:
     done = store.done_ids(cfg.out)
     total = fingerprint["records"]
-    tally = Tally(journal, None if total is None else -(-total // info.world), cfg.progress and info.rank == 0,
-                  f"regenerate ({cfg.backend})" + (f" rank {info.rank}/{info.world}" if info.world > 1 else ""))
-    journal.append({"status": "run", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rank": info.rank, "world_size": info.world,
-                    "backend": cfg.backend, "urls": list(cfg.urls), "model": cfg.model})
+    tally = Tally(
+        journal,
+        None if total is None else -(-total // info.world),
+        cfg.progress and info.rank == 0,
+        f"regenerate ({cfg.backend})" + (f" rank {info.rank}/{info.world}" if info.world > 1 else ""),
+    )
+    journal.append(
+        {
+            "status": "run",
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "rank": info.rank,
+            "world_size": info.world,
+            "backend": cfg.backend,
+            "urls": list(cfg.urls),
+            "model": cfg.model,
+        }
+    )
     seen = [0]
     conversations = _conversations(cfg, corpus, renderer, info, tally, done, seen)
     stop = None
@@ -240,12 +285,20 @@ def _answer_rank(cfg, corpus, fingerprint, renderer, journal, info: RankInfo, ba
     counts = tally.counts
     counts["records_seen"] = seen[0]
     summary = {
-        "rank": info.rank, "world_size": info.world, "backend": cfg.backend, "out": os.path.abspath(cfg.out),
-        "counts": counts, "rejected_by_reason": tally.rejected_by_reason, "failures": tally.failures,
-        "seconds": round(seconds, 3), "startup_seconds": round(tally.started - entered, 3),
+        "rank": info.rank,
+        "world_size": info.world,
+        "backend": cfg.backend,
+        "out": os.path.abspath(cfg.out),
+        "counts": counts,
+        "rejected_by_reason": tally.rejected_by_reason,
+        "failures": tally.failures,
+        "seconds": round(seconds, 3),
+        "startup_seconds": round(tally.started - entered, 3),
         "records_per_s": round((counts["stored"] + counts["rejected"]) / max(seconds, 1e-9), 3),
         "answer_tokens_per_s": round(counts["answer_tokens"] / max(seconds, 1e-9), 1),
-        **backend_stats, "stopped": stop, "complete": False,
+        **backend_stats,
+        "stopped": stop,
+        "complete": False,
     }
     if stop is None and counts["failed"] == 0:
         journal.append({"status": "run_finished", "rank": info.rank, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
@@ -257,8 +310,14 @@ def _run_local(cfg, renderer, conversations: Iterator[Conversation], tally: Tall
 
     if model is None:
         model = load_local_model(cfg, info)
-    generator = LocalGenerator(model, renderer.tokenizer, cfg.max_new_tokens, cfg.batch_size,
-                               Sampling(cfg.temperature, cfg.top_p, cfg.top_k), cfg.seed)
+    generator = LocalGenerator(
+        model,
+        renderer.tokenizer,
+        cfg.max_new_tokens,
+        cfg.batch_size,
+        Sampling(cfg.temperature, cfg.top_p, cfg.top_k),
+        cfg.seed,
+    )
     batches = 0
     window: list[Conversation] = []
 
@@ -276,7 +335,11 @@ def _run_local(cfg, renderer, conversations: Iterator[Conversation], tally: Tall
             flush()
     if window:
         flush()
-    return {"windows": batches, "device": str(model.get_input_embeddings().weight.device), "dtype": str(next(model.parameters()).dtype)}
+    return {
+        "windows": batches,
+        "device": str(model.get_input_embeddings().weight.device),
+        "dtype": str(next(model.parameters()).dtype),
+    }
 
 
 def load_local_model(cfg: RegenerateConfig, info: RankInfo):
@@ -289,8 +352,13 @@ def load_local_model(cfg: RegenerateConfig, info: RankInfo):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', info.rank))}" if torch.cuda.is_available() else "cpu"
     elif device == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', info.rank))}"
-    target = load_target(cfg.target, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
-                         trust_remote_code=cfg.trust_remote_code, device=device)
+    target = load_target(
+        cfg.target,
+        dtype=cfg.dtype,
+        attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+        device=device,
+    )
     return target.model
 
 
@@ -338,24 +406,49 @@ def _commit_if_finished(cfg, out: str, corpus, fingerprint, target: dict, header
     return {"complete": True, "finished_records": records, "total_records": records, "corpus_counts": counts}
 
 
-def build_provenance(cfg: RegenerateConfig, corpus, fingerprint: dict, target: dict, header: dict, runs: list[dict]) -> dict:
+def build_provenance(
+    cfg: RegenerateConfig, corpus, fingerprint: dict, target: dict, header: dict, runs: list[dict]
+) -> dict:
     """regenerate.json: what extraction carries into its manifest (docs/regenerate.md)."""
     urls = sorted({url for run in runs for url in run.get("urls", [])})
-    backend = {"kind": cfg.backend, "model": cfg.model or None, "api": cfg.api if cfg.backend == "server" else None,
-               "endpoints": urls, "world_sizes": sorted({run.get("world_size", 1) for run in runs})}
+    backend = {
+        "kind": cfg.backend,
+        "model": cfg.model or None,
+        "api": cfg.api if cfg.backend == "server" else None,
+        "endpoints": urls,
+        "world_sizes": sorted({run.get("world_size", 1) for run in runs}),
+    }
     if cfg.backend == "local":
         backend.update(dtype=cfg.dtype, device=cfg.device)
     return {
-        "format": FORMAT, "version": VERSION, "data_file": store.DATA_FILE, "rejects_file": store.REJECTS_FILE,
-        "target": target, "backend": backend,
-        "sampling": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-                     "seed": cfg.seed, "at_cap": cfg.at_cap},
+        "format": FORMAT,
+        "version": VERSION,
+        "data_file": store.DATA_FILE,
+        "rejects_file": store.REJECTS_FILE,
+        "target": target,
+        "backend": backend,
+        "sampling": {
+            "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "top_k": cfg.top_k,
+            "seed": cfg.seed,
+            "at_cap": cfg.at_cap,
+        },
         "thinking": {"mode": cfg.thinking, "generation_chat_template_kwargs": cfg.generation_template_kwargs()},
         "chat_template_kwargs": cfg.extraction_template_kwargs(),
-        "corpus": {"source": cfg.corpus, "format": corpus.format, "hash": fingerprint["hash"], "files": fingerprint["files"],
-                   "records": fingerprint["records"]},
-        "config": config_to_dict(cfg), "journal_header": header, "runs": runs,
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **tool_provenance(),
+        "corpus": {
+            "source": cfg.corpus,
+            "format": corpus.format,
+            "hash": fingerprint["hash"],
+            "files": fingerprint["files"],
+            "records": fingerprint["records"],
+        },
+        "config": config_to_dict(cfg),
+        "journal_header": header,
+        "runs": runs,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **tool_provenance(),
     }
 
 
@@ -367,19 +460,29 @@ def _write_summary(out: str, info: RankInfo, summary: dict) -> None:
 def format_summary(summary: dict) -> str:
     if summary.get("already_complete"):
         c = summary["counts"]
-        return f"{summary['out']}: already complete: {c['stored']:,} records stored, {c['rejected']:,} rejected; nothing to do"
+        return (
+            f"{summary['out']}: already complete: {c['stored']:,} records stored, {c['rejected']:,} rejected; "
+            "nothing to do"
+        )
     c = summary["counts"]
     lines = [
-        f"regenerated {c['stored'] + c['rejected']:,} records this run in {summary['seconds']:.1f} s ({summary['records_per_s']:.2f} records/s): "
-        f"{c['stored']:,} stored, {c['rejected']:,} rejected, {c['failed']:,} failed; {c['already_done']:,} were already done",
-        f"answers: {c['answers']:,} ({c['answer_tokens']:,} tokens, {summary['answer_tokens_per_s']:,.0f} tok/s; prompts {c['prompt_tokens']:,} tokens); "
-        f"{c['answers_at_cap']:,} reached max_new_tokens, {c['answers_cut']:,} cut to what the template and tokenizer give back",
+        f"regenerated {c['stored'] + c['rejected']:,} records this run in {summary['seconds']:.1f} s "
+        f"({summary['records_per_s']:.2f} records/s): "
+        f"{c['stored']:,} stored, {c['rejected']:,} rejected, {c['failed']:,} failed; {c['already_done']:,} were "
+        "already done",
+        f"answers: {c['answers']:,} ({c['answer_tokens']:,} tokens, {summary['answer_tokens_per_s']:,.0f} tok/s; "
+        f"prompts {c['prompt_tokens']:,} tokens); "
+        f"{c['answers_at_cap']:,} reached max_new_tokens, {c['answers_cut']:,} cut to what the template and "
+        "tokenizer give back",
     ]
     if summary.get("rejected_by_reason"):
         lines.append("rejected: " + ", ".join(f"{k} {v:,}" for k, v in sorted(summary["rejected_by_reason"].items())))
     if "requests" in summary:
-        lines.append(f"requests: {summary['requests']:,} ({summary['retries']:,} retries) to " +
-                     ", ".join(f"{url} {n:,}" for url, n in summary["by_url"].items()) + f"; model {summary.get('model')!r}")
+        lines.append(
+            f"requests: {summary['requests']:,} ({summary['retries']:,} retries) to "
+            + ", ".join(f"{url} {n:,}" for url, n in summary["by_url"].items())
+            + f"; model {summary.get('model')!r}"
+        )
     if summary.get("torn_bytes_discarded"):
         lines.append(f"resumed after a kill: discarded {summary['torn_bytes_discarded']} bytes of a torn journal line")
     if summary.get("stopped"):
@@ -388,11 +491,15 @@ def format_summary(summary: dict) -> str:
         lines.append(f"failed: {failure['source']}: {failure['detail']}")
     if summary.get("complete"):
         cc = summary["corpus_counts"]
-        lines.append(f"committed {os.path.join(summary['out'], store.DATA_FILE)}: {cc['stored']:,} records "
-                     f"({cc['rejected']:,} rejected, listed in {store.REJECTS_FILE}); provenance in {store.PROVENANCE_FILE}")
+        lines.append(
+            f"committed {os.path.join(summary['out'], store.DATA_FILE)}: {cc['stored']:,} records "
+            f"({cc['rejected']:,} rejected, listed in {store.REJECTS_FILE}); provenance in {store.PROVENANCE_FILE}"
+        )
     elif summary.get("rank", 0) == 0 and "total_records" in summary:
-        lines.append(f"not complete: {summary['finished_records']:,} of {summary['total_records']:,} records finished; "
-                     "rerun the same command to finish the rest")
+        lines.append(
+            f"not complete: {summary['finished_records']:,} of {summary['total_records']:,} records finished; "
+            "rerun the same command to finish the rest"
+        )
     return "\n".join(lines)
 
 

@@ -79,7 +79,12 @@ class ServerBackend:
 
         key = os.environ.get(self.cfg.api_key_env) or "EMPTY"
         self.endpoints = [
-            Endpoint(url, openai.AsyncOpenAI(base_url=url.rstrip("/"), api_key=key, max_retries=0, timeout=self.cfg.request_timeout_s))
+            Endpoint(
+                url,
+                openai.AsyncOpenAI(
+                    base_url=url.rstrip("/"), api_key=key, max_retries=0, timeout=self.cfg.request_timeout_s
+                ),
+            )
             for url in self.cfg.urls
         ]
         self.stats.by_url = {e.url: 0 for e in self.endpoints}
@@ -101,7 +106,10 @@ class ServerBackend:
                     raise ServerStop(f"{endpoint.url}: serves no model")
                 self.model = listed[0]
             elif listed and self.model not in listed:
-                raise ServerStop(f"{endpoint.url}: does not serve model {self.model!r}; it serves {', '.join(map(repr, listed))} (config key 'model')")
+                raise ServerStop(
+                    f"{endpoint.url}: does not serve model {self.model!r}; it serves "
+                    f"{', '.join(map(repr, listed))} (config key 'model')"
+                )
         return self.model
 
     async def preflight(self, conversation: Conversation) -> None:
@@ -110,7 +118,9 @@ class ServerBackend:
             try:
                 await self._send(endpoint, conversation, max_tokens=1)
             except Exception as err:  # noqa: BLE001
-                raise ServerStop(f"{endpoint.url}: the first request failed, so every request would: {describe_error(err)}") from None
+                raise ServerStop(
+                    f"{endpoint.url}: the first request failed, so every request would: {describe_error(err)}"
+                ) from None
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -192,12 +202,18 @@ class ServerBackend:
         """Stop once `max_consecutive_failures` records in a row failed or were refused (checked after
         each such record is written down)."""
         if self._consecutive_failures >= self.cfg.max_consecutive_failures:
-            raise ServerStop(f"{self._consecutive_failures} records in a row failed or were refused; the last: {self.last_failure}")
+            raise ServerStop(
+                f"{self._consecutive_failures} records in a row failed or were refused; the last: {self.last_failure}"
+            )
 
     # -- driving --------------------------------------------------------------------------------
 
-    async def run(self, conversations: Iterable[Conversation], on_done: Callable[[Conversation], None],
-                  on_failed: Callable[[Conversation, str], None]) -> None:
+    async def run(
+        self,
+        conversations: Iterable[Conversation],
+        on_done: Callable[[Conversation], None],
+        on_failed: Callable[[Conversation, str], None],
+    ) -> None:
         """Answer every conversation, `max_in_flight` requests at once; `on_done` as each finishes."""
         limit = asyncio.Semaphore(self.cfg.max_in_flight)
         tasks: set[asyncio.Task] = set()

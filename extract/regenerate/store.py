@@ -35,7 +35,7 @@ import logging
 import os
 import time
 
-from common.io import atomic_write_json, commit, remove_temp_files, temp_name, resolve
+from common.io import atomic_write_json, commit, remove_temp_files, resolve, temp_name
 from common.locks import Lock, exclusive_lock
 
 log = logging.getLogger(__name__)
@@ -53,13 +53,18 @@ def journal_name(rank: int) -> str:
 
 def lock_rank(out: str, rank: int) -> Lock:
     return exclusive_lock(
-        os.path.join(out, f".rank{rank:03d}.lock"), what=f"the regenerated corpus {out} (rank {rank})",
+        os.path.join(out, f".rank{rank:03d}.lock"),
+        what=f"the regenerated corpus {out} (rank {rank})",
         hint="Wait for it to finish, or stop it; a killed run leaves nothing locked.",
     )
 
 
 def journal_files(out: str) -> list[str]:
-    return sorted(f for f in os.listdir(out) if f.startswith("journal.rank") and f.endswith(".jsonl")) if os.path.isdir(out) else []
+    return (
+        sorted(f for f in os.listdir(out) if f.startswith("journal.rank") and f.endswith(".jsonl"))
+        if os.path.isdir(out)
+        else []
+    )
 
 
 @dataclasses.dataclass
@@ -98,7 +103,10 @@ def scan_journal(path: str) -> JournalScan:
             try:
                 item = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ValueError(f"{path}:{n}: not a journal line ({err}); the journal is damaged: move it away to start this rank afresh") from None
+                raise ValueError(
+                    f"{path}:{n}: not a journal line ({err}); the journal is damaged: move it away to start this "
+                    "rank afresh"
+                ) from None
             if n == 1:
                 if not isinstance(item, dict) or item.get("journal") != JOURNAL_VERSION:
                     raise ValueError(f"{path}: the first line is not a version-{JOURNAL_VERSION} journal header")
@@ -107,7 +115,15 @@ def scan_journal(path: str) -> JournalScan:
                 if item["id"] in scan.finished:
                     scan.duplicates += 1
                 else:
-                    scan.finished[item["id"]] = Finished(item["position"], item["status"], path, offset, len(line), item.get("stats", {}), item.get("reason"))
+                    scan.finished[item["id"]] = Finished(
+                        item["position"],
+                        item["status"],
+                        path,
+                        offset,
+                        len(line),
+                        item.get("stats", {}),
+                        item.get("reason"),
+                    )
             elif item.get("status") == "run":
                 scan.runs.append(item)
             offset += len(line)
@@ -129,7 +145,11 @@ class Journal:
         for name, scan in scan_all(out).items():  # every rank's: a resume may change the world size
             problems = header_problems(scan.header, header)
             if problems and scan.finished:
-                raise ValueError(f"{out}: cannot resume: " + "; ".join(problems) + f" ({name}). Use the same settings, or another out directory.")
+                raise ValueError(
+                    f"{out}: cannot resume: "
+                    + "; ".join(problems)
+                    + f" ({name}). Use the same settings, or another out directory."
+                )
         if os.path.exists(self.path):
             scan = scan_journal(self.path)
             size, complete = os.path.getsize(self.path), scan.complete_bytes
@@ -230,7 +250,12 @@ def commit_corpus(out: str, expected_records: int, provenance: dict) -> dict:
                 if entry.status == "ok":
                     data.write(json.dumps(item["record"], ensure_ascii=False) + "\n")
                 else:
-                    rejects.write(json.dumps({k: item[k] for k in ("position", "source", "reason", "detail", "id")}, ensure_ascii=False) + "\n")
+                    rejects.write(
+                        json.dumps(
+                            {k: item[k] for k in ("position", "source", "reason", "detail", "id")}, ensure_ascii=False
+                        )
+                        + "\n"
+                    )
     finally:
         for journal in journals.values():
             journal.close()
@@ -245,8 +270,18 @@ def commit_corpus(out: str, expected_records: int, provenance: dict) -> dict:
 
 def count_entries(entries: list[Finished]) -> dict:
     """Records stored and rejected (by reason), answers, tokens, answers at the cap or cut."""
-    counts = {"records": len(entries), "stored": 0, "rejected": 0, "rejected_by_reason": {}, "answers": 0, "answer_tokens": 0,
-              "prompt_tokens": 0, "answers_at_cap": 0, "answers_cut": 0, "records_cut_at_tool_turn": 0}
+    counts = {
+        "records": len(entries),
+        "stored": 0,
+        "rejected": 0,
+        "rejected_by_reason": {},
+        "answers": 0,
+        "answer_tokens": 0,
+        "prompt_tokens": 0,
+        "answers_at_cap": 0,
+        "answers_cut": 0,
+        "records_cut_at_tool_turn": 0,
+    }
     for entry in entries:
         stats = entry.stats
         if entry.status == "ok":
@@ -280,8 +315,10 @@ def regeneration_of(corpus_path: str) -> tuple[str, dict] | None:
     provenance_path = os.path.join(directory, PROVENANCE_FILE)
     if not os.path.isfile(provenance_path):
         if named is None and journal_files(directory):
-            raise ValueError(f"corpus: '{corpus_path}' is a regeneration that has not finished (journals, no {PROVENANCE_FILE}); "
-                             "rerun its `python -m extract.regenerate` command to finish it")
+            raise ValueError(
+                f"corpus: '{corpus_path}' is a regeneration that has not finished (journals, no {PROVENANCE_FILE}); "
+                "rerun its `python -m extract.regenerate` command to finish it"
+            )
         return None
     with open(provenance_path, encoding="utf-8") as f:
         provenance = json.load(f)

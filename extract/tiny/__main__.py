@@ -2,7 +2,6 @@
 matching build is cached.
 """
 
-
 from __future__ import annotations
 
 import os

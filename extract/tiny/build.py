@@ -3,7 +3,6 @@ artifacts, the Python version), the build into a temporary directory renamed int
 lock that makes concurrent callers wait for one build.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -196,5 +195,6 @@ def regen_summary_lines(regen: dict[str, Any] | None) -> list[str]:
         f"{skipped} without a user turn skipped), {answers} greedy answers, "
         f"median {train['answer_length'].get('p50')} tokens, {at_repeat} cut where they start repeating, "
         f"{at_cap} cut at {regen['max_new_tokens']}; {regen['seconds']:.0f} s on {regen.get('device', 'cpu')}",
-        f"held-out regenerated answer tokens equal to the target's greedy token: {regen['heldout_answer_greedy_agreement']:.4f}",
+        "held-out regenerated answer tokens equal to the target's greedy token: "
+        f"{regen['heldout_answer_greedy_agreement']:.4f}",
     ]

@@ -2,14 +2,12 @@
 Qwen3's special tokens and a Qwen3-style chat template (see the package docstring).
 """
 
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions: importing this module does no work
     import transformers
-
 
 
 EOS_TOKEN = "<|endoftext|>"
@@ -44,7 +42,8 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- "
+    "endif -%}"
     "{%- endif -%}"
 )
 
@@ -75,7 +74,9 @@ def build_chat_tokenizer(texts: list[str], vocab_size: int) -> "transformers.Pre
     n_added = len(SPECIAL_TOKENS) + len(THINK_TOKENS)
     n_bytes = len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < n_bytes + n_added:
-        raise ValueError(f"vocab_size must be at least {n_bytes + n_added} (256 bytes + {n_added} added tokens), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be at least {n_bytes + n_added} (256 bytes + {n_added} added tokens), got {vocab_size}"
+        )
     if not texts or not any(texts):
         raise ValueError("build_chat_tokenizer needs some non-empty training text")
 

@@ -67,7 +67,10 @@ def deterministic_cuda(noticed: list[str]) -> Iterator[None]:
 
     # Read when cuBLAS first runs in this process; ":4096:8" is the setting torch's docs give.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         with warnings.catch_warnings(record=True) as caught, sdpa_kernel(SDPBackend.MATH):

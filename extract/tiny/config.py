@@ -2,7 +2,6 @@
 file), and the tap layer ids it recommends for its target.
 """
 
-
 from __future__ import annotations
 
 import math
@@ -20,38 +19,67 @@ class TinyConfig:
 
     out_dir: str = knob("artifacts/tiny", help="where target/, corpus/ and build.json go")
     seed: int = knob(0, help="seed of the corpus draw, the held-out split, the model init and the batch order", min=0)
-    heldout_fraction: float = knob(0.06, help="share of corpus records held out (offline evaluation, speculative-decoding prompts)", min=0.01, max=0.5)
-    vocab_size: int = knob(4096, help="tokenizer size, special tokens included (an upper bound on a small corpus)", min=300, max=65536)
+    heldout_fraction: float = knob(
+        0.06,
+        help="share of corpus records held out (offline evaluation, speculative-decoding prompts)",
+        min=0.01,
+        max=0.5,
+    )
+    vocab_size: int = knob(
+        4096, help="tokenizer size, special tokens included (an upper bound on a small corpus)", min=300, max=65536
+    )
     hidden_size: int = knob(128, help="target hidden width", min=16, max=4096)
     intermediate_size: int = knob(384, help="target MLP width", min=16, max=16384)
     num_layers: int = knob(8, help="target decoder layers", min=2, max=64)
     num_heads: int = knob(2, help="attention query heads", min=1, max=64)
     num_kv_heads: int = knob(1, help="attention key/value heads (divides num_heads)", min=1, max=64)
     head_dim: int = knob(64, help="width of one attention head", min=8, max=256)
-    n_taps: int = knob(4, help="how many tap layer ids to recommend (evenly spread, never the last layer)", min=1, max=16)
+    n_taps: int = knob(
+        4, help="how many tap layer ids to recommend (evenly spread, never the last layer)", min=1, max=16
+    )
     steps: int = knob(1000, help="optimizer steps of target training", min=0)
-    batch_tokens: int = knob(1024, help="padded tokens per training batch (sequences of similar length are batched together)", min=64)
+    batch_tokens: int = knob(
+        1024, help="padded tokens per training batch (sequences of similar length are batched together)", min=64
+    )
     max_len: int = knob(
-        512, help="training sequences are cut to their first max_len tokens. The regenerated answers (prompt + at most "
-        "regen_max_new_tokens) stay below 512 tokens, so 512 trains the target where it is used: 4.4 passes over what is "
+        512,
+        help="training sequences are cut to their first max_len tokens. The regenerated answers (prompt + at most "
+        "regen_max_new_tokens) stay below 512 tokens, so 512 trains the target where it is used: 4.4 passes over "
+        "what is "
         "left instead of 3.5 over 2048-token samples, in the same time; held-out next-token accuracy 0.26 against 0.24 "
-        "over the first 512 tokens, 0.17 against 0.15 on answer tokens", min=16,
+        "over the first 512 tokens, 0.17 against 0.15 on answer tokens",
+        min=16,
     )
     lr: float = knob(3e-3, help="peak AdamW learning rate (linear warmup, cosine decay to 10%)", min=0.0, max=1.0)
     warmup_steps: int = knob(40, help="learning-rate warmup steps", min=0)
     weight_decay: float = knob(0.1, help="AdamW weight decay on matrices", min=0.0, max=1.0)
-    regen_max_new_tokens: int = knob(256, help="cap on each target-regenerated answer (greedy answers that hit it are truncated)", min=1, max=4096)
-    regen_batch: int = knob(128, help="prompts per batch of the greedy regeneration (left-padded; larger is faster on CPU up to ~128)", min=1)
+    regen_max_new_tokens: int = knob(
+        256, help="cap on each target-regenerated answer (greedy answers that hit it are truncated)", min=1, max=4096
+    )
+    regen_batch: int = knob(
+        128,
+        help="prompts per batch of the greedy regeneration (left-padded; larger is faster on CPU up to ~128)",
+        min=1,
+    )
     regen_stop_repeat: int = knob(
-        16, help="cut a regenerated answer where it starts looping: once its last n >= max(this, p) tokens repeat the p tokens "
-        f"before them (any period p <= {REPEAT_MAX_PERIOD}); 0 = answers end only at the stop token or the cap", min=0, max=4096,
+        16,
+        help="cut a regenerated answer where it starts looping: once its last n >= max(this, p) tokens repeat the "
+        "p tokens "
+        f"before them (any period p <= {REPEAT_MAX_PERIOD}); 0 = answers end only at the stop token or the cap",
+        min=0,
+        max=4096,
     )
-    device: Literal["auto", "cpu", "cuda"] = knob("auto", help="where the target trains and answers; auto = cuda when torch sees a GPU")
+    device: Literal["auto", "cpu", "cuda"] = knob(
+        "auto", help="where the target trains and answers; auto = cuda when torch sees a GPU"
+    )
     precision: Literal["auto", "fp32", "bf16"] = knob(
-        "auto", help="training compute: bf16 autocast (fast where the CPU has bf16 instructions), fp32, or auto "
-        "(bf16 on a GPU or a CPU with bf16 instructions, else fp32)"
+        "auto",
+        help="training compute: bf16 autocast (fast where the CPU has bf16 instructions), fp32, or auto "
+        "(bf16 on a GPU or a CPU with bf16 instructions, else fp32)",
     )
-    threads: int = knob(0, help="torch CPU threads; 0 = common.device.small_model_threads() (OMP_NUM_THREADS, else at most 4)", min=0)
+    threads: int = knob(
+        0, help="torch CPU threads; 0 = common.device.small_model_threads() (OMP_NUM_THREADS, else at most 4)", min=0
+    )
     force: bool = knob(False, help="rebuild even when a matching build exists")
 
     def check(self) -> None:

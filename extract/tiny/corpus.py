@@ -3,7 +3,6 @@ reference topics, module and object docstrings), built deterministically (`build
 JSONL reading and writing.
 """
 
-
 from __future__ import annotations
 
 import builtins
@@ -21,16 +20,89 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 DOC_MODULES = (
-    "abc", "argparse", "ast", "base64", "bisect", "builtins", "calendar", "cmd", "codecs",
-    "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses",
-    "datetime", "decimal", "difflib", "dis", "doctest", "email", "enum", "filecmp", "fnmatch",
-    "fractions", "ftplib", "functools", "getopt", "glob", "graphlib", "gzip", "hashlib", "heapq",
-    "html", "imaplib", "inspect", "io", "ipaddress", "itertools", "json", "logging", "math",
-    "mimetypes", "netrc", "numbers", "operator", "optparse", "pathlib", "pdb", "pickle",
-    "plistlib", "pprint", "queue", "random", "re", "sched", "secrets", "shlex", "shutil",
-    "smtplib", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap",
-    "threading", "timeit", "tokenize", "trace", "traceback", "types", "typing", "unittest",
-    "urllib.parse", "uuid", "warnings", "wave", "weakref", "zipfile", "zlib",
+    "abc",
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "builtins",
+    "calendar",
+    "cmd",
+    "codecs",
+    "collections",
+    "colorsys",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "dis",
+    "doctest",
+    "email",
+    "enum",
+    "filecmp",
+    "fnmatch",
+    "fractions",
+    "ftplib",
+    "functools",
+    "getopt",
+    "glob",
+    "graphlib",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "html",
+    "imaplib",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "math",
+    "mimetypes",
+    "netrc",
+    "numbers",
+    "operator",
+    "optparse",
+    "pathlib",
+    "pdb",
+    "pickle",
+    "plistlib",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "trace",
+    "traceback",
+    "types",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "wave",
+    "weakref",
+    "zipfile",
+    "zlib",
 )
 BUILTIN_TYPES = ("str", "bytes", "list", "tuple", "dict", "set", "frozenset", "int", "float", "complex", "range")
 
@@ -303,6 +375,7 @@ def assistant(content: str) -> dict:
 def split_heldout(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
     """The `fraction` of records with the smallest hashes is held out: the split depends on the
     records themselves, not on their order, and its size is exact."""
+
     def key(record: dict) -> bytes:
         return hashlib.sha256(f"{seed}|{json.dumps(record, sort_keys=True)}".encode()).digest()
 

@@ -8,7 +8,6 @@ poorly. So every user turn is re-answered by the saved target, greedily, on the 
 exactly as `train.serve.specdecode.prompts_from_jsonl` renders it.
 """
 
-
 from __future__ import annotations
 
 import os
@@ -37,7 +36,14 @@ def answer_prompt(tokenizer, messages: list[dict]) -> str:
 
 
 def regenerate_records(
-    model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 64, *, stop_repeat: int = 0, progress: bool = False
+    model,
+    tokenizer,
+    records: list[dict],
+    max_new_tokens: int,
+    batch_size: int = 64,
+    *,
+    stop_repeat: int = 0,
+    progress: bool = False,
 ) -> tuple[list[dict], dict[str, Any]]:
     """(records, stats): every record's user turns answered by `model`'s greedy decoding, through
     the `local` backend of `python -m extract.regenerate` (`extract.regenerate.local`, one window
@@ -59,16 +65,21 @@ def regenerate_records(
 
     no_thinking = {"enable_thinking": False}
     renderer = Renderer(tokenizer, "disable", no_thinking, no_thinking)
-    conversations = [Conversation(RawRecord(i, f"record {i}", record), renderer, at_cap="keep") for i, record in enumerate(records)]
+    conversations = [
+        Conversation(RawRecord(i, f"record {i}", record), renderer, at_cap="keep") for i, record in enumerate(records)
+    ]
     generator = LocalGenerator(model, tokenizer, max_new_tokens, batch_size, stop_repeat=stop_repeat)
     with tqdm(desc="regenerate answers", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
         answer_window(conversations, generator, on_batch=bar.update)
     outcomes = [c.outcome for c in conversations]
     reasons = [o.reason for o in outcomes]
     stats: dict[str, Any] = {
-        "records_in": len(records), "skipped_no_user_turn": sum(r in (NOT_A_CHAT, NO_USER_TURN) for r in reasons),
-        "dropped_empty_answer": reasons.count(EMPTY_ANSWER), "dropped_no_round_trip": sum(r not in (None, NOT_A_CHAT, NO_USER_TURN, EMPTY_ANSWER) for r in reasons),
-        "answers": sum(o.stats["answers"] for o in outcomes), "answers_at_cap": sum(o.stats["at_cap"] for o in outcomes),
+        "records_in": len(records),
+        "skipped_no_user_turn": sum(r in (NOT_A_CHAT, NO_USER_TURN) for r in reasons),
+        "dropped_empty_answer": reasons.count(EMPTY_ANSWER),
+        "dropped_no_round_trip": sum(r not in (None, NOT_A_CHAT, NO_USER_TURN, EMPTY_ANSWER) for r in reasons),
+        "answers": sum(o.stats["answers"] for o in outcomes),
+        "answers_at_cap": sum(o.stats["at_cap"] for o in outcomes),
         "answers_cut_at_repeat": sum(o.stats["at_repeat"] for o in outcomes),
         "answers_cut_to_round_trip": sum(o.stats["cut"] for o in outcomes),
     }
@@ -82,11 +93,20 @@ def quantiles(values: list[int]) -> dict[str, int]:
     if not values:
         return {}
     ordered = sorted(values)
-    return {name: ordered[round(q * (len(ordered) - 1))] for name, q in (("min", 0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1))}
+    return {
+        name: ordered[round(q * (len(ordered) - 1))]
+        for name, q in (("min", 0), ("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1))
+    }
 
 
 def greedy_answers(
-    model, prompts: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set[int], pad_id: int, stop_repeat: int = 0,
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    stop_ids: set[int],
+    pad_id: int,
+    stop_repeat: int = 0,
 ) -> list[tuple[list[int], str]]:
     """(tokens, how the answer ended: "stop", "repeat" or "cap") of greedy decoding per prompt
     (`extract.regenerate.local.generate_answers`, the regeneration's own batched decoding)."""
@@ -96,7 +116,12 @@ def greedy_answers(
 
 
 def regenerate_corpus(
-    target_dir: str | os.PathLike, train: list[dict], heldout: list[dict], cfg: TinyConfig | None = None, *, progress: bool = True
+    target_dir: str | os.PathLike,
+    train: list[dict],
+    heldout: list[dict],
+    cfg: TinyConfig | None = None,
+    *,
+    progress: bool = True,
 ) -> tuple[list[dict], list[dict], dict[str, Any]]:
     """(train, heldout, report) of the target-regenerated corpus, answered by the target saved in
     `target_dir`, loaded as extraction and speculative decoding load it (float32 from the bf16 file).
@@ -115,14 +140,29 @@ def regenerate_corpus(
         started = time.perf_counter()
         splits = {}
         for name, records in (("train", train), ("heldout", heldout)):
-            splits[name] = regenerate_records(model, tokenizer, records, cfg.regen_max_new_tokens, cfg.regen_batch,
-                                              stop_repeat=cfg.regen_stop_repeat, progress=progress)
+            splits[name] = regenerate_records(
+                model,
+                tokenizer,
+                records,
+                cfg.regen_max_new_tokens,
+                cfg.regen_batch,
+                stop_repeat=cfg.regen_stop_repeat,
+                progress=progress,
+            )
         seconds = time.perf_counter() - started
-        report = {"max_new_tokens": cfg.regen_max_new_tokens, "stop_repeat": cfg.regen_stop_repeat, "seconds": round(seconds, 1),
-                  "device": compute.device.type, "threads": torch_threads(), "files": dict(REGEN_FILES)}
+        report = {
+            "max_new_tokens": cfg.regen_max_new_tokens,
+            "stop_repeat": cfg.regen_stop_repeat,
+            "seconds": round(seconds, 1),
+            "device": compute.device.type,
+            "threads": torch_threads(),
+            "files": dict(REGEN_FILES),
+        }
         for name, (records, stats) in splits.items():
             report[name] = {**stats, "tokens": length_summary(encode_records(tokenizer, records, cfg.max_len))}
-        report["heldout_answer_greedy_agreement"] = greedy_agreement(model, tokenizer, splits["heldout"][0], cfg.max_len)
+        report["heldout_answer_greedy_agreement"] = greedy_agreement(
+            model, tokenizer, splits["heldout"][0], cfg.max_len
+        )
     report["gpu_nondeterministic_ops"] = compute.nondeterministic_ops
     return splits["train"][0], splits["heldout"][0], report
 

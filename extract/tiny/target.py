@@ -3,7 +3,6 @@ conversations (`build_tiny_target`), saved in bf16 as a Hugging Face directory, 
 next-token accuracy against always predicting the most frequent token.
 """
 
-
 from __future__ import annotations
 
 import json
@@ -22,7 +21,6 @@ from extract.tiny.corpus import record_texts
 if TYPE_CHECKING:  # heavy imports stay inside the functions: importing this module does no work
     import torch
     import transformers
-
 
 
 EVAL_BATCH_TOKENS = 8192
@@ -69,9 +67,7 @@ def generation_config(tokenizer) -> "transformers.GenerationConfig":
     from transformers import GenerationConfig
 
     eos = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(EOS_TOKEN)]
-    return GenerationConfig(
-        bos_token_id=eos[1], eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=False
-    )
+    return GenerationConfig(bos_token_id=eos[1], eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=False)
 
 
 def length_batches(lengths: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -150,7 +146,13 @@ def train_target(model, seqs: list[list[int]], cfg: TinyConfig, pad_id: int, pro
     use_bf16 = resolve_precision(cfg.precision, device.type) == "bf16"
     batches = endless_batches(seqs, cfg.batch_tokens, cfg.seed)
     losses = []
-    bar = tqdm(range(cfg.steps), desc=f"train tiny target ({device.type})", unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        range(cfg.steps),
+        desc=f"train tiny target ({device.type})",
+        unit="step",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     tokens, start = 0, time.perf_counter()
     for step in bar:
         batch = {name: t.to(device) for name, t in collate(next(batches), pad_id).items()}
@@ -237,9 +239,7 @@ def frequency_baseline(
 
     counts = Counter(t for s in train_seqs for t in s[1:])
     token = min(counts, key=lambda t: (-counts[t], t))
-    targets = [
-        t for i, s in enumerate(eval_seqs) for j, t in enumerate(s) if j > 0 and (masks is None or masks[i][j])
-    ]
+    targets = [t for i, s in enumerate(eval_seqs) for j, t in enumerate(s) if j > 0 and (masks is None or masks[i][j])]
     return token, sum(t == token for t in targets) / max(1, len(targets))
 
 
@@ -247,8 +247,10 @@ def length_summary(seqs: list[list[int]]) -> dict[str, Any]:
     lengths = sorted(len(s) for s in seqs)
     if not lengths:
         return {"records": 0, "tokens": 0}
+
     def pick(q: float) -> int:
         return lengths[round(q * (len(lengths) - 1))]
+
     edges = [128, 512, 1024, 2048]
     buckets = {}
     for lo, hi in zip([0] + edges, edges + [None]):
@@ -257,8 +259,11 @@ def length_summary(seqs: list[list[int]]) -> dict[str, Any]:
     return {
         "records": len(lengths),
         "tokens": sum(lengths),
-        "length_min": lengths[0], "length_p10": pick(0.1), "length_p50": pick(0.5),
-        "length_p90": pick(0.9), "length_max": lengths[-1],
+        "length_min": lengths[0],
+        "length_p10": pick(0.1),
+        "length_p50": pick(0.5),
+        "length_p90": pick(0.9),
+        "length_max": lengths[-1],
         "records_by_length": buckets,
     }
 
@@ -290,7 +295,13 @@ def build_tiny_target(
 
 
 def train_and_report(
-    out: Path, train_records: list[dict], heldout_records: list[dict], cfg: TinyConfig, compute: Compute, progress: bool, started: float
+    out: Path,
+    train_records: list[dict],
+    heldout_records: list[dict],
+    cfg: TinyConfig,
+    compute: Compute,
+    progress: bool,
+    started: float,
 ) -> dict[str, Any]:
     tokenizer = build_chat_tokenizer(record_texts(train_records), cfg.vocab_size)
     train_seqs = encode_records(tokenizer, train_records, cfg.max_len)
@@ -322,7 +333,8 @@ def train_and_report(
 def train_and_save(
     out: Path, tokenizer, train_seqs: list[list[int]], cfg: TinyConfig, device: "torch.device", progress: bool
 ) -> list[float]:
-    """Train a fresh Qwen3 from `cfg.seed` on `device`; save it in bf16 (as the real target ships) with the tokenizer."""
+    """Train a fresh Qwen3 from `cfg.seed` on `device`; save it in bf16 (as the real target ships) with the
+    tokenizer."""
     import torch
     from transformers import Qwen3ForCausalLM
 
@@ -336,7 +348,12 @@ def train_and_save(
 
 
 def evaluate_saved(
-    out: Path, tokenizer, train_seqs: list[list[int]], heldout_seqs: list[list[int]], heldout_records: list[dict], cfg: TinyConfig,
+    out: Path,
+    tokenizer,
+    train_seqs: list[list[int]],
+    heldout_seqs: list[list[int]],
+    heldout_records: list[dict],
+    cfg: TinyConfig,
     device: "torch.device | str" = "cpu",
 ) -> dict[str, Any]:
     """Next-token accuracy of the model as saved (reloaded in bf16, as extraction will run it), on

@@ -18,7 +18,23 @@ def test_length_mix_is_bounded_and_sums_to_the_budget():
 
 def test_tiny_bench_runs_and_reports(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench.main(["--shape", "tiny", "--tokens", "3000", "--max-len", "200", "--workdir", str(tmp_path / "w"), "--out", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--shape",
+                "tiny",
+                "--tokens",
+                "3000",
+                "--max-len",
+                "200",
+                "--workdir",
+                str(tmp_path / "w"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     [rank] = report["per_rank"]
     assert rank["bare_tokens"] == rank["full_tokens"] == report["dataset"]["tokens"] >= 3000
@@ -51,8 +67,23 @@ def test_variants_run_the_full_phase_once_each_and_restore_the_interpreter(tmp_p
 
     before = sys.getswitchinterval()
     out = tmp_path / "bench.json"
-    args = ["--shape", "tiny", "--tokens", "2000", "--max-len", "200", "--workdir", str(tmp_path / "w"), "--out", str(out), "--no-warmup",
-            "--variant", "", "--variant", "gil_switch_interval=0.0005,launch_ahead_layers=2"]
+    args = [
+        "--shape",
+        "tiny",
+        "--tokens",
+        "2000",
+        "--max-len",
+        "200",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--out",
+        str(out),
+        "--no-warmup",
+        "--variant",
+        "",
+        "--variant",
+        "gil_switch_interval=0.0005,launch_ahead_layers=2",
+    ]
     assert bench.main(args) == 0
     report = json.loads(out.read_text())
     assert [v["overrides"] for v in report["variants"]] == [[], ["gil_switch_interval=0.0005", "launch_ahead_layers=2"]]

@@ -13,22 +13,52 @@ from tests.paths import REPO, child_pythonpath
 
 
 def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
-    """`benchmarks.train --ddp 2 --tiers planes,fp8` (the GPU measurements of data parallelism and storage tiers) runs on
+    """`benchmarks.train --ddp 2 --tiers planes,fp8` (the GPU measurements of data parallelism and storage tiers) runs
+    on
     CPU: both rows of a tier train the same global batches (same tokens and FLOPs per step), the
     torchrun rows report each rank."""
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.train", "--shape", "tiny", "--phases", "stream", "--ddp", "2", "--layers", "1",
-         "--steps", "2", "--warmup", "1", "--prefetch-threads", "1", "--tiers", "planes,fp8", "--workdir", str(tmp_path), "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.train",
+            "--shape",
+            "tiny",
+            "--phases",
+            "stream",
+            "--ddp",
+            "2",
+            "--layers",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--prefetch-threads",
+            "1",
+            "--tiers",
+            "planes,fp8",
+            "--workdir",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ],
         # CPU processes also on a GPU host (the bench takes the GPU when it sees one)
-        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(), CUDA_VISIBLE_DEVICES=""),
-        capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(), CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["phase"]: r for r in json.loads(out.read_text())["results"]}
     plain, ddp = rows["stream"], rows["stream-ddp2"]
     assert (plain["world_size"], ddp["world_size"]) == (1, 2) and [r["rank"] for r in ddp["per_rank"]] == [0, 1]
-    assert ddp["mean_context_tokens"] == plain["mean_context_tokens"] and ddp["mean_block_tokens"] == plain["mean_block_tokens"]
+    assert (
+        ddp["mean_context_tokens"] == plain["mean_context_tokens"]
+        and ddp["mean_block_tokens"] == plain["mean_block_tokens"]
+    )
     assert ddp["tflop_per_step"] == pytest.approx(plain["tflop_per_step"], rel=1e-12)
     assert set(ddp["vs_stream"]) == {"step_s_median", "step_s_mean", "context_tok_s"}
     assert "stream-ddp2 / stream: step time" in done.stdout
@@ -36,7 +66,9 @@ def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
     plain8, ddp8 = rows["stream-fp8"], rows["stream-ddp2-fp8"]
     assert plain8["tier"]["encoding"] == ddp8["tier"]["encoding"] == "fp8" and plain["tier"]["encoding"] == "planes"
     assert plain8["tier"]["shard_bytes_per_token"] < plain["tier"]["shard_bytes_per_token"]
-    assert ddp8["tflop_per_step"] == pytest.approx(plain8["tflop_per_step"], rel=1e-12) and set(ddp8["vs_stream"]) == set(ddp["vs_stream"])
+    assert ddp8["tflop_per_step"] == pytest.approx(plain8["tflop_per_step"], rel=1e-12) and set(
+        ddp8["vs_stream"]
+    ) == set(ddp["vs_stream"])
     assert "stream-ddp2-fp8 / stream-fp8: step time" in done.stdout
     # Both rows ran on the one kernel choice, printed once per row (rank 0 speaks for the torchrun row).
     assert plain["kernels"] == ddp["kernels"] and plain["kernels"]["attention"] == "sdpa"

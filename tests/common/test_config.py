@@ -40,7 +40,7 @@ def write(tmp_path, text):
 
 def test_defaults_file_section_and_overrides(tmp_path):
     p = write(tmp_path, "[stage]\nlr = 1e-3\n[stage.inner]\ngamma = 5\n[other]\nx = 1\n")
-    cfg = load_config(Stage, p, ["inner.names=[\"a\",\"b\"]", "mask_id=3", "kwargs.enable_thinking=false"], section="stage")
+    cfg = load_config(Stage, p, ['inner.names=["a","b"]', "mask_id=3", "kwargs.enable_thinking=false"], section="stage")
     assert cfg.lr == 1e-3 and cfg.inner.gamma == 5.0 and isinstance(cfg.inner.gamma, float)
     assert cfg.inner.names == ["a", "b"] and cfg.mask_id == 3
     assert cfg.kwargs == {"enable_thinking": False}
@@ -75,7 +75,7 @@ def test_optional_none_and_strings():
 
 
 def test_round_trip_through_saved_json(tmp_path):
-    cfg = load_config(Stage, None, ["lr=0.5", "inner.names=[\"x\"]"])
+    cfg = load_config(Stage, None, ["lr=0.5", 'inner.names=["x"]'])
     save_config(cfg, tmp_path / "config.json")
     again = load_config(Stage, tmp_path / "config.json")
     assert again == cfg
@@ -106,7 +106,9 @@ class Named:
     tags: list[str] = knob(factory=list, help="tags")
 
 
-@pytest.mark.parametrize("text", ["2024-06-01", "1e3", "true", "07:30:00", "[1, 2]", "{a = 1}", "inf", "x=y", "été 😀", "a b"])
+@pytest.mark.parametrize(
+    "text", ["2024-06-01", "1e3", "true", "07:30:00", "[1, 2]", "{a = 1}", "inf", "x=y", "été 😀", "a b"]
+)
 def test_a_string_key_takes_the_command_line_text_as_given(text):
     """Issue 21: `run_name=2024-06-01` used to fail with "expected str, got datetime.date"."""
     cfg = load_config(Named, None, [f"run_name={text}", f"out_dir={text}", f"paths.train={text}"])
@@ -129,7 +131,10 @@ def test_values_from_a_cli_option_are_taken_exactly(tmp_path):
 
 def test_a_date_in_a_config_file_says_to_quote_it(tmp_path):
     p = write(tmp_path, "run_name = 2024-06-01\n")
-    with pytest.raises(ConfigError, match=r"'run_name': expected str or none, got datetime.date\(2024, 6, 1\) \(TOML read a date or time: quote it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'run_name': expected str or none, got datetime.date\(2024, 6, 1\) \(TOML read a date or time: quote it",
+    ):
         load_config(Named, p)
 
 

@@ -1,4 +1,5 @@
-"""common.device: the device and autocast choices that train and eval share, CPU threads for small models, the machine record."""
+"""common.device: the device and autocast choices that train and eval share, CPU threads for small models, the machine
+record."""
 
 from __future__ import annotations
 
@@ -19,15 +20,23 @@ def test_auto_follows_what_torch_sees_and_cuda_without_a_gpu_names_the_key(monke
     assert resolve_device("cpu") == torch.device("cpu")
 
 
-@pytest.mark.parametrize("precision, device, expected", [
-    ("auto", "cpu", None), ("auto", "cuda", torch.bfloat16), ("bf16", "cpu", torch.bfloat16),
-    ("fp32", "cuda", None), ("fp32", "cpu", None),
-])
+@pytest.mark.parametrize(
+    "precision, device, expected",
+    [
+        ("auto", "cpu", None),
+        ("auto", "cuda", torch.bfloat16),
+        ("bf16", "cpu", torch.bfloat16),
+        ("fp32", "cuda", None),
+        ("fp32", "cpu", None),
+    ],
+)
 def test_autocast_dtype(precision, device, expected):
     assert autocast_dtype(precision, torch.device(device)) is expected
 
 
-@pytest.mark.parametrize("cores, env, expected", [(2, None, 2), (16, None, 4), (1, None, 1), (16, "8", 8), (16, "junk", 4), (2, "0", 2)])
+@pytest.mark.parametrize(
+    "cores, env, expected", [(2, None, 2), (16, None, 4), (1, None, 1), (16, "8", 8), (16, "junk", 4), (2, "0", 2)]
+)
 def test_small_model_threads(monkeypatch, cores, env, expected):
     monkeypatch.setattr(device, "usable_cores", lambda: cores)
     if env is None:

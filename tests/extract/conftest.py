@@ -33,8 +33,15 @@ def qwen3_config(vocab_size: int, layers: int = 4, **overrides):
     from transformers import Qwen3Config
 
     kwargs = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
     )
     kwargs.update(overrides)
     return Qwen3Config(**kwargs)
@@ -44,9 +51,20 @@ def qwen35_text_config(vocab_size: int, layers: int = 4, **overrides):
     from transformers import Qwen3_5TextConfig
 
     kwargs = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, full_attention_interval=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        full_attention_interval=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
     )
     kwargs.update(overrides)
     return Qwen3_5TextConfig(**kwargs)
@@ -87,7 +105,12 @@ def loaded_target(saved_target):
 
 
 def chat_record(rng: random.Random, user_words: int, assistant_words: int) -> dict:
-    return {"messages": [{"role": "user", "content": sentence(rng, user_words)}, {"role": "assistant", "content": sentence(rng, assistant_words)}]}
+    return {
+        "messages": [
+            {"role": "user", "content": sentence(rng, user_words)},
+            {"role": "assistant", "content": sentence(rng, assistant_words)},
+        ]
+    }
 
 
 def write_lines(path, lines) -> str:
@@ -111,7 +134,9 @@ def mixed_corpus(path, n_good: int = 24, seed: int = 0) -> tuple[str, dict]:
         "unknown_role": {"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "x"}]},
         "non_string_content": {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
         "no_assistant_turn": {"messages": [{"role": "user", "content": "hello there"}]},
-        "too_few_loss_tokens": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+        "too_few_loss_tokens": {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+        },
     }
     lines = list(good)
     for i, line in enumerate(bad.values()):
@@ -138,7 +163,8 @@ QWEN_TOOL_TEMPLATE = (
     "{{- '<|im_start|>system\\n' + messages[0]['content'] | trim + '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- set ns = namespace(last_query=-1) -%}"
-    "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{%- set ns.last_query = loop.index0 "
+    "-%}{%- endif -%}{%- endfor -%}"
     "{%- for message in messages -%}"
     "{%- set content = message['content'] | trim -%}"
     "{%- if message['role'] == 'user' -%}"
@@ -146,7 +172,8 @@ QWEN_TOOL_TEMPLATE = (
     "{%- elif message['role'] == 'assistant' -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- if loop.index0 > ns.last_query -%}"
-    "{{- '<think>\\n' -}}{% generation %}{{- (message.get('reasoning_content') or '') | trim -}}{% endgeneration %}{{- '\\n</think>\\n\\n' -}}"
+    "{{- '<think>\\n' -}}{% generation %}{{- (message.get('reasoning_content') or '') | trim -}}{% endgeneration "
+    "%}{{- '\\n</think>\\n\\n' -}}"
     "{%- endif -%}"
     "{% generation %}{{- content -}}"
     "{%- for call in message.get('tool_calls') or [] -%}"

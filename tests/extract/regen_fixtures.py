@@ -26,7 +26,9 @@ def word_model(tokenizer, *, hybrid: bool = False, seed: int = 0, stop_weight: f
 
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     make = qwen35_text_config if hybrid else qwen3_config
-    model = build_model(make(len(tokenizer), layers=2, eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id), seed=seed)
+    model = build_model(
+        make(len(tokenizer), layers=2, eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id), seed=seed
+    )
     keep = torch.zeros(model.lm_head.weight.shape[0], dtype=torch.bool)
     keep[word_token_ids(tokenizer) + [im_end]] = True
     with torch.no_grad():
@@ -48,14 +50,28 @@ def chat_corpus(path, n: int = 12, seed: int = 0, *, extra: list | None = None) 
     lines = []
     for i in range(n):
         if i % 4 == 1:
-            lines.append({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": sentence(rng, 4)},
-                                       {"role": "assistant", "content": "old"}, {"role": "user", "content": sentence(rng, 3)},
-                                       {"role": "assistant", "content": "old"}]})
+            lines.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": "be brief"},
+                        {"role": "user", "content": sentence(rng, 4)},
+                        {"role": "assistant", "content": "old"},
+                        {"role": "user", "content": sentence(rng, 3)},
+                        {"role": "assistant", "content": "old"},
+                    ]
+                }
+            )
         elif i % 4 == 2:
             lines.append({"prompt": sentence(rng, rng.randint(2, 9))})
         else:
-            lines.append({"messages": [{"role": "user", "content": sentence(rng, rng.randint(2, 12))},
-                                       {"role": "assistant", "content": sentence(rng, 5)}]})
+            lines.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": sentence(rng, rng.randint(2, 12))},
+                        {"role": "assistant", "content": sentence(rng, 5)},
+                    ]
+                }
+            )
     return write_lines(path, lines + list(extra or []))
 
 
@@ -67,5 +83,11 @@ def read_jsonl(path) -> list[dict]:
 def regenerate_cli(*words: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m extract.regenerate WORDS` in a child process."""
     child_env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "extract.regenerate", *words], capture_output=True, text=True, cwd=REPO,
-                          env=child_env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "extract.regenerate", *words],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env,
+        timeout=timeout,
+    )

@@ -44,6 +44,8 @@ def test_buffer_pool_bounds_what_is_in_flight():
         pool.acquire(timeout=0.01)
     pool.release(a)
     assert pool.acquire(timeout=0.01) is a
-    assert a.hidden_view(2, 4).shape == (2, 1, 2, 4, 8) and isinstance(b, HostBatch)  # [planes, S, B, T, n_taps * H / S]
+    assert a.hidden_view(2, 4).shape == (2, 1, 2, 4, 8) and isinstance(
+        b, HostBatch
+    )  # [planes, S, B, T, n_taps * H / S]
     per_tap = HostBatch(n_taps=2, hidden_size=4, token_budget=8, topk=3, pin=False, hidden_split=2)
     assert per_tap.hidden_view(2, 4).shape == (2, 2, 2, 4, 4)

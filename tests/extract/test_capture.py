@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.target import final_logits_fn, reach_text_parts
 from extract.batching import HostBatch
 from extract.capture import Capturer, capture, final_topk, sample_views
-from common.target import final_logits_fn, reach_text_parts
 from tests.extract.conftest import build_model, qwen35_text_config
 
 MODELS = ["qwen3_model", "qwen35_model"]
@@ -65,7 +65,9 @@ def test_topk_matches_full_logits(request, model_name, dtype):
     assert torch.allclose(got.topk_logprobs, expected, atol=tol, rtol=tol)
     assert torch.allclose(full.gather(1, got.topk_ids.long()), got.topk_logprobs, atol=1e-5)
     assert (got.topk_logprobs[:, 1:] <= got.topk_logprobs[:, :-1]).all()
-    assert got.topk_ids.dtype == torch.int32 and got.topk_logprobs.dtype == torch.float32 and bool(got.logits_finite.all())
+    assert (
+        got.topk_ids.dtype == torch.int32 and got.topk_logprobs.dtype == torch.float32 and bool(got.logits_finite.all())
+    )
 
 
 def test_chunk_size_does_not_change_results(qwen3_model):
@@ -88,7 +90,9 @@ def test_right_padded_batch_equals_unpadded_single_samples(request, model_name):
     ids_BT = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
     for b, s in enumerate(seqs):
         ids_BT[b, : len(s)] = s
-    host = HostBatch(n_taps=3, hidden_size=model.config.hidden_size, token_budget=256, topk=k, pin=False, hidden_split=3)
+    host = HostBatch(
+        n_taps=3, hidden_size=model.config.hidden_size, token_budget=256, topk=k, pin=False, hidden_split=3
+    )
     inflight = Capturer(target, layer_ids, k, logits_chunk=16).launch(ids_BT, lengths, host)
     inflight.wait()
     for b, seq in enumerate(seqs):
@@ -110,12 +114,16 @@ def test_hidden_layout_is_taps_concatenated_in_order(qwen3_model, encoding, spli
     whatever the column pieces (one per tap, or several per tap)."""
     target = reach_text_parts(qwen3_model)
     ids = torch.randint(0, qwen3_model.config.vocab_size, (1, 12))
-    host = HostBatch(n_taps=2, hidden_size=64, token_budget=64, topk=2, pin=False, encoding=encoding, hidden_split=split)
+    host = HostBatch(
+        n_taps=2, hidden_size=64, token_budget=64, topk=2, pin=False, encoding=encoding, hidden_split=split
+    )
     inflight = Capturer(target, [2, 0], 2, 8).launch(ids, [12], host)  # deliberately not sorted
     inflight.wait()
     view = sample_views(inflight, 0, 0)[0]
     if encoding == "planes":
-        assert len(view.hi) == len(view.lo) == split and all(p.shape == (12, 128 // split) and p.flags.c_contiguous for p in view.hi)
+        assert len(view.hi) == len(view.lo) == split and all(
+            p.shape == (12, 128 // split) and p.flags.c_contiguous for p in view.hi
+        )
     bits = view.join() if encoding == "planes" else view
     assert bits.dtype == np.uint16 and bits.shape == (12, 128)
     hidden = torch.from_numpy(bits).view(torch.bfloat16)
@@ -164,9 +172,22 @@ def test_qwen35_multimodal_wrapper_reaches_the_text_decoder(chat_tokenizer):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = qwen35_text_config(len(chat_tokenizer)).to_dict()
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4, spatial_merge_size=1, temporal_patch_size=1)
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=4,
+        spatial_merge_size=1,
+        temporal_patch_size=1,
+    )
     torch.manual_seed(0)
-    vlm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval().requires_grad_(False)
+    vlm = (
+        Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+        .eval()
+        .requires_grad_(False)
+    )
     target = reach_text_parts(vlm)
     assert target.layers is vlm.model.language_model.layers and target.lm_head is vlm.lm_head
     ids = torch.randint(0, len(chat_tokenizer), (1, 16))

@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 from common.config import ConfigError, load_config
-from extract.config import DATASET_KEYS, ExtractConfig
 from common.target import check_layer_ids, read_text_config
+from extract.config import DATASET_KEYS, ExtractConfig
 
 BASE = ["target=t", "corpus=c.jsonl", "out_dir=o"]
 
@@ -38,7 +38,11 @@ def test_defaults():
         ("min_loss_tokens=5000", "'min_loss_tokens': 5000 exceeds max_len"),
         ("device=gpu", "'device': 'gpu' is not allowed"),
         ("attn_implementation=fast", "'attn_implementation': 'fast' is not allowed"),
-        ("splits={a=\"x.jsonl\"}", "also sets splits (a), each written to out_dir/NAME. To extract only this corpus into out_dir, also pass splits={}"),
+        (
+            'splits={a="x.jsonl"}',
+            "also sets splits (a), each written to out_dir/NAME. To extract only this corpus into out_dir, also "
+            "pass splits={}",
+        ),
         ("chat_template_kwargs={x=[1]}", "'chat_template_kwargs.x'"),
         ("hidden_encoding=raw", "'hidden_encoding': 'raw' is not allowed"),
         ("gil_switch_interval=0", "'gil_switch_interval'"),

@@ -33,11 +33,14 @@ MULTI_TURN = {
 # The tiny template with transformers' generation markers around each assistant answer and its <|im_end|>.
 GENERATION_TEMPLATE = CHAT_TEMPLATE.replace(
     "{{- '\\n</think>\\n\\n' + message['content'] + '<|im_end|>\\n' -}}",
-    "{{- '\\n</think>\\n\\n' -}}{% generation %}{{- message['content'] + '<|im_end|>' -}}{% endgeneration %}{{- '\\n' -}}",
+    "{{- '\\n</think>\\n\\n' -}}{% generation %}{{- message['content'] + '<|im_end|>' -}}{% endgeneration %}{{- "
+    "'\\n' -}}",
 ).replace(
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}",
-    "{%- if message['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}{% generation %}{{- message['content'] + '<|im_end|>' -}}"
-    "{% endgeneration %}{{- '\\n' -}}{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}{%- endif -%}",
+    "{%- if message['role'] == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}{% generation %}{{- "
+    "message['content'] + '<|im_end|>' -}}"
+    "{% endgeneration %}{{- '\\n' -}}{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' -}}{%- endif -%}",
 )
 
 
@@ -46,10 +49,19 @@ def test_loss_mask_is_exactly_the_assistant_answers_and_their_end_of_turn(chat_t
     [sample] = build(tok, [MULTI_TURN])
     ids, mask = sample.input_ids.tolist(), sample.loss_mask.astype(bool)
     # Loss tokens spell the two answers (and the rendered reasoning), each closed by <|im_end|>.
-    assert tok.decode([i for i, m in zip(ids, mask) if m]) == f"assistant{IM_END}think about the foxthe quick brown fox jumps{IM_END}"
+    assert (
+        tok.decode([i for i, m in zip(ids, mask) if m])
+        == f"assistant{IM_END}think about the foxthe quick brown fox jumps{IM_END}"
+    )
     im_end = tok.convert_tokens_to_ids(IM_END)
     ends = [t for t, i in enumerate(ids) if i == im_end]
-    assert [bool(mask[t]) for t in ends] == [False, False, True, False, True]  # system, user, assistant, user, assistant
+    assert [bool(mask[t]) for t in ends] == [
+        False,
+        False,
+        True,
+        False,
+        True,
+    ]  # system, user, assistant, user, assistant
     # No header, no empty-think tags, no newline after <|im_end|>, nothing from system or user turns.
     for t, i in enumerate(ids):
         if tok.convert_ids_to_tokens(i) in ("<|im_start|>", "<think>", "</think>"):
@@ -64,13 +76,30 @@ def test_loss_mask_matches_transformers_generation_markers(chat_tokenizer):
     assert GENERATION_TEMPLATE.count("{% generation %}") == 2
     conversations = [
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the fox runs"}]},
-        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b c"}, {"role": "user", "content": "d"}, {"role": "assistant", "content": "the end"}]},
-        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "user"}, {"role": "assistant", "content": "user"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b c"},
+                {"role": "user", "content": "d"},
+                {"role": "assistant", "content": "the end"},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "user"},
+                {"role": "assistant", "content": "user"},
+            ]
+        },
     ]
     for record in conversations:
         [sample] = build(tok, [record])
         reference = tok.apply_chat_template(
-            record["messages"], chat_template=GENERATION_TEMPLATE, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            record["messages"],
+            chat_template=GENERATION_TEMPLATE,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
         )
         assert reference["input_ids"] == sample.input_ids.tolist()
         assert reference["assistant_masks"] == sample.loss_mask.tolist(), record
@@ -80,7 +109,12 @@ def test_template_that_rewrites_content_falls_back_to_search(chat_tokenizer):
     tok = chat_tokenizer
     stripping = CHAT_TEMPLATE.replace("message['content'] + '<|im_end|>", "message['content'] | trim + '<|im_end|>")
     assert stripping != CHAT_TEMPLATE
-    record = {"messages": [{"role": "user", "content": "  the fox  "}, {"role": "assistant", "content": "\n  the quick dog \n"}]}
+    record = {
+        "messages": [
+            {"role": "user", "content": "  the fox  "},
+            {"role": "assistant", "content": "\n  the quick dog \n"},
+        ]
+    }
     original = tok.chat_template
     tok.chat_template = stripping
     try:
@@ -93,7 +127,12 @@ def test_template_that_rewrites_content_falls_back_to_search(chat_tokenizer):
 def test_record_shapes(chat_tokenizer):
     tok = chat_tokenizer
     prompt, text, tokens = build(
-        tok, [{"prompt": "the fox", "response": "runs far"}, {"text": "the quick fox"}, {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 0]}]
+        tok,
+        [
+            {"prompt": "the fox", "response": "runs far"},
+            {"text": "the quick fox"},
+            {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 0]},
+        ],
     )
     assert tok.decode(prompt.input_ids[prompt.loss_mask.astype(bool)]) == f"runs far{IM_END}"
     assert text.loss_mask.all() and tok.decode(text.input_ids) == "the quick fox"
@@ -114,8 +153,14 @@ def test_record_shapes(chat_tokenizer):
         ({"messages": "hello"}, C.BAD_MESSAGE),
         ({"messages": [{"content": "x"}]}, C.MISSING_FIELD),
         ({"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}, C.UNKNOWN_ROLE),
-        ({"messages": [{"role": "user", "content": ["a", "b"]}, {"role": "assistant", "content": "y"}]}, C.NON_STRING_CONTENT),
-        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]}, C.NON_STRING_CONTENT),
+        (
+            {"messages": [{"role": "user", "content": ["a", "b"]}, {"role": "assistant", "content": "y"}]},
+            C.NON_STRING_CONTENT,
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]},
+            C.NON_STRING_CONTENT,
+        ),
         ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]}, C.NO_ASSISTANT_TURN),
         ({"text": 12}, C.NON_STRING_CONTENT),
         ({"text": ""}, C.EMPTY_SAMPLE),
@@ -137,9 +182,14 @@ def test_bad_records_become_rejects_with_position(chat_tokenizer, record, reason
 def test_template_error_is_a_reject(chat_tokenizer):
     tok = chat_tokenizer
     original = tok.chat_template
-    tok.chat_template = "{{ raise_exception('no system messages here') if messages[0]['role'] == 'system' else '' }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.chat_template = (
+        "{{ raise_exception('no system messages here') if messages[0]['role'] == 'system' else '' "
+        "}}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
     try:
-        [reject] = build(tok, [{"messages": [{"role": "system", "content": "x"}, {"role": "assistant", "content": "y"}]}])
+        [reject] = build(
+            tok, [{"messages": [{"role": "system", "content": "x"}, {"role": "assistant", "content": "y"}]}]
+        )
     finally:
         tok.chat_template = original
     assert reject.reason == C.TEMPLATE_ERROR and "no system messages" in reject.detail
@@ -176,7 +226,14 @@ def test_jsonl_reader_positions_bad_lines_and_compression(tmp_path):
     corpus = C.find_corpus(str(tmp_path))
     assert corpus.format == "jsonl" and [p.rsplit("/", 1)[1] for p in corpus.files] == ["a.jsonl", "b.jsonl.gz"]
     records = list(C.iter_records(corpus))
-    assert [(r.position, r.source) for r in records] == [(0, "a.jsonl:1"), (1, "a.jsonl:2"), (3, "a.jsonl:4"), (4, "b.jsonl.gz:1"), (5, "b.jsonl.gz:2"), (7, "b.jsonl.gz:4")]
+    assert [(r.position, r.source) for r in records] == [
+        (0, "a.jsonl:1"),
+        (1, "a.jsonl:2"),
+        (3, "a.jsonl:4"),
+        (4, "b.jsonl.gz:1"),
+        (5, "b.jsonl.gz:2"),
+        (7, "b.jsonl.gz:4"),
+    ]
     assert records[1].error[0] == C.INVALID_JSON and records[0].record == {"text": "a"}
     assert C.count_records(corpus) == 8
     assert [r.position for r in C.iter_records(corpus, max_records=4)] == [0, 1, 3]
@@ -184,7 +241,10 @@ def test_jsonl_reader_positions_bad_lines_and_compression(tmp_path):
 
 def test_parquet_and_saved_datasets_are_read_in_order(tmp_path):
     datasets = pytest.importorskip("datasets")
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}], "text": None} for i in range(5)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}], "text": None}
+        for i in range(5)
+    ]
     ds = datasets.Dataset.from_list(rows)
     ds.to_parquet(str(tmp_path / "c.parquet"))
     ds.save_to_disk(str(tmp_path / "saved"))
@@ -214,7 +274,13 @@ def test_corpus_path_errors(tmp_path):
 
 def test_parquet_rows_with_null_fields_are_not_confused(chat_tokenizer):
     # Columnar rows carry every column: a None reasoning_content or text must read as absent.
-    record = {"messages": [{"role": "user", "content": "q", "reasoning_content": None}, {"role": "assistant", "content": "the fox", "reasoning_content": None}], "text": None}
+    record = {
+        "messages": [
+            {"role": "user", "content": "q", "reasoning_content": None},
+            {"role": "assistant", "content": "the fox", "reasoning_content": None},
+        ],
+        "text": None,
+    }
     [sample] = build(chat_tokenizer, [record])
     assert chat_tokenizer.decode(sample.input_ids[sample.loss_mask.astype(bool)]) == f"the fox{IM_END}"
     assert json.dumps(record)  # unchanged input

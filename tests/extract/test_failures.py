@@ -25,13 +25,27 @@ from tests.reliability.faults import ModuleProxy
 
 
 def make_config(out_dir, corpus, **overrides):
-    words = [f"target=unused", f"corpus={corpus}", f"out_dir={out_dir}", "layer_ids=[0, 2]", "topk=4", "max_len=256",
-             "tokens_per_batch=512", "min_loss_tokens=4", "dtype=float32", "device=cpu", "shard_bytes=40000", "progress=false",
-             "writer_threads=1"] + [f"{k}={v}" for k, v in overrides.items()]
+    words = [
+        "target=unused",
+        f"corpus={corpus}",
+        f"out_dir={out_dir}",
+        "layer_ids=[0, 2]",
+        "topk=4",
+        "max_len=256",
+        "tokens_per_batch=512",
+        "min_loss_tokens=4",
+        "dtype=float32",
+        "device=cpu",
+        "shard_bytes=40000",
+        "progress=false",
+        "writer_threads=1",
+    ] + [f"{k}={v}" for k, v in overrides.items()]
     return load_config(ExtractConfig, None, words)
 
 
-def test_a_merge_that_fails_at_manifest_json_leaves_rejects_written_and_the_rerun_finishes(tmp_path, loaded_target, monkeypatch):
+def test_a_merge_that_fails_at_manifest_json_leaves_rejects_written_and_the_rerun_finishes(
+    tmp_path, loaded_target, monkeypatch
+):
     corpus, _ = mixed_corpus(tmp_path / "corpus.jsonl")
     out = tmp_path / "out"
     cfg = make_config(out, corpus)
@@ -71,7 +85,7 @@ def test_lone_surrogates_are_rejected_as_invalid_text():
     raw = C._parse_json_line(b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 3, "c.jsonl:4")
     assert raw.error is not None and raw.error[0] == C.INVALID_TEXT and "\\ud800" in raw.error[1]
     pair = C._parse_json_line(b'{"text": "smile \\ud83d\\ude00"}', 0, "c.jsonl:1")  # a proper pair is text
-    assert pair.error is None and pair.record["text"] == "smile \U0001F600"
+    assert pair.error is None and pair.record["text"] == "smile \U0001f600"
     escaped = C._parse_json_line(b'{"text": "not an escape: \\\\ud800"}', 0, "c.jsonl:1")
     assert escaped.error is None
 
@@ -122,4 +136,6 @@ def test_a_failed_fsync_of_the_rejects_file_names_it(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["x\x00y", "s" * 200])
 def test_split_names_that_cannot_be_directory_names_are_config_errors(tmp_path, name):
     with pytest.raises(ConfigError, match="split names become directory names|at most 128 bytes"):
-        load_config(ExtractConfig, None, ["target=t", f"out_dir={tmp_path}", f'splits={{{json.dumps(name)} = "c.jsonl"}}'])
+        load_config(
+            ExtractConfig, None, ["target=t", f"out_dir={tmp_path}", f'splits={{{json.dumps(name)} = "c.jsonl"}}']
+        )

@@ -29,15 +29,28 @@ from tests.extract.test_pipeline import make_config, run
 def plain_path_dataset(cfg, target, root) -> dict:
     """What the plain path stores for the pipeline's own micro-batches (same windows, same plan,
     same padding, same order of writes), under rank 0's file names; returns its manifest."""
-    builder = C.SampleBuilder(target.tokenizer, C.SamplePolicy(cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, cfg.chat_template_kwargs, target.vocab_size))
+    builder = C.SampleBuilder(
+        target.tokenizer,
+        C.SamplePolicy(
+            cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, cfg.chat_template_kwargs, target.vocab_size
+        ),
+    )
     tokenizer = target.tokenizer
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     names = pipeline.Ranks().names
     from shards import Sample
 
-    with ShardWriter(root, provenance={}, hidden_width=len(cfg.layer_ids) * target.hidden_size, topk=cfg.topk, shard_bytes=cfg.shard_bytes,
-                     hidden_encoding=cfg.hidden_encoding or "planes", manifest_name=names["manifest"], shard_prefix=names["prefix"],
-                     hidden_split=len(cfg.layer_ids)) as writer:  # extract's default: one piece per tap
+    with ShardWriter(
+        root,
+        provenance={},
+        hidden_width=len(cfg.layer_ids) * target.hidden_size,
+        topk=cfg.topk,
+        shard_bytes=cfg.shard_bytes,
+        hidden_encoding=cfg.hidden_encoding or "planes",
+        manifest_name=names["manifest"],
+        shard_prefix=names["prefix"],
+        hidden_split=len(cfg.layer_ids),
+    ) as writer:  # extract's default: one piece per tap
         for window in pipeline._windows(cfg, C.find_corpus(cfg.corpus), builder, pipeline.Ranks()):
             lengths = [s.n_tokens for s in window.samples]
             for plan in plan_micro_batches(lengths, cfg.tokens_per_batch):
@@ -47,15 +60,26 @@ def plain_path_dataset(cfg, target, root) -> dict:
                 offset = 0
                 for b, s in enumerate(samples):
                     L = s.n_tokens
-                    hidden = torch.cat([tap[b, :L] for tap in got.taps], dim=-1).to(torch.bfloat16).view(torch.uint16).numpy().copy()
-                    ids, logprobs = got.topk_ids[offset : offset + L].numpy(), got.topk_logprobs[offset : offset + L].numpy()
+                    hidden = (
+                        torch.cat([tap[b, :L] for tap in got.taps], dim=-1)
+                        .to(torch.bfloat16)
+                        .view(torch.uint16)
+                        .numpy()
+                        .copy()
+                    )
+                    ids, logprobs = (
+                        got.topk_ids[offset : offset + L].numpy(),
+                        got.topk_logprobs[offset : offset + L].numpy(),
+                    )
                     writer.write(Sample(s.sample_id, s.input_ids, s.loss_mask, hidden, ids.copy(), logprobs.copy()))
                     offset += L
     return json.load(open(os.path.join(root, names["manifest"])))
 
 
 def files_of(root, manifest) -> dict:
-    return {e[k]: open(os.path.join(root, e[k]), "rb").read() for e in manifest["shards"] for k in ("file", "index_file")}
+    return {
+        e[k]: open(os.path.join(root, e[k]), "rb").read() for e in manifest["shards"] for k in ("file", "index_file")
+    }
 
 
 @pytest.mark.parametrize("encoding", ["planes", "plain"])
@@ -83,8 +107,13 @@ def resolved(cfg):
 
 def test_nonfinite_samples_are_rejected_counted_and_never_written(tmp_path, loaded_target, chat_tokenizer, monkeypatch):
     model = build_model(loaded_target.model.config)
-    poison = chat_tokenizer.convert_tokens_to_ids("fox") if "fox" in chat_tokenizer.get_vocab() else chat_tokenizer.encode(" fox")[0]
+    poison = (
+        chat_tokenizer.convert_tokens_to_ids("fox")
+        if "fox" in chat_tokenizer.get_vocab()
+        else chat_tokenizer.encode(" fox")[0]
+    )
     model.model.embed_tokens.weight[poison] = float("nan")
+
     def record(user: str, assistant: str) -> dict:
         return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
 
@@ -127,11 +156,28 @@ class Harness:
     W_TAPS, H, K = 2, 8, 3
 
     def __init__(self, root, buffers: int):
-        self.writer = ShardWriter(root, provenance={}, hidden_width=self.W_TAPS * self.H, topk=self.K, hidden_split=self.W_TAPS)
+        self.writer = ShardWriter(
+            root, provenance={}, hidden_width=self.W_TAPS * self.H, topk=self.K, hidden_split=self.W_TAPS
+        )
         self.rejects = RejectLog(os.path.join(root, "rejects.jsonl"), 0)
-        self.pool = BufferPool(buffers, n_taps=self.W_TAPS, hidden_size=self.H, token_budget=64, topk=self.K, pin=False, hidden_split=self.W_TAPS)
-        self.path = pipeline.HostPath(self.writer, self.rejects, self.pool, Progress(None, "t", False), {"samples": 0, "tokens": 0},
-                                      on_error="skip", depth=2)
+        self.pool = BufferPool(
+            buffers,
+            n_taps=self.W_TAPS,
+            hidden_size=self.H,
+            token_budget=64,
+            topk=self.K,
+            pin=False,
+            hidden_split=self.W_TAPS,
+        )
+        self.path = pipeline.HostPath(
+            self.writer,
+            self.rejects,
+            self.pool,
+            Progress(None, "t", False),
+            {"samples": 0, "tokens": 0},
+            on_error="skip",
+            depth=2,
+        )
         self.rng = np.random.default_rng(0)
         self.expected: dict = {}
 

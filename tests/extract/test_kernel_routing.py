@@ -45,7 +45,7 @@ chunk_gated_delta_rule = _kernel("chunk_gated_delta_rule")
 fused_recurrent_gated_delta_rule = _kernel("fused_recurrent_gated_delta_rule")
 '''
 
-CHILD = '''
+CHILD = """
 import sys
 import torch
 
@@ -69,8 +69,9 @@ routed = route_kernels_by_device(model)
 kernels = external_kernels(model)
 got = capture(reach_text_parts(model), ids, [37, 20], [0, 1, 2], topk=4)
 torch.save({"before": before, "fla_calls_before": fla_calls, "fla_calls_after": len(fla.CALLS) - fla_calls,
-            "routed": routed, "kernels": kernels, "taps": got.taps, "topk_ids": got.topk_ids, "topk_logprobs": got.topk_logprobs}, out)
-'''
+            "routed": routed, "kernels": kernels, "taps": got.taps, "topk_ids": got.topk_ids,
+            "topk_logprobs": got.topk_logprobs}, out)
+"""
 
 
 def test_a_cpu_hybrid_target_runs_where_fla_is_installed(tmp_path):
@@ -82,16 +83,29 @@ def test_a_cpu_hybrid_target_runs_where_fla_is_installed(tmp_path):
     ids = torch.randint(0, 300, (2, 37))
     ids[1, 20:] = 0  # right padding of the second sample
     torch.save(ids, tmp_path / "ids.pt")
-    env = dict(os.environ, PYTHONPATH=child_pythonpath(str(fake)),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), str(tmp_path / "weights.pt"), str(tmp_path / "out.pt")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=child_pythonpath(str(fake)),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_VERBOSITY="error",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHILD), str(tmp_path / "weights.pt"), str(tmp_path / "out.pt")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     child = torch.load(tmp_path / "out.pt")
     assert "cannot be accessed from Triton" in child["before"] and child["fla_calls_before"] >= 1  # the bug, reproduced
     assert any(name.endswith(".torch_chunk_gated_delta_rule") for name in child["routed"]), child["routed"]
     assert child["fla_calls_after"] == 0  # routed: the kernel never saw a CPU tensor again
-    assert set(child["kernels"]) >= set(child["routed"]) and all(k.startswith("fla.") for k in child["kernels"].values())
+    assert set(child["kernels"]) >= set(child["routed"]) and all(
+        k.startswith("fla.") for k in child["kernels"].values()
+    )
 
     reference = capture(reach_text_parts(model), ids, [37, 20], [0, 1, 2], topk=4)  # this process: torch implementation
     for got, ref in zip(child["taps"], reference.taps):

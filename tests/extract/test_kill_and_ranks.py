@@ -25,13 +25,22 @@ pytestmark = pytest.mark.slow
 
 
 def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=child_pythonpath())
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=child_pythonpath(),
+    )
 
 
 def write_config(path, target, corpus, out_dir) -> str:
     path.write_text(
-        f'[extract]\ntarget = "{target}"\ncorpus = "{corpus}"\nout_dir = "{out_dir}"\nlayer_ids = [0, 2]\ntopk = 4\nmax_len = 256\n'
-        'tokens_per_batch = 256\nmin_loss_tokens = 4\ndtype = "float32"\ndevice = "cpu"\nshard_bytes = 30000\nsort_window = 24\n'
+        f'[extract]\ntarget = "{target}"\ncorpus = "{corpus}"\nout_dir = "{out_dir}"\nlayer_ids = [0, 2]\ntopk = '
+        "4\nmax_len = 256\n"
+        'tokens_per_batch = 256\nmin_loss_tokens = 4\ndtype = "float32"\ndevice = "cpu"\nshard_bytes = '
+        "30000\nsort_window = 24\n"
         "progress = false\nwriter_threads = 1\n"
     )
     return str(path)
@@ -79,7 +88,9 @@ def test_sigkill_at_random_points_then_rerun_is_bit_identical(setup, tmp_path):
     thresholds = sorted(rng.sample(range(1, total - 20), 2))
     landed = []
     for threshold in thresholds:
-        proc = subprocess.Popen(extract_cmd(config), cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            extract_cmd(config), cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         deadline = time.time() + 180
         while committed_samples(manifest)[0] < threshold and proc.poll() is None and time.time() < deadline:
             time.sleep(0.01)
@@ -95,8 +106,15 @@ def test_sigkill_at_random_points_then_rerun_is_bit_identical(setup, tmp_path):
     assert killed.keys() == base.keys(), f"seed {seed}"
     for sid, sample in base.items():
         for field in ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs"):
-            assert np.array_equal(getattr(killed[sid], field).view(np.uint8), getattr(sample, field).view(np.uint8)), (seed, sid, field)
-    base_manifest, killed_manifest = json.load(open(setup["base"] / "manifest.json")), json.load(open(out / "manifest.json"))
+            assert np.array_equal(getattr(killed[sid], field).view(np.uint8), getattr(sample, field).view(np.uint8)), (
+                seed,
+                sid,
+                field,
+            )
+    base_manifest, killed_manifest = (
+        json.load(open(setup["base"] / "manifest.json")),
+        json.load(open(out / "manifest.json")),
+    )
     assert killed_manifest["counts"] == base_manifest["counts"]
     assert open(out / "rejects.jsonl").read() == open(setup["base"] / "rejects.jsonl").read()
 
@@ -110,8 +128,20 @@ def free_port() -> int:
 def test_torchrun_two_processes_merge_into_the_same_dataset(setup, tmp_path):
     out = tmp_path / "out"
     config = write_config(tmp_path / "c.toml", setup["target"], setup["corpus"], out)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "extract", config]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "extract",
+        config,
+    ]
     done = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "accounted for" in done.stdout  # rank 0 printed the merged summary
@@ -123,4 +153,6 @@ def test_torchrun_two_processes_merge_into_the_same_dataset(setup, tmp_path):
     assert merged.keys() == base.keys()
     for sid in base:
         assert np.array_equal(merged[sid].input_ids, base[sid].input_ids)
-    assert json.load(open(out / "manifest.json"))["counts"] == json.load(open(setup["base"] / "manifest.json"))["counts"]
+    assert (
+        json.load(open(out / "manifest.json"))["counts"] == json.load(open(setup["base"] / "manifest.json"))["counts"]
+    )

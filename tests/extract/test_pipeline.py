@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from common.config import load_config
+from common.target import reach_text_parts
 from extract import pipeline
 from extract.capture import capture
 from extract.config import ExtractConfig
-from common.target import reach_text_parts
 from shards import ShardDataset, verify_dataset
 from tests.extract.conftest import build_model, chat_record, mixed_corpus, write_lines
 
@@ -26,9 +26,22 @@ TOPK = 4
 
 
 def make_config(out_dir, corpus, target="unused", **overrides):
-    words = [f"target={target}", f"corpus={corpus}", f"out_dir={out_dir}", f"layer_ids={LAYERS}", f"topk={TOPK}",
-             "max_len=256", "tokens_per_batch=512", "min_loss_tokens=4", "dtype=float32", "device=cpu", "shard_bytes=40000",
-             "progress=false", "sort_window=16", "writer_threads=1"]
+    words = [
+        f"target={target}",
+        f"corpus={corpus}",
+        f"out_dir={out_dir}",
+        f"layer_ids={LAYERS}",
+        f"topk={TOPK}",
+        "max_len=256",
+        "tokens_per_batch=512",
+        "min_loss_tokens=4",
+        "dtype=float32",
+        "device=cpu",
+        "shard_bytes=40000",
+        "progress=false",
+        "sort_window=16",
+        "writer_threads=1",
+    ]
     words += [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in overrides.items()]
     return load_config(ExtractConfig, None, words)
 
@@ -87,7 +100,9 @@ def test_dataset_is_valid_and_accounts_for_every_record(baseline):
     for reason in baseline["expected"]:
         assert reason in text
     prov = ds.provenance
-    assert prov["taps"]["layer_ids"] == LAYERS and "hidden_states[i+1]" in prov["taps"]["meaning"] and prov["topk"] == TOPK
+    assert (
+        prov["taps"]["layer_ids"] == LAYERS and "hidden_states[i+1]" in prov["taps"]["meaning"] and prov["topk"] == TOPK
+    )
     assert prov["target"]["num_layers"] == 4 and prov["extract_config"]["topk"] == TOPK
     assert json.load(open(os.path.join(root, "extract_config.json")))["layer_ids"] == LAYERS
 
@@ -139,7 +154,9 @@ def test_crash_then_rerun_is_bit_identical(baseline, loaded_target, tmp_path, mo
     assert summary["this_run"]["skipped_batches"] > 0 and summary["this_run"]["coverage_ok"]
     assert summary["rejects"] == baseline["summary"]["rejects"] and summary["duplicates"] == 1
     assert_bit_identical(samples_by_id(str(tmp_path / "out")), samples_by_id(baseline["root"]))
-    assert open(tmp_path / "out" / "rejects.jsonl").read() == open(os.path.join(baseline["root"], "rejects.jsonl")).read()
+    assert (
+        open(tmp_path / "out" / "rejects.jsonl").read() == open(os.path.join(baseline["root"], "rejects.jsonl")).read()
+    )
 
 
 def test_changed_settings_refuse_to_resume_and_say_what(baseline, loaded_target, tmp_path, chat_tokenizer):
@@ -167,12 +184,31 @@ def test_changed_settings_refuse_to_resume_and_say_what(baseline, loaded_target,
 
 def test_nonfinite_samples_are_rejected_not_stored(tmp_path, loaded_target, chat_tokenizer):
     model = build_model(loaded_target.model.config)
-    poison_token = chat_tokenizer.convert_tokens_to_ids("fox") if "fox" in chat_tokenizer.get_vocab() else chat_tokenizer.encode(" fox")[0]
+    poison_token = (
+        chat_tokenizer.convert_tokens_to_ids("fox")
+        if "fox" in chat_tokenizer.get_vocab()
+        else chat_tokenizer.encode(" fox")[0]
+    )
     model.model.embed_tokens.weight[poison_token] = float("nan")
     target = reach_text_parts(model, chat_tokenizer, path="")
     rng = random.Random(3)
-    records = [{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the quick dog runs far " * 3}]} for _ in range(1)]
-    records += [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the fox runs far away " * 3}]}]
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "the quick dog runs far " * 3},
+            ]
+        }
+        for _ in range(1)
+    ]
+    records += [
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "the fox runs far away " * 3},
+            ]
+        }
+    ]
     records += [chat_record(rng, 4, 20) for _ in range(3)]
     corpus = write_lines(tmp_path / "c.jsonl", records)
     summary = run(make_config(tmp_path / "out", corpus), target)
@@ -195,7 +231,9 @@ def test_a_rank_joining_an_older_dataset_writes_its_layout(baseline, loaded_targ
         run(cfg, loaded_target, pipeline.Ranks(rank=0, world=2))
     final = run(cfg, loaded_target, pipeline.Ranks(rank=1, world=2))
     assert final["complete"] and verify_dataset(str(out)) == []
-    manifests = [json.load(open(out / name)) for name in ("manifest.rank000.json", "manifest.rank001.json", "manifest.json")]
+    manifests = [
+        json.load(open(out / name)) for name in ("manifest.rank000.json", "manifest.rank001.json", "manifest.json")
+    ]
     assert [m["hidden_split"] for m in manifests] == [1, 1, 1]
 
 
@@ -209,7 +247,9 @@ def test_two_ranks_hold_the_same_samples_as_one(baseline, loaded_target, tmp_pat
     two, one = samples_by_id(str(out)), samples_by_id(baseline["root"])
     assert two.keys() == one.keys()
     for sid in one:
-        assert np.array_equal(two[sid].input_ids, one[sid].input_ids) and np.array_equal(two[sid].topk_ids[:, 0], one[sid].topk_ids[:, 0])
+        assert np.array_equal(two[sid].input_ids, one[sid].input_ids) and np.array_equal(
+            two[sid].topk_ids[:, 0], one[sid].topk_ids[:, 0]
+        )
         a = torch.from_numpy(two[sid].hidden).view(torch.bfloat16).float()
         b = torch.from_numpy(one[sid].hidden).view(torch.bfloat16).float()
         assert torch.allclose(a, b, atol=1e-2, rtol=1e-2)
@@ -226,7 +266,11 @@ def test_two_ranks_hold_the_same_samples_as_one(baseline, loaded_target, tmp_pat
     os.remove(out / "rejects.jsonl")
     assert merge_main([str(out)]) == 0
     again = json.load(open(out / "manifest.json"))
-    assert again["counts"] == merged["counts"] and again["shards"] == merged["shards"] and open(out / "rejects.jsonl").read() == rejects
+    assert (
+        again["counts"] == merged["counts"]
+        and again["shards"] == merged["shards"]
+        and open(out / "rejects.jsonl").read() == rejects
+    )
 
 
 def test_a_rank_starting_late_adopts_the_datasets_provenance(baseline, loaded_target, tmp_path):
@@ -234,7 +278,9 @@ def test_a_rank_starting_late_adopts_the_datasets_provenance(baseline, loaded_ta
     it takes over rank 0's provenance, so the ranks still merge."""
     out = tmp_path / "out"
     run(make_config(out, baseline["corpus"], tokens_per_batch=512), loaded_target, pipeline.Ranks(rank=0, world=2))
-    final = run(make_config(out, baseline["corpus"], tokens_per_batch=300), loaded_target, pipeline.Ranks(rank=1, world=2))
+    final = run(
+        make_config(out, baseline["corpus"], tokens_per_batch=300), loaded_target, pipeline.Ranks(rank=1, world=2)
+    )
     assert final["complete"] and final["samples"] == 24
     with pytest.raises(ValueError, match="config key 'topk'"):
         run(make_config(tmp_path / "other", baseline["corpus"]), loaded_target, pipeline.Ranks(rank=0, world=2))
@@ -256,13 +302,18 @@ def test_splits_and_cli(tmp_path, saved_target, capsys):
     held = write_lines(tmp_path / "held.jsonl", [chat_record(rng, 4, 25) for _ in range(2)])
     config = tmp_path / "x.toml"
     config.write_text(
-        f'[extract]\ntarget = "{saved_target}"\nout_dir = "{tmp_path / "out"}"\nsplits = {{ train = "{train}", heldout = "{held}" }}\n'
-        'layer_ids = [1, 2]\ntopk = 3\nmax_len = 128\ntokens_per_batch = 256\nmin_loss_tokens = 4\ndtype = "float32"\ndevice = "cpu"\nprogress = false\n'
+        f'[extract]\ntarget = "{saved_target}"\nout_dir = "{tmp_path / "out"}"\nsplits = {{ train = "{train}", '
+        f'heldout = "{held}" }}\n'
+        "layer_ids = [1, 2]\ntopk = 3\nmax_len = 128\ntokens_per_batch = 256\nmin_loss_tokens = 4\ndtype = "
+        '"float32"\ndevice = "cpu"\nprogress = false\n'
     )
     assert main([str(config)]) == 0
     out = capsys.readouterr().out
     assert "[train]" in out and "[heldout]" in out and "rejects   none" in out
-    assert len(ShardDataset(str(tmp_path / "out" / "train"))) == 4 and len(ShardDataset(str(tmp_path / "out" / "heldout"))) == 2
+    assert (
+        len(ShardDataset(str(tmp_path / "out" / "train"))) == 4
+        and len(ShardDataset(str(tmp_path / "out" / "heldout"))) == 2
+    )
     assert main([str(config), "layer_ids=[1,7]"]) == 2
     assert "'layer_ids': [7] out of range: the target has 4 decoder layers" in capsys.readouterr().err
     assert main([str(config), "topk=zero"]) == 2

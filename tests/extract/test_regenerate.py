@@ -8,17 +8,21 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
 from common.config import ConfigError, load_config
+from extract.reading import RawRecord
 from extract.regenerate import conversation as V
 from extract.regenerate import run as R
 from extract.regenerate import store
 from extract.regenerate.config import RegenerateConfig
-from extract.regenerate.local import LocalGenerator, Sampling, answer_seed, answer_stop_ids, answer_window, generate_answers
-from extract.reading import RawRecord
+from extract.regenerate.local import (
+    Sampling,
+    answer_seed,
+    answer_stop_ids,
+    generate_answers,
+)
 from tests.extract.regen_fixtures import chat_corpus, read_jsonl, save_target, word_model
 
 
@@ -29,21 +33,38 @@ def word_target(tmp_path_factory, chat_tokenizer):
 
 
 def make_config(target, corpus, out, **overrides) -> RegenerateConfig:
-    words = [f"target={target}", f"corpus={corpus}", f"out={out}", "max_new_tokens=10", "batch_size=3", "window_records=5",
-             "dtype=float32", "device=cpu", "progress=false"]
+    words = [
+        f"target={target}",
+        f"corpus={corpus}",
+        f"out={out}",
+        "max_new_tokens=10",
+        "batch_size=3",
+        "window_records=5",
+        "dtype=float32",
+        "device=cpu",
+        "progress=false",
+    ]
     words += [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()]
     return load_config(RegenerateConfig, None, words)
 
 
 def renderer_for(tokenizer, thinking="disable") -> V.Renderer:
-    return V.Renderer(tokenizer, thinking, {"enable_thinking": thinking != "disable"}, {"enable_thinking": thinking == "keep"})
+    return V.Renderer(
+        tokenizer, thinking, {"enable_thinking": thinking != "disable"}, {"enable_thinking": thinking == "keep"}
+    )
 
 
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, stop: set[int]) -> tuple[list[int], str]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=sorted(stop), pad_token_id=0)
-    tokens = out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(stop),
+            pad_token_id=0,
+        )
+    tokens = out[0, len(prompt_ids) :].tolist()
     cut = next((i for i, t in enumerate(tokens) if t in stop), None)
     return (tokens, "cap") if cut is None else (tokens[:cut], "stop")
 
@@ -57,7 +78,11 @@ def turns_of(messages):
 
 
 def test_every_assistant_turn_is_answered_again_and_a_trailing_user_turn_too():
-    sys_, u1, u2 = {"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "user", "content": "b"}
+    sys_, u1, u2 = (
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"},
+    )
     old = {"role": "assistant", "content": "old", "reasoning_content": "r"}
     assert turns_of([sys_, u1, old, u2, old]) == ([[sys_, u1], [u2]], False)
     assert turns_of([u1, old, u2]) == ([[u1], [u2]], False)  # the last user turn has no answer yet: answered too
@@ -66,10 +91,19 @@ def test_every_assistant_turn_is_answered_again_and_a_trailing_user_turn_too():
 
 def test_a_conversation_ends_before_the_answer_that_follows_a_tool_result():
     u1, u2 = {"role": "user", "content": "weather?"}, {"role": "user", "content": "thanks"}
-    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": {}}}]}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": {}}}],
+    }
     result = {"role": "tool", "content": "18 C"}
-    assert turns_of([u1, call, result, {"role": "assistant", "content": "18 C."}, u2, {"role": "assistant", "content": "ok"}]) == ([[u1]], True)
-    assert turns_of([u1, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]) == ([[u1]], True)
+    assert turns_of(
+        [u1, call, result, {"role": "assistant", "content": "18 C."}, u2, {"role": "assistant", "content": "ok"}]
+    ) == ([[u1]], True)
+    assert turns_of([u1, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]) == (
+        [[u1]],
+        True,
+    )
 
 
 def test_records_without_a_prompt_are_rejected_with_the_reason(chat_tokenizer):
@@ -120,7 +154,9 @@ def test_sampled_answers_do_not_depend_on_the_batch_they_are_in(chat_tokenizer, 
     together = generate_answers(qwen3_model, prompts, 8, 4, stop, 0, sampling, seeds)
     alone = [generate_answers(qwen3_model, [p], 8, 1, stop, 0, sampling, [s])[0] for p, s in zip(prompts, seeds)]
     assert together == alone
-    other_seed = generate_answers(qwen3_model, prompts, 8, 4, stop, 0, sampling, [answer_seed(1, f"record-{i}", 0) for i in range(4)])
+    other_seed = generate_answers(
+        qwen3_model, prompts, 8, 4, stop, 0, sampling, [answer_seed(1, f"record-{i}", 0) for i in range(4)]
+    )
     assert other_seed != together
     greedy = generate_answers(qwen3_model, prompts, 8, 4, stop, 0)
     assert greedy != together  # sampling at temperature 1 from a random model leaves the argmax path
@@ -141,9 +177,18 @@ def test_top_k_one_samples_the_greedy_answer(qwen3_model):
 def local_run(tmp_path_factory, word_target, chat_tokenizer):
     target_dir, model = word_target
     root = tmp_path_factory.mktemp("regen")
-    extra = [{"text": "no prompt"}, "{broken", {"messages": [{"role": "user", "content": "weather?"},
-             {"role": "assistant", "content": None, "tool_calls": [{"name": "w", "arguments": {}}]}, {"role": "tool", "content": "18 C"},
-             {"role": "assistant", "content": "warm"}]}]
+    extra = [
+        {"text": "no prompt"},
+        "{broken",
+        {
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"name": "w", "arguments": {}}]},
+                {"role": "tool", "content": "18 C"},
+                {"role": "assistant", "content": "warm"},
+            ]
+        },
+    ]
     corpus = chat_corpus(root / "corpus.jsonl", 12, extra=extra)
     cfg = make_config(target_dir, corpus, root / "out")
     summary = R.run(cfg, model=model, tokenizer=chat_tokenizer)
@@ -170,7 +215,11 @@ def test_local_run_stores_the_targets_greedy_answers_for_every_turn(local_run, c
     counts = local_run["summary"]["corpus_counts"]
     assert checked == counts["answers"] > len(records) == counts["stored"]
     # 12 chats (3 of them two-turn), 1 tool conversation cut after its first answer; 2 bad lines.
-    assert counts["records"] == 15 and counts["stored"] == 13 and counts["rejected_by_reason"] == {"not_a_chat": 1, "invalid_json": 1}
+    assert (
+        counts["records"] == 15
+        and counts["stored"] == 13
+        and counts["rejected_by_reason"] == {"not_a_chat": 1, "invalid_json": 1}
+    )
     assert counts["records_cut_at_tool_turn"] == 1 and counts["answers"] == 12 + 3 + 1
     assert not store.journal_files(out)
 
@@ -182,8 +231,17 @@ def test_rejects_and_provenance_are_written(local_run):
     assert rejects[1]["source"].endswith("corpus.jsonl:14")
     provenance = json.load(open(os.path.join(out, store.PROVENANCE_FILE)))
     assert provenance["complete"] and provenance["backend"]["kind"] == "local"
-    assert provenance["sampling"] == {"max_new_tokens": 10, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "at_cap": "keep"}
-    assert provenance["thinking"]["mode"] == "disable" and provenance["chat_template_kwargs"] == {"enable_thinking": False}
+    assert provenance["sampling"] == {
+        "max_new_tokens": 10,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "seed": 0,
+        "at_cap": "keep",
+    }
+    assert provenance["thinking"]["mode"] == "disable" and provenance["chat_template_kwargs"] == {
+        "enable_thinking": False
+    }
     assert provenance["target"]["weights_digest"] and provenance["corpus"]["records"] == 15
     assert provenance["counts"]["stored"] == 13
 
@@ -199,8 +257,14 @@ def test_a_finished_corpus_is_not_made_again(local_run, chat_tokenizer):
 def test_answers_at_the_cap_are_dropped_when_asked(tmp_path, word_target, chat_tokenizer):
     target_dir, model = word_target
     corpus = chat_corpus(tmp_path / "c.jsonl", 8)
-    summary = R.run(make_config(target_dir, corpus, tmp_path / "out", max_new_tokens=2, at_cap="drop"), model=model, tokenizer=chat_tokenizer)
-    kept = R.run(make_config(target_dir, corpus, tmp_path / "kept", max_new_tokens=2), model=model, tokenizer=chat_tokenizer)
+    summary = R.run(
+        make_config(target_dir, corpus, tmp_path / "out", max_new_tokens=2, at_cap="drop"),
+        model=model,
+        tokenizer=chat_tokenizer,
+    )
+    kept = R.run(
+        make_config(target_dir, corpus, tmp_path / "kept", max_new_tokens=2), model=model, tokenizer=chat_tokenizer
+    )
     dropped = summary["corpus_counts"]["rejected_by_reason"].get(V.LENGTH_CAP, 0)
     assert dropped > 0 and kept["corpus_counts"]["answers_at_cap"] >= dropped
     assert summary["corpus_counts"]["stored"] + dropped == 8 == kept["corpus_counts"]["stored"]
@@ -223,10 +287,14 @@ def test_thinking_keep_stores_reasoning_and_answer_as_rendered(chat_tokenizer):
     conversation.finish_turn(V.Generated(text=answer))
     stored = conversation.outcome.record["messages"][-1]
     assert stored == {"role": "assistant", "content": " the dog sleeps", "reasoning_content": " the fox runs"}
-    rendered = chat_tokenizer.apply_chat_template(conversation.outcome.record["messages"], tokenize=False, enable_thinking=True)
+    rendered = chat_tokenizer.apply_chat_template(
+        conversation.outcome.record["messages"], tokenize=False, enable_thinking=True
+    )
     assert rendered.startswith(prompt + answer)  # what extraction renders is exactly what the target wrote
     badly_spaced = conversation_with_prompt(chat_tokenizer, "keep")
-    badly_spaced.finish_turn(V.Generated(text="<think>\n\n\n the fox\n</think>\n\n the dog"))  # the template would re-space it
+    badly_spaced.finish_turn(
+        V.Generated(text="<think>\n\n\n the fox\n</think>\n\n the dog")
+    )  # the template would re-space it
     assert badly_spaced.outcome.reason == V.NOT_REPRODUCIBLE or badly_spaced.outcome.stats["cut"] == 1
 
 
@@ -242,20 +310,29 @@ def test_thinking_strip_stores_the_answer_after_the_think_block(chat_tokenizer):
 def test_an_answer_the_tokenizer_would_merge_is_cut_to_what_survives(chat_tokenizer):
     conversation = conversation_with_prompt(chat_tokenizer, "disable")
     prompt, prompt_ids = conversation.prompt()
-    whole = chat_tokenizer(prompt + " the quick", add_special_tokens=False)["input_ids"][len(prompt_ids):]
+    whole = chat_tokenizer(prompt + " the quick", add_special_tokens=False)["input_ids"][len(prompt_ids) :]
     word = next(t for t in chat_tokenizer.get_vocab() if t.startswith("Ġ") and len(t) >= 5 and t[1:].isalpha())
     pieces = [chat_tokenizer.convert_tokens_to_ids(c) for c in word]  # one token per character: BPE merges them
     conversation.finish_turn(V.Generated(ids=whole + pieces))
     stored = conversation.outcome.record["messages"][-1]["content"]
-    assert conversation.outcome.stats["cut"] == 1 and stored.startswith(" the quick") and len(stored) < len(" the quick") + len(word)
-    assert chat_tokenizer(prompt + stored, add_special_tokens=False)["input_ids"][len(prompt_ids):] == (whole + pieces)[: conversation.outcome.stats["answer_tokens"]]
+    assert (
+        conversation.outcome.stats["cut"] == 1
+        and stored.startswith(" the quick")
+        and len(stored) < len(" the quick") + len(word)
+    )
+    assert (
+        chat_tokenizer(prompt + stored, add_special_tokens=False)["input_ids"][len(prompt_ids) :]
+        == (whole + pieces)[: conversation.outcome.stats["answer_tokens"]]
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Extraction of a regenerated corpus
 
 
-def test_a_regenerated_corpus_extracts_with_the_loss_on_exactly_the_generated_tokens(tmp_path, local_run, word_target, chat_tokenizer):
+def test_a_regenerated_corpus_extracts_with_the_loss_on_exactly_the_generated_tokens(
+    tmp_path, local_run, word_target, chat_tokenizer
+):
     from common.target import load_target
     from extract import pipeline
     from extract.config import ExtractConfig
@@ -263,15 +340,30 @@ def test_a_regenerated_corpus_extracts_with_the_loss_on_exactly_the_generated_to
 
     target_dir, model = word_target
     target = load_target(target_dir, dtype="float32")
-    words = [f"target={target_dir}", f"corpus={local_run['out']}", f"out_dir={tmp_path / 'shards'}", "layer_ids=[0]", "topk=4",
-             "max_len=256", "tokens_per_batch=512", "min_loss_tokens=1", "dtype=float32", "device=cpu", "progress=false", "writer_threads=1"]
+    words = [
+        f"target={target_dir}",
+        f"corpus={local_run['out']}",
+        f"out_dir={tmp_path / 'shards'}",
+        "layer_ids=[0]",
+        "topk=4",
+        "max_len=256",
+        "tokens_per_batch=512",
+        "min_loss_tokens=1",
+        "dtype=float32",
+        "device=cpu",
+        "progress=false",
+        "writer_threads=1",
+    ]
     summary = pipeline.run(load_config(ExtractConfig, None, words), target=target, ranks=pipeline.Ranks())[None]
     assert summary["samples"] == 13 and not summary["rejects"]
     ds = ShardDataset(str(tmp_path / "shards"))
     provenance = ds.provenance
     assert provenance["tokenizer"]["chat_template_kwargs"] == {"enable_thinking": False}
     assert provenance["corpus"]["regeneration"]["sampling"]["max_new_tokens"] == 10
-    assert provenance["corpus"]["regeneration"]["backend"]["kind"] == "local" and "config" not in provenance["corpus"]["regeneration"]
+    assert (
+        provenance["corpus"]["regeneration"]["backend"]["kind"] == "local"
+        and "config" not in provenance["corpus"]["regeneration"]
+    )
 
     stop = answer_stop_ids(model, chat_tokenizer)
     im_end = chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -281,7 +373,9 @@ def test_a_regenerated_corpus_extracts_with_the_loss_on_exactly_the_generated_to
         messages, tokens = record["messages"], []
         for turn, message in enumerate(messages):
             if message["role"] == "assistant":
-                answer, _ = greedy_reference(model, renderer.encode(renderer.prompt_text(messages[:turn], None)), 10, stop)
+                answer, _ = greedy_reference(
+                    model, renderer.encode(renderer.prompt_text(messages[:turn], None)), 10, stop
+                )
                 tokens += answer + [im_end]  # the end-of-turn token closes every turn, also one cut at the cap
         expected_loss[tuple(tokens)] = True
     got = {tuple(int(t) for t in s.input_ids[s.loss_mask.astype(bool)]) for s in ds}
@@ -292,8 +386,14 @@ def test_extraction_refuses_other_template_variables_than_the_regeneration_used(
     from extract import pipeline
     from extract.config import ExtractConfig
 
-    words = [f"target={word_target[0]}", f"corpus={local_run['out']}", f"out_dir={tmp_path / 'x'}", "layer_ids=[0]", "topk=4",
-             "chat_template_kwargs={enable_thinking = true}"]
+    words = [
+        f"target={word_target[0]}",
+        f"corpus={local_run['out']}",
+        f"out_dir={tmp_path / 'x'}",
+        "layer_ids=[0]",
+        "topk=4",
+        "chat_template_kwargs={enable_thinking = true}",
+    ]
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         pipeline.check_inputs(load_config(ExtractConfig, None, words))
 
@@ -304,9 +404,14 @@ def test_extraction_refuses_other_template_variables_than_the_regeneration_used(
 
 def test_config_errors_name_the_key(tmp_path):
     base = ["target=/x", "corpus=/y", f"out={tmp_path}"]
-    for words, key in [(["backend=server"], "urls"), (["urls=[\"ftp://x\"]", "backend=server"], "urls[0]"), (["top_p=0.5"], "top_p"),
-                       (["chat_template_kwargs={enable_thinking = true}"], "enable_thinking"), (["thinking=maybe"], "thinking"),
-                       (["batch_size=100", "window_records=10"], "window_records")]:
+    for words, key in [
+        (["backend=server"], "urls"),
+        (['urls=["ftp://x"]', "backend=server"], "urls[0]"),
+        (["top_p=0.5"], "top_p"),
+        (["chat_template_kwargs={enable_thinking = true}"], "enable_thinking"),
+        (["thinking=maybe"], "thinking"),
+        (["batch_size=100", "window_records=10"], "window_records"),
+    ]:
         with pytest.raises(ConfigError, match=key.replace("[", r"\[")):
             load_config(RegenerateConfig, None, base + words)
 
@@ -326,7 +431,9 @@ def test_the_shipped_configs_regenerate_tables_are_valid():
     for name in ("tiny.toml", "qwen3.6-27b.toml"):
         cfg = load_config(RegenerateConfig, REPO / "configs" / name, section="regenerate")
         assert cfg.target and cfg.max_new_tokens >= 256
-    assert load_config(RegenerateConfig, REPO / "configs" / "qwen3.6-27b.toml", section="regenerate").backend == "server"
+    assert (
+        load_config(RegenerateConfig, REPO / "configs" / "qwen3.6-27b.toml", section="regenerate").backend == "server"
+    )
 
 
 def test_help_lists_every_key():
@@ -338,8 +445,9 @@ def test_help_lists_every_key():
         assert f"\n{key} = " in "\n" + done.stdout, key
 
 
-
-def test_ranks_answer_their_shares_and_rank_zero_commits_the_whole_corpus(tmp_path, local_run, word_target, chat_tokenizer, monkeypatch):
+def test_ranks_answer_their_shares_and_rank_zero_commits_the_whole_corpus(
+    tmp_path, local_run, word_target, chat_tokenizer, monkeypatch
+):
     """Two ranks (RANK / WORLD_SIZE as torchrun sets them, run one after the other here): each answers
     the records with position % 2 == rank into its own journal; rank 0 commits when both are done,
     and the corpus equals the one-process run's."""

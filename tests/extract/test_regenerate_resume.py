@@ -21,7 +21,15 @@ from extract.regenerate.config import RegenerateConfig
 from tests.extract.regen_fixtures import chat_corpus, read_jsonl, regenerate_cli, save_target, word_model
 from tests.paths import REPO, child_pythonpath
 
-SETTINGS = ["max_new_tokens=12", "batch_size=2", "window_records=4", "dtype=float32", "device=cpu", "progress=false", "fsync_every_s=0"]
+SETTINGS = [
+    "max_new_tokens=12",
+    "batch_size=2",
+    "window_records=4",
+    "dtype=float32",
+    "device=cpu",
+    "progress=false",
+    "fsync_every_s=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +59,13 @@ def journal_lines(out) -> int:
 
 def start_child(setup, out) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "extract.regenerate", *words(setup, out)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "extract.regenerate", *words(setup, out)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def kill_when(process: subprocess.Popen, out, lines: int, timeout: float = 120) -> int:
@@ -124,13 +137,26 @@ def test_a_second_writer_is_refused_and_a_dead_one_blocks_nothing(setup, tmp_pat
     out = tmp_path / "locked"
     os.makedirs(out)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from extract.regenerate import store; lock = store.lock_rank(sys.argv[1], 0); "
-                               "print('locked', flush=True); time.sleep(120)", str(out)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": child_pythonpath()}, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from extract.regenerate import store; lock = store.lock_rank(sys.argv[1], 0); "
+            "print('locked', flush=True); time.sleep(120)",
+            str(out),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": child_pythonpath()},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         refused = regenerate_cli(*words(setup, out))
-        assert refused.returncode == 2 and "being written by another process" in refused.stderr and f"pid {holder.pid}" in refused.stderr
+        assert (
+            refused.returncode == 2
+            and "being written by another process" in refused.stderr
+            and f"pid {holder.pid}" in refused.stderr
+        )
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()

@@ -87,9 +87,14 @@ class FakeServer:
             return [500, 429, 0][n - 1], {"error": {"message": "try again"}}
         if "refuse" in prompt and not preflight:
             return 400, {"error": {"message": "prompt is longer than the context"}}
-        return 200, {"id": "x", "object": "text_completion", "created": 0, "model": "fake-model",
-                     "choices": [{"index": 0, "text": ANSWER, "finish_reason": "stop"}],
-                     "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
+        return 200, {
+            "id": "x",
+            "object": "text_completion",
+            "created": 0,
+            "model": "fake-model",
+            "choices": [{"index": 0, "text": ANSWER, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+        }
 
     def __enter__(self):
         self.thread.start()
@@ -102,13 +107,22 @@ class FakeServer:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory, chat_tokenizer):
-    """A target directory: the chat tokenizer and a tiny model (the server backend reads only the tokenizer and config)."""
+    """A target directory: the chat tokenizer and a tiny model (the server backend reads only the tokenizer and
+    config)."""
     return save_target(tmp_path_factory.mktemp("target"), word_model(chat_tokenizer), chat_tokenizer)
 
 
 def server_config(target, corpus, out, urls, **overrides) -> RegenerateConfig:
-    words = [f"target={target}", f"corpus={corpus}", f"out={out}", "backend=server", f"urls={json.dumps(urls)}", "max_new_tokens=8",
-             "retry_backoff_s=0.01", "progress=false"]
+    words = [
+        f"target={target}",
+        f"corpus={corpus}",
+        f"out={out}",
+        "backend=server",
+        f"urls={json.dumps(urls)}",
+        "max_new_tokens=8",
+        "retry_backoff_s=0.01",
+        "progress=false",
+    ]
     words += [f"{k}={v}" for k, v in overrides.items()]
     return load_config(RegenerateConfig, None, words)
 
@@ -118,7 +132,9 @@ def prompts_corpus(path, words: list[str]) -> str:
 
 
 def test_transient_failures_are_retried_and_refusals_are_counted(tmp_path, tokenizer_dir, chat_tokenizer):
-    corpus = prompts_corpus(tmp_path / "c.jsonl", ["the fox", "flaky dog", "refuse this", "a bird", "flaky sky", "green tree"])
+    corpus = prompts_corpus(
+        tmp_path / "c.jsonl", ["the fox", "flaky dog", "refuse this", "a bird", "flaky sky", "green tree"]
+    )
     with FakeServer() as server:
         summary = R.run(server_config(tokenizer_dir, corpus, tmp_path / "out", [server.url]), tokenizer=chat_tokenizer)
     assert summary["complete"] and summary["retries"] == 6  # 500, 429 and a dropped connection, for each flaky prompt
@@ -143,13 +159,19 @@ def test_auth_and_request_errors_stop_at_once(tmp_path, tokenizer_dir, chat_toke
     assert not summary["complete"] and not os.path.exists(tmp_path / "out" / store.DATA_FILE)
 
 
-def test_a_server_that_goes_away_stops_the_run_and_a_rerun_finishes_every_record_once(tmp_path, tokenizer_dir, chat_tokenizer):
+def test_a_server_that_goes_away_stops_the_run_and_a_rerun_finishes_every_record_once(
+    tmp_path, tokenizer_dir, chat_tokenizer
+):
     words = [f"the fox {i}" for i in range(10)]
     corpus = prompts_corpus(tmp_path / "c.jsonl", words)
     out = tmp_path / "out"
     with FakeServer(fail_all=503) as server:
-        summary = R.run(server_config(tokenizer_dir, corpus, out, [server.url], max_retries=1, max_consecutive_failures=3,
-                                      max_in_flight=1), tokenizer=chat_tokenizer)
+        summary = R.run(
+            server_config(
+                tokenizer_dir, corpus, out, [server.url], max_retries=1, max_consecutive_failures=3, max_in_flight=1
+            ),
+            tokenizer=chat_tokenizer,
+        )
     assert "3 records in a row failed" in summary["stopped"] and summary["counts"]["failed"] == 3
     assert summary["counts"]["stored"] == 0 and not os.path.exists(out / store.DATA_FILE)
     with FakeServer() as server:
@@ -161,18 +183,30 @@ def test_a_server_that_goes_away_stops_the_run_and_a_rerun_finishes_every_record
 def test_requests_spread_over_urls_with_the_configured_number_in_flight(tmp_path, tokenizer_dir, chat_tokenizer):
     corpus = prompts_corpus(tmp_path / "c.jsonl", [f"bird {i}" for i in range(24)])
     with FakeServer(delay=0.05) as a, FakeServer(delay=0.05) as b:
-        summary = R.run(server_config(tokenizer_dir, corpus, tmp_path / "out", [a.url, b.url], max_in_flight=6), tokenizer=chat_tokenizer)
+        summary = R.run(
+            server_config(tokenizer_dir, corpus, tmp_path / "out", [a.url, b.url], max_in_flight=6),
+            tokenizer=chat_tokenizer,
+        )
     assert summary["complete"] and summary["corpus_counts"]["stored"] == 24
-    assert len(a.bodies) >= 6 and len(b.bodies) >= 6 and len(a.bodies) + len(b.bodies) == 24 + 2  # + one first request each
+    assert (
+        len(a.bodies) >= 6 and len(b.bodies) >= 6 and len(a.bodies) + len(b.bodies) == 24 + 2
+    )  # + one first request each
     assert 2 <= a.max_in_flight + b.max_in_flight <= 6 and max(a.max_in_flight, b.max_in_flight) <= 6
 
 
 def test_sampling_sends_a_seed_per_record_and_turn(tmp_path, tokenizer_dir, chat_tokenizer):
     corpus = prompts_corpus(tmp_path / "c.jsonl", ["the fox", "a dog"])
     with FakeServer() as server:
-        R.run(server_config(tokenizer_dir, corpus, tmp_path / "out", [server.url], temperature=0.7, top_p=0.8, top_k=20), tokenizer=chat_tokenizer)
+        R.run(
+            server_config(tokenizer_dir, corpus, tmp_path / "out", [server.url], temperature=0.7, top_p=0.8, top_k=20),
+            tokenizer=chat_tokenizer,
+        )
     bodies = [b for b in server.bodies if b["max_tokens"] == 8]
-    assert {b["temperature"] for b in bodies} == {0.7} and {b["top_p"] for b in bodies} == {0.8} and {b["top_k"] for b in bodies} == {20}
+    assert (
+        {b["temperature"] for b in bodies} == {0.7}
+        and {b["top_p"] for b in bodies} == {0.8}
+        and {b["top_k"] for b in bodies} == {20}
+    )
     assert len({b["seed"] for b in bodies}) == 2
 
 
@@ -196,17 +230,38 @@ def transformers_serve(model_dir: str, *extra: str):
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        pytest.skip("transformers serve needs the serving extra (fastapi, uvicorn): pip install 'transformers[serving]'")
+        pytest.skip(
+            "transformers serve needs the serving extra (fastapi, uvicorn): pip install 'transformers[serving]'"
+        )
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen([cli, "serve", model_dir, "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1",
-                                "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(
+        [
+            cli,
+            "serve",
+            model_dir,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while True:
             if process.poll() is not None:
-                raise AssertionError(f"transformers serve exited with {process.returncode}: {process.stdout.read().decode()[-3000:]}")
+                raise AssertionError(
+                    f"transformers serve exited with {process.returncode}: {process.stdout.read().decode()[-3000:]}"
+                )
             with contextlib.suppress(OSError):
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
                     break
@@ -232,18 +287,41 @@ def test_transformers_serve_answers_equal_the_local_backend_token_for_token(tmp_
     model = word_model(chat_tokenizer, stop_weight=3.0)
     target = save_target(tmp_path / "target", model, chat_tokenizer)
     corpus = chat_corpus(tmp_path / "c.jsonl", 8)
-    local_cfg = load_config(RegenerateConfig, None, [f"target={target}", f"corpus={corpus}", f"out={tmp_path / 'local'}",
-                                                     "max_new_tokens=12", "dtype=float32", "device=cpu", "progress=false"])
+    local_cfg = load_config(
+        RegenerateConfig,
+        None,
+        [
+            f"target={target}",
+            f"corpus={corpus}",
+            f"out={tmp_path / 'local'}",
+            "max_new_tokens=12",
+            "dtype=float32",
+            "device=cpu",
+            "progress=false",
+        ],
+    )
     assert R.run(local_cfg, model=model, tokenizer=chat_tokenizer)["complete"]
     local = (tmp_path / "local" / store.DATA_FILE).read_bytes()
     with transformers_serve(target) as url:
-        served = R.run(server_config(target, corpus, tmp_path / "served", [url], max_new_tokens=12, max_in_flight=4), tokenizer=chat_tokenizer)
-        chat = R.run(server_config(target, corpus, tmp_path / "chat", [url], max_new_tokens=12, api="chat"), tokenizer=chat_tokenizer)
+        served = R.run(
+            server_config(target, corpus, tmp_path / "served", [url], max_new_tokens=12, max_in_flight=4),
+            tokenizer=chat_tokenizer,
+        )
+        chat = R.run(
+            server_config(target, corpus, tmp_path / "chat", [url], max_new_tokens=12, api="chat"),
+            tokenizer=chat_tokenizer,
+        )
     assert served["complete"] and served["corpus_counts"]["answers"] == 8 + 2  # two of the eight records have two turns
     assert (tmp_path / "served" / store.DATA_FILE).read_bytes() == local
-    assert served["corpus_counts"]["answers_at_cap"] > 0 and served["corpus_counts"]["answers_at_cap"] < 10  # some stopped, some hit the cap
+    assert (
+        served["corpus_counts"]["answers_at_cap"] > 0 and served["corpus_counts"]["answers_at_cap"] < 10
+    )  # some stopped, some hit the cap
+
     def first_answers(name):
-        return [next(m["content"] for m in r["messages"] if m["role"] == "assistant") for r in read_jsonl(tmp_path / name / store.DATA_FILE)]
+        return [
+            next(m["content"] for m in r["messages"] if m["role"] == "assistant")
+            for r in read_jsonl(tmp_path / name / store.DATA_FILE)
+        ]
 
     local_answers = first_answers("local")
     assert chat["complete"] and first_answers("chat") == [a.strip() for a in local_answers]
@@ -254,10 +332,25 @@ def test_an_endpoint_that_does_not_answer_or_serves_another_model_is_a_user_erro
     from tests.extract.regen_fixtures import regenerate_cli
 
     corpus = prompts_corpus(tmp_path / "c.jsonl", ["the fox"])
-    nobody = regenerate_cli(f"target={tokenizer_dir}", f"corpus={corpus}", f"out={tmp_path / 'a'}", "backend=server",
-                            f"urls=[\"http://127.0.0.1:{free_port()}/v1\"]")
+    nobody = regenerate_cli(
+        f"target={tokenizer_dir}",
+        f"corpus={corpus}",
+        f"out={tmp_path / 'a'}",
+        "backend=server",
+        f'urls=["http://127.0.0.1:{free_port()}/v1"]',
+    )
     assert nobody.returncode == 2 and "cannot list the served models" in nobody.stderr
     with FakeServer() as server:
-        other = regenerate_cli(f"target={tokenizer_dir}", f"corpus={corpus}", f"out={tmp_path / 'b'}", "backend=server",
-                               f"urls=[\"{server.url}\"]", "model=another-model")
-    assert other.returncode == 2 and "does not serve model 'another-model'" in other.stderr and "fake-model" in other.stderr
+        other = regenerate_cli(
+            f"target={tokenizer_dir}",
+            f"corpus={corpus}",
+            f"out={tmp_path / 'b'}",
+            "backend=server",
+            f'urls=["{server.url}"]',
+            "model=another-model",
+        )
+    assert (
+        other.returncode == 2
+        and "does not serve model 'another-model'" in other.stderr
+        and "fake-model" in other.stderr
+    )

@@ -36,8 +36,20 @@ def main(*argv) -> tuple[int, str, str]:
 
 
 def config_file(tmp_path, target, out, corpus, **extra) -> Path:
-    table = {"target": str(target), "corpus": str(corpus), "out_dir": str(out), "layer_ids": [1, 2], "topk": 3, "max_len": 128,
-             "tokens_per_batch": 256, "min_loss_tokens": 4, "dtype": "float32", "device": "cpu", "progress": False, **extra}
+    table = {
+        "target": str(target),
+        "corpus": str(corpus),
+        "out_dir": str(out),
+        "layer_ids": [1, 2],
+        "topk": 3,
+        "max_len": 128,
+        "tokens_per_batch": 256,
+        "min_loss_tokens": 4,
+        "dtype": "float32",
+        "device": "cpu",
+        "progress": False,
+        **extra,
+    }
     import tomli_w
 
     path = tmp_path / f"{out.name}.toml"
@@ -55,6 +67,7 @@ def good_corpus(path, n=4, seed=0):
 @pytest.fixture
 def no_target_loading(monkeypatch):
     """Loading the target (minutes for a 27B) must not happen before the inputs are checked."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("the target was loaded before the inputs were checked")
 
@@ -62,7 +75,10 @@ def no_target_loading(monkeypatch):
     monkeypatch.setattr(pipeline, "read_text_config", refuse)
 
 
-@pytest.mark.parametrize("case", ["missing corpus", "out_dir is a file", "out_dir under a file", "unreadable parquet", "split corpus missing"])
+@pytest.mark.parametrize(
+    "case",
+    ["missing corpus", "out_dir is a file", "out_dir under a file", "unreadable parquet", "split corpus missing"],
+)
 def test_bad_inputs_are_found_before_the_target_loads_and_leave_nothing(tmp_path, no_target_loading, case):
     corpus = good_corpus(tmp_path / "c.jsonl")
     out = tmp_path / "out"
@@ -80,7 +96,11 @@ def test_bad_inputs_are_found_before_the_target_loads_and_leave_nothing(tmp_path
         corpus.write_bytes(b"")
         needle = "bad.parquet' is not a readable Parquet file"
     else:
-        extra, corpus, needle = {"splits": {"train": str(corpus), "heldout": str(tmp_path / "none.jsonl")}}, "", "splits.heldout"
+        extra, corpus, needle = (
+            {"splits": {"train": str(corpus), "heldout": str(tmp_path / "none.jsonl")}},
+            "",
+            "splits.heldout",
+        )
     before = sorted(os.listdir(tmp_path))
     code, _, err = main(config_file(tmp_path, tmp_path / "no-target", out, corpus, **extra))
     assert code == 2 and needle in err and "Traceback" not in err and "target was loaded" not in err, err
@@ -110,6 +130,7 @@ def test_a_stub_from_a_killed_start_does_not_block_a_changed_corpus(tmp_path, lo
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt  # stands in for SIGKILL: no clean-up runs
+
     monkeypatch.setattr(pipeline, "_extract_into", killed)
     monkeypatch.setattr(pipeline, "_discard_if_empty", lambda *a: None)
     with pytest.raises(KeyboardInterrupt):
@@ -133,6 +154,7 @@ def test_rerun_to_resume_is_said_only_when_something_was_committed(tmp_path, sav
                 raise OSError(errno.ENOSPC, "No space left on device", "somewhere")
             real_write(self, out)
             self.writer.flush()  # commit what was stored so far
+
         return store
 
     monkeypatch.setattr(pipeline.HostPath, "store", full_disk_after(0))
@@ -145,11 +167,17 @@ def test_rerun_to_resume_is_said_only_when_something_was_committed(tmp_path, sav
     assert code == 4 and "rerun the same command to resume" in err, err
 
 
-@pytest.mark.parametrize("lines, needle", [
-    ([], "the corpus holds no records (it is empty)"),
-    (["", "  ", ""], "the corpus holds no records (3 blank lines)"),
-    (['{"messages": [oops', {"messages": [{"role": "user", "content": "only a question"}]}], "every one of its 2 records was rejected (invalid_json 1, no_assistant_turn 1)"),
-])
+@pytest.mark.parametrize(
+    "lines, needle",
+    [
+        ([], "the corpus holds no records (it is empty)"),
+        (["", "  ", ""], "the corpus holds no records (3 blank lines)"),
+        (
+            ['{"messages": [oops', {"messages": [{"role": "user", "content": "only a question"}]}],
+            "every one of its 2 records was rejected (invalid_json 1, no_assistant_turn 1)",
+        ),
+    ],
+)
 def test_zero_samples_is_a_non_zero_exit_with_the_reason(tmp_path, saved_target, lines, needle):
     corpus = write_lines(tmp_path / "c.jsonl", lines)
     out = tmp_path / "out"
@@ -157,7 +185,9 @@ def test_zero_samples_is_a_non_zero_exit_with_the_reason(tmp_path, saved_target,
     assert code == 3, (stdout, err)
     assert f"0 samples written to {out}" in err and needle in err
     assert "samples   none" in stdout  # the summary is still printed
-    code, _, err = main(config_file(tmp_path, saved_target, out, corpus))  # the rerun finds it complete, and still says so
+    code, _, err = main(
+        config_file(tmp_path, saved_target, out, corpus)
+    )  # the rerun finds it complete, and still says so
     assert code == 3 and needle in err
 
 
@@ -167,8 +197,10 @@ def test_zero_samples_is_a_non_zero_exit_with_the_reason(tmp_path, saved_target,
 
 def hold_lock_in_a_child(path: Path) -> subprocess.Popen:
     """A separate process holding the lock file `path` until killed."""
-    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from common.locks import exclusive_lock; "
-            f"exclusive_lock({str(path)!r}, what='x', hint='y'); print('held', flush=True); time.sleep(600)")
+    code = (
+        f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from common.locks import exclusive_lock; "
+        f"exclusive_lock({str(path)!r}, what='x', hint='y'); print('held', flush=True); time.sleep(600)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "held"
     return child
@@ -178,7 +210,9 @@ def test_a_lock_is_exclusive_between_processes_and_freed_when_the_holder_dies(tm
     path = tmp_path / ".lock"
     child = hold_lock_in_a_child(path)
     try:
-        with pytest.raises(LockedError, match=rf"another process \(pid {child.pid} on .*; lock file {path}\)\. do this"):
+        with pytest.raises(
+            LockedError, match=rf"another process \(pid {child.pid} on .*; lock file {path}\)\. do this"
+        ):
             exclusive_lock(str(path), what="the thing", hint="do this")
         started = time.monotonic()
         with pytest.raises(LockedError):

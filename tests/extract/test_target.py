@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
+from common.target import load_target, reach_text_parts, read_text_config, target_provenance, weights_digest
 from extract.capture import capture
-from common.target import load_target, read_text_config, reach_text_parts, target_provenance, weights_digest
 from tests.extract.conftest import qwen35_text_config
 
 
@@ -19,9 +19,22 @@ def saved_vlm(tmp_path_factory, chat_tokenizer):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = qwen35_text_config(len(chat_tokenizer)).to_dict()
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4, spatial_merge_size=1, temporal_patch_size=1)
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=4,
+        spatial_merge_size=1,
+        temporal_patch_size=1,
+    )
     torch.manual_seed(0)
-    vlm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval().requires_grad_(False)
+    vlm = (
+        Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+        .eval()
+        .requires_grad_(False)
+    )
     path = tmp_path_factory.mktemp("vlm")
     vlm.save_pretrained(path)
     chat_tokenizer.save_pretrained(path)

@@ -55,7 +55,9 @@ def test_projected_extraction_fits_p_in_a_calibration_pass_and_stores_p_times_h(
     assert verify_dataset(str(out)) == []
     ds = ShardDataset(str(out))
     entry = ds.projection
-    assert entry["in_width"] == 3 * 64 and entry["out_width"] == ds.hidden_width == 3 * 16 and len(entry["explained"]) == 3
+    assert (
+        entry["in_width"] == 3 * 64 and entry["out_width"] == ds.hidden_width == 3 * 16 and len(entry["explained"]) == 3
+    )
     projection = load_projection(str(out), entry)
     assert projection.info["calibration"]["samples"] == 8
     reference_ids, reference = by_id(root / "lossless")
@@ -69,8 +71,13 @@ def test_projected_extraction_fits_p_in_a_calibration_pass_and_stores_p_times_h(
         assert torch.allclose(z_hat, z, rtol=0.07, atol=1e-3 * float(z.abs().max()))  # within an e4m3 step
     errors = [tap["rel_rms"] for e in ds.shards for tap in e["reconstruction"]["taps"]]
     assert all(0 < x < 1 for x in errors)
-    with pytest.raises(ValueError, match="config key 'projection' is 'pca:rank=16' in the dataset but 'pca:rank=8' now"):
-        run(make_config(out, corpus, hidden_encoding="fp8", projection="pca:rank=8", calibration_samples=8), loaded_target)
+    with pytest.raises(
+        ValueError, match="config key 'projection' is 'pca:rank=16' in the dataset but 'pca:rank=8' now"
+    ):
+        run(
+            make_config(out, corpus, hidden_encoding="fp8", projection="pca:rank=8", calibration_samples=8),
+            loaded_target,
+        )
 
 
 def test_nonfinite_samples_are_rejected_in_a_quantized_extraction(tmp_path, loaded_target, chat_tokenizer):
@@ -78,11 +85,22 @@ def test_nonfinite_samples_are_rejected_in_a_quantized_extraction(tmp_path, load
     import random
 
     model = build_model(loaded_target.model.config)
-    poison = chat_tokenizer.convert_tokens_to_ids("fox") if "fox" in chat_tokenizer.get_vocab() else chat_tokenizer.encode(" fox")[0]
+    poison = (
+        chat_tokenizer.convert_tokens_to_ids("fox")
+        if "fox" in chat_tokenizer.get_vocab()
+        else chat_tokenizer.encode(" fox")[0]
+    )
     model.model.embed_tokens.weight[poison] = float("nan")
     target = reach_text_parts(model, chat_tokenizer, path="")
     rng = random.Random(3)
-    records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the fox runs far away " * 3}]}]
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "the fox runs far away " * 3},
+            ]
+        }
+    ]
     records += [chat_record(rng, 4, 20) for _ in range(3)]
     corpus = write_lines(tmp_path / "c.jsonl", records)
     summary = run(make_config(tmp_path / "out", corpus, hidden_encoding="fp8"), target)
@@ -99,7 +117,9 @@ def test_tier_settings_are_checked_by_key(tmp_path):
         make_config(tmp_path, "c.jsonl", hidden_encoding="fp7")
     with pytest.raises(ConfigError, match="config key 'projection': rank must be a positive integer"):
         make_config(tmp_path, "c.jsonl", projection="pca:rank=0")
-    with pytest.raises(ConfigError, match="config key 'projection': rank 40 per tap is not a multiple of nf4-g64's group size 64"):
+    with pytest.raises(
+        ConfigError, match="config key 'projection': rank 40 per tap is not a multiple of nf4-g64's group size 64"
+    ):
         make_config(tmp_path, "c.jsonl", hidden_encoding="nf4", projection="pca:rank=40")
 
 

@@ -11,8 +11,10 @@ import torch
 
 
 def no_cuda_reason() -> str:
-    return (f"needs a CUDA GPU: torch {torch.__version__} (CUDA build {torch.version.cuda}) sees none; "
-            "the GPU tier runs on a GPU host with `make test-gpu`")
+    return (
+        f"needs a CUDA GPU: torch {torch.__version__} (CUDA build {torch.version.cuda}) sees none; "
+        "the GPU tier runs on a GPU host with `make test-gpu`"
+    )
 
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=no_cuda_reason())]

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.train import SHAPES
 from extract.tiny import TinyConfig
 from tests.gpu import GPU
 from tests.train.test_model import QWEN36_TEXT
 from train.attention import attend
-from benchmarks.train import SHAPES
 from train.kernels import TRAIN_KEYS, KernelPlan, choose_kernels, flex_problem
 from train.model import DrafterConfig
 
@@ -101,7 +101,9 @@ def test_flex_equals_sdpa_forward_and_gradients(name, no_tf32):
     data64 = inputs(H, G, E, torch.float64)
     reference = run("sdpa", *data64)
 
-    fp32 = rel_errors(run("flex", *(t.float() if t.is_floating_point() else t for t in data64[:6]), *data64[6:]), reference)
+    fp32 = rel_errors(
+        run("flex", *(t.float() if t.is_floating_point() else t for t in data64[:6]), *data64[6:]), reference
+    )
     assert max(fp32) <= 1e-3, (name, "fp32 out/dq/dk/dv", fp32)
 
     bf16_data = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in data64[:6]] + list(data64[6:])

@@ -49,7 +49,10 @@ def test_compiled_step_equals_eager_and_survives_batch_shape_changes(tmp_path, h
             assert math.isclose(c.loss, e.loss, rel_tol=1e-2), rows
             assert math.isclose(c.grad_norm, e.grad_norm, rel_tol=3e-2), rows
         assert len(shapes) >= 2, f"the batches should change shape, got {shapes}"
-        print(f"head_dim {head_dim} ({kernel}), {len(shapes)} batch shapes: (step, eager loss, compiled loss, eager |g|, compiled |g|) {rows}")
+        print(
+            f"head_dim {head_dim} ({kernel}), {len(shapes)} batch shapes: (step, eager loss, compiled loss, eager "
+            f"|g|, compiled |g|) {rows}"
+        )
     finally:
         eager.stream.close()
         compiled.stream.close()

@@ -39,12 +39,21 @@ TOPK = 8
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory, chat_tokenizer):
     """A saved tiny hybrid target (linear, full, linear, full attention) whose logits spread (std ~2)."""
-    config = qwen35_text_config(len(chat_tokenizer), hidden_size=128, head_dim=32, linear_key_head_dim=64,
-                                linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4)
+    config = qwen35_text_config(
+        len(chat_tokenizer),
+        hidden_size=128,
+        head_dim=32,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )
     model = build_model(config)
     bound = external_kernels(model)
     if not any(name.endswith("chunk_gated_delta_rule") for name in bound):
-        pytest.skip(f"transformers binds no fla kernel for the Gated DeltaNet here (fla not importable); bound: {bound}")
+        pytest.skip(
+            f"transformers binds no fla kernel for the Gated DeltaNet here (fla not importable); bound: {bound}"
+        )
     print(f"transformers functions bound to external kernels: {bound}")
     route_kernels_by_device(model)  # this CPU forward must not reach fla (the pipeline's loads route by themselves)
     with torch.no_grad():
@@ -67,8 +76,12 @@ def bf16_values(bits: np.ndarray) -> np.ndarray:
 def test_cuda_extraction_with_fla_matches_the_reference(hybrid, tmp_path, dtype):
     path, corpus, reference = hybrid
     tap_tol, delta = TOLERANCE[dtype]
-    summary = run(make_config(tmp_path / "out", corpus, target=str(path), layer_ids=LAYER_IDS, topk=TOPK, dtype=dtype,
-                              device="cuda"), None)
+    summary = run(
+        make_config(
+            tmp_path / "out", corpus, target=str(path), layer_ids=LAYER_IDS, topk=TOPK, dtype=dtype, device="cuda"
+        ),
+        None,
+    )
     got = samples_by_id(str(tmp_path / "out"))
     assert summary["samples"] == len(reference) == len(got) > 10 and got.keys() == reference.keys()
     checked = positions = 0
@@ -90,8 +103,10 @@ def test_cuda_extraction_with_fla_matches_the_reference(hybrid, tmp_path, dtype)
         assert np.array_equal(cuda.topk_ids[clear, 0], ref.topk_ids[clear, 0]), sid
         checked, positions = checked + int(clear.sum()), positions + len(clear)
     assert checked >= positions // 2, f"only {checked} of {positions} positions have a top-1 margin above {delta}"
-    print(f"{dtype}: worst tap error {worst_tap:.2e} (of max |ref|), worst log-prob error {worst_lp:.2e}, "
-          f"top-1 equal at all {checked} of {positions} positions with margin > {delta}")
+    print(
+        f"{dtype}: worst tap error {worst_tap:.2e} (of max |ref|), worst log-prob error {worst_lp:.2e}, "
+        f"top-1 equal at all {checked} of {positions} positions with margin > {delta}"
+    )
 
 
 def test_one_model_class_serves_both_devices(hybrid, chat_tokenizer):
@@ -100,8 +115,15 @@ def test_one_model_class_serves_both_devices(hybrid, chat_tokenizer):
     from common.target import reach_text_parts
     from extract.capture import capture
 
-    config = qwen35_text_config(len(chat_tokenizer), hidden_size=128, head_dim=32, linear_key_head_dim=64,
-                                linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4)
+    config = qwen35_text_config(
+        len(chat_tokenizer),
+        hidden_size=128,
+        head_dim=32,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )
     cpu_model = build_model(config)
     cuda_model = copy.deepcopy(cpu_model).cuda()
     ids = torch.randint(0, config.vocab_size, (2, 40))

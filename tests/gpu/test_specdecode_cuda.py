@@ -29,8 +29,8 @@ from tests.train.serve.test_specdecode import (
     tiny_qwen3,
     tiny_qwen35,
 )
-from train.serve.export import export_drafter, load_exported
 from train.model import DFlashDrafter
+from train.serve.export import export_drafter, load_exported
 from train.serve.specdecode import DFlashProposer, SpecTarget, greedy_generate, main, speculative_generate
 
 pytestmark = GPU
@@ -65,8 +65,24 @@ def test_speculative_decoding_on_cuda_equals_greedy(tmp_path, hybrid):
 def test_the_specdecode_cli_is_lossless_on_cuda(tmp_path, capsys):
     prompts = cli_inputs(tmp_path, n_prompts=4)
     out = tmp_path / "result.json"
-    code = main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
-                 "--max-new-tokens", "32", "--num-prompts", "4", "--out", str(out), "--device", "cuda"])
+    code = main(
+        [
+            "--target",
+            str(tmp_path / "target"),
+            "--drafter",
+            str(tmp_path / "drafter"),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "32",
+            "--num-prompts",
+            "4",
+            "--out",
+            str(out),
+            "--device",
+            "cuda",
+        ]
+    )
     printed = capsys.readouterr()
     assert code == 0, printed.err
     assert "lossless: True" in printed.out

@@ -31,7 +31,9 @@ pytestmark = GPU
 
 def tier_on_cuda(tiny, out, *words) -> str:
     """A storage tier of the tiny shards, transcoded on the GPU (device=cuda)."""
-    transcode(str(tiny / "shards"), str(out), load_config(TranscodeConfig, None, ["progress=false", "device=cuda", *words]))
+    transcode(
+        str(tiny / "shards"), str(out), load_config(TranscodeConfig, None, ["progress=false", "device=cuda", *words])
+    )
     return str(out)
 
 
@@ -46,7 +48,9 @@ def test_compact_batches_dequantize_on_cuda_exactly_as_on_cpu(tmp_path, encoding
             assert isinstance(batch.hidden, CompactHidden)
             on_gpu = batch.hidden.to(torch.device("cuda"), non_blocking=True)
             on_cpu = batch.hidden.to("cpu")
-            assert on_gpu.device.type == "cuda" and on_gpu.dtype == torch.bfloat16 and on_gpu.shape == batch.hidden.shape
+            assert (
+                on_gpu.device.type == "cuda" and on_gpu.dtype == torch.bfloat16 and on_gpu.shape == batch.hidden.shape
+            )
             assert torch.equal(on_gpu.cpu(), on_cpu)
     finally:
         stream.close()

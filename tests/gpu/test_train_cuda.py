@@ -29,10 +29,27 @@ STEPS = 6
 
 
 def train_cli(tiny, runs, *args) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "train", f"out_dir={runs}", f"data.shards={tiny / 'shards'}", "data.token_budget=200",
-            "data.num_buckets=2", "data.holdout_fraction=0", "data.prefetch_threads=1", "data.prefetch_depth=2",
-            "model.num_layers=1", "model.intermediate_size=32", "loss.num_anchors=6", f"optim.max_steps={STEPS}",
-            "checkpoint.every=2", "log.progress=false", "optim.lr=3e-3", "device=cuda", *args]
+    argv = [
+        sys.executable,
+        "-m",
+        "train",
+        f"out_dir={runs}",
+        f"data.shards={tiny / 'shards'}",
+        "data.token_budget=200",
+        "data.num_buckets=2",
+        "data.holdout_fraction=0",
+        "data.prefetch_threads=1",
+        "data.prefetch_depth=2",
+        "model.num_layers=1",
+        "model.intermediate_size=32",
+        "loss.num_anchors=6",
+        f"optim.max_steps={STEPS}",
+        "checkpoint.every=2",
+        "log.progress=false",
+        "optim.lr=3e-3",
+        "device=cuda",
+        *args,
+    ]
     env = dict(os.environ, PYTHONPATH=child_pythonpath(), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -53,18 +70,29 @@ def test_the_train_cli_runs_and_resumes_on_cuda(tmp_path):
     full, split = read_metrics(runs / "full" / "metrics.jsonl"), read_metrics(runs / "split" / "metrics.jsonl")
     assert [r["step"] for r in full] == [r["step"] for r in split] == list(range(1, STEPS + 1))
     for a, b in zip(full, split):
-        assert (a["bucket"], a["batch_samples"], a["batch_tokens"], a["epoch"]) == (b["bucket"], b["batch_samples"], b["batch_tokens"], b["epoch"])
+        assert (a["bucket"], a["batch_samples"], a["batch_tokens"], a["epoch"]) == (
+            b["bucket"],
+            b["batch_samples"],
+            b["batch_tokens"],
+            b["epoch"],
+        )
         assert not a["skipped"] and not b["skipped"]
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-2) and math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-2), (a, b)
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-2) and math.isclose(
+            a["grad_norm"], b["grad_norm"], rel_tol=1e-2
+        ), (a, b)
     assert full[0]["loss"] != full[-1]["loss"]
     info = json.loads((runs / "split" / "run.json").read_text())
     assert info["device"] == "cuda" and info["kernels"]["attention"] == "flex" and info["precision"] == "bfloat16"
     starts = info["starts"]
-    assert len(starts) == 2 and starts[0]["resumed_from"] is None and starts[1]["resumed_from"].endswith("step-00000003")
+    assert (
+        len(starts) == 2 and starts[0]["resumed_from"] is None and starts[1]["resumed_from"].endswith("step-00000003")
+    )
     last = f"step-{STEPS:08d}"
     state_full = load_checkpoint(runs / "full" / "checkpoints" / last)["state"]
     state_split = load_checkpoint(runs / "split" / "checkpoints" / last)["state"]
     assert state_full["data_state"] == state_split["data_state"] and state_full["tokens"] == state_split["tokens"]
     exact = all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in zip(full, split))
-    print(f"resume on CUDA: losses {'bit-identical' if exact else 'equal within 1e-2, not bit-identical'}: "
-          f"{[(a['loss'], b['loss']) for a, b in zip(full, split)]}")
+    print(
+        f"resume on CUDA: losses {'bit-identical' if exact else 'equal within 1e-2, not bit-identical'}: "
+        f"{[(a['loss'], b['loss']) for a, b in zip(full, split)]}"
+    )

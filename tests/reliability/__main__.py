@@ -29,26 +29,59 @@ from tests.reliability.outcome import Outcome
 from tests.reliability.report import update_report, write_report
 from tests.reliability.world import REPO, build_world
 
-FULL = {"extract_kills": 30, "train_kills": 22, "corruption_trials": 60, "record_examples": 1500, "config_examples": 500,
-        "path_examples": 500, "thread_kills": 5, "writer_pairs": 3, "mode": "process"}
-QUICK = {"extract_kills": 4, "train_kills": 3, "corruption_trials": 8, "record_examples": 100, "config_examples": 50,
-         "path_examples": 50, "thread_kills": 1, "writer_pairs": 1, "mode": "fork"}
+FULL = {
+    "extract_kills": 30,
+    "train_kills": 22,
+    "corruption_trials": 60,
+    "record_examples": 1500,
+    "config_examples": 500,
+    "path_examples": 500,
+    "thread_kills": 5,
+    "writer_pairs": 3,
+    "mode": "process",
+}
+QUICK = {
+    "extract_kills": 4,
+    "train_kills": 3,
+    "corruption_trials": 8,
+    "record_examples": 100,
+    "config_examples": 50,
+    "path_examples": 50,
+    "thread_kills": 1,
+    "writer_pairs": 1,
+    "mode": "fork",
+}
 
 
-SCENARIO_NAMES = {1: "Extraction kills", 2: "Training kills", 3: "Corruption", 4: "Full disk and I/O errors", 5: "Bad inputs", 6: "Security",
-                  7: "Extraction kills, default threads"}
+SCENARIO_NAMES = {
+    1: "Extraction kills",
+    2: "Training kills",
+    3: "Corruption",
+    4: "Full disk and I/O errors",
+    5: "Bad inputs",
+    6: "Security",
+    7: "Extraction kills, default threads",
+}
 ALL = sorted(SCENARIO_NAMES)
 
 
 def scenarios(sizes: dict, seed: int, world, work: Path) -> dict:
     """Scenario number -> a function running it at these sizes."""
     return {
-        1: lambda: extract_kills.run(world, kills=sizes["extract_kills"], seed=seed, mode=sizes["mode"], work=work / "1"),
+        1: lambda: extract_kills.run(
+            world, kills=sizes["extract_kills"], seed=seed, mode=sizes["mode"], work=work / "1"
+        ),
         2: lambda: train_kills.run(world, kills=sizes["train_kills"], seed=seed, mode=sizes["mode"], work=work / "2"),
         3: lambda: corruption.run(world, trials=sizes["corruption_trials"], seed=seed, work=work / "3"),
         4: lambda: io_errors.run(world, work=work / "4"),
-        5: lambda: bad_inputs.run(world, record_examples=sizes["record_examples"], config_examples=sizes["config_examples"],
-                                  seed=seed, work=work / "5", writer_pairs=sizes["writer_pairs"]),
+        5: lambda: bad_inputs.run(
+            world,
+            record_examples=sizes["record_examples"],
+            config_examples=sizes["config_examples"],
+            seed=seed,
+            work=work / "5",
+            writer_pairs=sizes["writer_pairs"],
+        ),
         6: lambda: security.run(world, work=work / "6", examples=sizes["path_examples"]),
         7: lambda: thread_kills.run(world, kills=sizes["thread_kills"], seed=seed, work=work / "7"),
     }
@@ -56,12 +89,21 @@ def scenarios(sizes: dict, seed: int, world, work: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.reliability", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(map(str, ALL)), help="comma-separated scenario numbers (default: all)")
-    parser.add_argument("--seed", type=int, default=7, help="seed of the kill moments, damaged bytes and generated inputs")
+    parser.add_argument(
+        "--only", default=",".join(map(str, ALL)), help="comma-separated scenario numbers (default: all)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=7, help="seed of the kill moments, damaged bytes and generated inputs"
+    )
     parser.add_argument("--quick", action="store_true", help="small counts, forked processes")
-    parser.add_argument("--out", default=None, help="report path (default docs/reliability.md when every scenario runs)")
-    parser.add_argument("--update", action="store_true",
-                        help="replace only these scenarios' rows and details in the existing report (docs/reliability.md or --out)")
+    parser.add_argument(
+        "--out", default=None, help="report path (default docs/reliability.md when every scenario runs)"
+    )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="replace only these scenarios' rows and details in the existing report (docs/reliability.md or --out)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
     only = sorted({int(x) for x in args.only.split(",") if x.strip()})
@@ -73,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     date = subprocess.run(["date"], capture_output=True, text=True).stdout.strip()
     work = Path(tempfile.mkdtemp(prefix="reliability-"))
-    print(f"reliability suite: scenarios {only}, seed {args.seed}, {'quick' if args.quick else 'full'}; work dir {work}", flush=True)
+    print(
+        f"reliability suite: scenarios {only}, seed {args.seed}, {'quick' if args.quick else 'full'}; work dir {work}",
+        flush=True,
+    )
     world = build_world(work / "world")
     world.baseline
     runners = scenarios(sizes, args.seed, world, work)

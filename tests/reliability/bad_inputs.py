@@ -63,8 +63,14 @@ class Tally:
 
 def hypothesis_settings(examples: int, seed: int | None):
     """No example database (nothing written to the checkout); derandomized unless a seed is given."""
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=seed is None,
-                    suppress_health_check=list(HealthCheck), print_blob=False)
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=seed is None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,11 +80,19 @@ TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_siz
 ODD_TEXT = st.one_of(
     TEXT,
     st.text(st.characters(min_codepoint=0, max_codepoint=0x1F), min_size=1, max_size=20),  # control characters
-    st.sampled_from(["", " ", "\n\n", "<|im_end|>", "<|im_start|>assistant\n", "\u2028\u2029", "\x00", "\ufeff", "\ue000\ue001"]),
+    st.sampled_from(
+        ["", " ", "\n\n", "<|im_end|>", "<|im_start|>assistant\n", "\u2028\u2029", "\x00", "\ufeff", "\ue000\ue001"]
+    ),
     st.integers(1000, 60000).map(lambda n: "word " * n),  # huge: far beyond max_len
 )
-WRONG = st.one_of(st.integers(), st.floats(allow_nan=False), st.booleans(), st.none(), st.lists(st.integers(), max_size=3),
-                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+WRONG = st.one_of(
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.booleans(),
+    st.none(),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
 WRONG_NOT_NONE = WRONG.filter(lambda v: v is not None)
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -100,12 +114,31 @@ def valid_chat(draw):
 def malformed(draw):
     """(kind, record or raw line bytes) for one kind of broken record."""
     good = draw(valid_chat())
-    kind = draw(st.sampled_from((
-        "broken_json", "invalid_utf8", "not_an_object", "messages_wrong_type", "message_wrong_type", "missing_role",
-        "role_wrong_type", "unknown_role", "missing_content", "content_wrong_type", "reasoning_wrong_type",
-        "no_assistant_turn", "empty_messages", "prompt_response", "text_wrong_type", "bad_tokens", "no_known_field",
-        "deep_nesting", "lone_surrogate_escape",
-    )))
+    kind = draw(
+        st.sampled_from(
+            (
+                "broken_json",
+                "invalid_utf8",
+                "not_an_object",
+                "messages_wrong_type",
+                "message_wrong_type",
+                "missing_role",
+                "role_wrong_type",
+                "unknown_role",
+                "missing_content",
+                "content_wrong_type",
+                "reasoning_wrong_type",
+                "no_assistant_turn",
+                "empty_messages",
+                "prompt_response",
+                "text_wrong_type",
+                "bad_tokens",
+                "no_known_field",
+                "deep_nesting",
+                "lone_surrogate_escape",
+            )
+        )
+    )
     turns = good["messages"]
     i = draw(st.integers(0, len(turns) - 1))
     if kind == "broken_json":
@@ -114,9 +147,13 @@ def malformed(draw):
     if kind == "invalid_utf8":
         text = json.dumps(good, ensure_ascii=False).encode()
         at = draw(st.integers(1, len(text) - 1))
-        return kind, text[:at] + draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80"])) + text[at:]
+        return kind, text[:at] + draw(
+            st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80"])
+        ) + text[at:]
     if kind == "not_an_object":
-        return kind, draw(st.one_of(st.lists(st.integers(), max_size=3), st.integers(), st.text(max_size=5), st.none(), st.booleans()))
+        return kind, draw(
+            st.one_of(st.lists(st.integers(), max_size=3), st.integers(), st.text(max_size=5), st.none(), st.booleans())
+        )
     if kind == "messages_wrong_type":
         return kind, {"messages": draw(WRONG_NOT_NONE.filter(lambda v: not isinstance(v, list) or v))}
     if kind == "message_wrong_type":
@@ -145,15 +182,25 @@ def malformed(draw):
     elif kind == "text_wrong_type":
         return kind, {"text": draw(WRONG_NOT_NONE)}
     elif kind == "bad_tokens":
-        ids = draw(st.one_of(
-            st.lists(st.integers(-5, -1), min_size=1, max_size=5), st.lists(st.floats(0.5, 9.5), min_size=1, max_size=5),
-            st.lists(st.text(max_size=2), min_size=1, max_size=5), st.lists(st.lists(st.integers(0, 9), max_size=2), min_size=1, max_size=3),
-            st.lists(st.integers(2**31, 2**40), min_size=1, max_size=3), st.lists(st.integers(100000, 200000), min_size=1, max_size=3),
-        ))
+        ids = draw(
+            st.one_of(
+                st.lists(st.integers(-5, -1), min_size=1, max_size=5),
+                st.lists(st.floats(0.5, 9.5), min_size=1, max_size=5),
+                st.lists(st.text(max_size=2), min_size=1, max_size=5),
+                st.lists(st.lists(st.integers(0, 9), max_size=2), min_size=1, max_size=3),
+                st.lists(st.integers(2**31, 2**40), min_size=1, max_size=3),
+                st.lists(st.integers(100000, 200000), min_size=1, max_size=3),
+            )
+        )
         return kind, {"input_ids": ids}
     elif kind == "no_known_field":
-        return kind, draw(st.dictionaries(st.text(max_size=8).filter(lambda k: k not in ("messages", "prompt", "response", "text", "input_ids")),
-                                          WRONG, max_size=3))
+        return kind, draw(
+            st.dictionaries(
+                st.text(max_size=8).filter(lambda k: k not in ("messages", "prompt", "response", "text", "input_ids")),
+                WRONG,
+                max_size=3,
+            )
+        )
     elif kind == "deep_nesting":
         depth = draw(st.integers(2000, 200000))
         return kind, ("[" * depth + "]" * depth).encode()
@@ -230,9 +277,15 @@ def fuzzed_corpus_runs(world: World, tally: Tally, lines: list[bytes], work: Pat
     problems = [str(p) for p in verify_dataset(str(out))]
     accounted = summary["samples"] + sum(summary["rejects"].values()) + summary["duplicates"]
     ok = accounted == len(lines) and len(rejects) == accounted - summary["samples"] and not problems
-    tally.add("corpus:whole_run", ok, f"{len(lines)} lines, accounted {accounted}, rejects.jsonl {len(rejects)} lines, verify {problems[:2]}")
+    tally.add(
+        "corpus:whole_run",
+        ok,
+        f"{len(lines)} lines, accounted {accounted}, rejects.jsonl {len(rejects)} lines, verify {problems[:2]}",
+    )
     bad_line = b'{"messages": [oops'
-    corpus.write_bytes(as_line({"messages": [message("user", "hi"), message("assistant", "word " * 40)]}) + b"\n" + bad_line + b"\n")
+    corpus.write_bytes(
+        as_line({"messages": [message("user", "hi"), message("assistant", "word " * 40)]}) + b"\n" + bad_line + b"\n"
+    )
     code, err = call_main(main, [str(world.extract_config(work / "fail-out", corpus, on_error="fail"))])
     line = cli_message(err, "extract:")
     ok = code == 2 and "fuzzed.jsonl:2" in line and "Traceback" not in err
@@ -342,13 +395,23 @@ def fuzz_configs(world: World, tally: Tally, examples: int, seed: int | None, wo
             tally.add(f"config:{what}", ok, f"{stage} {word or exact}: message does not name {key!r}: {exc}")
             return
         except Exception as exc:  # noqa: BLE001
-            tally.add(f"config:{what}", False, f"{stage} {word or exact}: {type(exc).__name__} instead of ConfigError: {exc}")
+            tally.add(
+                f"config:{what}", False, f"{stage} {word or exact}: {type(exc).__name__} instead of ConfigError: {exc}"
+            )
             return
         tally.add(f"config:{what}", False, f"{stage} {word or exact}: accepted (silent pass)")
 
     @hypothesis_settings(examples, seed)
-    @given(st.one_of(st.sampled_from(cases), unknown.flatmap(
-        lambda su: st.sampled_from(tables[su[0]]).map(lambda t: (su[0], t + "zz_" + su[1], "unknown key", f"{t}zz_{su[1]}=1", ())))))
+    @given(
+        st.one_of(
+            st.sampled_from(cases),
+            unknown.flatmap(
+                lambda su: st.sampled_from(tables[su[0]]).map(
+                    lambda t: (su[0], t + "zz_" + su[1], "unknown key", f"{t}zz_{su[1]}=1", ())
+                )
+            ),
+        )
+    )
     def check(case):
         judge(*case)
 
@@ -418,10 +481,14 @@ def write_variant(world: World, root: Path, change: str) -> str:
 
     base = ShardDataset(str(world.baseline))
     prov = json.loads(json.dumps(base.provenance))
-    width, topk, complete = base.hidden_width, base.topk, True
+    width, topk = base.hidden_width, base.topk
     field = {
-        "tokenizer": "provenance.tokenizer.hash", "taps": "provenance.taps.layer_ids", "hidden_size": "provenance.target.hidden_size",
-        "vocab": "provenance.target.vocab_size", "incomplete": "complete", "target": "model.target",
+        "tokenizer": "provenance.tokenizer.hash",
+        "taps": "provenance.taps.layer_ids",
+        "hidden_size": "provenance.target.hidden_size",
+        "vocab": "provenance.target.vocab_size",
+        "incomplete": "complete",
+        "target": "model.target",
     }[change]
     if change == "tokenizer":
         prov["tokenizer"]["hash"] = "0" * 32
@@ -438,7 +505,16 @@ def write_variant(world: World, root: Path, change: str) -> str:
         for i in range(4):
             s = base[i]
             hidden = s.hidden[:, :width] if width <= s.hidden.shape[1] else s.hidden
-            writer.write(Sample(s.sample_id, s.input_ids, s.loss_mask, hidden.copy(), s.topk_ids[:, :topk].copy(), s.topk_logprobs[:, :topk].copy()))
+            writer.write(
+                Sample(
+                    s.sample_id,
+                    s.input_ids,
+                    s.loss_mask,
+                    hidden.copy(),
+                    s.topk_ids[:, :topk].copy(),
+                    s.topk_logprobs[:, :topk].copy(),
+                )
+            )
         if change == "incomplete":
             writer.flush()
             writer.close(complete=False)
@@ -457,7 +533,9 @@ def mismatched_shards(world: World, tally: Tally, work: Path) -> None:
         field = write_variant(world, root, change)
         # The drafter reads the shards' taps unless told which it needs: a taps mismatch exists only then.
         extra = ["model.target_layer_ids=[0,2]"] if change == "taps" else []
-        code, err = call_main(train_main, world.train_args(runs, f"mm-{change}", "optim.max_steps=1", *extra, shards=root))
+        code, err = call_main(
+            train_main, world.train_args(runs, f"mm-{change}", "optim.max_steps=1", *extra, shards=root)
+        )
         line = cli_message(err, "train:")
         ok = code == 2 and field in line and "Traceback" not in err
         tally.add("shards:train", ok, f"{change}: exit {code}: {line[:400] or err[-400:]}")
@@ -469,7 +547,9 @@ def mismatched_shards(world: World, tally: Tally, work: Path) -> None:
         tally.add("shards:eval", ok, f"{change}: exit {code}: {line[:400] or err[-400:]}")
 
 
-def run(world: World, *, record_examples: int, config_examples: int, seed: int | None, work: Path, writer_pairs: int = 3) -> Outcome:
+def run(
+    world: World, *, record_examples: int, config_examples: int, seed: int | None, work: Path, writer_pairs: int = 3
+) -> Outcome:
     outcome = Outcome(5, "Bad inputs")
     start = time.perf_counter()
     tally = Tally()
@@ -480,7 +560,9 @@ def run(world: World, *, record_examples: int, config_examples: int, seed: int |
     from tests.reliability import corpus_inputs, writers  # they build on this module's strategies
 
     corpus_inputs.run_all(world, tally, examples=record_examples // 3, seed=seed, lines=lines, work=work)
-    writers_line = writers.concurrent_writers(world, tally, work, extraction_pairs=writer_pairs, training_pairs=max(1, writer_pairs - 1))
+    writers_line = writers.concurrent_writers(
+        world, tally, work, extraction_pairs=writer_pairs, training_pairs=max(1, writer_pairs - 1)
+    )
     fuzz_configs(world, tally, config_examples, seed, work)
     semantic_config_cases(world, tally, work)
     mismatched_shards(world, tally, work)
@@ -492,7 +574,12 @@ def run(world: World, *, record_examples: int, config_examples: int, seed: int |
         groups[group] = (t + tried, c + clear)
     outcome.details.append("by family: " + ", ".join(f"{g} {c}/{t}" for g, (t, c) in sorted(groups.items())))
     for family in ("record", "format", "encoding", "tool_call", "control_token", "writers"):
-        outcome.details.append(f"{family} kinds tried: " + ", ".join(f"{k.split(':', 1)[1]} {t}" for k, (t, c) in sorted(tally.kinds.items()) if k.startswith(f"{family}:")))
+        outcome.details.append(
+            f"{family} kinds tried: "
+            + ", ".join(
+                f"{k.split(':', 1)[1]} {t}" for k, (t, c) in sorted(tally.kinds.items()) if k.startswith(f"{family}:")
+            )
+        )
     outcome.details.append(writers_line)
     outcome.seconds = time.perf_counter() - start
     return outcome.finish(f"{tally.tried} cases tried, {tally.clear} with a clear answer")

@@ -27,4 +27,4 @@ def message(stderr: str, prefix: str) -> str:
     may list several problems on the lines below it); empty if there is none."""
     lines = stderr.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith(prefix)]
-    return " ".join(lines[starts[-1]:]) if starts else ""
+    return " ".join(lines[starts[-1] :]) if starts else ""

@@ -53,8 +53,17 @@ NO_CHECKS = {"verify_checksums": False, "verify_samples": False}
 def data_config(root: Path, *, verify_checksums: bool, verify_samples: bool, on_corrupt: str = "fail"):
     from train.data import DataConfig
 
-    return DataConfig(shards=str(root), verify_checksums=verify_checksums, verify_samples=verify_samples, on_corrupt=on_corrupt,
-                      token_budget=512, num_buckets=2, holdout_fraction=0.0, prefetch_threads=1, prefetch_depth=2)
+    return DataConfig(
+        shards=str(root),
+        verify_checksums=verify_checksums,
+        verify_samples=verify_samples,
+        on_corrupt=on_corrupt,
+        token_budget=512,
+        num_buckets=2,
+        holdout_fraction=0.0,
+        prefetch_threads=1,
+        prefetch_depth=2,
+    )
 
 
 def epoch_fingerprint(root: Path, checks: dict) -> list[str]:
@@ -172,20 +181,35 @@ def skip_corrupt_shard(world: World, pristine: Path, work: Path, rng: random.Ran
         manifest = json.loads((trial / "manifest.json").read_text())
         entry = rng.choice(manifest["shards"])
         skipped = _damage_for_skip(trial / entry["file"], entry, how, rng, trial / entry["index_file"])
-        cfg = world.train_cfg(work / "runs", f"skip-{how.replace(' ', '-')}", "optim.max_steps=1000", "optim.epochs=1",
-                              "checkpoint.every=1000", "data.on_corrupt=skip", f"data.verify_checksums={str(verify).lower()}", shards=trial)
+        cfg = world.train_cfg(
+            work / "runs",
+            f"skip-{how.replace(' ', '-')}",
+            "optim.max_steps=1000",
+            "optim.epochs=1",
+            "checkpoint.every=1000",
+            "data.on_corrupt=skip",
+            f"data.verify_checksums={str(verify).lower()}",
+            shards=trial,
+        )
         cfg.optim.max_steps = None  # one epoch, every batch
         try:
             summary = train(cfg)
         except Exception as exc:  # noqa: BLE001
-            outcome.fail(f"on_corrupt=skip ({how}, verify_checksums={verify}): the run stopped: {type(exc).__name__}: {exc}")
+            outcome.fail(
+                f"on_corrupt=skip ({how}, verify_checksums={verify}): the run stopped: {type(exc).__name__}: {exc}"
+            )
             continue
         counted = summary.get("corrupt_samples")
         if counted != {entry["file"]: skipped}:
-            outcome.fail(f"on_corrupt=skip ({how}, verify_checksums={verify}): counted {counted!r}, expected {{{entry['file']!r}: {skipped}}}")
+            outcome.fail(
+                f"on_corrupt=skip ({how}, verify_checksums={verify}): counted {counted!r}, expected "
+                f"{{{entry['file']!r}: {skipped}}}"
+            )
         else:
-            outcome.details.append(f"on_corrupt=skip, {how}, verify_checksums={verify}: trained one epoch past {entry['file']}, "
-                                   f"counted its {skipped} unreadable sample(s) (of {entry['samples']}) in the run summary")
+            outcome.details.append(
+                f"on_corrupt=skip, {how}, verify_checksums={verify}: trained one epoch past {entry['file']}, "
+                f"counted its {skipped} unreadable sample(s) (of {entry['samples']}) in the run summary"
+            )
 
 
 def run(world: World, *, trials: int, seed: int, work: Path) -> Outcome:
@@ -220,8 +244,10 @@ def run(world: World, *, trials: int, seed: int, work: Path) -> Outcome:
         if by_verify and by_trainer and default in ("named", "same"):
             detected += 1
         else:
-            outcome.fail(f"{name}: {what}: verify named it: {by_verify}, trainer with verify_checksums named it: {by_trainer}, "
-                         f"trainer with the default checks: {default}")
+            outcome.fail(
+                f"{name}: {what}: verify named it: {by_verify}, trainer with verify_checksums named it: {by_trainer}, "
+                f"trainer with the default checks: {default}"
+            )
         if seen.startswith("unnamed"):  # observed only: switching the checks off is the user's choice
             unnamed_unchecked.append(f"{name}: {what}: {seen}")
 
@@ -253,23 +279,32 @@ def run(world: World, *, trials: int, seed: int, work: Path) -> Outcome:
 
     for kind in ("shard", "index", "manifest"):
         c = by_kind[kind]
-        outcome.details.append(f"{kind} files: {c['injected']} damaged; verify named the file {c['verify']}, "
-                               f"trainer with verify_checksums {c['trainer']}, trainer with the default checks: "
-                               + ", ".join(f"{k} {v}" for k, v in sorted(by_default[kind].items())))
+        outcome.details.append(
+            f"{kind} files: {c['injected']} damaged; verify named the file {c['verify']}, "
+            f"trainer with verify_checksums {c['trainer']}, trainer with the default checks: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(by_default[kind].items()))
+        )
     c = by_kind["checkpoint"]
-    outcome.details.append(f"checkpoint files: {c['injected']} damaged; load_checkpoint named the file {c['load_checkpoint']} "
-                           f"(a resume through train() tried once per file kind)")
+    outcome.details.append(
+        f"checkpoint files: {c['injected']} damaged; load_checkpoint named the file {c['load_checkpoint']} "
+        f"(a resume through train() tried once per file kind)"
+    )
     default = sum((by_default[kind] for kind in by_default), collections.Counter())
-    outcome.details.append("trainer with the default checks (data.verify_samples=true: each index file against the manifest, each "
-                           "sample's bytes against their xxh3-64 in the index; data.verify_checksums=false), dataset damage: "
-                           + ", ".join(f"{k} {v}" for k, v in sorted(default.items()))
-                           + "; with every check off (data.verify_samples=false): "
-                           + ", ".join(f"{k} {v}" for k, v in sorted(unchecked.items()))
-                           + " (named = stopped naming the file; silent = read different data without noticing; "
-                             "same = the damaged bytes were never read: file header, footer). Truncations and manifest damage "
-                             "are caught either way (file sizes and the manifest's own checksum are checked on every open); "
-                             "a flipped byte inside a shard's compressed data is caught only by the per-sample checksums")
+    outcome.details.append(
+        "trainer with the default checks (data.verify_samples=true: each index file against the manifest, each "
+        "sample's bytes against their xxh3-64 in the index; data.verify_checksums=false), dataset damage: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(default.items()))
+        + "; with every check off (data.verify_samples=false): "
+        + ", ".join(f"{k} {v}" for k, v in sorted(unchecked.items()))
+        + " (named = stopped naming the file; silent = read different data without noticing; "
+        "same = the damaged bytes were never read: file header, footer). Truncations and manifest damage "
+        "are caught either way (file sizes and the manifest's own checksum are checked on every open); "
+        "a flipped byte inside a shard's compressed data is caught only by the per-sample checksums"
+    )
     if unnamed_unchecked:
-        outcome.details.append("with every check off, stopped without naming the file (observed, not judged): " + "; ".join(unnamed_unchecked))
+        outcome.details.append(
+            "with every check off, stopped without naming the file (observed, not judged): "
+            + "; ".join(unnamed_unchecked)
+        )
     outcome.seconds = time.perf_counter() - start
     return outcome.finish(f"{detected}/{injected} corruptions detected")

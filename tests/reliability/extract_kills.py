@@ -27,9 +27,21 @@ from tests.reliability.world import World
 
 # "random" four times: of 30 kills, 8 land at moments the parent picks, 2 in each hooked window.
 WINDOWS = (
-    "shard_data", "index_written", "index_renamed", "shard_written", "shard_renamed", "manifest_written",
-    "manifest_renamed", "rejects_fsync", "merged_rejects_written", "merged_manifest_written", "merged_manifest_renamed",
-    "random", "random", "random", "random",
+    "shard_data",
+    "index_written",
+    "index_renamed",
+    "shard_written",
+    "shard_renamed",
+    "manifest_written",
+    "manifest_renamed",
+    "rejects_fsync",
+    "merged_rejects_written",
+    "merged_manifest_written",
+    "merged_manifest_renamed",
+    "random",
+    "random",
+    "random",
+    "random",
 )
 
 
@@ -85,7 +97,9 @@ def check_final(out: Path, baseline: Path, reference: dict) -> tuple[list[str], 
     for name in ("rejects.jsonl", "summary.json"):
         if not (out / name).exists():
             problems.append(f"{name} is missing after the resume")
-    if (out / "rejects.jsonl").exists() and (out / "rejects.jsonl").read_text() != (baseline / "rejects.jsonl").read_text():
+    if (out / "rejects.jsonl").exists() and (out / "rejects.jsonl").read_text() != (
+        baseline / "rejects.jsonl"
+    ).read_text():
         problems.append("rejects.jsonl differs from the uninterrupted run")
     leftovers = sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp"))
     if leftovers:
@@ -162,9 +176,17 @@ def run(world: World, *, kills: int, seed: int, mode: str, work: Path, windows: 
         outcome.fail(f"only {done} of {kills} kills happened")
     outcome.details.append("kills per window: " + ", ".join(f"{w} {n}" for w, n in sorted(hits.items())))
     if missed:
-        outcome.details.append("runs that finished before their window came up (retried): " + ", ".join(f"{w} {n}" for w, n in sorted(missed.items())))
-    outcome.details.append("state found on disk after the kill: " + ", ".join(f"{s} {n}" for s, n in sorted(states.items())))
-    outcome.details.append(f"reference: {total} samples in {len(json.loads((world.baseline / 'manifest.json').read_text())['shards'])} shards; "
-                           f"{run_index} runs, mode {mode}")
+        outcome.details.append(
+            "runs that finished before their window came up (retried): "
+            + ", ".join(f"{w} {n}" for w, n in sorted(missed.items()))
+        )
+    outcome.details.append(
+        "state found on disk after the kill: " + ", ".join(f"{s} {n}" for s, n in sorted(states.items()))
+    )
+    outcome.details.append(
+        f"reference: {total} samples in "
+        f"{len(json.loads((world.baseline / 'manifest.json').read_text())['shards'])} shards; "
+        f"{run_index} runs, mode {mode}"
+    )
     outcome.seconds = time.perf_counter() - start
     return outcome.finish(f"{survived}/{kills} kills survived; {lost} samples lost, {duplicated} duplicated")

@@ -61,7 +61,9 @@ def judge_message(stage: str, code, stderr: str, expected: str) -> list[str]:
     return problems
 
 
-def extraction_case(world: World, work: Path, action: str, point: str, nth: int, reference: dict) -> tuple[list[str], str]:
+def extraction_case(
+    world: World, work: Path, action: str, point: str, nth: int, reference: dict
+) -> tuple[list[str], str]:
     from extract.__main__ import main
 
     out = work / f"extract-{point}"
@@ -141,9 +143,13 @@ def run(world: World, *, work: Path, extract_cases=EXTRACT_CASES, train_cases=TR
         problems, said = extraction_case(world, work, action, point, nth, reference)
         passed += not problems
         outcome.failures += [f"extraction, {action} at {point} #{nth}: {p}" for p in problems]
-        outcome.details.append(f"extraction, {action.upper()} at {point} (#{nth}): {'passed' if not problems else 'FAILED'}; {said[:240]}")
+        outcome.details.append(
+            f"extraction, {action.upper()} at {point} (#{nth}): {'passed' if not problems else 'FAILED'}; {said[:240]}"
+        )
     if train_cases:
-        code, stderr = call_main(train_main, world.train_args(work / "runs", "io-reference", *train_extra(STEPS, EVERY)))
+        code, stderr = call_main(
+            train_main, world.train_args(work / "runs", "io-reference", *train_extra(STEPS, EVERY))
+        )
         if code != 0:
             outcome.fail(f"reference training run failed: {stderr[-600:]}")
             return outcome.finish(f"{passed}/{total + len(train_cases)} scenarios passed")
@@ -152,6 +158,8 @@ def run(world: World, *, work: Path, extract_cases=EXTRACT_CASES, train_cases=TR
         problems, said = training_case(world, work, action, point, nth)
         passed += not problems
         outcome.failures += [f"training, {action} at {point} #{nth}: {p}" for p in problems]
-        outcome.details.append(f"training, {action.upper()} at {point} (#{nth}): {'passed' if not problems else 'FAILED'}; {said[:240]}")
+        outcome.details.append(
+            f"training, {action.upper()} at {point} (#{nth}): {'passed' if not problems else 'FAILED'}; {said[:240]}"
+        )
     outcome.seconds = time.perf_counter() - start
     return outcome.finish(f"{passed}/{total} scenarios passed")

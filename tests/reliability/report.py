@@ -17,7 +17,8 @@ ISSUE_FIGURES = {
     4: "scenarios passed",
     5: "cases tried, cases with a clear answer",
     6: "checks passed",
-    7: "kills survived / N with what resume promises kept; samples lost, duplicated; values not bit-identical (observed)",
+    7: "kills survived / N with what resume promises kept; samples lost, duplicated; values not bit-identical "
+    "(observed)",
 }
 
 HOW = """\
@@ -94,7 +95,8 @@ of pruning; 5 damaged dataset files and 5 damaged checkpoint files plus the thre
 runs; ENOSPC in shard data and in a manifest update, in a checkpoint file and EIO in a checkpoint
 fsync; 80 generated records, one fuzzed corpus, every bad value of every config key, the semantic
 and mismatched-shard cases, 30 generated cases of each issue-21 family, one pair of concurrent
-extractions and a crashed lock holder; every security check; one default-threads kill. The fixes the suite led to have their own
+extractions and a crashed lock holder; every security check; one default-threads kill. The fixes the
+suite led to have their own
 regression tests next to the component (tests/shards/test_integrity.py,
 tests/extract/test_failures.py, tests/train/test_checkpoint_integrity.py,
 tests/train/serve/test_remote_code.py).
@@ -107,22 +109,32 @@ def _versions() -> str:
         import torch
         import transformers
 
-        return f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, pyarrow {pyarrow.__version__}"
+        return (
+            f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
+            f"{transformers.__version__}, pyarrow {pyarrow.__version__}"
+        )
     except ImportError:
         return f"Python {platform.python_version()}"
 
 
 def _git_sha() -> str:
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except OSError:
         return "unknown"
 
 
 def _row(o) -> str:
-    return f"| {o.number} | {o.scenario} | {ISSUE_FIGURES[o.number]} | {o.figure} | {'yes' if o.passed else '**no**'} | {o.seconds:.0f} s |"
+    return (
+        f"| {o.number} | {o.scenario} | {ISSUE_FIGURES[o.number]} | {o.figure} | "
+        f"{'yes' if o.passed else '**no**'} | {o.seconds:.0f} s |"
+    )
 
 
 def _details(o) -> list[str]:
@@ -134,7 +146,9 @@ def _details(o) -> list[str]:
     return lines + [""]
 
 
-def write_report(path: Path, outcomes: list, *, command: str, date: str, seed: int, sizes: dict, seconds: float) -> None:
+def write_report(
+    path: Path, outcomes: list, *, command: str, date: str, seed: int, sizes: dict, seconds: float
+) -> None:
     lines = [
         "# Reliability figures",
         "",
@@ -142,7 +156,8 @@ def write_report(path: Path, outcomes: list, *, command: str, date: str, seed: i
         "",
         f"- Command: `make reliability` = `.venv/bin/{command}`",
         f"- Date: {date}",
-        f"- Machine: {platform.machine()}, {os.cpu_count()} cores ({platform.system()} {platform.release()}); {_versions()}",
+        f"- Machine: {platform.machine()}, {os.cpu_count()} cores ({platform.system()} {platform.release()}); "
+        f"{_versions()}",
         f"- Code: git {_git_sha()}; seed {seed}; sizes {', '.join(f'{k}={v}' for k, v in sizes.items())}",
         f"- Result: {sum(o.passed for o in outcomes)}/{len(outcomes)} scenarios passed in {seconds / 60:.1f} min",
         "",
@@ -169,9 +184,11 @@ def update_report(path: Path, outcomes: list, *, command: str, date: str, seed: 
         lines[rows[0]] = _row(o)
         end = next(i for i in range(starts[0] + 1, len(lines)) if lines[i].startswith(("**", "## ")))
         lines[starts[0] : end] = _details(o)
-    rerun = (f"- Rerun of scenario(s) {numbers} (their rows and details below): `.venv/bin/{command}` on {date}, "
-             f"git {_git_sha()}, seed {seed}; {sum(o.passed for o in outcomes)}/{len(outcomes)} passed. "
-             "The other scenarios' figures are from the full run above.")
+    rerun = (
+        f"- Rerun of scenario(s) {numbers} (their rows and details below): `.venv/bin/{command}` on {date}, "
+        f"git {_git_sha()}, seed {seed}; {sum(o.passed for o in outcomes)}/{len(outcomes)} passed. "
+        "The other scenarios' figures are from the full run above."
+    )
     lines = [line for line in lines if not line.startswith(f"- Rerun of scenario(s) {numbers} ")]
     result = next(i for i, line in enumerate(lines) if line.startswith("- Result: "))
     lines.insert(result + 1, rerun)

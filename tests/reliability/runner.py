@@ -116,8 +116,13 @@ def _start_process(stage, config, train_args, fault, log_path, err_path, default
         env[faults.ENV_FAULT] = fault.spec
     args = [str(config)] if stage == "extract" else list(train_args)
     err = open(err_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.reliability.child", stage, *args], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=err)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.reliability.child", stage, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+    )
     err.close()
 
     def wait():

@@ -82,8 +82,15 @@ def _keyword(node: ast.Call, name: str):
 
 def scan_sources() -> dict:
     """Every load site and every suspicious construct, by file:line."""
-    found = {"torch_load": [], "torch_load_unsafe": [], "pickle_imports": [], "allow_pickle": [], "trust_remote_code_true": [],
-             "trust_remote_code_unset": [], "safetensors": []}
+    found = {
+        "torch_load": [],
+        "torch_load_unsafe": [],
+        "pickle_imports": [],
+        "allow_pickle": [],
+        "trust_remote_code_true": [],
+        "trust_remote_code_unset": [],
+        "safetensors": [],
+    }
     for path in source_files():
         rel = path.relative_to(REPO)
         tree = ast.parse(path.read_text(encoding="utf-8"), str(rel))
@@ -101,7 +108,11 @@ def scan_sources() -> dict:
                 value = _keyword(node, "weights_only")
                 if not (isinstance(value, ast.Constant) and value.value is True):
                     found["torch_load_unsafe"].append(where)
-            if name.endswith(("np.load", "numpy.load")) or name == "load" and _keyword(node, "allow_pickle") is not None:
+            if (
+                name.endswith(("np.load", "numpy.load"))
+                or name == "load"
+                and _keyword(node, "allow_pickle") is not None
+            ):
                 value = _keyword(node, "allow_pickle")
                 if value is not None and not (isinstance(value, ast.Constant) and value.value is False):
                     found["allow_pickle"].append(where)
@@ -110,8 +121,13 @@ def scan_sources() -> dict:
                 found["trust_remote_code_true"].append(where)
             # transformers' Auto classes ask on the terminal when trust_remote_code is left at None:
             # every call must pass it (or pass a **kwargs dict that holds it).
-            if name.startswith("Auto") and name.endswith(".from_pretrained") and value is None \
-                    and not any(kw.arg is None for kw in node.keywords) and str(rel) not in UNSET_ALLOWED:
+            if (
+                name.startswith("Auto")
+                and name.endswith(".from_pretrained")
+                and value is None
+                and not any(kw.arg is None for kw in node.keywords)
+                and str(rel) not in UNSET_ALLOWED
+            ):
                 found["trust_remote_code_unset"].append(where)
             if name.split(".")[-1] in ("load_file", "safe_open"):
                 found["safetensors"].append(where)
@@ -166,7 +182,11 @@ def malicious_checkpoint(world: World, work: Path, checks: Checks) -> None:
         resumed = "resumed"
     except ValueError as exc:
         resumed = str(exc)
-    checks.check("checkpoint: resuming from it stops with that message", ck.OPTIMIZER_FILE in resumed and not marker.exists(), resumed[:300])
+    checks.check(
+        "checkpoint: resuming from it stops with that message",
+        ck.OPTIMIZER_FILE in resumed and not marker.exists(),
+        resumed[:300],
+    )
 
 
 def malicious_shard(world: World, work: Path, checks: Checks) -> None:
@@ -183,7 +203,10 @@ def malicious_shard(world: World, work: Path, checks: Checks) -> None:
     entry = manifest["shards"][0]
     marker = work / "pwned-shard"
     Marker.path = str(marker)
-    metadata = {b"ARROW:extension:name": b"arrow.py_extension_type", b"ARROW:extension:metadata": pickle.dumps(Marker())}
+    metadata = {
+        b"ARROW:extension:name": b"arrow.py_extension_type",
+        b"ARROW:extension:metadata": pickle.dumps(Marker()),
+    }
     original = pa.ipc.open_file(pa.memory_map(str(root / entry["file"]))).read_all()
     fields = [f.with_metadata(metadata) if f.name == "input_ids" else f for f in original.schema]
     table = pa.Table.from_arrays(original.columns, schema=pa.schema(fields, metadata=original.schema.metadata))
@@ -196,16 +219,22 @@ def malicious_shard(world: World, work: Path, checks: Checks) -> None:
     entry.update(bytes=len(data), checksum=bytes_digest(data))
     (root / "manifest.json").write_text(json.dumps(seal(manifest)))
     problems = [str(p) for p in verify_dataset(str(root))]
-    checks.check("shards: verify refuses a shard whose schema carries a pickled extension type",
-                 any(entry["file"] in p and "schema" in p for p in problems), str(problems[:2]))
+    checks.check(
+        "shards: verify refuses a shard whose schema carries a pickled extension type",
+        any(entry["file"] in p and "schema" in p for p in problems),
+        str(problems[:2]),
+    )
     try:
         for i in range(entry["samples"]):
             ShardDataset(str(root), verify_checksums=True)[i]
     except Exception:  # noqa: BLE001 - refusing is fine; running the pickle is not
         pass
     checks.check("shards: reading it never unpickles anything", not marker.exists(), "marker file created")
-    scan = [name for name in ("reader.py", "schema.py", "verify.py", "manifest.py", "writer.py")
-            if "pickle" in (REPO / "shards" / name).read_text()]
+    scan = [
+        name
+        for name in ("reader.py", "schema.py", "verify.py", "manifest.py", "writer.py")
+        if "pickle" in (REPO / "shards" / name).read_text()
+    ]
     checks.check("shards: no shards module mentions pickle", not scan, str(scan))
 
 
@@ -215,33 +244,51 @@ def remote_code_target(world: World, work: Path, checks: Checks) -> None:
     shutil.copytree(world.target_dir, target)
     marker = work / "pwned-target"
     config = json.loads((target / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    config["auto_map"] = {
+        "AutoConfig": "configuration_evil.EvilConfig",
+        "AutoModelForCausalLM": "modeling_evil.EvilModel",
+    }
     (target / "config.json").write_text(json.dumps(config))
-    code = f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nfrom transformers import Qwen3Config\nclass EvilConfig(Qwen3Config):\n    pass\n"
+    code = (
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nfrom transformers import Qwen3Config\nclass "
+        "EvilConfig(Qwen3Config):\n    pass\n"
+    )
     (target / "configuration_evil.py").write_text(code)
-    (target / "modeling_evil.py").write_text(code.replace("Qwen3Config", "Qwen3ForCausalLM").replace("EvilConfig", "EvilModel"))
+    (target / "modeling_evil.py").write_text(
+        code.replace("Qwen3Config", "Qwen3ForCausalLM").replace("EvilConfig", "EvilModel")
+    )
     tok_cfg = json.loads((target / "tokenizer_config.json").read_text())
     tok_cfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
     (target / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    (target / "tokenization_evil.py").write_text(code.replace("Qwen3Config", "PreTrainedTokenizerFast").replace("EvilConfig", "EvilTokenizer"))
+    (target / "tokenization_evil.py").write_text(
+        code.replace("Qwen3Config", "PreTrainedTokenizerFast").replace("EvilConfig", "EvilTokenizer")
+    )
 
     from extract.__main__ import main as extract_main
 
     # A known model_type: transformers builds its own class and ignores the shipped code.
     status, err = call_main(extract_main, [str(world.extract_config(work / "remote-out", target=str(target)))])
-    checks.check("extract: a target shipping code (known model_type) runs none of it by default",
-                 not marker.exists() and status == 0, f"exit {status}: {err[-300:]}")
+    checks.check(
+        "extract: a target shipping code (known model_type) runs none of it by default",
+        not marker.exists() and status == 0,
+        f"exit {status}: {err[-300:]}",
+    )
     # An unknown model_type: only the shipped code could build it, so the run must stop, clearly.
     config["model_type"] = "evil_remote_model"
     (target / "config.json").write_text(json.dumps(config))
     status, err = call_main(extract_main, [str(world.extract_config(work / "remote-out-2", target=str(target)))])
-    checks.check("extract: a target that needs its own code is refused with a clear error, the code not run",
-                 not marker.exists() and status == 2 and "trust_remote_code" in err and "Traceback" not in err, f"exit {status}: {err[-300:]}")
+    checks.check(
+        "extract: a target that needs its own code is refused with a clear error, the code not run",
+        not marker.exists() and status == 2 and "trust_remote_code" in err and "Traceback" not in err,
+        f"exit {status}: {err[-300:]}",
+    )
     from common.config import load_config
     from extract.config import ExtractConfig
 
-    checks.check("extract: trust_remote_code defaults to false",
-                 load_config(ExtractConfig, None, ["target=x", "out_dir=y", "corpus=z"]).trust_remote_code is False)
+    checks.check(
+        "extract: trust_remote_code defaults to false",
+        load_config(ExtractConfig, None, ["target=x", "out_dir=y", "corpus=z"]).trust_remote_code is False,
+    )
 
     from train.loop import _load_tokenizer
 
@@ -249,10 +296,12 @@ def remote_code_target(world: World, work: Path, checks: Checks) -> None:
         _load_tokenizer(str(target))
     except Exception:  # noqa: BLE001 - refusing is fine
         pass
-    checks.check("train: reading the target's tokenizer runs no remote code", not marker.exists(), "marker file created")
+    checks.check(
+        "train: reading the target's tokenizer runs no remote code", not marker.exists(), "marker file created"
+    )
 
-    from train.serve.export import export_checkpoint, load_exported
     from train.loop import train
+    from train.serve.export import export_checkpoint, load_exported
 
     runs = work / "sec-runs"
     train(world.train_cfg(runs, "export-src", "optim.max_steps=1", "checkpoint.every=1"))
@@ -262,8 +311,11 @@ def remote_code_target(world: World, work: Path, checks: Checks) -> None:
     with open(export_dir / "dflash.py", "a") as f:
         f.write(f"\nimport pathlib\npathlib.Path({str(drafter_marker)!r}).touch()\n")
     model = load_exported(export_dir)
-    checks.check("specdecode: loading an exported drafter runs no code from its directory (trust_remote_code off)",
-                 not drafter_marker.exists() and type(model).__name__ == "DFlashDraftModel", "marker file created")
+    checks.check(
+        "specdecode: loading an exported drafter runs no code from its directory (trust_remote_code off)",
+        not drafter_marker.exists() and type(model).__name__ == "DFlashDraftModel",
+        "marker file created",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,16 +340,25 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
     from common.config import ConfigError, load_config
     from extract.config import ExtractConfig
     from train.config import TrainConfig
-    names = st.one_of(st.sampled_from(["..", ".", "../x", "a/../../b", "/etc", "~", "a\\..\\b", "x\x00y", "..\\x", " ..", "\n", "a" * 300]),
-                      st.text(max_size=30))
+
+    names = st.one_of(
+        st.sampled_from(
+            ["..", ".", "../x", "a/../../b", "/etc", "~", "a\\..\\b", "x\x00y", "..\\x", " ..", "\n", "a" * 300]
+        ),
+        st.text(max_size=30),
+    )
     bad_names: list = []
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     @given(names)
     def split_names(name):
         out = work / "split-out"
         try:
-            cfg = load_config(ExtractConfig, None, [f"target=t", f"out_dir={out}", f"splits={{{json.dumps(name)} = \"c.jsonl\"}}"])
+            cfg = load_config(
+                ExtractConfig, None, ["target=t", f"out_dir={out}", f'splits={{{json.dumps(name)} = "c.jsonl"}}']
+            )
         except ConfigError:
             return
         except Exception as exc:  # noqa: BLE001
@@ -307,7 +368,9 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
             if Path(os.path.abspath(split.out_dir)).parent != Path(os.path.abspath(out)) or len(name.encode()) > 255:
                 bad_names.append(f"split {name!r} writes to {split.out_dir}")
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     @given(names)
     def run_names(name):
         try:
@@ -323,7 +386,11 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
 
     split_names()
     run_names()
-    checks.check("extract splits / train run_name: every generated name is refused or stays a child of out_dir", not bad_names, str(bad_names[:5]))
+    checks.check(
+        "extract splits / train run_name: every generated name is refused or stays a child of out_dir",
+        not bad_names,
+        str(bad_names[:5]),
+    )
 
     # extract: only out_dir gets files
     cwd = in_fresh_cwd(work, "cwd-extract")
@@ -341,9 +408,15 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
     finally:
         os.chdir(old)
     outside = sorted(f for f in files_under(cwd) if not f.startswith("out"))
-    checks.check("extract: writes only under out_dir", status == 0 and not outside, f"exit {status}, outside: {outside[:5]} {err[-200:]}")
-    checks.check("extract: never writes to the target or the corpus",
-                 snapshot(world.target_dir) == before_target and world.corpus.stat().st_mtime_ns == before_corpus)
+    checks.check(
+        "extract: writes only under out_dir",
+        status == 0 and not outside,
+        f"exit {status}, outside: {outside[:5]} {err[-200:]}",
+    )
+    checks.check(
+        "extract: never writes to the target or the corpus",
+        snapshot(world.target_dir) == before_target and world.corpus.stat().st_mtime_ns == before_corpus,
+    )
 
     # train: only out_dir/run_name; the shards and a run it resumes from stay untouched
     from train.__main__ import main as train_main
@@ -352,24 +425,39 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
     shards_before = snapshot(world.baseline)
     os.chdir(cwd)
     try:
-        status, err = call_main(train_main, world.train_args(Path("runs"), "first", "optim.max_steps=2", "checkpoint.every=1"))
+        status, err = call_main(
+            train_main, world.train_args(Path("runs"), "first", "optim.max_steps=2", "checkpoint.every=1")
+        )
         first = snapshot(cwd / "runs" / "first")
         ckpt = sorted((cwd / "runs" / "first" / "checkpoints").iterdir())[-1]
-        status2, err2 = call_main(train_main, world.train_args(Path("runs"), "second", "optim.max_steps=2", "checkpoint.every=1",
-                                                               f"resume={ckpt}", "stop_after=2"))
+        status2, err2 = call_main(
+            train_main,
+            world.train_args(
+                Path("runs"), "second", "optim.max_steps=2", "checkpoint.every=1", f"resume={ckpt}", "stop_after=2"
+            ),
+        )
     finally:
         os.chdir(old)
     outside = sorted(f for f in files_under(cwd) if not f.startswith(("runs/first", "runs/second")) and f != "runs")
-    checks.check("train: writes only under out_dir/run_name", status == 0 and status2 == 0 and not outside,
-                 f"exit {status}/{status2}, outside: {outside[:5]} {err[-200:]} {err2[-200:]}")
+    checks.check(
+        "train: writes only under out_dir/run_name",
+        status == 0 and status2 == 0 and not outside,
+        f"exit {status}/{status2}, outside: {outside[:5]} {err[-200:]} {err2[-200:]}",
+    )
     checks.check("train: never writes into the shards it reads", snapshot(world.baseline) == shards_before)
-    checks.check("train: resuming from another run's checkpoint leaves that run untouched", snapshot(cwd / "runs" / "first") == first)
+    checks.check(
+        "train: resuming from another run's checkpoint leaves that run untouched",
+        snapshot(cwd / "runs" / "first") == first,
+    )
     elsewhere = work / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
     (cwd / "runs" / "linked").symlink_to(elsewhere, target_is_directory=True)
     status, err = call_main(train_main, world.train_args(cwd / "runs", "linked", "optim.max_steps=1"))
-    checks.check("train: a run directory that is a symlink out of out_dir is refused with a clear error",
-                 status == 2 and "run_name" in err and not any(elsewhere.iterdir()) and "Traceback" not in err, f"exit {status}: {err[-300:]}")
+    checks.check(
+        "train: a run directory that is a symlink out of out_dir is refused with a clear error",
+        status == 2 and "run_name" in err and not any(elsewhere.iterdir()) and "Traceback" not in err,
+        f"exit {status}: {err[-300:]}",
+    )
 
     # shards merge: --out must be a plain name
     from shards.__main__ import main as shards_main
@@ -377,8 +465,11 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
     root = work / "merge-ds"
     shutil.copytree(world.baseline, root)
     status, err = call_main(shards_main, ["merge", str(root), "manifest.rank000.json", "--out", "../escaped.json"])
-    checks.check("shards merge: --out cannot leave the dataset directory",
-                 status == 2 and not (work / "escaped.json").exists() and "Traceback" not in err, f"exit {status}: {err[-200:]}")
+    checks.check(
+        "shards merge: --out cannot leave the dataset directory",
+        status == 2 and not (work / "escaped.json").exists() and "Traceback" not in err,
+        f"exit {status}: {err[-200:]}",
+    )
 
     # export: refuses to replace an unrelated non-empty directory
     from train.serve.export import main as export_main
@@ -387,8 +478,11 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
     victim.mkdir()
     (victim / "precious.txt").write_text("keep me")
     status, err = call_main(export_main, [str(work / "sec-runs" / "export-src"), str(victim)])
-    checks.check("export: refuses to replace an unrelated non-empty directory",
-                 status != 0 and (victim / "precious.txt").read_text() == "keep me" and "Traceback" not in err, f"exit {status}: {err[-200:]}")
+    checks.check(
+        "export: refuses to replace an unrelated non-empty directory",
+        status != 0 and (victim / "precious.txt").read_text() == "keep me" and "Traceback" not in err,
+        f"exit {status}: {err[-200:]}",
+    )
 
 
 def run(world: World, *, work: Path, examples: int = 200) -> Outcome:
@@ -396,15 +490,24 @@ def run(world: World, *, work: Path, examples: int = 200) -> Outcome:
     start = time.perf_counter()
     checks = Checks(outcome)
     scan = scan_sources()
-    checks.check("every torch.load passes weights_only=True", not scan["torch_load_unsafe"], str(scan["torch_load_unsafe"]))
+    checks.check(
+        "every torch.load passes weights_only=True", not scan["torch_load_unsafe"], str(scan["torch_load_unsafe"])
+    )
     checks.check("no pickle-like module is imported", not scan["pickle_imports"], str(scan["pickle_imports"]))
     checks.check("no np.load(allow_pickle=True)", not scan["allow_pickle"], str(scan["allow_pickle"]))
-    checks.check("no call passes trust_remote_code=True", not scan["trust_remote_code_true"], str(scan["trust_remote_code_true"]))
-    checks.check("every Auto*.from_pretrained passes trust_remote_code (None would prompt)", not scan["trust_remote_code_unset"],
-                 str(scan["trust_remote_code_unset"]))
+    checks.check(
+        "no call passes trust_remote_code=True", not scan["trust_remote_code_true"], str(scan["trust_remote_code_true"])
+    )
+    checks.check(
+        "every Auto*.from_pretrained passes trust_remote_code (None would prompt)",
+        not scan["trust_remote_code_unset"],
+        str(scan["trust_remote_code_unset"]),
+    )
     outcome.details.append(f"torch.load sites (all weights_only=True): {', '.join(scan['torch_load'])}")
     outcome.details.append(f"safetensors load sites: {', '.join(scan['safetensors'])}")
-    outcome.details.append("allowed to leave trust_remote_code unset: " + "; ".join(f"{k} ({v})" for k, v in UNSET_ALLOWED.items()))
+    outcome.details.append(
+        "allowed to leave trust_remote_code unset: " + "; ".join(f"{k} ({v})" for k, v in UNSET_ALLOWED.items())
+    )
     malicious_checkpoint(world, work, checks)
     malicious_shard(world, work, checks)
     remote_code_target(world, work, checks)

@@ -33,8 +33,12 @@ def test_the_judge_catches_a_silent_pass(world):
     """The scenario can fail: a malformed record that became a sample is reported."""
     from extract import corpus as C
 
-    builder = C.SampleBuilder(world.target.tokenizer, C.SamplePolicy(256, "truncate", 1, {}, vocab_size=len(world.target.tokenizer)))
-    good = bad_inputs.as_line({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the quick brown fox"}]})
+    builder = C.SampleBuilder(
+        world.target.tokenizer, C.SamplePolicy(256, "truncate", 1, {}, vocab_size=len(world.target.tokenizer))
+    )
+    good = bad_inputs.as_line(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the quick brown fox"}]}
+    )
     assert bad_inputs.judge_record(builder, good, should_pass=True) == (True, "sample")
     ok, what = bad_inputs.judge_record(builder, good, should_pass=False)
     assert not ok and "silent pass" in what
@@ -67,13 +71,19 @@ def test_the_tool_call_judge_catches_a_wrong_mask(world):
     from tests.reliability import corpus_inputs
 
     builder = corpus_inputs.builder_for(tool_chat_tokenizer())
-    record = {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
-                           {"role": "tool", "content": "result text"}, {"role": "assistant", "content": "done"}]}
+    record = {
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+            {"role": "tool", "content": "result text"},
+            {"role": "assistant", "content": "done"},
+        ]
+    }
     assert corpus_inputs.judge_chat(builder, record, mask_reference=True) == (True, "sample")
     real = C.loss_mask_from_spans
 
     def also_tool_results(offsets, spans, ids, eot):
-        return real(offsets, spans + [(0, 10 ** 6)], ids, eot)
+        return real(offsets, spans + [(0, 10**6)], ids, eot)
 
     C.loss_mask_from_spans = also_tool_results
     try:

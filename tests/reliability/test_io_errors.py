@@ -8,7 +8,8 @@ from tests.reliability import io_errors
 
 def test_full_disk_and_io_errors_stop_cleanly_and_resume(world, tmp_path):
     outcome = io_errors.run(
-        world, work=tmp_path,
+        world,
+        work=tmp_path,
         extract_cases=(("enospc", "shard_data", 40), ("enospc", "manifest_written", 6)),
         train_cases=(("enospc", "ckpt_model", 2), ("eio", "ckpt_fsync", 7)),
     )

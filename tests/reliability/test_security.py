@@ -15,7 +15,9 @@ def test_the_source_scan_finds_an_unsafe_load(tmp_path, monkeypatch):
     """The scan can fail: a torch.load without weights_only and a pickle import are reported."""
     pkg = tmp_path / "train"
     pkg.mkdir()
-    (pkg / "bad.py").write_text("import pickle\nimport torch\nx = torch.load('f.pt')\ny = AutoTokenizer.from_pretrained('d')\n")
+    (pkg / "bad.py").write_text(
+        "import pickle\nimport torch\nx = torch.load('f.pt')\ny = AutoTokenizer.from_pretrained('d')\n"
+    )
     monkeypatch.setattr(security, "REPO", tmp_path)
     monkeypatch.setattr(security, "PACKAGES", ("train",))
     found = security.scan_sources()

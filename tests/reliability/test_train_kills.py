@@ -13,6 +13,8 @@ pytestmark = pytest.mark.slow
 
 def test_kills_during_checkpoint_saves_resume_to_identical_losses(world, tmp_path):
     windows = ("ckpt_model", "ckpt_renamed", "ckpt_prune")
-    outcome = train_kills.run(world, kills=len(windows), seed=5, mode="fork", work=tmp_path, steps=8, every=2, windows=windows)
+    outcome = train_kills.run(
+        world, kills=len(windows), seed=5, mode="fork", work=tmp_path, steps=8, every=2, windows=windows
+    )
     assert outcome.passed, outcome.explain()
     assert outcome.figure == f"{len(windows)}/{len(windows)} kills survived; 0 steps with a different loss"

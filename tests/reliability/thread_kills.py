@@ -49,7 +49,9 @@ def token_problems(got: list, reference: dict) -> list[str]:
         problems.append(f"{len(extra)} samples the uninterrupted run does not have")
     for s in got:
         ref = reference.get(s.sample_id)
-        if ref is not None and (not np.array_equal(s.input_ids, ref.input_ids) or not np.array_equal(s.loss_mask, ref.loss_mask)):
+        if ref is not None and (
+            not np.array_equal(s.input_ids, ref.input_ids) or not np.array_equal(s.loss_mask, ref.loss_mask)
+        ):
             problems.append(f"sample {s.sample_id}: tokens or loss mask differ")
     return problems
 
@@ -60,7 +62,10 @@ def value_differences(got: dict, reference: dict) -> tuple[int, int, float]:
     differing, steps, logprob = 0, 0, 0.0
     for sid, s in got.items():
         ref = reference[sid]
-        same = all(np.array_equal(getattr(s, f).view(np.uint8), getattr(ref, f).view(np.uint8)) for f in ("hidden", "topk_ids", "topk_logprobs"))
+        same = all(
+            np.array_equal(getattr(s, f).view(np.uint8), getattr(ref, f).view(np.uint8))
+            for f in ("hidden", "topk_ids", "topk_logprobs")
+        )
         if same:
             continue
         differing += 1
@@ -72,8 +77,13 @@ def value_differences(got: dict, reference: dict) -> tuple[int, int, float]:
 
 def child_threads() -> str:
     """torch's thread count in a child started the way the scenario starts them."""
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=child_env(threads=None),
-                           capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env=child_env(threads=None),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return probe.stdout.strip() or f"unknown: {probe.stderr[-200:]}"
 
 
@@ -83,7 +93,9 @@ def run(world: World, *, kills: int, seed: int, work: Path) -> Outcome:
     outcome = Outcome(7, "Extraction kills, default threads")
     start = time.perf_counter()
     rng = random.Random(seed + 7)
-    plain = run_stage(world, "extract", config=world.extract_config(work / "plain"), mode="process", default_threads=True)
+    plain = run_stage(
+        world, "extract", config=world.extract_config(work / "plain"), mode="process", default_threads=True
+    )
     if plain.status != 0:
         outcome.fail(f"uninterrupted run failed ({plain.status}): {plain.stderr[-800:]}")
         return outcome.finish("could not run")
@@ -101,8 +113,14 @@ def run(world: World, *, kills: int, seed: int, work: Path) -> Outcome:
         out = work / f"run-{run_index:03d}"
         run_index += 1
         config = world.extract_config(out)
-        killed = run_stage(world, "extract", config=config, mode="process", default_threads=True,
-                           watch=random_watch(out, rng, len(reference), plain.seconds))
+        killed = run_stage(
+            world,
+            "extract",
+            config=config,
+            mode="process",
+            default_threads=True,
+            watch=random_watch(out, rng, len(reference), plain.seconds),
+        )
         if killed.status == 0:
             continue  # finished before the kill moment: try again
         if not killed.killed:
@@ -138,14 +156,24 @@ def run(world: World, *, kills: int, seed: int, work: Path) -> Outcome:
         outcome.failures += [f"{out.name}: {p}" for p in problems]
     if done < kills:
         outcome.fail(f"only {done} of {kills} kills happened")
-    outcome.details.append(f"threads: torch's default in the children ({child_threads()} on this machine; OMP_NUM_THREADS unset); {run_index} runs, "
-                           f"reference {len(reference)} samples (an uninterrupted run with the same threads)")
     outcome.details.append(
-        f"observed, not judged: {differing} of the {survived * len(reference)} resumed samples are not bit-identical to the "
+        f"threads: torch's default in the children ({child_threads()} on this machine; OMP_NUM_THREADS unset); "
+        f"{run_index} runs, "
+        f"reference {len(reference)} samples (an uninterrupted run with the same threads)"
+    )
+    outcome.details.append(
+        f"observed, not judged: {differing} of the {survived * len(reference)} resumed samples are not "
+        "bit-identical to the "
         f"uninterrupted run (largest hidden-state difference {steps} bf16 steps, top-1 log-prob {logprob:.2g})"
-        + ("" if vs_single is None else f"; the uninterrupted default-threads run against the one-thread run: {vs_single[0]} of "
-           f"{len(reference)} samples differ ({vs_single[1]} bf16 steps, {vs_single[2]:.2g})")
+        + (
+            ""
+            if vs_single is None
+            else f"; the uninterrupted default-threads run against the one-thread run: {vs_single[0]} of "
+            f"{len(reference)} samples differ ({vs_single[1]} bf16 steps, {vs_single[2]:.2g})"
+        )
     )
     outcome.seconds = time.perf_counter() - start
-    return outcome.finish(f"{survived}/{kills} kills kept the promise; {lost} samples lost, {duplicated} duplicated; "
-                          f"{differing} samples' values not bit-identical (observed)")
+    return outcome.finish(
+        f"{survived}/{kills} kills kept the promise; {lost} samples lost, {duplicated} duplicated; "
+        f"{differing} samples' values not bit-identical (observed)"
+    )

@@ -24,8 +24,18 @@ from tests.reliability.runner import run_stage, watch_after_count
 from tests.reliability.world import World
 
 # "random" three times: of 22 kills, about 6 land at moments the parent picks.
-WINDOWS = ("ckpt_model", "ckpt_optimizer", "ckpt_state", "ckpt_written", "ckpt_renamed", "ckpt_prune", "metrics_line",
-           "random", "random", "random")
+WINDOWS = (
+    "ckpt_model",
+    "ckpt_optimizer",
+    "ckpt_state",
+    "ckpt_written",
+    "ckpt_renamed",
+    "ckpt_prune",
+    "metrics_line",
+    "random",
+    "random",
+    "random",
+)
 
 
 def train_extra(steps: int, every: int) -> list[str]:
@@ -62,8 +72,10 @@ def check_checkpoints(run_dir: Path) -> list[str]:
             problems.append(f"{path.name} does not load: {type(exc).__name__}: {exc}")
     started = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("ckpt")]
     if len(started) >= 2 and started[-2] not in {step for step, _ in found}:
-        problems.append(f"the checkpoint of step {started[-2]} finished before the next save started, but it is gone "
-                        f"(checkpoints: {[s for s, _ in found]})")
+        problems.append(
+            f"the checkpoint of step {started[-2]} finished before the next save started, but it is gone "
+            f"(checkpoints: {[s for s, _ in found]})"
+        )
     return problems
 
 
@@ -80,7 +92,8 @@ def compare_runs(run_dir: Path, reference: Path, steps: int) -> tuple[list[str],
     if [r["step"] for r in got] != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl steps are {[r['step'] for r in got][:40]}, expected 1..{steps} once each")
     differ = sum(1 for s in range(1, steps + 1) if s not in {r["step"] for r in got}) + sum(
-        1 for r in got if want.get(r["step"]) != r["loss"])
+        1 for r in got if want.get(r["step"]) != r["loss"]
+    )
     if differ:
         problems.append(f"{differ} steps have a loss other than the uninterrupted run's")
     final, ref_final = latest_checkpoint(run_dir / "checkpoints"), latest_checkpoint(reference / "checkpoints")
@@ -93,8 +106,17 @@ def compare_runs(run_dir: Path, reference: Path, steps: int) -> tuple[list[str],
     return problems, differ
 
 
-def run(world: World, *, kills: int, seed: int, mode: str, work: Path, steps: int = 24, every: int = 3,
-        windows: tuple[str, ...] = WINDOWS) -> Outcome:
+def run(
+    world: World,
+    *,
+    kills: int,
+    seed: int,
+    mode: str,
+    work: Path,
+    steps: int = 24,
+    every: int = 3,
+    windows: tuple[str, ...] = WINDOWS,
+) -> Outcome:
     outcome = Outcome(2, "Training kills")
     start = time.perf_counter()
     rng = random.Random(seed)
@@ -159,7 +181,13 @@ def run(world: World, *, kills: int, seed: int, mode: str, work: Path, steps: in
         outcome.fail(f"only {done} of {kills} kills happened")
     outcome.details.append("kills per window: " + ", ".join(f"{w} {n}" for w, n in sorted(hits.items())))
     if missed:
-        outcome.details.append("runs that finished before their window came up (retried): " + ", ".join(f"{w} {n}" for w, n in sorted(missed.items())))
-    outcome.details.append(f"reference: {steps} steps, a checkpoint every {every} ({saves} saves, keep_last 2); {run_index} runs, mode {mode}")
+        outcome.details.append(
+            "runs that finished before their window came up (retried): "
+            + ", ".join(f"{w} {n}" for w, n in sorted(missed.items()))
+        )
+    outcome.details.append(
+        f"reference: {steps} steps, a checkpoint every {every} ({saves} saves, keep_last 2); {run_index} runs, "
+        f"mode {mode}"
+    )
     outcome.seconds = time.perf_counter() - start
     return outcome.finish(f"{survived}/{kills} kills survived; {differing} steps with a different loss")

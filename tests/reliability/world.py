@@ -17,7 +17,7 @@ from pathlib import Path
 
 import tomli_w
 
-from tests.paths import REPO, child_pythonpath
+from tests.paths import child_pythonpath
 
 # The extraction every scenario uses: 2 taps of a 4-layer target, top-4, small shards (2-3 samples
 # each) so that a run commits dozens of shards and every commit window is reached many times.
@@ -39,16 +39,29 @@ EXTRACT_SETTINGS = {
 # GPU host: the scenarios compare resumed runs with the uninterrupted one bit for bit, a property
 # of the CPU kernels (CUDA reductions need not repeat to the bit between processes).
 TRAIN_SETTINGS = [
-    "data.token_budget=512", "data.num_buckets=2", "data.holdout_fraction=0", "data.prefetch_threads=1",
-    "data.prefetch_depth=2", "model.num_layers=1", "loss.num_anchors=8", "log.progress=false", "optim.lr=3e-3",
+    "data.token_budget=512",
+    "data.num_buckets=2",
+    "data.holdout_fraction=0",
+    "data.prefetch_threads=1",
+    "data.prefetch_depth=2",
+    "model.num_layers=1",
+    "loss.num_anchors=8",
+    "log.progress=false",
+    "optim.lr=3e-3",
     "device=cpu",
 ]
 
 
 def child_env(threads: int | None = 1) -> dict:
     """Environment of every child process: one thread (None: torch's default), offline, the repository importable."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-               PYTHONPATH=child_pythonpath(), PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_VERBOSITY="error",
+        PYTHONPATH=child_pythonpath(),
+        PYTHONUNBUFFERED="1",
+    )
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         if threads is None:
             env.pop(name, None)
@@ -115,7 +128,13 @@ class World:
     # ---------------------------------------------------------------- training
 
     def train_args(self, runs: Path, run_name: str, *extra: str, shards: Path | None = None) -> list[str]:
-        return [f"out_dir={runs}", f"run_name={run_name}", f"data.shards={shards or self.baseline}", *TRAIN_SETTINGS, *extra]
+        return [
+            f"out_dir={runs}",
+            f"run_name={run_name}",
+            f"data.shards={shards or self.baseline}",
+            *TRAIN_SETTINGS,
+            *extra,
+        ]
 
     def train_cfg(self, runs: Path, run_name: str, *extra: str, shards: Path | None = None):
         from common.config import load_config
@@ -135,7 +154,9 @@ def build_world(root: Path, n_good: int = 60, seed: int = 0) -> World:
     target_dir = root / "target"
     if not (target_dir / "config.json").exists():
         rng = random.Random(seed)
-        tokenizer = build_chat_tokenizer([sentence(rng, 60) for _ in range(40)] + ["user\nassistant\nsystem\n"] * 5, 400)
+        tokenizer = build_chat_tokenizer(
+            [sentence(rng, 60) for _ in range(40)] + ["user\nassistant\nsystem\n"] * 5, 400
+        )
         model = build_model(qwen3_config(len(tokenizer)), seed=seed)
         model.save_pretrained(target_dir)
         tokenizer.save_pretrained(target_dir)

@@ -28,7 +28,9 @@ LOCKED = "is being written by another process"
 
 
 def start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
@@ -38,8 +40,12 @@ def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
 def judge_pair(results: list[tuple[int, str]]) -> tuple[list[str], bool]:
     """(problems with the exit codes and messages, whether the two overlapped)."""
     codes = sorted(code for code, _ in results)
-    problems = [] if codes in ([0, 0], [0, 2]) else [f"exit codes {codes}: " + " | ".join(err[-300:] for _, err in results)]
-    problems += [f"the refused writer did not say why: {err[-300:]}" for code, err in results if code == 2 and LOCKED not in err]
+    problems = (
+        [] if codes in ([0, 0], [0, 2]) else [f"exit codes {codes}: " + " | ".join(err[-300:] for _, err in results)]
+    )
+    problems += [
+        f"the refused writer did not say why: {err[-300:]}" for code, err in results if code == 2 and LOCKED not in err
+    ]
     return problems, codes == [0, 2]
 
 
@@ -59,8 +65,13 @@ def extraction_pair(world: World, out: Path) -> tuple[list[str], bool]:
     if sorted(ids) != sorted(reference):
         problems.append(f"{len(ids)} samples ({len(set(ids))} distinct), the uninterrupted run has {len(reference)}")
     rejects = (out / "rejects.jsonl").read_text().splitlines()
-    if sorted(json.loads(r)["position"] for r in rejects) != sorted(json.loads(r)["position"] for r in (world.baseline / "rejects.jsonl").read_text().splitlines()):
-        problems.append(f"rejects.jsonl lists {len(rejects)} lines, the uninterrupted run {len((world.baseline / 'rejects.jsonl').read_text().splitlines())}")
+    if sorted(json.loads(r)["position"] for r in rejects) != sorted(
+        json.loads(r)["position"] for r in (world.baseline / "rejects.jsonl").read_text().splitlines()
+    ):
+        problems.append(
+            f"rejects.jsonl lists {len(rejects)} lines, the uninterrupted run "
+            f"{len((world.baseline / 'rejects.jsonl').read_text().splitlines())}"
+        )
     leftovers = sorted(p.name for p in out.iterdir() if p.name.endswith((".tmp", ".lock")))
     if leftovers:
         problems.append(f"left behind: {leftovers[:5]}")
@@ -88,8 +99,10 @@ def crashed_writer(world: World, out: Path) -> list[str]:
 
     out.mkdir(parents=True)
     lock = out / ".manifest.rank000.json.lock"
-    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from common.locks import exclusive_lock; "
-            f"exclusive_lock({str(lock)!r}, what='x', hint='y'); print('held', flush=True); time.sleep(600)")
+    code = (
+        f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from common.locks import exclusive_lock; "
+        f"exclusive_lock({str(lock)!r}, what='x', hint='y'); print('held', flush=True); time.sleep(600)"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=child_env())
     problems, refused_after = [], 0.0
     config = world.extract_config(out)
@@ -126,5 +139,8 @@ def concurrent_writers(world: World, tally: Tally, work: Path, *, extraction_pai
         tally.add("writers:two_trainings", not problems, "; ".join(problems))
     problems = crashed_writer(world, work / "writers-crashed")
     tally.add("writers:crashed_holder", not problems, "; ".join(problems))
-    return (f"concurrent writers: of {extraction_pairs} extraction pairs {overlaps['extract']} overlapped (one refused), "
-            f"of {training_pairs} training pairs {overlaps['train']}; the others ran one after the other (the second found the work done)")
+    return (
+        f"concurrent writers: of {extraction_pairs} extraction pairs {overlaps['extract']} overlapped (one refused), "
+        f"of {training_pairs} training pairs {overlaps['train']}; the others ran one after the other (the second "
+        "found the work done)"
+    )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from shards import HiddenPlanes, ShardDataset, ShardWriter
-from shards.schema import BF16_EXPONENT_MASK, _SCAN_BLOCK, count_nonfinite_bf16, count_nonfinite_planes, split_planes
+from shards.schema import _SCAN_BLOCK, BF16_EXPONENT_MASK, count_nonfinite_bf16, count_nonfinite_planes, split_planes
 from tests.shards.synth import TOPK, WIDTH, assert_same, make_sample, provenance
 
 MANIFEST = "manifest.json"
@@ -27,7 +27,15 @@ def as_planes(sample):
 
 
 def write_all(root, samples, encoding, *, planes=False, known_finite=False, **kwargs):
-    with ShardWriter(root, provenance=provenance(), hidden_width=WIDTH, topk=TOPK, hidden_encoding=encoding, shard_bytes=12_000, **kwargs) as w:
+    with ShardWriter(
+        root,
+        provenance=provenance(),
+        hidden_width=WIDTH,
+        topk=TOPK,
+        hidden_encoding=encoding,
+        shard_bytes=12_000,
+        **kwargs,
+    ) as w:
         for sample in samples:
             w.write(as_planes(sample) if planes else sample, hidden_known_finite=known_finite)
     return json.load(open(os.path.join(root, MANIFEST)))

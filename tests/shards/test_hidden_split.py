@@ -23,15 +23,24 @@ N = 7
 
 
 def write(root, samples, *, encoding="planes", hidden_split=None, prov=None):
-    with ShardWriter(root, provenance=prov or provenance(), hidden_width=WIDTH, topk=TOPK, hidden_encoding=encoding,
-                     shard_bytes=5_000, hidden_split=hidden_split) as w:
+    with ShardWriter(
+        root,
+        provenance=prov or provenance(),
+        hidden_width=WIDTH,
+        topk=TOPK,
+        hidden_encoding=encoding,
+        shard_bytes=5_000,
+        hidden_split=hidden_split,
+    ) as w:
         for sample in samples:
             w.write(sample)
     return json.load(open(os.path.join(root, "manifest.json")))
 
 
 def files(root, manifest) -> dict:
-    return {e[k]: open(os.path.join(root, e[k]), "rb").read() for e in manifest["shards"] for k in ("file", "index_file")}
+    return {
+        e[k]: open(os.path.join(root, e[k]), "rb").read() for e in manifest["shards"] for k in ("file", "index_file")
+    }
 
 
 def cut(sample, split: int):
@@ -70,8 +79,12 @@ def test_pieces_handed_over_cut_store_the_same_bytes_as_whole_arrays(tmp_path, s
     samples = [make_sample(i) for i in range(N)]
     whole = write(tmp_path / "whole", samples, hidden_split=split)
     pieces = write(tmp_path / "pieces", [cut(s, split) for s in samples], hidden_split=split)
-    other_cut = write(tmp_path / "other", [cut(s, 2 if split == 4 else 4) for s in samples], hidden_split=split)  # re-cut by the writer
-    assert files(tmp_path / "whole", whole) == files(tmp_path / "pieces", pieces) == files(tmp_path / "other", other_cut)
+    other_cut = write(
+        tmp_path / "other", [cut(s, 2 if split == 4 else 4) for s in samples], hidden_split=split
+    )  # re-cut by the writer
+    assert (
+        files(tmp_path / "whole", whole) == files(tmp_path / "pieces", pieces) == files(tmp_path / "other", other_cut)
+    )
 
 
 def test_the_default_is_one_piece_per_tap_and_one_without_taps(tmp_path):
@@ -100,10 +113,16 @@ def test_a_bad_split_is_refused_naming_it(tmp_path, split):
 
 def test_pieces_of_the_wrong_shape_are_refused_before_anything_is_written(tmp_path):
     sample = cut(make_sample(0), 2)
-    short = dataclasses.replace(sample, hidden=HiddenPlanes((sample.hidden.hi[0], sample.hidden.hi[1][:-1]), sample.hidden.lo))
-    wrong_type = dataclasses.replace(sample, hidden=HiddenPlanes((sample.hidden.hi[0], sample.hidden.hi[1].astype(np.uint16)), sample.hidden.lo))
+    short = dataclasses.replace(
+        sample, hidden=HiddenPlanes((sample.hidden.hi[0], sample.hidden.hi[1][:-1]), sample.hidden.lo)
+    )
+    wrong_type = dataclasses.replace(
+        sample, hidden=HiddenPlanes((sample.hidden.hi[0], sample.hidden.hi[1].astype(np.uint16)), sample.hidden.lo)
+    )
     whole_hi, whole_lo = np.concatenate(sample.hidden.hi, axis=1), np.concatenate(sample.hidden.lo, axis=1)
-    narrow = dataclasses.replace(sample, hidden=HiddenPlanes((whole_hi[:, :3], whole_hi[:, 3:]), (whole_lo[:, :3], whole_lo[:, 3:])))
+    narrow = dataclasses.replace(
+        sample, hidden=HiddenPlanes((whole_hi[:, :3], whole_hi[:, 3:]), (whole_lo[:, :3], whole_lo[:, 3:]))
+    )
     with ShardWriter(tmp_path / "ds", provenance=provenance(), hidden_width=WIDTH, topk=TOPK) as w:
         with pytest.raises(ValueError, match="column pieces differ in length"):
             w.write(short)
@@ -137,7 +156,11 @@ def test_version_2_schemas_are_the_unsplit_layout():
     """A version-3 reader accepts the shard files older writers made: same fields, no split key."""
     old = shard_schema("planes", WIDTH, TOPK, format_version=2)
     new = shard_schema("planes", WIDTH, TOPK, hidden_split=1)
-    assert old.names == new.names and b"dflash.hidden_split" not in old.metadata and new.metadata[b"dflash.hidden_split"] == b"1"
+    assert (
+        old.names == new.names
+        and b"dflash.hidden_split" not in old.metadata
+        and new.metadata[b"dflash.hidden_split"] == b"1"
+    )
 
 
 def test_joining_split_planes_in_row_blocks_covers_every_row(tmp_path, monkeypatch):

@@ -21,8 +21,14 @@ N_SAMPLES = 3000  # far more than a child writes before it is killed
 
 def start_child(root: Path, n: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=child_pythonpath())
-    child = subprocess.Popen([sys.executable, "-m", "tests.shards.writer_child", str(root), str(n)],
-                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.shards.writer_child", str(root), str(n)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = child.stdout.readline()
     assert line.strip() == "ready", child.stderr.read()
     return child

@@ -4,7 +4,6 @@ readers get the right samples; the inspect/show/merge commands print what they p
 from __future__ import annotations
 
 import concurrent.futures
-import json
 
 import numpy as np
 import pytest
@@ -15,8 +14,15 @@ from tests.shards.synth import TOPK, WIDTH, assert_same, make_sample, provenance
 
 
 def write_rank(root, rank, indices, prov=None, complete=True):
-    w = ShardWriter(root, provenance=prov or provenance(), hidden_width=WIDTH, topk=TOPK, shard_bytes=6_000,
-                    manifest_name=f"manifest-r{rank}.json", shard_prefix=f"r{rank}")
+    w = ShardWriter(
+        root,
+        provenance=prov or provenance(),
+        hidden_width=WIDTH,
+        topk=TOPK,
+        shard_bytes=6_000,
+        manifest_name=f"manifest-r{rank}.json",
+        shard_prefix=f"r{rank}",
+    )
     for i in indices:
         w.write(make_sample(i))
     w.extra_counts["rejected"] += rank + 1
@@ -128,7 +134,12 @@ def test_cli_show_decodes_with_a_local_tokenizer(tmp_path, capsys):
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(tmp_path / "tok")
     write_rank(tmp_path / "ds", 0, range(2))
-    assert main(["show", str(tmp_path / "ds"), "0", "--manifest", "manifest-r0.json", "--tokenizer", str(tmp_path / "tok")]) == 0
+    assert (
+        main(
+            ["show", str(tmp_path / "ds"), "0", "--manifest", "manifest-r0.json", "--tokenizer", str(tmp_path / "tok")]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     first = int(make_sample(0).input_ids[0])
     assert f"in={first}'w{first}'" in out

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.synthetic import _tap_structure, realistic_hidden
 from shards import ShardDataset, ShardWriter, verify_dataset
 from shards.manifest import check_manifest, read_index
 from shards.quant import (
@@ -23,7 +24,6 @@ from shards.quant import (
     quantize_bf16_bits,
 )
 from shards.schema import ShardFormatError
-from benchmarks.synthetic import _tap_structure, realistic_hidden
 from tests.shards.synth import TOPK, WIDTH, make_sample, provenance
 
 
@@ -106,7 +106,9 @@ def test_nonfinite_values_are_refused_at_encode(name, bad):
 def test_writer_refuses_nonfinite_hidden_naming_the_sample(tmp_path):
     sample = make_sample(0)
     sample.hidden[1, 3] = 0x7FC0  # bf16 NaN
-    with ShardWriter(tmp_path / "ds", provenance=provenance(), hidden_width=WIDTH, topk=TOPK, hidden_encoding="fp8") as w:
+    with ShardWriter(
+        tmp_path / "ds", provenance=provenance(), hidden_width=WIDTH, topk=TOPK, hidden_encoding="fp8"
+    ) as w:
         with pytest.raises(ValueError, match=rf"sample '{sample.sample_id}': field 'hidden': .*NaN/Inf"):
             w.write(sample)
         w.write(make_sample(1))
@@ -116,7 +118,9 @@ def test_writer_refuses_nonfinite_hidden_naming_the_sample(tmp_path):
 @pytest.mark.parametrize("name", ["fp8", "int4", "nf4-g16"])
 def test_quantized_round_trip_through_writer_and_reader(tmp_path, name):
     width, taps = 128, 2
-    prov = provenance(target={"name_or_path": "synthetic", "num_layers": 4, "hidden_size": width // taps, "vocab_size": 1000})
+    prov = provenance(
+        target={"name_or_path": "synthetic", "num_layers": 4, "hidden_size": width // taps, "vocab_size": 1000}
+    )
     samples = [make_sample(i, width=width) for i in range(6)]
     root = tmp_path / "ds"
     with ShardWriter(root, provenance=prov, hidden_width=width, topk=TOPK, hidden_encoding=name, shard_bytes=2000) as w:
@@ -148,8 +152,16 @@ def test_lossless_datasets_are_still_format_version_3(tmp_path):
 
 
 def test_a_quantized_encoding_in_an_older_format_version_is_refused():
-    manifest = {"format": "dflash-shards", "format_version": 3, "encoding": "fp8", "hidden_width": 16, "topk": 4,
-                "counts": {}, "shards": [], "provenance": {}}
+    manifest = {
+        "format": "dflash-shards",
+        "format_version": 3,
+        "encoding": "fp8",
+        "hidden_width": 16,
+        "topk": 4,
+        "counts": {},
+        "shards": [],
+        "provenance": {},
+    }
     with pytest.raises(ShardFormatError, match="storage tiers are version 4"):
         check_manifest(manifest, "m.json")
 
@@ -162,7 +174,9 @@ def test_writer_refuses_group_size_that_does_not_divide_the_pieces(tmp_path):
 @pytest.mark.parametrize("name", ["fp8", "int4-g16", "nf4-g16"])
 def test_verify_catches_a_damaged_byte_in_every_encoding(tmp_path, name):
     width = 64
-    prov = provenance(target={"name_or_path": "synthetic", "num_layers": 4, "hidden_size": width // 2, "vocab_size": 1000})
+    prov = provenance(
+        target={"name_or_path": "synthetic", "num_layers": 4, "hidden_size": width // 2, "vocab_size": 1000}
+    )
     root = tmp_path / "ds"
     with ShardWriter(root, provenance=prov, hidden_width=width, topk=TOPK, hidden_encoding=name) as w:
         for i in range(3):
@@ -182,12 +196,16 @@ def test_verify_catches_a_damaged_byte_in_every_encoding(tmp_path, name):
 
 def test_verify_reports_nan_codes_written_without_the_finite_check(tmp_path):
     width = 64
-    prov = provenance(target={"name_or_path": "synthetic", "num_layers": 4, "hidden_size": width // 2, "vocab_size": 1000})
+    prov = provenance(
+        target={"name_or_path": "synthetic", "num_layers": 4, "hidden_size": width // 2, "vocab_size": 1000}
+    )
     sample = make_sample(0, width=width)
     quantized = quantize_bf16_bits(sample.hidden, "fp8", 2)
     quantized.codes[1][2, 7] = 0x7F  # e4m3 NaN
     sample.hidden = quantized
     root = tmp_path / "ds"
-    with ShardWriter(root, provenance=prov, hidden_width=width, topk=TOPK, hidden_encoding="fp8", reject_nonfinite=False) as w:
+    with ShardWriter(
+        root, provenance=prov, hidden_width=width, topk=TOPK, hidden_encoding="fp8", reject_nonfinite=False
+    ) as w:
         w.write(sample)
     assert [p.message for p in verify_dataset(root)] == ["hidden has 1 NaN/Inf values"]

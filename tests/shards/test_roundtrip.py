@@ -13,7 +13,15 @@ from tests.shards.synth import TOPK, WIDTH, assert_same, make_sample, provenance
 
 
 def write_dataset(root, n, encoding="planes", shard_bytes=1 << 20, **kwargs):
-    with ShardWriter(root, provenance=provenance(), hidden_width=WIDTH, topk=TOPK, hidden_encoding=encoding, shard_bytes=shard_bytes, **kwargs) as w:
+    with ShardWriter(
+        root,
+        provenance=provenance(),
+        hidden_width=WIDTH,
+        topk=TOPK,
+        hidden_encoding=encoding,
+        shard_bytes=shard_bytes,
+        **kwargs,
+    ) as w:
         for i in range(n):
             w.write(make_sample(i))
     return root
@@ -94,14 +102,22 @@ def test_torch_view_has_contract_dtypes_and_values(tmp_path, encoding):
 
 def test_sample_from_torch_round_trips_bf16_bits(tmp_path):
     hidden = torch.randn(5, WIDTH).to(torch.bfloat16)
-    sample = sample_from_torch("s0", torch.arange(5), torch.ones(5, dtype=torch.bool), hidden,
-                               torch.zeros(5, TOPK, dtype=torch.int64), torch.zeros(5, TOPK))
+    sample = sample_from_torch(
+        "s0",
+        torch.arange(5),
+        torch.ones(5, dtype=torch.bool),
+        hidden,
+        torch.zeros(5, TOPK, dtype=torch.int64),
+        torch.zeros(5, TOPK),
+    )
     with ShardWriter(tmp_path / "ds", provenance=provenance(), hidden_width=WIDTH, topk=TOPK) as w:
         w.write(sample)
     back = ShardDataset(str(tmp_path / "ds")).torch(0)["hidden"]
     assert torch.equal(back, hidden)
     with pytest.raises(ValueError, match="'hidden'.*bfloat16"):
-        sample_from_torch("s1", torch.arange(5), torch.ones(5), hidden.float(), torch.zeros(5, TOPK), torch.zeros(5, TOPK))
+        sample_from_torch(
+            "s1", torch.arange(5), torch.ones(5), hidden.float(), torch.zeros(5, TOPK), torch.zeros(5, TOPK)
+        )
 
 
 def test_empty_dataset_reads_as_empty(tmp_path):

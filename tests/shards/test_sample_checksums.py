@@ -37,7 +37,9 @@ EOS_MARKER = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # what pyarrow writes after th
 
 
 def write_dataset(root: Path, encoding: str = "planes", indices=range(N_SAMPLES)) -> Path:
-    with ShardWriter(root, provenance=provenance(), hidden_width=WIDTH, topk=TOPK, shard_bytes=6_000, hidden_encoding=encoding) as w:
+    with ShardWriter(
+        root, provenance=provenance(), hidden_width=WIDTH, topk=TOPK, shard_bytes=6_000, hidden_encoding=encoding
+    ) as w:
         for i in indices:
             w.write(make_sample(i))
     return root
@@ -167,7 +169,10 @@ def test_the_writer_stream_finds_the_ranges_whatever_the_write_sizes(dataset):
                 piece = min(end - start, rng.randint(1, max_piece))
                 stream.write(data[start : start + piece])
                 start += piece
-            assert stream.end_sample() == (index["offset"][row], index["length"][row], index["xxh3_64"][row]), (max_piece, row)
+            assert stream.end_sample() == (index["offset"][row], index["length"][row], index["xxh3_64"][row]), (
+                max_piece,
+                row,
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +185,10 @@ def test_an_untouched_dataset_reads_clean(dataset, caplog):
         for i in range(N_SAMPLES):
             assert_same(ds[i], make_sample(i))
         hidden_out = torch.zeros(64, WIDTH, dtype=torch.bfloat16)
-        assert ds.torch(3, hidden_out=hidden_out)["hidden"].view(torch.uint16).numpy().tobytes() == make_sample(3).hidden.tobytes()
+        assert (
+            ds.torch(3, hidden_out=hidden_out)["hidden"].view(torch.uint16).numpy().tobytes()
+            == make_sample(3).hidden.tobytes()
+        )
     assert not caplog.records
     assert verify_dataset(str(dataset)) == []
 
@@ -254,7 +262,12 @@ def test_verify_samples_off_reads_without_the_check(dataset):
     entry = manifest["shards"][0]
     table = read_index(*resolve(str(dataset)), entry)
     wrong = pa.array(np.asarray(table.column("xxh3_64").to_numpy()) ^ np.uint64(1), pa.uint64())
-    rewrite_index(dataset, manifest, 0, table.set_column(table.schema.get_field_index("xxh3_64"), index_schema().field("xxh3_64"), wrong))
+    rewrite_index(
+        dataset,
+        manifest,
+        0,
+        table.set_column(table.schema.get_field_index("xxh3_64"), index_schema().field("xxh3_64"), wrong),
+    )
     save_manifest(dataset, manifest)
     with pytest.raises(ShardFormatError, match=f"sample {table.column('sample_id')[0]} \\(row 0\\)"):
         ShardDataset(str(dataset))[0]
@@ -301,7 +314,9 @@ def test_a_version_1_dataset_still_reads_with_one_warning(dataset, caplog, capsy
             assert_same(ds[i], make_sample(i))
         assert len(ds.index) == N_SAMPLES
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "before per-sample checksums" in warnings[0] and "manifest.json" in warnings[0], warnings
+    assert len(warnings) == 1 and "before per-sample checksums" in warnings[0] and "manifest.json" in warnings[0], (
+        warnings
+    )
     assert verify_dataset(str(dataset)) == []
     assert any("written before per-sample checksums" in line for line in inspect_lines(ds))
     assert main(["verify", str(dataset), "--no-progress"]) == 0
@@ -313,7 +328,9 @@ def test_resuming_a_version_1_dataset_adds_checked_shards(dataset):
     old_shards = len(manifest_of(dataset)["shards"])
     write_dataset(dataset, indices=range(N_SAMPLES, N_SAMPLES + 6))
     manifest = manifest_of(dataset)
-    assert manifest["format_version"] == FORMAT_VERSION and manifest["hidden_split"] == 1  # the dataset's layout is kept
+    assert (
+        manifest["format_version"] == FORMAT_VERSION and manifest["hidden_split"] == 1
+    )  # the dataset's layout is kept
     checked = [SAMPLE_CHECKSUM_ALGO_KEY in e for e in manifest["shards"]]
     assert checked == [False] * old_shards + [True] * (len(checked) - old_shards), checked
     ds = ShardDataset(str(dataset))

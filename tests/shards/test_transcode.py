@@ -30,7 +30,9 @@ WIDTH, TAPS = 64, 2
 
 
 def lossless(root: Path, n: int) -> Path:
-    prov = provenance(target={"name_or_path": "synthetic", "num_layers": 4, "hidden_size": WIDTH // TAPS, "vocab_size": 1000})
+    prov = provenance(
+        target={"name_or_path": "synthetic", "num_layers": 4, "hidden_size": WIDTH // TAPS, "vocab_size": 1000}
+    )
     with ShardWriter(root, provenance=prov, hidden_width=WIDTH, topk=TOPK, shard_bytes=20_000) as w:
         for i in range(n):
             w.write(make_sample(i, width=WIDTH))
@@ -50,7 +52,9 @@ def test_fp8_transcode_holds_every_sample_quantized_and_names_its_source(tmp_pat
     for i in range(len(source)):
         expected = quantize_bf16_bits(source[i].hidden, "fp8", TAPS)
         assert np.array_equal(out[i].hidden, expected.bf16_bits())
-        assert np.array_equal(out[i].topk_ids, source[i].topk_ids) and np.array_equal(out[i].input_ids, source[i].input_ids)
+        assert np.array_equal(out[i].topk_ids, source[i].topk_ids) and np.array_equal(
+            out[i].input_ids, source[i].input_ids
+        )
     transform = out.provenance["transform"]
     assert transform["encoding"] == "fp8" and transform["projection"] is None
     assert transform["source"]["path"] == str(src) and transform["source"]["samples"] == 12
@@ -60,7 +64,9 @@ def test_fp8_transcode_holds_every_sample_quantized_and_names_its_source(tmp_pat
 
 def test_projected_transcode_stores_p_times_h_and_its_projection(tmp_path):
     src = lossless(tmp_path / "src", 10)
-    transcode(str(src), str(tmp_path / "dst"), settings("encoding=planes", "projection=pca:rank=8", "calibration_samples=4"))
+    transcode(
+        str(src), str(tmp_path / "dst"), settings("encoding=planes", "projection=pca:rank=8", "calibration_samples=4")
+    )
     out = ShardDataset(tmp_path / "dst")
     projection = load_projection(str(tmp_path / "dst"), out.projection)
     assert out.hidden_width == 16 == out.projection["out_width"] and out.projection["in_width"] == WIDTH
@@ -69,7 +75,11 @@ def test_projected_transcode_stores_p_times_h_and_its_projection(tmp_path):
     z = torch.from_numpy(out[3].hidden).view(torch.bfloat16)
     assert torch.equal(z, projection.apply(h).to(torch.bfloat16))
     # Reusing the file gives the same projection (same checksum), so drafters trained on both agree.
-    transcode(str(src), str(tmp_path / "dst2"), settings("encoding=fp8", f"projection={tmp_path / 'dst' / 'projection.safetensors'}"))
+    transcode(
+        str(src),
+        str(tmp_path / "dst2"),
+        settings("encoding=fp8", f"projection={tmp_path / 'dst' / 'projection.safetensors'}"),
+    )
     assert ShardDataset(tmp_path / "dst2").projection["checksum"] == out.projection["checksum"]
 
 
@@ -92,8 +102,19 @@ def test_sigkill_midway_then_rerun_leaves_a_verified_dataset_with_every_sample_o
     n = 120
     src = lossless(tmp_path / "src", n)
     dst = tmp_path / "dst"
-    command = [sys.executable, "-m", "shards", "transcode", str(src), str(dst), "encoding=nf4-g16", "shard_bytes=6000",
-               "threads=1", "progress=false", "verify=false"]
+    command = [
+        sys.executable,
+        "-m",
+        "shards",
+        "transcode",
+        str(src),
+        str(dst),
+        "encoding=nf4-g16",
+        "shard_bytes=6000",
+        "threads=1",
+        "progress=false",
+        "verify=false",
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     child = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     manifest = dst / "manifest.json"
@@ -128,29 +149,41 @@ def test_a_second_writer_of_dst_is_refused_before_the_projection_is_fitted(tmp_p
     src = lossless(tmp_path / "src", 4)
     dst = tmp_path / "dst"
     dst.mkdir()
-    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from common import io; from shards.manifest import lock_manifest; "
-            f"fs, root = io.resolve({str(dst)!r}); lock_manifest(fs, root, 'manifest.json'); print('held', flush=True); time.sleep(600)")
+    code = (
+        f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from common import io; from shards.manifest import "
+        "lock_manifest; "
+        f"fs, root = io.resolve({str(dst)!r}); lock_manifest(fs, root, 'manifest.json'); print('held', "
+        "flush=True); time.sleep(600)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "held"
         with pytest.raises(LockedError, match=rf"another process \(pid {child.pid} "):
             transcode(str(src), str(dst), settings("encoding=fp8", "projection=pca:rank=8", "calibration_samples=2"))
-        assert sorted(p.name for p in dst.iterdir()) == [".manifest.json.lock"]  # no projection file, no shard, no manifest
+        assert sorted(p.name for p in dst.iterdir()) == [
+            ".manifest.json.lock"
+        ]  # no projection file, no shard, no manifest
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    transcode(str(src), str(dst), settings("encoding=fp8", "projection=pca:rank=8", "calibration_samples=2"))  # freed when the holder died
+    transcode(
+        str(src), str(dst), settings("encoding=fp8", "projection=pca:rank=8", "calibration_samples=2")
+    )  # freed when the holder died
     assert len(ShardDataset(dst)) == 4 and verify_dataset(dst) == []
 
 
 def test_inspect_shows_the_tier_bytes_and_error_per_tap(tmp_path, capsys):
     src = lossless(tmp_path / "src", 6)
-    transcode(str(src), str(tmp_path / "dst"), settings("encoding=fp8", "projection=pca:rank=8", "calibration_samples=3"))
+    transcode(
+        str(src), str(tmp_path / "dst"), settings("encoding=fp8", "projection=pca:rank=8", "calibration_samples=3")
+    )
     assert shards_main(["inspect", str(tmp_path / "dst")]) == 0
     out = capsys.readouterr().out
     assert "tier       projected to 16 features + fp8" in out and "projection 64 -> 16 features" in out
     assert "raw bf16 hidden is 128 B/token" in out  # against the full 2 x 32 features, not the stored 16
-    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 ")) and len(line.split()) == 5]
+    rows = [
+        line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 ")) and len(line.split()) == 5
+    ]
     assert len(rows) == TAPS and all(0 < float(row[2]) < 1.5 for row in rows)  # rel. RMS per tap, recorded at encode
     assert shards_main(["inspect", str(src)]) == 0
     assert "tier       lossless (planes)" in capsys.readouterr().out
@@ -158,7 +191,9 @@ def test_inspect_shows_the_tier_bytes_and_error_per_tap(tmp_path, capsys):
 
 def test_verify_catches_a_damaged_projection_file(tmp_path):
     src = lossless(tmp_path / "src", 4)
-    transcode(str(src), str(tmp_path / "dst"), settings("encoding=planes", "projection=pca:rank=8", "calibration_samples=2"))
+    transcode(
+        str(src), str(tmp_path / "dst"), settings("encoding=planes", "projection=pca:rank=8", "calibration_samples=2")
+    )
     path = tmp_path / "dst" / "projection.safetensors"
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
@@ -171,7 +206,11 @@ def test_verify_catches_a_damaged_projection_file(tmp_path):
 
 def test_a_rank_that_a_4bit_group_does_not_divide_is_refused_not_changed(tmp_path):
     src = lossless(tmp_path / "src", 3)
-    with pytest.raises(ValueError, match=r"rank 8 per tap is not a multiple of the 4-bit group size 16; ask for pca:rank=16"):
+    with pytest.raises(
+        ValueError, match=r"rank 8 per tap is not a multiple of the 4-bit group size 16; ask for pca:rank=16"
+    ):
         transcode(str(src), str(tmp_path / "dst"), settings("encoding=nf4-g16", "projection=pca:rank=8"))
-    transcode(str(src), str(tmp_path / "dst2"), settings("encoding=nf4-g16", "projection=pca:variance=0.5"))  # a share: rounded up
+    transcode(
+        str(src), str(tmp_path / "dst2"), settings("encoding=nf4-g16", "projection=pca:variance=0.5")
+    )  # a share: rounded up
     assert ShardDataset(tmp_path / "dst2").projection["rank_per_tap"] % 16 == 0

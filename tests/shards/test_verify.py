@@ -16,7 +16,9 @@ from tests.shards.synth import TOPK, WIDTH, make_sample, provenance
 @pytest.fixture
 def dataset(tmp_path):
     root = tmp_path / "ds"
-    with ShardWriter(root, provenance=provenance(), hidden_width=WIDTH, topk=TOPK, shard_bytes=6_000, reject_nonfinite=False) as w:
+    with ShardWriter(
+        root, provenance=provenance(), hidden_width=WIDTH, topk=TOPK, shard_bytes=6_000, reject_nonfinite=False
+    ) as w:
         for i in range(12):
             w.write(make_sample(i))
     assert len(ShardDataset(str(root)).shards) >= 3

@@ -39,23 +39,62 @@ def _inf_logprob(s):
 
 BAD_INPUTS = {
     "wrong hidden width": (lambda s: dataclasses.replace(s, hidden=s.hidden[:, :-1].copy()), "hidden", "width"),
-    "loss_mask shorter": (lambda s: dataclasses.replace(s, loss_mask=s.loss_mask[:-1].copy()), "loss_mask", "positions"),
-    "topk rows shorter": (lambda s: dataclasses.replace(s, topk_ids=s.topk_ids[:-2].copy()), "topk_ids", "positions"),
-    "hidden rows longer": (lambda s: dataclasses.replace(s, hidden=np.vstack([s.hidden, s.hidden[:1]])), "hidden", "positions"),
-    "empty sequence": (
-        lambda s: dataclasses.replace(s, input_ids=s.input_ids[:0], loss_mask=s.loss_mask[:0], hidden=s.hidden[:0],
-                                      topk_ids=s.topk_ids[:0], topk_logprobs=s.topk_logprobs[:0]),
-        "input_ids", "empty",
+    "loss_mask shorter": (
+        lambda s: dataclasses.replace(s, loss_mask=s.loss_mask[:-1].copy()),
+        "loss_mask",
+        "positions",
     ),
-    "int64 input ids": (lambda s: dataclasses.replace(s, input_ids=s.input_ids.astype(np.int64)), "input_ids", "dtype int32"),
+    "topk rows shorter": (lambda s: dataclasses.replace(s, topk_ids=s.topk_ids[:-2].copy()), "topk_ids", "positions"),
+    "hidden rows longer": (
+        lambda s: dataclasses.replace(s, hidden=np.vstack([s.hidden, s.hidden[:1]])),
+        "hidden",
+        "positions",
+    ),
+    "empty sequence": (
+        lambda s: dataclasses.replace(
+            s,
+            input_ids=s.input_ids[:0],
+            loss_mask=s.loss_mask[:0],
+            hidden=s.hidden[:0],
+            topk_ids=s.topk_ids[:0],
+            topk_logprobs=s.topk_logprobs[:0],
+        ),
+        "input_ids",
+        "empty",
+    ),
+    "int64 input ids": (
+        lambda s: dataclasses.replace(s, input_ids=s.input_ids.astype(np.int64)),
+        "input_ids",
+        "dtype int32",
+    ),
     "float hidden": (lambda s: dataclasses.replace(s, hidden=s.hidden.astype(np.float32)), "hidden", "dtype uint16"),
-    "bool loss mask": (lambda s: dataclasses.replace(s, loss_mask=s.loss_mask.astype(bool)), "loss_mask", "dtype uint8"),
-    "list instead of array": (lambda s: dataclasses.replace(s, input_ids=s.input_ids.tolist()), "input_ids", "numpy array"),
-    "wrong topk": (lambda s: dataclasses.replace(s, topk_logprobs=s.topk_logprobs[:, :2].copy()), "topk_logprobs", "topk"),
+    "bool loss mask": (
+        lambda s: dataclasses.replace(s, loss_mask=s.loss_mask.astype(bool)),
+        "loss_mask",
+        "dtype uint8",
+    ),
+    "list instead of array": (
+        lambda s: dataclasses.replace(s, input_ids=s.input_ids.tolist()),
+        "input_ids",
+        "numpy array",
+    ),
+    "wrong topk": (
+        lambda s: dataclasses.replace(s, topk_logprobs=s.topk_logprobs[:, :2].copy()),
+        "topk_logprobs",
+        "topk",
+    ),
     "NaN in hidden": (_nan_hidden, "hidden", "NaN"),
     "Inf in logprobs": (_inf_logprob, "topk_logprobs", "NaN/Inf"),
-    "unsorted logprobs": (lambda s: dataclasses.replace(s, topk_logprobs=s.topk_logprobs[:, ::-1].copy()), "topk_logprobs", "descending"),
-    "logits not logprobs": (lambda s: dataclasses.replace(s, topk_logprobs=s.topk_logprobs + 50), "topk_logprobs", "<= 0"),
+    "unsorted logprobs": (
+        lambda s: dataclasses.replace(s, topk_logprobs=s.topk_logprobs[:, ::-1].copy()),
+        "topk_logprobs",
+        "descending",
+    ),
+    "logits not logprobs": (
+        lambda s: dataclasses.replace(s, topk_logprobs=s.topk_logprobs + 50),
+        "topk_logprobs",
+        "<= 0",
+    ),
     "token id past vocab": (lambda s: dataclasses.replace(s, topk_ids=s.topk_ids + VOCAB), "topk_ids", "[0, 1000)"),
     "loss mask of 2": (lambda s: dataclasses.replace(s, loss_mask=s.loss_mask * 2), "loss_mask", "0 or 1"),
     "empty sample id": (lambda s: dataclasses.replace(s, sample_id=""), "sample_id", "non-empty"),
@@ -254,9 +293,16 @@ def test_resume_keeps_shards_continues_numbering_and_restores_state(tmp_path):
     ds = ShardDataset(str(root))
     assert [s.sample_id for s in ds] == [make_sample(i).sample_id for i in range(5)]
     assert [e["file"] for e in ds.shards] == [f"shard-{n:05d}.arrow" for n in range(5)]
-    assert all((root / name).read_bytes() == data for name, data in first_files.items()), "committed shards were rewritten"
-    assert ds.manifest["counts"] == {"samples": 5, "tokens": sum(make_sample(i).n_tokens for i in range(5)),
-                                     "loss_tokens": sum(make_sample(i).n_loss_tokens for i in range(5)), "rejected": 3, "too_long": 1}
+    assert all((root / name).read_bytes() == data for name, data in first_files.items()), (
+        "committed shards were rewritten"
+    )
+    assert ds.manifest["counts"] == {
+        "samples": 5,
+        "tokens": sum(make_sample(i).n_tokens for i in range(5)),
+        "loss_tokens": sum(make_sample(i).n_loss_tokens for i in range(5)),
+        "rejected": 3,
+        "too_long": 1,
+    }
     assert ds.manifest["complete"] is True
     assert verify_dataset(str(root)) == []
 
@@ -267,7 +313,10 @@ def test_resume_keeps_shards_continues_numbering_and_restores_state(tmp_path):
         ({"provenance": provenance(taps={"layer_ids": [1, 3], "meaning": "x"})}, "provenance.taps"),
         ({"provenance": provenance(tokenizer={"hash": "other"})}, "provenance.tokenizer.hash"),
         ({"hidden_encoding": "plain"}, "encoding"),
-        ({"hidden_width": WIDTH * 2, "provenance": provenance(target={"hidden_size": 16, "vocab_size": VOCAB})}, "hidden_width"),
+        (
+            {"hidden_width": WIDTH * 2, "provenance": provenance(target={"hidden_size": 16, "vocab_size": VOCAB})},
+            "hidden_width",
+        ),
         ({"topk": 2, "provenance": provenance(topk=2)}, "topk"),
     ],
 )

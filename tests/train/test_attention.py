@@ -16,16 +16,19 @@ KEEP = torch.tensor([[True, True], [True, False]])
 S, K = 5, 3
 
 #            context 0..4    block 0   block 1
-EXPECTED = torch.tensor([
-    # row 0, block 0 (anchor 1): context 0 only, its own block
-    [[1, 0, 0, 0, 0,   1, 1, 1,   0, 0, 0]] * 3
-    # row 0, block 1 (anchor 3): context 0, 1, 2, its own block
-    + [[1, 1, 1, 0, 0,   0, 0, 0,   1, 1, 1]] * 3,
-    # row 1, block 0 (anchor 2): context 0, 1, its own block
-    [[1, 1, 0, 0, 0,   1, 1, 1,   0, 0, 0]] * 3
-    # row 1, block 1: padding sees nothing
-    + [[0, 0, 0, 0, 0,   0, 0, 0,   0, 0, 0]] * 3,
-], dtype=torch.bool)
+EXPECTED = torch.tensor(
+    [
+        # row 0, block 0 (anchor 1): context 0 only, its own block
+        [[1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0]] * 3
+        # row 0, block 1 (anchor 3): context 0, 1, 2, its own block
+        + [[1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1]] * 3,
+        # row 1, block 0 (anchor 2): context 0, 1, its own block
+        [[1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0]] * 3
+        # row 1, block 1: padding sees nothing
+        + [[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]] * 3,
+    ],
+    dtype=torch.bool,
+)
 
 
 def test_dense_mask_hand_checked():
@@ -98,8 +101,13 @@ def test_no_mask_means_everything_visible():
 
 from train.attention import MaskRule, build_layer_masks, position_mask, visible_pairs  # noqa: E402
 
-RULES = [MaskRule(), MaskRule(window=6, causal=True), MaskRule(window=6, causal=False), MaskRule(causal=True),
-         MaskRule(window=2, causal=False)]
+RULES = [
+    MaskRule(),
+    MaskRule(window=6, causal=True),
+    MaskRule(window=6, causal=False),
+    MaskRule(causal=True),
+    MaskRule(window=2, causal=False),
+]
 
 
 def reference_allowed(anchors, keep, S, K, rule: MaskRule) -> torch.Tensor:
@@ -129,12 +137,15 @@ def test_sliding_causal_mask_hand_checked():
     """Window 3, causal: block offset o sees block offsets max(0, o-2)..o and context > anchor+o-3."""
     rule = MaskRule(window=3, causal=True)
     anchors, keep = torch.tensor([[4]]), torch.tensor([[True]])
-    expected = torch.tensor([
-        # context 0..5           block offsets 0, 1, 2
-        [0, 0, 1, 1, 0, 0,   1, 0, 0],   # q at 4: context 2, 3 (4 - 2 = 2 back at most)
-        [0, 0, 0, 1, 0, 0,   1, 1, 0],   # q at 5: context 3
-        [0, 0, 0, 0, 0, 0,   1, 1, 1],   # q at 6: no context (4 and 5 are the block's own 4, 5)
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            # context 0..5           block offsets 0, 1, 2
+            [0, 0, 1, 1, 0, 0, 1, 0, 0],  # q at 4: context 2, 3 (4 - 2 = 2 back at most)
+            [0, 0, 0, 1, 0, 0, 1, 1, 0],  # q at 5: context 3
+            [0, 0, 0, 0, 0, 0, 1, 1, 1],  # q at 6: no context (4 and 5 are the block's own 4, 5)
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(build_dense_mask(anchors, keep, 6, 3, rule)[0, 0], expected)
     assert torch.equal(reference_allowed(anchors, keep, 6, 3, rule)[0], expected)
 
@@ -185,7 +196,11 @@ def test_inference_positions_give_the_training_mask_of_one_block(rule):
 
 
 def test_layer_masks_one_per_rule_shared_by_types():
-    rules = {"full_attention": MaskRule(), "sliding_attention": MaskRule(window=3, causal=True), "also_full": MaskRule()}
+    rules = {
+        "full_attention": MaskRule(),
+        "sliding_attention": MaskRule(window=3, causal=True),
+        "also_full": MaskRule(),
+    }
     masks = build_layer_masks("sdpa", ANCHORS, KEEP, S, K, rules)
     assert set(masks) == set(rules) and masks["full_attention"] is masks["also_full"]
     assert torch.equal(masks["full_attention"], build_dense_mask(ANCHORS, KEEP, S, K))

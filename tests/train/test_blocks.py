@@ -19,7 +19,9 @@ def hand_batch():
     Row 1: 8 tokens (padded to 12), loss mask 0 0 1 1 0 1 1 1.
     topk_ids[b, t, 0] = 100 + t + 50*b is the target's top-1 for the token at t+1."""
     S = 12
-    input_ids = torch.stack([torch.arange(10, 10 + S), torch.cat([torch.arange(30, 38), torch.zeros(4, dtype=torch.long)])])
+    input_ids = torch.stack(
+        [torch.arange(10, 10 + S), torch.cat([torch.arange(30, 38), torch.zeros(4, dtype=torch.long)])]
+    )
     loss_mask = torch.zeros(2, S, dtype=torch.bool)
     loss_mask[0, 4:] = True
     loss_mask[1, :8] = torch.tensor([0, 0, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
@@ -27,14 +29,30 @@ def hand_batch():
     topk = torch.full((2, S, 3), 7, dtype=torch.long)
     topk[0, :, 0] = 100 + torch.arange(S)
     topk[1, :, 0] = 150 + torch.arange(S)
-    logprobs = torch.log_softmax(torch.randn(2, S, 3, generator=torch.Generator().manual_seed(0)), -1).sort(-1, descending=True).values
+    logprobs = (
+        torch.log_softmax(torch.randn(2, S, 3, generator=torch.Generator().manual_seed(0)), -1)
+        .sort(-1, descending=True)
+        .values
+    )
     return input_ids, loss_mask, lengths, topk, logprobs
 
 
 def blocks_for(labels="target", num_anchors=64, seed=0, step=1):
     ids, lm, lengths, topk, lp = hand_batch()
-    return make_blocks(ids, lm, lengths, topk, block_size=K, num_anchors=num_anchors, gamma=GAMMA, mask_token_id=MASK,
-                       generator=step_generator(seed, step), labels=labels, topk_logprobs_BSk=lp, soft_targets=True)
+    return make_blocks(
+        ids,
+        lm,
+        lengths,
+        topk,
+        block_size=K,
+        num_anchors=num_anchors,
+        gamma=GAMMA,
+        mask_token_id=MASK,
+        generator=step_generator(seed, step),
+        labels=labels,
+        topk_logprobs_BSk=lp,
+        soft_targets=True,
+    )
 
 
 def row_blocks(blocks, b):
@@ -46,8 +64,10 @@ def row_blocks(blocks, b):
         if blocks.keep_BN[b, n]:
             q = slice(n * K, (n + 1) * K)
             out[int(blocks.anchors_BN[b, n])] = (
-                blocks.block_ids_BQ[b, q].tolist(), blocks.position_ids_BP[b, S + n * K:S + (n + 1) * K].tolist(),
-                blocks.labels_BQ[b, q].tolist(), [round(w, 6) for w in blocks.weights_BQ[b, q].tolist()],
+                blocks.block_ids_BQ[b, q].tolist(),
+                blocks.position_ids_BP[b, S + n * K : S + (n + 1) * K].tolist(),
+                blocks.labels_BQ[b, q].tolist(),
+                [round(w, 6) for w in blocks.weights_BQ[b, q].tolist()],
             )
     return out
 
@@ -151,7 +171,10 @@ def test_sampling_is_uniform_over_candidates():
 def test_candidates_need_room_for_one_label():
     lm = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)
     assert anchor_candidates(lm, torch.tensor([7])).nonzero()[:, 1].tolist() == [1, 2, 5]
-    assert anchor_candidates(lm, torch.tensor([6])).nonzero()[:, 1].tolist() == [1, 2]  # 5: its next token is past the end
+    assert anchor_candidates(lm, torch.tensor([6])).nonzero()[:, 1].tolist() == [
+        1,
+        2,
+    ]  # 5: its next token is past the end
 
 
 def test_batch_block_cap_scales_rows_down_proportionally():

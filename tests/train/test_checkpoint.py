@@ -17,8 +17,19 @@ from train.model import DFlashDrafter, DrafterConfig
 
 
 def tiny_model():
-    cfg = DrafterConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                        head_dim=8, vocab_size=20, target_layer_ids=[0], num_target_layers=2, mask_token_id=19, block_size=4)
+    cfg = DrafterConfig(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=20,
+        target_layer_ids=[0],
+        num_target_layers=2,
+        mask_token_id=19,
+        block_size=4,
+    )
     model = DFlashDrafter(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(1, 4, 16), torch.randn(1, 3, 16), torch.arange(7)[None]).sum().backward()
@@ -27,14 +38,21 @@ def tiny_model():
 
 
 def snap(model, optimizer, step):
-    return ck.take_snapshot(step, model, optimizer, {"step": step, "data_state": {"epoch": 0, "batch": step}}, model.config.to_dict())
+    return ck.take_snapshot(
+        step, model, optimizer, {"step": step, "data_state": {"epoch": 0, "batch": step}}, model.config.to_dict()
+    )
 
 
 def test_round_trip_with_safe_loaders(tmp_path):
     model, optimizer = tiny_model()
     path = ck.write_checkpoint(tmp_path, snap(model, optimizer, 5))
     assert path.name == "step-00000005"
-    assert sorted(p.name for p in path.iterdir()) == ["drafter_config.json", "model.safetensors", "optimizer.pt", "state.json"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "drafter_config.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "state.json",
+    ]
     loaded = ck.load_checkpoint(path)  # safetensors + torch.load(weights_only=True)
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded["model"][name], tensor)

@@ -15,10 +15,10 @@ from contextlib import redirect_stderr
 
 import pytest
 
-from train import checkpoint as ck
+from tests.reliability.faults import ModuleProxy
 from tests.train.test_checkpoint import snap, tiny_model
 from tests.train.test_loop import config, tiny  # noqa: F401 - `tiny` is a fixture
-from tests.reliability.faults import ModuleProxy
+from train import checkpoint as ck
 
 
 @pytest.fixture
@@ -84,6 +84,7 @@ def test_a_kill_while_pruning_never_leaves_a_listed_half_deleted_checkpoint(tmp_
         ck.write_checkpoint(tmp_path, snap(model, optimizer, step), keep_last=2)
     pid = os.fork()
     if pid == 0:  # child: prune step 1 while saving step 3, and die half-way through deleting it
+
         def dying_rmtree(path, *args, **kwargs):
             (path / ck.MODEL_FILE).unlink()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -122,8 +123,17 @@ def test_the_train_cli_stops_with_status_4_on_a_full_disk(tiny, tmp_path, monkey
         raise OSError(errno.ENOSPC, "No space left on device", str(directory / ck.MODEL_FILE))
 
     monkeypatch.setattr(ck, "_write_files", full_disk)
-    args = [f"out_dir={tmp_path / 'runs'}", "run_name=r", f"data.shards={tiny / 'shards'}", "data.token_budget=200",
-            "data.holdout_fraction=0", "model.num_layers=1", "loss.num_anchors=4", "optim.max_steps=2", "log.progress=false"]
+    args = [
+        f"out_dir={tmp_path / 'runs'}",
+        "run_name=r",
+        f"data.shards={tiny / 'shards'}",
+        "data.token_budget=200",
+        "data.holdout_fraction=0",
+        "model.num_layers=1",
+        "loss.num_anchors=4",
+        "optim.max_steps=2",
+        "log.progress=false",
+    ]
     err = io.StringIO()
     with redirect_stderr(err):
         assert main(args) == 4
@@ -142,8 +152,11 @@ def test_skipped_corrupt_samples_are_counted_in_the_run_summary(tiny, tmp_path):
     entry = ShardDataset(str(shards)).shards[1]
     path = shards / entry["file"]
     path.write_bytes(path.read_bytes()[:-50])  # truncated: the size check catches it even without checksums
-    summary = train(config(tiny, tmp_path, f"data.shards={shards}", "data.on_corrupt=skip", "optim.max_steps=none",
-                           "optim.epochs=1"))
+    summary = train(
+        config(
+            tiny, tmp_path, f"data.shards={shards}", "data.on_corrupt=skip", "optim.max_steps=none", "optim.epochs=1"
+        )
+    )
     assert summary["corrupt_samples"] == {entry["file"]: entry["samples"]}
     clean = train(config(tiny, tmp_path, "run_name=clean", "optim.max_steps=2"))
     assert clean["corrupt_samples"] == {}

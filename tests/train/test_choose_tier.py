@@ -28,10 +28,16 @@ def test_table_has_lossless_first_means_over_seeds_and_changes(tmp_path):
     (tmp_path / "out" / "eval").mkdir(parents=True)
     for seed, (a, b) in enumerate([(2.0, 1.9), (2.2, 2.2)]):
         (tmp_path / "out" / "eval" / f"fp8-s{seed}.json").write_text(json.dumps(eval_report(a, b)))
-    runs = {(tier, seed): tmp_path / "out" / "runs" / f"{tier_name(tier)}-s{seed}" for tier in ("lossless", "fp8") for seed in (0, 1)}
+    runs = {
+        (tier, seed): tmp_path / "out" / "runs" / f"{tier_name(tier)}-s{seed}"
+        for tier in ("lossless", "fp8")
+        for seed in (0, 1)
+    }
     for (tier, seed), run in runs.items():
         run.mkdir(parents=True)
-        (run / "specdecode.json").write_text(json.dumps({"summary": {"tau": 3.0 if tier == "lossless" else 2.7 + 0.1 * seed}}))
+        (run / "specdecode.json").write_text(
+            json.dumps({"summary": {"tau": 3.0 if tier == "lossless" else 2.7 + 0.1 * seed}})
+        )
     rows = collect(cfg, {"lossless": str(src), "fp8": str(tmp_path / "fp8")}, runs)
     assert [r["tier"] for r in rows] == ["lossless", "fp8"]
     base, fp8 = rows

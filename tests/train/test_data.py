@@ -24,9 +24,23 @@ W, K, VOCAB, N_SAMPLES = 8, 4, 1000, 150
 
 def provenance() -> dict:
     return {
-        "target": {"name_or_path": "tiny-target", "revision": "r1", "config_hash": "cfg123", "architecture": "Qwen3ForCausalLM",
-                   "model_type": "qwen3", "num_layers": 4, "hidden_size": 4, "vocab_size": VOCAB},
-        "tokenizer": {"hash": "tok123", "chat_template_hash": "tpl", "mask_token_id": 999, "eos_token_id": 2, "pad_token_id": 0},
+        "target": {
+            "name_or_path": "tiny-target",
+            "revision": "r1",
+            "config_hash": "cfg123",
+            "architecture": "Qwen3ForCausalLM",
+            "model_type": "qwen3",
+            "num_layers": 4,
+            "hidden_size": 4,
+            "vocab_size": VOCAB,
+        },
+        "tokenizer": {
+            "hash": "tok123",
+            "chat_template_hash": "tpl",
+            "mask_token_id": 999,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+        },
         "taps": {"layer_ids": [1, 2], "meaning": TAP_MEANING},
         "dtype": "bfloat16",
         "topk": K,
@@ -40,8 +54,14 @@ def make_sample(n: int, T: int, rng: np.random.Generator) -> Sample:
     loss_mask = (np.arange(T) >= T // 3).astype(np.uint8)
     hidden = (rng.integers(0, 1 << 16, (T, W)) & 0x3FFF).astype(np.uint16)  # finite bf16 bit patterns
     topk_logprobs = -np.sort(rng.random((T, K)).astype(np.float32), axis=1)
-    return Sample(make_sample_id(input_ids, loss_mask), input_ids, loss_mask, hidden,
-                  rng.integers(0, VOCAB, (T, K)).astype(np.int32), topk_logprobs)
+    return Sample(
+        make_sample_id(input_ids, loss_mask),
+        input_ids,
+        loss_mask,
+        hidden,
+        rng.integers(0, VOCAB, (T, K)).astype(np.int32),
+        topk_logprobs,
+    )
 
 
 def write_dataset(root, n_samples=N_SAMPLES, seed=0) -> None:
@@ -61,8 +81,15 @@ def shards_root(tmp_path_factory):
 
 
 def config(root, **overrides) -> DataConfig:
-    values = dict(shards=root, holdout_fraction=0.1, boundaries=[30, 100], token_budget=1200, seed=3,
-                  prefetch_threads=2, prefetch_depth=3)
+    values = dict(
+        shards=root,
+        holdout_fraction=0.1,
+        boundaries=[30, 100],
+        token_budget=1200,
+        seed=3,
+        prefetch_threads=2,
+        prefetch_depth=3,
+    )
     values.update(overrides)
     return DataConfig(**values)
 
@@ -135,14 +162,20 @@ def test_lengths_come_from_the_index_not_the_hidden_states(shards_root):
 
 
 def test_an_incompatible_dataset_is_refused_before_planning(shards_root):
-    with pytest.raises(ValueError, match=r"provenance.target.vocab_size' = 1000 but the drafter config expects vocab_size=248320"):
+    with pytest.raises(
+        ValueError, match=r"provenance.target.vocab_size' = 1000 but the drafter config expects vocab_size=248320"
+    ):
         DataStream(config(shards_root), expected={"layer_ids": [1, 2], "vocab_size": 248320})
-    DataStream(config(shards_root), expected={"layer_ids": [1, 2], "vocab_size": VOCAB, "hidden_width": W, "topk": K}).close()
+    DataStream(
+        config(shards_root), expected={"layer_ids": [1, 2], "vocab_size": VOCAB, "hidden_width": W, "topk": K}
+    ).close()
 
 
 def test_prefetch_settings_do_not_change_the_stream(shards_root):
-    with DataStream(config(shards_root, prefetch_threads=1, prefetch_depth=1)) as one, \
-         DataStream(config(shards_root, prefetch_threads=4, prefetch_depth=8)) as many:
+    with (
+        DataStream(config(shards_root, prefetch_threads=1, prefetch_depth=1)) as one,
+        DataStream(config(shards_root, prefetch_threads=4, prefetch_depth=8)) as many,
+    ):
         n = one.steps_per_epoch + 3
         assert_same_batches(take(one, n), take(many, n))
 
@@ -153,7 +186,10 @@ def test_another_epoch_or_seed_gives_another_order(shards_root):
         first = take(a, n)
         second = take(a, n)
         other_seed = take(b, n)
-        ids = lambda batches: [s for x in batches for s in x.sample_ids]
+
+        def ids(batches):
+            return [s for x in batches for s in x.sample_ids]
+
         assert sorted(ids(first)) == sorted(ids(second)) and ids(first) != ids(second)
         assert ids(first) != ids(other_seed)
 
@@ -251,7 +287,10 @@ def test_oversize_samples_fail_or_are_skipped(shards_root):
 
 
 def test_max_samples_takes_a_nested_subset(shards_root):
-    with DataStream(config(shards_root, max_samples=40)) as small, DataStream(config(shards_root, max_samples=60)) as large:
+    with (
+        DataStream(config(shards_root, max_samples=40)) as small,
+        DataStream(config(shards_root, max_samples=60)) as large,
+    ):
         assert len(small.sample_ids) == 40 and len(large.sample_ids) == 60
         assert set(small.sample_ids) < set(large.sample_ids)
         assert small.data_plan()["excluded"]["max_samples"] > 0
@@ -277,7 +316,11 @@ def corrupt_root(shards_root, tmp_path):
     path = os.path.join(str(tmp_path), entry["file"])
     with open(path, "r+b") as f:
         f.truncate(entry["bytes"] // 2)
-    ids_in_shard = [s for s, shard in zip(ds.index.column("sample_id").to_pylist(), ds.index.column("shard").to_pylist()) if shard == 1]
+    ids_in_shard = [
+        s
+        for s, shard in zip(ds.index.column("sample_id").to_pylist(), ds.index.column("shard").to_pylist())
+        if shard == 1
+    ]
     return str(tmp_path), entry["file"], set(ids_in_shard)
 
 
@@ -369,9 +412,13 @@ def test_quantile_boundaries_when_none_are_configured(shards_root):
 
 def test_collate_pads_right_with_zeros():
     def sample(T, value):
-        return {"input_ids": torch.full((T,), value, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.bool),
-                "hidden": torch.full((T, 3), float(value), dtype=torch.bfloat16),
-                "topk_ids": torch.full((T, 2), value, dtype=torch.int32), "topk_logprobs": torch.full((T, 2), -1.0)}
+        return {
+            "input_ids": torch.full((T,), value, dtype=torch.int32),
+            "loss_mask": torch.ones(T, dtype=torch.bool),
+            "hidden": torch.full((T, 3), float(value), dtype=torch.bfloat16),
+            "topk_ids": torch.full((T, 2), value, dtype=torch.int32),
+            "topk_logprobs": torch.full((T, 2), -1.0),
+        }
 
     batch = collate([sample(2, 5), sample(4, 7)], ["a", "b"], bucket=1, epoch=0, state={}, pin=False)
     assert batch.input_ids.tolist() == [[5, 5, 0, 0], [7, 7, 7, 7]]

@@ -16,7 +16,12 @@ def manifest() -> dict:
         "hidden_width": 3 * 5120,
         "topk": 8,
         "provenance": {
-            "target": {"name_or_path": "Qwen/Qwen3.6-27B", "config_hash": "c0ffee", "hidden_size": 5120, "vocab_size": 248320},
+            "target": {
+                "name_or_path": "Qwen/Qwen3.6-27B",
+                "config_hash": "c0ffee",
+                "hidden_size": 5120,
+                "vocab_size": 248320,
+            },
             "tokenizer": {"hash": "70c3e4"},
             "taps": {"layer_ids": [1, 31, 61]},
         },

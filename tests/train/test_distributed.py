@@ -38,7 +38,19 @@ from train.data import DataConfig, DataStream, Share
 from train.loop import train
 from train.metrics import STEP_KEYS, read_metrics
 
-COMPARED = ("loss", "grad_norm", "acc", "streak", "tokens", "batch_tokens", "batch_samples", "block_tokens", "epoch", "bucket", "skipped")
+COMPARED = (
+    "loss",
+    "grad_norm",
+    "acc",
+    "streak",
+    "tokens",
+    "batch_tokens",
+    "batch_samples",
+    "block_tokens",
+    "epoch",
+    "bucket",
+    "skipped",
+)
 
 
 def overrides(tiny, out: Path, *extra: str) -> list[str]:
@@ -46,10 +58,23 @@ def overrides(tiny, out: Path, *extra: str) -> list[str]:
     anchor quotas need every rank's rows). On the CPU (gloo) also on a GPU host: the comparisons are
     bit for bit, a property of the CPU kernels."""
     return [
-        f"out_dir={out}", f"data.shards={tiny / 'shards'}", "data.token_budget=200", "data.num_buckets=2",
-        "data.holdout_fraction=0", "data.prefetch_threads=1", "data.prefetch_depth=2", "model.num_layers=1",
-        "model.intermediate_size=32", "loss.num_anchors=6", "loss.max_blocks=20", "optim.max_steps=6",
-        "checkpoint.every=3", "log.progress=false", "optim.lr=3e-3", "device=cpu", *extra,
+        f"out_dir={out}",
+        f"data.shards={tiny / 'shards'}",
+        "data.token_budget=200",
+        "data.num_buckets=2",
+        "data.holdout_fraction=0",
+        "data.prefetch_threads=1",
+        "data.prefetch_depth=2",
+        "model.num_layers=1",
+        "model.intermediate_size=32",
+        "loss.num_anchors=6",
+        "loss.max_blocks=20",
+        "optim.max_steps=6",
+        "checkpoint.every=3",
+        "log.progress=false",
+        "optim.lr=3e-3",
+        "device=cpu",
+        *extra,
     ]
 
 
@@ -58,7 +83,16 @@ def in_process(tiny, out: Path, *extra: str) -> dict:
 
 
 def torchrun(nproc: int, args: list[str], *, wait: bool = True, timeout: float = 300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "train",
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath())
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -130,7 +164,14 @@ def test_split_by_tokens_is_balanced_deterministic_and_uses_every_sample_once():
 
 
 def test_every_sample_once_per_epoch_across_ranks(tiny):
-    cfg = DataConfig(shards=str(tiny / "shards"), token_budget=200, num_buckets=2, holdout_fraction=0.0, prefetch_threads=1, prefetch_depth=2)
+    cfg = DataConfig(
+        shards=str(tiny / "shards"),
+        token_budget=200,
+        num_buckets=2,
+        holdout_fraction=0.0,
+        prefetch_threads=1,
+        prefetch_depth=2,
+    )
     world, accumulation = 2, 2
     streams = [DataStream(cfg, split=RankSplit.of(r, world, accumulation)) for r in range(world)]
     with DataStream(cfg) as whole:
@@ -140,7 +181,9 @@ def test_every_sample_once_per_epoch_across_ranks(tiny):
         for step in range(steps):
             shares = [next(s) for s in streams]
             assert all(isinstance(s, Share) for s in shares)
-            assert {json.dumps(s.state, sort_keys=True) for s in shares} == {json.dumps(plain[step].state, sort_keys=True)}
+            assert {json.dumps(s.state, sort_keys=True) for s in shares} == {
+                json.dumps(plain[step].state, sort_keys=True)
+            }
             got = [sid for s in shares for part in s.parts if part is not None for sid in part.sample_ids]
             assert sorted(got) == sorted(plain[step].sample_ids)  # the global batch, each sample once
             for share in shares:  # rows point at the samples' places in the global batch
@@ -164,17 +207,26 @@ def test_launch_detection_and_what_counts_as_a_lost_peer(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     plain = Dist.from_env(DistributedConfig(accumulation=3), torch.device("cpu"))
-    assert (plain.world_size, plain.accumulation, plain.initialized, plain.split) == (1, 3, False, RankSplit(3, (0, 1, 2)))
+    assert (plain.world_size, plain.accumulation, plain.initialized, plain.split) == (
+        1,
+        3,
+        False,
+        RankSplit(3, (0, 1, 2)),
+    )
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")  # some schedulers set these for every job: still a plain run
     assert not Dist.from_env(DistributedConfig(), torch.device("cpu")).initialized
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="MASTER_ADDR"):
         Dist.from_env(DistributedConfig(), torch.device("cpu"))
-    gloo_error = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2971: Connection reset by peer")
+    gloo_error = RuntimeError(
+        "[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2971: Connection reset by peer"
+    )
     two = Dist(rank=0, world_size=2)
     assert two.is_comm_failure(gloo_error) and two.is_comm_failure(PeerLost("x"))
-    assert not two.is_comm_failure(DataLoadError("cannot read sample: Connection reset by peer"))  # the project's own errors
+    assert not two.is_comm_failure(
+        DataLoadError("cannot read sample: Connection reset by peer")
+    )  # the project's own errors
     assert not two.is_comm_failure(ValueError("timed out")) and not plain.is_comm_failure(gloo_error)
 
 
@@ -192,13 +244,19 @@ def test_two_processes_train_exactly_like_one_with_accumulation_two(tiny, ddp):
     # One kernel choice for the run (train.kernels), logged once (by rank 0) and recorded with the layout.
     kernel_lines = [line for line in (ddp / "part.log").read_text().splitlines() if "kernels: device" in line]
     assert len(kernel_lines) == 1 and "[rank 0]" in kernel_lines[0], kernel_lines
-    assert info["kernels"]["device"] == "cpu" and info["kernels"]["attention"] == "sdpa" and info["kernels"]["reason"] in kernel_lines[0]
+    assert (
+        info["kernels"]["device"] == "cpu"
+        and info["kernels"]["attention"] == "sdpa"
+        and info["kernels"]["reason"] in kernel_lines[0]
+    )
     layout = info["distributed"]
     assert [r["parts"] for r in layout["ranks"]] == [[0], [1]] and len({r["pid"] for r in layout["ranks"]}) == 2
     assert sum(layout["epoch0_samples_per_rank"]) == 24 and layout["epoch0_worst_step_imbalance"] < 1.5
     state = load_checkpoint(ddp / "part" / "checkpoints" / "step-00000003")["state"]
     assert state["world_size"] == 2 and [p["rank"] for p in state["data_state_by_rank"]] == [0, 1]
-    assert {(p["epoch"], p["batch"]) for p in state["data_state_by_rank"]} == {(state["data_state"]["epoch"], state["data_state"]["batch"])}
+    assert {(p["epoch"], p["batch"]) for p in state["data_state_by_rank"]} == {
+        (state["data_state"]["epoch"], state["data_state"]["batch"])
+    }
 
 
 def test_any_split_follows_the_unsplit_run_within_tolerance(tiny, ddp, tmp_path):
@@ -233,8 +291,13 @@ def test_a_quantized_projected_dataset_trains_under_data_parallel_like_accumulat
     from shards.transcode import TranscodeConfig, transcode
 
     root = tmp_path / "fp8-pca"
-    transcode(str(tiny / "shards"), str(root),
-              load_config(TranscodeConfig, None, ["progress=false", "encoding=fp8", "projection=pca:rank=8", "calibration_samples=8"]))
+    transcode(
+        str(tiny / "shards"),
+        str(root),
+        load_config(
+            TranscodeConfig, None, ["progress=false", "encoding=fp8", "projection=pca:rank=8", "calibration_samples=8"]
+        ),
+    )
     dataset = ShardDataset(root)
     assert dataset.encoding == "fp8" and dataset.projection["out_width"] == 16 < dataset.projection["in_width"]
     extra = (f"data.shards={root}", "data.max_batch_samples=3", "optim.max_steps=4")
@@ -247,7 +310,9 @@ def test_a_quantized_projected_dataset_trains_under_data_parallel_like_accumulat
     layout = json.loads((tmp_path / "ddp" / "run.json").read_text())["distributed"]
     assert layout["parts_per_step"] == 4 and layout["epoch0_steps_with_an_empty_part"] > 0  # the placeholder step ran
     drafter = json.loads(next((tmp_path / "ddp" / "checkpoints").glob("step-*/drafter_config.json")).read_text())
-    assert drafter["projection"]["checksum"] == dataset.projection["checksum"] and drafter["projection"]["out_width"] == 16
+    assert (
+        drafter["projection"]["checksum"] == dataset.projection["checksum"] and drafter["projection"]["out_width"] == 16
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,13 +356,22 @@ def test_a_nonfinite_part_on_one_rank_skips_the_step_on_every_rank(tiny, tmp_pat
     digest = json.loads((tiny / "shards" / "manifest.json").read_text())["provenance"]["tokenizer"]["hash"]
     write_shards(shards, tiny / "target", nan_at=5, tokenizer_hash=digest)
     dataset = ShardDataset(str(shards))
-    poisoned = [dataset[i].sample_id for i in range(len(dataset)) if np.isnan(dataset.torch(i)["hidden"].float().numpy()).any()]
+    poisoned = [
+        dataset[i].sample_id for i in range(len(dataset)) if np.isnan(dataset.torch(i)["hidden"].float().numpy()).any()
+    ]
     assert len(poisoned) == 1
-    torchrun(2, overrides(tiny, tmp_path, "run_name=poison", f"data.shards={shards}", "optim.max_steps=10", "checkpoint.every=2"))
+    torchrun(
+        2,
+        overrides(
+            tiny, tmp_path, "run_name=poison", f"data.shards={shards}", "optim.max_steps=10", "checkpoint.every=2"
+        ),
+    )
     got = records(tmp_path / "poison")
     skipped = [r for r in got if r["skipped"]]
     assert len(got) == 10 and len(skipped) == 2  # 5 steps per epoch: the poisoned sample's global batch, once per epoch
-    assert all(r["skip_reason"] == "non-finite loss" and r["loss"] is None and poisoned[0] in r["sample_ids"] for r in skipped)
+    assert all(
+        r["skip_reason"] == "non-finite loss" and r["loss"] is None and poisoned[0] in r["sample_ids"] for r in skipped
+    )
     assert all(r["loss"] is not None for r in got if not r["skipped"])
     # Rank 0's optimizer made 8 updates, and the run finished: the weight fingerprints of both
     # ranks agreed at every checkpoint, so the rank without the poisoned sample skipped too.
@@ -354,10 +428,26 @@ def test_sigkill_without_a_launcher_the_survivor_names_the_lost_rank(tiny, tmp_p
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "train", *overrides(tiny, tmp_path, "run_name=kill", "optim.max_steps=40")],
-                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=child_pythonpath(),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "train", *overrides(tiny, tmp_path, "run_name=kill", "optim.max_steps=40")],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         _wait_for_steps(run, 3, procs[0])
         procs[1].kill()  # SIGKILL; left unreaped (a zombie) on purpose: it must still count as gone

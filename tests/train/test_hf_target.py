@@ -17,8 +17,16 @@ V, H = 96, 32
 
 
 def _qwen3(tmp_path, name, tie, **save_kwargs):
-    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, tie_word_embeddings=tie)
+    cfg = Qwen3Config(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tie,
+    )
     model = Qwen3ForCausalLM(cfg)
     with torch.no_grad():  # make embedding and head distinguishable even if init coincides
         model.model.embed_tokens.weight.normal_()
@@ -87,9 +95,21 @@ def test_sharded_checkpoint_uses_the_index(tmp_path):
 
 def test_multimodal_checkpoint_nesting(tmp_path):
     cfg = Qwen3_5Config(
-        text_config=dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
-                         linear_key_head_dim=8, linear_value_head_dim=8, partial_rotary_factor=0.25, rope_theta=1e7),
+        text_config=dict(
+            vocab_size=V,
+            hidden_size=H,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            partial_rotary_factor=0.25,
+            rope_theta=1e7,
+        ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=H),
     )
     model = Qwen3_5ForConditionalGeneration(cfg)

@@ -58,11 +58,19 @@ def test_auto_on_the_cpu_is_sdpa_and_fp32(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     plan = choose(head_dims=[64])
     assert (plan.device.type, plan.attention, plan.autocast_dtype, plan.compile) == ("cpu", "sdpa", None, False)
-    assert plan.to_dict() == {"device": "cpu", "precision": "fp32", "attention": "sdpa", "compile": False, "reason": plan.reason}
+    assert plan.to_dict() == {
+        "device": "cpu",
+        "precision": "fp32",
+        "attention": "sdpa",
+        "compile": False,
+        "reason": plan.reason,
+    }
 
 
 def test_an_explicit_flex_that_cannot_work_names_the_key_and_the_reason(fake_cuda, monkeypatch):
-    with pytest.raises(ValueError, match=r"config key 'model.attention': flex cannot run here: .*head_dim >= 16.*has 8"):
+    with pytest.raises(
+        ValueError, match=r"config key 'model.attention': flex cannot run here: .*head_dim >= 16.*has 8"
+    ):
         choose("flex", head_dims=[8])
     with pytest.raises(ValueError, match=r"config key 'attention': flex cannot run here"):  # eval's key
         choose("flex", head_dims=[8], training=False, keys=EVAL_KEYS)
@@ -98,7 +106,9 @@ def test_the_choice_is_logged_once_with_its_reason(fake_cuda, caplog):
         plan = choose(head_dims=[8])
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [plan.describe()]
-    assert lines[0].startswith("kernels: device cuda, bf16 autocast, attention sdpa (auto: sdpa") and lines[0].endswith("compile off")
+    assert lines[0].startswith("kernels: device cuda, bf16 autocast, attention sdpa (auto: sdpa") and lines[0].endswith(
+        "compile off"
+    )
 
 
 def test_the_plan_builds_the_mask_its_kernel_takes():
@@ -125,17 +135,33 @@ def test_a_data_parallel_rank_runs_on_its_own_device_and_only_rank_0_logs(fake_c
 
     with caplog.at_level(logging.INFO, logger="train.kernels"):
         plain = choose(head_dims=[64])
-        rank1 = choose_kernels("auto", "auto", "auto", False, [64], training=True, keys=TRAIN_KEYS,
-                               rank_device=torch.device("cuda", 1), announce=False)
+        rank1 = choose_kernels(
+            "auto",
+            "auto",
+            "auto",
+            False,
+            [64],
+            training=True,
+            keys=TRAIN_KEYS,
+            rank_device=torch.device("cuda", 1),
+            announce=False,
+        )
     assert rank1.device == torch.device("cuda", 1) and plain.device == torch.device("cuda")
     assert rank1.to_dict() == plain.to_dict() and rank1.describe() == plain.describe()
     assert [r.getMessage() for r in caplog.records] == [plain.describe()]  # rank 1 said nothing
 
     caplog.clear()
-    cfg, drafter_cfg = load_config(TrainConfig, None, []), SimpleNamespace(head_dim=64)  # the choice reads only the head dim
+    cfg, drafter_cfg = (
+        load_config(TrainConfig, None, []),
+        SimpleNamespace(head_dim=64),
+    )  # the choice reads only the head dim
     with caplog.at_level(logging.INFO, logger="train.kernels"):
-        plans = [choose_run_kernels(cfg, drafter_cfg, Dist(rank=r, world_size=2, local_rank=r, device=torch.device("cuda", r)))
-                 for r in range(2)]
+        plans = [
+            choose_run_kernels(
+                cfg, drafter_cfg, Dist(rank=r, world_size=2, local_rank=r, device=torch.device("cuda", r))
+            )
+            for r in range(2)
+        ]
     assert [p.device for p in plans] == [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert [r.getMessage() for r in caplog.records] == [plans[0].describe()]
     assert choose_run_kernels(cfg, drafter_cfg).device == torch.device("cuda")  # no process group: the config's device

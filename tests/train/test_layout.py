@@ -13,14 +13,13 @@ import torch
 
 from common.config import ConfigError, load_config
 from extract.config import ExtractConfig
+from tests.train.test_model import QWEN36_TEXT, tiny_config
 from train.attention import build_dense_mask, build_layer_masks
 from train.config import TrainConfig
-from train.serve.export import drafter_config_from_export, export_config
 from train.loop import build_drafter_config
 from train.model import DFlashDrafter, DrafterConfig, RotaryEmbedding, resolve_layer_types
+from train.serve.export import drafter_config_from_export, export_config
 from train.warm_start import config_differences
-
-from tests.train.test_model import QWEN36_TEXT, tiny_config
 
 ZLAB_TOML = "configs/qwen3.6-27b-zlab.toml"
 
@@ -30,14 +29,30 @@ ZLAB_TOML = "configs/qwen3.6-27b-zlab.toml"
 # Not seen verbatim: rms_norm_eps, max_position_embeddings, attention_bias, rope_scaling (inferred
 # from the Qwen3.5/3.6 drafter family; none of them changes the weights' shapes).
 ZLAB_QWEN36_DFLASH = {
-    "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "model_type": "qwen3",
-    "block_size": 16, "num_target_layers": 64,
+    "architectures": ["DFlashDraftModel"],
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "model_type": "qwen3",
+    "block_size": 16,
+    "num_target_layers": 64,
     "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
-    "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 5, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000000,
-    "rope_scaling": None, "max_position_embeddings": 262144, "attention_bias": False,
-    "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048, "use_sliding_window": True,
-    "vocab_size": 248320, "tie_word_embeddings": False, "dtype": "bfloat16",
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000000,
+    "rope_scaling": None,
+    "max_position_embeddings": 262144,
+    "attention_bias": False,
+    "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+    "sliding_window": 2048,
+    "use_sliding_window": True,
+    "vocab_size": 248320,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
 }
 
 
@@ -65,14 +80,17 @@ def test_presets_and_lists():
         resolve_layer_types(["linear_attention"], 1)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["model.layer_types=sliding"], "model.sliding_window"),
-    (["model.sliding_window=64"], "model.sliding_window"),
-    (["model.layer_types=bogus"], "model.layer_types"),
-    (["model.num_layers=3", "model.layer_types=[\"full_attention\"]"], "model.layer_types"),
-    (["model.sliding_in_block=sideways"], "model.sliding_in_block"),
-    (["model.partial_rotary_factor=1.5"], "model.partial_rotary_factor"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.layer_types=sliding"], "model.sliding_window"),
+        (["model.sliding_window=64"], "model.sliding_window"),
+        (["model.layer_types=bogus"], "model.layer_types"),
+        (["model.num_layers=3", 'model.layer_types=["full_attention"]'], "model.layer_types"),
+        (["model.sliding_in_block=sideways"], "model.sliding_in_block"),
+        (["model.partial_rotary_factor=1.5"], "model.partial_rotary_factor"),
+    ],
+)
 def test_bad_layouts_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", "\\.")):
         load_config(TrainConfig, None, overrides)
@@ -112,7 +130,9 @@ def test_flex_and_dense_masks_give_the_same_mixed_layout_drafter(sliding_in_bloc
     """The whole drafter (3 layers: 2 sliding, 1 full) under flex BlockMasks and dense masks, with
     context lengths up to 10x the window; also: its blocks = each block alone with no mask."""
     torch.manual_seed(0)
-    cfg = tiny_config(num_hidden_layers=3, layer_types="sliding_then_full", sliding_window=5, sliding_in_block=sliding_in_block)
+    cfg = tiny_config(
+        num_hidden_layers=3, layer_types="sliding_then_full", sliding_window=5, sliding_in_block=sliding_in_block
+    )
     model = DFlashDrafter(cfg).eval()
     B, S, K = 2, 50, cfg.block_size
     anchors = torch.tensor([[4, 17, 33, 49], [12, 30, 48, 0]])
@@ -125,8 +145,8 @@ def test_flex_and_dense_masks_give_the_same_mixed_layout_drafter(sliding_in_bloc
         flex = model(noise, hidden, positions, build_layer_masks("flex", anchors, keep, S, K, cfg.mask_rules))
         torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
         for n, a in enumerate(anchors[0].tolist()):
-            alone = model(noise[:1, n * K:(n + 1) * K], hidden[:1, :a], torch.arange(a + K)[None])
-            torch.testing.assert_close(alone, dense[:1, n * K:(n + 1) * K], rtol=1e-5, atol=1e-5)
+            alone = model(noise[:1, n * K : (n + 1) * K], hidden[:1, :a], torch.arange(a + K)[None])
+            torch.testing.assert_close(alone, dense[:1, n * K : (n + 1) * K], rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +172,9 @@ def test_zlab_bench_shape_is_the_config():
 
     shape, ours = SHAPES["27b-zlab"], zlab_drafter_config()
     fields = {f.name for f in dataclasses.fields(DrafterConfig)}
-    built = DrafterConfig(num_hidden_layers=5, mask_token_id=248070, block_size=16, **{k: v for k, v in shape.items() if k in fields})
+    built = DrafterConfig(
+        num_hidden_layers=5, mask_token_id=248070, block_size=16, **{k: v for k, v in shape.items() if k in fields}
+    )
     assert config_differences(built, ours) == []
 
 
@@ -174,7 +196,12 @@ def test_exported_rope_of_the_27b_drafter_is_what_training_applied(tmp_path):
     assert QWEN36_TEXT["partial_rotary_factor"] == 0.25  # the target's factor is not the drafter's
     config = export_config(cfg)
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 1.0}
-    assert (config["rope_theta"], config["rope_scaling"], config["partial_rotary_factor"], config["is_neox_style"]) == (1e7, None, 1.0, True)
+    assert (config["rope_theta"], config["rope_scaling"], config["partial_rotary_factor"], config["is_neox_style"]) == (
+        1e7,
+        None,
+        1.0,
+        True,
+    )
 
     positions = torch.tensor([[0, 1, 7, 2047, 2048, 4095, 100_000]])
     trained_cos, trained_sin = RotaryEmbedding(cfg)(positions, torch.float32)

@@ -51,11 +51,18 @@ def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_to
         "target": {"name_or_path": str(target_dir), "num_layers": LAYERS, "hidden_size": H, "vocab_size": V},
         "tokenizer": {"hash": tokenizer_hash, "mask_token_id": mask_token_id},
         "taps": {"layer_ids": TAPS, "meaning": "id i = output of decoder layer i = hidden_states[i+1]"},
-        "dtype": "bfloat16", "topk": TOPK,
+        "dtype": "bfloat16",
+        "topk": TOPK,
     }
     rng = np.random.default_rng(seed)
-    with ShardWriter(str(root), provenance=prov, hidden_width=len(TAPS) * H, topk=TOPK, shard_bytes=1 << 15,
-                     reject_nonfinite=nan_at is None) as writer:
+    with ShardWriter(
+        str(root),
+        provenance=prov,
+        hidden_width=len(TAPS) * H,
+        topk=TOPK,
+        shard_bytes=1 << 15,
+        reject_nonfinite=nan_at is None,
+    ) as writer:
         for index in range(n):
             T = int(rng.integers(12, 41))
             ids = rng.integers(0, V - 1, T).astype(np.int32)
@@ -75,8 +82,16 @@ def make_tiny(root, head_dim: int = 8):
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=head_dim, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        tie_word_embeddings=False,
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
     _tokenizer().save_pretrained(root / "target")
     digest = tokenizer_digest(AutoTokenizer.from_pretrained(root / "target"))
@@ -91,10 +106,21 @@ def tiny(tmp_path_factory):
 
 def config(tiny, tmp_path, *overrides) -> TrainConfig:
     base = [
-        f"out_dir={tmp_path / 'runs'}", "run_name=r", f"data.shards={tiny / 'shards'}", "data.token_budget=200",
-        "data.num_buckets=2", "data.holdout_fraction=0", "data.prefetch_threads=1", "data.prefetch_depth=2",
-        "model.num_layers=1", "model.intermediate_size=32", "loss.num_anchors=6", "optim.max_steps=6",
-        "checkpoint.every=2", "log.progress=false", "optim.lr=3e-3",
+        f"out_dir={tmp_path / 'runs'}",
+        "run_name=r",
+        f"data.shards={tiny / 'shards'}",
+        "data.token_budget=200",
+        "data.num_buckets=2",
+        "data.holdout_fraction=0",
+        "data.prefetch_threads=1",
+        "data.prefetch_depth=2",
+        "model.num_layers=1",
+        "model.intermediate_size=32",
+        "loss.num_anchors=6",
+        "optim.max_steps=6",
+        "checkpoint.every=2",
+        "log.progress=false",
+        "optim.lr=3e-3",
     ]
     return load_config(TrainConfig, None, base + list(overrides))
 
@@ -129,7 +155,13 @@ def test_every_step_logged_with_the_contract_keys_and_run_files(tiny, tmp_path, 
     assert all(0 < e for e in epochs) and epochs == sorted(epochs)
     assert records[-1]["tokens"] == sum(r["batch_tokens"] for r in records)
     assert [r["lr"] for r in records] == [lr_at(s, 6, round(0.04 * 6), cfg.optim.lr) for s in range(1, 7)]
-    assert {p.name for p in run.iterdir()} >= {"config.json", "run.json", "data_plan.json", "metrics.jsonl", "checkpoints"}
+    assert {p.name for p in run.iterdir()} >= {
+        "config.json",
+        "run.json",
+        "data_plan.json",
+        "metrics.jsonl",
+        "checkpoints",
+    }
     assert load_config(TrainConfig, run / "config.json") == cfg
     info = json.loads((run / "run.json").read_text())
     assert info["manifest_digest"] and info["git_sha"] and info["drafter_config"]["mask_token_id"] == MASK_ID
@@ -138,7 +170,7 @@ def test_every_step_logged_with_the_contract_keys_and_run_files(tiny, tmp_path, 
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:")]
     assert len(lines) == 1 and info["kernels"]["attention"] == "sdpa" and info["kernels"]["reason"] in lines[0]
     assert info["kernels"]["device"] == info["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2, 4, 6][-cfg.checkpoint.keep_last:]
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [2, 4, 6][-cfg.checkpoint.keep_last :]
     ckpt = load_checkpoint(run / "checkpoints" / "step-00000006")
     assert set(ckpt["model"]) >= {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"}
     assert summary["steps"] == 6 and summary["nonfinite_total"] == 0
@@ -202,7 +234,11 @@ def test_planted_nan_batch_is_skipped_and_logged(tiny, tmp_path):
     assert [r["step"] for r in records] == list(range(1, 7))
     bad = records[2]
     assert bad["skipped"] and set(bad) == set(STEP_KEYS) | set(SKIP_KEYS)
-    assert bad["skip_reason"] == "non-finite loss" and bad["loss"] is None and len(bad["sample_ids"]) == bad["batch_samples"]
+    assert (
+        bad["skip_reason"] == "non-finite loss"
+        and bad["loss"] is None
+        and len(bad["sample_ids"]) == bad["batch_samples"]
+    )
     assert not any(r["skipped"] for r in records if r["step"] != 3)
     assert all(math.isfinite(r["loss"]) for r in records if r["step"] != 3)
     assert summary["nonfinite_total"] == 1
@@ -247,7 +283,10 @@ def test_mask_token_resolution():
     class Tok:
         mask_token_id = 7
 
-    assert resolve_mask_token({"tokenizer": {"mask_token_id": 7}}, None, None) == (7, "shards provenance tokenizer.mask_token_id")
+    assert resolve_mask_token({"tokenizer": {"mask_token_id": 7}}, None, None) == (
+        7,
+        "shards provenance tokenizer.mask_token_id",
+    )
     assert resolve_mask_token({}, Tok(), None) == (7, "target tokenizer mask_token")
     assert resolve_mask_token({"tokenizer": {"mask_token_id": 3}}, Tok(), None)[0] == 3  # provenance first
     assert resolve_mask_token({}, None, 5) == (5, "config model.mask_token_id")
@@ -260,8 +299,17 @@ def test_mask_token_resolution():
 def test_cli_entry_point(tiny, tmp_path, capsys):
     from train.__main__ import main
 
-    args = [f"out_dir={tmp_path / 'runs'}", "run_name=cli", f"data.shards={tiny / 'shards'}", "data.token_budget=200",
-            "data.holdout_fraction=0", "model.num_layers=1", "loss.num_anchors=4", "optim.max_steps=2", "log.progress=false"]
+    args = [
+        f"out_dir={tmp_path / 'runs'}",
+        "run_name=cli",
+        f"data.shards={tiny / 'shards'}",
+        "data.token_budget=200",
+        "data.holdout_fraction=0",
+        "model.num_layers=1",
+        "loss.num_anchors=4",
+        "optim.max_steps=2",
+        "log.progress=false",
+    ]
     assert main(args) == 0
     assert len(read_metrics(tmp_path / "runs" / "cli" / "metrics.jsonl")) == 2
     assert main(args[:-1] + ["optim.nope=1"]) == 2
@@ -293,13 +341,34 @@ def test_drafter_learns_to_read_the_context(tmp_path):
     from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
     vocab, steps = 64, 200
-    Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=H, intermediate_size=64, num_hidden_layers=LAYERS,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8)).save_pretrained(tmp_path / "target")
-    prov = {"target": {"name_or_path": str(tmp_path / "target"), "num_layers": LAYERS, "hidden_size": H, "vocab_size": vocab},
-            "tokenizer": {"hash": "t0", "mask_token_id": vocab - 1}, "taps": {"layer_ids": TAPS, "meaning": "x"}, "dtype": "bfloat16", "topk": TOPK}
+    Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=vocab,
+            hidden_size=H,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    ).save_pretrained(tmp_path / "target")
+    prov = {
+        "target": {
+            "name_or_path": str(tmp_path / "target"),
+            "num_layers": LAYERS,
+            "hidden_size": H,
+            "vocab_size": vocab,
+        },
+        "tokenizer": {"hash": "t0", "mask_token_id": vocab - 1},
+        "taps": {"layer_ids": TAPS, "meaning": "x"},
+        "dtype": "bfloat16",
+        "topk": TOPK,
+    }
     rng = np.random.default_rng(0)
     features = rng.normal(0, 1, (vocab, len(TAPS) * H)).astype(np.float32)
-    with ShardWriter(str(tmp_path / "shards"), provenance=prov, hidden_width=len(TAPS) * H, topk=TOPK, shard_bytes=1 << 16) as writer:
+    with ShardWriter(
+        str(tmp_path / "shards"), provenance=prov, hidden_width=len(TAPS) * H, topk=TOPK, shard_bytes=1 << 16
+    ) as writer:
         for _ in range(64):
             T = int(rng.integers(24, 48))
             x = np.zeros(T, np.int32)
@@ -308,13 +377,30 @@ def test_drafter_learns_to_read_the_context(tmp_path):
                 x[t] = (x[t - 2] + 1) % (vocab - 2)
             lm = (np.arange(T) >= 4).astype(np.uint8)
             hidden = (features[x].view(np.uint32) >> 16).astype(np.uint16)
-            topk = np.stack([np.roll(x, -1)] + [rng.integers(0, vocab - 1, T) for _ in range(TOPK - 1)], 1).astype(np.int32)
+            topk = np.stack([np.roll(x, -1)] + [rng.integers(0, vocab - 1, T) for _ in range(TOPK - 1)], 1).astype(
+                np.int32
+            )
             logprobs = -np.sort(rng.exponential(1.0, (T, TOPK)).astype(np.float32), 1)
             writer.write(Sample(sample_id(x, lm), x, lm, hidden, topk, logprobs))
-    cfg = load_config(TrainConfig, None, [
-        f"out_dir={tmp_path / 'runs'}", "run_name=ctx", f"data.shards={tmp_path / 'shards'}", "data.token_budget=256",
-        "data.num_buckets=2", "data.holdout_fraction=0", "model.num_layers=1", "loss.num_anchors=8", f"optim.max_steps={steps}",
-        "optim.lr=3e-3", f"checkpoint.every={steps}", "log.progress=false", "device=cpu"])
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f"out_dir={tmp_path / 'runs'}",
+            "run_name=ctx",
+            f"data.shards={tmp_path / 'shards'}",
+            "data.token_budget=256",
+            "data.num_buckets=2",
+            "data.holdout_fraction=0",
+            "model.num_layers=1",
+            "loss.num_anchors=8",
+            f"optim.max_steps={steps}",
+            "optim.lr=3e-3",
+            f"checkpoint.every={steps}",
+            "log.progress=false",
+            "device=cpu",
+        ],
+    )
     train(cfg)
     ckpt = load_checkpoint(tmp_path / "runs" / "ctx" / "checkpoints" / f"step-{steps:08d}")
     model = DFlashDrafter(DrafterConfig.from_dict(ckpt["drafter_config"]))
@@ -324,15 +410,30 @@ def test_drafter_learns_to_read_the_context(tmp_path):
     accuracy = {}
     with torch.no_grad():
         for name in ("context", "zeroed"):
-            stream.load_state_dict({**stream.state_dict(), "epoch": 0, "batch": 0, "plan_digest": stream.plan(0).digest})
+            stream.load_state_dict(
+                {**stream.state_dict(), "epoch": 0, "batch": 0, "plan_digest": stream.plan(0).digest}
+            )
             hits = count = 0.0
             for step in range(stream.steps_per_epoch):
                 batch = next(stream)
-                blocks = make_blocks(batch.input_ids, batch.loss_mask, batch.lengths, batch.topk_ids, block_size=16, num_anchors=64,
-                                     gamma=7.0, mask_token_id=vocab - 1, generator=step_generator(1, step))
+                blocks = make_blocks(
+                    batch.input_ids,
+                    batch.loss_mask,
+                    batch.lengths,
+                    batch.topk_ids,
+                    block_size=16,
+                    num_anchors=64,
+                    gamma=7.0,
+                    mask_token_id=vocab - 1,
+                    generator=step_generator(1, step),
+                )
                 hidden = batch.hidden if name == "context" else torch.zeros_like(batch.hidden)
                 mask = build_dense_mask(blocks.anchors_BN, blocks.keep_BN, hidden.shape[1], 16)
-                out = block_loss(model(head.embed(blocks.block_ids_BQ), hidden, blocks.position_ids_BP, mask), head.lm_head_VD, blocks)
+                out = block_loss(
+                    model(head.embed(blocks.block_ids_BQ), hidden, blocks.position_ids_BP, mask),
+                    head.lm_head_VD,
+                    blocks,
+                )
                 hits, count = hits + float(out.correct_K[1]), count + float(out.counted_K[1])
             accuracy[name] = hits / count
     stream.close()
@@ -368,7 +469,13 @@ def test_metrics_log_contract_truncation_and_wandb_mirror(tmp_path):
         def finish(self):
             pass
 
-    record = {key: 0.5 for key in STEP_KEYS} | {"step": 1, "skipped": False, "ckpt": False, "acc": [0.5, None], "loss": float("nan")}
+    record = {key: 0.5 for key in STEP_KEYS} | {
+        "step": 1,
+        "skipped": False,
+        "ckpt": False,
+        "acc": [0.5, None],
+        "loss": float("nan"),
+    }
     fake = FakeWandb()
     log = MetricsLog(tmp_path / "metrics.jsonl", wandb_run=fake)
     log.write(record)

@@ -22,8 +22,19 @@ def random_blocks(seed=0, B=3, S=30, num_anchors=5):
     lengths = torch.tensor([S, S - 7, S - 13][:B])
     topk = torch.randint(0, V - 1, (B, S, 5), generator=g)
     lp = torch.log_softmax(torch.randn(B, S, 5, generator=g), -1).sort(-1, descending=True).values
-    return make_blocks(ids, lm, lengths, topk, block_size=K, num_anchors=num_anchors, gamma=3.0, mask_token_id=V - 1,
-                       generator=step_generator(seed, 0), topk_logprobs_BSk=lp, soft_targets=True)
+    return make_blocks(
+        ids,
+        lm,
+        lengths,
+        topk,
+        block_size=K,
+        num_anchors=num_anchors,
+        gamma=3.0,
+        mask_token_id=V - 1,
+        generator=step_generator(seed, 0),
+        topk_logprobs_BSk=lp,
+        soft_targets=True,
+    )
 
 
 def reference_loss(hidden_BQD, head_VD, blocks, kl_weight=0.0, temperature=1.0):

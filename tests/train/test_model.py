@@ -13,22 +13,55 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from train.attention import build_dense_mask
-from train.model import DecoderLayer, DFlashDrafter, DrafterConfig, RotaryEmbedding, TargetHead, apply_rotary, rope_settings
+from train.model import (
+    DecoderLayer,
+    DFlashDrafter,
+    DrafterConfig,
+    RotaryEmbedding,
+    TargetHead,
+    apply_rotary,
+    rope_settings,
+)
 
 # The Qwen3.6-27B text config (qwen3.6-27b.md §1.2), trimmed to what the drafter reads.
 QWEN36_TEXT = {
-    "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64, "num_attention_heads": 24,
-    "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 248320, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    "max_position_embeddings": 262144, "initializer_range": 0.02, "partial_rotary_factor": 0.25,
-    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
-                        "rope_theta": 10000000, "rope_type": "default"},
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "vocab_size": 248320,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "max_position_embeddings": 262144,
+    "initializer_range": 0.02,
+    "partial_rotary_factor": 0.25,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [11, 11, 10],
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000,
+        "rope_type": "default",
+    },
 }
 
 
 def tiny_config(**overrides) -> DrafterConfig:
-    values = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, vocab_size=40, target_layer_ids=[0, 2], num_target_layers=4, mask_token_id=39, block_size=4,
-                  rope_theta=10000.0)
+    values = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=40,
+        target_layer_ids=[0, 2],
+        num_target_layers=4,
+        mask_token_id=39,
+        block_size=4,
+        rope_theta=10000.0,
+    )
     values.update(overrides)
     return DrafterConfig(**values)
 
@@ -36,8 +69,17 @@ def tiny_config(**overrides) -> DrafterConfig:
 def test_one_layer_equals_transformers_qwen3_decoder_layer():
     """No context tokens + a causal mask: a drafter layer is exactly a Qwen3 decoder layer."""
     torch.manual_seed(1)
-    hf_cfg = Qwen3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         num_hidden_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=40)
+    hf_cfg = Qwen3Config(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=1,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        vocab_size=40,
+    )
     hf_cfg._attn_implementation = "eager"
     reference = Qwen3DecoderLayer(hf_cfg, layer_idx=0).eval()
     for p in reference.parameters():  # norms start at 1: randomize them so a missing norm shows
@@ -65,10 +107,21 @@ def test_partial_rotary_matches_qwen3_5_for_the_27b_rope():
     """Qwen3.6: theta 1e7, 64 of 256 head dims rotated; text-only M-RoPE is plain RoPE."""
     theta, scaling, factor = rope_settings(QWEN36_TEXT)
     assert (theta, scaling, factor) == (1e7, None, 0.25)
-    cfg = tiny_config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=256, rope_theta=theta,
-                      partial_rotary_factor=factor)
-    hf_cfg = Qwen3_5TextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
-                               rope_parameters=dict(QWEN36_TEXT["rope_parameters"]))
+    cfg = tiny_config(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        rope_theta=theta,
+        partial_rotary_factor=factor,
+    )
+    hf_cfg = Qwen3_5TextConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        rope_parameters=dict(QWEN36_TEXT["rope_parameters"]),
+    )
     positions = torch.tensor([[0, 1, 2, 3000, 70000]])
     # Text-only M-RoPE: the three position streams (t, h, w) are equal. transformers 5.17 takes them only
     # as [3, batch, T]; later versions also broadcast [batch, T]. Both get the same numbers from [3, batch, T].
@@ -89,8 +142,13 @@ def test_partial_rotary_matches_qwen3_5_for_the_27b_rope():
 def test_yarn_scaling_matches_transformers():
     scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
     cfg = tiny_config(rope_theta=1e6, rope_scaling=scaling, max_position_embeddings=16384)
-    hf_cfg = Qwen3Config(hidden_size=32, num_attention_heads=4, head_dim=8, max_position_embeddings=16384,
-                         rope_parameters={"rope_theta": 1e6, **scaling})
+    hf_cfg = Qwen3Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        head_dim=8,
+        max_position_embeddings=16384,
+        rope_parameters={"rope_theta": 1e6, **scaling},
+    )
     positions = torch.tensor([[0, 7, 5000, 12000]])
     ref_cos, ref_sin = Qwen3RotaryEmbedding(hf_cfg)(torch.zeros(1), positions)
     cos, sin = RotaryEmbedding(cfg)(positions, torch.float32)
@@ -135,7 +193,11 @@ def _spec_forward(model: DFlashDrafter, noise, target_hidden, position_ids):
         att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(E), -1) @ v
         h = h + att.transpose(1, 2).reshape(B, Q, H * E) @ p("self_attn.o_proj.weight").T
         y = _rms(h, p("post_attention_layernorm.weight"))
-        h = h + (torch.nn.functional.silu(y @ p("mlp.gate_proj.weight").T) * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+        h = (
+            h
+            + (torch.nn.functional.silu(y @ p("mlp.gate_proj.weight").T) * (y @ p("mlp.up_proj.weight").T))
+            @ p("mlp.down_proj.weight").T
+        )
     return _rms(h, sd["norm.weight"])
 
 
@@ -184,14 +246,21 @@ def test_published_parameter_names_and_shapes():
     names = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).state_dict().items()}
     expected = {"fc.weight": (32, 64), "hidden_norm.weight": (32,), "norm.weight": (32,)}
     for i in range(2):
-        expected.update({
-            f"layers.{i}.input_layernorm.weight": (32,), f"layers.{i}.post_attention_layernorm.weight": (32,),
-            f"layers.{i}.self_attn.q_proj.weight": (32, 32), f"layers.{i}.self_attn.k_proj.weight": (16, 32),
-            f"layers.{i}.self_attn.v_proj.weight": (16, 32), f"layers.{i}.self_attn.o_proj.weight": (32, 32),
-            f"layers.{i}.self_attn.q_norm.weight": (8,), f"layers.{i}.self_attn.k_norm.weight": (8,),
-            f"layers.{i}.mlp.gate_proj.weight": (48, 32), f"layers.{i}.mlp.up_proj.weight": (48, 32),
-            f"layers.{i}.mlp.down_proj.weight": (32, 48),
-        })
+        expected.update(
+            {
+                f"layers.{i}.input_layernorm.weight": (32,),
+                f"layers.{i}.post_attention_layernorm.weight": (32,),
+                f"layers.{i}.self_attn.q_proj.weight": (32, 32),
+                f"layers.{i}.self_attn.k_proj.weight": (16, 32),
+                f"layers.{i}.self_attn.v_proj.weight": (16, 32),
+                f"layers.{i}.self_attn.o_proj.weight": (32, 32),
+                f"layers.{i}.self_attn.q_norm.weight": (8,),
+                f"layers.{i}.self_attn.k_norm.weight": (8,),
+                f"layers.{i}.mlp.gate_proj.weight": (48, 32),
+                f"layers.{i}.mlp.up_proj.weight": (48, 32),
+                f"layers.{i}.mlp.down_proj.weight": (32, 48),
+            }
+        )
     assert names == expected
 
 
@@ -206,17 +275,22 @@ def test_from_target_qwen36_widths_and_parameter_count():
         model = DFlashDrafter(cfg)
     per_layer = 5120 * 24 * 256 * 2 + 5120 * 4 * 256 * 2 + 3 * 5120 * 17408 + 2 * 5120 + 2 * 256
     assert model.num_parameters() == 4 * 5120 * 5120 + 5120 + 5 * per_layer + 5120
-    small = DrafterConfig.from_target(QWEN36_TEXT, [1, 16], num_layers=2, mask_token_id=0, intermediate_size=1024, head_dim=128)
+    small = DrafterConfig.from_target(
+        QWEN36_TEXT, [1, 16], num_layers=2, mask_token_id=0, intermediate_size=1024, head_dim=128
+    )
     assert (small.intermediate_size, small.head_dim, small.num_hidden_layers) == (1024, 128, 2)
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("target_layer_ids", [1, 1], "duplicates"),
-    ("target_layer_ids", [0, 9], "outside"),
-    ("mask_token_id", 40, "mask_token_id"),
-    ("num_key_value_heads", 3, "num_attention_heads"),
-    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_scaling"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("target_layer_ids", [1, 1], "duplicates"),
+        ("target_layer_ids", [0, 9], "outside"),
+        ("mask_token_id", 40, "mask_token_id"),
+        ("num_key_value_heads", 3, "num_attention_heads"),
+        ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_scaling"),
+    ],
+)
 def test_config_errors_name_the_field(field, value, needle):
     with pytest.raises(ValueError, match=needle):
         tiny_config(**{field: value})
@@ -258,10 +332,19 @@ def test_compiled_paths_trace_as_one_graph():
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         block_masks = build_layer_masks("flex", anchors, keep, S, K, cfg.mask_rules)
-        torch.testing.assert_close(compiled(noise, hidden, positions, block_masks), model(noise, hidden, positions, block_masks))
+        torch.testing.assert_close(
+            compiled(noise, hidden, positions, block_masks), model(noise, hidden, positions, block_masks)
+        )
     chunk = torch.compile(chunk_loss_and_grad, backend="aot_eager", dynamic=True, fullgraph=True)
     for rows in (5, 7):
-        args = (torch.randn(rows, 40), torch.randint(0, 40, (rows,)), torch.rand(rows), torch.randint(0, 40, (rows, 3)),
-                torch.log_softmax(torch.randn(rows, 3), -1), 0.5, 2.0)
+        args = (
+            torch.randn(rows, 40),
+            torch.randint(0, 40, (rows,)),
+            torch.rand(rows),
+            torch.randint(0, 40, (rows, 3)),
+            torch.log_softmax(torch.randn(rows, 3), -1),
+            0.5,
+            2.0,
+        )
         for a, b in zip(chunk(*args), chunk_loss_and_grad(*args)):
             torch.testing.assert_close(a, b)

@@ -5,10 +5,10 @@ directory stops at once (issue 21)."""
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import signal
+
+import pytest
 
 from common.config import ConfigError, load_config
 from common.locks import LockedError
@@ -40,11 +40,19 @@ def test_a_second_training_into_one_run_directory_stops_at_once(tmp_path):
     child = hold_lock_in_a_child(runs / "r" / ".train.lock")
     try:
         with pytest.raises(LockedError, match="run directory .* is being written by another process"):
-            train(load_config(TrainConfig, None, [f"out_dir={runs}", "run_name=r", f"data.shards={tmp_path / 'no-shards'}"]))
+            train(
+                load_config(
+                    TrainConfig, None, [f"out_dir={runs}", "run_name=r", f"data.shards={tmp_path / 'no-shards'}"]
+                )
+            )
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
     assert sorted(os.listdir(runs / "r")) == [".train.lock"]
     with pytest.raises(ValueError, match="no-shards"):  # free again: the run gets as far as its data
-        train(load_config(TrainConfig, None, [f"out_dir={runs}", "run_name=other", f"data.shards={tmp_path / 'no-shards'}"]))
+        train(
+            load_config(
+                TrainConfig, None, [f"out_dir={runs}", "run_name=other", f"data.shards={tmp_path / 'no-shards'}"]
+            )
+        )
     assert not (runs / "other").exists()  # a refused start leaves no run directory

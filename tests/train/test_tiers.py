@@ -24,14 +24,14 @@ from shards import ShardDataset
 from shards.manifest import RESERVED_COUNTS, load_manifest, save_manifest
 from shards.projection import SecondMoments, fit_projection, load_projection, parse_projection_spec
 from shards.transcode import TranscodeConfig, transcode
-from tests.train.test_loop import config, tiny  # noqa: F401  (the fixture)
 from tests.train.serve.test_specdecode import LAYER_IDS, B, drafter_config, random_prompts, tiny_qwen3, train_drafter
+from tests.train.test_loop import config, tiny  # noqa: F401  (the fixture)
 from train.data import DataStream
 from train.eval.config import EvalConfig
 from train.eval.run import evaluate_checkpoints
-from train.serve.export import export_checkpoint, export_drafter, load_exported
 from train.loop import train
 from train.model import DFlashDrafter
+from train.serve.export import export_checkpoint, export_drafter, load_exported
 from train.serve.specdecode import DFlashProposer, SpecTarget, greedy_generate, speculative_generate
 from train.tiers import CompactHidden, fold_projection
 
@@ -109,9 +109,13 @@ def test_a_dataset_whose_shards_mix_encodings_is_refused_naming_the_shards(tiny,
 def test_drafter_config_that_disagrees_with_the_dataset_projection_is_refused(tiny, tmp_path):  # noqa: F811
     projected = tier(tiny, "proj", "encoding=planes", "projection=pca:rank=8")
     checksum = ShardDataset(projected).projection["checksum"]
-    with pytest.raises(ValueError, match=r"manifest field 'projection' = \w+ \(64 -> 16 features\) but the drafter config expects full"):
+    with pytest.raises(
+        ValueError, match=r"manifest field 'projection' = \w+ \(64 -> 16 features\) but the drafter config expects full"
+    ):
         train(config(tiny, tmp_path, f"data.shards={projected}", "model.projection=none"))
-    with pytest.raises(ValueError, match=rf"'model.projection' = 'abc' but the shards dataset has projection {checksum}"):
+    with pytest.raises(
+        ValueError, match=rf"'model.projection' = 'abc' but the shards dataset has projection {checksum}"
+    ):
         train(config(tiny, tmp_path, f"data.shards={projected}", "model.projection=abc"))
     with pytest.raises(ValueError, match=r"'model.projection' = 'abc' but the shards dataset has no projection"):
         train(config(tiny, tmp_path, "model.projection=abc"))
@@ -153,7 +157,11 @@ class ProjectingDrafter(nn.Module):
         self.inner.fc = nn.Linear(fc_prime.shape[1], fc_prime.shape[0], bias=False).to(fc_prime.dtype)
         self.inner.fc.weight.data.copy_(fc_prime)
         self.projection = projection
-        self.block_size, self.mask_token_id, self.target_layer_ids = exported.block_size, exported.mask_token_id, exported.target_layer_ids
+        self.block_size, self.mask_token_id, self.target_layer_ids = (
+            exported.block_size,
+            exported.mask_token_id,
+            exported.target_layer_ids,
+        )
 
     def forward(self, *, target_hidden, **kwargs):
         z = self.projection.apply(target_hidden.double()).to(target_hidden.dtype)
@@ -165,7 +173,9 @@ def test_online_decoding_with_the_export_on_full_features_equals_the_projected_m
     target features are those of the trained model reading P·h (float64, so no rounding differs)."""
     target = SpecTarget.from_model(tiny_qwen3(seed=0, dtype=torch.float64), LAYER_IDS, stop_ids=[])
     prompts = random_prompts(3, lengths=(5, 9, 14), seed=11)
-    features = [target.teacher_forced(torch.tensor(p + greedy_generate(target, p, 40).tokens)[None])[1].float() for p in prompts]
+    features = [
+        target.teacher_forced(torch.tensor(p + greedy_generate(target, p, 40).tokens)[None])[1].float() for p in prompts
+    ]
     projection = fitted_projection(torch.cat(features), n_taps=2, rank=12)
     cfg = drafter_config(projection=identity(projection))
     drafter = train_drafter(target, prompts, 40, steps=80, config=cfg, features_of=projection.apply)
@@ -191,12 +201,19 @@ def test_projected_run_exports_folded_and_evaluates_on_full_features_as_on_its_o
     assert saved["projection"]["checksum"] == ShardDataset(projected).projection["checksum"]
     out = export_checkpoint(run, tmp_path / "export", dtype="float32")
     exported_config = json.loads((out / "config.json").read_text())
-    assert "projection" not in exported_config and json.loads((out / "dflash_export.json").read_text())["folded_projection"]
+    assert (
+        "projection" not in exported_config
+        and json.loads((out / "dflash_export.json").read_text())["folded_projection"]
+    )
     exported = load_exported(out)
     assert exported.fc.weight.shape == (32, 64)  # reads the full 2 x 32 tap features
 
     def evaluate(data: str) -> dict:
-        cfg = load_config(EvalConfig, None, [f"data={data}", "split=all", "progress=false", f"out={tmp_path / 'e.json'}", "budgets=[8]"])
+        cfg = load_config(
+            EvalConfig,
+            None,
+            [f"data={data}", "split=all", "progress=false", f"out={tmp_path / 'e.json'}", "budgets=[8]"],
+        )
         return evaluate_checkpoints([str(run)], cfg)[0]["checkpoints"][0]["overall"]
 
     on_projected, on_full = evaluate(projected), evaluate(str(tiny / "shards"))

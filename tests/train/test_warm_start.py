@@ -10,12 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from train.serve.export import drafter_config_from_export, export_checkpoint, load_exported
+from tests.train.test_loop import config, tiny  # noqa: F401  (tiny is a fixture)
 from train.loop import Run, train
 from train.model import DFlashDrafter
+from train.serve.export import drafter_config_from_export, export_checkpoint, load_exported
 from train.warm_start import warm_start
-
-from tests.train.test_loop import config, tiny  # noqa: F401  (tiny is a fixture)
 
 LAYOUT = ["model.num_layers=3", "model.layer_types=sliding_then_full", "model.sliding_window=8"]
 
@@ -48,18 +47,23 @@ def test_export_then_init_from_is_the_same_forward(tiny, exported_run, tmp_path)
     finally:
         run.stream.close()
     # The run trains from there (and a fresh drafter would not have been these weights).
-    summary = train(config(tiny, tmp_path, *LAYOUT, f"model.init_from={exported_run}", "run_name=c", "optim.max_steps=1"))
+    summary = train(
+        config(tiny, tmp_path, *LAYOUT, f"model.init_from={exported_run}", "run_name=c", "optim.max_steps=1")
+    )
     assert summary is not None
 
 
-@pytest.mark.parametrize("overrides, needles", [
-    (["model.layer_types=sliding"], ["layer_types"]),
-    (["model.sliding_window=16"], ["sliding_window: 8 in init_from, 16 here (model.sliding_window)"]),
-    (["model.sliding_in_block=bidirectional"], ["sliding_in_block"]),
-    (["model.block_size=8"], ["block_size"]),
-    (["model.partial_rotary_factor=0.5"], ["partial_rotary_factor: 1.0 in init_from, 0.5 here"]),
-    (["model.rope_theta=5000", "model.head_dim=4"], ["rope_theta", "head_dim"]),
-])
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["model.layer_types=sliding"], ["layer_types"]),
+        (["model.sliding_window=16"], ["sliding_window: 8 in init_from, 16 here (model.sliding_window)"]),
+        (["model.sliding_in_block=bidirectional"], ["sliding_in_block"]),
+        (["model.block_size=8"], ["block_size"]),
+        (["model.partial_rotary_factor=0.5"], ["partial_rotary_factor: 1.0 in init_from, 0.5 here"]),
+        (["model.rope_theta=5000", "model.head_dim=4"], ["rope_theta", "head_dim"]),
+    ],
+)
 def test_a_different_drafter_is_refused_by_name(tiny, exported_run, tmp_path, overrides, needles):  # noqa: F811
     cfg = config(tiny, tmp_path, *LAYOUT, f"model.init_from={exported_run}", *overrides)
     with pytest.raises(ValueError, match="model.init_from") as info:
@@ -127,7 +131,15 @@ def test_a_missing_directory_is_named(tiny, tmp_path):  # noqa: F811
 # ----------------------------------------------------------------------------------------------
 # Resuming a run made before these knobs existed
 
-NEW_MODEL_KEYS = ("layer_types", "sliding_window", "sliding_in_block", "rope_theta", "rope_scaling", "partial_rotary_factor", "init_from")
+NEW_MODEL_KEYS = (
+    "layer_types",
+    "sliding_window",
+    "sliding_in_block",
+    "rope_theta",
+    "rope_scaling",
+    "partial_rotary_factor",
+    "init_from",
+)
 
 
 def test_a_checkpoint_from_before_the_layout_knobs_resumes_only_as_the_drafter_it_holds(tiny, tmp_path):  # noqa: F811
@@ -162,4 +174,6 @@ def test_a_checkpoint_from_before_the_layout_knobs_resumes_only_as_the_drafter_i
     # Knobs outside `model` that the checkpoint lacks are fine at their default only.
     saved = {"loss": {"gamma": 7.0}}
     assert resume_conflicts(saved, {"loss": {"gamma": 7.0, "kl_weight": 0.0}}) == []
-    assert resume_conflicts(saved, {"loss": {"gamma": 7.0, "kl_weight": 0.5}}) == ["loss.kl_weight: checkpoint '<absent>' vs now 0.5"]
+    assert resume_conflicts(saved, {"loss": {"gamma": 7.0, "kl_weight": 0.5}}) == [
+        "loss.kl_weight: checkpoint '<absent>' vs now 0.5"
+    ]

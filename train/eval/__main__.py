@@ -1,5 +1,4 @@
-"""`python -m train.eval CHECKPOINT [CHECKPOINT2] --data SHARDS [--out PATH] [--config FILE] [key=value ...]`.
-"""
+"""`python -m train.eval CHECKPOINT [CHECKPOINT2] --data SHARDS [--out PATH] [--config FILE] [key=value ...]`."""
 
 from __future__ import annotations
 
@@ -12,7 +11,8 @@ from train.eval.config import EvalConfig
 from train.eval.render import render_report
 from train.eval.run import evaluate_checkpoints
 
-_USAGE = """usage: python -m train.eval CHECKPOINT [CHECKPOINT2] --data SHARDS [--out PATH] [--config FILE] [key=value ...]
+_USAGE = """usage:
+  python -m train.eval CHECKPOINT [CHECKPOINT2] --data SHARDS [--out PATH] [--config FILE] [key=value ...]
 
 CHECKPOINT: a checkpoint directory (runs/NAME/checkpoints/step-XXXXXXXX) or a run directory (its
 latest checkpoint). With two, both are evaluated on the same blocks and compared (ratio second/first).
@@ -47,7 +47,9 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], EvalConfig]:
             else:
                 values[flags[flag]] = value  # a path exactly as given, whatever characters it holds
         elif word.startswith("--"):
-            raise ConfigError(f"unknown option '{word}' (options: --data, --out, --config; other settings as key=value)")
+            raise ConfigError(
+                f"unknown option '{word}' (options: --data, --out, --config; other settings as key=value)"
+            )
         elif "=" in word and not os.path.exists(word):  # a checkpoint path may hold '='
             overrides.append(word)
         else:

@@ -88,11 +88,14 @@ class ChainBlocks:
 def valid_mask(valid_len_N: Tensor, n_positions: int) -> Tensor:
     """bool [N, D]: position k (column k-1) valid iff k <= valid length; lengths must be 1..D."""
     if valid_len_N.ndim != 1 or valid_len_N.is_floating_point():
-        raise ValueError(f"valid lengths must be an integer tensor [N], got {valid_len_N.dtype} "
-                         f"{tuple(valid_len_N.shape)}")
+        raise ValueError(
+            f"valid lengths must be an integer tensor [N], got {valid_len_N.dtype} {tuple(valid_len_N.shape)}"
+        )
     if ((valid_len_N < 1) | (valid_len_N > n_positions)).any():
-        raise ValueError(f"valid lengths must be in 1..D={n_positions} (a block needs a target "
-                         f"token to verify), got min {int(valid_len_N.min())}, max {int(valid_len_N.max())}")
+        raise ValueError(
+            f"valid lengths must be in 1..D={n_positions} (a block needs a target "
+            f"token to verify), got min {int(valid_len_N.min())}, max {int(valid_len_N.max())}"
+        )
     return torch.arange(1, n_positions + 1) <= valid_len_N[:, None]
 
 
@@ -101,8 +104,9 @@ def accepted_streak(agree_ND: Tensor) -> Tensor:
     return agree_ND.long().cumprod(dim=1).sum(dim=1)
 
 
-def chain_blocks(draft_ids_ND: Tensor, target_ids_ND: Tensor, valid_len_N: Tensor,
-                 draft_top1_logprobs_ND: Tensor | None = None) -> ChainBlocks:
+def chain_blocks(
+    draft_ids_ND: Tensor, target_ids_ND: Tensor, valid_len_N: Tensor, draft_top1_logprobs_ND: Tensor | None = None
+) -> ChainBlocks:
     """Chain acceptance per block.
 
     draft_ids_ND: the drafter's argmax at block positions 1..D. target_ids_ND: y_1..y_D (any value
@@ -110,8 +114,10 @@ def chain_blocks(draft_ids_ND: Tensor, target_ids_ND: Tensor, valid_len_N: Tenso
     draft_top1_logprobs_ND (optional): log q_k(draft_k), for the surrogate chain τ.
     """
     if draft_ids_ND.ndim != 2 or draft_ids_ND.shape != target_ids_ND.shape:
-        raise ValueError(f"draft and target ids must both be [N, D], got {tuple(draft_ids_ND.shape)} "
-                         f"and {tuple(target_ids_ND.shape)}")
+        raise ValueError(
+            f"draft and target ids must both be [N, D], got {tuple(draft_ids_ND.shape)} "
+            f"and {tuple(target_ids_ND.shape)}"
+        )
     n_blocks, n_positions = draft_ids_ND.shape
     if valid_len_N.shape != (n_blocks,):
         raise ValueError(f"valid lengths must be [N={n_blocks}], got {tuple(valid_len_N.shape)}")
@@ -121,8 +127,10 @@ def chain_blocks(draft_ids_ND: Tensor, target_ids_ND: Tensor, valid_len_N: Tenso
     surrogate_tau_N = None
     if draft_top1_logprobs_ND is not None:
         if draft_top1_logprobs_ND.shape != draft_ids_ND.shape:
-            raise ValueError(f"draft log-probs must be [N, D] = {tuple(draft_ids_ND.shape)}, got "
-                             f"{tuple(draft_top1_logprobs_ND.shape)}")
+            raise ValueError(
+                f"draft log-probs must be [N, D] = {tuple(draft_ids_ND.shape)}, got "
+                f"{tuple(draft_top1_logprobs_ND.shape)}"
+            )
         if torch.isnan(draft_top1_logprobs_ND).any():
             raise ValueError("draft log-probs contain NaN")
         # float64 cumulative sum: products of 15 probabilities lose little, but sums over many
@@ -130,21 +138,22 @@ def chain_blocks(draft_ids_ND: Tensor, target_ids_ND: Tensor, valid_len_N: Tenso
         prefix_prob_ND = draft_top1_logprobs_ND.double().clamp(max=0.0).cumsum(dim=1).exp()
         surrogate_tau_N = 1.0 + torch.where(valid_ND, prefix_prob_ND, 0.0).sum(dim=1)
 
-    return ChainBlocks(agree_ND=agree_ND, valid_ND=valid_ND, streak_N=accepted_streak(agree_ND),
-                       surrogate_tau_N=surrogate_tau_N)
+    return ChainBlocks(
+        agree_ND=agree_ND, valid_ND=valid_ND, streak_N=accepted_streak(agree_ND), surrogate_tau_N=surrogate_tau_N
+    )
 
 
 def _rate(numerator: Tensor, denominator: Tensor) -> list[float | None]:
-    return [None if int(d) == 0 else float(n) / float(d)
-            for n, d in zip(numerator.tolist(), denominator.tolist())]
+    return [None if int(d) == 0 else float(n) / float(d) for n, d in zip(numerator.tolist(), denominator.tolist())]
 
 
 def _mean(x_N: Tensor) -> float | None:
     return None if x_N.numel() == 0 else float(x_N.double().mean())
 
 
-def summarize_blocks(blocks: ChainBlocks, extra_N: Mapping[str, Tensor] | None = None,
-                     select_N: Tensor | None = None) -> dict[str, Any]:
+def summarize_blocks(
+    blocks: ChainBlocks, extra_N: Mapping[str, Tensor] | None = None, select_N: Tensor | None = None
+) -> dict[str, Any]:
     """Aggregate metrics over the selected blocks (all if `select_N` is None), JSON-ready.
 
     Keys: n_blocks, n_cut (blocks with valid length < D), tau (mean chain τ), streak, all_accepted
@@ -161,8 +170,7 @@ def summarize_blocks(blocks: ChainBlocks, extra_N: Mapping[str, Tensor] | None =
     extra_N = dict(extra_N or {})
     for name, values_N in extra_N.items():
         if values_N.shape != (blocks.n_blocks,):
-            raise ValueError(f"extra metric {name!r} must be [N={blocks.n_blocks}], got "
-                             f"{tuple(values_N.shape)}")
+            raise ValueError(f"extra metric {name!r} must be [N={blocks.n_blocks}], got {tuple(values_N.shape)}")
 
     agree_ND, valid_ND = blocks.agree_ND[select_N], blocks.valid_ND[select_N]
     streak_N = blocks.streak_N[select_N]
@@ -192,8 +200,9 @@ def summarize_blocks(blocks: ChainBlocks, extra_N: Mapping[str, Tensor] | None =
     return summary
 
 
-def summarize_by_group(blocks: ChainBlocks, group_N: Tensor, groups: Sequence[int],
-                       extra_N: Mapping[str, Tensor] | None = None) -> dict[int, dict[str, Any]]:
+def summarize_by_group(
+    blocks: ChainBlocks, group_N: Tensor, groups: Sequence[int], extra_N: Mapping[str, Tensor] | None = None
+) -> dict[int, dict[str, Any]]:
     """`summarize_blocks` per group id, for every id in `groups`, in that order.
 
     A group with no block is reported with n_blocks 0 and None metrics, never skipped. Every block's

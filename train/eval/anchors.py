@@ -25,8 +25,15 @@ def _anchor_generator_seed(seed: int, sample_id: str) -> int:
     return xxhash.xxh3_64_intdigest(_ANCHOR_SALT + f"{seed}:{sample_id}".encode("utf-8")) & (2**63 - 1)
 
 
-def block_anchors(loss_mask_T: Tensor, n_draft: int, *, min_valid_len: int = 1, max_anchors: int | None = None,
-                  seed: int = 0, sample_id: str = "") -> tuple[Tensor, Tensor]:
+def block_anchors(
+    loss_mask_T: Tensor,
+    n_draft: int,
+    *,
+    min_valid_len: int = 1,
+    max_anchors: int | None = None,
+    seed: int = 0,
+    sample_id: str = "",
+) -> tuple[Tensor, Tensor]:
     """(anchors_A sorted, valid_len_A): response positions a with >= min_valid_len response tokens
     right after them (valid length L = that count, at most n_draft); at most `max_anchors` of them,
     drawn uniformly without replacement from a generator fixed by (seed, sample id)."""

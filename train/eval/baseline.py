@@ -43,8 +43,16 @@ def label_baseline(table: BlockTable, budgets: Sequence[int], topk: int) -> Draf
         rows = slice(start, start + _BASELINE_CHUNK)
         n = table.target_ids_ND[rows].shape[0]
         # The same top-k at every depth of every block: a broadcast view, not n x D copies.
-        parts.append(score_drafts(lp_k.expand(n, n_draft, -1), ids_k.expand(n, n_draft, -1), table.target_ids_ND[rows],
-                                  table.valid_len_N[rows], budgets, BASELINE_NAME))
+        parts.append(
+            score_drafts(
+                lp_k.expand(n, n_draft, -1),
+                ids_k.expand(n, n_draft, -1),
+                table.target_ids_ND[rows],
+                table.valid_len_N[rows],
+                budgets,
+                BASELINE_NAME,
+            )
+        )
     return DraftScores.concat(parts, n_draft, budgets)
 
 
@@ -55,6 +63,7 @@ def baseline_report(table: BlockTable, budgets: Sequence[int], topk: int, bucket
         "name": BASELINE_NAME,
         "token": int(ids_k[0]) if ids_k.numel() else None,
         "token_share": float(lp_k[0].exp()) if lp_k.numel() else None,
-        "description": "chain: always the most frequent label of these blocks; DDTree: the label frequencies at every depth",
+        "description": "chain: always the most frequent label of these blocks; DDTree: the label frequencies at "
+        "every depth",
         **summarize_model(table, label_baseline(table, budgets, topk), buckets),
     }

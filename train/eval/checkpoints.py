@@ -96,7 +96,10 @@ def target_dir_for(info: CheckpointInfo, override: str | None, manifest: dict) -
         ("config key 'target'", override),
         (f"train config model.target of '{info.path}'", info.train_value("model.target")),
         (f"run.json 'target' of '{info.run_dir}'", info.run_info.get("target")),
-        ("the eval shards' provenance target.name_or_path", ((manifest.get("provenance") or {}).get("target") or {}).get("name_or_path")),
+        (
+            "the eval shards' provenance target.name_or_path",
+            ((manifest.get("provenance") or {}).get("target") or {}).get("name_or_path"),
+        ),
     )
     for source, value in candidates:
         if value:
@@ -136,7 +139,8 @@ def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device,
     head = TargetHead.from_pretrained(target_dir, dtype=head_dtype)
     if head.hidden_size != cfg.hidden_size or head.vocab_size != cfg.vocab_size:
         raise ValueError(
-            f"target '{target_dir}' has embedding [{head.vocab_size}, {head.hidden_size}] but the drafter of '{info.path}' "
+            f"target '{target_dir}' has embedding [{head.vocab_size}, {head.hidden_size}] but the drafter of "
+            f"'{info.path}' "
             f"needs [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}]; set target= to the run's target"
         )
     return EvalModel(drafter.to(device).eval(), head.to(device), cfg.block_size, cfg.mask_token_id, cfg.mask_rules)

@@ -114,8 +114,7 @@ class DDTreeBatch:
 
     def tensors(self) -> tuple[Tensor, ...]:
         """All six fields in declaration order."""
-        return (self.parent_NM, self.depth_NM, self.rank_NM, self.token_NM, self.score_NM,
-                self.node_valid_NM)
+        return (self.parent_NM, self.depth_NM, self.rank_NM, self.token_NM, self.score_NM, self.node_valid_NM)
 
 
 @dataclass(frozen=True)
@@ -148,11 +147,12 @@ def _check_topk(topk_logprobs: Tensor, topk_ids: Tensor, budget: int, ndim: int,
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be a positive int, got {budget!r}")
     if topk_logprobs.ndim != ndim or topk_logprobs.shape != topk_ids.shape:
-        raise ValueError(f"top-k log-probs and ids must both be {name}, got shapes "
-                         f"{tuple(topk_logprobs.shape)} and {tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"top-k log-probs and ids must both be {name}, got shapes "
+            f"{tuple(topk_logprobs.shape)} and {tuple(topk_ids.shape)}"
+        )
     if topk_logprobs.shape[-2] < 1 or topk_logprobs.shape[-1] < 1:
-        raise ValueError(f"need at least one depth and one token per depth, got {name} = "
-                         f"{tuple(topk_logprobs.shape)}")
+        raise ValueError(f"need at least one depth and one token per depth, got {name} = {tuple(topk_logprobs.shape)}")
     if not topk_logprobs.is_floating_point():
         raise ValueError("top-k log-probs must be floating point")
     if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
@@ -170,8 +170,7 @@ def _check_topk(topk_logprobs: Tensor, topk_ids: Tensor, budget: int, ndim: int,
 def _prepared(topk_logprobs: Tensor, topk_ids: Tensor, budget: int) -> tuple[Tensor, Tensor]:
     """Only the top-`budget` tokens per depth can enter the tree; float64, clamped to <= 0."""
     keep = min(budget, topk_logprobs.shape[-1])
-    return (topk_logprobs[..., :keep].double().clamp(max=0.0),
-            topk_ids[..., :keep].long())
+    return (topk_logprobs[..., :keep].double().clamp(max=0.0), topk_ids[..., :keep].long())
 
 
 # ----------------------------------------------------------------------------- one block
@@ -279,8 +278,7 @@ def build_ddtree_batch(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, budget: 
     neg_inf = float("-inf")
 
     def key(depth, parent, rank):
-        return _pack_key(torch.as_tensor(depth), torch.as_tensor(parent), torch.as_tensor(rank),
-                         budget, n_ranks)
+        return _pack_key(torch.as_tensor(depth), torch.as_tensor(parent), torch.as_tensor(rank), budget, n_ranks)
 
     # An empty slot holds a key above every real key and score -inf, so it loses every
     # comparison, even to a live entry of score -inf.
@@ -294,7 +292,7 @@ def build_ddtree_batch(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, budget: 
     score_NM = torch.full((n_blocks, budget), neg_inf, dtype=torch.float64)
     for step in range(budget):
         # Pop: best score, ties to the smallest key. Slots past step are still empty.
-        used_score_NS, used_key_NS = slot_score_NS[:, :step + 1], slot_key_NS[:, :step + 1]
+        used_score_NS, used_key_NS = slot_score_NS[:, : step + 1], slot_key_NS[:, : step + 1]
         best_N1 = used_score_NS.amax(dim=1, keepdim=True)
         tied_key_NS = torch.where(used_score_NS == best_N1, used_key_NS, no_entry)
         slot_N1 = tied_key_NS.argmin(dim=1, keepdim=True)
@@ -303,8 +301,8 @@ def build_ddtree_batch(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, budget: 
         if not bool(popped_N1.any()):
             break  # every block ran out of prefixes
         score_N1 = slot_score_NS.gather(1, slot_N1)
-        key_NM[:, step:step + 1] = key_N1
-        score_NM[:, step:step + 1] = score_N1
+        key_NM[:, step : step + 1] = key_N1
+        score_NM[:, step : step + 1] = score_N1
         depth_N1, parent_N1, rank_N1 = _unpack_key(key_N1, budget, n_ranks)
 
         # Next sibling into the freed slot, scored as parent score + its own log-prob.
@@ -314,15 +312,19 @@ def build_ddtree_batch(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, budget: 
         sibling_flat_N1 = ((depth_N1 - 1) * n_ranks + sibling_rank_N1).clamp(min=0)
         sibling_score_N1 = parent_score_N1 + lp_NF.gather(1, sibling_flat_N1)
         slot_score_NS.scatter_(1, slot_N1, torch.where(sibling_ok_N1, sibling_score_N1, neg_inf))
-        slot_key_NS.scatter_(1, slot_N1, torch.where(
-            sibling_ok_N1, _pack_key(depth_N1, parent_N1, sibling_rank_N1, budget, n_ranks), no_entry))
+        slot_key_NS.scatter_(
+            1,
+            slot_N1,
+            torch.where(sibling_ok_N1, _pack_key(depth_N1, parent_N1, sibling_rank_N1, budget, n_ranks), no_entry),
+        )
 
         # First child into a fresh slot: step + 1 slots have been used so far.
         child_ok_N1 = popped_N1 & (depth_N1 < n_depths)
         child_score_N1 = score_N1 + lp_NF.gather(1, depth_N1.clamp(max=n_depths - 1) * n_ranks)
-        slot_score_NS[:, step + 1:step + 2] = torch.where(child_ok_N1, child_score_N1, neg_inf)
-        slot_key_NS[:, step + 1:step + 2] = torch.where(
-            child_ok_N1, _pack_key(depth_N1 + 1, torch.tensor(step), 0, budget, n_ranks), no_entry)
+        slot_score_NS[:, step + 1 : step + 2] = torch.where(child_ok_N1, child_score_N1, neg_inf)
+        slot_key_NS[:, step + 1 : step + 2] = torch.where(
+            child_ok_N1, _pack_key(depth_N1 + 1, torch.tensor(step), 0, budget, n_ranks), no_entry
+        )
 
     node_valid_NM = key_NM < no_entry
     depth_NM, parent_NM, rank_NM = _unpack_key(key_NM, budget, n_ranks)
@@ -331,8 +333,14 @@ def build_ddtree_batch(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, budget: 
     rank_NM = torch.where(node_valid_NM, rank_NM, -1)
     token_flat_NM = (depth_NM - 1).clamp(min=0) * n_ranks + rank_NM.clamp(min=0)
     token_NM = torch.where(node_valid_NM, ids_NDK.reshape(n_blocks, -1).gather(1, token_flat_NM), -1)
-    return DDTreeBatch(parent_NM=parent_NM, depth_NM=depth_NM, rank_NM=rank_NM, token_NM=token_NM,
-                       score_NM=score_NM, node_valid_NM=node_valid_NM)
+    return DDTreeBatch(
+        parent_NM=parent_NM,
+        depth_NM=depth_NM,
+        rank_NM=rank_NM,
+        token_NM=token_NM,
+        score_NM=score_NM,
+        node_valid_NM=node_valid_NM,
+    )
 
 
 def _check_batch_targets(tree: DDTreeBatch, target_ids_ND: Tensor, valid_len_N: Tensor) -> None:
@@ -351,8 +359,7 @@ def walk_ddtree_batch(tree: DDTreeBatch, target_ids_ND: Tensor, valid_len_N: Ten
     _check_batch_targets(tree, target_ids_ND, valid_len_N)
     depth_NM = tree.depth_NM
     target_at_node_NM = target_ids_ND.long().gather(1, (depth_NM - 1).clamp(min=0))
-    hit_NM = (tree.node_valid_NM & (tree.token_NM == target_at_node_NM)
-              & (depth_NM <= valid_len_N[:, None]))
+    hit_NM = tree.node_valid_NM & (tree.token_NM == target_at_node_NM) & (depth_NM <= valid_len_N[:, None])
     # A node is on the target's path iff it and all its ancestors hit; parents come first, so
     # propagating once per depth level settles every node.
     on_path_NM = torch.zeros_like(hit_NM)
@@ -375,9 +382,14 @@ def surrogate_tau_batch(tree: DDTreeBatch, valid_len_N: Tensor) -> Tensor:
     return 1.0 + torch.where(keep_NM, tree.score_NM.exp(), 0.0).sum(dim=1)
 
 
-def ddtree_taus(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, target_ids_ND: Tensor,
-                valid_len_N: Tensor, budgets: Iterable[int], chunk_blocks: int = 4096
-                ) -> dict[int, DDTreeTaus]:
+def ddtree_taus(
+    topk_logprobs_NDK: Tensor,
+    topk_ids_NDK: Tensor,
+    target_ids_ND: Tensor,
+    valid_len_N: Tensor,
+    budgets: Iterable[int],
+    chunk_blocks: int = 4096,
+) -> dict[int, DDTreeTaus]:
     """Realized and surrogate DDTree τ per block for each budget, from one build at the largest.
 
     topk_*_NDK: the drafter's top-k per depth (k >= max budget for the exact DDTree; fewer gives
@@ -398,12 +410,20 @@ def ddtree_taus(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, target_ids_ND: 
         full = build_ddtree_batch(topk_logprobs_NDK[rows], topk_ids_NDK[rows], budgets[-1])
         for b in budgets:
             tree = full.prefix(b)
-            parts[b].append(DDTreeTaus(
-                tau_N=1 + walk_ddtree_batch(tree, target_ids_ND[rows], valid_len_N[rows]),
-                surrogate_tau_N=surrogate_tau_batch(tree, valid_len_N[rows])))
+            parts[b].append(
+                DDTreeTaus(
+                    tau_N=1 + walk_ddtree_batch(tree, target_ids_ND[rows], valid_len_N[rows]),
+                    surrogate_tau_N=surrogate_tau_batch(tree, valid_len_N[rows]),
+                )
+            )
     if n_blocks == 0:
-        return {b: DDTreeTaus(tau_N=torch.zeros(0, dtype=torch.long),
-                              surrogate_tau_N=torch.zeros(0, dtype=torch.float64)) for b in budgets}
-    return {b: DDTreeTaus(tau_N=torch.cat([p.tau_N for p in ps]),
-                          surrogate_tau_N=torch.cat([p.surrogate_tau_N for p in ps]))
-            for b, ps in parts.items()}
+        return {
+            b: DDTreeTaus(tau_N=torch.zeros(0, dtype=torch.long), surrogate_tau_N=torch.zeros(0, dtype=torch.float64))
+            for b in budgets
+        }
+    return {
+        b: DDTreeTaus(
+            tau_N=torch.cat([p.tau_N for p in ps]), surrogate_tau_N=torch.cat([p.surrogate_tau_N for p in ps])
+        )
+        for b, ps in parts.items()
+    }

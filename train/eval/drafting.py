@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from train.eval.ddtree import draft_topk
 from train.eval.checkpoints import EvalModel
 from train.eval.config import EvalConfig
+from train.eval.ddtree import draft_topk
 from train.kernels import EVAL_KEYS, KernelPlan, OnKernels, choose_kernels
 
 
@@ -31,7 +31,9 @@ class Runtime(OnKernels):
     @classmethod
     def from_config(cls, cfg: EvalConfig, head_dims: Sequence[int]) -> "Runtime":
         """The runtime for drafters of these head dims (flex only if it works for all of them)."""
-        kernels = choose_kernels(cfg.device, cfg.precision, cfg.attention, False, head_dims, training=False, keys=EVAL_KEYS)
+        kernels = choose_kernels(
+            cfg.device, cfg.precision, cfg.attention, False, head_dims, training=False, keys=EVAL_KEYS
+        )
         return cls(kernels, score_in_background=kernels.device.type == "cuda")
 
     @property
@@ -72,8 +74,14 @@ def split_pieces(piece: Piece, max_blocks: int) -> list[Piece]:
     parts = []
     for start in range(0, piece.n_blocks, max_blocks):
         rows = slice(start, start + max_blocks)
-        parts.append(dataclasses.replace(piece, anchors_A=piece.anchors_A[rows], valid_len_A=piece.valid_len_A[rows],
-                                         target_ids_AD=piece.target_ids_AD[rows]))
+        parts.append(
+            dataclasses.replace(
+                piece,
+                anchors_A=piece.anchors_A[rows],
+                valid_len_A=piece.valid_len_A[rows],
+                target_ids_AD=piece.target_ids_AD[rows],
+            )
+        )
     return parts
 
 
@@ -124,8 +132,9 @@ def forward_inputs(pieces: Sequence[Piece], block_size: int, mask_token_id: int)
 
 
 @torch.no_grad()
-def draft_topk_for_pieces(model: EvalModel, pieces: Sequence[Piece], runtime: Runtime, topk: int, chunk_rows: int
-                          ) -> tuple[Tensor, Tensor]:
+def draft_topk_for_pieces(
+    model: EvalModel, pieces: Sequence[Piece], runtime: Runtime, topk: int, chunk_rows: int
+) -> tuple[Tensor, Tensor]:
     """The drafter's top-k log-probs (float32) and ids (int64), each [M, D, k] on the CPU, for every
     block of the pieces in order. Full-vocabulary logits exist for ~chunk_rows block tokens at a time."""
     K = model.block_size
@@ -142,7 +151,7 @@ def draft_topk_for_pieces(model: EvalModel, pieces: Sequence[Piece], runtime: Ru
         k = min(topk, int(model.head.vocab_size))
         values, ids = [], []
         for start in range(0, drafts_MDH.shape[0], chunk_blocks):
-            logits_CDV = model.head.logits(drafts_MDH[start:start + chunk_blocks])
+            logits_CDV = model.head.logits(drafts_MDH[start : start + chunk_blocks])
             lp_CDk, ids_CDk = draft_topk(logits_CDV, k)
             values.append(lp_CDk.cpu())
             ids.append(ids_CDk.cpu())

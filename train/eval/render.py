@@ -31,8 +31,9 @@ def metric_rows(budgets: Sequence[int], n_draft: int, headline_only: bool = Fals
 def baseline_rows(budgets: Sequence[int]) -> list[tuple[str, str, int | None]]:
     """(row label, summary key, list index or None) of the baseline's rows."""
     name = BASELINE_NAME
-    return ([(f"{name}: tau chain", "tau", None), (f"{name}: acc k=1", "position_acceptance", 0)]
-            + [(f"{name}: tau DDTree-{b}", f"ddtree_tau_{b}", None) for b in budgets])
+    return [(f"{name}: tau chain", "tau", None), (f"{name}: acc k=1", "position_acceptance", 0)] + [
+        (f"{name}: tau DDTree-{b}", f"ddtree_tau_{b}", None) for b in budgets
+    ]
 
 
 def _value(summary: dict, key: str, index: int | None) -> Any:
@@ -83,7 +84,10 @@ def _single_table(report: dict) -> str:
         # Right after the drafter's headline rows, so the two read together.
         at = next(i for i, (_, key, _) in enumerate(specs) if key == "all_accepted") + 1
         summaries = [baseline["overall"]] + (baseline["buckets"] if len(columns) > 1 else [])
-        rows[at:at] = [[label] + [_bucket_cell(s, key, index) for s in summaries] for label, key, index in baseline_rows(report["budgets"])]
+        rows[at:at] = [
+            [label] + [_bucket_cell(s, key, index) for s in summaries]
+            for label, key, index in baseline_rows(report["budgets"])
+        ]
     return _grid(header, rows)
 
 
@@ -92,19 +96,26 @@ def _baseline_line(report: dict) -> list[str]:
     baseline = report.get("baseline")
     if not baseline or baseline.get("token") is None:
         return []
-    line = (f"  baseline   {baseline['name']}: always token {baseline['token']} ({100 * baseline['token_share']:.1f}% of "
-            f"these blocks' labels); DDTree over the label frequencies")
+    line = (
+        f"  baseline   {baseline['name']}: always token {baseline['token']} ({100 * baseline['token_share']:.1f}% of "
+        f"these blocks' labels); DDTree over the label frequencies"
+    )
     if len(report["checkpoints"]) == 1:
         return [line]
     overall = baseline["overall"]
-    numbers = ", ".join(f"{label.split(': ', 1)[1]} {_cell(_value(overall, key, index))}" for label, key, index in baseline_rows(report["budgets"]))
+    numbers = ", ".join(
+        f"{label.split(': ', 1)[1]} {_cell(_value(overall, key, index))}"
+        for label, key, index in baseline_rows(report["budgets"])
+    )
     return [line, f"             on the same blocks for A and B: {numbers}"]
 
 
 def _pair_table(first: dict, second: dict, ratio: dict, rows_spec) -> str:
     header = ["metric", "A", "B", "B/A"]
-    rows = [[label, _bucket_cell(first, key, index), _bucket_cell(second, key, index), _cell(_value(ratio, key, index))]
-            for label, key, index in rows_spec]
+    rows = [
+        [label, _bucket_cell(first, key, index), _bucket_cell(second, key, index), _cell(_value(ratio, key, index))]
+        for label, key, index in rows_spec
+    ]
     return _grid(header, rows)
 
 
@@ -116,13 +127,20 @@ def render_report(report: dict) -> str:
     names = ["A", "B"] if len(ckpts) == 2 else [""]
     for name, ckpt in zip(names, ckpts):
         lines.append(f"  checkpoint {name + ' ' if name else ''}{ckpt['path']} (step {ckpt['step']})")
-    lines.append(f"  data       {data['path']}: {data['samples']} of {data['samples_in_dataset']} samples, "
-                 f"{data['tokens']} tokens, {data['blocks']} blocks")
-    lines.append(f"  buckets    {data['boundaries_from']}: " + ", ".join(
-        f"{b['label']} ({b['n_samples']} samples)" for b in report["buckets"]))
+    lines.append(
+        f"  data       {data['path']}: {data['samples']} of {data['samples_in_dataset']} samples, "
+        f"{data['tokens']} tokens, {data['blocks']} blocks"
+    )
+    lines.append(
+        f"  buckets    {data['boundaries_from']}: "
+        + ", ".join(f"{b['label']} ({b['n_samples']} samples)" for b in report["buckets"])
+    )
     kernels = report.get("kernels")  # absent in reports of older versions
     if kernels:
-        lines.append(f"  kernels    {kernels['device']}, {kernels['precision']}, attention {kernels['attention']} ({kernels['reason']})")
+        lines.append(
+            f"  kernels    {kernels['device']}, {kernels['precision']}, attention {kernels['attention']} "
+            f"({kernels['reason']})"
+        )
     lines += [f"  note       {note}" for note in report["notes"]]
     lines += _baseline_line(report)
     lines.append("")
@@ -131,11 +149,21 @@ def render_report(report: dict) -> str:
     else:
         ratio = report["ratio"]
         lines.append("all lengths (B/A = second / first)")
-        lines.append(_pair_table(ckpts[0]["overall"], ckpts[1]["overall"], ratio["overall"], metric_rows(report["budgets"], n_draft)))
+        lines.append(
+            _pair_table(
+                ckpts[0]["overall"], ckpts[1]["overall"], ratio["overall"], metric_rows(report["budgets"], n_draft)
+            )
+        )
         if len(report["buckets"]) > 1:
             for i, bucket in enumerate(report["buckets"]):
                 lines.append("")
                 lines.append(f"bucket {bucket['bucket']}: length {bucket['label']}")
-                lines.append(_pair_table(ckpts[0]["buckets"][i], ckpts[1]["buckets"][i], ratio["buckets"][i],
-                                         metric_rows(report["budgets"], n_draft, headline_only=True)))
+                lines.append(
+                    _pair_table(
+                        ckpts[0]["buckets"][i],
+                        ckpts[1]["buckets"][i],
+                        ratio["buckets"][i],
+                        metric_rows(report["budgets"], n_draft, headline_only=True),
+                    )
+                )
     return "\n".join(lines)

@@ -52,13 +52,19 @@ def metric_ratios(first: dict, second: dict) -> dict:
 
 
 def _notes(data: EvalData, n_draft: int, cfg: EvalConfig) -> list[str]:
-    anchors = "every response position with a response token after it" if cfg.max_anchors is None else (
-        f"at most {cfg.max_anchors} per sequence, drawn with seed {cfg.seed}")
+    anchors = (
+        "every response position with a response token after it"
+        if cfg.max_anchors is None
+        else (f"at most {cfg.max_anchors} per sequence, drawn with seed {cfg.seed}")
+    )
     notes = [
         f"split: {data.split_reason}",
-        f"anchors: {anchors}" + (f"; blocks with fewer than {cfg.min_valid_len} target tokens skipped" if cfg.min_valid_len > 1 else ""),
-        f"cut blocks: a block near a response end has L < {n_draft} target tokens, accepts at most L and is never 'all accepted'",
-        "labels: the target's greedy token given the data prefix (equal to online greedy decoding only where the data is the target's greedy output)",
+        f"anchors: {anchors}"
+        + (f"; blocks with fewer than {cfg.min_valid_len} target tokens skipped" if cfg.min_valid_len > 1 else ""),
+        f"cut blocks: a block near a response end has L < {n_draft} target tokens, accepts at most L and is never "
+        "'all accepted'",
+        "labels: the target's greedy token given the data prefix (equal to online greedy decoding only where the "
+        "data is the target's greedy output)",
         "averages are over blocks (anchors), not per-response means of per-round tau",
     ]
     return notes
@@ -78,7 +84,9 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
     infos = [read_checkpoint(c) for c in checkpoints]
     block_sizes = sorted({info.drafter_config.block_size for info in infos})
     if len(block_sizes) > 1:
-        raise ValueError(f"the checkpoints have block sizes {block_sizes}; a side-by-side comparison needs one block size")
+        raise ValueError(
+            f"the checkpoints have block sizes {block_sizes}; a side-by-side comparison needs one block size"
+        )
     try:
         dataset = ShardDataset(cfg.data, manifest_name=cfg.manifest)
     except (OSError, ValueError) as exc:
@@ -87,7 +95,9 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
     infos = [for_data(info, manifest, cfg.projection) for info in infos]  # storage tiers: fold P where the data is full
     checked = [check_data_fits(info, cfg.data, manifest) for info in infos]
     split, fraction, reason = choose_split(cfg, infos, cfg.data, manifest)
-    data = select_eval_data(dataset, cfg.data, split=split, holdout_fraction=fraction, max_samples=cfg.max_samples, split_reason=reason)
+    data = select_eval_data(
+        dataset, cfg.data, split=split, holdout_fraction=fraction, max_samples=cfg.max_samples, split_reason=reason
+    )
     boundaries, boundaries_from = choose_boundaries(cfg, infos)
     buckets, bucket_of_sample = bucket_table(boundaries, data.lengths)
 
@@ -127,8 +137,15 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
         "budgets": sorted(set(cfg.budgets)),
         "buckets": buckets,
         "checkpoints": [
-            {"path": str(info.path), "label": info.label, "run_dir": str(info.run_dir) if info.run_dir else None,
-             "step": info.step, "target": target, "checked_fields": fields, **summarize_model(table, s, buckets)}
+            {
+                "path": str(info.path),
+                "label": info.label,
+                "run_dir": str(info.run_dir) if info.run_dir else None,
+                "step": info.step,
+                "target": target,
+                "checked_fields": fields,
+                **summarize_model(table, s, buckets),
+            }
             for info, target, fields, s in zip(infos, targets, checked, scores)
         ],
         "baseline": baseline,
@@ -155,11 +172,18 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
     return report, out
 
 
-def resolved_config(cfg: EvalConfig, runtime: Runtime, split: str, fraction: float | None, boundaries: list[int]) -> EvalConfig:
+def resolved_config(
+    cfg: EvalConfig, runtime: Runtime, split: str, fraction: float | None, boundaries: list[int]
+) -> EvalConfig:
     """`cfg` with every automatic choice replaced by what is used, as saved in the report."""
     return dataclasses.replace(
-        cfg, split=split, holdout_fraction=fraction, boundaries=list(boundaries), device=runtime.device.type,
-        precision="bf16" if runtime.autocast_dtype is not None else "fp32", attention=runtime.attention,
+        cfg,
+        split=split,
+        holdout_fraction=fraction,
+        boundaries=list(boundaries),
+        device=runtime.device.type,
+        precision="bf16" if runtime.autocast_dtype is not None else "fp32",
+        attention=runtime.attention,
         blocks_per_forward=runtime.blocks_per_forward(cfg),
     )
 

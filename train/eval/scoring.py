@@ -17,10 +17,10 @@ import xxhash
 from torch import Tensor
 
 from train.eval.acceptance import ChainBlocks, chain_blocks, summarize_blocks, summarize_by_group
-from train.eval.ddtree import ddtree_taus
 from train.eval.anchors import block_anchors, block_targets
 from train.eval.checkpoints import EvalModel
 from train.eval.config import EvalConfig
+from train.eval.ddtree import ddtree_taus
 from train.eval.drafting import Piece, Runtime, draft_topk_for_pieces, pack_pieces, split_pieces
 from train.eval.selection import EvalData
 
@@ -53,28 +53,43 @@ class DraftScores:
     def concat(parts: Sequence["DraftScores"], n_draft: int, budgets: Sequence[int]) -> "DraftScores":
         if not parts:
             empty_long, empty_float = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
-            return DraftScores(torch.zeros(0, n_draft, dtype=torch.long), torch.zeros(0, n_draft),
-                               {b: empty_long for b in budgets}, {b: empty_float for b in budgets})
+            return DraftScores(
+                torch.zeros(0, n_draft, dtype=torch.long),
+                torch.zeros(0, n_draft),
+                {b: empty_long for b in budgets},
+                {b: empty_float for b in budgets},
+            )
         return DraftScores(
-            torch.cat([p.draft_ids_ND for p in parts]), torch.cat([p.top1_logprob_ND for p in parts]),
+            torch.cat([p.draft_ids_ND for p in parts]),
+            torch.cat([p.top1_logprob_ND for p in parts]),
             {b: torch.cat([p.ddtree_tau[b] for p in parts]) for b in budgets},
             {b: torch.cat([p.ddtree_surrogate_tau[b] for p in parts]) for b in budgets},
         )
 
     def take(self, order_N: Tensor) -> "DraftScores":
-        return DraftScores(self.draft_ids_ND[order_N], self.top1_logprob_ND[order_N],
-                           {b: t[order_N] for b, t in self.ddtree_tau.items()},
-                           {b: t[order_N] for b, t in self.ddtree_surrogate_tau.items()})
+        return DraftScores(
+            self.draft_ids_ND[order_N],
+            self.top1_logprob_ND[order_N],
+            {b: t[order_N] for b, t in self.ddtree_tau.items()},
+            {b: t[order_N] for b, t in self.ddtree_surrogate_tau.items()},
+        )
 
 
-def score_drafts(topk_logprobs_NDk: Tensor, topk_ids_NDk: Tensor, target_ids_ND: Tensor, valid_len_N: Tensor,
-                 budgets: Sequence[int], what: str) -> DraftScores:
+def score_drafts(
+    topk_logprobs_NDk: Tensor,
+    topk_ids_NDk: Tensor,
+    target_ids_ND: Tensor,
+    valid_len_N: Tensor,
+    budgets: Sequence[int],
+    what: str,
+) -> DraftScores:
     """Chain inputs and DDTree τ of a batch of blocks from the drafter's per-depth top-k."""
     if not torch.isfinite(topk_logprobs_NDk[..., 0]).all():
         raise ValueError(f"the drafter produced non-finite logits ({what})")
     taus = ddtree_taus(topk_logprobs_NDk, topk_ids_NDk, target_ids_ND, valid_len_N, budgets)
     return DraftScores(
-        draft_ids_ND=topk_ids_NDk[..., 0].clone(), top1_logprob_ND=topk_logprobs_NDk[..., 0].clone(),
+        draft_ids_ND=topk_ids_NDk[..., 0].clone(),
+        top1_logprob_ND=topk_logprobs_NDk[..., 0].clone(),
         ddtree_tau={b: t.tau_N for b, t in taus.items()},
         ddtree_surrogate_tau={b: t.surrogate_tau_N for b, t in taus.items()},
     )
@@ -112,8 +127,10 @@ def _sample_pieces(data: EvalData, order: np.ndarray, cfg: EvalConfig, n_draft: 
         try:
             return dataset.torch(i)
         except (OSError, ValueError, pa.ArrowException) as exc:  # what unreadable or inconsistent data raises
-            raise ValueError(f"cannot read sample {data.sample_ids[position]} (dataset index {i}) of '{data.root}': "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise ValueError(
+                f"cannot read sample {data.sample_ids[position]} (dataset index {i}) of '{data.root}': "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     with ThreadPoolExecutor(max_workers=cfg.load_threads, thread_name_prefix="eval-data") as pool:
         window: list[tuple[int, Future]] = []
@@ -129,10 +146,21 @@ def _sample_pieces(data: EvalData, order: np.ndarray, cfg: EvalConfig, n_draft: 
                 window.append((nxt, pool.submit(load, nxt)))
             sample = future.result()
             anchors_A, valid_len_A = block_anchors(
-                sample["loss_mask"], n_draft, min_valid_len=cfg.min_valid_len, max_anchors=cfg.max_anchors,
-                seed=cfg.seed, sample_id=data.sample_ids[position])
-            yield Piece(position, sample["input_ids"], sample["hidden"], anchors_A, valid_len_A,
-                        block_targets(sample["topk_ids"][:, 0], anchors_A, n_draft))
+                sample["loss_mask"],
+                n_draft,
+                min_valid_len=cfg.min_valid_len,
+                max_anchors=cfg.max_anchors,
+                seed=cfg.seed,
+                sample_id=data.sample_ids[position],
+            )
+            yield Piece(
+                position,
+                sample["input_ids"],
+                sample["hidden"],
+                anchors_A,
+                valid_len_A,
+                block_targets(sample["topk_ids"][:, 0], anchors_A, n_draft),
+            )
 
 
 def _progress(cfg: EvalConfig, total: int):
@@ -141,8 +169,9 @@ def _progress(cfg: EvalConfig, total: int):
     return tqdm(total=total, disable=not cfg.progress, unit="sample", dynamic_ncols=True, file=sys.stderr)
 
 
-def run_blocks(models: Sequence[EvalModel], data: EvalData, cfg: EvalConfig, runtime: Runtime,
-               bucket_of_sample: np.ndarray) -> tuple[BlockTable, list[DraftScores]]:
+def run_blocks(
+    models: Sequence[EvalModel], data: EvalData, cfg: EvalConfig, runtime: Runtime, bucket_of_sample: np.ndarray
+) -> tuple[BlockTable, list[DraftScores]]:
     """Draft every block of `data` with every model (one pass over the data) and score the drafts."""
     block_sizes = {m.block_size for m in models}
     if len(block_sizes) != 1:
@@ -158,6 +187,7 @@ def run_blocks(models: Sequence[EvalModel], data: EvalData, cfg: EvalConfig, run
     per_forward = runtime.blocks_per_forward(cfg)
     n_blocks = 0
     try:
+
         def pieces() -> Iterator[Piece]:
             for piece in _sample_pieces(data, order, cfg, n_draft):
                 bar.update(1)
@@ -166,9 +196,14 @@ def run_blocks(models: Sequence[EvalModel], data: EvalData, cfg: EvalConfig, run
 
         for group in pack_pieces(pieces(), per_forward):
             # Only the per-block fields are kept: a piece holds its whole sample's hidden states.
-            blocks.append((torch.cat([torch.full((p.n_blocks,), p.sample, dtype=torch.long) for p in group]),
-                           torch.cat([p.anchors_A for p in group]), torch.cat([p.valid_len_A for p in group]),
-                           torch.cat([p.target_ids_AD for p in group])))
+            blocks.append(
+                (
+                    torch.cat([torch.full((p.n_blocks,), p.sample, dtype=torch.long) for p in group]),
+                    torch.cat([p.anchors_A for p in group]),
+                    torch.cat([p.valid_len_A for p in group]),
+                    torch.cat([p.target_ids_AD for p in group]),
+                )
+            )
             _, _, valid_len, target_ids = blocks[-1]
             what = f"samples {sorted({data.sample_ids[p.sample] for p in group})[:3]}"
             for m, model in enumerate(models):
@@ -180,22 +215,34 @@ def run_blocks(models: Sequence[EvalModel], data: EvalData, cfg: EvalConfig, run
                     parts[m][-_SCORING_BACKLOG - 1].result()
             n_blocks += len(valid_len)
             bar.set_postfix(blocks=n_blocks, refresh=False)
-        scores = [DraftScores.concat([p.result() if isinstance(p, Future) else p for p in ps], n_draft, budgets)
-                  for ps in parts]
+        scores = [
+            DraftScores.concat([p.result() if isinstance(p, Future) else p for p in ps], n_draft, budgets)
+            for ps in parts
+        ]
     finally:
         bar.close()
         if scorer is not None:
             scorer.shutdown(wait=True, cancel_futures=True)
 
-    columns = [torch.cat(c) for c in zip(*blocks)] if blocks else [
-        torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-        torch.zeros(0, n_draft, dtype=torch.long)]
+    columns = (
+        [torch.cat(c) for c in zip(*blocks)]
+        if blocks
+        else [
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, n_draft, dtype=torch.long),
+        ]
+    )
     sample_N, anchor_N, valid_len_N, target_ids_ND = columns
     # Back to (sample, anchor) order, so the result does not depend on the processing order.
     order_N = torch.from_numpy(np.lexsort((anchor_N.numpy(), sample_N.numpy())))
     sample_N = sample_N[order_N]
     table = BlockTable(
-        sample_N=sample_N, anchor_N=anchor_N[order_N], valid_len_N=valid_len_N[order_N], target_ids_ND=target_ids_ND[order_N],
+        sample_N=sample_N,
+        anchor_N=anchor_N[order_N],
+        valid_len_N=valid_len_N[order_N],
+        target_ids_ND=target_ids_ND[order_N],
         bucket_N=torch.from_numpy(np.asarray(bucket_of_sample, dtype=np.int64))[sample_N],
     )
     return table, [s.take(order_N) for s in scores]

@@ -40,8 +40,9 @@ class EvalData:
         return int(self.indices.size)
 
 
-def select_eval_data(dataset, root: str, *, split: str, holdout_fraction: float | None, max_samples: int | None,
-                     split_reason: str = "") -> EvalData:
+def select_eval_data(
+    dataset, root: str, *, split: str, holdout_fraction: float | None, max_samples: int | None, split_reason: str = ""
+) -> EvalData:
     """The samples of `dataset` to evaluate: all, or its `is_holdout(id, holdout_fraction)` split."""
     from train.data import holdout_mask, spread_subset
 
@@ -51,8 +52,10 @@ def select_eval_data(dataset, root: str, *, split: str, holdout_fraction: float 
     if split == "holdout":
         if holdout_fraction is None or holdout_fraction <= 0.0:
             raise ValueError(
-                f"split=holdout needs a positive holdout fraction, got {holdout_fraction!r}: the run held nothing out, so every "
-                f"sample of '{root}' was trained on; evaluate held-out shards with --data, or pass split=all to measure the "
+                f"split=holdout needs a positive holdout fraction, got {holdout_fraction!r}: the run held nothing "
+                "out, so every "
+                f"sample of '{root}' was trained on; evaluate held-out shards with --data, or pass split=all to "
+                "measure the "
                 f"training samples on purpose"
             )
         chosen = np.flatnonzero(holdout_mask(all_ids, holdout_fraction)).astype(np.int64)
@@ -62,13 +65,23 @@ def select_eval_data(dataset, root: str, *, split: str, holdout_fraction: float 
         raise AssertionError(split)
     chosen = spread_subset(all_ids, chosen, max_samples, _SUBSET_SALT)
     if chosen.size == 0:
-        raise ValueError(f"no samples to evaluate in '{root}' (split={split}, holdout_fraction={holdout_fraction}, {len(all_ids)} in the dataset)")
+        raise ValueError(
+            f"no samples to evaluate in '{root}' (split={split}, holdout_fraction={holdout_fraction}, "
+            f"{len(all_ids)} in the dataset)"
+        )
     name = Path(str(root).rstrip("/")).name or "data"
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", name) + ("-holdout" if split == "holdout" else "")
     return EvalData(
-        dataset=dataset, root=str(root), name=name, indices=chosen, sample_ids=[all_ids[i] for i in chosen],
-        lengths=all_lengths[chosen], split=split, split_reason=split_reason,
-        holdout_fraction=holdout_fraction if split == "holdout" else None, samples_in_dataset=len(all_ids),
+        dataset=dataset,
+        root=str(root),
+        name=name,
+        indices=chosen,
+        sample_ids=[all_ids[i] for i in chosen],
+        lengths=all_lengths[chosen],
+        split=split,
+        split_reason=split_reason,
+        holdout_fraction=holdout_fraction if split == "holdout" else None,
+        samples_in_dataset=len(all_ids),
     )
 
 
@@ -88,7 +101,9 @@ def trained_on(info: CheckpointInfo, root: str, manifest: dict) -> bool:
     return _same_path(info.train_value("data.shards"), root)
 
 
-def choose_split(cfg: EvalConfig, infos: Sequence[CheckpointInfo], root: str, manifest: dict) -> tuple[str, float | None, str]:
+def choose_split(
+    cfg: EvalConfig, infos: Sequence[CheckpointInfo], root: str, manifest: dict
+) -> tuple[str, float | None, str]:
     """(split, holdout fraction, reason in words) for `cfg.split`, see the module docstring."""
     trained = [info for info in infos if trained_on(info, root, manifest)]
     names = ", ".join(info.label for info in trained)
@@ -97,7 +112,11 @@ def choose_split(cfg: EvalConfig, infos: Sequence[CheckpointInfo], root: str, ma
         split = "holdout" if trained else "all"
     if split == "all":
         if trained:
-            return "all", None, f"every sample, although {names} trained on this dataset (split=all): partly training data"
+            return (
+                "all",
+                None,
+                f"every sample, although {names} trained on this dataset (split=all): partly training data",
+            )
         why = "auto: no run trained on this dataset" if cfg.split == "auto" else "split=all"
         return "all", None, f"every sample ({why})"
     fractions = [info.train_value("data.holdout_fraction") for info in (trained or infos[:1])]
@@ -105,7 +124,9 @@ def choose_split(cfg: EvalConfig, infos: Sequence[CheckpointInfo], root: str, ma
         fraction, source = cfg.holdout_fraction, "config key 'holdout_fraction'"
     else:
         if any(f is None for f in fractions):
-            raise ValueError("split=holdout: the run's train config has no data.holdout_fraction; set holdout_fraction=")
+            raise ValueError(
+                "split=holdout: the run's train config has no data.holdout_fraction; set holdout_fraction="
+            )
         fraction = float(min(fractions))
         source = "the run's data.holdout_fraction" + (" (the smaller of the two runs')" if len(fractions) > 1 else "")
     trained_note = f"this dataset trained {names}" if trained else "no run trained on this dataset"

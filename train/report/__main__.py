@@ -21,7 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(report.summary)
-    print(f"\nwrote {report.out_dir / 'report.md'}" + (f" and {len(report.plots)} plot(s): {', '.join(report.plots.values())}" if report.plots else ""))
+    print(
+        f"\nwrote {report.out_dir / 'report.md'}"
+        + (f" and {len(report.plots)} plot(s): {', '.join(report.plots.values())}" if report.plots else "")
+    )
     return 0
 
 

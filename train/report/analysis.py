@@ -13,7 +13,19 @@ import numpy as np
 
 from train.report.config import ReportConfig
 from train.report.load import BucketPlan, Metrics, Run
-from train.report.stats import Mixture, eta_squared, finite, fit_mixture2, linear_gain, longest_run, quantile, ranges, sarle_bc, smooth, trend_with_groups
+from train.report.stats import (
+    Mixture,
+    eta_squared,
+    finite,
+    fit_mixture2,
+    linear_gain,
+    longest_run,
+    quantile,
+    ranges,
+    sarle_bc,
+    smooth,
+    trend_with_groups,
+)
 
 __all__ = ["RunAnalysis", "analyse_run", "smooth_window", "latest_window", "phase_of", "mean_of"]
 
@@ -79,18 +91,29 @@ def grad_report(m: Metrics, cfg: ReportConfig) -> GradReport:
         rows = phase == i
         g = finite(grad[rows])
         clip = m.clipped[rows & np.isfinite(grad)]
-        phases.append(Phase(
-            index=i + 1, first_step=int(math.ceil(edges[i])), last_step=int(math.ceil(edges[i + 1])) - 1, n=int(g.size),
-            grad_median=quantile(g, 0.5), grad_p95=quantile(g, 0.95), grad_max=float(g.max()) if g.size else math.nan,
-            clipped_share=float(clip.mean()) if clip.size and "clipped" in m.present else math.nan,
-            tok_s_median=quantile(m.tok_s[rows & m.valid], 0.5),
-        ))
+        phases.append(
+            Phase(
+                index=i + 1,
+                first_step=int(math.ceil(edges[i])),
+                last_step=int(math.ceil(edges[i + 1])) - 1,
+                n=int(g.size),
+                grad_median=quantile(g, 0.5),
+                grad_p95=quantile(g, 0.95),
+                grad_max=float(g.max()) if g.size else math.nan,
+                clipped_share=float(clip.mean()) if clip.size and "clipped" in m.present else math.nan,
+                tok_s_median=quantile(m.tok_s[rows & m.valid], 0.5),
+            )
+        )
     note = ""
     if "grad_norm" not in m.present or not np.isfinite(grad).any():
         note = "no finite grad_norm in the log: gradient analysis skipped."
     elif m.n < cfg.n_phases:
         note = f"only {m.n} step(s) for {cfg.n_phases} phases: some phases are empty."
-    ratio = phases[-1].grad_median / phases[0].grad_median if phases[0].n and phases[-1].n and phases[0].grad_median > 0 else math.nan
+    ratio = (
+        phases[-1].grad_median / phases[0].grad_median
+        if phases[0].n and phases[-1].n and phases[0].grad_median > 0
+        else math.nan
+    )
     warmup_end = None
     clipped_after = math.nan
     if np.isfinite(m.lr).any():
@@ -100,7 +123,9 @@ def grad_report(m: Metrics, cfg: ReportConfig) -> GradReport:
         after = (m.step > warmup_end) & np.isfinite(grad)
         if after.any() and "clipped" in m.present:
             clipped_after = float(m.clipped[after].mean())
-    return GradReport(phases=phases, ratio=ratio, warmup_end_step=warmup_end, clipped_after_warmup=clipped_after, note=note)
+    return GradReport(
+        phases=phases, ratio=ratio, warmup_end_step=warmup_end, clipped_after_warmup=clipped_after, note=note
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,7 +144,9 @@ class LossDistribution:
     mixture: Mixture | None = None
     bimodal: bool = False
     eta2: float = math.nan  # share of loss variance explained by bucket
-    by_bucket: list[tuple[int, int, float, float]] = field(default_factory=list)  # bucket, n, mean, share in the high mode
+    by_bucket: list[tuple[int, int, float, float]] = field(
+        default_factory=list
+    )  # bucket, n, mean, share in the high mode
     note: str = ""
 
 
@@ -128,15 +155,23 @@ def loss_distribution(m: Metrics, window: np.ndarray, cfg: ReportConfig) -> Loss
     if loss.size == 0:
         return LossDistribution(n=0, first_step=None, note="no step with a finite loss: loss distribution skipped.")
     out = LossDistribution(
-        n=int(loss.size), first_step=int(m.step[window[0]]), mean=float(loss.mean()), median=float(np.median(loss)),
-        p10=float(np.quantile(loss, 0.1)), p90=float(np.quantile(loss, 0.9)), bc=sarle_bc(loss), mixture=fit_mixture2(loss),
+        n=int(loss.size),
+        first_step=int(m.step[window[0]]),
+        mean=float(loss.mean()),
+        median=float(np.median(loss)),
+        p10=float(np.quantile(loss, 0.1)),
+        p90=float(np.quantile(loss, 0.9)),
+        bc=sarle_bc(loss),
+        mixture=fit_mixture2(loss),
     )
     mix = out.mixture
     if mix is None:
         out.note = f"{loss.size} step(s) in the window: too few (or all equal) for a bimodality test."
         return out
     out.bimodal = bool(
-        out.bc > cfg.bimodality_bc and mix.two_better and mix.separation > cfg.bimodality_separation
+        out.bc > cfg.bimodality_bc
+        and mix.two_better
+        and mix.separation > cfg.bimodality_separation
         and min(mix.weights) >= cfg.bimodality_min_weight
     )
     buckets = m.bucket[window]
@@ -144,7 +179,9 @@ def loss_distribution(m: Metrics, window: np.ndarray, cfg: ReportConfig) -> Loss
         out.eta2 = eta_squared(loss, buckets)
         for b in np.unique(buckets):
             rows = buckets == b
-            out.by_bucket.append((int(b), int(rows.sum()), float(loss[rows].mean()), float((mix.labels[rows] == 1).mean())))
+            out.by_bucket.append(
+                (int(b), int(rows.sum()), float(loss[rows].mean()), float((mix.labels[rows] == 1).mean()))
+            )
     else:
         out.note = "fewer than two buckets in the window: cannot tell whether modes line up with buckets."
     return out
@@ -209,15 +246,24 @@ def composition(run: Run, window: np.ndarray) -> Composition:
         all_rows = m.bucket == bid
         w = all_rows & in_window
         k = sorted(planned).index(bid) if bid in planned else None
-        rows.append(BucketRow(
-            id=bid, label=b.label, n_window=int(w.sum()), n_total=int(all_rows.sum()),
-            loss=mean_of(m.loss[w]), acc=mean_of(acc_mean[w]), acc1=mean_of(m.acc[w, 0]) if m.acc.shape[1] else math.nan,
-            streak=mean_of(m.streak[w]), batch_share=float(all_rows.mean()) if m.n else math.nan,
-            planned_share=_share([p.batches for p in plan_list], k) if k is not None else math.nan,
-            sample_share=_share([p.samples for p in plan_list], k) if k is not None else math.nan,
-            token_share=_share([p.tokens for p in plan_list], k) if k is not None else math.nan,
-            pad_eff=mean_of(m.pad_eff[all_rows]), planned_pad_eff=b.pad_eff if b.pad_eff is not None else math.nan,
-        ))
+        rows.append(
+            BucketRow(
+                id=bid,
+                label=b.label,
+                n_window=int(w.sum()),
+                n_total=int(all_rows.sum()),
+                loss=mean_of(m.loss[w]),
+                acc=mean_of(acc_mean[w]),
+                acc1=mean_of(m.acc[w, 0]) if m.acc.shape[1] else math.nan,
+                streak=mean_of(m.streak[w]),
+                batch_share=float(all_rows.mean()) if m.n else math.nan,
+                planned_share=_share([p.batches for p in plan_list], k) if k is not None else math.nan,
+                sample_share=_share([p.samples for p in plan_list], k) if k is not None else math.nan,
+                token_share=_share([p.tokens for p in plan_list], k) if k is not None else math.nan,
+                pad_eff=mean_of(m.pad_eff[all_rows]),
+                planned_pad_eff=b.pad_eff if b.pad_eff is not None else math.nan,
+            )
+        )
     logged = m.bucket[m.bucket >= 0]
     length, value, start = longest_run(logged)
     first_step = int(m.step[m.bucket >= 0][start]) if length else None
@@ -227,9 +273,14 @@ def composition(run: Run, window: np.ndarray) -> Composition:
     elif "bucket" not in m.present:
         note = "the log has no bucket ids: per-bucket numbers are empty; only the plan is shown."
     return Composition(
-        rows=rows, longest_run=length, longest_run_bucket=value, longest_run_first_step=first_step,
-        pad_eff=mean_of(m.pad_eff), planned_pad_eff=plan.pad_eff if plan and plan.pad_eff is not None else math.nan,
-        n_buckets_seen=len(seen), note=note,
+        rows=rows,
+        longest_run=length,
+        longest_run_bucket=value,
+        longest_run_first_step=first_step,
+        pad_eff=mean_of(m.pad_eff),
+        planned_pad_eff=plan.pad_eff if plan and plan.pad_eff is not None else math.nan,
+        n_buckets_seen=len(seen),
+        note=note,
     )
 
 
@@ -291,13 +342,19 @@ def continuity(m: Metrics, cfg: ReportConfig) -> Continuity:
     expected = np.arange(1, steps[-1] + 1) if m.n else np.zeros(0, dtype=np.int64)
     missing = ranges(np.setdiff1d(expected, steps))
     ckpt_steps = [int(s) for s in steps[m.ckpt]]
-    near = [(a, b, mark) for a, b in missing if (mark := _near(a, ckpt_steps, 0, 2) or _near(b, ckpt_steps, 2, 0)) is not None]
+    near = [
+        (a, b, mark)
+        for a, b in missing
+        if (mark := _near(a, ckpt_steps, 0, 2) or _near(b, ckpt_steps, 2, 0)) is not None
+    ]
     stalls, median_interval = _stalls(m, cfg, ckpt_steps)
     time = m.time
     wall = float(np.nanmax(time) - np.nanmin(time)) if np.isfinite(time).sum() >= 2 else math.nan
     epoch = m.epoch
     ok = np.flatnonzero(np.isfinite(epoch))
-    decreases = [(int(steps[j]), float(epoch[i]), float(epoch[j])) for i, j in zip(ok[:-1], ok[1:]) if epoch[j] < epoch[i] - 1e-9]
+    decreases = [
+        (int(steps[j]), float(epoch[i]), float(epoch[j])) for i, j in zip(ok[:-1], ok[1:]) if epoch[j] < epoch[i] - 1e-9
+    ]
     fractional = bool(ok.size and np.any(np.abs(epoch[ok] - np.round(epoch[ok])) > 1e-9))
     if "epoch" not in m.present:
         notes.append("epoch is not logged: epoch progression skipped.")
@@ -305,21 +362,36 @@ def continuity(m: Metrics, cfg: ReportConfig) -> Continuity:
         notes.append("epoch is logged only as whole numbers: the contract asks for a fraction.")
     if m.duplicates:
         shown = ", ".join(f"{a}–{b}" if a != b else str(a) for a, b in ranges(m.duplicates)[:5])
-        notes.append(f"{len(m.duplicates)} step(s) were logged more than once ({shown}): a resume re-ran them; the later record is used.")
+        notes.append(
+            f"{len(m.duplicates)} step(s) were logged more than once ({shown}): a resume re-ran them; the later "
+            "record is used."
+        )
     for before, after in m.backward_jumps[:5]:
         notes.append(f"the log goes back from step {before} to step {after} (resume from an earlier checkpoint).")
     tok_s = m.tok_s[m.valid]
     tok_s_f = finite(tok_s)
     return Continuity(
-        first_step=int(steps[0]) if m.n else None, last_step=int(steps[-1]) if m.n else None,
-        missing=missing, n_missing=int(sum(b - a + 1 for a, b in missing)), missing_near_ckpt=near, ckpt_steps=ckpt_steps,
-        stalls=stalls, median_interval=median_interval, wall_seconds=wall,
-        epoch_first=float(epoch[ok[0]]) if ok.size else math.nan, epoch_last=float(epoch[ok[-1]]) if ok.size else math.nan,
-        epoch_decreases=decreases, epoch_fractional=fractional,
-        tok_s_median=quantile(tok_s_f, 0.5), tok_s_p10=quantile(tok_s_f, 0.1), tok_s_p90=quantile(tok_s_f, 0.9),
+        first_step=int(steps[0]) if m.n else None,
+        last_step=int(steps[-1]) if m.n else None,
+        missing=missing,
+        n_missing=int(sum(b - a + 1 for a, b in missing)),
+        missing_near_ckpt=near,
+        ckpt_steps=ckpt_steps,
+        stalls=stalls,
+        median_interval=median_interval,
+        wall_seconds=wall,
+        epoch_first=float(epoch[ok[0]]) if ok.size else math.nan,
+        epoch_last=float(epoch[ok[-1]]) if ok.size else math.nan,
+        epoch_decreases=decreases,
+        epoch_fractional=fractional,
+        tok_s_median=quantile(tok_s_f, 0.5),
+        tok_s_p10=quantile(tok_s_f, 0.1),
+        tok_s_p90=quantile(tok_s_f, 0.9),
         tok_s_cv=float(tok_s_f.std() / tok_s_f.mean()) if tok_s_f.size >= 2 and tok_s_f.mean() > 0 else math.nan,
-        fetch_median=quantile(m.fetch_frac, 0.5), fetch_p95=quantile(m.fetch_frac, 0.95),
-        step_time_median=quantile(m.step_time, 0.5), notes=notes,
+        fetch_median=quantile(m.fetch_frac, 0.5),
+        fetch_p95=quantile(m.fetch_frac, 0.95),
+        step_time_median=quantile(m.step_time, 0.5),
+        notes=notes,
     )
 
 
@@ -383,14 +455,29 @@ def learning(m: Metrics, window: np.ndarray, cfg: ReportConfig) -> Learning:
         tail_first = int(m.step[tail[0]])
         gain = _tail_gain(m, tail)
     lr = m.lr
-    lr_end = float(lr[np.flatnonzero(np.isfinite(lr))[-1]] / np.nanmax(lr)) if np.isfinite(lr).any() and np.nanmax(lr) > 0 else math.nan
+    lr_end = (
+        float(lr[np.flatnonzero(np.isfinite(lr))[-1]] / np.nanmax(lr))
+        if np.isfinite(lr).any() and np.nanmax(lr) > 0
+        else math.nan
+    )
     levels, identical = _bucket_levels(m, tail, cfg.bucket_min_steps)
     spread = max(levels.values()) - min(levels.values()) if len(levels) >= 2 else math.nan
     if len(levels) < 2:
-        notes.append(f"fewer than two buckets with at least {cfg.bucket_min_steps} steps in the last {cfg.flat_frac:.0%} of the run: accuracy across lengths not compared.")
+        notes.append(
+            f"fewer than two buckets with at least {cfg.bucket_min_steps} steps in the last {cfg.flat_frac:.0%} of "
+            "the run: accuracy across lengths not compared."
+        )
     return Learning(
-        position_latest=latest, position_first=first, acc_gain_tail=gain, tail_first_step=tail_first, lr_end_share=lr_end,
-        resets=_resets(m, cfg), length_spread=spread, length_levels=levels, length_identical=identical, notes=notes,
+        position_latest=latest,
+        position_first=first,
+        acc_gain_tail=gain,
+        tail_first_step=tail_first,
+        lr_end_share=lr_end,
+        resets=_resets(m, cfg),
+        length_spread=spread,
+        length_levels=levels,
+        length_identical=identical,
+        notes=notes,
     )
 
 
@@ -432,7 +519,14 @@ def _resets(m: Metrics, cfg: ReportConfig) -> list[Reset]:
     events = []
     for k in np.flatnonzero(rising & ~np.concatenate([[False], rising[:-1]]))[:5]:
         i = start + k
-        events.append(Reset(step=int(steps[i]), loss=float(loss[i]), best=float(best[k]), context=_reset_context(m, int(steps[i]), smooth_window(valid.size, cfg))))
+        events.append(
+            Reset(
+                step=int(steps[i]),
+                loss=float(loss[i]),
+                best=float(best[k]),
+                context=_reset_context(m, int(steps[i]), smooth_window(valid.size, cfg)),
+            )
+        )
     return events
 
 
@@ -478,6 +572,12 @@ def analyse_run(run: Run, cfg: ReportConfig) -> RunAnalysis:
     window = latest_window(m, cfg)
     comp = composition(run, window)
     return RunAnalysis(
-        run=run, window=window, smooth=smooth_window(int(m.valid.sum()), cfg), grad=grad_report(m, cfg),
-        loss=loss_distribution(m, window, cfg), comp=comp, cont=continuity(m, cfg), learn=learning(m, window, cfg),
+        run=run,
+        window=window,
+        smooth=smooth_window(int(m.valid.sum()), cfg),
+        grad=grad_report(m, cfg),
+        loss=loss_distribution(m, window, cfg),
+        comp=comp,
+        cont=continuity(m, cfg),
+        learn=learning(m, window, cfg),
     )

@@ -32,11 +32,24 @@ def compare_configs(runs: list[Run], cfg: ReportConfig) -> list[ConfigDiff]:
     for run in runs[1:]:
         if base.config is None or run.config is None:
             missing = base.name if base.config is None else run.name
-            diffs.append(ConfigDiff(run=run.name, differing=[], unexpected=[], note=f"config.json of {missing} is missing: configs not compared."))
+            diffs.append(
+                ConfigDiff(
+                    run=run.name,
+                    differing=[],
+                    unexpected=[],
+                    note=f"config.json of {missing} is missing: configs not compared.",
+                )
+            )
             continue
         a, b = _comparable(base), _comparable(run)
-        differing = [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
-        unexpected = [k for k, _, _ in differing if not matches_any(k, cfg.ablated) and not matches_any(k, cfg.config_ignore)]
+        differing = [
+            (k, a.get(k, "<absent>"), b.get(k, "<absent>"))
+            for k in sorted(set(a) | set(b))
+            if a.get(k, "<absent>") != b.get(k, "<absent>")
+        ]
+        unexpected = [
+            k for k, _, _ in differing if not matches_any(k, cfg.ablated) and not matches_any(k, cfg.config_ignore)
+        ]
         note = ""
         if cfg.ablated and not any(matches_any(k, cfg.ablated) for k, _, _ in differing):
             note = f"{run.name} does not differ from {base.name} in any ablated key ({', '.join(cfg.ablated)})."
@@ -67,7 +80,9 @@ def compare_at_common(analyses: list[RunAnalysis], axis: str) -> CommonPoint:
         x = a.m.step.astype(np.float64) if axis == "step" else a.m.tokens
         ends.append(float(np.nanmax(x)) if np.isfinite(x).any() else math.nan)
     if not all(np.isfinite(ends)):
-        return CommonPoint(axis=axis, at=math.nan, values=[], note=f"a run logs no {axis}: comparison at equal {axis} skipped.")
+        return CommonPoint(
+            axis=axis, at=math.nan, values=[], note=f"a run logs no {axis}: comparison at equal {axis} skipped."
+        )
     at = min(ends)
     values = []
     for a in analyses:
@@ -77,6 +92,6 @@ def compare_at_common(analyses: list[RunAnalysis], axis: str) -> CommonPoint:
             values.append((a.run.name, math.nan, math.nan, math.nan))
             continue
         rows = np.flatnonzero(valid)
-        last = rows[-a.smooth:]
+        last = rows[-a.smooth :]
         values.append((a.run.name, mean_of(a.m.loss[last]), mean_of(a.m.acc_mean[last]), mean_of(a.m.tau[last])))
     return CommonPoint(axis=axis, at=at, values=values)

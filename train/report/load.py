@@ -21,11 +21,35 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Metrics", "BucketPlan", "DataPlan", "Run", "load_run", "resolve_run_dir", "parse_metrics_lines", "read_data_plan", "FLOAT_KEYS"]
+__all__ = [
+    "Metrics",
+    "BucketPlan",
+    "DataPlan",
+    "Run",
+    "load_run",
+    "resolve_run_dir",
+    "parse_metrics_lines",
+    "read_data_plan",
+    "FLOAT_KEYS",
+]
 
 FLOAT_KEYS = (
-    "epoch", "time", "loss", "streak", "tau", "grad_norm", "lr", "tokens", "batch_tokens",
-    "batch_samples", "block_tokens", "tok_s", "step_time", "fetch_frac", "pad_eff", "mean_len",
+    "epoch",
+    "time",
+    "loss",
+    "streak",
+    "tau",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "batch_tokens",
+    "batch_samples",
+    "block_tokens",
+    "tok_s",
+    "step_time",
+    "fetch_frac",
+    "pad_eff",
+    "mean_len",
 )
 FLAG_KEYS = ("clipped", "skipped", "ckpt")
 # Keys whose absence disables a part of the report; the rest are merely shown as missing.
@@ -36,13 +60,13 @@ ESSENTIAL_KEYS = ("step", "loss", "acc", "grad_norm", "bucket", "time", "epoch",
 class Metrics:
     """One row per logged step, sorted by step, one record per step (the last one logged wins)."""
 
-    step: np.ndarray            # int64 [N]
+    step: np.ndarray  # int64 [N]
     cols: dict[str, np.ndarray]  # FLOAT_KEYS -> float64 [N], FLAG_KEYS -> bool [N]
-    bucket: np.ndarray          # int64 [N], -1 where absent
-    acc: np.ndarray             # float64 [N, P], P = block positions 1..P (NaN where absent)
-    present: frozenset[str]     # keys seen in at least one record
+    bucket: np.ndarray  # int64 [N], -1 where absent
+    acc: np.ndarray  # float64 [N, P], P = block positions 1..P (NaN where absent)
+    present: frozenset[str]  # keys seen in at least one record
     skips: list[dict[str, Any]]  # {step, reason, sample_ids} of skipped steps
-    duplicates: list[int]       # steps logged more than once (a resume that re-ran them)
+    duplicates: list[int]  # steps logged more than once (a resume that re-ran them)
     backward_jumps: list[tuple[int, int]]  # (from step, to step) where the log went back
 
     @property
@@ -123,7 +147,9 @@ def resolve_run_dir(word: str) -> Path:
     under_runs = Path("runs") / word
     if not path.is_absolute() and under_runs.is_dir():
         return under_runs
-    raise ValueError(f"run directory '{word}' does not exist" + (f" (nor does '{under_runs}')" if not path.is_absolute() else ""))
+    raise ValueError(
+        f"run directory '{word}' does not exist" + (f" (nor does '{under_runs}')" if not path.is_absolute() else "")
+    )
 
 
 def load_run(word: str) -> Run:
@@ -137,12 +163,27 @@ def load_run(word: str) -> Run:
     config = _read_optional_json(path / "config.json", notes, "config comparison between runs is skipped")
     run_info = _read_optional_json(path / "run.json", notes, "shards provenance is not compared")
     plan = None
-    raw_plan = _read_optional_json(path / "data_plan.json", notes, "planned bucket shares, sample shares and planned padding efficiency are skipped; buckets are taken from the log alone")
+    raw_plan = _read_optional_json(
+        path / "data_plan.json",
+        notes,
+        "planned bucket shares, sample shares and planned padding efficiency are skipped; buckets are taken from "
+        "the log alone",
+    )
     if raw_plan is not None:
         plan = read_data_plan(raw_plan)
         if plan.not_found:
-            notes.append(f"data_plan.json has no {', '.join(plan.not_found)}; the parts of the report that need them say so.")
-    return Run(name=path.name or str(path), path=path, metrics=metrics, config=config, run_info=run_info, plan=plan, notes=notes)
+            notes.append(
+                f"data_plan.json has no {', '.join(plan.not_found)}; the parts of the report that need them say so."
+            )
+    return Run(
+        name=path.name or str(path),
+        path=path,
+        metrics=metrics,
+        config=config,
+        run_info=run_info,
+        plan=plan,
+        notes=notes,
+    )
 
 
 def _read_optional_json(path: Path, notes: list[str], consequence: str) -> Any:
@@ -175,14 +216,20 @@ def parse_metrics_lines(text: str, notes: list[str]) -> list[dict[str, Any]]:
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             if i == last_index:
-                notes.append(f"metrics.jsonl: the last line ({i + 1}) is incomplete (run killed or still writing); it is ignored.")
+                notes.append(
+                    f"metrics.jsonl: the last line ({i + 1}) is incomplete (run killed or still writing); it is "
+                    "ignored."
+                )
             else:
                 bad_middle.append(i + 1)
             continue
         records.append(record)
     if bad_middle:
         shown = ", ".join(map(str, bad_middle[:10])) + (" ..." if len(bad_middle) > 10 else "")
-        notes.append(f"metrics.jsonl: {len(bad_middle)} unreadable line(s) in the middle of the log (lines {shown}); they are ignored.")
+        notes.append(
+            f"metrics.jsonl: {len(bad_middle)} unreadable line(s) in the middle of the log (lines {shown}); they "
+            "are ignored."
+        )
     return records
 
 
@@ -215,11 +262,18 @@ def build_metrics(records: list[dict[str, Any]], notes: list[str]) -> Metrics:
         notes.append(f"metrics.jsonl has no {', '.join(missing)}: the parts of the report that need them are skipped.")
     skips = [
         {"step": r["step"], "reason": r.get("skip_reason") or "not given", "sample_ids": r.get("sample_ids") or []}
-        for r in ordered if r.get("skipped") is True
+        for r in ordered
+        if r.get("skipped") is True
     ]
     return Metrics(
-        step=np.array(sorted(by_step), dtype=np.int64).reshape(n), cols=cols, bucket=bucket, acc=acc,
-        present=present, skips=skips, duplicates=sorted(set(duplicates)), backward_jumps=backward,
+        step=np.array(sorted(by_step), dtype=np.int64).reshape(n),
+        cols=cols,
+        bucket=bucket,
+        acc=acc,
+        present=present,
+        skips=skips,
+        duplicates=sorted(set(duplicates)),
+        backward_jumps=backward,
     )
 
 
@@ -279,7 +333,11 @@ def read_data_plan(raw: Any) -> DataPlan:
     not_found = []
     if not buckets:
         not_found.append("bucket list")
-    for name, what in (("samples", "samples per bucket"), ("tokens", "tokens per bucket"), ("batches", "batches per bucket per epoch")):
+    for name, what in (
+        ("samples", "samples per bucket"),
+        ("tokens", "tokens per bucket"),
+        ("batches", "batches per bucket per epoch"),
+    ):
         if buckets and all(getattr(b, name) is None for b in buckets):
             not_found.append(what)
     if buckets and all(b.lo is None and b.hi is None for b in buckets):
@@ -288,8 +346,14 @@ def read_data_plan(raw: Any) -> DataPlan:
         not_found.append("token budget")
     if pad is None and not any(b.pad_eff is not None for b in buckets):
         not_found.append("planned padding efficiency")
-    return DataPlan(buckets=buckets, token_budget=budget, pad_eff=pad, not_found=not_found,
-                    longest_run=int(longest) if longest is not None else None, excluded=excluded)
+    return DataPlan(
+        buckets=buckets,
+        token_budget=budget,
+        pad_eff=pad,
+        not_found=not_found,
+        longest_run=int(longest) if longest is not None else None,
+        excluded=excluded,
+    )
 
 
 def _first(mapping: dict[str, Any], keys: tuple[str, ...]) -> Any:
@@ -307,7 +371,11 @@ def _number(value: Any) -> float | None:
 
 def _buckets_from_objects(items: Any) -> list[BucketPlan]:
     if isinstance(items, dict):  # {"0": {...}, "1": {...}}
-        items = [{"id": int(k) if str(k).isdigit() else i, **v} for i, (k, v) in enumerate(items.items()) if isinstance(v, dict)]
+        items = [
+            {"id": int(k) if str(k).isdigit() else i, **v}
+            for i, (k, v) in enumerate(items.items())
+            if isinstance(v, dict)
+        ]
     if not isinstance(items, list):
         return []
     buckets = []
@@ -331,7 +399,9 @@ def _buckets_from_lists(raw: dict[str, Any]) -> list[BucketPlan]:
     if n == 0:
         edges = _first(raw, _BOUNDARY_KEYS)
         n = max(len(edges) - 1, 0) if isinstance(edges, list) else 0
-    return [BucketPlan(id=i, **{name: _number(v[i]) if i < len(v) else None for name, v in lists.items()}) for i in range(n)]
+    return [
+        BucketPlan(id=i, **{name: _number(v[i]) if i < len(v) else None for name, v in lists.items()}) for i in range(n)
+    ]
 
 
 def _apply_boundaries(buckets: list[BucketPlan], edges: Any) -> None:

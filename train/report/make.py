@@ -34,10 +34,14 @@ class Report:
         return {a.code for a in self.alarms}
 
 
-def analyse(run_words: list[str], cfg: ReportConfig) -> tuple[list[RunAnalysis], list[ConfigDiff], list[CommonPoint], list[Alarm]]:
+def analyse(
+    run_words: list[str], cfg: ReportConfig
+) -> tuple[list[RunAnalysis], list[ConfigDiff], list[CommonPoint], list[Alarm]]:
     """Everything the report says, without writing anything."""
     if not run_words:
-        raise ValueError("give at least one run directory: python -m train.report RUN_DIR [RUN_DIR ...] [key=value ...]")
+        raise ValueError(
+            "give at least one run directory: python -m train.report RUN_DIR [RUN_DIR ...] [key=value ...]"
+        )
     runs = [load_run(word) for word in run_words]
     analyses = [analyse_run(run, cfg) for run in runs]
     diffs = compare_configs(runs, cfg)
@@ -45,7 +49,9 @@ def analyse(run_words: list[str], cfg: ReportConfig) -> tuple[list[RunAnalysis],
     return analyses, diffs, points, find_alarms(analyses, diffs, cfg)
 
 
-def make_report(run_words: list[str], cfg: ReportConfig | None = None, command: str = "python -m train.report") -> Report:
+def make_report(
+    run_words: list[str], cfg: ReportConfig | None = None, command: str = "python -m train.report"
+) -> Report:
     """Analyse the runs and write report.md and the plots; returns what was written."""
     cfg = cfg or ReportConfig()
     analyses, diffs, points, alarms = analyse(run_words, cfg)
@@ -58,13 +64,24 @@ def make_report(run_words: list[str], cfg: ReportConfig | None = None, command: 
         plots = render_plots(analyses, out_dir)
     markdown = render_markdown(analyses, diffs, points, alarms, cfg, plots, command)
     atomic_write_text(str(out_dir / "report.md"), markdown)
-    return Report(analyses=analyses, diffs=diffs, points=points, alarms=alarms, out_dir=out_dir, plots=plots,
-                  markdown=markdown, summary=render_summary(analyses, alarms, cfg))
+    return Report(
+        analyses=analyses,
+        diffs=diffs,
+        points=points,
+        alarms=alarms,
+        out_dir=out_dir,
+        plots=plots,
+        markdown=markdown,
+        summary=render_summary(analyses, alarms, cfg),
+    )
 
 
 def newest_run(root: Path = Path("runs")) -> str:
     """The most recently written run under runs/, for `make report` without RUN."""
     logs = sorted(root.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
     if not logs:
-        raise ValueError("no run given and no runs/*/metrics.jsonl found: python -m train.report RUN_DIR [RUN_DIR ...] [key=value ...]")
+        raise ValueError(
+            "no run given and no runs/*/metrics.jsonl found: python -m train.report RUN_DIR [RUN_DIR ...] "
+            "[key=value ...]"
+        )
     return str(logs[-1].parent)

@@ -85,7 +85,9 @@ def _raw_and_smooth(ax: Axes, x: np.ndarray, y: np.ndarray, window: int, color: 
         return False
     marker = "o" if ok.sum() < 5 else None  # a line through one point is invisible
     ax.plot(x[ok], y[ok], color=color, lw=0.6, alpha=0.3, label=f"{label} raw")
-    ax.plot(x[ok], smooth(y[ok], window), color=color, lw=2.0, marker=marker, label=f"{label} smoothed ({window} steps)")
+    ax.plot(
+        x[ok], smooth(y[ok], window), color=color, lw=2.0, marker=marker, label=f"{label} smoothed ({window} steps)"
+    )
     return True
 
 
@@ -99,12 +101,20 @@ def _curves(a: RunAnalysis) -> Figure:
     fig.suptitle(f"{a.run.name}: loss, accuracy and τ over steps")
     panels = [
         (axes[0], [(m.loss, "loss", COLORS[0])], "loss (weighted CE)"),
-        (axes[1], [(m.acc_mean, "acc, mean of positions", COLORS[2])] + ([(m.acc[:, 0], "acc @ pos 1", COLORS[3])] if m.acc.shape[1] else []), "accuracy"),
+        (
+            axes[1],
+            [(m.acc_mean, "acc, mean of positions", COLORS[2])]
+            + ([(m.acc[:, 0], "acc @ pos 1", COLORS[3])] if m.acc.shape[1] else []),
+            "accuracy",
+        ),
         (axes[2], [(m.tau, "τ", COLORS[1])], "τ = 1 + mean accepted streak"),
     ]
     valid = m.valid
     for ax, series, ylabel in panels:
-        drawn = [_raw_and_smooth(ax, m.step[valid].astype(float), y[valid], a.smooth, color, label) for y, label, color in series]
+        drawn = [
+            _raw_and_smooth(ax, m.step[valid].astype(float), y[valid], a.smooth, color, label)
+            for y, label, color in series
+        ]
         if any(drawn):
             ax.legend(loc="best", fontsize=8)
         else:
@@ -123,7 +133,9 @@ def _compare(analyses: list[RunAnalysis]) -> Figure:
     axes = fig.subplots(3, 2, sharex="col")
     fig.suptitle("runs overlaid (smoothed): at equal steps (left) and at equal tokens (right)")
     for col, axis in enumerate(("step", "tokens")):
-        for row, (name, ylabel) in enumerate((("loss", "loss"), ("acc_mean", "accuracy (mean of positions)"), ("tau", "τ"))):
+        for row, (name, ylabel) in enumerate(
+            (("loss", "loss"), ("acc_mean", "accuracy (mean of positions)"), ("tau", "τ"))
+        ):
             ax = axes[row, col]
             drawn = False
             for i, a in enumerate(analyses):
@@ -151,11 +163,25 @@ def _positions(analyses: list[RunAnalysis]) -> Figure:
     for i, a in enumerate(analyses):
         latest = a.learn.position_latest
         if latest.size:
-            ax.plot(np.arange(1, latest.size + 1), latest, "o-", color=COLORS[i % len(COLORS)], lw=1.8, label=f"{a.run.name}: latest {a.window.size} steps")
+            ax.plot(
+                np.arange(1, latest.size + 1),
+                latest,
+                "o-",
+                color=COLORS[i % len(COLORS)],
+                lw=1.8,
+                label=f"{a.run.name}: latest {a.window.size} steps",
+            )
             drawn = True
     first = analyses[0].learn.position_first
     if first.size:
-        ax.plot(np.arange(1, first.size + 1), first, "s--", color="0.5", lw=1.2, label=f"{analyses[0].run.name}: first {analyses[0].window.size} steps")
+        ax.plot(
+            np.arange(1, first.size + 1),
+            first,
+            "s--",
+            color="0.5",
+            lw=1.2,
+            label=f"{analyses[0].run.name}: first {analyses[0].window.size} steps",
+        )
     if drawn:
         ax.legend(fontsize=8)
         ax.set_xticks(np.arange(1, analyses[0].learn.position_latest.size + 1))
@@ -186,7 +212,9 @@ def _grad(a: RunAnalysis) -> Figure:
             if p.first_step <= p.last_step:
                 top.axvline(p.first_step, color="0.7", lw=0.6, ls=":")
         if g.warmup_end_step is not None:
-            top.axvline(g.warmup_end_step, color=COLORS[1], lw=1, ls="--", label=f"warm-up end (step {g.warmup_end_step})")
+            top.axvline(
+                g.warmup_end_step, color=COLORS[1], lw=1, ls="--", label=f"warm-up end (step {g.warmup_end_step})"
+            )
         top_scale = _y_scale(top, y)
         top.legend(fontsize=8)
     else:
@@ -205,7 +233,9 @@ def _grad(a: RunAnalysis) -> Figure:
         bottom_scale = _y_scale(bottom, np.array([[p.grad_median, p.grad_max] for p in phases]).ravel())
         bottom.set_ylabel(f"grad norm ({bottom_scale} scale)")
         share = bottom.twinx()
-        share.bar(idx, [100 * p.clipped_share for p in phases], 0.5, color=COLORS[4], alpha=0.3, label="clipped steps (%)")
+        share.bar(
+            idx, [100 * p.clipped_share for p in phases], 0.5, color=COLORS[4], alpha=0.3, label="clipped steps (%)"
+        )
         share.set_ylabel("clipped steps (%)")
         share.set_ylim(0, 100)
         bottom.set_zorder(share.get_zorder() + 1)
@@ -213,7 +243,11 @@ def _grad(a: RunAnalysis) -> Figure:
         handles = bottom.get_legend_handles_labels()
         extra = share.get_legend_handles_labels()
         fig.legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=8, loc="outside lower center", ncol=4)
-        bottom.set_title(f"by phase (tenth of the run): late/early median ratio {g.ratio:.2f}" if math.isfinite(g.ratio) else "by phase")
+        bottom.set_title(
+            f"by phase (tenth of the run): late/early median ratio {g.ratio:.2f}"
+            if math.isfinite(g.ratio)
+            else "by phase"
+        )
     else:
         _nothing(bottom, "no phase holds a finite grad norm")
     bottom.set_xticks(np.arange(1, len(g.phases) + 1))
@@ -233,20 +267,39 @@ def _loss_hist(a: RunAnalysis) -> Figure:
         return fig
     bins = np.histogram_bin_edges(loss, bins=min(40, max(5, loss.size // 5)))
     groups = sorted(set(int(b) for b in buckets))
-    ax.hist([loss[buckets == b] for b in groups], bins=bins, stacked=True, color=[COLORS[(b + 2) % len(COLORS)] if b >= 0 else "0.6" for b in groups],
-            label=[f"bucket {b}" if b >= 0 else "bucket unknown" for b in groups], alpha=0.85)
+    ax.hist(
+        [loss[buckets == b] for b in groups],
+        bins=bins,
+        stacked=True,
+        color=[COLORS[(b + 2) % len(COLORS)] if b >= 0 else "0.6" for b in groups],
+        label=[f"bucket {b}" if b >= 0 else "bucket unknown" for b in groups],
+        alpha=0.85,
+    )
     if d.mixture is not None:
         xs = np.linspace(bins[0], bins[-1], 300)
         width = bins[1] - bins[0]
         for w, mu, sd in zip(d.mixture.weights, d.mixture.means, d.mixture.sds):
-            ax.plot(xs, loss.size * width * w * np.exp(-0.5 * ((xs - mu) / sd) ** 2) / (sd * math.sqrt(2 * math.pi)), "k--", lw=1.2)
+            ax.plot(
+                xs,
+                loss.size * width * w * np.exp(-0.5 * ((xs - mu) / sd) ** 2) / (sd * math.sqrt(2 * math.pi)),
+                "k--",
+                lw=1.2,
+            )
         ax.plot([], [], "k--", label=f"2-component mixture fit (separation D = {d.mixture.separation:.1f})")
-    for value, label, style in ((d.mean, "mean", "-"), (d.median, "median", ":"), (d.p10, "p10", "-."), (d.p90, "p90", "-.")):
+    for value, label, style in (
+        (d.mean, "mean", "-"),
+        (d.median, "median", ":"),
+        (d.p10, "p10", "-."),
+        (d.p90, "p90", "-."),
+    ):
         ax.axvline(value, color=COLORS[1], ls=style, lw=1.2, label=f"{label} {value:.3g}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the tails matter
     ax.set_xlabel("loss per step")
     ax.set_ylabel("steps")
-    ax.set_title(f"{a.run.name}: loss over the last {loss.size} trained steps ({'bimodal' if d.bimodal else 'not bimodal'}; bimodality coeff. {d.bc:.2f})")
+    ax.set_title(
+        f"{a.run.name}: loss over the last {loss.size} trained steps ({'bimodal' if d.bimodal else 'not bimodal'}; "
+        f"bimodality coeff. {d.bc:.2f})"
+    )
     ax.grid(alpha=0.3)
     return fig
 
@@ -262,12 +315,22 @@ def _buckets(a: RunAnalysis) -> Figure:
     else:
         x = np.arange(len(rows))
         labels = [f"{r.id}\nEMPTY" if r.empty else str(r.id) for r in rows]
-        series = [("batches (logged)", [r.batch_share for r in rows]), ("batches (planned)", [r.planned_share for r in rows]),
-                  ("samples (plan)", [r.sample_share for r in rows]), ("tokens (plan)", [r.token_share for r in rows])]
+        series = [
+            ("batches (logged)", [r.batch_share for r in rows]),
+            ("batches (planned)", [r.planned_share for r in rows]),
+            ("samples (plan)", [r.sample_share for r in rows]),
+            ("tokens (plan)", [r.token_share for r in rows]),
+        ]
         width = 0.2
         # Greys and blues here: the bucket colours of the other panels mean buckets, these mean quantities.
         for i, ((label, values), color) in enumerate(zip(series, SHARE_COLORS)):
-            shares.bar(x + (i - 1.5) * width, [100 * v if math.isfinite(v) else 0 for v in values], width, label=label + ("" if any(math.isfinite(v) for v in values) else ": unknown"), color=color)
+            shares.bar(
+                x + (i - 1.5) * width,
+                [100 * v if math.isfinite(v) else 0 for v in values],
+                width,
+                label=label + ("" if any(math.isfinite(v) for v in values) else ": unknown"),
+                color=color,
+            )
         shares.set_xticks(x, labels)
         shares.set_ylabel("share (%)")
         shares.set_xlabel("bucket")
@@ -275,9 +338,20 @@ def _buckets(a: RunAnalysis) -> Figure:
         shares.legend(fontsize=8)
         for ax, name, ylabel in ((acc, "acc", "accuracy (mean of positions)"), (loss, "loss", "loss")):
             values = [getattr(r, name) for r in rows]
-            ax.bar(x, [v if math.isfinite(v) else 0 for v in values], color=[COLORS[(r.id + 2) % len(COLORS)] for r in rows])
+            ax.bar(
+                x,
+                [v if math.isfinite(v) else 0 for v in values],
+                color=[COLORS[(r.id + 2) % len(COLORS)] for r in rows],
+            )
             for xi, r, v in zip(x, rows, values):
-                ax.text(xi, v if math.isfinite(v) else 0, f"n={r.n_window}" if r.n_window else "EMPTY", ha="center", va="bottom", fontsize=8)
+                ax.text(
+                    xi,
+                    v if math.isfinite(v) else 0,
+                    f"n={r.n_window}" if r.n_window else "EMPTY",
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
             ax.set_xticks(x, labels)
             ax.set_xlabel("bucket")
             ax.set_ylabel(ylabel)
@@ -293,7 +367,7 @@ def _buckets(a: RunAnalysis) -> Figure:
         # Show the stretch around the longest same-bucket run: the worst place of the schedule.
         run_at = int(np.searchsorted(m.step[seen], a.comp.longest_run_first_step or m.step[seen[0]]))
         lo = max(0, min(run_at - ORDER_STEPS // 4, seen.size - ORDER_STEPS))
-        shown = seen[lo: lo + ORDER_STEPS]
+        shown = seen[lo : lo + ORDER_STEPS]
         for b in sorted(set(int(v) for v in m.bucket[shown])):
             ticks = shown[m.bucket[shown] == b]
             order.plot(m.step[ticks], m.bucket[ticks], "|", ms=12, mew=1.5, color=COLORS[(b + 2) % len(COLORS)])
@@ -305,7 +379,11 @@ def _buckets(a: RunAnalysis) -> Figure:
         order.set_yticks(ids)
         order.set_ylim(min(ids) - 0.5, max(ids) + 0.5)
         order.set_xlim(first - 1, last + 1)
-        order.set_title(f"order of batches, steps {first}–{last} (one tick per batch;\ngrey: the longest same-bucket run, {a.comp.longest_run} batches)", fontsize=10)
+        order.set_title(
+            f"order of batches, steps {first}–{last} (one tick per batch;\ngrey: the longest same-bucket run, "
+            f"{a.comp.longest_run} batches)",
+            fontsize=10,
+        )
     else:
         _nothing(order, "no bucket ids logged")
     order.set_xlabel("step")
@@ -321,9 +399,13 @@ def _timing(a: RunAnalysis) -> Figure:
     fig.suptitle(f"{a.run.name}: wall clock, throughput, epoch")
     ok = np.flatnonzero(np.isfinite(m.time))
     if ok.size >= 2:
-        interval.plot(m.step[ok[1:]], np.diff(m.time[ok]), color=COLORS[0], lw=0.8, label="seconds between consecutive log lines")
+        interval.plot(
+            m.step[ok[1:]], np.diff(m.time[ok]), color=COLORS[0], lw=0.8, label="seconds between consecutive log lines"
+        )
         if c.stalls:
-            interval.plot([s.step for s in c.stalls], [s.seconds for s in c.stalls], "o", color=COLORS[1], label="stall")
+            interval.plot(
+                [s.step for s in c.stalls], [s.seconds for s in c.stalls], "o", color=COLORS[1], label="stall"
+            )
         for i, s in enumerate(c.ckpt_steps[:100]):
             interval.axvline(s, color="0.6", ls=":", lw=0.8, label="checkpoint save" if i == 0 else None)
         scale = _y_scale(interval, np.diff(m.time[ok]))
@@ -346,7 +428,13 @@ def _timing(a: RunAnalysis) -> Figure:
         for i, (lo, hi) in enumerate(c.missing[:100]):
             epoch.axvspan(lo - 0.5, hi + 0.5, color=COLORS[1], alpha=0.25, label="missing steps" if i == 0 else None)
         if m.skips:
-            epoch.plot([s["step"] for s in m.skips], np.interp([s["step"] for s in m.skips], m.step[fine], m.epoch[fine]), "x", color=COLORS[1], label="skipped step")
+            epoch.plot(
+                [s["step"] for s in m.skips],
+                np.interp([s["step"] for s in m.skips], m.step[fine], m.epoch[fine]),
+                "x",
+                color=COLORS[1],
+                label="skipped step",
+            )
         epoch.legend(fontsize=8)
     else:
         _nothing(epoch, "epoch not logged")

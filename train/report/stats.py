@@ -11,8 +11,17 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
-    "smooth", "finite", "quantile", "sarle_bc", "Mixture", "fit_mixture2", "eta_squared",
-    "longest_run", "linear_gain", "trend_with_groups", "ranges",
+    "smooth",
+    "finite",
+    "quantile",
+    "sarle_bc",
+    "Mixture",
+    "fit_mixture2",
+    "eta_squared",
+    "longest_run",
+    "linear_gain",
+    "trend_with_groups",
+    "ranges",
 ]
 
 
@@ -112,8 +121,11 @@ def fit_mixture2(x: np.ndarray, iterations: int = 200) -> Mixture | None:
     loglik_two = float(np.log(dens.sum(axis=0)).sum())
     loglik_one = float(np.log(_normal_pdf(x, x.mean(), float(np.std(x))) + 1e-300).sum())
     return Mixture(
-        weights=(float(w[0]), float(w[1])), means=(float(mu[0]), float(mu[1])), sds=(float(sd[0]), float(sd[1])),
-        bic_one=-2 * loglik_one + 2 * math.log(n), bic_two=-2 * loglik_two + 5 * math.log(n),
+        weights=(float(w[0]), float(w[1])),
+        means=(float(mu[0]), float(mu[1])),
+        sds=(float(sd[0]), float(sd[1])),
+        bic_one=-2 * loglik_one + 2 * math.log(n),
+        bic_two=-2 * loglik_two + 5 * math.log(n),
         labels=np.argmax(dens, axis=0),
     )
 
@@ -127,7 +139,9 @@ def eta_squared(values: np.ndarray, groups: np.ndarray) -> float:
     total = float(((values - values.mean()) ** 2).sum()) if values.size else 0.0
     if values.size < 2 or total == 0:
         return math.nan
-    between = sum(values[groups == g].size * (values[groups == g].mean() - values.mean()) ** 2 for g in np.unique(groups))
+    between = sum(
+        values[groups == g].size * (values[groups == g].mean() - values.mean()) ** 2 for g in np.unique(groups)
+    )
     return float(between / total)
 
 

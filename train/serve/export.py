@@ -85,9 +85,11 @@ def attention_semantics(cfg: DrafterConfig) -> dict:
 def serving_warnings(cfg: DrafterConfig) -> list[str]:
     """What a serving engine would run differently from training (empty when all engines agree)."""
     if SLIDING_ATTENTION in cfg.layer_types and cfg.sliding_in_block == "bidirectional":
-        return ["sliding_attention layers trained bidirectional inside the block: SGLang runs them causally whatever "
-                "is_causal says, and vLLM's non-causal sliding window is not verified; serve with z-lab's model code or "
-                "this export's dflash.py (docs/serving.md)"]
+        return [
+            "sliding_attention layers trained bidirectional inside the block: SGLang runs them causally whatever "
+            "is_causal says, and vLLM's non-causal sliding window is not verified; serve with z-lab's model code or "
+            "this export's dflash.py (docs/serving.md)"
+        ]
     return []
 
 
@@ -96,12 +98,18 @@ def export_config(cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dic
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if cfg.projection is not None:  # a DFlash runtime feeds full tap features: fc must read them
-        raise ValueError(f"the drafter reads projected features (projection {cfg.projection.get('checksum')}): "
-                         "fold the projection into fc first (train.tiers.fold_projection; train.export does)")
+        raise ValueError(
+            f"the drafter reads projected features (projection {cfg.projection.get('checksum')}): "
+            "fold the projection into fc first (train.tiers.fold_projection; train.export does)"
+        )
     # Rope as trained, every part spelled out: vLLM reads rope_parameters (partial factor included),
     # older readers the top-level keys; the half-split (neox) rotation is what both engines default to.
-    rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": float(cfg.rope_theta),
-                       "partial_rotary_factor": float(cfg.partial_rotary_factor)}
+    rope_parameters = {
+        "rope_type": "default",
+        **(cfg.rope_scaling or {}),
+        "rope_theta": float(cfg.rope_theta),
+        "partial_rotary_factor": float(cfg.partial_rotary_factor),
+    }
     n = cfg.num_hidden_layers
     config = {
         "architectures": [ARCHITECTURE],
@@ -133,7 +141,8 @@ def export_config(cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dic
         "layer_types": list(cfg.layer_types),
         "max_window_layers": n,  # inert: transformers derives layer_types from it only when layer_types is absent
         "sliding_window": cfg.sliding_window,
-        "use_sliding_window": cfg.sliding_window is not None,  # transformers' Qwen3Config drops sliding_window without it
+        "use_sliding_window": cfg.sliding_window
+        is not None,  # transformers' Qwen3Config drops sliding_window without it
         "is_causal": attention_semantics(cfg)["is_causal"],
         "is_neox_style": True,
         "tie_word_embeddings": False,
@@ -206,14 +215,18 @@ def _attention_from_export(config: dict, nested: dict, n: int) -> tuple[list[str
     causal = [c for _, c in per_layer]
     full_causal = [i for i, t in enumerate(layer_types) if t == FULL_ATTENTION and causal[i]]
     if full_causal:
-        raise ValueError(f"exported config: full_attention layers {full_causal} are causal (is_causal / dflash_config.causal); "
-                         "this project's drafter runs full_attention layers bidirectionally")
+        raise ValueError(
+            f"exported config: full_attention layers {full_causal} are causal (is_causal / dflash_config.causal); "
+            "this project's drafter runs full_attention layers bidirectionally"
+        )
     sliding = {causal[i] for i, t in enumerate(layer_types) if t == SLIDING_ATTENTION}
     sliding_in_block = "bidirectional" if sliding == {False} else "causal"
     stated = nested.get("layer_causal")
     if stated is not None and [bool(c) for c in stated] != causal:
-        raise ValueError(f"exported config: dflash_config.layer_causal {stated} disagrees with what the engines read "
-                         f"from is_causal / dflash_config.causal / layer_types ({causal})")
+        raise ValueError(
+            f"exported config: dflash_config.layer_causal {stated} disagrees with what the engines read "
+            f"from is_causal / dflash_config.causal / layer_types ({causal})"
+        )
     return layer_types, window, sliding_in_block
 
 
@@ -228,10 +241,14 @@ def check_weights(state: dict[str, torch.Tensor], cfg: DrafterConfig, source: st
     expected = expected_weight_names(cfg)
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or extra:
-        raise ValueError(f"'{source}': weights do not match the drafter config: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise ValueError(
+            f"'{source}': weights do not match the drafter config: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in DFlashDrafter(cfg).state_dict().items()}
-    wrong = [f"{k} {tuple(state[k].shape)} != {shapes[k]}" for k in sorted(expected) if tuple(state[k].shape) != shapes[k]]
+    wrong = [
+        f"{k} {tuple(state[k].shape)} != {shapes[k]}" for k in sorted(expected) if tuple(state[k].shape) != shapes[k]
+    ]
     if wrong:
         raise ValueError(f"'{source}': tensor shapes do not match the drafter config: {wrong[:5]}")
 
@@ -248,7 +265,9 @@ def _prepare_out_dir(out: Path) -> None:
         except (OSError, ValueError):
             earlier = False
         if not earlier:
-            raise ValueError(f"export OUT_DIR '{out}' is a non-empty directory that is not a DFlash export; refusing to replace it")
+            raise ValueError(
+                f"export OUT_DIR '{out}' is a non-empty directory that is not a DFlash export; refusing to replace it"
+            )
 
 
 def export_drafter(
@@ -301,7 +320,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         found = latest_checkpoint(root)
         if found is not None:
             return found
-    raise ValueError(f"'{path}' is neither a checkpoint directory ({MODEL_FILE} + {DRAFTER_CONFIG_FILE}) nor a run directory with checkpoints")
+    raise ValueError(
+        f"'{path}' is neither a checkpoint directory ({MODEL_FILE} + {DRAFTER_CONFIG_FILE}) nor a run directory "
+        "with checkpoints"
+    )
 
 
 def _run_target(checkpoint: Path) -> str | None:
@@ -322,12 +344,18 @@ def target_token_ids(target_dir: str, cfg: DrafterConfig) -> dict:
         raise ValueError(f"target '{target_dir}' has vocab_size {target['vocab_size']}, the drafter {cfg.vocab_size}")
     hidden = cfg.target_hidden_size or cfg.hidden_size
     if int(target["hidden_size"]) != hidden:
-        raise ValueError(f"target '{target_dir}' has hidden_size {target['hidden_size']}, the drafter's fc expects {hidden}")
+        raise ValueError(
+            f"target '{target_dir}' has hidden_size {target['hidden_size']}, the drafter's fc expects {hidden}"
+        )
     return {key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
 def export_checkpoint(
-    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bfloat16", target: str | None = None,
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str = "bfloat16",
+    target: str | None = None,
     projection: str | None = None,
 ) -> Path:
     """Export a training checkpoint (or a run's latest one). Token ids come from `target` or the run's target.
@@ -358,13 +386,23 @@ def export_checkpoint(
         state, cfg = fold_projection(state, cfg, p)
     target = target or _run_target(ckpt)
     token_ids = target_token_ids(target, cfg) if target and Path(target, "config.json").is_file() else None
-    info = {"checkpoint": str(ckpt.resolve()), "step": step, "target": target, "dtype": dtype,
-            "git_sha": git_sha(), "tool_version": tool_version(), "folded_projection": folded}
+    info = {
+        "checkpoint": str(ckpt.resolve()),
+        "step": step,
+        "target": target,
+        "dtype": dtype,
+        "git_sha": git_sha(),
+        "tool_version": tool_version(),
+        "folded_projection": folded,
+    }
     return export_drafter(state, cfg, out_dir, dtype=dtype, token_ids=token_ids, info=info)
 
 
 def load_exported(
-    export_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu",
+    export_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = torch.float32,
+    device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
 ):
     """An exported drafter, in eval mode.
@@ -391,26 +429,46 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="checkpoint directory (step-XXXXXXXX) or run directory (latest checkpoint)")
     parser.add_argument("out_dir", help="directory to write the Hugging Face export into")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype in model.safetensors (published: bfloat16)")
-    parser.add_argument("--target", default=None, help="target checkpoint directory for bos/eos ids and a shape check (default: the run's)")
-    parser.add_argument("--projection", default=None,
-                        help="drafters trained on projected features: the projection file to fold into fc (default: the training dataset's)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=sorted(DTYPES),
+        help="weight dtype in model.safetensors (published: bfloat16)",
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="target checkpoint directory for bos/eos ids and a shape check (default: the run's)",
+    )
+    parser.add_argument(
+        "--projection",
+        default=None,
+        help="drafters trained on projected features: the projection file to fold into fc (default: the training "
+        "dataset's)",
+    )
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
-        out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, target=args.target, projection=args.projection)
+        out = export_checkpoint(
+            args.checkpoint, args.out_dir, dtype=args.dtype, target=args.target, projection=args.projection
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     config = json.loads((out / CONFIG_FILE).read_text())
     print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out}")
-    print(f"  {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, block {config['block_size']}, "
-          f"target_layer_ids {config['dflash_config']['target_layer_ids']}, mask {config['dflash_config']['mask_token_id']}, {args.dtype}")
+    print(
+        f"  {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, block {config['block_size']}, "
+        f"target_layer_ids {config['dflash_config']['target_layer_ids']}, mask "
+        f"{config['dflash_config']['mask_token_id']}, {args.dtype}"
+    )
     if SLIDING_ATTENTION in config["layer_types"]:
-        print(f"  layer_types {config['layer_types']}, sliding_window {config['sliding_window']}, "
-              f"causal per layer {config['dflash_config']['layer_causal']}")
+        print(
+            f"  layer_types {config['layer_types']}, sliding_window {config['sliding_window']}, "
+            f"causal per layer {config['dflash_config']['layer_causal']}"
+        )
     for warning in serving_warnings(drafter_config_from_export(config)):
         print(f"  warning: {warning}")
     print(f"  load: AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)")

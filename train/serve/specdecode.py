@@ -120,11 +120,11 @@ DEFAULT_PROMPTS = "artifacts/tiny/corpus/heldout.jsonl"
 class Round:
     """One draft-and-verify round."""
 
-    start: int       # absolute position of the anchor (the last verified token)
-    accepted: int    # leading drafts equal to the target's greedy tokens, among those verified (a stop
-                     # token among them still ends the response there)
-    committed: int   # tokens this round appended (accepted drafts + bonus, cut at a stop or the budget)
-    tau: int         # 1 + leading drafts equal to the committed tokens (the train.eval.acceptance convention)
+    start: int  # absolute position of the anchor (the last verified token)
+    accepted: int  # leading drafts equal to the target's greedy tokens, among those verified (a stop
+    # token among them still ends the response there)
+    committed: int  # tokens this round appended (accepted drafts + bonus, cut at a stop or the budget)
+    tau: int  # 1 + leading drafts equal to the committed tokens (the train.eval.acceptance convention)
 
 
 @dataclasses.dataclass
@@ -132,15 +132,15 @@ class Generation:
     """A generated continuation and where its time went."""
 
     prompt_len: int
-    tokens: list[int]                 # generated tokens; the first comes from the prefill
-    stop: str                         # "eos", "length", or "repeat" (stop_repeat: where it started looping)
-    rounds: list[Round] = dataclasses.field(default_factory=list)   # empty for target-only decoding
+    tokens: list[int]  # generated tokens; the first comes from the prefill
+    stop: str  # "eos", "length", or "repeat" (stop_repeat: where it started looping)
+    rounds: list[Round] = dataclasses.field(default_factory=list)  # empty for target-only decoding
     prefill_s: float = 0.0
-    decode_s: float = 0.0             # everything after the prefill
+    decode_s: float = 0.0  # everything after the prefill
     draft_s: float = 0.0
     verify_s: float = 0.0
-    rollback_s: float = 0.0           # cache crop / snapshot restore + re-run
-    target_forwards: int = 0          # target forwards after the prefill
+    rollback_s: float = 0.0  # cache crop / snapshot restore + re-run
+    target_forwards: int = 0  # target forwards after the prefill
 
     @property
     def taus(self) -> list[int]:
@@ -207,7 +207,9 @@ class SpecTarget:
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     @classmethod
-    def from_model(cls, model: nn.Module, layer_ids: Sequence[int], stop_ids: Sequence[int], tokenizer=None) -> "SpecTarget":
+    def from_model(
+        cls, model: nn.Module, layer_ids: Sequence[int], stop_ids: Sequence[int], tokenizer=None
+    ) -> "SpecTarget":
         return cls(reach_text_parts(model.eval(), tokenizer), layer_ids, stop_ids)
 
     @property
@@ -219,8 +221,16 @@ class SpecTarget:
         return self.target.vocab_size
 
     @torch.inference_mode()
-    def forward(self, ids_1T: torch.Tensor, cache=None, *, taps: bool = True, last_only: bool = False,
-                position_ids_1T: torch.Tensor | None = None, mask_11TK: torch.Tensor | None = None):
+    def forward(
+        self,
+        ids_1T: torch.Tensor,
+        cache=None,
+        *,
+        taps: bool = True,
+        last_only: bool = False,
+        position_ids_1T: torch.Tensor | None = None,
+        mask_11TK: torch.Tensor | None = None,
+    ):
         """(logits [1, T or 1, V] float32, tap features [1, T, F] or None, cache) of one cached forward.
 
         `position_ids_1T` and an additive float mask `mask_11TK` over [cached | new] keys are for tree
@@ -292,14 +302,16 @@ class DFlashProposer:
         self.mask_token_id = int(drafter.mask_token_id)
         self.context_cache = context_cache
         if list(drafter.target_layer_ids) != target.layer_ids:
-            raise ValueError(f"drafter target_layer_ids {list(drafter.target_layer_ids)} != the target taps {target.layer_ids}")
+            raise ValueError(
+                f"drafter target_layer_ids {list(drafter.target_layer_ids)} != the target taps {target.layer_ids}"
+            )
         self.reset()
 
     def reset(self) -> None:
         from transformers import DynamicCache
 
         self.cache = DynamicCache() if self.context_cache else None
-        self.cached = 0                      # context positions whose K/V are in the cache
+        self.cached = 0  # context positions whose K/V are in the cache
         self.pending: list[torch.Tensor] = []  # features not yet in the cache (all of them without a cache)
 
     @torch.inference_mode()
@@ -320,8 +332,11 @@ class DFlashProposer:
         noise_1QD = F.embedding(block_ids_1Q, self.target.embed_VD)
         position_ids = torch.arange(first, anchor_pos + B, device=device)[None]
         hidden_1QD = self.drafter(
-            position_ids=position_ids, noise_embedding=noise_1QD, target_hidden=context_1SF,
-            past_key_values=self.cache, use_cache=self.context_cache,
+            position_ids=position_ids,
+            noise_embedding=noise_1QD,
+            target_hidden=context_1SF,
+            past_key_values=self.cache,
+            use_cache=self.context_cache,
         )
         if self.context_cache:
             crop_cache(self.cache, anchor_pos)  # keep context entries only (the block's are rebuilt next round)
@@ -384,7 +399,9 @@ def _prompt_tensor(prompt_ids: Sequence[int], device) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_generate(target: SpecTarget, prompt_ids: Sequence[int], max_new_tokens: int, *, stop_repeat: int = 0) -> Generation:
+def greedy_generate(
+    target: SpecTarget, prompt_ids: Sequence[int], max_new_tokens: int, *, stop_repeat: int = 0
+) -> Generation:
     """Target-only greedy decoding with the same KV cache, one token per forward (ends: `Ending`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -404,8 +421,9 @@ def greedy_generate(target: SpecTarget, prompt_ids: Sequence[int], max_new_token
 
 
 @torch.inference_mode()
-def speculative_generate(target: SpecTarget, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int,
-                         *, stop_repeat: int = 0) -> Generation:
+def speculative_generate(
+    target: SpecTarget, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int, *, stop_repeat: int = 0
+) -> Generation:
     """Greedy speculative decoding; the tokens equal `greedy_generate`'s (ends: `Ending`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -413,7 +431,9 @@ def speculative_generate(target: SpecTarget, proposer: Proposer, prompt_ids: Seq
     started = time.perf_counter()
     ending = Ending(target.stop_ids, max_new_tokens, stop_repeat)
     proposer.reset()
-    logits, features_1TF, cache = target.forward(_prompt_tensor(prompt_ids, target.device), None, taps=True, last_only=True)
+    logits, features_1TF, cache = target.forward(
+        _prompt_tensor(prompt_ids, target.device), None, taps=True, last_only=True
+    )
     mode = target.cache_mode = cache_mode_for(cache, target.target.text_config)
     tokens = ending.take([int(logits[0, -1].argmax())])
     result = Generation(prompt_len=len(prompt_ids), tokens=tokens, stop="length")
@@ -434,7 +454,9 @@ def speculative_generate(target: SpecTarget, proposer: Proposer, prompt_ids: Seq
         accepted = _leading_matches(drafts[: verify_len - 1], greedy)
         committed = ending.take(drafts[:accepted] + [greedy[accepted]])
         t2 = time.perf_counter()
-        verified = accepted + 1  # positions anchor..anchor+accepted hold correct tokens; their K/V and features are right
+        verified = (
+            accepted + 1
+        )  # positions anchor..anchor+accepted hold correct tokens; their K/V and features are right
         if mode == "crop":
             crop_cache(cache, anchor + verified)
         elif verified < verify_len:
@@ -442,7 +464,13 @@ def speculative_generate(target: SpecTarget, proposer: Proposer, prompt_ids: Seq
             _, _, cache = target.forward(block_1Q[:, :verified], cache, taps=False)
             result.target_forwards += 1
         t3 = time.perf_counter()
-        result.end_round(Round(start=anchor, accepted=accepted, committed=len(committed), tau=round_tau(drafts, committed)), t0, t1, t2, t3)
+        result.end_round(
+            Round(start=anchor, accepted=accepted, committed=len(committed), tau=round_tau(drafts, committed)),
+            t0,
+            t1,
+            t2,
+            t3,
+        )
         tokens.extend(committed)
         new_features_1SF = features_1TF[:, :verified]
         anchor += verified
@@ -463,8 +491,10 @@ def compact_cache(cache, keep_T: torch.Tensor) -> None:
     """
     layers = getattr(cache, "layers", None)
     if layers is None or not all(type(layer).__name__ == "DynamicLayer" for layer in layers):
-        raise ValueError(f"DDTree verification needs a cache of plain key/value layers, got {type(cache).__name__} "
-                         f"with {sorted({type(layer).__name__ for layer in layers or []})}")
+        raise ValueError(
+            f"DDTree verification needs a cache of plain key/value layers, got {type(cache).__name__} "
+            f"with {sorted({type(layer).__name__ for layer in layers or []})}"
+        )
     for layer in layers:
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             index = keep_T.to(layer.keys.device)
@@ -498,8 +528,15 @@ def walk_verified_tree(parent_M: torch.Tensor, token_M: torch.Tensor, greedy: Se
 
 
 @torch.inference_mode()
-def ddtree_generate(target: SpecTarget, proposer: DFlashProposer, prompt_ids: Sequence[int], max_new_tokens: int,
-                    budget: int, *, stop_repeat: int = 0) -> Generation:
+def ddtree_generate(
+    target: SpecTarget,
+    proposer: DFlashProposer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    budget: int,
+    *,
+    stop_repeat: int = 0,
+) -> Generation:
     """Greedy speculative decoding that verifies a DDTree of `budget` nodes per round (one target forward
     with an ancestor-only mask over [root | nodes]); the accepted path's K/V are kept and compacted.
 
@@ -513,10 +550,14 @@ def ddtree_generate(target: SpecTarget, proposer: DFlashProposer, prompt_ids: Se
     started = time.perf_counter()
     ending = Ending(target.stop_ids, max_new_tokens, stop_repeat)
     proposer.reset()
-    logits, features_1TF, cache = target.forward(_prompt_tensor(prompt_ids, target.device), None, taps=True, last_only=True)
+    logits, features_1TF, cache = target.forward(
+        _prompt_tensor(prompt_ids, target.device), None, taps=True, last_only=True
+    )
     target.cache_mode = cache_mode_for(cache, target.target.text_config)
     if target.cache_mode != "crop":
-        raise ValueError("DDTree verification is not supported for targets whose cache cannot be cut back (hybrid models)")
+        raise ValueError(
+            "DDTree verification is not supported for targets whose cache cannot be cut back (hybrid models)"
+        )
     tokens = ending.take([int(logits[0, -1].argmax())])
     result = Generation(prompt_len=len(prompt_ids), tokens=tokens, stop="length")
     anchor, new_features_1SF = len(prompt_ids), features_1TF
@@ -530,7 +571,9 @@ def ddtree_generate(target: SpecTarget, proposer: DFlashProposer, prompt_ids: Se
         ids_1T = torch.tensor([[tokens[-1]] + tree.token_M.tolist()])
         positions_1T = anchor + torch.cat((torch.zeros(1, dtype=torch.long), tree.depth_M))[None]
         mask = tree_attention_mask(tree.parent_M, anchor, target.embed_VD.dtype)
-        logits, features_1TF, cache = target.forward(ids_1T, cache, taps=True, position_ids_1T=positions_1T, mask_11TK=mask)
+        logits, features_1TF, cache = target.forward(
+            ids_1T, cache, taps=True, position_ids_1T=positions_1T, mask_11TK=mask
+        )
         greedy = logits[0].argmax(-1).tolist()
         path = walk_verified_tree(tree.parent_M, tree.token_M, greedy)
         bonus = greedy[path[-1] + 1] if path else greedy[0]
@@ -539,8 +582,13 @@ def ddtree_generate(target: SpecTarget, proposer: DFlashProposer, prompt_ids: Se
         rows = torch.tensor([0] + [i + 1 for i in path])  # root and accepted nodes in the verify input
         compact_cache(cache, torch.cat((torch.arange(anchor), anchor + rows)))
         t3 = time.perf_counter()
-        result.end_round(Round(start=anchor, accepted=len(path), committed=len(committed), tau=1 + min(len(path), len(committed))),
-                         t0, t1, t2, t3)
+        result.end_round(
+            Round(start=anchor, accepted=len(path), committed=len(committed), tau=1 + min(len(path), len(committed))),
+            t0,
+            t1,
+            t2,
+            t3,
+        )
         tokens.extend(committed)
         new_features_1SF = features_1TF[:, rows.to(features_1TF.device)]
         anchor += len(path) + 1
@@ -614,8 +662,11 @@ def _speed(gens: Sequence[Generation]) -> dict:
         "target_forwards": sum(g.target_forwards for g in gens),
     }
     if any(g.rounds for g in gens):
-        out.update(draft_s=sum(g.draft_s for g in gens), verify_s=sum(g.verify_s for g in gens),
-                   rollback_s=sum(g.rollback_s for g in gens))
+        out.update(
+            draft_s=sum(g.draft_s for g in gens),
+            verify_s=sum(g.verify_s for g in gens),
+            rollback_s=sum(g.rollback_s for g in gens),
+        )
     return out
 
 
@@ -628,7 +679,10 @@ def generation_record(index: int, spec: Generation, base: Generation | None) -> 
         "rounds": len(spec.rounds),
         "tau": spec.mean_tau,
         "taus": spec.taus,
-        "spec": {k: getattr(spec, k) for k in ("prefill_s", "decode_s", "draft_s", "verify_s", "rollback_s", "target_forwards")},
+        "spec": {
+            k: getattr(spec, k)
+            for k in ("prefill_s", "decode_s", "draft_s", "verify_s", "rollback_s", "target_forwards")
+        },
     }
     if base is not None:
         record["baseline"] = {k: getattr(base, k) for k in ("prefill_s", "decode_s", "target_forwards")}
@@ -636,9 +690,18 @@ def generation_record(index: int, spec: Generation, base: Generation | None) -> 
     return record
 
 
-def run_benchmark(target: SpecTarget, proposer: Proposer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                  *, baseline: bool = True, warmup: bool = True, progress: bool = False,
-                  tree_budgets: Sequence[int] = (), stop_repeat: int = 0) -> dict:
+def run_benchmark(
+    target: SpecTarget,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    baseline: bool = True,
+    warmup: bool = True,
+    progress: bool = False,
+    tree_budgets: Sequence[int] = (),
+    stop_repeat: int = 0,
+) -> dict:
     """Speculative and (interleaved, per prompt) target-only greedy decoding of every prompt; with
     `tree_budgets`, DDTree verification at each budget too (`ddtree`: one summary per budget).
     `stop_repeat` > 0 ends every response where it starts looping (`Ending`)."""
@@ -665,7 +728,9 @@ def run_benchmark(target: SpecTarget, proposer: Proposer, prompts: Sequence[Sequ
         "generations": specs,
     }
     if trees:
-        result["ddtree"] = {str(b): summarize(g, bases if baseline else None, proposer.block_size) for b, g in trees.items()}
+        result["ddtree"] = {
+            str(b): summarize(g, bases if baseline else None, proposer.block_size) for b, g in trees.items()
+        }
     return result
 
 
@@ -674,8 +739,15 @@ def run_benchmark(target: SpecTarget, proposer: Proposer, prompts: Sequence[Sequ
 
 
 @torch.inference_mode()
-def offline_block_drafts(drafter: nn.Module, target: SpecTarget, ids_T: torch.Tensor, features_TF: torch.Tensor,
-                         anchors: Sequence[int], *, chunk: int = 32) -> torch.Tensor:
+def offline_block_drafts(
+    drafter: nn.Module,
+    target: SpecTarget,
+    ids_T: torch.Tensor,
+    features_TF: torch.Tensor,
+    anchors: Sequence[int],
+    *,
+    chunk: int = 32,
+) -> torch.Tensor:
     """Drafts [N, B-1] at each anchor, computed as offline evaluation does: teacher-forced features,
     many blocks in one forward under the training mask (context strictly before each anchor, own
     block, no other block; each layer type with its own window and in-block causality)."""
@@ -694,15 +766,20 @@ def offline_block_drafts(drafter: nn.Module, target: SpecTarget, ids_T: torch.Te
         positions = torch.cat((torch.arange(S), (part[:, None] + torch.arange(B)).reshape(-1)))[None]
         masks = build_layer_masks("sdpa", part[None], torch.ones(1, N, dtype=torch.bool), S, B, rules)
         noise_1QD = F.embedding(block_ids_NQ.reshape(1, -1).to(target.device), target.embed_VD)
-        hidden_1QD = drafter(position_ids=positions.to(target.device), noise_embedding=noise_1QD, target_hidden=features_TF[None, :S],
-                             attention_mask={t: m.to(target.device) for t, m in masks.items()})
+        hidden_1QD = drafter(
+            position_ids=positions.to(target.device),
+            noise_embedding=noise_1QD,
+            target_hidden=features_TF[None, :S],
+            attention_mask={t: m.to(target.device) for t, m in masks.items()},
+        )
         hidden_NQD = hidden_1QD.view(N, B, -1)
         out.append(target.draft_logits(hidden_NQD[:, 1:]).argmax(-1).cpu())
     return torch.cat(out) if out else torch.zeros(0, B - 1, dtype=torch.long)
 
 
 def _chain(drafts_ND: torch.Tensor, greedy_T: torch.Tensor, anchors: Sequence[int], end: int):
-    """train.eval.acceptance chain blocks: y_k = greedy token for a+k (= greedy_T[a+k-1]), valid length = tokens left."""
+    """train.eval.acceptance chain blocks: y_k = greedy token for a+k (= greedy_T[a+k-1]), valid length = tokens
+    left."""
     from train.eval.acceptance import chain_blocks
 
     D = drafts_ND.shape[1]
@@ -725,9 +802,17 @@ def chained_anchors(tau_N: torch.Tensor, first: int, end: int) -> list[int]:
     return anchors
 
 
-def agreement(target: SpecTarget, drafter: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-              *, feature_dtype: torch.dtype | None = None, progress: bool = False,
-              generations: Sequence[Generation] | None = None, stop_repeat: int = 0) -> dict:
+def agreement(
+    target: SpecTarget,
+    drafter: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    feature_dtype: torch.dtype | None = None,
+    progress: bool = False,
+    generations: Sequence[Generation] | None = None,
+    stop_repeat: int = 0,
+) -> dict:
     """Online τ against offline chain τ on the target's own greedy continuations of `prompts`.
 
     Per prompt: speculative decoding gives the continuation and the online rounds; the whole
@@ -764,8 +849,11 @@ def agreement(target: SpecTarget, drafter: nn.Module, prompts: Sequence[Sequence
     proposer = DFlashProposer(drafter, target) if generations is None else None
     per_prompt = []
     for index, prompt in enumerate(tqdm(prompts, desc="agreement", unit="prompt", disable=not progress)):
-        gen = (speculative_generate(target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat)
-               if generations is None else generations[index])
+        gen = (
+            speculative_generate(target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat)
+            if generations is None
+            else generations[index]
+        )
         if not gen.rounds:
             continue
         ids_T = torch.tensor(list(prompt) + gen.tokens, dtype=torch.long)
@@ -776,23 +864,27 @@ def agreement(target: SpecTarget, drafter: nn.Module, prompts: Sequence[Sequence
             features_TF = features_TF.to(feature_dtype)
         P = len(prompt)
         anchors = list(range(P, end - 1))  # every response position with a token after it
-        offline_N = _chain(offline_block_drafts(drafter, target, ids_T, features_TF, anchors), greedy_T, anchors, end).tau_N
+        offline_N = _chain(
+            offline_block_drafts(drafter, target, ids_T, features_TF, anchors), greedy_T, anchors, end
+        ).tau_N
         starts = [r.start for r in gen.rounds]
         at_rounds = offline_N[torch.tensor(starts) - P]
         chained = offline_N[torch.tensor(chained_anchors(offline_N, P, end)) - P]
         online = torch.tensor(gen.taus)
-        per_prompt.append({
-            "index": index,
-            "rounds": len(starts),
-            "anchors": len(anchors),
-            "online_tau": float(online.double().mean()),
-            "offline_tau_at_rounds": float(at_rounds.double().mean()),
-            "offline_tau_chained": float(chained.double().mean()),
-            "offline_tau_all": float(offline_N.double().mean()),
-            "offline_tau_harmonic": float(1.0 / (1.0 / offline_N.double()).mean()),
-            "round_mismatches": int((at_rounds != online).sum()),
-            "greedy_mismatches": int((greedy_T[P - 1 : end - 1] != ids_T[P:end]).sum()),
-        })
+        per_prompt.append(
+            {
+                "index": index,
+                "rounds": len(starts),
+                "anchors": len(anchors),
+                "online_tau": float(online.double().mean()),
+                "offline_tau_at_rounds": float(at_rounds.double().mean()),
+                "offline_tau_chained": float(chained.double().mean()),
+                "offline_tau_all": float(offline_N.double().mean()),
+                "offline_tau_harmonic": float(1.0 / (1.0 / offline_N.double()).mean()),
+                "round_mismatches": int((at_rounds != online).sum()),
+                "greedy_mismatches": int((greedy_T[P - 1 : end - 1] != ids_T[P:end]).sum()),
+            }
+        )
     keys = ("online_tau", "offline_tau_at_rounds", "offline_tau_chained", "offline_tau_all", "offline_tau_harmonic")
     result = {k: _mean([p[k] for p in per_prompt]) for k in keys}
     result.update(
@@ -828,7 +920,11 @@ def corpus_offline_tau(drafter: nn.Module, target: SpecTarget, samples: Sequence
         tau_N = _chain(drafts_ND[:, :D], sample["topk_ids"][:, 0].long(), anchors, end).tau_N
         all_means.append(float(tau_N.double().mean()))
         chained_means.append(float(tau_N[torch.tensor(chained_anchors(tau_N, start, end)) - start].double().mean()))
-    return {"offline_tau_corpus": _mean(all_means), "offline_tau_corpus_chained": _mean(chained_means), "samples": len(all_means)}
+    return {
+        "offline_tau_corpus": _mean(all_means),
+        "offline_tau_corpus_chained": _mean(chained_means),
+        "samples": len(all_means),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -847,7 +943,9 @@ def first_response(loss_mask_T: torch.Tensor) -> tuple[int, int]:
     return start, end
 
 
-def prompts_from_jsonl(path: str | os.PathLike, tokenizer, limit: int | None, *, thinking: bool = False) -> list[list[int]]:
+def prompts_from_jsonl(
+    path: str | os.PathLike, tokenizer, limit: int | None, *, thinking: bool = False
+) -> list[list[int]]:
     """The first user turn (with any system turn before it) of each `{"messages": [...]}` record,
     rendered with the chat template and the generation prompt. Records without one are skipped."""
     prompts = []
@@ -865,8 +963,9 @@ def prompts_from_jsonl(path: str | os.PathLike, tokenizer, limit: int | None, *,
             user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
             if user is None:
                 continue
-            text = tokenizer.apply_chat_template(messages[: user + 1], tokenize=False, add_generation_prompt=True,
-                                                 enable_thinking=thinking)
+            text = tokenizer.apply_chat_template(
+                messages[: user + 1], tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+            )
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
             if limit is not None and len(prompts) >= limit:
                 break
@@ -899,7 +998,7 @@ def stop_token_ids(target: Target) -> list[int]:
     found: set[int] = set()
     generation = getattr(target.model, "generation_config", None)
     eos = getattr(generation, "eos_token_id", None)
-    for value in (eos if isinstance(eos, (list, tuple)) else [eos]):
+    for value in eos if isinstance(eos, (list, tuple)) else [eos]:
         if value is not None:
             found.add(int(value))
     if target.tokenizer is not None and target.tokenizer.eos_token_id is not None:
@@ -915,26 +1014,54 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m train.specdecode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="target checkpoint directory (Hugging Face layout)")
     parser.add_argument("--drafter", required=True, help="exported drafter directory (python -m train.export)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="build the drafter with the dflash.py its directory ships (runs that code); default: this project's model code")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="build the drafter with the dflash.py its directory ships (runs that code); default: this project's "
+        "model code",
+    )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--prompts", default=None, help=f"JSONL of {{\"messages\": [...]}} records (default: {DEFAULT_PROMPTS})")
-    source.add_argument("--data", default=None, help="shard dataset: prompts = the tokens before each sample's first response")
+    source.add_argument(
+        "--prompts", default=None, help=f'JSONL of {{"messages": [...]}} records (default: {DEFAULT_PROMPTS})'
+    )
+    source.add_argument(
+        "--data", default=None, help="shard dataset: prompts = the tokens before each sample's first response"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--num-prompts", type=int, default=16, help="use the first N prompts; 0 = all")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--agreement", action="store_true", help="also compare offline chain τ with the online τ")
-    parser.add_argument("--agreement-bf16", action="store_true", help="round the offline features to bf16, as shards store them")
-    parser.add_argument("--no-baseline", action="store_true", help="skip target-only decoding (no speed-up, no lossless check)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="target and drafter dtype")
+    parser.add_argument(
+        "--agreement-bf16", action="store_true", help="round the offline features to bf16, as shards store them"
+    )
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip target-only decoding (no speed-up, no lossless check)"
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="target and drafter dtype"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    parser.add_argument("--thinking", action="store_true", help="render prompts with enable_thinking=True (default: non-thinking, as the published drafters)")
-    parser.add_argument("--no-context-cache", action="store_true", help="recompute the drafter's context every round (checks the cache)")
-    parser.add_argument("--tree-budgets", default="", help="also verify DDTrees of these node budgets, e.g. 8,32 (stretch goal; not for hybrid targets)")
-    parser.add_argument("--stop-repeat", type=int, default=0,
-                        help="end each response where it starts looping: after its last N >= max(this, p) tokens repeat the p before "
-                             "them (p <= 64; the rule extract.tiny cuts its regenerated answers by); 0 = off")
+    parser.add_argument(
+        "--thinking",
+        action="store_true",
+        help="render prompts with enable_thinking=True (default: non-thinking, as the published drafters)",
+    )
+    parser.add_argument(
+        "--no-context-cache", action="store_true", help="recompute the drafter's context every round (checks the cache)"
+    )
+    parser.add_argument(
+        "--tree-budgets",
+        default="",
+        help="also verify DDTrees of these node budgets, e.g. 8,32 (stretch goal; not for hybrid targets)",
+    )
+    parser.add_argument(
+        "--stop-repeat",
+        type=int,
+        default=0,
+        help="end each response where it starts looping: after its last N >= max(this, p) tokens repeat the p before "
+        "them (p <= 64; the rule extract.tiny cuts its regenerated answers by); 0 = off",
+    )
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_prompts < 0:
         parser.error("--max-new-tokens must be >= 1 and --num-prompts >= 0")
@@ -952,20 +1079,34 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _print_summary(result: dict) -> None:
     s = result["summary"]
     B = len(s["tau_histogram"])
-    print(f"prompts {s['prompts']}, rounds {s['rounds']}, new tokens {s['new_tokens']}, target cache: {result['cache_mode']}")
-    print(f"τ (mean over prompts of per-prompt means, bonus included) = {s['tau']:.3f}   pooled over rounds {s['tau_pooled']:.3f}")
+    print(
+        f"prompts {s['prompts']}, rounds {s['rounds']}, new tokens {s['new_tokens']}, target cache: "
+        f"{result['cache_mode']}"
+    )
+    print(
+        f"τ (mean over prompts of per-prompt means, bonus included) = {s['tau']:.3f}   pooled over rounds "
+        f"{s['tau_pooled']:.3f}"
+    )
     width = max(s["tau_histogram"]) or 1
     for tau in range(1, B + 1):
         count = s["tau_histogram"][tau - 1]
         print(f"  τ={tau:>2} {count:>6} {'#' * math.ceil(40 * count / width) if count else ''}")
     spec = s["spec"]
-    print(f"speculative: {spec['wall_s']:.2f} s wall ({spec['prefill_s']:.2f} prefill), {spec['decode_tokens_per_s']:.1f} tok/s decode "
-          f"(draft {spec['draft_s']:.2f} s, verify {spec['verify_s']:.2f} s, rollback {spec['rollback_s']:.2f} s)")
+    print(
+        f"speculative: {spec['wall_s']:.2f} s wall ({spec['prefill_s']:.2f} prefill), "
+        f"{spec['decode_tokens_per_s']:.1f} tok/s decode "
+        f"(draft {spec['draft_s']:.2f} s, verify {spec['verify_s']:.2f} s, rollback {spec['rollback_s']:.2f} s)"
+    )
     if "baseline" in s:
         base = s["baseline"]
-        print(f"target only: {base['wall_s']:.2f} s wall ({base['prefill_s']:.2f} prefill), {base['decode_tokens_per_s']:.1f} tok/s decode")
-        print(f"speed-up {s['speedup']:.2f}x decode, {s['speedup_wall']:.2f}x wall;  lossless: {s['lossless']}"
-              + ("" if s["lossless"] else f" (prompts {s['mismatched_prompts']} differ)"))
+        print(
+            f"target only: {base['wall_s']:.2f} s wall ({base['prefill_s']:.2f} prefill), "
+            f"{base['decode_tokens_per_s']:.1f} tok/s decode"
+        )
+        print(
+            f"speed-up {s['speedup']:.2f}x decode, {s['speedup_wall']:.2f}x wall;  lossless: {s['lossless']}"
+            + ("" if s["lossless"] else f" (prompts {s['mismatched_prompts']} differ)")
+        )
     for budget, tree in result.get("ddtree", {}).items():
         line = f"DDTree budget {budget}: τ {tree['tau']:.3f}, {tree['spec']['decode_tokens_per_s']:.1f} tok/s decode"
         if "speedup" in tree:
@@ -973,15 +1114,24 @@ def _print_summary(result: dict) -> None:
         print(line)
     a = result.get("agreement")
     if a and a.get("online_tau") is not None:
-        print(f"agreement over {a['prompts']} greedy continuations ({a['rounds']} rounds, {a['anchors']} anchors, features {a['feature_dtype']}):")
-        print(f"  online τ {a['online_tau']:.3f} | offline τ at the online round starts {a['offline_tau_at_rounds']:.3f} "
-              f"({a['round_mismatches']} of {a['rounds']} rounds differ)")
+        print(
+            f"agreement over {a['prompts']} greedy continuations ({a['rounds']} rounds, {a['anchors']} anchors, "
+            f"features {a['feature_dtype']}):"
+        )
+        print(
+            f"  online τ {a['online_tau']:.3f} | offline τ at the online round starts {a['offline_tau_at_rounds']:.3f} "
+            f"({a['round_mismatches']} of {a['rounds']} rounds differ)"
+        )
         print(f"  offline τ over the online schedule replayed offline {a['offline_tau_chained']:.3f}")
-        print(f"  offline τ over all anchors {a['offline_tau_all']:.3f} (x{a['ratio_all']:.3f}), "
-              f"harmonic {a['offline_tau_harmonic']:.3f} (x{a['ratio_harmonic']:.3f})")
+        print(
+            f"  offline τ over all anchors {a['offline_tau_all']:.3f} (x{a['ratio_all']:.3f}), "
+            f"harmonic {a['offline_tau_harmonic']:.3f} (x{a['ratio_harmonic']:.3f})"
+        )
         if "offline_tau_corpus" in a:
-            print(f"  offline τ on the corpus responses of the same prompts: all anchors {a['offline_tau_corpus']:.3f}, "
-                  f"online schedule {a['offline_tau_corpus_chained']:.3f}")
+            print(
+                f"  offline τ on the corpus responses of the same prompts: all anchors {a['offline_tau_corpus']:.3f}, "
+                f"online schedule {a['offline_tau_corpus_chained']:.3f}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -999,7 +1149,9 @@ def main(argv: list[str] | None = None) -> int:
         target_obj = load_target(args.target, dtype=args.dtype, device=args.device)
         target = SpecTarget(target_obj, drafter.target_layer_ids, stop_token_ids(target_obj))
         if target_obj.hidden_size != int(drafter.config.hidden_size):
-            raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size {target_obj.hidden_size}")
+            raise ValueError(
+                f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size {target_obj.hidden_size}"
+            )
         samples = None
         if args.data:
             prompts, samples = prompts_from_shards(args.data, args.num_prompts or None)
@@ -1013,27 +1165,52 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     proposer = DFlashProposer(drafter, target, context_cache=not args.no_context_cache)
     try:
-        result = run_benchmark(target, proposer, prompts, args.max_new_tokens, baseline=not args.no_baseline, progress=True,
-                               tree_budgets=args.tree_budgets, stop_repeat=args.stop_repeat)
+        result = run_benchmark(
+            target,
+            proposer,
+            prompts,
+            args.max_new_tokens,
+            baseline=not args.no_baseline,
+            progress=True,
+            tree_budgets=args.tree_budgets,
+            stop_repeat=args.stop_repeat,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     generations = result.pop("generations")
     if args.agreement:  # on the very rounds the benchmark decoded, not a second decoding
-        result["agreement"] = agreement(target, drafter, prompts, args.max_new_tokens,
-                                        feature_dtype=torch.bfloat16 if args.agreement_bf16 else None, progress=True,
-                                        generations=generations, stop_repeat=args.stop_repeat)
+        result["agreement"] = agreement(
+            target,
+            drafter,
+            prompts,
+            args.max_new_tokens,
+            feature_dtype=torch.bfloat16 if args.agreement_bf16 else None,
+            progress=True,
+            generations=generations,
+            stop_repeat=args.stop_repeat,
+        )
         if samples is not None:
             result["agreement"].update(corpus_offline_tau(drafter, target, samples))
     import transformers
 
     result["config"] = {
-        "target": str(args.target), "drafter": str(args.drafter), "prompts": args.prompts or (None if args.data else DEFAULT_PROMPTS),
-        "data": args.data, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
-        "device": args.device, "threads": torch.get_num_threads(), "thinking": args.thinking,
-        "block_size": proposer.block_size, "context_cache": not args.no_context_cache, "tree_budgets": args.tree_budgets,
+        "target": str(args.target),
+        "drafter": str(args.drafter),
+        "prompts": args.prompts or (None if args.data else DEFAULT_PROMPTS),
+        "data": args.data,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "thinking": args.thinking,
+        "block_size": proposer.block_size,
+        "context_cache": not args.no_context_cache,
+        "tree_budgets": args.tree_budgets,
         "stop_repeat": args.stop_repeat,
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
     }
     _print_summary(result)
     if args.out:

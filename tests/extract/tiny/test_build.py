@@ -1,4 +1,5 @@
-"""The cached `python -m extract.tiny` build (`extract.tiny.build`): cached, rebuilt on a new recipe, never half-finished."""
+"""The cached `python -m extract.tiny` build (`extract.tiny.build`): cached, rebuilt on a new recipe, never
+half-finished."""
 
 from __future__ import annotations
 
@@ -16,8 +17,20 @@ from extract.tiny import build as tiny_build
 from extract.tiny.__main__ import main as tiny_main
 
 # Sizes that make a whole build take a few seconds.
-TINY_MODEL = dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
-                  num_kv_heads=1, head_dim=16, n_taps=2, steps=2, batch_tokens=2048, warmup_steps=1, threads=1)
+TINY_MODEL = dict(
+    vocab_size=400,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    n_taps=2,
+    steps=2,
+    batch_tokens=2048,
+    warmup_steps=1,
+    threads=1,
+)
 
 
 def fail_if_called(*args, **kwargs):
@@ -61,13 +74,29 @@ def fake_target(out_dir, train, heldout, cfg, progress=True):
     """Stands in for the (slow) real target build: writes the files the cache checks."""
     out = Path(out_dir)
     out.mkdir(parents=True)
-    for name in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]:
+    for name in [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]:
         (out / name).write_text("{}")
-    report = {"heldout_next_token_accuracy": 0.5, "most_frequent_token_accuracy": 0.1, "train_probe_next_token_accuracy": 0.6,
-              "heldout_answer_next_token_accuracy": 0.4, "most_frequent_token_answer_accuracy": 0.1,
-              "num_layers": 3, "hidden_size": 32, "parameters": 1, "vocab_size": 400, "mask_token": MASK_TOKEN,
-              "mask_token_id": 399, "tap_layer_ids": [0, 1],
-              "corpus": {"train": {"records": len(train), "tokens": 1}, "heldout": {"records": len(heldout), "tokens": 1}}}
+    report = {
+        "heldout_next_token_accuracy": 0.5,
+        "most_frequent_token_accuracy": 0.1,
+        "train_probe_next_token_accuracy": 0.6,
+        "heldout_answer_next_token_accuracy": 0.4,
+        "most_frequent_token_answer_accuracy": 0.1,
+        "num_layers": 3,
+        "hidden_size": 32,
+        "parameters": 1,
+        "vocab_size": 400,
+        "mask_token": MASK_TOKEN,
+        "mask_token_id": 399,
+        "tap_layer_ids": [0, 1],
+        "corpus": {"train": {"records": len(train), "tokens": 1}, "heldout": {"records": len(heldout), "tokens": 1}},
+    }
     (out / "tiny_report.json").write_text(json.dumps(report))
     return {**report, "train_seconds": 0.0, "device": "cpu"}
 

@@ -15,12 +15,28 @@ from extract.tiny import (
 )
 
 # Sizes that make a whole build take a few seconds.
-TINY_MODEL = dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
-                  num_kv_heads=1, head_dim=16, n_taps=2, steps=2, batch_tokens=2048, warmup_steps=1, threads=1)
+TINY_MODEL = dict(
+    vocab_size=400,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    n_taps=2,
+    steps=2,
+    batch_tokens=2048,
+    warmup_steps=1,
+    threads=1,
+)
 
 
 def test_tokenizer_round_trips_text(small_tokenizer):
-    for text in ["def f(x):\n    return x ** 2  # square\n", "Héllo wörld — ünïcode ✓ 日本語 🙂", "  two  spaces\t\ttabs\n\n\n"]:
+    for text in [
+        "def f(x):\n    return x ** 2  # square\n",
+        "Héllo wörld — ünïcode ✓ 日本語 🙂",
+        "  two  spaces\t\ttabs\n\n\n",
+    ]:
         ids = small_tokenizer(text, add_special_tokens=False)["input_ids"]
         assert small_tokenizer.decode(ids) == text
 
@@ -36,7 +52,10 @@ def test_tokenizer_special_tokens_and_mask(small_tokenizer):
     assert tok.mask_token_id == ids[MASK_TOKEN]
     for token, token_id in ids.items():
         assert tok(f"a{token}b", add_special_tokens=False)["input_ids"].count(token_id) == 1
-    assert tok("plain text", add_special_tokens=True)["input_ids"] == tok("plain text", add_special_tokens=False)["input_ids"]
+    assert (
+        tok("plain text", add_special_tokens=True)["input_ids"]
+        == tok("plain text", add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_tokenizer_training_is_deterministic(corpus, small_tokenizer):
@@ -72,7 +91,10 @@ def test_chat_template_renders_qwen3_style(small_tokenizer):
     # Non-thinking generation prompt + answer = the rendered training sample, token for token.
     assert full.startswith(plain)
     as_ids = tok(full, add_special_tokens=False)["input_ids"]
-    assert as_ids[: len(tok(plain, add_special_tokens=False)["input_ids"])] == tok(plain, add_special_tokens=False)["input_ids"]
+    assert (
+        as_ids[: len(tok(plain, add_special_tokens=False)["input_ids"])]
+        == tok(plain, add_special_tokens=False)["input_ids"]
+    )
     with_reasoning = [CONVERSATION[0], {**CONVERSATION[1], "reasoning_content": "\nShort.\n"}]
     assert "<think>\nShort.\n</think>\n\nAn immutable" in tok.apply_chat_template(with_reasoning, tokenize=False)
 
@@ -84,7 +106,10 @@ def test_tokenizer_survives_save_and_load(tmp_path, small_tokenizer):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert tokenizer_digest(loaded) == tokenizer_digest(small_tokenizer)
     assert (loaded.mask_token_id, loaded.eos_token_id, loaded.pad_token_id) == (
-        small_tokenizer.mask_token_id, small_tokenizer.eos_token_id, small_tokenizer.pad_token_id)
+        small_tokenizer.mask_token_id,
+        small_tokenizer.eos_token_id,
+        small_tokenizer.pad_token_id,
+    )
     for kwargs in [{}, {"add_generation_prompt": True, "enable_thinking": False}]:
         messages = CONVERSATION if not kwargs else CONVERSATION[:3]
         text = loaded.apply_chat_template(messages, tokenize=False, **kwargs)

@@ -15,8 +15,20 @@ from extract.tiny import (
 from tests.paths import REPO
 
 # Sizes that make a whole build take a few seconds.
-TINY_MODEL = dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
-                  num_kv_heads=1, head_dim=16, n_taps=2, steps=2, batch_tokens=2048, warmup_steps=1, threads=1)
+TINY_MODEL = dict(
+    vocab_size=400,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    n_taps=2,
+    steps=2,
+    batch_tokens=2048,
+    warmup_steps=1,
+    threads=1,
+)
 
 
 def test_corpus_is_deterministic_to_the_byte(tmp_path, corpus):
@@ -39,8 +51,14 @@ def test_corpus_and_tokenizer_are_the_same_in_another_process(tmp_path, corpus, 
         "print(tokenizer_digest(tiny.build_chat_tokenizer(tiny.record_texts(train[:300]), 600)))\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "TOKENIZERS_PARALLELISM": "true"}
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "there.jsonl")], capture_output=True, text=True,
-                         check=True, cwd=REPO, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "there.jsonl")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        env=env,
+    )
     assert (tmp_path / "there.jsonl").read_bytes() == (tmp_path / "here.jsonl").read_bytes()
     assert out.stdout.strip() == tokenizer_digest(small_tokenizer)
 

@@ -60,8 +60,9 @@ def test_agree_for_exactly_k_then_again_after_a_miss(k):
 def test_cut_block_accepts_at_most_its_valid_length():
     # Block 0: all drafts right, only 5 target tokens. Block 1: drafts wrong past its end (ignored).
     # Block 2: 3 valid tokens, miss at position 2, right at 3.
-    blocks = blocks_agreeing_for([[True] * D, [True] * 4 + [False] * (D - 4), [True, False] + [True] * (D - 2)],
-                                 valid_lens=[5, 4, 3])
+    blocks = blocks_agreeing_for(
+        [[True] * D, [True] * 4 + [False] * (D - 4), [True, False] + [True] * (D - 2)], valid_lens=[5, 4, 3]
+    )
     assert blocks.streak_N.tolist() == [5, 4, 1]
     assert blocks.tau_N.tolist() == [6, 5, 2]
     assert blocks.agree_ND.sum(dim=1).tolist() == [5, 4, 2]
@@ -90,7 +91,13 @@ def test_against_brute_force_loops():
     blocks = chain_blocks(draft_ND, target_ND, valid_len_N)
     summary = summarize_blocks(blocks)
 
-    streaks, hits, counts, survived, reached = [], [0] * n_positions, [0] * n_positions, [0] * n_positions, [0] * n_positions
+    streaks, hits, counts, survived, reached = (
+        [],
+        [0] * n_positions,
+        [0] * n_positions,
+        [0] * n_positions,
+        [0] * n_positions,
+    )
     for draft, target, L in zip(draft_ND.tolist(), target_ND.tolist(), valid_len_N.tolist()):
         streak = 0
         while streak < L and draft[streak] == target[streak]:
@@ -154,8 +161,9 @@ def test_chain_surrogate_is_expected_tau_when_drafts_hit_with_their_probability(
 
 
 def test_groups_report_every_group_including_empty_ones():
-    blocks = blocks_agreeing_for([[True] * D, [False] * D, [True] * 3 + [False] * (D - 3)],
-                                 draft_top1_logprobs_ND=torch.full((3, D), -0.1))
+    blocks = blocks_agreeing_for(
+        [[True] * D, [False] * D, [True] * 3 + [False] * (D - 3)], draft_top1_logprobs_ND=torch.full((3, D), -0.1)
+    )
     group_N = torch.tensor([0, 2, 0])
     extra_N = {"ddtree_tau_8": torch.tensor([9.0, 2.0, 5.0])}
     by_group = summarize_by_group(blocks, group_N, [0, 1, 2], extra_N=extra_N)
@@ -171,8 +179,9 @@ def test_groups_report_every_group_including_empty_ones():
 
     assert by_group[0]["n_blocks"] == 2 and by_group[0]["tau"] == (16 + 4) / 2
     assert by_group[0]["ddtree_tau_8"] == 7.0 and by_group[2]["ddtree_tau_8"] == 2.0
-    subset = blocks_agreeing_for([[True] * D, [True] * 3 + [False] * (D - 3)],
-                                 draft_top1_logprobs_ND=torch.full((2, D), -0.1))
+    subset = blocks_agreeing_for(
+        [[True] * D, [True] * 3 + [False] * (D - 3)], draft_top1_logprobs_ND=torch.full((2, D), -0.1)
+    )
     assert summarize_blocks(subset) == {k: v for k, v in by_group[0].items() if k != "ddtree_tau_8"}
 
 

@@ -33,19 +33,20 @@ TIE_VALUES = torch.tensor([0.0, -0.5, -1.0, float("-inf")])
 # ----------------------------------------------------------------------------- helpers
 
 
-def random_topk(n_blocks: int, n_depths: int, k: int, vocab: int, temperature: float = 1.0,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def random_topk(
+    n_blocks: int, n_depths: int, k: int, vocab: int, temperature: float = 1.0, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     logits_NDV = torch.randn(n_blocks, n_depths, vocab, generator=generator) * temperature
     return draft_topk(logits_NDV, k)
 
 
-def tied_topk(n_blocks: int, n_depths: int, k: int, generator: torch.Generator
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def tied_topk(n_blocks: int, n_depths: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs drawn from 4 values (0, -0.5, -1, -inf): many exact ties, including parent==child."""
     pick_NDK = torch.randint(0, len(TIE_VALUES), (n_blocks, n_depths, k), generator=generator)
     lp_NDK = TIE_VALUES[pick_NDK].sort(dim=-1, descending=True).values
-    ids_NDK = torch.stack([torch.randperm(3 * k, generator=generator)[:k]
-                           for _ in range(n_blocks * n_depths)]).view(n_blocks, n_depths, k)
+    ids_NDK = torch.stack([torch.randperm(3 * k, generator=generator)[:k] for _ in range(n_blocks * n_depths)]).view(
+        n_blocks, n_depths, k
+    )
     return lp_NDK, ids_NDK
 
 
@@ -56,13 +57,17 @@ def brute_force_order(lp_DK: torch.Tensor) -> list[tuple[float, tuple[int, ...]]
     levels = []  # per depth: [(score, ranks)] in that depth's key order
     previous = [(0.0, ())]
     for depth in range(n_depths):
-        candidates = [(score + lp[depth][r], parent_pos, r, ranks + (r,))
-                      for parent_pos, (score, ranks) in enumerate(previous) for r in range(n_ranks)]
+        candidates = [
+            (score + lp[depth][r], parent_pos, r, ranks + (r,))
+            for parent_pos, (score, ranks) in enumerate(previous)
+            for r in range(n_ranks)
+        ]
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
         previous = [(c[0], c[3]) for c in candidates]
         levels.append(previous)
-    everything = [(score, depth, pos, ranks) for depth, level in enumerate(levels)
-                  for pos, (score, ranks) in enumerate(level)]
+    everything = [
+        (score, depth, pos, ranks) for depth, level in enumerate(levels) for pos, (score, ranks) in enumerate(level)
+    ]
     everything.sort(key=lambda e: (-e[0], e[1], e[2]))
     return [(e[0], e[3]) for e in everything]
 
@@ -84,15 +89,15 @@ def token_paths(tree: DDTree) -> list[tuple[int, ...]]:
 
 
 def assert_same_tree(a: DDTree, b: DDTree) -> None:
-    for x, y in zip((a.parent_M, a.depth_M, a.rank_M, a.token_M, a.score_M),
-                    (b.parent_M, b.depth_M, b.rank_M, b.token_M, b.score_M)):
+    for x, y in zip(
+        (a.parent_M, a.depth_M, a.rank_M, a.token_M, a.score_M), (b.parent_M, b.depth_M, b.rank_M, b.token_M, b.score_M)
+    ):
         assert torch.equal(x, y)
 
 
 def both_builders(lp_NDK: torch.Tensor, ids_NDK: torch.Tensor, budget: int) -> list[list[DDTree]]:
     batch = build_ddtree_batch(lp_NDK, ids_NDK, budget)
-    return [[build_ddtree(lp_NDK[i], ids_NDK[i], budget), batch.tree(i)]
-            for i in range(lp_NDK.shape[0])]
+    return [[build_ddtree(lp_NDK[i], ids_NDK[i], budget), batch.tree(i)] for i in range(lp_NDK.shape[0])]
 
 
 # ----------------------------------------------------------------------------- construction
@@ -268,8 +273,11 @@ def test_top1_tree_with_budget_d_is_the_chain():
     draft_ND = ids_NDK[..., 0]
     # Targets agree with the draft for a random number of leading positions, then at random.
     agree_len_N = torch.randint(0, n_depths + 1, (n_blocks,), generator=gen)
-    target_ND = torch.where(torch.arange(n_depths) < agree_len_N[:, None], draft_ND,
-                            torch.randint(0, 8, (n_blocks, n_depths), generator=gen))
+    target_ND = torch.where(
+        torch.arange(n_depths) < agree_len_N[:, None],
+        draft_ND,
+        torch.randint(0, 8, (n_blocks, n_depths), generator=gen),
+    )
     valid_len_N = torch.randint(1, n_depths + 1, (n_blocks,), generator=gen)
     chain = chain_blocks(draft_ND, target_ND, valid_len_N, lp_NDK[..., 0])
     for budget in (n_depths, 64):
@@ -339,8 +347,7 @@ def test_surrogate_matches_monte_carlo():
     n_depths, vocab, n_samples = 6, 6, 20000
     lp_DK, ids_DK = product_distribution(n_depths, vocab, seed=9)
     gen = torch.Generator().manual_seed(10)
-    rank_SD = torch.multinomial(lp_DK.double().exp(), n_samples, replacement=True,
-                                generator=gen).T  # [n_samples, D]
+    rank_SD = torch.multinomial(lp_DK.double().exp(), n_samples, replacement=True, generator=gen).T  # [n_samples, D]
     target_SD = ids_DK.gather(1, rank_SD.T).T
     for budget in (8, 32):
         batch = build_ddtree_batch(lp_DK[None], ids_DK[None], budget)
@@ -359,8 +366,7 @@ def test_ddtree_taus_equals_per_block_single_builds_and_ignores_chunking():
     gen = torch.Generator().manual_seed(11)
     n_blocks, n_depths = 17, 15
     lp_NDK, ids_NDK = random_topk(n_blocks, n_depths, 64, vocab=100, temperature=4.0, generator=gen)
-    target_ND = torch.where(torch.rand(n_blocks, n_depths, generator=gen) < 0.85, ids_NDK[..., 0],
-                            ids_NDK[..., 1])
+    target_ND = torch.where(torch.rand(n_blocks, n_depths, generator=gen) < 0.85, ids_NDK[..., 0], ids_NDK[..., 1])
     valid_len_N = torch.randint(1, n_depths + 1, (n_blocks,), generator=gen)
     budgets = [8, 16, 32, 64]
     whole = ddtree_taus(lp_NDK, ids_NDK, target_ND, valid_len_N, budgets)

@@ -23,18 +23,18 @@ from torch import nn
 from common.config import config_from_dict, load_config
 from common.hashing import json_digest, sample_id
 from shards import Sample, ShardDataset, ShardWriter
-from train.eval.ddtree import build_ddtree, draft_topk, walk_tree
 from train.data import holdout_mask
 from train.eval.__main__ import main
 from train.eval.anchors import block_anchors, block_targets, response_run_lengths
 from train.eval.baseline import label_baseline, label_frequency_topk
 from train.eval.checkpoints import EvalModel
 from train.eval.config import EvalConfig
+from train.eval.ddtree import build_ddtree, draft_topk, walk_tree
 from train.eval.drafting import Runtime
 from train.eval.render import render_report
 from train.eval.run import metric_ratios
 from train.eval.scoring import run_blocks, summarize_model
-from train.eval.selection import select_eval_data, bucket_table
+from train.eval.selection import bucket_table, select_eval_data
 from train.kernels import KernelPlan
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
@@ -54,7 +54,8 @@ def write_shards(root, target_dir, *, n=24, seed=0, taps=TAPS):
         "target": {"name_or_path": str(target_dir), "num_layers": LAYERS, "hidden_size": H, "vocab_size": V},
         "tokenizer": {"hash": "tok", "mask_token_id": MASK_ID},
         "taps": {"layer_ids": taps, "meaning": "id i = output of decoder layer i = hidden_states[i+1]"},
-        "dtype": "bfloat16", "topk": TOPK,
+        "dtype": "bfloat16",
+        "topk": TOPK,
     }
     rng = np.random.default_rng(seed)
     width = len(taps) * H
@@ -84,16 +85,40 @@ def tiny(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("eval")
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
     write_shards(root / "shards", root / "target")
-    train_cfg = load_config(TrainConfig, None, [
-        f"out_dir={root / 'runs'}", "run_name=r", f"data.shards={root / 'shards'}", "data.token_budget=200",
-        "data.boundaries=[20, 30, 1000]", "data.holdout_fraction=0.25", "data.prefetch_threads=1", "data.prefetch_depth=2",
-        "model.num_layers=1", "model.intermediate_size=32", "loss.num_anchors=6", "optim.max_steps=2", "optim.lr=1e-2",
-        "checkpoint.every=1", "checkpoint.keep_last=2", "log.progress=false",
-    ])
+    train_cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f"out_dir={root / 'runs'}",
+            "run_name=r",
+            f"data.shards={root / 'shards'}",
+            "data.token_budget=200",
+            "data.boundaries=[20, 30, 1000]",
+            "data.holdout_fraction=0.25",
+            "data.prefetch_threads=1",
+            "data.prefetch_depth=2",
+            "model.num_layers=1",
+            "model.intermediate_size=32",
+            "loss.num_anchors=6",
+            "optim.max_steps=2",
+            "optim.lr=1e-2",
+            "checkpoint.every=1",
+            "checkpoint.keep_last=2",
+            "log.progress=false",
+        ],
+    )
     train(train_cfg)
     return root
 
@@ -104,8 +129,19 @@ def eval_config(*overrides) -> EvalConfig:
 
 def random_drafter_model(**layout) -> EvalModel:
     torch.manual_seed(1)
-    cfg = DrafterConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=8, vocab_size=V, target_layer_ids=TAPS, num_target_layers=LAYERS, mask_token_id=MASK_ID, **layout)
+    cfg = DrafterConfig(
+        hidden_size=H,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=V,
+        target_layer_ids=TAPS,
+        num_target_layers=LAYERS,
+        mask_token_id=MASK_ID,
+        **layout,
+    )
     drafter = DFlashDrafter(cfg).eval()
     # Larger weights than the init so the random drafter's top-k is peaked and varied, not near-uniform.
     with torch.no_grad():
@@ -221,8 +257,17 @@ def brute_force_blocks(model: EvalModel, ds, sample_positions, dataset_indices):
             agree = [bool(ids[0, k - 1, 0] == target[k - 1]) for k in range(1, L + 1)]
             streak = next((j for j, ok in enumerate(agree) if not ok), L)
             taus = {b: 1 + walk_tree(build_ddtree(lp[0], ids[0], b), target, L) for b in (8, 16, 32, 64)}
-            rows.append({"sample": position, "anchor": a, "L": L, "draft": ids[0, :, 0], "agree": agree,
-                         "streak": streak, "ddtree": taus})
+            rows.append(
+                {
+                    "sample": position,
+                    "anchor": a,
+                    "L": L,
+                    "draft": ids[0, :, 0],
+                    "agree": agree,
+                    "streak": streak,
+                    "ddtree": taus,
+                }
+            )
     return rows
 
 
@@ -253,8 +298,9 @@ def test_batched_evaluation_equals_a_one_block_at_a_time_loop(tiny):
     # The batch layout changes nothing: everything at once, or one block per forward with the DDTree
     # scoring in a background thread (the CUDA default) far behind the drafting.
     for per_forward, background in (("blocks_per_forward=1000", False), ("blocks_per_forward=1", True)):
-        _, _, table2, scores2 = evaluate([model], tiny, eval_config("max_samples=8", per_forward), boundaries=[25],
-                                         background=background)
+        _, _, table2, scores2 = evaluate(
+            [model], tiny, eval_config("max_samples=8", per_forward), boundaries=[25], background=background
+        )
         assert torch.equal(table2.anchor_N, table.anchor_N)
         assert torch.equal(scores2[0].draft_ids_ND, scores[0].draft_ids_ND)
         assert torch.allclose(scores2[0].top1_logprob_ND, scores[0].top1_logprob_ND, atol=1e-5)
@@ -316,16 +362,24 @@ def test_cli_on_a_trained_run_holdout_buckets_and_json(tiny, tmp_path, capsys):
     held = np.flatnonzero(holdout_mask(ids, 0.25))
     assert 0 < held.size < len(ids)
     data = report["data"]
-    assert data["split"] == "holdout" and data["holdout_fraction"] == 0.25 and "this dataset trained r/step-00000002" in data["split_reason"]
+    assert (
+        data["split"] == "holdout"
+        and data["holdout_fraction"] == 0.25
+        and "this dataset trained r/step-00000002" in data["split_reason"]
+    )
     assert data["samples"] == held.size and data["manifest_digest"] == json_digest(ds.manifest)
     resolved = config_from_dict(EvalConfig, report["config"])  # the resolved config loads back
     assert resolved.data == str(tiny / "shards") and resolved.split == "holdout" and resolved.holdout_fraction == 0.25
     # device=auto: on a GPU host the CLI evaluates on CUDA (bf16, 512 blocks per forward), elsewhere on the CPU.
     # The drafter's head_dim 8 is below what flex's CUDA kernel takes, so auto picks sdpa on both, saying why.
     on_cuda = torch.cuda.is_available()
-    assert resolved.out == str(out) and resolved.device == ("cuda" if on_cuda else "cpu") and resolved.attention == "sdpa"
+    assert (
+        resolved.out == str(out) and resolved.device == ("cuda" if on_cuda else "cpu") and resolved.attention == "sdpa"
+    )
     assert resolved.blocks_per_forward == (512 if on_cuda else 128)
-    assert report["kernels"]["attention"] == "sdpa" and ("head_dim >= 16" in report["kernels"]["reason"] if on_cuda else "on cpu" in report["kernels"]["reason"])
+    assert report["kernels"]["attention"] == "sdpa" and (
+        "head_dim >= 16" in report["kernels"]["reason"] if on_cuda else "on cpu" in report["kernels"]["reason"]
+    )
     assert f"attention sdpa ({report['kernels']['reason']})" in table
     ckpt = report["checkpoints"][0]
     assert ckpt["path"] == str(run_dir / "checkpoints" / "step-00000002") and ckpt["step"] == 2
@@ -372,7 +426,9 @@ def test_two_checkpoints_side_by_side_with_ratios(tiny, tmp_path, capsys):
     ratio = report["ratio"]["overall"]
     assert ratio["tau"] == pytest.approx(b["tau"] / a["tau"])
     assert ratio["ddtree_tau_64"] == pytest.approx(b["ddtree_tau_64"] / a["ddtree_tau_64"])
-    assert ratio["position_acceptance"] == [None if x in (None, 0) else y / x for x, y in zip(a["position_acceptance"], b["position_acceptance"])]
+    assert ratio["position_acceptance"] == [
+        None if x in (None, 0) else y / x for x, y in zip(a["position_acceptance"], b["position_acceptance"])
+    ]
     assert "n_blocks" not in ratio and "tau_histogram" not in ratio
     for i, bucket in enumerate(report["ratio"]["buckets"]):
         ba, bb = report["checkpoints"][0]["buckets"][i], report["checkpoints"][1]["buckets"][i]
@@ -398,7 +454,10 @@ def test_refuses_incompatible_shards_and_bad_requests(tiny, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "provenance.taps.layer_ids" in err and str(other) in err
 
-    assert main([str(run_dir), "--data", str(tiny / "shards"), "split=holdout", "holdout_fraction=0", "progress=false"]) == 2
+    assert (
+        main([str(run_dir), "--data", str(tiny / "shards"), "split=holdout", "holdout_fraction=0", "progress=false"])
+        == 2
+    )
     assert "holdout" in capsys.readouterr().err
     assert main([str(tmp_path), "--data", str(tiny / "shards")]) == 2
     assert "neither a checkpoint directory" in capsys.readouterr().err
@@ -418,4 +477,6 @@ def test_cli_takes_any_path_the_filesystem_takes(tiny, tmp_path, capsys):
     table, wrote = run_cli(capsys, odd / "run=2024-06-01", "--data", odd / "shards", f"--out={out}")
     assert wrote == f"wrote {out}"
     report = json.loads(out.read_text())
-    assert report["config"]["data"] == str(odd / "shards") and report["checkpoints"][0]["path"].startswith(str(odd / "run=2024-06-01"))
+    assert report["config"]["data"] == str(odd / "shards") and report["checkpoints"][0]["path"].startswith(
+        str(odd / "run=2024-06-01")
+    )

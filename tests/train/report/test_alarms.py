@@ -10,9 +10,9 @@ import json
 import pytest
 
 from tests.train.report.fixtures.synth import BLOCK_POSITIONS, SKEWED_SAMPLES, Synth, write_run
-from train.report.make import analyse
 from train.report.alarms import ALARM_CODES, not_judged
 from train.report.config import ReportConfig
+from train.report.make import analyse
 
 CFG = ReportConfig()
 

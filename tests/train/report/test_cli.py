@@ -119,6 +119,12 @@ def test_no_run_given_reports_the_newest_under_runs(tmp_path, monkeypatch, capsy
 
 def test_module_entry_point(two_runs):
     healthy, _ = two_runs
-    done = subprocess.run([sys.executable, "-m", "train.report", str(healthy), "plots=false"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "train.report", str(healthy), "plots=false"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "healthy: steps 1–400" in done.stdout

@@ -11,9 +11,9 @@ import re
 import pytest
 
 from tests.train.report.fixtures.synth import Synth, write_run
-from train.report.make import analyse, make_report
 from train.report.config import ReportConfig
 from train.report.load import load_run, read_data_plan
+from train.report.make import analyse, make_report
 
 CFG = ReportConfig(plots=False)
 SECTIONS = ["## Alarms", "## Reading notes", "## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## Thresholds used"]
@@ -190,7 +190,14 @@ def test_a_log_without_most_keys_names_what_is_missing(tmp_path):
 
 
 def test_data_plan_as_parallel_lists_with_inner_cut_points():
-    plan = read_data_plan({"boundaries": [512, 2048], "samples_per_bucket": [10, 20, 30], "batches_per_bucket": [1, 2, 3], "token_budget": 49152})
+    plan = read_data_plan(
+        {
+            "boundaries": [512, 2048],
+            "samples_per_bucket": [10, 20, 30],
+            "batches_per_bucket": [1, 2, 3],
+            "token_budget": 49152,
+        }
+    )
     assert [(b.lo, b.hi) for b in plan.buckets] == [(0.0, 512.0), (512.0, 2048.0), (2048.0, float("inf"))]
     assert [b.samples for b in plan.buckets] == [10, 20, 30] and plan.token_budget == 49152
     assert plan.not_found == ["tokens per bucket", "planned padding efficiency"]

@@ -8,7 +8,16 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from train.report.stats import eta_squared, fit_mixture2, linear_gain, longest_run, ranges, sarle_bc, smooth, trend_with_groups
+from train.report.stats import (
+    eta_squared,
+    fit_mixture2,
+    linear_gain,
+    longest_run,
+    ranges,
+    sarle_bc,
+    smooth,
+    trend_with_groups,
+)
 
 RNG = np.random.default_rng(0)
 NORMAL = RNG.normal(1.0, 0.1, 2000)
@@ -67,7 +76,7 @@ def test_linear_gain_and_trend_with_groups_recover_known_slopes():
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=60))
 def test_longest_run_is_the_longest_block_of_equal_values(seq):
     length, value, start = longest_run(np.array(seq))
-    assert seq[start: start + length] == [value] * length
+    assert seq[start : start + length] == [value] * length
     brute = max(j - i for i in range(len(seq)) for j in range(i + 1, len(seq) + 1) if len(set(seq[i:j])) == 1)
     assert length == brute
 

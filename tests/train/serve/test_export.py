@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from train import checkpoint as ck
 from train.attention import build_dense_mask
+from train.model import DFlashDrafter, DrafterConfig, TargetHead
 from train.serve.export import (
     drafter_config_from_export,
     export_checkpoint,
@@ -24,22 +25,58 @@ from train.serve.export import (
     load_exported,
     main,
 )
-from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
 # The keys of the published Qwen3-8B-DFlash-b16 config.json (dflash.md §2.1).
 PUBLISHED_KEYS = {
-    "architectures", "auto_map", "model_type", "block_size", "num_target_layers", "dflash_config", "hidden_size",
-    "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "attention_bias", "attention_dropout",
-    "layer_types", "max_window_layers", "sliding_window", "use_sliding_window", "tie_word_embeddings", "vocab_size",
-    "bos_token_id", "eos_token_id", "dtype", "initializer_range", "use_cache",
+    "architectures",
+    "auto_map",
+    "model_type",
+    "block_size",
+    "num_target_layers",
+    "dflash_config",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "attention_bias",
+    "attention_dropout",
+    "layer_types",
+    "max_window_layers",
+    "sliding_window",
+    "use_sliding_window",
+    "tie_word_embeddings",
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+    "dtype",
+    "initializer_range",
+    "use_cache",
 }
 
 
 def tiny_config(**overrides) -> DrafterConfig:
-    values = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, vocab_size=40, target_layer_ids=[0, 2], num_target_layers=4, mask_token_id=39, block_size=4,
-                  rope_theta=10000.0, max_position_embeddings=512)
+    values = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=40,
+        target_layer_ids=[0, 2],
+        num_target_layers=4,
+        mask_token_id=39,
+        block_size=4,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+    )
     values.update(overrides)
     return DrafterConfig(**values)
 
@@ -56,8 +93,11 @@ def random_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
 
 CONFIGS = {
     "plain": {},
-    "partial_rope_yarn": dict(partial_rotary_factor=0.5, rope_theta=1e6,
-                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "partial_rope_yarn": dict(
+        partial_rotary_factor=0.5,
+        rope_theta=1e6,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
     "linear_rope_mha": dict(num_key_value_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "wide_target_features": dict(target_hidden_size=24, target_layer_ids=[0, 1, 3]),
     # Per-layer attention types, with windows shorter than the test contexts (S = 11 below).
@@ -78,8 +118,12 @@ def test_exported_model_equals_training_model(tmp_path, name):
     target_hidden = torch.randn(2, S, cfg.feature_width)
     noise = torch.randn(2, Q, cfg.hidden_size)
     for positions in (
-        torch.cat([torch.arange(S).expand(2, S), (torch.arange(Q) + S).expand(2, Q)], 1),  # block right after the context
-        torch.cat([torch.arange(S).expand(2, S), torch.tensor([[40, 41, 42, 43], [300, 301, 302, 303]])], 1),  # far positions
+        torch.cat(
+            [torch.arange(S).expand(2, S), (torch.arange(Q) + S).expand(2, Q)], 1
+        ),  # block right after the context
+        torch.cat(
+            [torch.arange(S).expand(2, S), torch.tensor([[40, 41, 42, 43], [300, 301, 302, 303]])], 1
+        ),  # far positions
     ):
         with torch.no_grad():
             expected = model(noise, target_hidden, positions)
@@ -91,8 +135,12 @@ def test_exported_model_equals_training_model(tmp_path, name):
     with torch.no_grad():
         empty = torch.zeros(2, 0, cfg.feature_width)
         positions = (torch.arange(Q) + 5).expand(2, Q)
-        torch.testing.assert_close(head.logits(exported(position_ids=positions, noise_embedding=noise, target_hidden=empty)),
-                                   head.logits(model(noise, empty, positions)), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(
+            head.logits(exported(position_ids=positions, noise_embedding=noise, target_hidden=empty)),
+            head.logits(model(noise, empty, positions)),
+            rtol=1e-6,
+            atol=1e-5,
+        )
 
 
 def test_exported_model_takes_the_training_mask_for_many_blocks(tmp_path):
@@ -113,7 +161,11 @@ def test_exported_model_takes_the_training_mask_for_many_blocks(tmp_path):
     assert torch.isfinite(got).all()  # padding blocks (see nothing) give no NaN
 
 
-@pytest.mark.parametrize("layout", [{}, dict(num_hidden_layers=3, layer_types="sliding_then_full", sliding_window=5)], ids=["full", "sliding"])
+@pytest.mark.parametrize(
+    "layout",
+    [{}, dict(num_hidden_layers=3, layer_types="sliding_then_full", sliding_window=5)],
+    ids=["full", "sliding"],
+)
 def test_context_cache_equals_recomputing_the_whole_context(tmp_path, layout):
     """Serving keeps the context K/V in a DynamicCache across rounds and crops the block entries away
     (cached keys sit at positions 0..cached-1, and a sliding window still applies to them)."""
@@ -132,11 +184,18 @@ def test_context_cache_equals_recomputing_the_whole_context(tmp_path, layout):
     for anchor in (6, 9, 19):  # three rounds; the context grows by what was verified
         noise = torch.randn(1, K, cfg.hidden_size)
         with torch.no_grad():
-            step = exported(position_ids=torch.arange(cached, anchor + K)[None], noise_embedding=noise,
-                            target_hidden=features[:, cached:anchor], past_key_values=cache, use_cache=True)
+            step = exported(
+                position_ids=torch.arange(cached, anchor + K)[None],
+                noise_embedding=noise,
+                target_hidden=features[:, cached:anchor],
+                past_key_values=cache,
+                use_cache=True,
+            )
             crop_cache(cache, anchor)
             cached = anchor
-            full = exported(position_ids=torch.arange(anchor + K)[None], noise_embedding=noise, target_hidden=features[:, :anchor])
+            full = exported(
+                position_ids=torch.arange(anchor + K)[None], noise_embedding=noise, target_hidden=features[:, :anchor]
+            )
             trained = model(noise, features[:, :anchor], torch.arange(anchor + K)[None])
         assert cache.get_seq_length() == anchor
         torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-6)
@@ -145,23 +204,38 @@ def test_context_cache_equals_recomputing_the_whole_context(tmp_path, layout):
 
 def test_config_is_the_published_format(tmp_path):
     cfg = tiny_config(num_target_layers=8, target_layer_ids=[1, 3, 5], block_size=16, mask_token_id=38)
-    out = export_drafter(random_drafter(cfg).state_dict(), cfg, tmp_path / "e",
-                         token_ids={"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    out = export_drafter(
+        random_drafter(cfg).state_dict(),
+        cfg,
+        tmp_path / "e",
+        token_ids={"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+    )
     config = json.loads((out / "config.json").read_text())
     assert PUBLISHED_KEYS <= set(config)
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert config["model_type"] == "qwen3"
     assert (config["block_size"], config["num_target_layers"]) == (16, 8)
-    assert config["dflash_config"] == {"mask_token_id": 38, "target_layer_ids": [1, 3, 5], "block_size": 16,
-                                       "causal": False, "layer_causal": [False, False], "use_swa": False}
+    assert config["dflash_config"] == {
+        "mask_token_id": 38,
+        "target_layer_ids": [1, 3, 5],
+        "block_size": 16,
+        "causal": False,
+        "layer_causal": [False, False],
+        "use_swa": False,
+    }
     assert config["layer_types"] == ["full_attention"] * 2 and config["use_sliding_window"] is False
     assert config["sliding_window"] is None and config["is_causal"] is False and config["is_neox_style"] is True
     assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (32, 48, 2)
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 8)
     assert config["rope_theta"] == 10000.0 and config["rope_scaling"] is None and config["partial_rotary_factor"] == 1.0
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
-    assert (config["vocab_size"], config["dtype"], config["torch_dtype"], config["tie_word_embeddings"]) == (40, "bfloat16", "bfloat16", False)
+    assert (config["vocab_size"], config["dtype"], config["torch_dtype"], config["tie_word_embeddings"]) == (
+        40,
+        "bfloat16",
+        "bfloat16",
+        False,
+    )
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
     assert drafter_config_from_export(config) == cfg
 
@@ -239,7 +313,9 @@ def test_cli_exports_a_checkpoint_or_a_run(tmp_path, capsys):
     with torch.no_grad():
         expected = model(noise, hidden, positions)
         for out in ("by_ckpt", "by_run"):
-            got = load_exported(tmp_path / out, trust_remote_code=True)(position_ids=positions, noise_embedding=noise, target_hidden=hidden)
+            got = load_exported(tmp_path / out, trust_remote_code=True)(
+                position_ids=positions, noise_embedding=noise, target_hidden=hidden
+            )
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     # Exporting again over an earlier export replaces it.
     assert main([str(ckpt), str(tmp_path / "by_ckpt")]) == 0
@@ -250,7 +326,9 @@ def test_target_token_ids_and_shape_check(tmp_path):
     cfg = tiny_config()
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"hidden_size": 32, "vocab_size": 40, "bos_token_id": 5, "eos_token_id": [6, 7]}))
+    (target / "config.json").write_text(
+        json.dumps({"hidden_size": 32, "vocab_size": 40, "bos_token_id": 5, "eos_token_id": [6, 7]})
+    )
     _, ckpt = _write_run(tmp_path, cfg, random_drafter(cfg))
     out = export_checkpoint(ckpt, tmp_path / "e", target=str(target))
     config = json.loads((out / "config.json").read_text())
@@ -284,7 +362,9 @@ def test_user_errors_name_the_problem(tmp_path, capsys):
 
 from train.attention import MaskRule, build_layer_masks  # noqa: E402
 
-MIXED = dict(num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=5)
+MIXED = dict(
+    num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=5
+)
 
 
 @pytest.mark.parametrize("sliding_in_block", ["causal", "bidirectional"])
@@ -307,9 +387,12 @@ def test_many_block_training_masks_equal_one_block_at_a_time_in_the_export(tmp_p
         many = exported(position_ids=positions, noise_embedding=noise, target_hidden=hidden, attention_mask=masks)
         torch.testing.assert_close(many, model(noise, hidden, positions, masks), rtol=1e-6, atol=1e-6)
         for n, a in enumerate(anchors[0].tolist()):
-            alone = exported(position_ids=torch.arange(a + K)[None], noise_embedding=noise[:, n * K:(n + 1) * K],
-                             target_hidden=hidden[:, :a])
-            torch.testing.assert_close(alone, many[:, n * K:(n + 1) * K], rtol=1e-5, atol=1e-6)
+            alone = exported(
+                position_ids=torch.arange(a + K)[None],
+                noise_embedding=noise[:, n * K : (n + 1) * K],
+                target_hidden=hidden[:, :a],
+            )
+            torch.testing.assert_close(alone, many[:, n * K : (n + 1) * K], rtol=1e-5, atol=1e-6)
     # The semantics matter: the same weights under the other in-block rule compute something else.
     other = _with_rule(model, "bidirectional" if sliding_in_block == "causal" else "causal")
     other_masks = build_layer_masks("sdpa", anchors, keep, S, K, other.config.mask_rules)
@@ -340,7 +423,11 @@ def test_config_states_the_attention_semantics(tmp_path):
     assert bidirectional["dflash_config"]["layer_causal"] == [False, False, False]
     all_sliding = export_config(tiny_config(layer_types="sliding", sliding_window=7))
     assert all_sliding["is_causal"] is True and all_sliding["dflash_config"]["causal"] is True
-    for c in (cfg, tiny_config(**MIXED, sliding_in_block="bidirectional"), tiny_config(layer_types="sliding", sliding_window=7)):
+    for c in (
+        cfg,
+        tiny_config(**MIXED, sliding_in_block="bidirectional"),
+        tiny_config(layer_types="sliding", sliding_window=7),
+    ):
         assert drafter_config_from_export(export_config(c)) == c
 
 
@@ -352,13 +439,16 @@ def test_serving_warning_for_bidirectional_sliding_layers(tmp_path, capsys):
     assert "SGLang" in serving_warnings(tiny_config(**MIXED, sliding_in_block="bidirectional"))[0]
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (lambda c: c.update(is_causal=True), "full_attention layers \\[2\\] are causal"),
-    (lambda c: c["dflash_config"].update(layer_causal=[True, False, False]), "layer_causal"),
-    (lambda c: c["dflash_config"].update(swa_window_size=9), "disagree"),
-    (lambda c: c.update(sliding_window=None) or c["dflash_config"].pop("swa_window_size"), "need sliding_window"),
-    (lambda c: c.update(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "layer_types"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda c: c.update(is_causal=True), "full_attention layers \\[2\\] are causal"),
+        (lambda c: c["dflash_config"].update(layer_causal=[True, False, False]), "layer_causal"),
+        (lambda c: c["dflash_config"].update(swa_window_size=9), "disagree"),
+        (lambda c: c.update(sliding_window=None) or c["dflash_config"].pop("swa_window_size"), "need sliding_window"),
+        (lambda c: c.update(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "layer_types"),
+    ],
+)
 def test_unreadable_attention_semantics_are_refused(edit, needle):
     config = export_config(tiny_config(**MIXED))
     edit(config)

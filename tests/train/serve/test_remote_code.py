@@ -24,8 +24,11 @@ def test_an_exported_drafter_runs_no_code_from_its_directory_unless_asked(tmp_pa
     remote = load_exported(tmp_path / "e", trust_remote_code=True)  # the user's explicit choice
     assert marker.exists()
     S, Q = 7, 4
-    inputs = dict(position_ids=torch.arange(S + Q)[None], noise_embedding=torch.randn(1, Q, cfg.hidden_size),
-                  target_hidden=torch.randn(1, S, cfg.feature_width))
+    inputs = dict(
+        position_ids=torch.arange(S + Q)[None],
+        noise_embedding=torch.randn(1, Q, cfg.hidden_size),
+        target_hidden=torch.randn(1, S, cfg.feature_width),
+    )
     assert torch.equal(safe(**inputs), remote(**inputs))
 
 
@@ -37,8 +40,11 @@ def test_the_trainer_reads_a_target_tokenizer_without_running_its_code(tmp_path,
 
     asked = []
     real = transformers.AutoTokenizer.from_pretrained
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
-                        lambda *args, **kwargs: asked.append(kwargs.get("trust_remote_code", "unset")) or real(*args, **kwargs))
+    monkeypatch.setattr(
+        transformers.AutoTokenizer,
+        "from_pretrained",
+        lambda *args, **kwargs: asked.append(kwargs.get("trust_remote_code", "unset")) or real(*args, **kwargs),
+    )
 
     _tokenizer().save_pretrained(tmp_path)
     marker = tmp_path / "ran"
@@ -46,7 +52,9 @@ def test_the_trainer_reads_a_target_tokenizer_without_running_its_code(tmp_path,
     tok_cfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
     (tmp_path / "tokenization_evil.py").write_text(
-        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nfrom transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nfrom transformers import PreTrainedTokenizerFast "
+        "as EvilTokenizer\n"
+    )
     try:
         _load_tokenizer(str(tmp_path))
     except ValueError:

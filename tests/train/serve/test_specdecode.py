@@ -21,8 +21,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from tests.common.test_repeat import first_loop_reference
 from train.attention import build_dense_mask
 from train.blocks import make_blocks
-from train.serve.export import export_drafter, load_exported
 from train.model import DFlashDrafter, DrafterConfig
+from train.serve.export import export_drafter, load_exported
 from train.serve.specdecode import (
     DFlashProposer,
     SpecTarget,
@@ -46,16 +46,37 @@ B = 16
 
 def tiny_qwen3(seed: int = 0, dtype=torch.float64) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=1024, tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg = Qwen3Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     return Qwen3ForCausalLM(cfg).eval().to(dtype)
 
 
 def drafter_config(**overrides) -> DrafterConfig:
-    values = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, vocab_size=V, target_layer_ids=LAYER_IDS, num_target_layers=4, mask_token_id=MASK,
-                  block_size=B, rope_theta=10000.0, max_position_embeddings=1024)
+    values = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=V,
+        target_layer_ids=LAYER_IDS,
+        num_target_layers=4,
+        mask_token_id=MASK,
+        block_size=B,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+    )
     values.update(overrides)
     return DrafterConfig(**values)
 
@@ -163,7 +184,9 @@ def test_stop_repeat_ends_both_loops_where_the_response_starts_looping():
         free = greedy_generate(target, prompt, 60)
         loop = first_loop_reference(free.tokens, 6)
         base = greedy_generate(target, prompt, 60, stop_repeat=6)
-        assert base.tokens == (free.tokens[:loop] if loop else free.tokens) and base.stop == ("repeat" if loop else "length")
+        assert base.tokens == (free.tokens[:loop] if loop else free.tokens) and base.stop == (
+            "repeat" if loop else "length"
+        )
         for proposer in (OracleProposer(prompt + free.tokens), BrokenAtProposer(prompt + free.tokens, 3)):
             spec = speculative_generate(target, proposer, prompt, 60, stop_repeat=6)
             assert spec.tokens == base.tokens and spec.stop == base.stop
@@ -230,8 +253,14 @@ def test_partial_acceptance_tau_and_summary():
 # A drafter with real acceptance: trained for a few seconds on the target's greedy text
 
 
-def train_drafter(target: SpecTarget, prompts: list[list[int]], new_tokens: int, steps: int, config: DrafterConfig | None = None,
-                  features_of=lambda features_TF: features_TF) -> DFlashDrafter:
+def train_drafter(
+    target: SpecTarget,
+    prompts: list[list[int]],
+    new_tokens: int,
+    steps: int,
+    config: DrafterConfig | None = None,
+    features_of=lambda features_TF: features_TF,
+) -> DFlashDrafter:
     """The training recipe in miniature (train.blocks anchors/labels, the training mask, weighted CE on
     the target's greedy top-1) on the target's own greedy continuations of `prompts`; `features_of`
     maps the target's tap features to what the drafter (of `config`) reads."""
@@ -258,14 +287,25 @@ def train_drafter(target: SpecTarget, prompts: list[list[int]], new_tokens: int,
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        blocks = make_blocks(input_ids, loss_mask, lengths, topk, block_size=B, num_anchors=12, gamma=7.0,
-                             mask_token_id=MASK, generator=generator)
+        blocks = make_blocks(
+            input_ids,
+            loss_mask,
+            lengths,
+            topk,
+            block_size=B,
+            num_anchors=12,
+            gamma=7.0,
+            mask_token_id=MASK,
+            generator=generator,
+        )
         mask = build_dense_mask(blocks.anchors_BN, blocks.keep_BN, S, B)
         out = drafter(F.embedding(blocks.block_ids_BQ, embed), hidden, blocks.position_ids_BP, mask)
         rows_M = blocks.loss_rows_M
         logits = out.reshape(-1, out.shape[-1])[rows_M] @ head.T
         weights = blocks.weights_BQ.reshape(-1)[rows_M]
-        loss = (F.cross_entropy(logits, blocks.labels_BQ.reshape(-1)[rows_M], reduction="none") * weights).sum() / weights.sum()
+        loss = (
+            F.cross_entropy(logits, blocks.labels_BQ.reshape(-1)[rows_M], reduction="none") * weights
+        ).sum() / weights.sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -320,8 +360,11 @@ def test_offline_block_drafts_equal_one_block_at_a_time(trained):
         block = torch.full((1, B), MASK)
         block[0, 0] = ids[a]
         with torch.no_grad():
-            hidden = drafter(position_ids=torch.arange(a + B)[None], noise_embedding=F.embedding(block, target.embed_VD),
-                             target_hidden=features[None, :a])
+            hidden = drafter(
+                position_ids=torch.arange(a + B)[None],
+                noise_embedding=F.embedding(block, target.embed_VD),
+                target_hidden=features[None, :a],
+            )
         assert batched[row].tolist() == target.draft_logits(hidden[:, 1:]).argmax(-1)[0].tolist()
 
 
@@ -362,8 +405,16 @@ def test_shard_prompts_and_corpus_offline_tau(trained, tmp_path):
             ids = torch.tensor(prompt + greedy_generate(target, prompt, 40).tokens)
             greedy, features = target.teacher_forced(ids[None])
             loss_mask = torch.arange(len(ids)) >= len(prompt)
-            writer.write(sample_from_torch(sample_id(ids.numpy(), loss_mask.numpy().astype("uint8")), ids, loss_mask,
-                                           features.bfloat16(), greedy[:, None], torch.zeros(len(ids), 1)))
+            writer.write(
+                sample_from_torch(
+                    sample_id(ids.numpy(), loss_mask.numpy().astype("uint8")),
+                    ids,
+                    loss_mask,
+                    features.bfloat16(),
+                    greedy[:, None],
+                    torch.zeros(len(ids), 1),
+                )
+            )
     got, samples = prompts_from_shards(str(tmp_path / "shards"), None)
     assert got == prompts
     corpus = corpus_offline_tau(drafter, target, samples)
@@ -390,10 +441,22 @@ def tiny_qwen35(seed: int = 0):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3_5TextConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
-                            linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=1024, tie_word_embeddings=False,
-                            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+    cfg = Qwen3_5TextConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    )
     return Qwen3_5ForCausalLM(cfg).eval().to(torch.float64)
 
 
@@ -432,10 +495,16 @@ def word_tokenizer():
     assert len(vocab) == V and vocab["<|MASK|>"] == MASK
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", mask_token="<|MASK|>",
-                                      additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    wrapped.chat_template = ("{% for m in messages %}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor %}"
-                             "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        mask_token="<|MASK|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    wrapped.chat_template = (
+        "{% for m in messages %}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+    )
     return wrapped
 
 
@@ -443,16 +512,24 @@ def test_prompts_are_first_user_turns_with_the_generation_prompt(tmp_path):
     tokenizer = word_tokenizer()
     path = tmp_path / "p.jsonl"
     records = [
-        {"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"},
-                      {"role": "user", "content": "w4"}, {"role": "assistant", "content": "w5"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "w1 w2"},
+                {"role": "assistant", "content": "w3"},
+                {"role": "user", "content": "w4"},
+                {"role": "assistant", "content": "w5"},
+            ]
+        },
         {"text": "w9 w9"},
         {"messages": [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"}]},
     ]
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     prompts = prompts_from_jsonl(path, tokenizer, limit=None)
     decode = [tokenizer.convert_ids_to_tokens(p) for p in prompts]
-    assert decode == [["<|im_start|>", "user", "w1", "w2", "<|im_end|>", "<|im_start|>", "assistant"],
-                      ["<|im_start|>", "user", "w7", "<|im_end|>", "<|im_start|>", "assistant"]]
+    assert decode == [
+        ["<|im_start|>", "user", "w1", "w2", "<|im_end|>", "<|im_start|>", "assistant"],
+        ["<|im_start|>", "user", "w7", "<|im_end|>", "<|im_start|>", "assistant"],
+    ]
     assert len(prompts_from_jsonl(path, tokenizer, limit=1)) == 1
 
 
@@ -467,15 +544,36 @@ def cli_inputs(tmp_path, n_prompts: int = 3):
     tokenizer.save_pretrained(tmp_path / "target")
     export_drafter(DFlashDrafter(drafter_config()).state_dict(), drafter_config(), tmp_path / "drafter")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"}]}) + "\n" for i in range(n_prompts)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"}]}) + "\n" for i in range(n_prompts)
+        )
+    )
     return prompts
 
 
 def test_cli_end_to_end(tmp_path, capsys):
     prompts = cli_inputs(tmp_path)
     out = tmp_path / "result.json"
-    code = main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
-                 "--max-new-tokens", "24", "--num-prompts", "2", "--out", str(out), "--agreement", "--threads", "1"])
+    code = main(
+        [
+            "--target",
+            str(tmp_path / "target"),
+            "--drafter",
+            str(tmp_path / "drafter"),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--num-prompts",
+            "2",
+            "--out",
+            str(out),
+            "--agreement",
+            "--threads",
+            "1",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "lossless: True" in printed and "speed-up" in printed and "offline τ at the online round starts" in printed
@@ -485,8 +583,19 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert sum(summary["tau_histogram"]) == summary["rounds"] and len(summary["tau_histogram"]) == B
     assert result["agreement"]["round_mismatches"] == 0
     assert result["config"]["max_new_tokens"] == 24 and result["cache_mode"] == "crop"
-    assert main(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
-                 "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    assert (
+        main(
+            [
+                "--target",
+                str(tmp_path / "target"),
+                "--drafter",
+                str(tmp_path / "drafter"),
+                "--prompts",
+                str(tmp_path / "missing.jsonl"),
+            ]
+        )
+        == 2
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,8 +638,17 @@ def test_tree_mask_and_walk():
     token = torch.tensor([5, 6, 7, 8, 9])
     visible = tree_attention_mask(parent, cached=2, dtype=torch.float32)[0, 0] == 0
     assert visible.shape == (6, 8) and visible[:, :2].all()
-    expected = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0],
-                             [1, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0],
+            [1, 1, 0, 1, 1, 0],
+            [1, 0, 1, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(visible[:, 2:], expected)
     # greedy[0] at the root, greedy[i + 1] at node i
     assert walk_verified_tree(parent, token, [5, 7, 0, 8, 3, 0]) == [0, 2, 3]
@@ -568,7 +686,11 @@ def test_ddtree_with_one_node_per_depth_is_the_chain():
     target = SpecTarget.from_model(tiny_qwen3(seed=2), LAYER_IDS, stop_ids=[])
     prompt = random_prompts(1, lengths=(8,), seed=4)[0]
     base = greedy_generate(target, prompt, 45)
-    for stub in (BrokenAtProposer(prompt + base.tokens, 4), OracleProposer(prompt + base.tokens), WrongProposer(prompt + base.tokens)):
+    for stub in (
+        BrokenAtProposer(prompt + base.tokens, 4),
+        OracleProposer(prompt + base.tokens),
+        WrongProposer(prompt + base.tokens),
+    ):
         chain = speculative_generate(target, stub, prompt, 45)
         tree = ddtree_generate(target, OneHot(stub), prompt, 45, budget=B - 1)
         assert tree.tokens == chain.tokens == base.tokens
@@ -592,10 +714,16 @@ def quick_start(drafter_dir, target_model, prompt: list[int], max_new_tokens: in
 
     draft = AutoModel.from_pretrained(str(drafter_dir), trust_remote_code=True, dtype="auto").eval()
     input_ids = torch.tensor([prompt]).to(draft.device)
-    output = draft.spec_generate(input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=sampling.pop("temperature", 0.0),
-                                 target=target_model, stop_token_ids=stop_token_ids, **sampling)
+    output = draft.spec_generate(
+        input_ids=input_ids,
+        max_new_tokens=max_new_tokens,
+        temperature=sampling.pop("temperature", 0.0),
+        target=target_model,
+        stop_token_ids=stop_token_ids,
+        **sampling,
+    )
     assert output.shape[0] == 1 and output[0, : len(prompt)].tolist() == prompt
-    return output[0, len(prompt):].tolist(), draft
+    return output[0, len(prompt) :].tolist(), draft
 
 
 def test_quick_start_on_our_export_is_target_greedy_decoding(trained):
@@ -613,8 +741,9 @@ def test_quick_start_on_our_export_is_target_greedy_decoding(trained):
     # transformers' own greedy generate agrees, stop token included (cut right after its first occurrence).
     prompt = prompts[0]
     stop = greedy_generate(target, prompt, 60).tokens[20]
-    reference = target.model.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False, eos_token_id=stop,
-                                      pad_token_id=stop)[0, len(prompt):].tolist()
+    reference = target.model.generate(
+        torch.tensor([prompt]), max_new_tokens=60, do_sample=False, eos_token_id=stop, pad_token_id=stop
+    )[0, len(prompt) :].tolist()
     tokens, _ = quick_start(drafter_dir, target.model, prompt, 60, stop_token_ids=[stop])
     assert tokens == reference and tokens[-1] == stop and stop not in tokens[:-1]
 
@@ -641,7 +770,9 @@ def test_quick_start_sampling_with_top_k_one_is_greedy(trained):
     target, drafter, prompts = trained
     base = greedy_generate(target, prompts[1], 40)
     torch.manual_seed(0)
-    tokens, draft = quick_start(drafter.name_or_path, target.model, prompts[1], 40, stop_token_ids=None, temperature=0.7, top_k=1)
+    tokens, draft = quick_start(
+        drafter.name_or_path, target.model, prompts[1], 40, stop_token_ids=None, temperature=0.7, top_k=1
+    )
     assert tokens == base.tokens and max(draft.last_acceptance_lengths) > 1
     with pytest.raises(ValueError, match="temperature"):
         quick_start(drafter.name_or_path, target.model, prompts[1], 4, stop_token_ids=None, temperature=-1.0)
