@@ -17,7 +17,7 @@ from pathlib import Path
 
 import tomli_w
 
-from tests.paths import child_pythonpath
+from tests.paths import REPO, child_pythonpath  # noqa: F401 - REPO is re-exported to the scenarios
 
 # The extraction every scenario uses: 2 taps of a 4-layer target, top-4, small shards (2-3 samples
 # each) so that a run commits dozens of shards and every commit window is reached many times.
