@@ -32,6 +32,8 @@ import dataclasses
 
 import torch
 
+from train.alignment import block_input_ids, block_positions, label_rows
+
 __all__ = [
     "Blocks",
     "make_blocks",
@@ -174,19 +176,19 @@ def make_blocks(
     N = anchors_BN.shape[1]
     offsets_K = torch.arange(K)
 
-    block_ids_BNK = torch.full((B, N, K), int(mask_token_id), dtype=torch.long)
     first_BN = input_ids_BS.long().gather(1, anchors_BN)
-    block_ids_BNK[:, :, 0] = torch.where(keep_BN, first_BN, torch.full_like(first_BN, int(mask_token_id)))
+    padding_BN = torch.full_like(first_BN, int(mask_token_id))  # a padding block is all mask tokens
+    block_ids_BNK = block_input_ids(torch.where(keep_BN, first_BN, padding_BN), K, mask_token_id)
 
-    target_pos_BNK = anchors_BN[:, :, None] + offsets_K  # the token each block position predicts
+    target_pos_BNK = block_positions(anchors_BN, K)  # the token each block position predicts
     in_seq_BNK = target_pos_BNK < lengths_B[:, None, None]
     safe_pos_BNK = target_pos_BNK.clamp(max=S - 1)
     label_mask_BNK = loss_mask_BS.bool().gather(1, safe_pos_BNK.view(B, -1)).view(B, N, K)
     valid_BNK = keep_BN[:, :, None] & in_seq_BNK & label_mask_BNK & (offsets_K >= 1)
     weights_BNK = position_weights(K, gamma)[None, None, :] * valid_BNK
 
-    # Target top-1 for the token at a+k is stored at row a+k-1 (topk rows predict the next token).
-    row_BNK = (target_pos_BNK - 1).clamp(min=0, max=S - 1)
+    # Clamped rows only serve positions whose weight is 0 (the anchor itself, past the sequence).
+    row_BNK = label_rows(target_pos_BNK).clamp(min=0, max=S - 1)
     if labels == "target":
         labels_BNK = topk_ids_BSk[:, :, 0].long().gather(1, row_BNK.view(B, -1)).view(B, N, K)
     else:

@@ -8,6 +8,8 @@ import torch
 import xxhash
 from torch import Tensor
 
+from train.alignment import draft_label_rows
+
 _ANCHOR_SALT = b"dflash-eval-anchors:"
 
 
@@ -53,6 +55,6 @@ def block_anchors(
 def block_targets(top1_T: Tensor, anchors_A: Tensor, n_draft: int) -> Tensor:
     """int64 [A, D]: y_k = the target's greedy token for position a+k = top1[a+k-1] (0 past the end)."""
     T = top1_T.numel()
-    row_AD = anchors_A[:, None] + torch.arange(n_draft)  # row a+k-1 for k = 1..D
+    row_AD = draft_label_rows(anchors_A, n_draft + 1)  # row a+k-1 for k = 1..D
     inside_AD = row_AD < T
     return torch.where(inside_AD, top1_T.long()[row_AD.clamp(max=T - 1)], 0)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from train.alignment import block_input_ids, block_positions
 from train.eval.checkpoints import EvalModel
 from train.eval.config import EvalConfig
 from train.eval.ddtree import draft_topk
@@ -119,14 +120,15 @@ def forward_inputs(pieces: Sequence[Piece], block_size: int, mask_token_id: int)
     hidden_RSF = torch.zeros(R, S, F, dtype=pieces[0].hidden_TF.dtype)
     anchors_RN = torch.zeros(R, N, dtype=torch.long)
     keep_RN = torch.zeros(R, N, dtype=torch.bool)
-    block_ids_RNK = torch.full((R, N, K), int(mask_token_id), dtype=torch.long)
+    anchor_ids_RN = torch.full((R, N), int(mask_token_id), dtype=torch.long)  # padding blocks: all mask tokens
     for r, piece in enumerate(pieces):
         n, t = piece.n_blocks, min(S, piece.hidden_TF.shape[0])
         hidden_RSF[r, :t] = piece.hidden_TF[:t]
         anchors_RN[r, :n] = piece.anchors_A
         keep_RN[r, :n] = True
-        block_ids_RNK[r, :n, 0] = piece.input_ids_T.long()[piece.anchors_A]
-    block_pos_RQ = (anchors_RN[:, :, None] + torch.arange(K)).view(R, N * K)
+        anchor_ids_RN[r, :n] = piece.input_ids_T.long()[piece.anchors_A]
+    block_ids_RNK = block_input_ids(anchor_ids_RN, K, mask_token_id)
+    block_pos_RQ = block_positions(anchors_RN, K).view(R, N * K)
     position_ids_RP = torch.cat((torch.arange(S).expand(R, S), block_pos_RQ), dim=1)
     return ForwardInputs(hidden_RSF, block_ids_RNK.view(R, N * K), position_ids_RP, anchors_RN, keep_RN)
 

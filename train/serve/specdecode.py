@@ -81,6 +81,7 @@ from torch import nn
 
 from common.repeat import RepeatWatch
 from common.target import TapHooks, Target, check_layer_ids, load_target, reach_text_parts
+from train.alignment import block_input_ids, block_positions, draft_label_rows
 
 __all__ = [
     "Round",
@@ -327,8 +328,7 @@ class DFlashProposer:
         first = self.cached if self.context_cache else 0
         assert first + context_1SF.shape[1] == anchor_pos, (first, context_1SF.shape, anchor_pos)
         device = self.target.device
-        block_ids_1Q = torch.full((1, B), self.mask_token_id, dtype=torch.long, device=device)
-        block_ids_1Q[0, 0] = anchor_token
+        block_ids_1Q = block_input_ids(torch.tensor([anchor_token], device=device), B, self.mask_token_id)
         noise_1QD = F.embedding(block_ids_1Q, self.target.embed_VD)
         position_ids = torch.arange(first, anchor_pos + B, device=device)[None]
         hidden_1QD = self.drafter(
@@ -761,9 +761,8 @@ def offline_block_drafts(
         part = torch.tensor(list(anchors[start : start + chunk]), dtype=torch.long)
         N = part.numel()
         S = int(part.max())  # context needed: positions < the last anchor
-        block_ids_NQ = torch.full((N, B), mask_id, dtype=torch.long)
-        block_ids_NQ[:, 0] = ids_T[part]
-        positions = torch.cat((torch.arange(S), (part[:, None] + torch.arange(B)).reshape(-1)))[None]
+        block_ids_NQ = block_input_ids(ids_T[part], B, mask_id)
+        positions = torch.cat((torch.arange(S), block_positions(part, B).reshape(-1)))[None]
         masks = build_layer_masks("sdpa", part[None], torch.ones(1, N, dtype=torch.bool), S, B, rules)
         noise_1QD = F.embedding(block_ids_NQ.reshape(1, -1).to(target.device), target.embed_VD)
         hidden_1QD = drafter(
@@ -778,13 +777,13 @@ def offline_block_drafts(
 
 
 def _chain(drafts_ND: torch.Tensor, greedy_T: torch.Tensor, anchors: Sequence[int], end: int):
-    """train.eval.acceptance chain blocks: y_k = greedy token for a+k (= greedy_T[a+k-1]), valid length = tokens
-    left."""
+    """train.eval.acceptance chain blocks: y_k = the greedy token for a+k (= greedy_T[a+k-1], the
+    label rows of `train.alignment`), valid length = the tokens left."""
     from train.eval.acceptance import chain_blocks
 
     D = drafts_ND.shape[1]
     anchors_N = torch.tensor(list(anchors), dtype=torch.long)
-    rows_ND = (anchors_N[:, None] + torch.arange(D)).clamp(max=len(greedy_T) - 1)
+    rows_ND = draft_label_rows(anchors_N, D + 1).clamp(max=len(greedy_T) - 1)
     target_ND = greedy_T[rows_ND]
     valid_N = (end - 1 - anchors_N).clamp(max=D)
     return chain_blocks(drafts_ND, target_ND, valid_N)
