@@ -78,7 +78,7 @@ PEAK_FLOPS = 790e12
 FLOP_PARTS = ("fc", "context_kv", "block_matmuls", "attention", "lm_head")  # the keys of step_flops
 
 SHAPES = {
-    # Qwen3.6-27B (qwen3.6-27b.md §1): the drafter has the target's widths, 5 layers, 4 taps.
+    # Qwen3.6-27B: the drafter has the target's widths, 5 layers, 4 taps.
     "27b": dict(
         hidden_size=5120,
         intermediate_size=17408,

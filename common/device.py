@@ -20,7 +20,7 @@ import torch
 # (2026-12-01, `python -m benchmarks.tiny_threads`): the tiny target's training step took 0.13 s on
 # 1 thread and 0.15 s on 2, batched greedy decoding 0.46 s and 0.54 s; the drafter's steps
 # (4,096-token batches) gained at most 1.3x from a second thread. On the 16-core H200 host the tiny
-# target trained more slowly with torch's default of 8 threads than on this VM with 2 (issue 14).
+# target trained more slowly with torch's default of 8 threads than on this VM with 2.
 # Hence: the usable cores, at most 4 (a user's OMP_NUM_THREADS wins).
 SMALL_MODEL_MAX_THREADS = 4
 

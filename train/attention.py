@@ -1,4 +1,4 @@
-"""The DFlash training attention mask (dflash.md §3.5), as a flex_attention `BlockMask` and as a
+"""The DFlash training attention mask (docs/dflash.md "Attention mask"), as a flex_attention `BlockMask` and as a
 dense bool mask for SDPA, per layer type, plus `attend`, which runs either.
 
 Keys/values of one row are `[S context positions | N blocks x B block tokens]`; queries are the
@@ -53,7 +53,7 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class MaskRule:
-    """What one layer's queries see beyond the §3.5 rule: a sliding window and in-block causality."""
+    """What one layer's queries see beyond the DFlash mask rule: a sliding window and in-block causality."""
 
     window: int | None = None  # keys at most window-1 positions before the query (None: no window)
     causal: bool = False  # inside the block, a query sees only block tokens at or before its own offset
@@ -68,7 +68,7 @@ FULL = MaskRule()
 def mask_mod_for(
     anchors_BN: torch.Tensor, keep_BN: torch.Tensor, context_len: int, block_size: int, rule: MaskRule = FULL
 ):
-    """The §3.5 rule under `rule` as a flex `mask_mod(b, h, q_idx, kv_idx) -> bool`."""
+    """The DFlash mask rule under `rule` as a flex `mask_mod(b, h, q_idx, kv_idx) -> bool`."""
     S, K = context_len, block_size
     window, causal = rule.window, rule.causal
 

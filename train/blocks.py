@@ -1,4 +1,5 @@
-"""Training blocks: anchor sampling, block inputs, labels and loss weights (dflash.md §3.4-§3.6).
+"""Training blocks: anchor sampling, block inputs, labels and loss weights (docs/dflash.md "Anchors", "Attention mask",
+"Loss").
 
 For a sequence with tokens x[0..L-1] and an anchor a, the block is
 

@@ -40,7 +40,7 @@ MAX_NAME_CHARS = 128
 
 @dataclass
 class ModelConfig:
-    """The drafter's shape; widths default to the target's (dflash.md §1.7)."""
+    """The drafter's shape; widths default to the target's (docs/dflash.md "Drafter")."""
 
     target: str | None = knob(
         None,
@@ -138,7 +138,8 @@ class ModelConfig:
 
 @dataclass
 class LossConfig:
-    """Anchors, labels and the objective (dflash.md §3.4-§3.6); the non-default values are ablations."""
+    """Anchors, labels and the objective (docs/dflash.md "Anchors", "Attention mask", "Loss"); the non-default values
+    are ablations."""
 
     num_anchors: int = knob(
         512, help="blocks per sequence, sampled without replacement from eligible response positions", min=1
@@ -171,7 +172,7 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine to 0 (dflash.md §3.7)."""
+    """AdamW with linear warmup then cosine to 0 (docs/dflash.md "Optimizer and schedule")."""
 
     lr: float = knob(6e-4, help="peak learning rate", min=0.0, max=1.0)
     weight_decay: float = knob(0.0, help="AdamW weight decay", min=0.0)

@@ -1,4 +1,4 @@
-"""The DFlash loss through the frozen lm_head, in chunks (dflash.md §3.6).
+"""The DFlash loss through the frozen lm_head, in chunks (docs/dflash.md "Loss").
 
     loss = sum(w * CE(lm_head(h), label)) / sum(w)           (+ kl_weight * the same average of KL)
 

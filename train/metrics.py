@@ -1,7 +1,7 @@
 """`metrics.jsonl`: one JSON object per optimizer step, none skipped (docs/ARCHITECTURE.md).
 
 The keys are exactly `STEP_KEYS`, plus `SKIP_KEYS` on skipped steps; `MetricsLog` refuses a
-record with other keys, so the report (issue 6) can rely on them. Each line is flushed as it is
+record with other keys, so the report (`train/report/`) can rely on them. Each line is flushed as it is
 written; a resumed run first drops the lines after its checkpoint's step, so the file stays one
 line per step with no gap and no duplicate. wandb, when configured, gets the same numbers.
 

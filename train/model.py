@@ -1,4 +1,4 @@
-"""The DFlash drafter (dflash.md §1) and the target's frozen embedding + lm_head.
+"""The DFlash drafter (docs/dflash.md "Drafter") and the target's frozen embedding + lm_head.
 
 The drafter is a stack of Qwen3-style decoder layers run over the block tokens only. The target's
 tap features of the context are projected once (`fc`, then `hidden_norm`) and injected as extra
@@ -107,7 +107,7 @@ def rope_settings(target_cfg: dict) -> tuple[float, dict | None, float]:
 
 @dataclasses.dataclass
 class DrafterConfig:
-    """The published DFlash config fields (dflash.md §2.1) that define the drafter's shape."""
+    """The published DFlash config fields (docs/dflash.md "Export format") that define the drafter's shape."""
 
     hidden_size: int
     intermediate_size: int
@@ -414,7 +414,7 @@ class Attention(nn.Module):
     def forward(self, x_BQD, context_BSD, cos_BPR, sin_BPR, attn_mask) -> torch.Tensor:
         B, Q, _ = x_BQD.shape
         S = context_BSD.shape[1]
-        # One projection over [context | block]: the same k/v weights serve both (dflash.md §1.2).
+        # One projection over [context | block]: the same k/v weights serve both (docs/dflash.md "Drafter").
         kv_in_BPD = torch.cat((context_BSD.to(x_BQD.dtype), x_BQD), dim=1) if S else x_BQD
         q_BHQE = self.q_norm(self.q_proj(x_BQD).view(B, Q, self.heads, self.head_dim)).transpose(1, 2)
         k_BGPE = self.k_norm(self.k_proj(kv_in_BPD).view(B, S + Q, self.kv_heads, self.head_dim)).transpose(1, 2)
@@ -437,7 +437,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h_BQD, context_BSD, cos_BPR, sin_BPR, attn_mask) -> torch.Tensor:
-        # The context is not normed here: it was normed once by hidden_norm (dflash.md §1.2).
+        # The context is not normed here: it was normed once by hidden_norm (docs/dflash.md "Drafter").
         h_BQD = h_BQD + self.self_attn(self.input_layernorm(h_BQD), context_BSD, cos_BPR, sin_BPR, attn_mask)
         return h_BQD + self.mlp(self.post_attention_layernorm(h_BQD))
 

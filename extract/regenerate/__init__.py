@@ -1,7 +1,7 @@
 """Regeneration: the target's own answers for any corpus (`python -m extract.regenerate`, `make regenerate`).
 
 DFlash drafters learn to predict what the target says, so they train on the target's own answers
-(dflash.md §3.1). This package reads a corpus in any format extraction reads, keeps each record's
+(docs/dflash.md "Training data"). This package reads a corpus in any format extraction reads, keeps each record's
 prompt side, answers every assistant turn again with the target, and writes a corpus in the
 messages format plus its provenance, which extraction carries into its manifest.
 

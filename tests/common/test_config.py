@@ -110,7 +110,7 @@ class Named:
     "text", ["2024-06-01", "1e3", "true", "07:30:00", "[1, 2]", "{a = 1}", "inf", "x=y", "été 😀", "a b"]
 )
 def test_a_string_key_takes_the_command_line_text_as_given(text):
-    """Issue 21: `run_name=2024-06-01` used to fail with "expected str, got datetime.date"."""
+    """`run_name=2024-06-01` used to fail with "expected str, got datetime.date"."""
     cfg = load_config(Named, None, [f"run_name={text}", f"out_dir={text}", f"paths.train={text}"])
     assert cfg.run_name == cfg.out_dir == cfg.paths["train"] == text
 

@@ -1,4 +1,4 @@
-"""Corpora as users bring them (issue 21): ShareGPT, OpenAI content parts, UTF-16/32 and BOMs,
+"""Corpora as users bring them: ShareGPT, OpenAI content parts, UTF-16/32 and BOMs,
 directories mixing JSONL and Parquet, and errors that name the file."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How an extraction starts and ends (issue 21): inputs are checked before the target is loaded, a
+"""How an extraction starts and ends: inputs are checked before the target is loaded, a
 refused or failed start leaves nothing behind (and never blocks the corrected run), "rerun to
 resume" is said only when something was committed, 0 samples is a non-zero exit with the reason,
 and a second writer of the same dataset stops at once."""

@@ -1,4 +1,4 @@
-"""Tool calls and forged control tokens (issue 21).
+"""Tool calls and forged control tokens.
 
 Tool calls are rendered by the target's chat template and trained on (the target generates them);
 tool results never are. The reference for every mask is transformers' own

@@ -1,4 +1,4 @@
-"""On CUDA: storage tiers in the trainer (issue 15) on the one kernel choice (issue 14).
+"""On CUDA: storage tiers in the trainer, on the one kernel choice.
 
 - A quantized dataset's batches travel compact and dequantize on the GPU to exactly what the CPU
   gives: fp8 and nf4 decode with one float32 multiply per value, rounded once to bf16, so the two

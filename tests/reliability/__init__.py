@@ -1,4 +1,4 @@
-"""The reliability suite (issue 7): kills, corruption, I/O errors, bad inputs and security checks,
+"""The reliability suite: kills, corruption, I/O errors, bad inputs and security checks,
 measured on a tiny random target built from a config.
 
     python -m tests.reliability            the full suite (`make reliability`); writes docs/reliability.md

@@ -17,7 +17,7 @@ inside, never a silent pass.
   and one line naming the key or file.
 - Mismatched shards (another tokenizer, other taps, another hidden size or vocabulary, fewer
   top-k, an unfinished extraction): training and eval refuse them naming the manifest field.
-- Issue 21's families: corpus formats (ShareGPT, content parts), text encodings (BOM, UTF-16/32),
+- The corpus-input families: corpus formats (ShareGPT, content parts), text encodings (BOM, UTF-16/32),
   tool calls, control tokens planted in record text (`tests/reliability/corpus_inputs.py`), and
   concurrent writers of one dataset or run (`tests/reliability/writers.py`).
 Figure: cases tried, cases with a clear answer.

@@ -1,4 +1,4 @@
-"""Scenario 5, the families issue 21 added: corpora as users bring them, and adversarial record text.
+"""Scenario 5, the corpus-input families: corpora as users bring them, and adversarial record text.
 
 - format: generated chats in ShareGPT form (`conversations` with `from`/`value`) and with OpenAI
   content-part lists must give exactly the sample of the same chat in `messages` form; broken

@@ -1,4 +1,4 @@
-"""What a scenario reports: its figure (the number the issue asks for), pass or fail, details for the
+"""What a scenario reports: its figure (the number the scenario is about), pass or fail, details for the
 report, and every failure in words."""
 
 from __future__ import annotations

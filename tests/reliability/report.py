@@ -66,7 +66,7 @@ bit-identical between processes.
    every wrong type / range / choice of every config key plus generated unknown keys, semantic
    config errors through the CLIs (layer ids beyond the model, missing paths, widths that do not
    fit), and shards that do not fit the drafter, through `train` and `train.eval`.
-   Issue 21 added: chats in ShareGPT form and with OpenAI content parts (the same sample as the
+   Also: chats in ShareGPT form and with OpenAI content parts (the same sample as the
    `messages` form, or the right reason), the fuzzed lines in UTF-8 with a BOM, UTF-16 and UTF-32
    (read exactly like UTF-8), generated agent conversations with tool calls through a template
    that renders tools like Qwen3.6's (the loss mask equals the one transformers derives from the
@@ -94,7 +94,7 @@ merge windows; kills in a half-written checkpoint file, after a checkpoint renam
 of pruning; 5 damaged dataset files and 5 damaged checkpoint files plus the three `on_corrupt=skip`
 runs; ENOSPC in shard data and in a manifest update, in a checkpoint file and EIO in a checkpoint
 fsync; 80 generated records, one fuzzed corpus, every bad value of every config key, the semantic
-and mismatched-shard cases, 30 generated cases of each issue-21 family, one pair of concurrent
+and mismatched-shard cases, 30 generated cases of each corpus-input family, one pair of concurrent
 extractions and a crashed lock holder; every security check; one default-threads kill. The fixes the
 suite led to have their own
 regression tests next to the component (tests/shards/test_integrity.py,
@@ -152,7 +152,7 @@ def write_report(
     lines = [
         "# Reliability figures",
         "",
-        "Written by `make reliability` (`tests/reliability/`, issue 7); do not edit by hand.",
+        "Written by `make reliability` (`tests/reliability/`); do not edit by hand.",
         "",
         f"- Command: `make reliability` = `.venv/bin/{command}`",
         f"- Date: {date}",

@@ -1,4 +1,4 @@
-"""Scenario 5, concurrent writers (issue 21): two writers of one output must never both write.
+"""Scenario 5, concurrent writers: two writers of one output must never both write.
 
 - extract: two real `python -m extract` processes started together into one out_dir, with
   different batch settings (the case that used to corrupt the dataset): one writes it, the other

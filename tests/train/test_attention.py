@@ -1,4 +1,4 @@
-"""The DFlash mask (dflash.md §3.5): a hand-checked case, and flex == dense."""
+"""The DFlash mask (docs/dflash.md "Attention mask"): a hand-checked case, and flex == dense."""
 
 from __future__ import annotations
 

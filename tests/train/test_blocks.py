@@ -1,4 +1,5 @@
-"""Anchors, block inputs, labels and weights (dflash.md §1.5, §3.4-§3.6) on hand-made sequences."""
+"""Anchors, block inputs, labels and weights (docs/dflash.md "Blocks and label alignment", "Anchors", "Attention mask",
+"Loss") on hand-made sequences."""
 
 from __future__ import annotations
 

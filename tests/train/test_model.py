@@ -1,5 +1,5 @@
 """The drafter against transformers' Qwen3 / Qwen3.5 reference code, against a from-the-spec
-re-derivation of dflash.md §1.2, and its config and parameter names."""
+re-derivation of docs/dflash.md "Drafter", and its config and parameter names."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from train.model import (
     rope_settings,
 )
 
-# The Qwen3.6-27B text config (qwen3.6-27b.md §1.2), trimmed to what the drafter reads.
+# The Qwen3.6-27B text config , trimmed to what the drafter reads.
 QWEN36_TEXT = {
     "hidden_size": 5120,
     "intermediate_size": 17408,
@@ -171,7 +171,7 @@ def _rope(x, pos, theta, rot):
 
 
 def _spec_forward(model: DFlashDrafter, noise, target_hidden, position_ids):
-    """dflash.md §1.2 written out with plain tensor ops, no mask (everything visible)."""
+    """docs/dflash.md "Drafter" written out with plain tensor ops, no mask (everything visible)."""
     cfg = model.config
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     S = target_hidden.shape[1]

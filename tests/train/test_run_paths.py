@@ -1,7 +1,7 @@
 """A run writes only under out_dir/run_name (found by the reliability suite): an over-long run name is
 a config error rather than an I/O error at mkdir, a run directory that is a symlink out of out_dir
 is refused with a message instead of an internal assertion, and a second training into a run
-directory stops at once (issue 21)."""
+directory stops at once."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ CHECKPOINT is a checkpoint directory (`runs/NAME/checkpoints/step-XXXXXXXX`) or 
 trained with (`target=` overrides). With two checkpoints both are evaluated on exactly the same
 blocks (one pass over the data) and the table shows them side by side with the ratio second/first.
 
-What is measured (`dflash.md` §4.3, §5.4). One block per anchor a: `[x_a, MASK x D]` at positions
+What is measured (docs/dflash.md "Acceptance length (τ)", "DDTree"). One block per anchor a: `[x_a, MASK x D]` at
+positions
 a..a+D (D = block_size - 1 = 15), context = the target's tap features of positions < a, the same
 inputs online decoding gives the drafter right after the target produced x_a. The target's
 continuation y_k (k = 1..D) is its stored greedy token for position a+k, `topk_ids[a+k-1, 0]`.
@@ -25,7 +26,7 @@ response (at most D): online, the response ends there, so such a round can accep
   - the fraction of blocks with all D drafts accepted (a cut block never is).
 These are averages over blocks (anchors), not the per-response mean of per-round τ that online
 benchmarks report, and the labels are the target's greedy tokens *given the data prefix*: they equal
-online greedy decoding only where the data is the target's own greedy output (§4.3).
+online greedy decoding only where the data is the target's own greedy output (docs/dflash.md "Acceptance length (τ)").
 
 Most-frequent-label baseline, on the same blocks (JSON `baseline`, rows `most-frequent-label
 baseline: ...`): a draft-free "drafter" whose distribution at every depth of every block is the

@@ -1,9 +1,10 @@
 """Chain acceptance metrics of a drafter, offline: pure torch over batched blocks, no model.
 
 One block = one anchor. The drafter proposes draft_k for block positions k = 1..D (D = B-1); the
-target's greedy continuation is y_1..y_D (`dflash.md` §4.3). Online, the target accepts the leading
+target's greedy continuation is y_1..y_D (docs/dflash.md "Acceptance length (τ)"). Online, the target accepts the
+leading
 drafts that equal its own tokens and adds one bonus token, so a block's chain τ is 1 + streak,
-streak = number of leading k with draft_k == y_k (§4.1).
+streak = number of leading k with draft_k == y_k.
 
 Cut blocks. A block anchored near the end of a response has only L < D target tokens (its valid
 length); positions k > L have no target token. Online, such a round ends the response, so it can
@@ -28,7 +29,7 @@ is None.
 
 Surrogate chain τ (draft-only, target-free): 1 + Σ_{k<=L} Π_{i<=k} q_i(draft_i), with q_i the
 drafter's probability of its own argmax. It equals E[chain τ] if each draft_i is right
-independently with probability q_i (speculators' EAL + 1; `dflash.md` §4.1, §5.4).
+independently with probability q_i (speculators' EAL + 1; docs/dflash.md "Acceptance length (τ)", "DDTree").
 
 From shards (docs/ARCHITECTURE.md, block alignment): for an anchor at position a, y_k =
 topk_ids[a + k - 1, 0], and L = the number of k in 1..D whose position a + k still lies in the
@@ -36,7 +37,7 @@ response (so an anchor at the last response position has L = 0 and makes no bloc
 rule is eval's; these functions only need L.
 
 Averages are over blocks (anchors), not the per-response mean of per-round τ that online benchmarks
-report (§5.4 caveat 3).
+report (an anchor-level mean is not a per-round mean).
 """
 
 from __future__ import annotations

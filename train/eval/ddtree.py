@@ -3,8 +3,8 @@
 A DFlash drafter gives, for one block, marginals q_d over the vocabulary at depths d = 1..D
 (D = B-1 = 15). DDTree verifies a token *tree* instead of the single argmax chain: the `budget`
 prefixes (t_1..t_d) with the highest surrogate score  sum_d log q_d(t_d), found by a best-first
-heap (`dflash.md` §5.2). The target then walks its own continuation y_1..y_D down the tree; the
-accepted depth plus the bonus token is the round's τ (§5.3, §5.4).
+heap (docs/dflash.md "DDTree"). The target then walks its own continuation y_1..y_D down the tree; the
+accepted depth plus the bonus token is the round's τ (docs/dflash.md "DDTree").
 
 Order of nodes. Every tree here lists its nodes in the exact order the heap pops them, which is
 ascending in the key
@@ -177,7 +177,7 @@ def _prepared(topk_logprobs: Tensor, topk_ids: Tensor, budget: int) -> tuple[Ten
 
 
 def build_ddtree(topk_logprobs_DK: Tensor, topk_ids_DK: Tensor, budget: int) -> DDTree:
-    """The DDTree of one block: best-first heap over prefixes of the per-depth top-k (§5.2).
+    """The DDTree of one block: best-first heap over prefixes of the per-depth top-k.
 
     topk_logprobs_DK: log q_d of the k most likely tokens at depth d (row d-1), sorted descending,
         normalized over the full vocabulary. topk_ids_DK: their token ids (distinct per row).
@@ -243,7 +243,7 @@ def walk_tree(tree: DDTree, target_ids_D: Tensor, valid_len: int | None = None) 
 
 
 def surrogate_tau(tree: DDTree, valid_len: int | None = None) -> float:
-    """1 + Σ_{nodes v, depth(v) <= valid_len} exp(score(v)): E[τ] if y_d ~ q_d independently (§5.4)."""
+    """1 + Σ_{nodes v, depth(v) <= valid_len} exp(score(v)): E[τ] if y_d ~ q_d independently."""
     if valid_len is not None and valid_len < 0:
         raise ValueError(f"valid_len must be >= 0, got {valid_len}")
     score_M = tree.score_M if valid_len is None else tree.score_M[tree.depth_M <= valid_len]

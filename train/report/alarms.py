@@ -30,7 +30,7 @@ class Alarm:
 CAUSES = {
     "bucket_dominance": "Token-budget batching over a skewed length mix: long sequences fill a batch with few "
     "samples, so the longest bucket takes most optimizer steps and its loss dominates every "
-    "per-step average (the last team's bimodal loss). Balance the mix (cap or resample long "
+    "per-step average (a bimodal loss). Balance the mix (cap or resample long "
     "sequences) or weight steps per sample. If the plan gives a different share, the stream "
     "is not following its plan.",
     "bucket_runs": "Batches ordered bucket by bucket instead of interleaved (stride interleaving missing, or a "

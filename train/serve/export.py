@@ -1,4 +1,4 @@
-"""Export a training checkpoint as a Hugging Face DFlash drafter directory (dflash.md §2, §7).
+"""Export a training checkpoint as a Hugging Face DFlash drafter directory (docs/dflash.md "Export format").
 
     python -m train.export CHECKPOINT OUT_DIR [--dtype bfloat16|float32] [--target DIR]
     make export CKPT=runs/NAME/checkpoints/step-00001000 OUT=exports/NAME
@@ -94,7 +94,7 @@ def serving_warnings(cfg: DrafterConfig) -> list[str]:
 
 
 def export_config(cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dict | None = None) -> dict:
-    """The published config.json of a drafter (dflash.md §2.1), as a dict."""
+    """The published config.json of a drafter (docs/dflash.md "Export format"), as a dict."""
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if cfg.projection is not None:  # a DFlash runtime feeds full tap features: fc must read them

@@ -11,7 +11,7 @@ artifacts/tiny/corpus/heldout.jsonl), rendered with the chat template, add_gener
 enable_thinking=False (non-thinking, as the published drafters); or, with --data, the tokens before
 each shard sample's first response.
 
-One round (dflash.md §1.6), anchored at position a (the last verified token x_a, whose target
+One round (docs/dflash.md "Inference round"), anchored at position a (the last verified token x_a, whose target
 features do not exist yet):
   1. the drafter runs once over [target tap features of the positions not yet in its context cache |
      block [x_a, MASK x (B-1)] at positions a..a+B-1] and proposes d_1..d_{B-1} = argmax of the
@@ -30,19 +30,19 @@ copied before each verification, and after a partial acceptance the copy is rest
 accepted tokens are run through the target once more (one extra target forward per such round;
 `cache_mode` = "snapshot" in the results).
 
-τ accounting (dflash.md §4.1, the conventions of `train.eval.acceptance`): τ of a round = 1 + the number
-of leading drafts that equal the target's tokens, counted only over the tokens the round produced
-(the last round of a response is cut at the stop token, the token budget, or with --stop-repeat
-where the response starts looping (`Ending`), where a cut block's
-streak is at most its valid length). The reported τ is the mean over prompts of the per-prompt mean
+τ accounting (docs/dflash.md "Acceptance length (τ)", the conventions of `train.eval.acceptance`): τ of
+a round = 1 + the number of leading drafts that equal the target's tokens, counted only over the
+tokens the round produced (the last round of a response is cut at the stop token, the token budget,
+or with --stop-repeat where the response starts looping (`Ending`), where a cut block's streak is at
+most its valid length). The reported τ is the mean over prompts of the per-prompt mean
 over rounds; the histogram counts rounds by τ = 1..B. The first token comes from the prefill and
 is not a round. (z-lab's benchmark counts a last round's committed tokens instead: the two differ
 only when a response's last round accepted every draft up to its end.) Speed: tokens/s over the
 decode phase (after the prefill and its first token) and over the wall time; the speed-up is the
-ratio of target-only to speculative decode time (= the TPOT ratio of dflash.md §4.1); both loops
+ratio of target-only to speculative decode time (= the TPOT ratio of docs/dflash.md "Acceptance length (τ)"); both loops
 run interleaved per prompt with the same cache handling, after one warm-up.
 
-DDTree (`--tree-budgets 8,32`, `ddtree_generate`; stretch goal, dflash.md §5): the drafter's top-k
+DDTree (`--tree-budgets 8,32`, `ddtree_generate`; stretch goal, docs/dflash.md "DDTree"): the drafter's top-k
 per depth gives a best-first tree of `budget` nodes (`train.eval.ddtree.build_ddtree`); the target
 verifies [anchor | nodes] in one forward with an ancestor-only mask and positions anchor + depth,
 walks its greedy tokens down the tree, and the cache keeps the accepted path only.
@@ -294,7 +294,7 @@ class Proposer(Protocol):
 
 
 class DFlashProposer:
-    """An exported DFlash drafter (loaded through `AutoModel`) driven as in dflash.md §1.6."""
+    """An exported DFlash drafter (loaded through `AutoModel`) driven as in docs/dflash.md "Inference round"."""
 
     def __init__(self, drafter: nn.Module, target: SpecTarget, *, context_cache: bool = True):
         self.drafter = drafter
@@ -480,7 +480,7 @@ def speculative_generate(
 
 
 # ----------------------------------------------------------------------------------------------
-# DDTree verification (stretch goal; dflash.md §5)
+# DDTree verification (stretch goal; docs/dflash.md "DDTree")
 
 
 def compact_cache(cache, keep_T: torch.Tensor) -> None:
@@ -623,7 +623,8 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def summarize(specs: Sequence[Generation], bases: Sequence[Generation] | None, block_size: int) -> dict:
-    """Aggregate τ and speed over prompts (τ: mean over prompts of the per-prompt means, dflash.md §4.1)."""
+    """Aggregate τ and speed over prompts (τ: mean over prompts of the per-prompt means, docs/dflash.md "Acceptance
+    length (τ)")."""
     all_taus = [t for g in specs for t in g.taus]
     new_tokens = sum(len(g.tokens) for g in specs)
     summary = {
@@ -820,7 +821,7 @@ def agreement(
     the drafter proposes at every response anchor with the training mask; `train.eval.acceptance`
     gives chain τ per anchor with y = the greedy top-1 and valid length = the tokens left.
 
-    Reported, each as the mean over prompts of the per-prompt means (dflash.md §4.1):
+    Reported, each as the mean over prompts of the per-prompt means (docs/dflash.md "Acceptance length (τ)"):
       online_tau               the speculative-decoding τ
       offline_tau_at_rounds    offline τ at the anchors where online rounds started. Equal to
                                online_tau round by round, unless floating point flips an argmax

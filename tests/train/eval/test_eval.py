@@ -466,7 +466,7 @@ def test_refuses_incompatible_shards_and_bad_requests(tiny, tmp_path, capsys):
 
 
 def test_cli_takes_any_path_the_filesystem_takes(tiny, tmp_path, capsys):
-    """Issue 21: --data DIR with a character outside Unicode's basic plane failed (the path went
+    """--data DIR with a character outside Unicode's basic plane failed (the path went
     through json.dumps into TOML, whose escapes cannot spell a surrogate pair)."""
     import shutil
 

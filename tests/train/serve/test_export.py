@@ -26,7 +26,7 @@ from train.serve.export import (
     main,
 )
 
-# The keys of the published Qwen3-8B-DFlash-b16 config.json (dflash.md §2.1).
+# The keys of the published Qwen3-8B-DFlash-b16 config.json (docs/dflash.md "Export format").
 PUBLISHED_KEYS = {
     "architectures",
     "auto_map",

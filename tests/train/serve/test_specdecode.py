@@ -242,7 +242,7 @@ def test_partial_acceptance_tau_and_summary():
         specs.append(spec)
         bases.append(base)
     summary = summarize(specs, bases, B)
-    # τ = mean over prompts of the per-prompt means (dflash.md §4.1), not the pooled mean.
+    # τ = mean over prompts of the per-prompt means (docs/dflash.md "Acceptance length (τ)"), not the pooled mean.
     assert summary["tau"] == pytest.approx((specs[0].mean_tau + specs[1].mean_tau) / 2)
     assert summary["tau_pooled"] == pytest.approx(sum(specs[0].taus + specs[1].taus) / summary["rounds"])
     assert sum(summary["tau_histogram"]) == summary["rounds"] == len(specs[0].rounds) + len(specs[1].rounds)
