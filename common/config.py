@@ -246,6 +246,13 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping[str, Any]
 
 
 def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return " | ".join(map(repr, typing.get_args(hint)))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("none" if a is type(None) else _type_name(a) for a in typing.get_args(hint))
+    if origin is not None:  # list[int] and the like
+        return str(hint).replace("typing.", "")
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
@@ -378,6 +385,13 @@ def describe(cls: type, prefix: str = "") -> str:
         if f.metadata.get("choices"):
             allowed = f"  one of {list(f.metadata['choices'])}"
         elif f.metadata.get("min") is not None or f.metadata.get("max") is not None:
-            allowed = f"  range [{f.metadata.get('min')}, {f.metadata.get('max')}]"
+            lo, hi = f.metadata.get("min"), f.metadata.get("max")
+            allowed = (
+                f"  range [{lo}, {hi}]"
+                if lo is not None and hi is not None
+                else f"  >= {lo}"
+                if hi is None
+                else f"  <= {hi}"
+            )
         lines.append(f"{prefix}{f.name} = {default!r}  ({_type_name(hint)}){allowed}\n    {f.metadata.get('help', '')}")
     return "\n".join(lines)

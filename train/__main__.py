@@ -40,14 +40,19 @@ def _setup_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
-    from train.checkpoint import CheckpointSaveError
     from train.config import TrainConfig
+
+    is_main = int(os.environ.get("RANK", 0)) == 0
+    try:  # before torch loads: --help and a bad key answer at once
+        cfg = parse_cli(TrainConfig, sys.argv[1:] if argv is None else argv, section="train")
+    except ValueError as exc:
+        print(f"train: {exc}", file=sys.stderr)
+        return 2
+    from train.checkpoint import CheckpointSaveError
     from train.distributed import PeerLost
     from train.loop import TrainingAborted, train
 
-    is_main = int(os.environ.get("RANK", 0)) == 0
     try:
-        cfg = parse_cli(TrainConfig, sys.argv[1:] if argv is None else argv, section="train")
         if is_main:
             print(json.dumps(config_to_dict(cfg), sort_keys=True), flush=True)
         summary = train(cfg)

@@ -34,6 +34,7 @@ import dataclasses
 import torch
 
 from train.alignment import block_input_ids, block_positions, label_rows
+from train.config import default_gamma  # noqa: F401 - part of this module's API (listed in __all__)
 
 __all__ = [
     "Blocks",
@@ -45,18 +46,6 @@ __all__ = [
     "sample_anchors",
     "step_generator",
 ]
-
-# gamma per block size from the paper's Eq. 4 (via SpecForge / Model-Optimizer help texts).
-_PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-
-
-def default_gamma(block_size: int) -> float:
-    """The paper's decay for a block size; ValueError for a size it gives none for."""
-    if block_size not in _PAPER_GAMMA:
-        raise ValueError(
-            f"no default loss gamma for block size {block_size} (known: {sorted(_PAPER_GAMMA)}); set loss.gamma"
-        )
-    return _PAPER_GAMMA[block_size]
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.config import knob, parse_cli
+from common.config import describe, knob, parse_cli
 
 TINY_CONFIG = "configs/tiny.toml"
 
@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     experiment config of steps 1 and 3 unless `config=` says otherwise."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(__doc__ + "\nkeys:\n" + describe(ChooseTierConfig))
+        return 0
     import tomllib
 
     path = argv[0] if argv and "=" not in argv[0] else None
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     # A config without a [tiers] table is only the experiment's config (steps 1 and 3).
     cfg = parse_cli(ChooseTierConfig, argv if table is not None else argv[1:] if path else argv, section="tiers")
     if path and "config" not in (table or {}) and not any(word.startswith("config=") for word in argv[1:]):
-        cfg.config = path
+        cfg = dataclasses.replace(cfg, config=path)
     run_all(cfg)
     return 0
 

@@ -2,7 +2,7 @@
 
     cfg = parse_cli(TrainConfig, ["configs/tiny.toml", "loss.gamma=5", "run_name=abl"], section="train")
 
-Nested tables: `model` (drafter shape and target), `data` (the data stream, `train.data.DataConfig`),
+Nested tables: `model` (drafter shape and target), `data` (`DataConfig`, the data stream of `train.data`),
 `loss` (blocks and objective), `optim` (optimizer and schedule), `checkpoint`, `log`, `distributed`. Values that
 depend on the block size (the default gamma) are resolved in `check`, so the saved config.json
 holds the numbers that were used.
@@ -14,13 +14,13 @@ difference is refused by name.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Literal
 
 from common.config import fail, flatten_dotted, knob
-from train.blocks import default_gamma
-from train.data import DataConfig
+from train import buckets
 
 __all__ = [
     "ModelConfig",
@@ -36,6 +36,94 @@ __all__ = [
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 MAX_NAME_CHARS = 128
+
+
+# gamma per block size from the paper's Eq. 4 (via SpecForge / Model-Optimizer help texts).
+_PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's decay for a block size; ValueError for a size it gives none for."""
+    if block_size not in _PAPER_GAMMA:
+        raise ValueError(
+            f"no default loss gamma for block size {block_size} (known: {sorted(_PAPER_GAMMA)}); set loss.gamma"
+        )
+    return _PAPER_GAMMA[block_size]
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """The `data` table of the train config."""
+
+    shards: str = knob("artifacts/tiny/shards/train", help="shards dataset root (local path or pyarrow.fs URI)")
+    manifest: str = knob("manifest.json", help="manifest file name inside the shards root")
+    verify_samples: bool = knob(
+        True,
+        help="check each sample's bytes against its xxh3-64 in the shard index on every read, and each index file "
+        "against the manifest (about 7% of read+decode time; shards/FORMAT.md); shards written before format "
+        "version 2 have none",
+    )
+    verify_checksums: bool = knob(
+        False, help="also hash each whole shard file on its first open (slow: one more read of every 1 GiB shard)"
+    )
+    holdout_fraction: float = knob(
+        0.01,
+        help="share of samples held out for eval, chosen by a hash of the sample id (same for every seed)",
+        min=0.0,
+        max=0.5,
+    )
+    max_samples: int | None = knob(
+        None, help="train on at most this many samples (a fixed, uniformly spread subset); none = all", min=1
+    )
+    min_loss_tokens: int = knob(
+        0, help="leave out samples with fewer loss tokens (DFlash drops those with < 2 x block_size = 32)", min=0
+    )
+    boundaries: list[int] | None = knob(
+        None,
+        help="length-bucket upper edges, inclusive and strictly increasing; none = quantiles into num_buckets",
+        min=1,
+    )
+    num_buckets: int = knob(
+        8, help="number of quantile buckets when boundaries is none (equal repeated quantiles merge)", min=1, max=64
+    )
+    token_budget: int = knob(
+        49152,
+        help="max padded tokens per batch (= per optimizer step): batch size x longest sample in it; "
+        "data parallel splits each batch over world_size x distributed.accumulation micro-batches",
+        min=1,
+    )
+    max_batch_samples: int | None = knob(
+        None, help="cap on samples per batch; none = only the token budget limits", min=1
+    )
+    oversize: str = knob(
+        "fail",
+        help="a sample longer than token_budget: fail at start, or skip it (counted in data_plan)",
+        choices=["fail", "skip"],
+    )
+    seed: int = knob(0, help="seed of the per-epoch shuffle and interleaving offsets", min=0)
+    prefetch_threads: int = knob(4, help="background threads that read and collate batches", min=1, max=64)
+    prefetch_depth: int = knob(
+        4, help="batches loaded ahead of the consumer (bounds host memory); >= prefetch_threads", min=1, max=256
+    )
+    pin_memory: bool = knob(True, help="collate into pinned host memory (only when CUDA is available)")
+    on_corrupt: str = knob(
+        "fail",
+        help="an unreadable sample or shard: fail, or skip it (counted and logged with the file)",
+        choices=["skip", "fail"],
+    )
+
+    def check(self) -> None:
+        if self.boundaries is not None:
+            try:
+                buckets.check_boundaries(self.boundaries)
+            except ValueError:
+                fail("data.boundaries", f"must be strictly increasing positive lengths, got {self.boundaries}")
+        if self.prefetch_depth < self.prefetch_threads:
+            fail(
+                "data.prefetch_depth",
+                f"{self.prefetch_depth} is below data.prefetch_threads={self.prefetch_threads}; threads beyond the "
+                "depth would idle",
+            )
 
 
 @dataclass

@@ -1,6 +1,19 @@
-"""`python -m train.specdecode`: the documented command, kept; the code lives in `train.serve.specdecode`."""
+"""`python -m train.specdecode --target DIR --drafter DIR [...]`: the documented command, kept; the
+code lives in `train.serve.specdecode`. The options are read before torch loads (`--help` needs no torch).
+"""
 
-from train.serve.specdecode import main
+import sys
+
+from train.serve.cli import parse_specdecode_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parse_specdecode_args(argv)  # --help and usage errors answer here
+    from train.serve.specdecode import main as specdecode_main
+
+    return specdecode_main(argv)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

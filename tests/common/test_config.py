@@ -151,3 +151,14 @@ def test_run_name_message_says_what_is_accepted():
         load_config(TrainConfig, None, ["run_name=été"])
     assert "'run_name'" in str(err.value)
     assert load_config(TrainConfig, None, ["run_name=2024-06-01"]).run_name == "2024-06-01"
+
+
+def test_describe_lists_every_keys_allowed_values():
+    from common.config import describe
+
+    text = describe(Stage)
+    assert "policy = 'truncate'  ('truncate' | 'drop')" in text
+    assert "on_error = 'skip'  (str)  one of ['skip', 'fail']" in text
+    assert "mask_id = None  (int | none)" in text
+    assert "lr = 0.0006  (float)  range [0.0, 1.0]" in text and "inner.gamma = 7.0  (float)  >= 0.1" in text
+    assert "Literal" not in text

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from common.config import ConfigError, describe, load_config
 from train.eval.config import EvalConfig
 from train.eval.render import render_report
-from train.eval.run import evaluate_checkpoints
 
 _USAGE = """usage:
   python -m train.eval CHECKPOINT [CHECKPOINT2] --data SHARDS [--out PATH] [--config FILE] [key=value ...]
@@ -64,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done, 2 a usage, config or data error (the message names the key, file or field)."""
     try:
         checkpoints, cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        from train.eval.run import evaluate_checkpoints  # torch loads here, after --help and the checks
+
         report, out = evaluate_checkpoints(checkpoints, cfg)
     except ValueError as exc:
         print(f"eval: {exc}", file=sys.stderr)

@@ -29,7 +29,6 @@ the built-in Qwen3Model. The directory is written under a temporary name and ren
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -43,6 +42,7 @@ import torch
 from common.io import replace_local_dir
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
 from train.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig, rope_settings
+from train.serve.cli import export_parser
 
 __all__ = [
     "export_config",
@@ -426,27 +426,7 @@ def load_exported(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="checkpoint directory (step-XXXXXXXX) or run directory (latest checkpoint)")
-    parser.add_argument("out_dir", help="directory to write the Hugging Face export into")
-    parser.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=sorted(DTYPES),
-        help="weight dtype in model.safetensors (published: bfloat16)",
-    )
-    parser.add_argument(
-        "--target",
-        default=None,
-        help="target checkpoint directory for bos/eos ids and a shape check (default: the run's)",
-    )
-    parser.add_argument(
-        "--projection",
-        default=None,
-        help="drafters trained on projected features: the projection file to fold into fc (default: the training "
-        "dataset's)",
-    )
-    args = parser.parse_args(argv)
+    args = export_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

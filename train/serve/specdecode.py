@@ -62,7 +62,6 @@ Shape legend: T tokens, S context, Q block tokens, F tap feature width, V vocabu
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import inspect
@@ -82,6 +81,7 @@ from torch import nn
 from common.repeat import RepeatWatch
 from common.target import TapHooks, Target, check_layer_ids, load_target, reach_text_parts
 from train.alignment import block_input_ids, block_positions, draft_label_rows
+from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args
 
 __all__ = [
     "Round",
@@ -109,8 +109,6 @@ __all__ = [
     "crop_cache",
     "main",
 ]
-
-DEFAULT_PROMPTS = "artifacts/tiny/corpus/heldout.jsonl"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1010,72 +1008,6 @@ def stop_token_ids(target: Target) -> list[int]:
 # CLI
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m train.specdecode", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", required=True, help="target checkpoint directory (Hugging Face layout)")
-    parser.add_argument("--drafter", required=True, help="exported drafter directory (python -m train.export)")
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="build the drafter with the dflash.py its directory ships (runs that code); default: this project's "
-        "model code",
-    )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument(
-        "--prompts", default=None, help=f'JSONL of {{"messages": [...]}} records (default: {DEFAULT_PROMPTS})'
-    )
-    source.add_argument(
-        "--data", default=None, help="shard dataset: prompts = the tokens before each sample's first response"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--num-prompts", type=int, default=16, help="use the first N prompts; 0 = all")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--agreement", action="store_true", help="also compare offline chain τ with the online τ")
-    parser.add_argument(
-        "--agreement-bf16", action="store_true", help="round the offline features to bf16, as shards store them"
-    )
-    parser.add_argument(
-        "--no-baseline", action="store_true", help="skip target-only decoding (no speed-up, no lossless check)"
-    )
-    parser.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="target and drafter dtype"
-    )
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    parser.add_argument(
-        "--thinking",
-        action="store_true",
-        help="render prompts with enable_thinking=True (default: non-thinking, as the published drafters)",
-    )
-    parser.add_argument(
-        "--no-context-cache", action="store_true", help="recompute the drafter's context every round (checks the cache)"
-    )
-    parser.add_argument(
-        "--tree-budgets",
-        default="",
-        help="also verify DDTrees of these node budgets, e.g. 8,32 (stretch goal; not for hybrid targets)",
-    )
-    parser.add_argument(
-        "--stop-repeat",
-        type=int,
-        default=0,
-        help="end each response where it starts looping: after its last N >= max(this, p) tokens repeat the p before "
-        "them (p <= 64; the rule extract.tiny cuts its regenerated answers by); 0 = off",
-    )
-    args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.num_prompts < 0:
-        parser.error("--max-new-tokens must be >= 1 and --num-prompts >= 0")
-    if args.stop_repeat < 0:
-        parser.error("--stop-repeat must be >= 0")
-    try:
-        args.tree_budgets = [int(b) for b in args.tree_budgets.split(",") if b.strip()]
-    except ValueError:
-        parser.error(f"--tree-budgets must be comma-separated integers, got {args.tree_budgets!r}")
-    if any(b < 1 for b in args.tree_budgets):
-        parser.error("--tree-budgets must be >= 1")
-    return args
-
-
 def _print_summary(result: dict) -> None:
     s = result["summary"]
     B = len(s["tau_histogram"])
@@ -1135,7 +1067,7 @@ def _print_summary(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    args = parse_specdecode_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
