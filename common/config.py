@@ -62,6 +62,13 @@ def knob(
     return field(default=default, metadata=metadata)
 
 
+def set_resolved(cfg: Any, name: str, value: Any) -> None:
+    """Inside a config's `check`: store the value a field resolves to (a default that depends on
+    other keys, a canonical spelling). Configs are frozen dataclasses: after `check` nothing changes
+    them (`dataclasses.replace` makes a changed copy)."""
+    object.__setattr__(cfg, name, value)
+
+
 def fail(key: str, message: str) -> typing.NoReturn:
     """Raise a ConfigError for `key` (used by the stages' cross-field `check` methods)."""
     raise ConfigError(f"config key '{key}': {message}")

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import fail, knob
+from common.config import fail, knob, set_resolved
 
 DEFAULT_LAYER_IDS = [1, 16, 31, 46]
 HIDDEN_ENCODINGS = ("planes", "plain")  # the lossless ones; storage tiers: shards.quant.parse_encoding
@@ -27,7 +27,7 @@ DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 ALLOWED_TEMPLATE_KWARG_TYPES = (bool, int, float, str)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExtractConfig:
     # -- target ------------------------------------------------------------------------------
     target: str = knob(
@@ -227,7 +227,7 @@ class ExtractConfig:
             from shards.quant import canonical_encoding  # only for storage tiers: a lossless config imports no pyarrow
 
             try:
-                self.hidden_encoding = canonical_encoding(self.hidden_encoding)
+                set_resolved(self, "hidden_encoding", canonical_encoding(self.hidden_encoding))
             except ValueError:
                 fail(
                     "hidden_encoding",

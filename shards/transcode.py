@@ -32,7 +32,7 @@ import torch
 import xxhash
 
 from common import io
-from common.config import fail, knob
+from common.config import fail, knob, set_resolved
 from common.hashing import json_digest
 from shards.describe import raw_bytes_per_token
 from shards.manifest import MANIFEST_NAME, load_manifest, lock_manifest, projection_of
@@ -56,7 +56,7 @@ TRANSFORM_KEY = "transform"
 _CALIBRATION_SALT = b"dflash-calibration:"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TranscodeConfig:
     encoding: str = knob(help="target encoding: planes, plain (lossless), fp8, int4-gG, nf4-gG (int4 / nf4 = group 64)")
     projection: str | None = knob(
@@ -79,7 +79,7 @@ class TranscodeConfig:
 
     def check(self) -> None:
         try:
-            self.encoding = canonical_encoding(self.encoding)
+            set_resolved(self, "encoding", canonical_encoding(self.encoding))
         except ValueError as err:
             fail("encoding", str(err).removeprefix("hidden_encoding: "))
         if (

@@ -37,7 +37,7 @@ from common.config import describe, knob, parse_cli
 TINY_CONFIG = "configs/tiny.toml"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ChooseTierConfig:
     config: str = knob(
         TINY_CONFIG, help="the experiment's config file: its [extract] table (step 1) and [train] table (step 3)"

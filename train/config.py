@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import fail, flatten_dotted, knob
+from common.config import fail, flatten_dotted, knob, set_resolved
 from train import buckets
 
 __all__ = [
@@ -51,7 +51,7 @@ def default_gamma(block_size: int) -> float:
     return _PAPER_GAMMA[block_size]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """The `data` table of the train config."""
 
@@ -126,7 +126,7 @@ class DataConfig:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """The drafter's shape; widths default to the target's (docs/dflash.md "Drafter")."""
 
@@ -224,7 +224,7 @@ class ModelConfig:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossConfig:
     """Anchors, labels and the objective (docs/dflash.md "Anchors", "Attention mask", "Loss"); the non-default values
     are ablations."""
@@ -258,7 +258,7 @@ class LossConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warmup then cosine to 0 (docs/dflash.md "Optimizer and schedule")."""
 
@@ -277,13 +277,13 @@ class OptimConfig:
             fail("optim.betas", f"expected two numbers, got {self.betas}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = knob(1000, help="save a checkpoint every this many steps (and always at the end)", min=1)
     keep_last: int = knob(3, help="keep this many most recent checkpoints", min=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogConfig:
     progress: bool = knob(True, help="show a tqdm progress bar")
     wandb: bool = knob(False, help="also log to Weights & Biases (the run continues without it if wandb is absent)")
@@ -293,7 +293,7 @@ class LogConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistributedConfig:
     """Data parallel (`torchrun --nproc-per-node N -m train ...`; docs/ARCHITECTURE.md). The tokens
     of an optimizer step are fixed by data.token_budget whatever the world size: each global batch is
@@ -331,7 +331,7 @@ class DistributedConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     run_name: str | None = knob(
         None, help="run directory name under out_dir (a plain name); none = run-YYYYmmdd-HHMMSS"
@@ -370,13 +370,12 @@ class TrainConfig:
                 f"{self.run_name!r} must be a plain name: ASCII letters, digits, '.', '_' and '-', starting with a "
                 "letter or digit",
             )
-        if (
-            self.run_name is not None and len(self.run_name) > MAX_NAME_CHARS
-        ):  # a directory name; filesystems stop at 255 bytes
+        # a directory name; filesystems stop at 255 bytes
+        if self.run_name is not None and len(self.run_name) > MAX_NAME_CHARS:
             fail("run_name", f"{len(self.run_name)} characters; at most {MAX_NAME_CHARS}")
         if self.loss.gamma is None:
             try:
-                self.loss.gamma = default_gamma(self.model.block_size)
+                set_resolved(self.loss, "gamma", default_gamma(self.model.block_size))
             except ValueError as exc:
                 fail("loss.gamma", str(exc))
         if self.model.attention == "flex" and self.device == "cpu":

@@ -32,7 +32,7 @@ TINY = "artifacts/tiny"
 CONFIG = "configs/tiny.toml"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DemoConfig:
     run: str = knob("demo", help="run name under runs/ (a plain name)")
     steps: int = knob(

@@ -328,6 +328,8 @@ class Run(OnKernels):
         # A missing GPU is reported before the data is opened; the process group needs the device type.
         dist = dist if dist is not None else Dist.from_env(cfg.distributed, resolve_device(cfg.device))
         run_dir, lock, created = _claim_run_dir(cfg, dist)  # before anything is read or written
+        if cfg.run_name is None:  # the run's config (saved with it) holds the name it got
+            cfg = dataclasses.replace(cfg, run_name=run_dir.name)
         try:
             return cls._prepare_claimed(cfg, stream, dist, run_dir, lock)
         except BaseException:
@@ -607,8 +609,6 @@ def _make_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, list[Path]]:
             f"config key 'run_name': '{out / name}' leads to '{run_dir}', outside out_dir '{out}'; choose another "
             "run_name"
         )
-    if cfg.run_name is None:
-        cfg.run_name = name
     # The directories this start creates (out_dir too, when new): a refused start removes them again.
     created = [d for d in (out, run_dir) if not d.exists()] if dist.is_main else []
     if dist.is_main:
@@ -904,6 +904,7 @@ def train(cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | No
     Started by torchrun / accelerate launch, every process calls this; `dist` defaults to the
     process group the environment describes (`Dist.from_env`), or to one plain process."""
     run = Run.prepare(cfg, stream=stream, dist=dist)
+    cfg = run.cfg  # with the run name it got
     main = run.dist.is_main
     last = min(run.total_steps, cfg.stop_after or run.total_steps)
     metrics = MetricsLog(run.run_dir / "metrics.jsonl", wandb_run=_wandb_run(cfg, run.run_dir)) if main else None

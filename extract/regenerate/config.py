@@ -18,7 +18,7 @@ THINKING_MODES = ("disable", "keep", "strip")
 ALLOWED_TEMPLATE_KWARG_TYPES = (bool, int, float, str)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RegenerateConfig:
     # -- what is answered, by whom -----------------------------------------------------------
     target: str = knob(

@@ -13,7 +13,7 @@ from common.config import fail, knob
 from common.repeat import REPEAT_MAX_PERIOD
 
 
-@dataclass
+@dataclass(frozen=True)
 class TinyConfig:
     """How `python -m extract.tiny` builds the tiny default (section `[tiny]` of a config file)."""
 

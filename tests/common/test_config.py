@@ -162,3 +162,32 @@ def test_describe_lists_every_keys_allowed_values():
     assert "mask_id = None  (int | none)" in text
     assert "lr = 0.0006  (float)  range [0.0, 1.0]" in text and "inner.gamma = 7.0  (float)  >= 0.1" in text
     assert "Literal" not in text
+
+
+def test_every_stage_config_is_frozen_after_validation():
+    """Nothing changes a config once it is validated (a changed copy is `dataclasses.replace`)."""
+    import dataclasses
+
+    from extract.config import ExtractConfig
+    from extract.regenerate.config import RegenerateConfig
+    from extract.tiny.config import TinyConfig
+    from shards.transcode import TranscodeConfig
+    from train.choose_tier import ChooseTierConfig
+    from train.config import TrainConfig
+    from train.demo import DemoConfig
+    from train.eval.config import EvalConfig
+    from train.report.config import ReportConfig
+
+    classes = [ExtractConfig, RegenerateConfig, TinyConfig, TranscodeConfig, ChooseTierConfig, TrainConfig]
+    classes += [DemoConfig, EvalConfig, ReportConfig]
+    import typing
+
+    while classes:
+        cls = classes.pop()
+        assert cls.__dataclass_params__.frozen, cls.__name__
+        classes += [hint for hint in typing.get_type_hints(cls).values() if dataclasses.is_dataclass(hint)]
+    cfg = load_config(TrainConfig, None, ["model.block_size=16"])
+    assert cfg.loss.gamma == 7.0  # resolved while validating
+    for obj, name in ((cfg, "run_name"), (cfg.loss, "gamma"), (cfg.data, "seed")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, None)

@@ -17,6 +17,7 @@ default settings, exactly that sample. Figure: corruptions detected / injected.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import random
 import shutil
@@ -191,7 +192,7 @@ def skip_corrupt_shard(world: World, pristine: Path, work: Path, rng: random.Ran
             f"data.verify_checksums={str(verify).lower()}",
             shards=trial,
         )
-        cfg.optim.max_steps = None  # one epoch, every batch
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, max_steps=None))  # one epoch, every batch
         try:
             summary = train(cfg)
         except Exception as exc:  # noqa: BLE001

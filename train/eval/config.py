@@ -8,7 +8,7 @@ from typing import Literal
 from common.config import fail, knob
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """Every knob of `python -m train.eval` (the `[eval]` table of a config file)."""
 

@@ -21,7 +21,7 @@ __all__ = ["ReportConfig", "parse_report_args", "config_rows"]
 _LIST_KEYS = ("ablated", "config_ignore")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReportConfig:
     # --- windows and smoothing
     smooth_window: int = knob(
