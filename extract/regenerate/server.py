@@ -95,12 +95,28 @@ class ServerBackend:
                 await endpoint.client.close()
 
     async def resolve_model(self) -> str:
-        """The served model name (the config's, checked against every URL's list, or the first listed)."""
+        """The served model name (the config's, checked against every URL's list, or the first listed).
+
+        Listing is optional when the config names the model: some servers fail it while they serve
+        well (`transformers serve` 5.17 answered HTTP 500 on a fresh GPU host), so then a failed list
+        is a warning; the first request still fails clearly if the name is wrong or nobody answers."""
         for endpoint in self.endpoints:
             try:
                 listed = [m.id async for m in endpoint.client.models.list()]
             except Exception as err:  # noqa: BLE001 - reported with the URL
-                raise ServerStop(f"{endpoint.url}: cannot list the served models: {describe_error(err)}") from None
+                if not self.model:
+                    raise ServerStop(
+                        f"{endpoint.url}: cannot list the served models: {describe_error(err)} "
+                        "(if the server answers requests anyway, name its model with config key "
+                        "'model')"
+                    ) from None
+                log.warning(
+                    "%s: cannot list the served models (%s); going on with model %r (config key 'model')",
+                    endpoint.url,
+                    describe_error(err),
+                    self.model,
+                )
+                continue
             if not self.model:
                 if not listed:
                     raise ServerStop(f"{endpoint.url}: serves no model")

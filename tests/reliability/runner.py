@@ -79,6 +79,10 @@ def run_stage(
     runs with torch's own thread count instead of one (process mode only).
     """
     assert mode in MODES, mode
+    if mode == "fork" and _parent_used_cuda():
+        # torch refuses CUDA and multithreaded autograd in a child forked after the parent used CUDA
+        # (an earlier test in this pytest worker may have): the same scenario in a fresh process.
+        mode = "process"
     assert not default_threads or mode == "process", "a forked child keeps the parent's one thread"
     assert (stage == "extract") == (config is not None) and (stage == "train") == (train_args is not None)
     with tempfile.TemporaryDirectory(prefix="fault-") as tmp:
@@ -133,6 +137,12 @@ def _start_process(stage, config, train_args, fault, log_path, err_path, default
         proc.send_signal(signal.SIGKILL)
 
     return wait, kill
+
+
+def _parent_used_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _start_fork(world, stage, config, train_args, fault, log_path, err_path):
