@@ -15,22 +15,7 @@ from extract.tiny import (
 )
 from extract.tiny import build as tiny_build
 from extract.tiny.__main__ import main as tiny_main
-
-# Sizes that make a whole build take a few seconds.
-TINY_MODEL = dict(
-    vocab_size=400,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    n_taps=2,
-    steps=2,
-    batch_tokens=2048,
-    warmup_steps=1,
-    threads=1,
-)
+from tests.extract.tiny import TINY_MODEL
 
 
 def fail_if_called(*args, **kwargs):

@@ -13,23 +13,8 @@ from extract.tiny import (
     build_tiny_target,
 )
 from extract.tiny import target as tiny_target
+from tests.extract.tiny import TINY_MODEL
 from tests.extract.tiny.test_chat import CONVERSATION
-
-# Sizes that make a whole build take a few seconds.
-TINY_MODEL = dict(
-    vocab_size=400,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    n_taps=2,
-    steps=2,
-    batch_tokens=2048,
-    warmup_steps=1,
-    threads=1,
-)
 
 
 def test_build_tiny_target_writes_a_loadable_hf_directory(tmp_path, corpus):
