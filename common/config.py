@@ -40,6 +40,33 @@ __all__ = [
 ]
 
 
+# One vocabulary for floating-point types across the stages. Each key keeps its stage's stored
+# spelling (`precision = 'bf16'` in train, eval and the tiny build; `dtype = 'bfloat16'` in extract
+# and regeneration, whose value travels into shard manifests, which must not change), and accepts
+# the other spelling of the same type.
+DTYPE_SYNONYMS = {
+    "bf16": "bfloat16",
+    "bfloat16": "bf16",
+    "fp16": "float16",
+    "float16": "fp16",
+    "fp32": "float32",
+    "float32": "fp32",
+}
+
+
+def literal_member(value: Any, allowed: typing.Sequence[Any]) -> Any:
+    """`value` if allowed, else its other dtype spelling if that is allowed, else None."""
+    if value in allowed:
+        return value
+    other = DTYPE_SYNONYMS.get(value) if isinstance(value, str) else None
+    return other if other in allowed else None
+
+
+def dtype_spelling(text: str) -> str:
+    """A command-line dtype in the long spelling (`bf16` -> `bfloat16`); other text as given."""
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(text, text)
+
+
 class ConfigError(ValueError):
     """A user error in a config file or override; the message names the key."""
 
@@ -300,9 +327,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if value is None:
         fail(key, f"expected {_type_name(hint)}, got none")
     if origin is Literal:
-        if value not in args:
+        member = literal_member(value, args)
+        if member is None:
             fail(key, f"{value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
-        return value
+        return member
     if dataclasses.is_dataclass(hint):
         return config_from_dict(hint, value, prefix=key + ".")
     if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
@@ -400,5 +428,8 @@ def describe(cls: type, prefix: str = "") -> str:
                 if hi is None
                 else f"  <= {hi}"
             )
+        synonyms = [DTYPE_SYNONYMS[a] for a in typing.get_args(hint) if isinstance(a, str) and a in DTYPE_SYNONYMS]
+        if synonyms:
+            allowed += f"  (also {', '.join(map(repr, synonyms))}: the same types)"
         lines.append(f"{prefix}{f.name} = {default!r}  ({_type_name(hint)}){allowed}\n    {f.metadata.get('help', '')}")
     return "\n".join(lines)

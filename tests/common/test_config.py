@@ -191,3 +191,22 @@ def test_every_stage_config_is_frozen_after_validation():
     for obj, name in ((cfg, "run_name"), (cfg.loss, "gamma"), (cfg.data, "seed")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, name, None)
+
+
+def test_one_dtype_vocabulary_each_key_stores_its_own_spelling():
+    """`bf16` and `bfloat16` (fp16/float16, fp32/float32) name the same type for every key that takes
+    one; the value is stored in the key's own spelling, so saved configs and manifests keep their bytes."""
+    from train.config import TrainConfig
+    from train.serve.cli import export_parser
+
+    @dataclass
+    class Loading:
+        dtype: Literal["bfloat16", "float16", "float32"] = knob("bfloat16", help="weights")
+
+    assert load_config(TrainConfig, None, ["precision=bfloat16"]).precision == "bf16"
+    assert load_config(TrainConfig, None, ["precision=float32"]).precision == "fp32"
+    assert load_config(Loading, None, ["dtype=bf16"]).dtype == "bfloat16"
+    assert load_config(Loading, None, ["dtype=fp16"]).dtype == "float16"
+    with pytest.raises(ConfigError, match=r"config key 'precision'.*'fp16' is not allowed"):
+        load_config(TrainConfig, None, ["precision=fp16"])  # a type the key does not take, in either spelling
+    assert export_parser().parse_args(["ckpt", "out", "--dtype", "bf16"]).dtype == "bfloat16"

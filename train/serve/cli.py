@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from common.config import dtype_spelling
+
 DEFAULT_PROMPTS = "artifacts/tiny/corpus/heldout.jsonl"
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 EXPORT_DESCRIPTION = (
@@ -24,8 +26,9 @@ def export_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         default="bfloat16",
+        type=dtype_spelling,
         choices=EXPORT_DTYPES,
-        help="weight dtype in model.safetensors (published: bfloat16)",
+        help="weight dtype in model.safetensors (published: bfloat16); bf16, fp16, fp32 name the same types",
     )
     parser.add_argument(
         "--target",
@@ -70,7 +73,11 @@ def parse_specdecode_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-baseline", action="store_true", help="skip target-only decoding (no speed-up, no lossless check)"
     )
     parser.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="target and drafter dtype"
+        "--dtype",
+        default="float32",
+        type=dtype_spelling,
+        choices=("float32", "bfloat16", "float16"),
+        help="target and drafter dtype; bf16, fp16, fp32 name the same types",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
