@@ -120,6 +120,93 @@ def parse_cli(cls: type, argv: typing.Sequence[str], *, section: str | None = No
     return load_config(cls, path, argv, section=section)
 
 
+def parse_command(
+    cls: type,
+    argv: typing.Sequence[str],
+    *,
+    section: str | None = None,
+    positional: typing.Sequence[str] = (),
+    rest: bool = False,
+    usage: str = "",
+) -> Any:
+    """The command-line grammar every entry point shares:
+
+        [CONFIG_FILE] [VALUE ...] [key=value ...] [--key VALUE | --key=VALUE | --flag ...]
+
+    CONFIG_FILE is the first word when it names an existing .toml or .json file (or `--config
+    FILE`); its `[section]` table is read. The VALUEs fill the `positional` keys in order; with
+    `rest`, the words left over are returned too (`(cfg, words)`). `--some-key VALUE` is
+    `some_key=VALUE`; a bool key given as `--key` alone is true. A VALUE of a text key is taken
+    exactly as typed (a path may hold '=' or spaces). `-h` / `--help` prints `usage` and every key
+    with its allowed values (`describe`) and exits."""
+    argv = list(argv)
+    if any(word in ("-h", "--help") for word in argv):
+        print((usage.rstrip() + "\n\nkeys:\n" if usage else "") + describe(cls))
+        raise SystemExit(0)
+    path = argv.pop(0) if argv and _is_config_file(argv[0]) else None
+    words: list[str] = []
+    overrides: list[str] = []
+    values: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word.startswith("--") and len(word) > 2:
+            name, eq, inline = word[2:].partition("=")
+            key = name.replace("-", "_")
+            hint = bool if key == "config" else _hint_of(cls, key, word)
+            if hint is bool and key != "config" and not eq:
+                overrides.append(f"{key}=true")
+            else:
+                if not eq and i + 1 >= len(argv):
+                    raise ConfigError(f"option '{word}' needs a value")
+                value = inline if eq else argv[i + 1]
+                i += 0 if eq else 1
+                if key == "config":
+                    path = value
+                else:
+                    _put_word(key, value, hint, overrides, values)
+        elif "=" in word and not os.path.exists(word):  # an existing path may hold '='
+            overrides.append(word)
+        else:
+            words.append(word)
+        i += 1
+    for key, word in zip(positional, words):
+        _put_word(key, word, _hint_of(cls, key, key), overrides, values)
+    left = words[len(positional) :]
+    if left and not rest:
+        raise ConfigError(f"unexpected argument '{left[0]}' (settings are key=value or --key value)")
+    cfg = load_config(cls, path, overrides, section=section, values=values)
+    return (cfg, left) if rest else cfg
+
+
+def _is_config_file(word: str) -> bool:
+    return word.endswith((".toml", ".json")) and os.path.isfile(word)
+
+
+def _hint_of(cls: type, dotted: str, spelled: str) -> Any:
+    """The type of a (dotted) key of `cls`; ConfigError naming the option if there is none."""
+    hint: Any = cls
+    for part in dotted.split("."):
+        fields = {f.name for f in dataclasses.fields(hint)} if dataclasses.is_dataclass(hint) else set()
+        if part not in fields:
+            known = sorted(f.name for f in dataclasses.fields(cls))
+            raise ConfigError(f"unknown option '{spelled}'; keys: {', '.join(known)}")
+        hint = typing.get_type_hints(hint)[part]
+    return hint
+
+
+def _put_word(key: str, word: str, hint: Any, overrides: list[str], values: dict[str, Any]) -> None:
+    """A text key takes the word exactly as typed; any other key reads it as a key=value would."""
+    args = typing.get_args(hint)
+    text = _takes_text(hint) or (
+        typing.get_origin(hint) in (typing.Union, types.UnionType) and any(_takes_text(a) for a in args)
+    )
+    if text and word.lower() not in ("none", "null"):
+        values[key] = word
+    else:
+        overrides.append(f"{key}={word}")
+
+
 def load_config(
     cls: type,
     path: str | os.PathLike | None,

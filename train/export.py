@@ -1,15 +1,19 @@
-"""`python -m train.export CHECKPOINT OUT_DIR [--dtype ...]`: the documented command, kept; the code
+"""`python -m train.export CHECKPOINT OUT_DIR [key=value | --key value ...]`: the documented command, kept; the code
 lives in `train.serve.export`. The options are read before torch loads (`--help` needs no torch).
 """
 
 import sys
 
-from train.serve.cli import export_parser
+from common.config import ConfigError
+from train.serve.cli import parse_export_args, usage_error
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    export_parser().parse_args(argv)  # --help and usage errors answer here
+    try:  # --help and usage errors answer here, before torch loads
+        parse_export_args(argv)
+    except ConfigError as exc:
+        return usage_error("train.export", exc)
     from train.serve.export import main as export_main
 
     return export_main(argv)

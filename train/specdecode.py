@@ -4,12 +4,16 @@ code lives in `train.serve.specdecode`. The options are read before torch loads 
 
 import sys
 
-from train.serve.cli import parse_specdecode_args
+from common.config import ConfigError
+from train.serve.cli import parse_specdecode_args, usage_error
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parse_specdecode_args(argv)  # --help and usage errors answer here
+    try:  # --help and usage errors answer here, before torch loads
+        parse_specdecode_args(argv)
+    except ConfigError as exc:
+        return usage_error("train.specdecode", exc)
     from train.serve.specdecode import main as specdecode_main
 
     return specdecode_main(argv)

@@ -197,7 +197,7 @@ def test_one_dtype_vocabulary_each_key_stores_its_own_spelling():
     """`bf16` and `bfloat16` (fp16/float16, fp32/float32) name the same type for every key that takes
     one; the value is stored in the key's own spelling, so saved configs and manifests keep their bytes."""
     from train.config import TrainConfig
-    from train.serve.cli import export_parser
+    from train.serve.cli import parse_export_args
 
     @dataclass
     class Loading:
@@ -209,4 +209,39 @@ def test_one_dtype_vocabulary_each_key_stores_its_own_spelling():
     assert load_config(Loading, None, ["dtype=fp16"]).dtype == "float16"
     with pytest.raises(ConfigError, match=r"config key 'precision'.*'fp16' is not allowed"):
         load_config(TrainConfig, None, ["precision=fp16"])  # a type the key does not take, in either spelling
-    assert export_parser().parse_args(["ckpt", "out", "--dtype", "bf16"]).dtype == "bfloat16"
+    assert parse_export_args(["ckpt", "out", "--dtype", "bf16"]).dtype == "bfloat16"
+
+
+@dataclass
+class Command:
+    source: str = knob("", help="a path")
+    out: str | None = knob(None, help="where")
+    count: int = knob(1, help="how many", min=0)
+    fast: bool = knob(False, help="a flag")
+    dtype: Literal["bfloat16", "float32"] = knob("float32", help="a type")
+    inner: Inner = knob(factory=Inner, help="nested")
+
+
+def test_one_command_grammar_positional_key_value_and_flags(tmp_path, capsys):
+    from common.config import parse_command
+
+    odd = tmp_path / "a=b c"  # a path with '=' and a space, given as a positional value
+    odd.mkdir()
+    cfg = parse_command(
+        Command, [str(odd), "count=3", "--fast", "--dtype", "bf16", "--inner.gamma=2.5"], positional=["source"]
+    )
+    assert (cfg.source, cfg.count, cfg.fast, cfg.dtype, cfg.inner.gamma) == (str(odd), 3, True, "bfloat16", 2.5)
+    cfg, left = parse_command(Command, ["x", "y", "z", "--out", " spaced "], positional=["source"], rest=True)
+    assert (cfg.source, left, cfg.out) == ("x", ["y", "z"], " spaced ")  # a text value exactly as typed
+    toml = write(tmp_path, "[cmd]\ncount = 7\n")
+    assert parse_command(Command, [str(toml), "--fast=false"], section="cmd").count == 7
+    assert parse_command(Command, ["--config", str(toml)], section="cmd").count == 7
+    with pytest.raises(ConfigError, match="unknown option '--speed'"):
+        parse_command(Command, ["--speed", "2"])
+    with pytest.raises(ConfigError, match="config key 'count'"):
+        parse_command(Command, ["--count", "-1"])
+    with pytest.raises(ConfigError, match="unexpected argument 'extra'"):
+        parse_command(Command, ["a", "extra"], positional=["source"])
+    with pytest.raises(SystemExit):
+        parse_command(Command, ["--help"], usage="usage: cmd SOURCE")
+    assert "usage: cmd SOURCE" in capsys.readouterr().out

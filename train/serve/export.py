@@ -39,10 +39,11 @@ from types import SimpleNamespace
 
 import torch
 
+from common.config import ConfigError
 from common.io import replace_local_dir
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
 from train.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig, rope_settings
-from train.serve.cli import export_parser
+from train.serve.cli import parse_export_args, usage_error
 
 __all__ = [
     "export_config",
@@ -426,7 +427,10 @@ def load_exported(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = export_parser().parse_args(argv)
+    try:
+        args = parse_export_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        return usage_error("train.export", exc)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -78,10 +78,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.config import ConfigError
 from common.repeat import RepeatWatch
 from common.target import TapHooks, Target, check_layer_ids, load_target, reach_text_parts
 from train.alignment import block_input_ids, block_positions, draft_label_rows
-from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args
+from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args, usage_error
 
 __all__ = [
     "Round",
@@ -1067,7 +1068,10 @@ def _print_summary(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_specdecode_args(argv)
+    try:
+        args = parse_specdecode_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        return usage_error("train.specdecode", exc)
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
@@ -1104,7 +1108,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_new_tokens,
             baseline=not args.no_baseline,
             progress=True,
-            tree_budgets=args.tree_budgets,
+            tree_budgets=args.budgets,
             stop_repeat=args.stop_repeat,
         )
     except ValueError as exc:
@@ -1139,7 +1143,7 @@ def main(argv: list[str] | None = None) -> int:
         "thinking": args.thinking,
         "block_size": proposer.block_size,
         "context_cache": not args.no_context_cache,
-        "tree_budgets": args.tree_budgets,
+        "tree_budgets": args.budgets,
         "stop_repeat": args.stop_repeat,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
