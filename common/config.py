@@ -106,18 +106,14 @@ def fail(key: str, message: str) -> typing.NoReturn:
 
 
 def parse_cli(cls: type, argv: typing.Sequence[str], *, section: str | None = None) -> Any:
-    """Build `cls` from `[CONFIG_FILE] key=value ...` as given on a command line."""
+    """Build `cls` from `[CONFIG_FILE] key=value | --key value ...` as given on a command line (the
+    grammar of `parse_command`, without positional values; the first word is the config file
+    unless it is a setting)."""
     argv = list(argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(describe(cls))
-        raise SystemExit(0)
     path = None
-    if argv and ("=" not in argv[0] or os.path.isfile(argv[0])):  # a config file may have '=' in its name
-        path = argv.pop(0)
-    for word in argv:
-        if "=" not in word:
-            raise ConfigError(f"expected key=value, got '{word}' (only the first argument may be a config file)")
-    return load_config(cls, path, argv, section=section)
+    if argv and not argv[0].startswith("-") and ("=" not in argv[0] or os.path.isfile(argv[0])):
+        path = argv.pop(0)  # a config file may have '=' in its name
+    return parse_command(cls, argv, section=section, config=path)
 
 
 def parse_command(
@@ -128,22 +124,25 @@ def parse_command(
     positional: typing.Sequence[str] = (),
     rest: bool = False,
     usage: str = "",
+    config: str | None = None,
 ) -> Any:
     """The command-line grammar every entry point shares:
 
         [CONFIG_FILE] [VALUE ...] [key=value ...] [--key VALUE | --key=VALUE | --flag ...]
 
     CONFIG_FILE is the first word when it names an existing .toml or .json file (or `--config
-    FILE`); its `[section]` table is read. The VALUEs fill the `positional` keys in order; with
-    `rest`, the words left over are returned too (`(cfg, words)`). `--some-key VALUE` is
-    `some_key=VALUE`; a bool key given as `--key` alone is true. A VALUE of a text key is taken
-    exactly as typed (a path may hold '=' or spaces). `-h` / `--help` prints `usage` and every key
-    with its allowed values (`describe`) and exits."""
+    FILE` where no key is named `config`, or `config` given by the caller); its `[section]` table
+    is read. The VALUEs fill the `positional` keys in order; with `rest`, the words left over are
+    returned too (`(cfg, words)`). `--some-key VALUE` is `some_key=VALUE`; a bool key given as
+    `--key` alone is true. A VALUE of a text key is taken exactly as typed (a path may hold '=' or
+    spaces). `-h` / `--help` prints `usage` and every key with its allowed values (`describe`) and
+    exits."""
     argv = list(argv)
     if any(word in ("-h", "--help") for word in argv):
         print((usage.rstrip() + "\n\nkeys:\n" if usage else "") + describe(cls))
         raise SystemExit(0)
-    path = argv.pop(0) if argv and _is_config_file(argv[0]) else None
+    path = argv.pop(0) if config is None and argv and _is_config_file(argv[0]) else config
+    config_is_a_key = "config" in {f.name for f in dataclasses.fields(cls)}
     words: list[str] = []
     overrides: list[str] = []
     values: dict[str, Any] = {}
@@ -153,15 +152,16 @@ def parse_command(
         if word.startswith("--") and len(word) > 2:
             name, eq, inline = word[2:].partition("=")
             key = name.replace("-", "_")
-            hint = bool if key == "config" else _hint_of(cls, key, word)
-            if hint is bool and key != "config" and not eq:
+            file_option = key == "config" and not config_is_a_key
+            hint = str if file_option else _hint_of(cls, key, word)
+            if hint is bool and not eq:
                 overrides.append(f"{key}=true")
             else:
                 if not eq and i + 1 >= len(argv):
                     raise ConfigError(f"option '{word}' needs a value")
                 value = inline if eq else argv[i + 1]
                 i += 0 if eq else 1
-                if key == "config":
+                if file_option:
                     path = value
                 else:
                     _put_word(key, value, hint, overrides, values)
@@ -174,7 +174,10 @@ def parse_command(
         _put_word(key, word, _hint_of(cls, key, key), overrides, values)
     left = words[len(positional) :]
     if left and not rest:
-        raise ConfigError(f"unexpected argument '{left[0]}' (settings are key=value or --key value)")
+        raise ConfigError(
+            f"expected key=value or --key value, got '{left[0]}'"
+            + ("" if positional else " (only the first argument may be a config file)")
+        )
     cfg = load_config(cls, path, overrides, section=section, values=values)
     return (cfg, left) if rest else cfg
 

@@ -8,10 +8,20 @@ otherwise the last rank to finish). Run it by hand when ranks were started as in
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
+
+from common.config import ConfigError, knob, parse_command
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """`python -m extract.merge OUT_DIR`."""
+
+    out_dir: str = knob(help="the extraction's output directory (one split)")
+    world: int | None = knob(None, help="number of ranks (default: read from the rank manifests)", min=1)
 
 
 def infer_world(root: str) -> int:
@@ -31,12 +41,12 @@ def infer_world(root: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m extract.merge", description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", help="the extraction's output directory (one split)")
-    parser.add_argument(
-        "--world", type=int, default=None, help="number of ranks (default: read from the rank manifests)"
-    )
-    args = parser.parse_args(argv)
+    usage = "usage: " + __doc__.split("\n\n")[0]
+    try:
+        args = parse_command(MergeConfig, sys.argv[1:] if argv is None else argv, positional=["out_dir"], usage=usage)
+    except ConfigError as err:
+        print(f"extract.merge: {err} (--help lists the keys)", file=sys.stderr)
+        return 2
     from extract import pipeline
 
     try:

@@ -16,11 +16,11 @@ DIR is a local path or any URI pyarrow.fs resolves (s3://..., gs://..., hdfs://.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+from dataclasses import dataclass
 
-from common.config import describe, load_config
+from common.config import ConfigError, knob, parse_command
 from shards.describe import inspect_lines, show_lines, unchecked_shards
 from shards.manifest import MANIFEST_NAME, merge_manifests
 from shards.reader import ShardDataset
@@ -29,49 +29,79 @@ from shards.transcode import TranscodeConfig, summary_lines, transcode
 from shards.verify import verify_dataset
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m shards", description="Inspect, verify, show and merge shard datasets."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="provenance, counts, length histogram, bytes per token")
-    p.add_argument("dir")
-    p.add_argument("--manifest", default=MANIFEST_NAME)
-    p = sub.add_parser("verify", help="check checksums, schema, every sample, counts; exit 1 on any problem")
-    p.add_argument("dir")
-    p.add_argument("--manifest", default=MANIFEST_NAME)
-    p.add_argument(
-        "--no-checksums", action="store_true", help="skip hashing whole files (faster; samples are still checked)"
-    )
-    p.add_argument("--no-progress", action="store_true")
-    p = sub.add_parser("show", help="one sample: tokens, top-k of the first positions, per-tap hidden statistics")
-    p.add_argument("dir")
-    p.add_argument("sample", help="position in the dataset (negative from the end) or a sample id")
-    p.add_argument("--manifest", default=MANIFEST_NAME)
-    p.add_argument("--tokenizer", help="local tokenizer directory to decode tokens (no download)")
-    p.add_argument("--positions", type=int, default=8, help="how many positions of top-k to print")
-    p = sub.add_parser("merge", help="combine per-rank manifests into one")
-    p.add_argument("dir")
-    p.add_argument("names", nargs="+", help="manifest file names inside DIR (paths are reduced to their base name)")
-    p.add_argument("--out", default=MANIFEST_NAME)
-    p = sub.add_parser(
-        "transcode",
-        help="derive a cheaper dataset (quantized and/or projected) from SRC, without the target",
-        description="key=value settings:\n" + describe(TranscodeConfig),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument(
-        "settings", nargs="*", help="key=value: encoding=... (required), projection=..., calibration_samples=..., ..."
-    )
-    return parser
+@dataclass(frozen=True)
+class InspectConfig:
+    """`python -m shards inspect DIR`: provenance, counts, length histogram, bytes per token."""
+
+    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)")
+    manifest: str = knob(MANIFEST_NAME, help="manifest file name inside DIR")
 
 
-def _transcode(args) -> int:
-    cfg = load_config(TranscodeConfig, None, args.settings)
-    result = transcode(args.src, args.dst, cfg)
-    print("\n".join(summary_lines(args.src, args.dst, result)))
+@dataclass(frozen=True)
+class VerifyConfig:
+    """`python -m shards verify DIR`: check checksums, schema, every sample, counts; exit 1 on any problem."""
+
+    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)")
+    manifest: str = knob(MANIFEST_NAME, help="manifest file name inside DIR")
+    no_checksums: bool = knob(False, help="skip hashing whole files (faster; samples are still checked)")
+    no_progress: bool = knob(False, help="no progress bar")
+
+
+@dataclass(frozen=True)
+class ShowConfig:
+    """`python -m shards show DIR SAMPLE`: one sample: tokens, top-k of the first positions, per-tap statistics."""
+
+    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)")
+    sample: str = knob(help="position in the dataset (negative from the end) or a sample id")
+    manifest: str = knob(MANIFEST_NAME, help="manifest file name inside DIR")
+    tokenizer: str | None = knob(None, help="local tokenizer directory to decode tokens (no download)")
+    positions: int = knob(8, help="how many positions of top-k to print", min=0)
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """`python -m shards merge DIR NAME...`: combine per-rank manifests into one."""
+
+    dir: str = knob(help="dataset root holding the rank manifests")
+    out: str = knob(MANIFEST_NAME, help="name of the merged manifest inside DIR")
+
+
+COMMANDS = {
+    "inspect": (InspectConfig, ["dir"]),
+    "verify": (VerifyConfig, ["dir"]),
+    "show": (ShowConfig, ["dir", "sample"]),
+    "merge": (MergeConfig, ["dir"]),  # then the manifest names
+    "transcode": (TranscodeConfig, []),  # SRC DST, then the settings
+}
+
+
+def parse_args(argv: list[str]) -> tuple[str, object, list[str]]:
+    """(command, its config, the words left over: merge's names, transcode's SRC and DST), read by
+    the grammar of every entry point (`common.config.parse_command`)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        raise ConfigError(f"unknown command '{command}'; commands: {', '.join(COMMANDS)}")
+    cls, positional = COMMANDS[command]
+    usage = "usage: " + cls.__doc__.split(":")[0].strip("`") if cls.__doc__ else ""
+    if command == "transcode":
+        usage = "usage: python -m shards transcode SRC DST encoding=ENC [key=value ...]"
+    if command in ("merge", "transcode"):
+        cfg, left = parse_command(cls, rest, positional=positional, rest=True, usage=usage)
+    else:
+        cfg, left = parse_command(cls, rest, positional=positional, usage=usage), []
+    if command == "merge" and not left:
+        raise ConfigError("merge needs the names of the manifests to combine (python -m shards merge DIR NAME...)")
+    if command == "transcode" and len(left) != 2:
+        raise ConfigError(f"transcode needs SRC and DST, got {left}")
+    return command, cfg, left
+
+
+def _transcode(cfg: TranscodeConfig, src: str, dst: str) -> int:
+    result = transcode(src, dst, cfg)
+    print("\n".join(summary_lines(src, dst, result)))
     return 1 if result["problems"] else 0
 
 
@@ -112,25 +142,24 @@ def _verify(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
-        if args.command == "verify":
+        command, args, words = parse_args(list(sys.argv[1:] if argv is None else argv))
+        if command == "verify":
             return _verify(args)
-        if args.command == "transcode":
-            return _transcode(args)
-        if args.command == "inspect":
-            lines = inspect_lines(
-                ShardDataset(args.dir, args.manifest, verify_samples=False)
-            )  # its checksum line says it
-        elif args.command == "show":
+        if command == "transcode":
+            return _transcode(args, *words)
+        if command == "inspect":
+            # its checksum line says it
+            lines = inspect_lines(ShardDataset(args.dir, args.manifest, verify_samples=False))
+        elif command == "show":
             lines = show_lines(
                 ShardDataset(args.dir, args.manifest), args.sample, _load_tokenizer(args.tokenizer), args.positions
             )
         else:
-            merged = merge_manifests(args.dir, [os.path.basename(n) for n in args.names], args.out)
+            merged = merge_manifests(args.dir, [os.path.basename(n) for n in words], args.out)
             counts = merged["counts"]
             lines = [
-                f"merged {len(args.names)} manifests into {args.out}: {len(merged['shards'])} shards, "
+                f"merged {len(words)} manifests into {args.out}: {len(merged['shards'])} shards, "
                 f"{counts['samples']} samples, {counts['tokens']} tokens, complete: {merged['complete']}"
             ]
     except (ValueError, KeyError, IndexError, FileNotFoundError, ShardFormatError) as err:

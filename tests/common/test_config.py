@@ -240,7 +240,7 @@ def test_one_command_grammar_positional_key_value_and_flags(tmp_path, capsys):
         parse_command(Command, ["--speed", "2"])
     with pytest.raises(ConfigError, match="config key 'count'"):
         parse_command(Command, ["--count", "-1"])
-    with pytest.raises(ConfigError, match="unexpected argument 'extra'"):
+    with pytest.raises(ConfigError, match="expected key=value or --key value, got 'extra'"):
         parse_command(Command, ["a", "extra"], positional=["source"])
     with pytest.raises(SystemExit):
         parse_command(Command, ["--help"], usage="usage: cmd SOURCE")

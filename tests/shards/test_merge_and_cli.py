@@ -144,3 +144,12 @@ def test_cli_show_decodes_with_a_local_tokenizer(tmp_path, capsys):
     first = int(make_sample(0).input_ids[0])
     assert f"in={first}'w{first}'" in out
     assert "text" in out
+
+
+def test_each_command_lists_its_keys_and_refuses_an_unknown_one(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    assert "no_checksums = False  (bool)" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path), "--checksums-off"]) == 2
+    assert "unknown option '--checksums-off'" in capsys.readouterr().err
+    assert main(["bogus"]) == 2

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 
-from common.config import ConfigError, describe, load_config
+from common.config import ConfigError, parse_command
 from train.eval.config import EvalConfig
 from train.eval.render import render_report
 
@@ -15,48 +14,17 @@ _USAGE = """usage:
 
 CHECKPOINT: a checkpoint directory (runs/NAME/checkpoints/step-XXXXXXXX) or a run directory (its
 latest checkpoint). With two, both are evaluated on the same blocks and compared (ratio second/first).
---config FILE reads the [eval] table of a TOML/JSON file; key=value overrides it.
-
-keys:
-"""
+--config FILE (or a first argument CONFIG.toml) reads the [eval] table of a TOML/JSON file; key=value
+or --key value overrides it."""
 
 
 def parse_args(argv: Sequence[str]) -> tuple[list[str], EvalConfig]:
-    """(checkpoints, config) from the command line; ConfigError (a ValueError) on bad input."""
-    argv = list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(_USAGE + describe(EvalConfig))
-        raise SystemExit(0)
-    checkpoints, overrides, values, config_file = [], [], {}, None
-    flags = {"--data": "data", "--out": "out"}
-    i = 0
-    while i < len(argv):
-        word = argv[i]
-        flag, eq, inline = word.partition("=")
-        if flag in flags or flag == "--config":
-            if eq:
-                value = inline
-            elif i + 1 < len(argv):
-                i += 1
-                value = argv[i]
-            else:
-                raise ConfigError(f"{flag} needs a value")
-            if flag == "--config":
-                config_file = value
-            else:
-                values[flags[flag]] = value  # a path exactly as given, whatever characters it holds
-        elif word.startswith("--"):
-            raise ConfigError(
-                f"unknown option '{word}' (options: --data, --out, --config; other settings as key=value)"
-            )
-        elif "=" in word and not os.path.exists(word):  # a checkpoint path may hold '='
-            overrides.append(word)
-        else:
-            checkpoints.append(word)
-        i += 1
+    """(checkpoints, config) from the command line (the grammar of every entry point,
+    `common.config.parse_command`); ConfigError (a ValueError) on bad input."""
+    cfg, checkpoints = parse_command(EvalConfig, argv, section="eval", rest=True, usage=_USAGE)
     if not checkpoints:
         raise ConfigError("no checkpoint given (python -m train.eval CHECKPOINT --data SHARDS)")
-    return checkpoints, load_config(EvalConfig, config_file, overrides, section="eval", values=values)
+    return checkpoints, cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from common.config import config_to_dict, describe, knob, load_config
+from common.config import config_to_dict, knob, parse_command
 
 __all__ = ["ReportConfig", "parse_report_args", "config_rows"]
 
@@ -168,14 +168,13 @@ def _listify(word: str) -> str:
 
 
 def parse_report_args(argv: list[str]) -> tuple[list[str], ReportConfig]:
-    """Split a command line into run directories (plain words) and a ReportConfig (key=value words)."""
-    if any(word in ("-h", "--help") for word in argv):
-        print("usage: python -m train.report RUN_DIR [RUN_DIR ...] [key=value ...]\n\nkeys:\n" + describe(ReportConfig))
-        raise SystemExit(0)
-    is_run = lambda word: "=" not in word or os.path.isdir(word)  # noqa: E731 - a run directory may hold '='
-    runs = [word for word in argv if is_run(word)]
-    overrides = [_listify(word) for word in argv if not is_run(word)]
-    return runs, load_config(ReportConfig, None, overrides)
+    """Split a command line into run directories (plain words) and a ReportConfig (key=value or
+    --key value words: the grammar of every entry point, `common.config.parse_command`)."""
+    setting = lambda word: "=" in word and not word.startswith("-") and not os.path.isdir(word)  # noqa: E731
+    words = [_listify(word) if setting(word) else word for word in argv]  # a run directory may hold '='
+    usage = "usage: python -m train.report RUN_DIR [RUN_DIR ...] [key=value | --key value ...]"
+    cfg, runs = parse_command(ReportConfig, words, rest=True, usage=usage)
+    return runs, cfg
 
 
 def config_rows(cfg: ReportConfig) -> list[tuple[str, str, str]]:
