@@ -28,6 +28,7 @@ import os
 from collections import deque
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 import xxhash
 
@@ -196,11 +197,17 @@ def transcode(src: str, dst: str, cfg: TranscodeConfig) -> dict:
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError("DST must be another directory than SRC")
     fs, root = io.resolve(dst)
+    created = fs.get_file_info(root).type == pafs.FileType.NotFound
     fs.create_dir(root, recursive=True)
     # One writer per dataset: the lock the ShardWriter takes, held from before the projection is
     # fitted and saved into DST (a second transcode into DST stops at once, naming this one).
     with lock_manifest(fs, root, MANIFEST_NAME):
-        entry, resumed_past = _transcode_locked(src, dst, ds, cfg)
+        try:
+            entry, resumed_past = _transcode_locked(src, dst, ds, cfg)
+        except ValueError:
+            if created:  # still under the lock: no other writer can have started in DST
+                _remove_if_nothing_written(fs, root)
+            raise
     problems = verify_dataset(dst, progress=cfg.progress) if cfg.verify else []
     out = ShardDataset(dst)
     tokens = out.manifest["counts"]["tokens"]
@@ -220,6 +227,14 @@ def transcode(src: str, dst: str, cfg: TranscodeConfig) -> dict:
         "projection": entry,
         "verified": cfg.verify,
     }
+
+
+def _remove_if_nothing_written(fs, root: str) -> None:
+    """A refused start leaves nothing behind: DST, created by this call, goes again if it holds no
+    more than the writer's lock file (a refusal after samples were written keeps them to resume)."""
+    entries = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    if all(os.path.basename(e.path) == f".{MANIFEST_NAME}.lock" for e in entries):
+        fs.delete_dir(root)
 
 
 def _transcode_locked(src: str, dst: str, ds: ShardDataset, cfg: TranscodeConfig) -> tuple[dict | None, int]:

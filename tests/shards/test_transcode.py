@@ -210,7 +210,12 @@ def test_a_rank_that_a_4bit_group_does_not_divide_is_refused_not_changed(tmp_pat
         ValueError, match=r"rank 8 per tap is not a multiple of the 4-bit group size 16; ask for pca:rank=16"
     ):
         transcode(str(src), str(tmp_path / "dst"), settings("encoding=nf4-g16", "projection=pca:rank=8"))
-    transcode(
-        str(src), str(tmp_path / "dst2"), settings("encoding=nf4-g16", "projection=pca:variance=0.5")
-    )  # a share: rounded up
+    assert not (tmp_path / "dst").exists()  # the refused start left nothing to trip the next run
+    existing = tmp_path / "kept"
+    existing.mkdir()
+    with pytest.raises(ValueError, match="rank 8 per tap"):
+        transcode(str(src), str(existing), settings("encoding=nf4-g16", "projection=pca:rank=8"))
+    assert existing.is_dir()  # a directory the user made stays
+    # a share: rounded up
+    transcode(str(src), str(tmp_path / "dst2"), settings("encoding=nf4-g16", "projection=pca:variance=0.5"))
     assert ShardDataset(tmp_path / "dst2").projection["rank_per_tap"] % 16 == 0
