@@ -5,15 +5,14 @@ storage, on synthetic samples shaped like the Qwen3.6-27B case (4 taps x 5120 bf
     python -m benchmarks.shards [--samples N] [--tokens T] [--taps 4] [--hidden 5120] [--topk 32]
                            [--levels 1,3,6] [--splits 1,4] [--repeats 2] [--dir DIR] [--no-gzip]
 
-For each zstd level, with and without byte planes, unsplit and in column pieces (`hidden_split`), it writes the samples
-with `ShardWriter` and
-reads every sample back with `ShardDataset.torch` into a preallocated batch buffer (hidden states
-are decoded straight into it; the other fields are copied), as a trainer's collate does, with the
-per-sample checksums checked (the default) and, in alternating passes, without them: the
-"per-sample check" column is the extra read time. The last lines time xxh3-64 and xxh3-128 over
-the record-batch bytes alone. The same samples are also stored
-one file per sample with `torch.save` (SpecForge; optionally gzip level 6, SpecForge's
-`--compress`) and with safetensors (speculators), and read back the same way.
+For each zstd level, with and without byte planes, unsplit and in column pieces (`hidden_split`), it
+writes the samples with `ShardWriter` and reads every sample back with `ShardDataset.torch` into a
+preallocated batch buffer (hidden states are decoded straight into it; the other fields are copied),
+as a trainer's collate does, with the per-sample checksums checked (the default) and, in alternating
+passes, without them: the "per-sample check" column is the extra read time. The last lines time
+xxh3-64 and xxh3-128 over the record-batch bytes alone. The same samples are also stored one file
+per sample with `torch.save` (SpecForge; optionally gzip level 6, SpecForge's `--compress`) and with
+safetensors (speculators), and read back the same way.
 
 Honest numbers: everything runs on one thread (torch, pyarrow and the writer), and speeds are per
 CPU-second of this process (`time.process_time`), so other load on a shared machine does not

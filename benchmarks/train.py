@@ -4,8 +4,7 @@
     python -m benchmarks.train --shape tiny          # the same code path at toy widths, runs on CPU in seconds
     python -m benchmarks.train --shape 27b-zlab      # the published z-lab layout (configs/qwen3.6-27b-zlab.toml)
     python -m benchmarks.train --out bench.json --rows 2 --seq-len 3072 --anchors 512
-    python -m benchmarks.train --phases stream --ddp 1      # plain trainer, then world size 1 under torchrun (DDP),
-    one table
+    python -m benchmarks.train --phases stream --ddp 1      # plain trainer, then world size 1 under DDP, one table
     python -m benchmarks.train --phases stream --token-budget 12288 --max-blocks 2048 --accumulation 2 --ddp 2
                                                 # 1 GPU (accumulation 2) against 2 GPUs, same tokens per optimizer step
 
@@ -30,13 +29,13 @@ MFU = FLOPs / step time / peak, peak = 790 TFLOP/s (a plain bf16 8192^3 matmul o
 
 Data parallel (`--ddp N`): after the in-process phases the same stream phase runs again under
 `torchrun --standalone --nproc-per-node N` (this module with `--worker`), through
-`train.distributed` (DDP, the global batch split by tokens over N x accumulation parts); the
-table gets a `stream-ddpN` row (tokens/s and MFU of all ranks together, MFU against N x peak;
-fetch fraction: the largest any rank waited; step time: rank 0's) and per-rank step times and
-peak memory, and the ratios against the in-process `stream` row (of the same tier with `--tiers`). `--accumulation`
-splits the
-in-process stream phase's global batch the same way on one GPU (for a comparison at equal tokens
-per optimizer step); the workers use `--ddp-accumulation` (default accumulation / N).
+`train.distributed` (DDP, the global batch split by tokens over N x accumulation parts); the table
+gets a `stream-ddpN` row (tokens/s and MFU of all ranks together, MFU against N x peak; fetch
+fraction: the largest any rank waited; step time: rank 0's) and per-rank step times and peak memory,
+and the ratios against the in-process `stream` row (of the same tier with `--tiers`).
+`--accumulation` splits the in-process stream phase's global batch the same way on one GPU (for a
+comparison at equal tokens per optimizer step); the workers use `--ddp-accumulation` (default
+accumulation / N).
 
 Storage tiers (`--tiers planes,fp8,nf4-g64`): the stream phase runs once per tier, the synthetic
 shards transcoded to it once (`python -m shards transcode`, cached next to them), every tier

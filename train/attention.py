@@ -8,8 +8,7 @@ N x B block tokens. Query `q` belongs to block `n = q // B`, anchored at `anchor
     allow(q, kv) = keep[n] and ( (kv < S and kv < anchor[n])            # context strictly before the anchor
                                 or (kv >= S and (kv - S) // B == n) )    # its own block
                    and the layer's `MaskRule`:
-                       window W:  q_pos - kv_pos < W                      # W keys back, the query's own position
-                       included
+                       window W:  q_pos - kv_pos < W                      # W keys back, own position included
                        causal:    inside the block, kv offset <= q offset
                        window and not causal: also kv_pos - q_pos < W     # symmetric, as flash-attention's (W-1, W-1)
 

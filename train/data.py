@@ -212,11 +212,11 @@ def check_compatible(manifest: dict, expected: dict) -> None:
     `expected` holds any of the keys of `EXPECTED_FIELDS` (an unknown key is an error, so a typo
     never silently skips a check), and may hold `projection`: the drafter's projection identity
     ({checksum, in_width, out_width}) or None for full tap features (storage tiers, `train.tiers`).
-    Shards whose encodings differ from the dataset's are always refused. `topk` is a minimum (the loss needs at least
-    that many entries);
-    every other field must be equal. A field missing from the manifest is reported too. The
-    manifest must also be complete and self-consistent (hidden_width = n_taps x hidden_size). All
-    problems are reported at once in one ValueError, each naming the manifest field and both values.
+    Shards whose encodings differ from the dataset's are always refused. `topk` is a minimum (the
+    loss needs at least that many entries); every other field must be equal. A field missing from
+    the manifest is reported too. The manifest must also be complete and self-consistent
+    (hidden_width = n_taps x hidden_size). All problems are reported at once in one ValueError, each
+    naming the manifest field and both values.
     """
     from train.tiers import mixed_encoding_problems, projection_problems
 

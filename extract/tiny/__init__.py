@@ -9,8 +9,8 @@ and 1,000 steps of training turn that into a different, equally good target (see
 
     artifacts/tiny/corpus/train.jsonl, heldout.jsonl   chat records {"messages": [...]} (a few {"text": ...})
     artifacts/tiny/corpus/train_regen.jsonl,           the same user turns answered by the trained target
-                          heldout_regen.jsonl          itself, greedily (docs/dflash.md "Training data"; the tiny
-                          default's data)
+                          heldout_regen.jsonl          itself, greedily (the tiny default's data;
+                                                       docs/dflash.md "Training data")
     artifacts/tiny/target/                             HF directory: config.json, model.safetensors (bf16),
                                                        generation_config.json, tokenizer files, chat template,
                                                        tiny_report.json (accuracies, tap ids, token ids, corpus sizes,
@@ -34,9 +34,8 @@ uncut answers learns mostly loops, and its τ went with how often the target loo
 how long it keeps repeating it (`train.specdecode --stop-repeat` ends online responses by the
 same rule). So the held-out first answers
 are exactly what target-only greedy decoding produces from the speculative-decoding prompts, and
-offline τ on them estimates online τ (docs/dflash.md "Acceptance length (τ)"). (An earlier answer of a multi-turn
-record was
-generated after the empty think block, which the template drops from past turns: only a
+offline τ on them estimates online τ (docs/dflash.md "Acceptance length (τ)"). (An earlier answer
+of a multi-turn record was generated after the empty think block, which the template drops from past turns: only a
 conversation's last answer is exactly the greedy continuation of its rendered prefix.)
 
 Chat template (Qwen3 style, on purpose, so the tiny default exercises what the real target does):

@@ -13,9 +13,8 @@ from tests.paths import REPO, child_pythonpath
 
 
 def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
-    """`benchmarks.train --ddp 2 --tiers planes,fp8` (the GPU measurements of data parallelism and storage tiers) runs
-    on
-    CPU: both rows of a tier train the same global batches (same tokens and FLOPs per step), the
+    """`benchmarks.train --ddp 2 --tiers planes,fp8` (the GPU measurements of data parallelism and storage
+    tiers) runs on CPU: both rows of a tier train the same global batches (same tokens and FLOPs per step), the
     torchrun rows report each rank."""
     out = tmp_path / "bench.json"
     done = subprocess.run(

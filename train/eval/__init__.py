@@ -9,16 +9,16 @@ CHECKPOINT is a checkpoint directory (`runs/NAME/checkpoints/step-XXXXXXXX`) or 
 trained with (`target=` overrides). With two checkpoints both are evaluated on exactly the same
 blocks (one pass over the data) and the table shows them side by side with the ratio second/first.
 
-What is measured (docs/dflash.md "Acceptance length (τ)", "DDTree"). One block per anchor a: `[x_a, MASK x D]` at
-positions
-a..a+D (D = block_size - 1 = 15), context = the target's tap features of positions < a, the same
-inputs online decoding gives the drafter right after the target produced x_a. The target's
-continuation y_k (k = 1..D) is its stored greedy token for position a+k, `topk_ids[a+k-1, 0]`.
-Anchors: every response (loss-mask) position a whose next position is a response position too,
-or `max_anchors` of them per sequence drawn deterministically from (seed, sample id). A block's
-valid length L is the number of leading positions a+1, a+2, ... that are still inside the same
-response (at most D): online, the response ends there, so such a round can accept at most L drafts
-(`train.eval.acceptance`, cut blocks). Metrics, overall and per sequence-length bucket:
+What is measured (docs/dflash.md "Acceptance length (τ)", "DDTree"). One block per anchor a: `[x_a,
+MASK x D]` at positions a..a+D (D = block_size - 1 = 15), context = the target's tap features of
+positions < a, the same inputs online decoding gives the drafter right after the target produced
+x_a. The target's continuation y_k (k = 1..D) is its stored greedy token for position a+k,
+`topk_ids[a+k-1, 0]`. Anchors: every response (loss-mask) position a whose next position is a
+response position too, or `max_anchors` of them per sequence drawn deterministically from (seed,
+sample id). A block's valid length L is the number of leading positions a+1, a+2, ... that are still
+inside the same response (at most D): online, the response ends there, so such a round can accept at
+most L drafts (`train.eval.acceptance`, cut blocks). Metrics, overall and per sequence-length
+bucket:
   - per-position acceptance k = 1..D, unconditional and conditional on reaching k;
   - chain τ = 1 + leading accepted drafts (the bonus token included) and its surrogate;
   - DDTree-B τ for each budget (best-first tree over the drafter's top-B log-probs per depth,

@@ -1,10 +1,9 @@
 """Chain acceptance metrics of a drafter, offline: pure torch over batched blocks, no model.
 
 One block = one anchor. The drafter proposes draft_k for block positions k = 1..D (D = B-1); the
-target's greedy continuation is y_1..y_D (docs/dflash.md "Acceptance length (τ)"). Online, the target accepts the
-leading
-drafts that equal its own tokens and adds one bonus token, so a block's chain τ is 1 + streak,
-streak = number of leading k with draft_k == y_k.
+target's greedy continuation is y_1..y_D (docs/dflash.md "Acceptance length (τ)"). Online, the
+target accepts the leading drafts that equal its own tokens and adds one bonus token, so a block's
+chain τ is 1 + streak, streak = number of leading k with draft_k == y_k.
 
 Cut blocks. A block anchored near the end of a response has only L < D target tokens (its valid
 length); positions k > L have no target token. Online, such a round ends the response, so it can
