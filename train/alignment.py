@@ -4,7 +4,7 @@ A block anchored at position `a` is the token at `a` followed by `block_size - 1
 positions `a, a+1, ..., a+block_size-1`. Block position `k` predicts the token at `a + k`. Shards
 store at row `t` the target's top-k for the token at `t + 1`, so the label of block position `k` is
 the stored top-1 at row `a + k - 1`. Training (`train/blocks.py`), offline evaluation
-(`train/eval/`) and the offline replay of speculative decoding (`train/serve/specdecode.py`) build
+(`train/eval/`) and speculative decoding with its offline replay (`train/serve/`) build
 blocks and labels only through these functions; tests/train/test_alignment.py holds them to it.
 """
 

@@ -10,7 +10,7 @@ from train.alignment import block_input_ids, block_positions, draft_label_rows, 
 from train.blocks import make_blocks
 from train.eval.anchors import block_anchors, block_targets
 from train.eval.drafting import Piece, forward_inputs
-from train.serve.specdecode import _chain
+from train.serve.agreement import _chain
 
 MASK, K = 99, 4
 

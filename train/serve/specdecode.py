@@ -47,7 +47,7 @@ per depth gives a best-first tree of `budget` nodes (`train.eval.ddtree.build_dd
 verifies [anchor | nodes] in one forward with an ancestor-only mask and positions anchor + depth,
 walks its greedy tokens down the tree, and the cache keeps the accepted path only.
 
-Agreement (`--agreement`, `agreement()`): offline chain τ is computed over teacher-forced data,
+Agreement (`--agreement`, `train.serve.agreement`): offline chain τ is computed over teacher-forced data,
 with an anchor at every position; online rounds start only where the previous round stopped, and
 the data tokens are the target's own greedy continuation. So the comparison is built on that
 continuation: the generated sequences are run through the target in one teacher-forced forward
@@ -67,7 +67,6 @@ import dataclasses
 import inspect
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -81,8 +80,9 @@ from torch import nn
 from common.config import ConfigError
 from common.repeat import RepeatWatch
 from common.target import TapHooks, Target, check_layer_ids, load_target, reach_text_parts
-from train.alignment import block_input_ids, block_positions, draft_label_rows
+from train.alignment import block_input_ids
 from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args, usage_error
+from train.serve.prompts import prompts_from_jsonl, prompts_from_shards, stop_token_ids
 
 __all__ = [
     "Round",
@@ -101,12 +101,6 @@ __all__ = [
     "summarize",
     "compare_generations",
     "run_benchmark",
-    "offline_block_drafts",
-    "agreement",
-    "chained_anchors",
-    "corpus_offline_tau",
-    "prompts_from_jsonl",
-    "prompts_from_shards",
     "crop_cache",
     "main",
 ]
@@ -735,277 +729,6 @@ def run_benchmark(
 
 
 # ----------------------------------------------------------------------------------------------
-# Agreement with offline chain τ
-
-
-@torch.inference_mode()
-def offline_block_drafts(
-    drafter: nn.Module,
-    target: SpecTarget,
-    ids_T: torch.Tensor,
-    features_TF: torch.Tensor,
-    anchors: Sequence[int],
-    *,
-    chunk: int = 32,
-) -> torch.Tensor:
-    """Drafts [N, B-1] at each anchor, computed as offline evaluation does: teacher-forced features,
-    many blocks in one forward under the training mask (context strictly before each anchor, own
-    block, no other block; each layer type with its own window and in-block causality)."""
-    from train.attention import MaskRule, build_layer_masks
-
-    B = int(drafter.block_size)
-    mask_id = int(drafter.mask_token_id)
-    rules = {t: MaskRule(window=w, causal=c) for t, (w, c) in drafter.attention_rules.items()}
-    out = []
-    for start in range(0, len(anchors), chunk):
-        part = torch.tensor(list(anchors[start : start + chunk]), dtype=torch.long)
-        N = part.numel()
-        S = int(part.max())  # context needed: positions < the last anchor
-        block_ids_NQ = block_input_ids(ids_T[part], B, mask_id)
-        positions = torch.cat((torch.arange(S), block_positions(part, B).reshape(-1)))[None]
-        masks = build_layer_masks("sdpa", part[None], torch.ones(1, N, dtype=torch.bool), S, B, rules)
-        noise_1QD = F.embedding(block_ids_NQ.reshape(1, -1).to(target.device), target.embed_VD)
-        hidden_1QD = drafter(
-            position_ids=positions.to(target.device),
-            noise_embedding=noise_1QD,
-            target_hidden=features_TF[None, :S],
-            attention_mask={t: m.to(target.device) for t, m in masks.items()},
-        )
-        hidden_NQD = hidden_1QD.view(N, B, -1)
-        out.append(target.draft_logits(hidden_NQD[:, 1:]).argmax(-1).cpu())
-    return torch.cat(out) if out else torch.zeros(0, B - 1, dtype=torch.long)
-
-
-def _chain(drafts_ND: torch.Tensor, greedy_T: torch.Tensor, anchors: Sequence[int], end: int):
-    """train.eval.acceptance chain blocks: y_k = the greedy token for a+k (= greedy_T[a+k-1], the
-    label rows of `train.alignment`), valid length = the tokens left."""
-    from train.eval.acceptance import chain_blocks
-
-    D = drafts_ND.shape[1]
-    anchors_N = torch.tensor(list(anchors), dtype=torch.long)
-    rows_ND = draft_label_rows(anchors_N, D + 1).clamp(max=len(greedy_T) - 1)
-    target_ND = greedy_T[rows_ND]
-    valid_N = (end - 1 - anchors_N).clamp(max=D)
-    return chain_blocks(drafts_ND, target_ND, valid_N)
-
-
-def chained_anchors(tau_N: torch.Tensor, first: int, end: int) -> list[int]:
-    """The anchors online decoding would start rounds at, replayed offline: the first response
-    position, then each next one `τ` tokens later (`tau_N[i]` is the τ of anchor `first + i`), while
-    a token is left to produce. With offline τ equal to online τ per anchor, these are the online
-    round starts exactly."""
-    anchors, a = [], first
-    while a < end - 1:
-        anchors.append(a)
-        a += int(tau_N[a - first])
-    return anchors
-
-
-def agreement(
-    target: SpecTarget,
-    drafter: nn.Module,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    feature_dtype: torch.dtype | None = None,
-    progress: bool = False,
-    generations: Sequence[Generation] | None = None,
-    stop_repeat: int = 0,
-) -> dict:
-    """Online τ against offline chain τ on the target's own greedy continuations of `prompts`.
-
-    Per prompt: speculative decoding gives the continuation and the online rounds; the whole
-    sequence is run once through the target, teacher-forced (tap features, greedy top-1, as
-    extraction stores them; `feature_dtype=torch.bfloat16` rounds the features as the shards do);
-    the drafter proposes at every response anchor with the training mask; `train.eval.acceptance`
-    gives chain τ per anchor with y = the greedy top-1 and valid length = the tokens left.
-
-    Reported, each as the mean over prompts of the per-prompt means (docs/dflash.md "Acceptance length (τ)"):
-      online_tau               the speculative-decoding τ
-      offline_tau_at_rounds    offline τ at the anchors where online rounds started. Equal to
-                               online_tau round by round, unless floating point flips an argmax
-                               between the incremental (cached) and the one-pass forward
-                               (`round_mismatches` counts the rounds where it differs)
-      offline_tau_chained      offline τ over the anchors of the online schedule replayed offline
-                               (`chained_anchors`: start at the response, jump by τ). Needs no online
-                               decoding, only teacher-forced greedy data; equal to online_tau when
-                               offline_tau_at_rounds is
-      offline_tau_all          offline τ over every anchor (what offline evaluation reports). A
-                               different average: online rounds skip the anchors inside accepted
-                               spans, so a stretch the drafter gets right counts once per round
-                               online but once per token here (usually higher than online τ)
-      offline_tau_harmonic     1 / mean(1/τ) over every anchor: the tokens per round if each position
-                               started a round with probability 1/τ there (a rough predictor; it
-                               overweights the low-τ anchors at the end of accepted stretches)
-    plus `greedy_mismatches`: continuation tokens where the teacher-forced greedy top-1 differs from
-    the decoded token (0 unless floating point differs between the cached and one-pass forward).
-    """
-    from tqdm.auto import tqdm
-
-    B = int(drafter.block_size)
-    if generations is not None and len(generations) != len(prompts):
-        raise ValueError(f"agreement: {len(generations)} generations for {len(prompts)} prompts")
-    proposer = DFlashProposer(drafter, target) if generations is None else None
-    per_prompt = []
-    for index, prompt in enumerate(tqdm(prompts, desc="agreement", unit="prompt", disable=not progress)):
-        gen = (
-            speculative_generate(target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat)
-            if generations is None
-            else generations[index]
-        )
-        if not gen.rounds:
-            continue
-        ids_T = torch.tensor(list(prompt) + gen.tokens, dtype=torch.long)
-        end = len(ids_T)
-        greedy_T, features_TF = target.teacher_forced(ids_T[None])
-        greedy_T = greedy_T.cpu()
-        if feature_dtype is not None:
-            features_TF = features_TF.to(feature_dtype)
-        P = len(prompt)
-        anchors = list(range(P, end - 1))  # every response position with a token after it
-        offline_N = _chain(
-            offline_block_drafts(drafter, target, ids_T, features_TF, anchors), greedy_T, anchors, end
-        ).tau_N
-        starts = [r.start for r in gen.rounds]
-        at_rounds = offline_N[torch.tensor(starts) - P]
-        chained = offline_N[torch.tensor(chained_anchors(offline_N, P, end)) - P]
-        online = torch.tensor(gen.taus)
-        per_prompt.append(
-            {
-                "index": index,
-                "rounds": len(starts),
-                "anchors": len(anchors),
-                "online_tau": float(online.double().mean()),
-                "offline_tau_at_rounds": float(at_rounds.double().mean()),
-                "offline_tau_chained": float(chained.double().mean()),
-                "offline_tau_all": float(offline_N.double().mean()),
-                "offline_tau_harmonic": float(1.0 / (1.0 / offline_N.double()).mean()),
-                "round_mismatches": int((at_rounds != online).sum()),
-                "greedy_mismatches": int((greedy_T[P - 1 : end - 1] != ids_T[P:end]).sum()),
-            }
-        )
-    keys = ("online_tau", "offline_tau_at_rounds", "offline_tau_chained", "offline_tau_all", "offline_tau_harmonic")
-    result = {k: _mean([p[k] for p in per_prompt]) for k in keys}
-    result.update(
-        prompts=len(per_prompt),
-        rounds=sum(p["rounds"] for p in per_prompt),
-        anchors=sum(p["anchors"] for p in per_prompt),
-        round_mismatches=sum(p["round_mismatches"] for p in per_prompt),
-        greedy_mismatches=sum(p["greedy_mismatches"] for p in per_prompt),
-        feature_dtype=str(feature_dtype or "model").replace("torch.", ""),
-        block_size=B,
-        per_prompt=per_prompt,
-    )
-    if result["online_tau"] is not None:
-        for key in ("offline_tau_at_rounds", "offline_tau_chained", "offline_tau_all", "offline_tau_harmonic"):
-            result[f"ratio_{key.removeprefix('offline_tau_')}"] = result[key] / result["online_tau"]
-    return result
-
-
-def corpus_offline_tau(drafter: nn.Module, target: SpecTarget, samples: Sequence[dict]) -> dict:
-    """Offline chain τ on the corpus responses of shard samples (stored bf16 features and target
-    top-1): over every position of the first response with a token after it (what offline
-    evaluation reports on held-out shards) and over the chained online schedule."""
-    D = int(drafter.block_size) - 1
-    all_means, chained_means = [], []
-    for sample in samples:
-        ids_T, mask_T = sample["input_ids"].long(), sample["loss_mask"].bool()
-        start, end = first_response(mask_T)
-        anchors = list(range(start, end - 1))
-        if not anchors:
-            continue
-        features_TF = sample["hidden"].to(target.embed_VD.dtype).to(target.device)
-        drafts_ND = offline_block_drafts(drafter, target, ids_T, features_TF, anchors)
-        tau_N = _chain(drafts_ND[:, :D], sample["topk_ids"][:, 0].long(), anchors, end).tau_N
-        all_means.append(float(tau_N.double().mean()))
-        chained_means.append(float(tau_N[torch.tensor(chained_anchors(tau_N, start, end)) - start].double().mean()))
-    return {
-        "offline_tau_corpus": _mean(all_means),
-        "offline_tau_corpus_chained": _mean(chained_means),
-        "samples": len(all_means),
-    }
-
-
-# ----------------------------------------------------------------------------------------------
-# Prompts
-
-
-def first_response(loss_mask_T: torch.Tensor) -> tuple[int, int]:
-    """(start, end) of the first run of response (loss) positions."""
-    positions = loss_mask_T.nonzero().view(-1)
-    if positions.numel() == 0:
-        return len(loss_mask_T), len(loss_mask_T)
-    start = int(positions[0])
-    end = start
-    while end < len(loss_mask_T) and bool(loss_mask_T[end]):
-        end += 1
-    return start, end
-
-
-def prompts_from_jsonl(
-    path: str | os.PathLike, tokenizer, limit: int | None, *, thinking: bool = False
-) -> list[list[int]]:
-    """The first user turn (with any system turn before it) of each `{"messages": [...]}` record,
-    rendered with the chat template and the generation prompt. Records without one are skipped."""
-    prompts = []
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"'{path}' line {line_no}: not JSON ({exc})") from None
-            messages = record.get("messages") if isinstance(record, dict) else None
-            if not isinstance(messages, list):
-                continue
-            user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
-            if user is None:
-                continue
-            text = tokenizer.apply_chat_template(
-                messages[: user + 1], tokenize=False, add_generation_prompt=True, enable_thinking=thinking
-            )
-            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if limit is not None and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise ValueError(f"'{path}' holds no record with a user message")
-    return prompts
-
-
-def prompts_from_shards(root: str, limit: int | None) -> tuple[list[list[int]], list[dict]]:
-    """Prompts (the tokens before each sample's first response) and the samples themselves."""
-    from shards import ShardDataset
-
-    dataset = ShardDataset(root)
-    prompts, samples = [], []
-    for i in range(len(dataset)):
-        sample = dataset.torch(i)
-        start, _ = first_response(sample["loss_mask"])
-        if 0 < start < len(sample["input_ids"]) - 1:
-            prompts.append(sample["input_ids"][:start].tolist())
-            samples.append(sample)
-        if limit is not None and len(prompts) >= limit:
-            break
-    if not prompts:
-        raise ValueError(f"'{root}': no sample with a prompt and a response")
-    return prompts, samples
-
-
-def stop_token_ids(target: Target) -> list[int]:
-    """EOS ids from the generation config and the tokenizer."""
-    found: set[int] = set()
-    generation = getattr(target.model, "generation_config", None)
-    eos = getattr(generation, "eos_token_id", None)
-    for value in eos if isinstance(eos, (list, tuple)) else [eos]:
-        if value is not None:
-            found.add(int(value))
-    if target.tokenizer is not None and target.tokenizer.eos_token_id is not None:
-        found.add(int(target.tokenizer.eos_token_id))
-    return sorted(found)
-
-
-# ----------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -1116,6 +839,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     generations = result.pop("generations")
     if args.agreement:  # on the very rounds the benchmark decoded, not a second decoding
+        from train.serve.agreement import agreement, corpus_offline_tau  # it builds on this module
+
         result["agreement"] = agreement(
             target,
             drafter,

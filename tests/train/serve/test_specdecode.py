@@ -22,16 +22,15 @@ from tests.common.test_repeat import first_loop_reference
 from train.attention import build_dense_mask
 from train.blocks import make_blocks
 from train.model import DFlashDrafter, DrafterConfig
+from train.serve.agreement import agreement, offline_block_drafts
 from train.serve.export import export_drafter, load_exported
+from train.serve.prompts import prompts_from_jsonl
 from train.serve.specdecode import (
     DFlashProposer,
     SpecTarget,
-    agreement,
     ddtree_generate,
     greedy_generate,
     main,
-    offline_block_drafts,
-    prompts_from_jsonl,
     speculative_generate,
     summarize,
     tree_attention_mask,
@@ -396,7 +395,8 @@ def test_shard_prompts_and_corpus_offline_tau(trained, tmp_path):
     features rounded to bf16 as the shards store them."""
     from common.hashing import sample_id
     from shards import ShardWriter, sample_from_torch
-    from train.serve.specdecode import corpus_offline_tau, prompts_from_shards
+    from train.serve.agreement import corpus_offline_tau
+    from train.serve.prompts import prompts_from_shards
 
     target, drafter, prompts = trained
     provenance = {"target": {"hidden_size": 32, "vocab_size": V}, "taps": {"layer_ids": LAYER_IDS}, "topk": 1}
@@ -425,7 +425,7 @@ def test_shard_prompts_and_corpus_offline_tau(trained, tmp_path):
 
 
 def test_chained_anchors_replay_the_online_schedule():
-    from train.serve.specdecode import chained_anchors
+    from train.serve.agreement import chained_anchors
 
     tau = torch.tensor([3, 9, 9, 1, 16, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 2, 5, 1, 1])  # anchors 10..29, end 31
     assert chained_anchors(tau, 10, 31) == [10, 13, 14]  # 14 + 16 = 30 = the last token: nothing left
