@@ -349,8 +349,7 @@ class Dist:
     def diagnose(self, wait_s: float = 2.0) -> str:
         """Which ranks are gone: peers on this machine whose process has exited; if none, the ranks
         that do not answer on the rendezvous store within `wait_s` (dead, hung or unreachable)."""
-        here = self.peers[self.rank]["host_id"] if self.peers else _host_id()
-        exited = [p for p in self.peers if p["rank"] != self.rank and p["host_id"] == here and _pid_gone(p["pid"])]
+        exited = self._exited_local_peers(wait_s)
         if exited:
             return "lost " + ", ".join(f"rank {p['rank']} (pid {p['pid']} on {p['host']} has exited)" for p in exited)
         silent = self._silent_ranks(wait_s)
@@ -369,6 +368,19 @@ class Dist:
             f"rank {r} (on {hosts.get(r, '?')}: did not answer within {wait_s:.0f} s; dead, hung or unreachable)"
             for r in silent
         )
+
+    def _exited_local_peers(self, wait_s: float) -> list[dict]:
+        """Peers on this machine whose process has exited, polled for up to `wait_s / 2`: a killed
+        process closes its sockets (failing our collective) a moment before the kernel shows it as
+        exited, so a single look can come too early."""
+        here = self.peers[self.rank]["host_id"] if self.peers else _host_id()
+        local = [p for p in self.peers if p["rank"] != self.rank and p["host_id"] == here]
+        deadline = time.monotonic() + wait_s / 2
+        while True:
+            exited = [p for p in local if _pid_gone(p["pid"])]
+            if exited or not local or time.monotonic() >= deadline:
+                return exited
+            time.sleep(0.02)
 
     def _silent_ranks(self, wait_s: float) -> list[int] | None:
         try:

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -144,11 +145,12 @@ def test_local_shards_are_written_back_while_being_written(tmp_path, monkeypatch
 
     monkeypatch.setattr(writer_module.os, "fdatasync", counting_fdatasync)
     # One sync runs at a time (a slow disk is not asked again before the last one ends): on a loaded
-    # machine a sync can outlast several writes, so write enough samples for two of them.
+    # machine a sync can outlast many writes, so the writes leave the sync thread time to run.
     samples = [make_sample(i) for i in range(40)]
     with open_writer(tmp_path / "ds", write_behind_bytes=1024) as w:
         for s in samples:
             w.write(s)
+            time.sleep(0.005)
     assert w.write_behind_syncs == len(synced) >= 2
     # Each sync was of an open shard's temporary file, and off the writing thread.
     assert all(path.endswith(io.TMP_SUFFIX) and "shard" in os.path.basename(path) for path, _ in synced), synced
