@@ -27,11 +27,13 @@ import dataclasses
 import json
 import math
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from common import io
 from common.hashing import bytes_digest
+
+if TYPE_CHECKING:
+    import torch
 
 PROJECTION_FILE = "projection.safetensors"
 METHOD = "pca-uncentered-per-tap"
@@ -101,6 +103,8 @@ class Projection:
 
     def apply(self, h: torch.Tensor) -> torch.Tensor:
         """z = P·h: [..., F] -> float32 [..., n_taps * r_t]."""
+        import torch
+
         taps = h.unflatten(-1, (self.n_taps, self.tap_width))
         return torch.cat([self.apply_tap(i, taps[..., i, :]) for i in range(self.n_taps)], dim=-1)
 
@@ -110,11 +114,15 @@ class Projection:
 
     def back(self, z: torch.Tensor) -> torch.Tensor:
         """Pᵀ·z: [..., n_taps * r_t] -> float32 [..., F] (the reconstruction of h in the taps' space)."""
+        import torch
+
         pieces = z.float().unflatten(-1, (self.n_taps, self.rank))
         return torch.cat([self.back_tap(i, pieces[..., i, :]) for i in range(self.n_taps)], dim=-1)
 
     def fold(self, weight_DR: torch.Tensor) -> torch.Tensor:
         """A linear map on projected features W' [D, r] as one on full features: W' P [D, F], in float32."""
+        import torch
+
         if weight_DR.shape[-1] != self.out_width:
             raise ValueError(
                 f"fold: the weight reads {weight_DR.shape[-1]} features, the projection gives {self.out_width}"
@@ -127,6 +135,8 @@ class SecondMoments:
     """Per-tap sums of h hᵀ over calibration tokens, float64, on the device of the first batch."""
 
     def __init__(self, n_taps: int, tap_width: int, device=None):
+        import torch
+
         self.n_taps, self.tap_width = n_taps, tap_width
         self.sums: torch.Tensor | None = (
             None if device is None else torch.zeros(n_taps, tap_width, tap_width, dtype=torch.float64, device=device)
@@ -135,6 +145,8 @@ class SecondMoments:
 
     def add_tap(self, tap: int, h_NH: torch.Tensor) -> None:
         """Add the tokens [N, H] of one tap (only real tokens: leave padding out before)."""
+        import torch
+
         if self.sums is None:
             self.sums = torch.zeros(
                 self.n_taps, self.tap_width, self.tap_width, dtype=torch.float64, device=h_NH.device
@@ -148,6 +160,8 @@ class SecondMoments:
     def eigen(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(eigenvalues [n_taps, H] descending, clamped >= 0; eigenvectors [n_taps, H, H] as columns),
         computed once per state of the sums."""
+        import torch
+
         if getattr(self, "_eigen", None) is None:
             values, vectors = torch.linalg.eigh(self.sums)  # ascending, per tap
             self._eigen = (values.flip(-1).clamp_min(0.0), vectors.flip(-1))
@@ -163,6 +177,8 @@ class SecondMoments:
 def _canonical_signs(vectors_HR: torch.Tensor) -> torch.Tensor:
     """Eigenvectors with the sign that makes each one's largest-magnitude entry positive (eigh's
     signs are arbitrary; this makes P a function of the second moment alone)."""
+    import torch
+
     index = vectors_HR.abs().argmax(dim=0)
     signs = torch.sign(vectors_HR.gather(0, index[None, :]))
     return vectors_HR * torch.where(signs == 0, torch.ones_like(signs), signs)
@@ -174,6 +190,8 @@ def fit_projection(
     """P from the calibration sums: per tap the top eigenvectors of sum h hᵀ; the rank per tap from
     `spec`: as given (ValueError unless a multiple of `multiple`, a 4-bit encoding's group size), or the
     smallest that keeps the variance share in every tap, rounded up to a multiple of `multiple`; at most H."""
+    import torch
+
     if moments.sums is None or moments.tokens == 0:
         raise ValueError("projection: the calibration pass saw no tokens")
     eigenvalues, eigenvectors = moments.eigen()
@@ -226,6 +244,7 @@ def projection_bytes(projection: Projection) -> bytes:
 
 
 def projection_from_bytes(data: bytes, where: str) -> Projection:
+    import torch
     from safetensors.torch import load
 
     try:

@@ -1,5 +1,7 @@
 """Quantized encodings of the hidden states (storage tiers, format version 4): torch code that runs
 on the GPU during extraction and in the trainer, and on the CPU in `transcode`, readers and tests.
+torch is imported inside the functions that use it, so the format's modules (and `python -m shards
+--help`) load without it.
 
 Encodings (names as stored in the manifest and the shard schema):
 
@@ -32,9 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 FP8_MAX = 448.0
 FP8_EXP_MIN, FP8_EXP_MAX = -64, 120
@@ -148,10 +153,14 @@ def is_quantized(name: str) -> bool:
 
 def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
     """float32 2^e for integer e in the normal range, built from its bits: exact on every device."""
+    import torch
+
     return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
 def _refuse_nonfinite(amax: torch.Tensor, what: str) -> None:
+    import torch
+
     bad = ~torch.isfinite(amax)
     if bool(bad.any()):
         first = [int(i) for i in torch.nonzero(bad)[0].tolist()]
@@ -165,6 +174,8 @@ def fp8_encode(
     x: torch.Tensor, *, check_finite: bool = True, what: str = "hidden"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes uint8 [..., n], exponents int8 [..., 1]) of values x [..., n] (one piece)."""
+    import torch
+
     x = x.float()
     amax = x.abs().amax(dim=-1)
     if check_finite:
@@ -180,10 +191,12 @@ def fp8_encode(
     return codes, exponent.to(torch.int8).unsqueeze(-1)
 
 
-def fp8_decode(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fp8_decode(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Values [..., n] of e4m3 codes [..., n] with int8 exponents [..., 1] (exact in bf16)."""
+    import torch
+
     values = codes.view(torch.float8_e4m3fn).to(torch.float32) * _power_of_two(exponents.to(torch.int32))
-    return values.to(dtype)
+    return values.to(torch.bfloat16 if dtype is None else dtype)
 
 
 _LEVELS: dict = {}  # (kind, device) -> (levels, midpoints): made once, since a host-to-device copy waits for the GPU
@@ -191,6 +204,8 @@ _LEVELS: dict = {}  # (kind, device) -> (levels, midpoints): made once, since a 
 
 def _levels(kind: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(the codebook's 16 levels, the 15 midpoints between neighbours) on `device`."""
+    import torch
+
     key = (kind, str(device))
     if key not in _LEVELS:
         levels = torch.tensor(CODEBOOKS[kind], dtype=torch.float32, device=device)
@@ -203,6 +218,8 @@ def lut4_encode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed 4-bit codes uint8 [..., n/2], bf16 scales as their bits in int16 [..., n/G]) of x [..., n].
     (Torch keeps the bits in int16, which every device copies; numpy and Arrow see them as uint16.)"""
+    import torch
+
     x = x.float()
     n, G = x.shape[-1], spec.group_size
     groups = x.unflatten(-1, (n // G, G))
@@ -220,14 +237,16 @@ def lut4_encode(
 
 
 def lut4_decode(
-    packed: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.bfloat16
+    packed: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Values [..., n] of packed 4-bit codes [..., n/2] with bf16 scales (their bits, int16 or uint16) [..., n/G]."""
+    import torch
+
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
     values = _levels(spec.kind, packed.device)[0][codes]
     s = scales.view(torch.bfloat16).float()
     values = (values.unflatten(-1, (s.shape[-1], spec.group_size)) * s.unsqueeze(-1)).flatten(-2)
-    return values.to(dtype)
+    return values.to(torch.bfloat16 if dtype is None else dtype)
 
 
 def encode_piece(
@@ -240,7 +259,7 @@ def encode_piece(
 
 
 def decode_piece(
-    codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.bfloat16
+    codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     if spec.four_bit:
         return lut4_decode(codes, scales, spec, dtype)
@@ -259,8 +278,10 @@ def encode_pieces(
     ]
 
 
-def decode_pieces(pairs, spec: QuantSpec, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def decode_pieces(pairs, spec: QuantSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Values [..., W] of the (codes, scales) of every column piece, left to right."""
+    import torch
+
     return torch.cat([decode_piece(codes, scales, spec, dtype) for codes, scales in pairs], dim=-1)
 
 
@@ -294,18 +315,24 @@ class QuantizedHidden:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self.codes, *self.scales))
 
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The values [T, W] as a CPU tensor."""
+        import torch
+
         pairs = [(torch.from_numpy(c), scales_to_torch(s)) for c, s in zip(self.codes, self.scales)]
         return decode_pieces(pairs, self.spec, dtype)
 
     def bf16_bits(self) -> np.ndarray:
         """The dequantized values as bf16 bit patterns uint16 [T, W] (what lossless readers return)."""
+        import torch
+
         return self.dequantize(torch.bfloat16).view(torch.uint16).numpy()
 
 
 def quantize_bf16_bits(hidden_TW: np.ndarray, encoding: str, pieces: int, *, what: str = "hidden") -> QuantizedHidden:
     """Quantize uint16 bf16 bit patterns [T, W] on the CPU (ValueError on NaN/Inf)."""
+    import torch
+
     spec = parse_encoding(encoding)
     assert spec is not None, encoding
     values = torch.from_numpy(np.ascontiguousarray(hidden_TW)).view(torch.bfloat16)
@@ -326,11 +353,15 @@ def scales_to_numpy(scales: torch.Tensor) -> np.ndarray:
 
 def scales_to_torch(array: np.ndarray) -> torch.Tensor:
     """The inverse of `scales_to_numpy` (bf16 bits back in int16, the dtype torch copies everywhere)."""
+    import torch
+
     return torch.from_numpy(array.view(np.int16) if array.dtype == np.uint16 else array)
 
 
 def e4m3_half_step(scaled: torch.Tensor) -> torch.Tensor:
     """Half the e4m3 spacing at |v| (the fp8 rounding bound of `fp8_encode`, in scaled units)."""
+    import torch
+
     magnitude = scaled.abs().float().clamp_min(2.0**-6)
     _, exponent = torch.frexp(magnitude)  # magnitude in [2^(e-1), 2^e)
     return _power_of_two(exponent - 1 - 3) / 2

@@ -29,7 +29,6 @@ from collections import deque
 
 import numpy as np
 import pyarrow.fs as pafs
-import torch
 import xxhash
 
 from common import io
@@ -49,7 +48,6 @@ from shards.projection import (
 from shards.quant import canonical_encoding, parse_encoding
 from shards.reader import ShardDataset
 from shards.schema import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
-from shards.tiers import encode_features
 from shards.verify import verify_dataset
 from shards.writer import ShardWriter
 
@@ -118,6 +116,8 @@ def fit_on_dataset(
     ds: ShardDataset, spec_text: str, n_samples: int, n_taps: int, multiple: int, device="cpu"
 ) -> Projection:
     """A PCA projection fitted on `n_samples` samples of `ds` (uncentered, per tap)."""
+    import torch
+
     width = ds.hidden_width
     moments = SecondMoments(n_taps, width // n_taps, device=device)
     chosen = calibration_indices(ds, n_samples)
@@ -171,6 +171,8 @@ def _projection(
 
 
 def _encode(ds: ShardDataset, i: int, cfg: TranscodeConfig, pieces: int, projection: Projection | None):
+    from shards.tiers import encode_features  # torch: loaded when there is work, not for --help
+
     sample = ds[i]
     stored, error = encode_features(
         sample.hidden,

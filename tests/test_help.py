@@ -24,6 +24,8 @@ ENTRY_POINTS = {
     "train.report": "usage: python -m train.report RUN_DIR [RUN_DIR ...] [key=value | --key value ...]",
     "train.demo": "run = 'demo'  (str)",
     "train.choose_tier": "budget = 32",
+    "shards": "python -m shards transcode SRC DST encoding=ENC",
+    "shards transcode": "zstd_level = 1  (int)  range [1, 22]",
 }
 
 
@@ -38,8 +40,9 @@ def no_torch(tmp_path_factory):
 
 @pytest.mark.parametrize("module", sorted(ENTRY_POINTS))
 def test_help_needs_no_torch_and_lists_allowed_values(module, no_torch):
+    command = module.split()  # `shards transcode`: a command word after the module
     done = subprocess.run(
-        [sys.executable, "-m", module, "--help"],
+        [sys.executable, "-m", *command, "--help"],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=child_pythonpath(no_torch)),
         capture_output=True,
