@@ -97,29 +97,6 @@ SHAPES = {
         max_blocks=1024,
         samples=160,
     ),
-    # configs/qwen3.6-27b-zlab.toml: the published z-lab layout (5 taps, 32/8 heads of 128, 4 sliding + 1 full).
-    "27b-zlab": dict(
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=248320,
-        num_target_layers=64,
-        target_layer_ids=[1, 16, 31, 46, 61],
-        rope_theta=1e7,
-        partial_rotary_factor=1.0,
-        max_position_embeddings=262144,
-        layer_types="sliding_then_full",
-        sliding_window=2048,
-        sliding_in_block="causal",
-        seq_len=4096,
-        anchors=512,
-        rows=2,
-        token_budget=8192,
-        max_blocks=1024,
-        samples=160,
-    ),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -139,30 +116,28 @@ SHAPES = {
         max_blocks=64,
         samples=48,
     ),
-    # The 27b-zlab layout at toy widths (a window shorter than the sequences): a CPU check of that path.
-    "tiny-zlab": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=1024,
-        num_target_layers=8,
-        target_layer_ids=[1, 2, 3, 5, 6],
-        rope_theta=1e6,
-        partial_rotary_factor=1.0,
-        max_position_embeddings=4096,
-        layer_types="sliding_then_full",
-        sliding_window=64,
-        sliding_in_block="causal",
-        seq_len=256,
-        anchors=32,
-        rows=2,
-        token_budget=1024,
-        max_blocks=64,
-        samples=48,
-    ),
 }
+# configs/qwen3.6-27b-zlab.toml: the published z-lab layout (5 taps, 32/8 heads of 128, 4 sliding + 1 full).
+SHAPES["27b-zlab"] = dict(
+    SHAPES["27b"],
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    target_layer_ids=[1, 16, 31, 46, 61],
+    layer_types="sliding_then_full",
+    sliding_window=2048,
+    sliding_in_block="causal",
+    seq_len=4096,
+    token_budget=8192,
+)
+# The 27b-zlab layout at toy widths (a window shorter than the sequences): a CPU check of that path.
+SHAPES["tiny-zlab"] = dict(
+    SHAPES["tiny"],
+    target_layer_ids=[1, 2, 3, 5, 6],
+    layer_types="sliding_then_full",
+    sliding_window=64,
+    sliding_in_block="causal",
+)
 
 
 # ----------------------------------------------------------------------------------------------

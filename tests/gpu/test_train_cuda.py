@@ -19,7 +19,7 @@ import sys
 
 from tests.gpu import GPU
 from tests.paths import REPO, child_pythonpath
-from tests.train.test_loop import make_tiny
+from tests.train.test_loop import make_tiny, tiny_run_args
 from train.checkpoint import load_checkpoint
 from train.metrics import read_metrics
 
@@ -33,20 +33,8 @@ def train_cli(tiny, runs, *args) -> subprocess.CompletedProcess:
         sys.executable,
         "-m",
         "train",
-        f"out_dir={runs}",
-        f"data.shards={tiny / 'shards'}",
-        "data.token_budget=200",
-        "data.num_buckets=2",
-        "data.holdout_fraction=0",
-        "data.prefetch_threads=1",
-        "data.prefetch_depth=2",
-        "model.num_layers=1",
-        "model.intermediate_size=32",
-        "loss.num_anchors=6",
+        *tiny_run_args(tiny, runs),
         f"optim.max_steps={STEPS}",
-        "checkpoint.every=2",
-        "log.progress=false",
-        "optim.lr=3e-3",
         "device=cuda",
         *args,
     ]

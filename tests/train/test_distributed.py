@@ -30,7 +30,7 @@ import torch
 
 from common.config import load_config
 from tests.paths import REPO, child_pythonpath
-from tests.train.test_loop import tiny, write_shards  # noqa: F401 - `tiny` is a fixture
+from tests.train.test_loop import tiny, tiny_run_args, write_shards  # noqa: F401 - `tiny` is a fixture
 from train.buckets import RankSplit, split_by_tokens, split_summary
 from train.checkpoint import load_checkpoint
 from train.config import TrainConfig
@@ -58,21 +58,9 @@ def overrides(tiny, out: Path, *extra: str) -> list[str]:
     anchor quotas need every rank's rows). On the CPU (gloo) also on a GPU host: the comparisons are
     bit for bit, a property of the CPU kernels."""
     return [
-        f"out_dir={out}",
-        f"data.shards={tiny / 'shards'}",
-        "data.token_budget=200",
-        "data.num_buckets=2",
-        "data.holdout_fraction=0",
-        "data.prefetch_threads=1",
-        "data.prefetch_depth=2",
-        "model.num_layers=1",
-        "model.intermediate_size=32",
-        "loss.num_anchors=6",
+        *tiny_run_args(tiny, out),
         "loss.max_blocks=20",
-        "optim.max_steps=6",
         "checkpoint.every=3",
-        "log.progress=false",
-        "optim.lr=3e-3",
         "device=cpu",
         *extra,
     ]
@@ -105,15 +93,17 @@ def records(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir / "metrics.jsonl")
 
 
-def same(a: list[dict], b: list[dict], keys=COMPARED) -> None:
+def assert_same_steps(a: list[dict], b: list[dict], keys=COMPARED) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]
 
 
-def close(a: list[dict], b: list[dict], rel: float) -> None:
+def assert_close_steps(a: list[dict], b: list[dict], rel: float) -> None:
     """Same samples in the same steps, losses within `rel`."""
-    same(a, b, keys=("tokens", "batch_tokens", "batch_samples", "block_tokens", "epoch", "bucket", "skipped"))
+    assert_same_steps(
+        a, b, keys=("tokens", "batch_tokens", "batch_samples", "block_tokens", "epoch", "bucket", "skipped")
+    )
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= rel * abs(y["loss"]), (x["step"], x["loss"], y["loss"])
 
@@ -237,7 +227,7 @@ def test_launch_detection_and_what_counts_as_a_lost_peer(monkeypatch):
 def test_two_processes_train_exactly_like_one_with_accumulation_two(tiny, ddp):
     a, b = records(ddp / "part"), records(ddp / "acc2")
     assert [r["step"] for r in a] == [1, 2, 3] and all(set(r) == set(STEP_KEYS) for r in a)
-    same(a, b[:3])  # every logged number, bit for bit
+    assert_same_steps(a, b[:3])  # every logged number, bit for bit
     final_weights_equal(ddp / "part", ddp / "acc2", step=3)
     info = json.loads((ddp / "part" / "run.json").read_text())
     assert info["world_size"] == 2 and info["accumulation"] == 1
@@ -263,8 +253,8 @@ def test_any_split_follows_the_unsplit_run_within_tolerance(tiny, ddp, tmp_path)
     in_process(tiny, tmp_path, "run_name=one")
     in_process(tiny, tmp_path, "run_name=acc3", "distributed.accumulation=3")
     one = records(tmp_path / "one")
-    close(records(ddp / "acc2"), one, rel=1e-5)  # = 2 processes, bit for bit (above)
-    close(records(tmp_path / "acc3"), one, rel=1e-5)
+    assert_close_steps(records(ddp / "acc2"), one, rel=1e-5)  # = 2 processes, bit for bit (above)
+    assert_close_steps(records(tmp_path / "acc3"), one, rel=1e-5)
 
 
 def test_empty_parts_run_a_zero_step_and_match_accumulation(tiny, tmp_path):
@@ -276,8 +266,8 @@ def test_empty_parts_run_a_zero_step_and_match_accumulation(tiny, tmp_path):
     in_process(tiny, tmp_path, "run_name=acc4", "distributed.accumulation=4", *extra)
     a, b = records(tmp_path / "ddp"), records(tmp_path / "acc4")
     assert len(a) == 4 and all(r["batch_samples"] <= 3 for r in a)
-    same(a[:1], b[:1])
-    close(a, b, rel=1e-6)
+    assert_same_steps(a[:1], b[:1])
+    assert_close_steps(a, b, rel=1e-6)
     layout = json.loads((tmp_path / "ddp" / "run.json").read_text())["distributed"]
     assert layout["parts_per_step"] == 4 and layout["epoch0_steps_with_an_empty_part"] > 0
 
@@ -305,8 +295,8 @@ def test_a_quantized_projected_dataset_trains_under_data_parallel_like_accumulat
     in_process(tiny, tmp_path, "run_name=acc4", "distributed.accumulation=4", *extra)
     a, b = records(tmp_path / "ddp"), records(tmp_path / "acc4")
     assert len(a) == 4 and all(r["loss"] is not None and r["loss"] > 0 for r in a)
-    same(a[:1], b[:1])
-    close(a, b, rel=1e-6)
+    assert_same_steps(a[:1], b[:1])
+    assert_close_steps(a, b, rel=1e-6)
     layout = json.loads((tmp_path / "ddp" / "run.json").read_text())["distributed"]
     assert layout["parts_per_step"] == 4 and layout["epoch0_steps_with_an_empty_part"] > 0  # the placeholder step ran
     drafter = json.loads(next((tmp_path / "ddp" / "checkpoints").glob("step-*/drafter_config.json")).read_text())
@@ -324,7 +314,7 @@ def test_resume_with_the_same_world_size_is_bit_exact(tiny, ddp, tmp_path):
     shutil.copytree(ddp / "part", run)
     assert len(records(run)) == 3
     torchrun(2, overrides(tiny, tmp_path, "run_name=part"))
-    same(records(run), records(ddp / "acc2"))  # = the uninterrupted run, bit for bit
+    assert_same_steps(records(run), records(ddp / "acc2"))  # = the uninterrupted run, bit for bit
     final_weights_equal(run, ddp / "acc2")
     starts = json.loads((run / "run.json").read_text())["starts"]
     assert [s["step"] for s in starts] == [0, 3] and [s["world_size"] for s in starts] == [2, 2]
@@ -334,13 +324,13 @@ def test_resume_with_another_world_size_continues_at_the_same_step_and_samples(t
     # 2 processes -> 1 process with accumulation 2: the same parts, so still bit-exact
     shutil.copytree(ddp / "part", tmp_path / "acc2")
     in_process(tiny, tmp_path, "run_name=acc2", "distributed.accumulation=2")
-    same(records(tmp_path / "acc2"), records(ddp / "acc2"))
+    assert_same_steps(records(tmp_path / "acc2"), records(ddp / "acc2"))
     # 2 processes -> 1 plain process: the same global batches from step 4 on, losses within tolerance
     shutil.copytree(ddp / "part", tmp_path / "one")
     in_process(tiny, tmp_path, "run_name=one")
     got, want = records(tmp_path / "one"), records(ddp / "acc2")
-    same(got[:3], want[:3])
-    close(got, want, rel=1e-5)
+    assert_same_steps(got[:3], want[:3])
+    assert_close_steps(got, want, rel=1e-5)
     starts = json.loads((tmp_path / "one" / "run.json").read_text())["starts"]
     assert [(s["step"], s["world_size"]) for s in starts] == [(0, 2), (3, 1)]
 

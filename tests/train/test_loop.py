@@ -104,10 +104,11 @@ def tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("tiny"))
 
 
-def config(tiny, tmp_path, *overrides) -> TrainConfig:
-    base = [
-        f"out_dir={tmp_path / 'runs'}",
-        "run_name=r",
+def tiny_run_args(tiny, out_dir) -> list[str]:
+    """The small training run these tests share (6 steps, a checkpoint every 2), as command-line
+    words; later words override earlier ones."""
+    return [
+        f"out_dir={out_dir}",
         f"data.shards={tiny / 'shards'}",
         "data.token_budget=200",
         "data.num_buckets=2",
@@ -122,7 +123,10 @@ def config(tiny, tmp_path, *overrides) -> TrainConfig:
         "log.progress=false",
         "optim.lr=3e-3",
     ]
-    return load_config(TrainConfig, None, base + list(overrides))
+
+
+def config(tiny, tmp_path, *overrides) -> TrainConfig:
+    return load_config(TrainConfig, None, [*tiny_run_args(tiny, tmp_path / "runs"), "run_name=r", *overrides])
 
 
 def losses(run_dir):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.train.test_model import tiny_config as model_tiny_config
 from train import checkpoint as ck
 from train.attention import build_dense_mask
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
@@ -62,23 +63,8 @@ PUBLISHED_KEYS = {
 
 
 def tiny_config(**overrides) -> DrafterConfig:
-    values = dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=40,
-        target_layer_ids=[0, 2],
-        num_target_layers=4,
-        mask_token_id=39,
-        block_size=4,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-    )
-    values.update(overrides)
-    return DrafterConfig(**values)
+    """test_model's tiny drafter, with a max_position_embeddings the exported config.json carries."""
+    return model_tiny_config(**{"max_position_embeddings": 512, **overrides})
 
 
 def random_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
