@@ -19,24 +19,14 @@ from typing import Any, Iterator
 
 from common.config import config_to_dict
 from extract.tiny.compute import log, resolve_build_device
-from extract.tiny.config import TinyConfig, resolve_precision
-from extract.tiny.corpus import build_corpus, write_jsonl
+from extract.tiny.config import TRAINING_KNOBS, TinyConfig, resolve_precision
+from extract.tiny.corpus import build_corpus, read_jsonl, write_jsonl
 from extract.tiny.regenerate import REGEN_FILES, regenerate_corpus
+from extract.tiny.shipped import CORPUS_FILES, TARGET_FILES, manifest_digest, unpack_shipped
 from extract.tiny.target import build_tiny_target
 
 BUILD_RECORD = "build.json"
-REQUIRED_FILES = (
-    BUILD_RECORD,
-    "corpus/train.jsonl",
-    "corpus/heldout.jsonl",
-    *REGEN_FILES.values(),
-    "target/config.json",
-    "target/generation_config.json",
-    "target/model.safetensors",
-    "target/tokenizer.json",
-    "target/tokenizer_config.json",
-    "target/tiny_report.json",
-)
+REQUIRED_FILES = (BUILD_RECORD, *CORPUS_FILES, *REGEN_FILES.values(), *TARGET_FILES)
 # Knobs that change where or how fast the build runs, not what it builds.
 NOT_IN_RECIPE = ("out_dir", "threads", "force")
 
@@ -54,22 +44,27 @@ RECIPE_CODE = (
 def recipe(cfg: TinyConfig) -> dict[str, Any]:
     """Everything that decides the artifacts: build parameters with the device type and precision
     they resolve to here, the code of this package (and the regeneration's and the repeat rule's),
-    and the Python version (its bundled documentation is the corpus).
+    and where the corpus and target come from: the shipped build's manifest (`target=shipped`), or
+    the Python version (`target=train`: its bundled documentation is the corpus).
 
     A CPU build and a GPU build are different computations (other kernels, bf16 on the GPU where a
     CPU may train in fp32), so the device type is part of the recipe: on a GPU host a CPU-built
     cache is rebuilt, not passed off as a GPU build, and the other way round. Left out on purpose:
     library versions, the CPU model and the thread count. They change the rounding, which after
-    1,000 training steps gives a different but equally valid target, not a different recipe (the
-    demo's numbers differ with it: README and docs/benchmarks.md give the spread measured across
-    machines), and build.json records the machine that built the cache (`built_on`)."""
-    params = {k: v for k, v in config_to_dict(cfg).items() if k not in NOT_IN_RECIPE}
+    1,000 training steps gives a different but equally valid target, not a different recipe (which
+    is why the default target is the shipped one), and build.json records the machine that built
+    the cache (`built_on`)."""
+    trains = cfg.target == "train"
+    left_out = NOT_IN_RECIPE + (() if trains else TRAINING_KNOBS)
+    params = {k: v for k, v in config_to_dict(cfg).items() if k not in left_out}
     params["device"] = resolve_build_device(cfg.device)
-    params["precision"] = resolve_precision(cfg.precision, params["device"])
+    if trains:
+        params["precision"] = resolve_precision(cfg.precision, params["device"])
+    source = {"python": sys.version.split()[0]} if trains else {"shipped": manifest_digest()}
     return {
         "params": params,
         "code": hashlib.sha256(b"".join(path.read_bytes() for path in RECIPE_CODE)).hexdigest()[:16],
-        "python": sys.version.split()[0],
+        **source,
     }
 
 
@@ -96,6 +91,7 @@ def build_tiny(cfg: TinyConfig | None = None, *, progress: bool = True) -> Path:
     file makes concurrent callers wait for one build instead of racing.
     """
     cfg = cfg or TinyConfig()
+    cfg.check()
     out = Path(cfg.out_dir).resolve()
     digest = recipe_digest(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -120,12 +116,10 @@ def build_into(tmp: Path, cfg: TinyConfig, digest: str, progress: bool) -> None:
 
     started = time.perf_counter()
     log(f"building the tiny default (recipe {digest}) in {tmp}")
-    train, heldout = build_corpus(cfg.seed, cfg.heldout_fraction)
-    write_jsonl(tmp / "corpus/train.jsonl", train)
-    write_jsonl(tmp / "corpus/heldout.jsonl", heldout)
-    log(f"corpus: {len(train)} train and {len(heldout)} held-out records")
-    report = build_tiny_target(tmp / "target", train, heldout, cfg, progress=progress)
-    log(f"target trained on {report['device']} in {report['train_seconds']:.0f} s; regenerating the answers with it")
+    if cfg.target == "shipped":
+        train, heldout, report = unpack_shipped_build(tmp)
+    else:
+        train, heldout, report = train_build(tmp, cfg, progress)
     train_regen, heldout_regen, regen = regenerate_corpus(tmp / "target", train, heldout, cfg, progress=progress)
     write_jsonl(tmp / REGEN_FILES["train"], train_regen)
     write_jsonl(tmp / REGEN_FILES["heldout"], heldout_regen)
@@ -140,6 +134,32 @@ def build_into(tmp: Path, cfg: TinyConfig, digest: str, progress: bool) -> None:
     }
     (tmp / BUILD_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")  # written last
     log(summary_lines(report, record["build_seconds"]))
+
+
+def unpack_shipped_build(tmp: Path) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """(train, heldout, report) of the shipped corpus and target, unpacked into `tmp`."""
+    manifest = unpack_shipped(tmp)
+    reference = manifest["reference_build"]
+    train, heldout = read_jsonl(tmp / "corpus/train.jsonl"), read_jsonl(tmp / "corpus/heldout.jsonl")
+    report = json.loads((tmp / "target/tiny_report.json").read_text())
+    report["shipped_from"] = {"built_on": reference["built_on"], "python": reference["recipe"].get("python")}
+    log(
+        f"corpus ({len(train)} train and {len(heldout)} held-out records) and target: the shipped build "
+        f"(trained on {reference['built_on']['cpu']}, {report['device']}, {report['precision']}, Python "
+        f"{reference['recipe'].get('python')}); regenerating the answers with it here"
+    )
+    return train, heldout, report
+
+
+def train_build(tmp: Path, cfg: TinyConfig, progress: bool) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """(train, heldout, report) of a corpus built from this Python and a target trained on it here."""
+    train, heldout = build_corpus(cfg.seed, cfg.heldout_fraction)
+    write_jsonl(tmp / "corpus/train.jsonl", train)
+    write_jsonl(tmp / "corpus/heldout.jsonl", heldout)
+    log(f"corpus: {len(train)} train and {len(heldout)} held-out records")
+    report = build_tiny_target(tmp / "target", train, heldout, cfg, progress=progress)
+    log(f"target trained on {report['device']} in {report['train_seconds']:.0f} s; regenerating the answers with it")
+    return train, heldout, report
 
 
 def remove_leftovers(out: Path) -> None:

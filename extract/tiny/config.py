@@ -18,6 +18,13 @@ class TinyConfig:
     """How `python -m extract.tiny` builds the tiny default (section `[tiny]` of a config file)."""
 
     out_dir: str = knob("artifacts/tiny", help="where target/, corpus/ and build.json go")
+    target: Literal["shipped", "train"] = knob(
+        "shipped",
+        help="shipped = the corpus and trained target shipped in extract/tiny/shipped/ (one reference build, so "
+        "every machine's demo starts from the same target; its answers are still regenerated here); train = build "
+        "the corpus from this Python's documentation and train the target here (another machine rounds "
+        "differently: another target, other demo numbers)",
+    )
     seed: int = knob(0, help="seed of the corpus draw, the held-out split, the model init and the batch order", min=0)
     heldout_fraction: float = knob(
         0.06,
@@ -83,10 +90,36 @@ class TinyConfig:
     force: bool = knob(False, help="rebuild even when a matching build exists")
 
     def check(self) -> None:
+        if self.target == "shipped":
+            for name in TRAINING_KNOBS:
+                if getattr(self, name) != TinyConfig.__dataclass_fields__[name].default:
+                    fail(name, "sets how the target is trained, and target=shipped trains nothing: add target=train")
         if self.num_heads % self.num_kv_heads:
             fail("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if self.n_taps > self.num_layers - 1:
             fail("n_taps", f"at most num_layers - 1 = {self.num_layers - 1} (the last layer is never a tap)")
+
+
+# The knobs that decide the corpus and the target, i.e. what target=shipped takes from the shipped build.
+TRAINING_KNOBS = (
+    "seed",
+    "heldout_fraction",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "n_taps",
+    "steps",
+    "batch_tokens",
+    "max_len",
+    "lr",
+    "warmup_steps",
+    "weight_decay",
+    "precision",
+)
 
 
 def tap_layer_ids(num_layers: int, n_taps: int) -> list[int]:

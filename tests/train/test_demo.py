@@ -92,7 +92,8 @@ def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeyp
         "train.report",
     ]
     train_args, eval_args, spec_args = calls[2], calls[3], calls[5]
-    assert "run_name=demo" in train_args and "optim.max_steps=400" in train_args
+    assert "run_name=demo" in train_args and "optim.max_steps=800" in train_args
+    assert not [a for a in train_args if "seed" in a]  # seed 0: the config's own
     assert eval_args[2] == "runs/demo" and eval_args[eval_args.index("--data") + 1] == "artifacts/tiny/shards/heldout"
     assert spec_args[spec_args.index("--drafter") + 1] == "runs/demo/export" == calls[4][3]
     assert spec_args[spec_args.index("--device") + 1] == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -184,3 +185,19 @@ def test_bad_run_name_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit, match="run"):
         demo.main(["run=../elsewhere"])
+
+
+def test_another_seed_reaches_the_drafter_s_init_and_data_order(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def fake_run(args, **kwargs):
+        calls.append(args[1:])
+        if args[1:3] == ["-m", "train.report"]:
+            fake_outputs(tmp_path, run="s2")
+        return subprocess.CompletedProcess(args, 0)
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    assert demo.main(["run=s2", "seed=2", "steps=5"]) == 0
+    train_args = next(c for c in calls if c[1] == "train")
+    assert {"run_name=s2", "optim.max_steps=5", "seed=2", "data.seed=2"} <= set(train_args)

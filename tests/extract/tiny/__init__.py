@@ -2,6 +2,7 @@
 
 # Sizes that make a whole build take a few seconds.
 TINY_MODEL = dict(
+    target="train",
     vocab_size=400,
     hidden_size=32,
     intermediate_size=64,

@@ -60,6 +60,7 @@ def fake_target(out_dir, train, heldout, cfg, progress=True):
     out = Path(out_dir)
     out.mkdir(parents=True)
     for name in [
+        "chat_template.jinja",
         "config.json",
         "generation_config.json",
         "model.safetensors",

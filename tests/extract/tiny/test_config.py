@@ -42,7 +42,7 @@ def test_config_checks_name_the_key():
     from common.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="num_kv_heads"):
-        load_config(TinyConfig, None, ["num_heads=4", "num_kv_heads=3"])
+        load_config(TinyConfig, None, ["target=train", "num_heads=4", "num_kv_heads=3"])
     with pytest.raises(ConfigError, match="n_taps"):
-        load_config(TinyConfig, None, ["num_layers=4", "n_taps=4"])
+        load_config(TinyConfig, None, ["target=train", "num_layers=4", "n_taps=4"])
     assert tiny_cli.main(["no_such_key=1"]) == 2
