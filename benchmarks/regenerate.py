@@ -11,6 +11,12 @@
             peak GPU memory. Every row generates exactly --new-tokens (no stop token).
             python -m benchmarks.regenerate local --batch-sizes 16,64,128,256 --out local.json
             python -m benchmarks.regenerate local --shape tiny --device cpu     # CPU smoke run
+    ops     why `local` decodes the 27B at about 10 steps/s: aten op calls per decoding step of
+            `generate_batch` (torch.profiler) and the wall time per step, on the 27B's layout (64
+            layers, 3 Gated DeltaNet to 1 attention) at full widths or, with --narrow, at hidden 64
+            (the op count does not depend on the widths; on a CPU the time is then almost all
+            dispatch).
+            python -m benchmarks.regenerate ops --narrow --device cpu
 
 Not a test: numbers depend on the machine. Prints a table and, with --out, JSON.
 """
@@ -54,7 +60,16 @@ def parse_args(argv):
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default=None)
+    o = sub.add_parser("ops", help="aten op calls and time per decoding step (27B layout)")
+    o.add_argument("--narrow", action="store_true", help="the 27B's layers at hidden 64 (for a CPU)")
+    o.add_argument("--batch", type=int, default=16)
+    o.add_argument("--prompt-len", type=int, default=64)
+    o.add_argument("--steps", type=int, default=10, help="decoding steps measured (after 2 that are subtracted)")
+    o.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    o.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.mode == "ops":
+        return args
     if args.mode == "server":
         args.in_flight = [int(x) for x in args.in_flight.split(",")]
     else:
@@ -253,6 +268,74 @@ def run_local(args) -> dict:
     }
 
 
+# The 27B's layer layout with every width cut down: what `ops --narrow` runs on a CPU.
+NARROW = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    head_dim=32,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    vocab_size=1000,
+)
+
+
+def run_ops(args) -> dict:
+    """Aten op calls and wall time per decoding step: the difference between decoding 2 + steps
+    and 2 new tokens, divided by steps (the prefill and the first step cancel out)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.extract import QWEN36_27B_TEXT, build_random_target, kernel_report
+    from extract.regenerate.local import generate_batch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    text = {**QWEN36_27B_TEXT, **NARROW} if args.narrow else QWEN36_27B_TEXT
+    target, n_params = build_random_target(text, device, dtype)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, target.vocab_size, (args.batch, args.prompt_len), generator=generator).tolist()
+
+    def decode(new_tokens: int) -> None:
+        generate_batch(target.model, prompts, new_tokens, set(), 0)
+        sync(device)
+
+    def op_calls(new_tokens: int) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decode(new_tokens)
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+    def seconds(new_tokens: int) -> float:
+        started = time.perf_counter()
+        decode(new_tokens)
+        return time.perf_counter() - started
+
+    decode(4)  # warm-up (Triton autotuning with fla)
+    calls = (op_calls(2 + args.steps) - op_calls(2)) / args.steps
+    step_s = (seconds(2 + args.steps) - seconds(2)) / args.steps
+    layers = text["num_hidden_layers"]
+    print(
+        f"{calls:,.0f} aten op calls per decoding step ({calls / layers:,.0f} per layer of {layers}); "
+        f"{step_s * 1e3:.1f} ms per step = {1 / step_s:.1f} steps/s at batch {args.batch} "
+        f"({device}, {'narrow' if args.narrow else 'full'} widths, {n_params / 1e6:,.1f} M parameters)"
+    )
+    return {
+        "mode": "ops",
+        "narrow": args.narrow,
+        "device": device,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "parameters": n_params,
+        "aten_calls_per_step": calls,
+        "seconds_per_step": step_s,
+        "kernels": kernel_report(),
+        "machine": machine(),
+    }
+
+
 def sync(device: str) -> None:
     import torch
 
@@ -271,7 +354,7 @@ def format_local_row(row: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    report = run_server(args) if args.mode == "server" else run_local(args)
+    report = {"server": run_server, "local": run_local, "ops": run_ops}[args.mode](args)
     if report["mode"] == "local" and report["best"] is not None:
         best = report["best"]
         print(

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.regenerate local`: a smoke run on the CPU writes its rows."""
+"""`python -m benchmarks.regenerate local` and `ops`: smoke runs on the CPU write their numbers."""
 
 from __future__ import annotations
 
@@ -31,3 +31,29 @@ def test_local_benchmark_smoke_run(tmp_path):
     )
     report = json.loads(out.read_text())
     assert [r["batch"] for r in report["rows"]] == [1, 4] and report["best"]["generated_tokens_per_s"] > 0
+
+
+def test_ops_counts_the_calls_of_one_decoding_step(tmp_path):
+    out = tmp_path / "ops.json"
+    assert (
+        bench.main(
+            [
+                "ops",
+                "--narrow",
+                "--device",
+                "cpu",
+                "--batch",
+                "2",
+                "--prompt-len",
+                "8",
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    report = json.loads(out.read_text())
+    # every one of the 64 layers runs at least a norm, a projection and a residual add per step
+    assert report["aten_calls_per_step"] >= 3 * 64 and report["seconds_per_step"] > 0
