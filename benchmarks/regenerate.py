@@ -303,10 +303,12 @@ def run_ops(args) -> dict:
         generate_batch(target.model, prompts, new_tokens, set(), 0)
         sync(device)
 
-    def op_calls(new_tokens: int) -> int:
+    def op_calls(new_tokens: int) -> tuple[int, int]:
+        """(every aten op call, the calls made from Python: those not inside another aten op)."""
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             decode(new_tokens)
-        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+        aten = [e for e in prof.events() if e.name.startswith("aten::")]
+        return len(aten), sum(1 for e in aten if not inside_aten_op(e))
 
     def seconds(new_tokens: int) -> float:
         started = time.perf_counter()
@@ -314,11 +316,13 @@ def run_ops(args) -> dict:
         return time.perf_counter() - started
 
     decode(4)  # warm-up (Triton autotuning with fla)
-    calls = (op_calls(2 + args.steps) - op_calls(2)) / args.steps
+    (many_all, many_top), (few_all, few_top) = op_calls(2 + args.steps), op_calls(2)
+    calls, top_calls = (many_all - few_all) / args.steps, (many_top - few_top) / args.steps
     step_s = (seconds(2 + args.steps) - seconds(2)) / args.steps
     layers = text["num_hidden_layers"]
     print(
-        f"{calls:,.0f} aten op calls per decoding step ({calls / layers:,.0f} per layer of {layers}); "
+        f"{calls:,.0f} aten op calls per decoding step ({calls / layers:,.0f} per layer of {layers}), of which "
+        f"{top_calls:,.0f} made from Python ({top_calls / layers:,.0f} per layer); "
         f"{step_s * 1e3:.1f} ms per step = {1 / step_s:.1f} steps/s at batch {args.batch} "
         f"({device}, {'narrow' if args.narrow else 'full'} widths, {n_params / 1e6:,.1f} M parameters)"
     )
@@ -330,10 +334,20 @@ def run_ops(args) -> dict:
         "prompt_len": args.prompt_len,
         "parameters": n_params,
         "aten_calls_per_step": calls,
+        "top_level_aten_calls_per_step": top_calls,
         "seconds_per_step": step_s,
         "kernels": kernel_report(),
         "machine": machine(),
     }
+
+
+def inside_aten_op(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def sync(device: str) -> None:

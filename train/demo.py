@@ -6,6 +6,7 @@ torch sees one (every step), else on the CPU.
 Steps, each the project's own command (so the demo proves the CLIs users run):
   1. unpack the shipped tiny target and corpus, and       python -m extract.tiny
      regenerate the answers with the target, if absent
+     (a target trained here with `make tiny target=train` is kept)
   2. extract train + held-out shards (resumes if done)     python -m extract configs/tiny.toml
   3. train a drafter for a few minutes                     python -m train configs/tiny.toml ...
   4. evaluate it offline on the held-out shards            python -m train.eval RUN --data .../heldout

@@ -24,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out = build_tiny(cfg)
+    try:
+        out = build_tiny(cfg)
+    except ValueError as exc:  # a damaged or missing shipped file: the message names it
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     log(f"target:  {out / 'target'}  (report: {out / 'target' / 'tiny_report.json'})")
     log(f"corpus:  {out / 'corpus' / 'train.jsonl'}  {out / 'corpus' / 'heldout.jsonl'}  (real text)")
     log(f"         {out / REGEN_FILES['train']}  {out / REGEN_FILES['heldout']}  (target-regenerated answers)")

@@ -1,6 +1,7 @@
 """The cached build of `artifacts/tiny`: the recipe digest (parameters, the code that decides the
-artifacts, the Python version), the build into a temporary directory renamed into place, and the
-lock that makes concurrent callers wait for one build.
+artifacts, and the shipped build's manifest or, for a target trained here, the Python version), the
+build into a temporary directory renamed into place, and the lock that makes concurrent callers wait
+for one build.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def recipe(cfg: TinyConfig) -> dict[str, Any]:
     1,000 training steps gives a different but equally valid target, not a different recipe (which
     is why the default target is the shipped one), and build.json records the machine that built
     the cache (`built_on`)."""
+    cfg = resolved_target(cfg, "shipped") if cfg.target == "auto" else cfg
     trains = cfg.target == "train"
     left_out = NOT_IN_RECIPE + (() if trains else TRAINING_KNOBS)
     params = {k: v for k, v in config_to_dict(cfg).items() if k not in left_out}
@@ -93,9 +95,13 @@ def build_tiny(cfg: TinyConfig | None = None, *, progress: bool = True) -> Path:
     cfg = cfg or TinyConfig()
     cfg.check()
     out = Path(cfg.out_dir).resolve()
-    digest = recipe_digest(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(out):
+        if cfg.target == "auto" and not cfg.force and holds_trained_build(out):
+            log(f"keeping the tiny default trained here in {out} (a target=train build); target=shipped replaces it")
+            return out
+        cfg = resolved_target(cfg, "shipped") if cfg.target == "auto" else cfg
+        digest = recipe_digest(cfg)
         if not cfg.force and is_built(out, digest):
             log(f"tiny default is up to date in {out} (recipe {digest}); nothing to do")
             return out
@@ -109,6 +115,22 @@ def build_tiny(cfg: TinyConfig | None = None, *, progress: bool = True) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def resolved_target(cfg: TinyConfig, target: str) -> TinyConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, target=target)
+
+
+def holds_trained_build(out: Path) -> bool:
+    """True when `out` holds a finished build made with target=train (what target=auto keeps)."""
+    if not all((out / name).is_file() for name in REQUIRED_FILES):
+        return False
+    try:
+        return json.loads((out / BUILD_RECORD).read_text())["recipe"]["params"].get("target") == "train"
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def build_into(tmp: Path, cfg: TinyConfig, digest: str, progress: bool) -> None:

@@ -18,12 +18,13 @@ class TinyConfig:
     """How `python -m extract.tiny` builds the tiny default (section `[tiny]` of a config file)."""
 
     out_dir: str = knob("artifacts/tiny", help="where target/, corpus/ and build.json go")
-    target: Literal["shipped", "train"] = knob(
-        "shipped",
+    target: Literal["auto", "shipped", "train"] = knob(
+        "auto",
         help="shipped = the corpus and trained target shipped in extract/tiny/shipped/ (one reference build, so "
         "every machine's demo starts from the same target; its answers are still regenerated here); train = build "
         "the corpus from this Python's documentation and train the target here (another machine rounds "
-        "differently: another target, other demo numbers)",
+        "differently: another target, other demo numbers); auto = keep a target=train build already in out_dir "
+        "(so make extract and make demo use the target you trained), else shipped",
     )
     seed: int = knob(0, help="seed of the corpus draw, the held-out split, the model init and the batch order", min=0)
     heldout_fraction: float = knob(
@@ -90,10 +91,13 @@ class TinyConfig:
     force: bool = knob(False, help="rebuild even when a matching build exists")
 
     def check(self) -> None:
-        if self.target == "shipped":
+        if self.target != "train":
             for name in TRAINING_KNOBS:
                 if getattr(self, name) != TinyConfig.__dataclass_fields__[name].default:
-                    fail(name, "sets how the target is trained, and target=shipped trains nothing: add target=train")
+                    fail(
+                        name,
+                        f"sets how the target is trained, and target={self.target} trains nothing: add target=train",
+                    )
         if self.num_heads % self.num_kv_heads:
             fail("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if self.n_taps > self.num_layers - 1:

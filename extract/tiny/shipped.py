@@ -22,7 +22,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -106,33 +105,62 @@ def unpack_shipped(dest: Path, shipped_dir: Path | None = None) -> dict[str, Any
     return manifest
 
 
-def ship_build(build_dir: Path, shipped_dir: Path | None = None) -> dict[str, Any]:
-    """Replace the shipped build with the finished build in `build_dir` (made with target=train).
-    The corpus is gzipped with a fixed timestamp, so the same build always ships the same bytes."""
+def ship_build(build_dir: Path, shipped_dir: Path | None = None, *, check_defaults: bool = True) -> dict[str, Any]:
+    """Replace the shipped build with the finished build in `build_dir` (made with target=train at
+    the default training knobs, which target=shipped stands for). The corpus is gzipped with a
+    fixed timestamp, so the same build always ships the same bytes; the new copy is written beside
+    the old one and swapped in whole."""
+    from common.io import replace_local_dir, temp_name
+
     build_dir, shipped_dir = Path(build_dir), Path(shipped_dir or SHIPPED_DIR)
+    record = check_shippable(build_dir, check_defaults)
+    tmp = Path(temp_name(str(shipped_dir)))
+    try:
+        manifest = write_shipped(build_dir, record, tmp)
+        replace_local_dir(tmp, shipped_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def check_shippable(build_dir: Path, check_defaults: bool = True) -> dict[str, Any]:
+    """The build record of `build_dir`; ValueError naming what makes it unfit to ship."""
+    from extract.tiny.config import TRAINING_KNOBS, TinyConfig
+
+    missing = [name for name in ("build.json", *TARGET_FILES, *CORPUS_FILES) if not (build_dir / name).is_file()]
+    if missing:
+        raise ValueError(f"{build_dir} is not a finished tiny build: {', '.join(missing)} missing")
     record = json.loads((build_dir / "build.json").read_text())
-    if record["recipe"]["params"].get("target", "train") != "train":  # builds before the knob all trained
+    params = record["recipe"]["params"]
+    if params.get("target", "train") != "train":  # builds from before the knob all trained
         raise ValueError(f"{build_dir} was not built with target=train: there is nothing new to ship")
-    tmp = shipped_dir.with_name(shipped_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    defaults = TinyConfig()
+    changed = [k for k in TRAINING_KNOBS if k != "precision" and k in params and params[k] != getattr(defaults, k)]
+    if changed and check_defaults:
+        raise ValueError(
+            f"{build_dir} was trained with other settings than the defaults that target=shipped stands for: "
+            + ", ".join(f"{k}={params[k]!r} (default {getattr(defaults, k)!r})" for k in changed)
+        )
+    return record
+
+
+def write_shipped(build_dir: Path, record: dict[str, Any], dest: Path) -> dict[str, Any]:
     for name in TARGET_FILES + CORPUS_FILES:
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
     for name in TARGET_FILES:
-        shutil.copyfile(build_dir / name, tmp / name)
-    report = json.loads((tmp / "target/tiny_report.json").read_text())
+        shutil.copyfile(build_dir / name, dest / name)
+    report = json.loads((dest / "target/tiny_report.json").read_text())
     for key in REPORT_KEYS_NOT_SHIPPED:
         report.pop(key, None)
-    (tmp / "target/tiny_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    (dest / "target/tiny_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     for name in CORPUS_FILES:
-        with open(build_dir / name, "rb") as src, open(tmp / stored_name(name), "wb") as raw:
+        with open(build_dir / name, "rb") as src, open(dest / stored_name(name), "wb") as raw:
             with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as out:
                 shutil.copyfileobj(src, out)
     files = {}
     for name in TARGET_FILES + CORPUS_FILES:
-        path = tmp / stored_name(name)
+        path = dest / stored_name(name)
         files[stored_name(name)] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
     manifest = {"files": files, "reference_build": {k: record[k] for k in ("recipe", "built_on", "build_seconds")}}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    shutil.rmtree(shipped_dir, ignore_errors=True)
-    os.replace(tmp, shipped_dir)
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest

@@ -15,6 +15,7 @@ from common.config import ConfigError
 from extract.tiny import TinyConfig, build_tiny, shipped, tap_layer_ids
 from extract.tiny import build as tiny_build
 from extract.tiny.__main__ import main as tiny_main
+from extract.tiny.config import TRAINING_KNOBS
 from extract.tiny.corpus import read_jsonl
 from tests.extract.tiny import TINY_MODEL
 
@@ -33,7 +34,12 @@ def test_the_repository_s_shipped_build_is_whole_and_is_the_tiny_default_s_targe
     tiny_toml = tomllib.loads((REPO / "configs/tiny.toml").read_text())
     assert tiny_toml["extract"]["layer_ids"] == report["tap_layer_ids"]
     assert "regenerated_corpus" not in report  # measured where it is unpacked
-    assert manifest["reference_build"]["recipe"]["params"].get("target", "train") == "train"
+    # target=shipped stands for a build at today's defaults: a changed default needs a new shipped build
+    params = manifest["reference_build"]["recipe"]["params"]
+    assert params.get("target", "train") == "train"
+    assert {k: params[k] for k in TRAINING_KNOBS if k != "precision"} == {
+        k: getattr(defaults, k) for k in TRAINING_KNOBS if k != "precision"
+    }
 
 
 def copy_of_repository_shipped(tmp_path: Path) -> Path:
@@ -70,8 +76,8 @@ def small_build(tmp_path_factory) -> Path:
 def test_ship_then_unpack_gives_back_the_build_s_corpus_and_target_and_ships_the_same_bytes_twice(
     small_build, tmp_path
 ):
-    first = shipped.ship_build(small_build, tmp_path / "a")
-    second = shipped.ship_build(small_build, tmp_path / "b")
+    first = shipped.ship_build(small_build, tmp_path / "a", check_defaults=False)
+    second = shipped.ship_build(small_build, tmp_path / "b", check_defaults=False)
     assert first == second  # sha256 of every stored file: a fixed gzip timestamp
     shipped.unpack_shipped(tmp_path / "out", tmp_path / "a")
     for name in shipped.TARGET_FILES + shipped.CORPUS_FILES:
@@ -87,7 +93,7 @@ def test_ship_then_unpack_gives_back_the_build_s_corpus_and_target_and_ships_the
 def test_a_shipped_build_takes_corpus_and_target_from_the_shipped_copy_and_regenerates_here(
     small_build, tmp_path, monkeypatch, capsys
 ):
-    shipped.ship_build(small_build, tmp_path / "shipped")
+    shipped.ship_build(small_build, tmp_path / "shipped", check_defaults=False)
     monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path / "shipped")
     cfg = TinyConfig(out_dir=str(tmp_path / "tiny"), regen_max_new_tokens=4, threads=1)
     out = build_tiny(cfg, progress=False)
@@ -115,3 +121,42 @@ def test_a_training_knob_with_target_shipped_is_an_error_naming_it(tmp_path, cap
     with pytest.raises(ConfigError, match="config key 'hidden_size'"):
         build_tiny(TinyConfig(out_dir=str(tmp_path), hidden_size=64), progress=False)
     assert not any(tmp_path.iterdir())
+
+
+def test_only_a_finished_default_target_train_build_is_shipped_and_a_refusal_leaves_nothing(small_build, tmp_path):
+    dest = tmp_path / "shipped"
+    with pytest.raises(ValueError, match="hidden_size=32 \\(default 128\\)"):
+        shipped.ship_build(small_build, dest)
+    partial = tmp_path / "partial"
+    shutil.copytree(small_build, partial)
+    (partial / "target/model.safetensors").unlink()
+    with pytest.raises(ValueError, match="target/model.safetensors missing"):
+        shipped.ship_build(partial, dest, check_defaults=False)
+    assert list(tmp_path.iterdir()) == [partial]  # no destination, no temporary directory
+
+    shipped.ship_build(small_build, dest, check_defaults=False)
+    before = shipped.read_manifest(dest)
+    with pytest.raises(ValueError, match="missing"):
+        shipped.ship_build(partial, dest, check_defaults=False)
+    assert shipped.verify_shipped(dest) == before  # the old shipped build is untouched
+
+
+def test_auto_keeps_a_target_trained_here_and_otherwise_takes_the_shipped_one(small_build, tmp_path, monkeypatch):
+    out = tmp_path / "tiny"
+    shutil.copytree(small_build, out)
+    monkeypatch.setattr(tiny_build, "unpack_shipped_build", lambda *a, **k: pytest.fail("replaced"))
+    assert build_tiny(TinyConfig(out_dir=str(out)), progress=False) == out.resolve()  # target=auto
+    assert (out / "target/model.safetensors").read_bytes() == (small_build / "target/model.safetensors").read_bytes()
+    with pytest.raises(pytest.fail.Exception, match="replaced"):
+        build_tiny(TinyConfig(out_dir=str(out), target="shipped"), progress=False)
+    trained = TinyConfig(out_dir=str(out), regen_max_new_tokens=4, **TINY_MODEL)
+    assert tiny_build.is_built(out, tiny_build.recipe_digest(trained))  # the refused replacement left it whole
+
+
+def test_a_damaged_shipped_file_stops_the_command_with_its_name(tmp_path, monkeypatch, capsys):
+    copy = copy_of_repository_shipped(tmp_path)
+    (copy / "target/tokenizer.json").write_text("{}")
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", copy)
+    assert tiny_main([f"out_dir={tmp_path / 'tiny'}"]) == 2
+    assert "tokenizer.json differs" in capsys.readouterr().err
+    assert not (tmp_path / "tiny").exists()
