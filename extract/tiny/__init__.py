@@ -3,9 +3,10 @@ BPE chat tokenizer trained on it, and a small Qwen3-architecture target trained 
 
 `python -m extract.tiny [key=value ...]` (`make tiny`, knobs in `TinyConfig`) builds it into
 artifacts/tiny, on the GPU when torch sees one (`device`), else on the CPU, and caches it; a second
-run with the same recipe does nothing. By default (`target=shipped`) the corpus and the trained
-target are the ones shipped in `extract/tiny/shipped/` (one reference build, `extract.tiny.shipped`),
-and only the answers are regenerated here: a build trained here (`target=train`) is deterministic on
+run with the same recipe does nothing. By default (`target=auto`: shipped, unless a target=train
+build is already there, which is then kept) the corpus and the trained target are the ones shipped
+in `extract/tiny/shipped/` (one reference build, `extract.tiny.shipped`), and only the answers are
+regenerated here: a build trained here (`target=train`) is deterministic on
 one machine (on a GPU with torch's deterministic kernels), but another CPU type, precision or a GPU
 rounds differently, 1,000 steps of training turn that into a different, equally good target that
 loops in a different share of its answers, and another Python version is another corpus; the demo's
