@@ -55,7 +55,7 @@ def recipe(cfg: TinyConfig) -> dict[str, Any]:
     1,000 training steps gives a different but equally valid target, not a different recipe (which
     is why the default target is the shipped one), and build.json records the machine that built
     the cache (`built_on`)."""
-    cfg = resolved_target(cfg, "shipped") if cfg.target == "auto" else cfg
+    cfg = auto_as_shipped(cfg)
     trains = cfg.target == "train"
     left_out = NOT_IN_RECIPE + (() if trains else TRAINING_KNOBS)
     params = {k: v for k, v in config_to_dict(cfg).items() if k not in left_out}
@@ -100,7 +100,7 @@ def build_tiny(cfg: TinyConfig | None = None, *, progress: bool = True) -> Path:
         if cfg.target == "auto" and not cfg.force and holds_trained_build(out):
             log(f"keeping the tiny default trained here in {out} (a target=train build); target=shipped replaces it")
             return out
-        cfg = resolved_target(cfg, "shipped") if cfg.target == "auto" else cfg
+        cfg = auto_as_shipped(cfg)
         digest = recipe_digest(cfg)
         if not cfg.force and is_built(out, digest):
             log(f"tiny default is up to date in {out} (recipe {digest}); nothing to do")
@@ -117,10 +117,11 @@ def build_tiny(cfg: TinyConfig | None = None, *, progress: bool = True) -> Path:
     return out
 
 
-def resolved_target(cfg: TinyConfig, target: str) -> TinyConfig:
+def auto_as_shipped(cfg: TinyConfig) -> TinyConfig:
+    """`cfg` with target=auto read as shipped (once no target=train build is there to keep)."""
     import dataclasses
 
-    return dataclasses.replace(cfg, target=target)
+    return dataclasses.replace(cfg, target="shipped") if cfg.target == "auto" else cfg
 
 
 def holds_trained_build(out: Path) -> bool:

@@ -5,9 +5,9 @@ file), and the tap layer ids it recommends for its target.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 from common.config import fail, knob
 from common.repeat import REPEAT_MAX_PERIOD
@@ -92,12 +92,8 @@ class TinyConfig:
 
     def check(self) -> None:
         if self.target != "train":
-            for name in TRAINING_KNOBS:
-                if getattr(self, name) != TinyConfig.__dataclass_fields__[name].default:
-                    fail(
-                        name,
-                        f"sets how the target is trained, and target={self.target} trains nothing: add target=train",
-                    )
+            for name in training_knobs_off_default({name: getattr(self, name) for name in TRAINING_KNOBS}):
+                fail(name, f"sets how the target is trained, and target={self.target} trains nothing: add target=train")
         if self.num_heads % self.num_kv_heads:
             fail("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if self.n_taps > self.num_layers - 1:
@@ -124,6 +120,13 @@ TRAINING_KNOBS = (
     "weight_decay",
     "precision",
 )
+
+
+def training_knobs_off_default(values: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{knob: (value, default)} for each training knob in `values` that differs from its default, in
+    `TRAINING_KNOBS` order (what target=shipped cannot honour, and what a build to ship must not have)."""
+    defaults = {f.name: f.default for f in fields(TinyConfig)}
+    return {k: (values[k], defaults[k]) for k in TRAINING_KNOBS if k in values and values[k] != defaults[k]}
 
 
 def tap_layer_ids(num_layers: int, n_taps: int) -> list[int]:

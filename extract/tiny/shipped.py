@@ -11,7 +11,7 @@ what the demo exists to show: regeneration of the answers by the target, extract
 training, evaluation and speculative decoding.
 
 Layout of `shipped/`: `target/` (the Hugging Face directory as the build wrote it), `corpus/` (the
-real-text records, gzipped), `MANIFEST.json` (sha256 and size of every file, and the build record
+real-text records, gzipped), `MANIFEST.json` (checksum and size of every file, and the build record
 of the reference build: recipe, machine, Python). `unpack_shipped` checks every file against the
 manifest before it copies anything; `python -m extract.tiny.shipped [from=artifacts/tiny]` replaces
 the shipped build with a finished `target=train` build.
@@ -42,12 +42,14 @@ CORPUS_FILES = ("corpus/train.jsonl", "corpus/heldout.jsonl")  # stored as NAME.
 REPORT_KEYS_NOT_SHIPPED = ("regenerated_corpus",)
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def file_entry(path: Path) -> dict[str, Any]:
+    """What the manifest records of a file: its size and the project's file checksum
+    (`common.hashing.file_checksum`)."""
+    import pyarrow.fs as pafs
+
+    from common.hashing import CHECKSUM_ALGO, file_checksum
+
+    return {"bytes": path.stat().st_size, CHECKSUM_ALGO: file_checksum(pafs.LocalFileSystem(), str(path))}
 
 
 def stored_name(name: str) -> str:
@@ -66,25 +68,23 @@ def read_manifest(shipped_dir: Path | None = None) -> dict[str, Any]:
 
 
 def manifest_digest(shipped_dir: Path | None = None) -> str:
-    """Short digest of the shipped build (its manifest lists every file's sha256)."""
+    """Short digest of the shipped build (its manifest lists every file's checksum)."""
     return hashlib.sha256(json.dumps(read_manifest(shipped_dir), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def verify_shipped(shipped_dir: Path | None = None) -> dict[str, Any]:
     """The manifest, after checking that every shipped file is there with its recorded size and
-    sha256; ValueError naming the first file that is not."""
+    checksum; ValueError naming the first file that is not."""
     shipped_dir = Path(shipped_dir or SHIPPED_DIR)
     manifest = read_manifest(shipped_dir)
     for name, expected in sorted(manifest["files"].items()):
         path = shipped_dir / name
         if not path.is_file():
             raise ValueError(f"shipped tiny default: {path} is missing (restore it from the repository)")
-        actual = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+        actual = file_entry(path)
         if actual != expected:
             raise ValueError(
-                f"shipped tiny default: {path} differs from {MANIFEST} (bytes {actual['bytes']}, sha256 "
-                f"{actual['sha256'][:16]}..., expected bytes {expected['bytes']}, "
-                f"sha256 {expected['sha256'][:16]}...): "
+                f"shipped tiny default: {path} differs from {MANIFEST} (found {actual}, expected {expected}): "
                 "restore it from the repository (a Git LFS pointer or a checkout without binary files looks like this)"
             )
     return manifest
@@ -125,7 +125,7 @@ def ship_build(build_dir: Path, shipped_dir: Path | None = None, *, check_defaul
 
 def check_shippable(build_dir: Path, check_defaults: bool = True) -> dict[str, Any]:
     """The build record of `build_dir`; ValueError naming what makes it unfit to ship."""
-    from extract.tiny.config import TRAINING_KNOBS, TinyConfig
+    from extract.tiny.config import training_knobs_off_default
 
     missing = [name for name in ("build.json", *TARGET_FILES, *CORPUS_FILES) if not (build_dir / name).is_file()]
     if missing:
@@ -134,12 +134,12 @@ def check_shippable(build_dir: Path, check_defaults: bool = True) -> dict[str, A
     params = record["recipe"]["params"]
     if params.get("target", "train") != "train":  # builds from before the knob all trained
         raise ValueError(f"{build_dir} was not built with target=train: there is nothing new to ship")
-    defaults = TinyConfig()
-    changed = [k for k in TRAINING_KNOBS if k != "precision" and k in params and params[k] != getattr(defaults, k)]
+    # A build record holds the precision 'auto' resolved to on its machine, not the knob: not compared.
+    changed = training_knobs_off_default({k: v for k, v in params.items() if k != "precision"})
     if changed and check_defaults:
         raise ValueError(
             f"{build_dir} was trained with other settings than the defaults that target=shipped stands for: "
-            + ", ".join(f"{k}={params[k]!r} (default {getattr(defaults, k)!r})" for k in changed)
+            + ", ".join(f"{k}={value!r} (default {default!r})" for k, (value, default) in changed.items())
         )
     return record
 
@@ -157,10 +157,7 @@ def write_shipped(build_dir: Path, record: dict[str, Any], dest: Path) -> dict[s
         with open(build_dir / name, "rb") as src, open(dest / stored_name(name), "wb") as raw:
             with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as out:
                 shutil.copyfileobj(src, out)
-    files = {}
-    for name in TARGET_FILES + CORPUS_FILES:
-        path = dest / stored_name(name)
-        files[stored_name(name)] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+    files = {stored_name(name): file_entry(dest / stored_name(name)) for name in TARGET_FILES + CORPUS_FILES}
     manifest = {"files": files, "reference_build": {k: record[k] for k in ("recipe", "built_on", "build_seconds")}}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest

@@ -78,7 +78,7 @@ def test_ship_then_unpack_gives_back_the_build_s_corpus_and_target_and_ships_the
 ):
     first = shipped.ship_build(small_build, tmp_path / "a", check_defaults=False)
     second = shipped.ship_build(small_build, tmp_path / "b", check_defaults=False)
-    assert first == second  # sha256 of every stored file: a fixed gzip timestamp
+    assert first == second  # the checksum of every stored file: a fixed gzip timestamp
     shipped.unpack_shipped(tmp_path / "out", tmp_path / "a")
     for name in shipped.TARGET_FILES + shipped.CORPUS_FILES:
         if name == "target/tiny_report.json":
