@@ -7,6 +7,8 @@
 #   make train   [CONFIG=configs/x.toml] [RUN=name] [key=value ...]
 #   make tiers   [CONFIG=configs/x.toml] [key=value ...]   compare storage tiers (python -m train.choose_tier)
 #   make regenerate [CONFIG=configs/x.toml] [key=value ...]   the target's own answers for a corpus
+#   make smollm2                                 fetch, check and convert the real target SmolLM2-135M-Instruct, write its prompts
+#   make demo target=smollm2                     the demo on that real target (the default on a CUDA host)
 # key=value words on the make command line are passed through to the stage's config loader.
 
 PYTHON ?= python3
@@ -20,7 +22,7 @@ export PYTHONUNBUFFERED := 1
 # torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup test lint format test-gpu demo extract regenerate train eval export specdecode report tiny tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train reliability clean
+.PHONY: setup test lint format test-gpu demo extract regenerate train eval export specdecode report tiny smollm2 tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train reliability clean
 
 setup: $(VENV)/.installed
 
@@ -53,6 +55,9 @@ demo: setup
 
 tiny: setup
 	$(PY) -m extract.tiny $(OVERRIDES)
+
+smollm2: setup
+	$(PY) -m extract.smollm2 $(OVERRIDES)
 
 extract: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m extract.tiny)

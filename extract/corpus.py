@@ -71,6 +71,7 @@ from extract.records import (  # noqa: F401 - re-exported
 )
 
 CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
+HOLDS_MASK_TOKEN = "holds_mask_token"
 _parse_json_line = parse_json_line  # the name the reliability suite and older tests use
 
 # Placeholders that stand in for message contents when rendering the template's skeleton: a number
@@ -371,6 +372,7 @@ class SamplePolicy:
     min_loss_tokens: int
     chat_template_kwargs: dict
     vocab_size: int | None = None  # the target's; ids at or above it would crash the embedding
+    mask_token_id: int | None = None  # the dataset's mask token (extract.mask_token): never in a sample
 
 
 class SampleBuilder:
@@ -513,6 +515,10 @@ class SampleBuilder:
                 BAD_TOKENS,
                 f"token id {int(input_ids.max())} >= the target's vocab_size {vocab}",
             )
+        mask_id = self.policy.mask_token_id
+        if mask_id is not None and bool(np.any(input_ids == mask_id)):
+            # Only a configured mask token that text can produce gets here (extract.mask_token).
+            return Reject(raw.position, raw.source, HOLDS_MASK_TOKEN, f"holds the mask token id {mask_id}")
         policy, truncated_from = self.policy, None
         if input_ids.size > policy.max_len:
             if policy.length_policy == "drop":

@@ -44,6 +44,7 @@ from extract.batching import BufferPool, HostBatch, collate_right_padded, plan_m
 from extract.calibrate import ensure_projection
 from extract.capture import Capturer, sample_views, tier_for
 from extract.config import DATASET_KEYS, ExtractConfig
+from extract.mask_token import MaskChoice, choose_mask_token
 from extract.sink import Progress, RejectLog, Worker, read_committed_rejects
 from shards.manifest import MERGE_WAIT_SECONDS, lock_manifest
 
@@ -55,7 +56,7 @@ SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "extract_config.json"
 # Reasons that are the corpus's fault; `on_error = fail` stops on these. Length and loss-token
 # filtering and duplicates are policy: counted and listed, never an error.
-POLICY_REASONS = frozenset({C.TOO_LONG, C.TOO_FEW_LOSS_TOKENS, C.DUPLICATE})
+POLICY_REASONS = frozenset({C.TOO_LONG, C.TOO_FEW_LOSS_TOKENS, C.DUPLICATE, C.HOLDS_MASK_TOKEN})
 UNEXPECTED = "unexpected_error"
 
 
@@ -162,13 +163,19 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     else:
         check_layer_ids(cfg.layer_ids, target.num_layers)
     check_topk(cfg.topk, target.vocab_size)
+    mask = choose_mask_token(
+        target.tokenizer,
+        cfg.mask_token_id,
+        [C.find_corpus(split.corpus, split.corpus_format) for split in cfg.split_configs().values()],
+    )
+    log.info("%s", mask.describe())
     summaries = {}
     python_interval = sys.getswitchinterval()
     if cfg.gil_switch_interval is not None:
         sys.setswitchinterval(cfg.gil_switch_interval)
     try:
         for name, split_cfg in cfg.split_configs().items():
-            summaries[name] = extract_split(split_cfg, target, ranks, label=name)
+            summaries[name] = extract_split(split_cfg, target, ranks, label=name, mask=mask)
     finally:
         sys.setswitchinterval(python_interval)
     return summaries
@@ -206,8 +213,11 @@ def check_topk(topk: int, vocab_size: int | None) -> None:
         fail("topk", f"{topk} exceeds the target's vocabulary of {vocab_size} tokens")
 
 
-def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str | None = None) -> dict:
-    """Extract one corpus into `cfg.out_dir` (this rank's share), then merge if all ranks are done."""
+def extract_split(
+    cfg: ExtractConfig, target: Target, ranks: Ranks, label: str | None = None, mask: MaskChoice | None = None
+) -> dict:
+    """Extract one corpus into `cfg.out_dir` (this rank's share), then merge if all ranks are done.
+    `mask`: the mask token of the whole run (`extract.mask_token`; chosen for this corpus alone if not given)."""
     from shards import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 
     # The saved config and the provenance name the storage settings actually used.
@@ -222,7 +232,8 @@ def extract_split(cfg: ExtractConfig, target: Target, ranks: Ranks, label: str |
     cfg, regeneration = with_regeneration(cfg)
     corpus = C.find_corpus(cfg.corpus, cfg.corpus_format)
     fingerprint = corpus_fingerprint(corpus, cfg.max_records)
-    fresh = build_provenance(cfg, target, corpus, fingerprint, regeneration)
+    mask = mask or choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus])
+    fresh = build_provenance(cfg, target, corpus, fingerprint, regeneration, mask)
     names = ranks.names
     created = _missing_dirs(root)  # what a start that commits nothing removes again
     os.makedirs(root, exist_ok=True)
@@ -454,14 +465,15 @@ def corpus_fingerprint(corpus: C.CorpusFiles, max_records: int | None) -> dict:
     return {"files": files, "hash": json_digest([[f["bytes"], f["checksum"]] for f in files]), "records": records}
 
 
-def tokenizer_provenance(tokenizer, mask_token_id: int | None, template_kwargs: dict) -> dict:
+def tokenizer_provenance(tokenizer, mask: MaskChoice, template_kwargs: dict) -> dict:
     return {
         "hash": tokenizer_digest(tokenizer),
         "chat_template_hash": text_digest(tokenizer.chat_template)
         if isinstance(getattr(tokenizer, "chat_template", None), str)
         else None,
         "chat_template_kwargs": dict(template_kwargs),
-        "mask_token_id": mask_token_id,
+        "mask_token_id": mask.token_id,
+        "mask_token": mask.provenance(),
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
@@ -509,13 +521,21 @@ def check_regeneration_target(regeneration: dict | None, target: dict) -> None:
 
 
 def build_provenance(
-    cfg: ExtractConfig, target: Target, corpus: C.CorpusFiles, fingerprint: dict, regeneration: dict | None = None
+    cfg: ExtractConfig,
+    target: Target,
+    corpus: C.CorpusFiles,
+    fingerprint: dict,
+    regeneration: dict | None = None,
+    mask: MaskChoice | None = None,
 ) -> dict:
     from shards import TAP_MEANING
 
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(target.tokenizer, "mask_token_id", None)
-    if mask_id is None:
-        log.warning("no mask token: the tokenizer has none and mask_token_id is not set; the trainer will need one")
+    mask = mask or choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus])
+    if mask.token_id is None:
+        log.warning(
+            "no mask token: the tokenizer has no special token to spare and mask_token_id is not set; the "
+            "trainer will need one (model.mask_token_id)"
+        )
     target_info = target_provenance(target)
     check_regeneration_target(regeneration, target_info)
     corpus_info = {
@@ -529,7 +549,7 @@ def build_provenance(
         corpus_info["regeneration"] = regeneration
     return {
         "target": target_info,
-        "tokenizer": tokenizer_provenance(target.tokenizer, mask_id, cfg.chat_template_kwargs),
+        "tokenizer": tokenizer_provenance(target.tokenizer, mask, cfg.chat_template_kwargs),
         "taps": {"layer_ids": list(cfg.layer_ids), "meaning": TAP_MEANING},
         "dtype": "bfloat16",  # of the stored hidden states
         "compute_dtype": cfg.dtype,
@@ -907,7 +927,12 @@ def _extract_into(
 
     tokenizer = target.tokenizer
     policy = C.SamplePolicy(
-        cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, cfg.chat_template_kwargs, target.vocab_size
+        cfg.max_len,
+        cfg.length_policy,
+        cfg.min_loss_tokens,
+        cfg.chat_template_kwargs,
+        target.vocab_size,
+        writer.manifest["provenance"]["tokenizer"].get("mask_token_id"),
     )
     builder = C.SampleBuilder(tokenizer, policy)
     committed, done_positions = writer.committed_ids(), set(rejects.positions)

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Literal
 
 from common.config import knob, parse_cli
 
@@ -36,13 +37,19 @@ CONFIG = "configs/tiny.toml"
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
+    target: Literal["auto", "tiny", "smollm2"] = knob(
+        "auto",
+        help="which target the demo runs on: tiny (the built-in 2.6 M-parameter toy), smollm2 (the real "
+        "SmolLM2-135M-Instruct, train.demo_smollm2: full scale on a GPU, a reduced scale on a CPU); auto = smollm2 "
+        "on a CUDA host, tiny on a CPU",
+    )
     run: str = knob("demo", help="run name under runs/ (a plain name)")
-    steps: int = knob(
-        800,
+    steps: int | None = knob(
+        None,
         help="drafter training steps (about 190 s on 2 cores). 400 left the drafter short of trained: chain τ "
         "5.08-5.60 and online τ 3.95-4.51 over three seeds, against 6.94-7.21 and 5.66-5.97 at 800 (2-core VM, "
         "2026-12-01). A step count, not epochs: what the drafter learns should not depend on how long the "
-        "regenerated answers are",
+        "regenerated answers are. Unset: 800 for the tiny target, the scale's for smollm2",
         min=1,
         max=100_000,
     )
@@ -68,6 +75,11 @@ class DemoConfig:
     fresh: bool = knob(
         True, help="delete an earlier run of the same name first (the tiny target and shards are kept: they are cached)"
     )
+    stop_after: Literal["none", "extraction", "training"] = knob(
+        "none",
+        help="smollm2: stop after that step (a later run with fresh=false goes on from there: every step resumes "
+        "or finds its output done)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,13 +95,23 @@ def main(argv: list[str] | None = None) -> int:
     machine = demo_machine()
     print(f"demo: running on {machine_line(machine)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(machine["threads"])}
+    target = cfg.target if cfg.target != "auto" else ("smollm2" if machine["device"] == "cuda" else "tiny")
+    if target == "smollm2":
+        if cfg.target == "auto":
+            print(
+                "demo: a CUDA device is here, so the demo runs on the real target SmolLM2-135M-Instruct "
+                "(target=tiny runs the toy instead)",
+                flush=True,
+            )
+        return run_smollm2(cfg, run_dir, machine, env, timings)
+    steps = cfg.steps or 800
     # The tiny build, extraction (configs/tiny.toml: device = auto), training and evaluation take the GPU by themselves.
     step(timings, "tiny target + corpus", ["-m", "extract.tiny"], env)
     step(timings, "extraction", ["-m", "extract", CONFIG], env)
     step(
         timings,
         "drafter training",
-        ["-m", "train", CONFIG, f"run_name={cfg.run}", f"optim.max_steps={cfg.steps}", *seed_overrides(cfg.seed)],
+        ["-m", "train", CONFIG, f"run_name={cfg.run}", f"optim.max_steps={steps}", *seed_overrides(cfg.seed)],
         env,
     )
     step(
@@ -140,6 +162,24 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(run_dir, "demo_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print_summary(summary, run_dir, export_dir)
+    return 0
+
+
+def run_smollm2(cfg: DemoConfig, run_dir: str, machine: dict, env: dict, timings: dict) -> int:
+    """The real-target demo (train.demo_smollm2), at the scale the device allows."""
+    from train.demo_smollm2 import SCALES, print_smollm2_summary, smollm2_steps, smollm2_summary, write_summary
+
+    scale = SCALES["full" if machine["device"] == "cuda" else "reduced"]
+    if scale.name != "full":
+        print(f"demo: no GPU here, so SmolLM2 runs at the reduced scale ({scale})", flush=True)
+    for name, args in smollm2_steps(scale, cfg.run, machine["device"], seed_overrides(cfg.seed), cfg.steps):
+        step(timings, name, args, env)
+        if name == {"extraction": "extraction", "training": "drafter training"}.get(cfg.stop_after):
+            print(f"demo: stopped after {name} (stop_after); timings {timings}", flush=True)
+            return 0
+    summary = smollm2_summary(run_dir, timings, machine, scale)
+    write_summary(summary, run_dir)
+    print_smollm2_summary(summary, run_dir)
     return 0
 
 

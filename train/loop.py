@@ -113,7 +113,8 @@ def resolve_mask_token(provenance: dict, tokenizer, configured: int | None) -> t
     prov_id = (provenance.get("tokenizer") or {}).get("mask_token_id")
     tok_id = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
     if prov_id is not None:
-        found = (int(prov_id), "shards provenance tokenizer.mask_token_id")
+        how = ((provenance.get("tokenizer") or {}).get("mask_token") or {}).get("source")
+        found = (int(prov_id), "shards provenance tokenizer.mask_token_id" + (f" ({how})" if how else ""))
     elif tok_id is not None:
         found = (int(tok_id), "target tokenizer mask_token")
     elif configured is not None:

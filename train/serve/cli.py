@@ -61,6 +61,26 @@ class SpecDecodeConfig:
     agreement: bool = knob(False, help="also compare offline chain τ with the online τ")
     agreement_bf16: bool = knob(False, help="round the offline features to bf16, as shards store them")
     no_baseline: bool = knob(False, help="skip target-only decoding (no speed-up, no lossless check)")
+    static_cache: Literal["auto", "on", "off"] = knob(
+        "auto",
+        help="the target on a static KV cache with CUDA graphs for its 1-token and block forwards "
+        "(train.serve.static_target), for target-only and speculative decoding alike; auto = on with CUDA, "
+        "unless DDTree budgets are given or the target has recurrent layers",
+    )
+    peer_baselines: bool = knob(
+        False,
+        help="also decode every prompt with transformers' own generate: plain greedy and prompt-lookup decoding "
+        "(the speed-ups any user gets without a drafter), each checked against target-only greedy decoding",
+    )
+    peer_prompts: int = knob(
+        0,
+        help="peer baselines: decode only the first N prompts with them (0 = all); their speed-up is against "
+        "target-only greedy decoding of the same prompts",
+        min=0,
+    )
+    prompt_lookup_tokens: int = knob(
+        10, help="peer baseline: prompt_lookup_num_tokens of transformers' prompt-lookup decoding", min=1, max=64
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="target and drafter dtype")
     device: str = knob("cpu", help="torch device of the target and the drafter")
     threads: int = knob(0, help="torch CPU threads (0 = torch's default)", min=0)

@@ -82,6 +82,7 @@ from common.repeat import RepeatWatch
 from common.target import TapHooks, Target, check_layer_ids, load_target, reach_text_parts
 from train.alignment import block_input_ids
 from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args, usage_error
+from train.serve.peers import PEERS
 from train.serve.prompts import prompts_from_jsonl, prompts_from_shards, stop_token_ids
 
 __all__ = [
@@ -135,6 +136,9 @@ class Generation:
     verify_s: float = 0.0
     rollback_s: float = 0.0  # cache crop / snapshot restore + re-run
     target_forwards: int = 0  # target forwards after the prefill
+    # The target's logit margin (top-1 minus top-2) behind each generated token: where two decodings
+    # differ, a margin near 0 says a numerical near-tie decided it, a large one says a bug did.
+    margins: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def taus(self) -> list[int]:
@@ -391,6 +395,14 @@ def _prompt_tensor(prompt_ids: Sequence[int], device) -> torch.Tensor:
     return torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
 
 
+def greedy_with_margin(logits_TV: torch.Tensor) -> tuple[list[int], list[float]]:
+    """(argmax token per row, top-1 minus top-2 logit per row), in one device-to-host copy."""
+    top_T2 = logits_TV.topk(2, dim=-1)
+    rows = torch.stack((top_T2.indices[:, 0].to(top_T2.values.dtype), top_T2.values[:, 0] - top_T2.values[:, 1]), 1)
+    host = rows.tolist()
+    return [int(t) for t, _ in host], [float(m) for _, m in host]
+
+
 @torch.inference_mode()
 def greedy_generate(
     target: SpecTarget, prompt_ids: Sequence[int], max_new_tokens: int, *, stop_repeat: int = 0
@@ -401,12 +413,15 @@ def greedy_generate(
     started = time.perf_counter()
     ending = Ending(target.stop_ids, max_new_tokens, stop_repeat)
     logits, _, cache = target.forward(_prompt_tensor(prompt_ids, target.device), None, taps=False, last_only=True)
-    tokens = ending.take([int(logits[0, -1].argmax())])
-    result = Generation(prompt_len=len(prompt_ids), tokens=tokens, stop="length")
+    token, margin = greedy_with_margin(logits[0, -1:])
+    tokens = ending.take(token)
+    result = Generation(prompt_len=len(prompt_ids), tokens=tokens, stop="length", margins=margin)
     prefilled = time.perf_counter()
     while ending.reason is None:
         logits, _, cache = target.forward(torch.tensor([[tokens[-1]]]), cache, taps=False)
-        tokens.extend(ending.take([int(logits[0, -1].argmax())]))
+        token, margin = greedy_with_margin(logits[0, -1:])
+        tokens.extend(ending.take(token))
+        result.margins.extend(margin)
         result.target_forwards += 1
     result.stop = ending.reason
     result.prefill_s, result.decode_s = prefilled - started, time.perf_counter() - prefilled
@@ -428,8 +443,9 @@ def speculative_generate(
         _prompt_tensor(prompt_ids, target.device), None, taps=True, last_only=True
     )
     mode = target.cache_mode = cache_mode_for(cache, target.target.text_config)
-    tokens = ending.take([int(logits[0, -1].argmax())])
-    result = Generation(prompt_len=len(prompt_ids), tokens=tokens, stop="length")
+    token, margin = greedy_with_margin(logits[0, -1:])
+    tokens = ending.take(token)
+    result = Generation(prompt_len=len(prompt_ids), tokens=tokens, stop="length", margins=margin)
     anchor = len(prompt_ids)  # position of tokens[-1]
     new_features_1SF = features_1TF
     prefilled = time.perf_counter()
@@ -443,9 +459,10 @@ def speculative_generate(
         snapshot = copy.deepcopy(cache) if mode == "snapshot" else None
         block_1Q = torch.tensor([[tokens[-1]] + drafts[: verify_len - 1]])
         logits, features_1TF, cache = target.forward(block_1Q, cache, taps=True)
-        greedy = logits[0].argmax(-1).tolist()  # greedy[k] = the target's token for position anchor+k+1
+        greedy, margins = greedy_with_margin(logits[0])  # greedy[k] = the target's token for position anchor+k+1
         accepted = _leading_matches(drafts[: verify_len - 1], greedy)
         committed = ending.take(drafts[:accepted] + [greedy[accepted]])
+        result.margins.extend(margins[: len(committed)])
         t2 = time.perf_counter()
         verified = (
             accepted + 1
@@ -599,7 +616,12 @@ def compare_generations(spec: Generation, base: Generation) -> dict:
     first = next((i for i, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b), None)
     if first is None and len(spec.tokens) != len(base.tokens):
         first = min(len(spec.tokens), len(base.tokens))
-    return {"identical": first is None, "first_mismatch": first}
+    out = {"identical": first is None, "first_mismatch": first}
+    if first is not None:
+        for name, gen in (("margin", base), ("other_margin", spec)):
+            if first < len(gen.margins):
+                out[name] = gen.margins[first]
+    return out
 
 
 def tau_histogram(taus: Sequence[int], block_size: int) -> list[int]:
@@ -635,6 +657,7 @@ def summarize(specs: Sequence[Generation], bases: Sequence[Generation] | None, b
         comparisons = [compare_generations(s, b) for s, b in zip(specs, bases)]
         summary["lossless"] = all(c["identical"] for c in comparisons)
         summary["mismatched_prompts"] = [i for i, c in enumerate(comparisons) if not c["identical"]]
+        summary["mismatches"] = [dict(prompt=i, **c) for i, c in enumerate(comparisons) if not c["identical"]]
         spec_decode, base_decode = summary["spec"]["decode_s"], summary["baseline"]["decode_s"]
         summary["speedup"] = base_decode / spec_decode if spec_decode > 0 else None
         spec_wall, base_wall = summary["spec"]["wall_s"], summary["baseline"]["wall_s"]
@@ -695,23 +718,39 @@ def run_benchmark(
     progress: bool = False,
     tree_budgets: Sequence[int] = (),
     stop_repeat: int = 0,
+    peers: Sequence[str] = (),
+    prompt_lookup_tokens: int = 10,
+    peer_prompts: int = 0,
 ) -> dict:
     """Speculative and (interleaved, per prompt) target-only greedy decoding of every prompt; with
-    `tree_budgets`, DDTree verification at each budget too (`ddtree`: one summary per budget).
+    `tree_budgets`, DDTree verification at each budget too (`ddtree`: one summary per budget); with
+    `peers`, transformers' own decoding too (`train.serve.peers`; `peers`: one summary each, its
+    lossless check and its wall-clock speed-up against target-only greedy decoding).
     `stop_repeat` > 0 ends every response where it starts looping (`Ending`)."""
     from tqdm.auto import tqdm
+
+    from train.serve.peers import peer_generate
+
+    if peers and stop_repeat:
+        raise ValueError("the peer baselines cannot end responses where they start looping (stop_repeat)")
 
     if warmup and prompts:  # first calls allocate and pick kernels; keep that out of the timings
         speculative_generate(target, proposer, prompts[0], min(max_new_tokens, 2 * proposer.block_size))
         if baseline:
             greedy_generate(target, prompts[0], min(max_new_tokens, 8))
+        for name in peers:
+            peer_generate(name, target, prompts[0], min(max_new_tokens, 2 * proposer.block_size), prompt_lookup_tokens)
     specs, bases, records = [], [], []
     trees: dict[int, list[Generation]] = {int(b): [] for b in tree_budgets}
+    peer_runs: dict[str, list[Generation]] = {name: [] for name in peers}
     for i, prompt in enumerate(tqdm(prompts, desc="specdecode", unit="prompt", disable=not progress)):
         base = greedy_generate(target, prompt, max_new_tokens, stop_repeat=stop_repeat) if baseline else None
         spec = speculative_generate(target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat)
         for budget, gens in trees.items():
             gens.append(ddtree_generate(target, proposer, prompt, max_new_tokens, budget, stop_repeat=stop_repeat))
+        for name, gens in peer_runs.items():
+            if not peer_prompts or i < peer_prompts:
+                gens.append(peer_generate(name, target, prompt, max_new_tokens, prompt_lookup_tokens))
         specs.append(spec)
         bases.append(base)
         records.append(generation_record(i, spec, base))
@@ -725,7 +764,26 @@ def run_benchmark(
         result["ddtree"] = {
             str(b): summarize(g, bases if baseline else None, proposer.block_size) for b, g in trees.items()
         }
+    if peer_runs:
+        result["peers"] = {
+            name: summarize_peer(g, bases[: len(g)] if baseline else None) for name, g in peer_runs.items()
+        }
     return result
+
+
+def summarize_peer(gens: Sequence[Generation], bases: Sequence[Generation] | None) -> dict:
+    """A peer baseline's speed (whole calls, wall clock) and, against target-only greedy decoding, its
+    lossless check and wall-clock speed-up."""
+    out = {"prompts": len(gens), "new_tokens": sum(len(g.tokens) for g in gens), "spec": _speed(gens)}
+    if bases is not None:
+        out["baseline"] = _speed(bases)
+    if bases is not None:
+        comparisons = [compare_generations(g, b) for g, b in zip(gens, bases)]
+        out["lossless"] = all(c["identical"] for c in comparisons)
+        out["mismatches"] = [dict(prompt=i, **c) for i, c in enumerate(comparisons) if not c["identical"]]
+        wall = out["spec"]["wall_s"]
+        out["speedup_wall"] = _speed(bases)["wall_s"] / wall if wall > 0 else None
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -763,10 +821,22 @@ def _print_summary(result: dict) -> None:
             f"speed-up {s['speedup']:.2f}x decode, {s['speedup_wall']:.2f}x wall;  lossless: {s['lossless']}"
             + ("" if s["lossless"] else f" (prompts {s['mismatched_prompts']} differ)")
         )
+        for m in s.get("mismatches", []):
+            print(
+                f"  prompt {m['prompt']}: first differs at generated token {m['first_mismatch']}; the target's "
+                f"top-1 minus top-2 logit there: {m.get('margin', float('nan')):.4g} (target-only decoding), "
+                f"{m.get('other_margin', float('nan')):.4g} (speculative verify)"
+            )
     for budget, tree in result.get("ddtree", {}).items():
         line = f"DDTree budget {budget}: τ {tree['tau']:.3f}, {tree['spec']['decode_tokens_per_s']:.1f} tok/s decode"
         if "speedup" in tree:
             line += f", speed-up {tree['speedup']:.2f}x, lossless: {tree['lossless']}"
+        print(line)
+    for name, peer in result.get("peers", {}).items():
+        line = f"{name} (transformers): {peer['spec']['wall_s']:.2f} s wall"
+        if "speedup_wall" in peer:
+            line += f", speed-up {peer['speedup_wall']:.2f}x wall against target-only greedy"
+            line += f", lossless: {peer['lossless']}"
         print(line)
     a = result.get("agreement")
     if a and a.get("online_tau") is not None:
@@ -790,6 +860,27 @@ def _print_summary(result: dict) -> None:
             )
 
 
+def maybe_static(args, target: SpecTarget, prompts, block_size: int) -> tuple[SpecTarget, str | None]:
+    """The target on a static cache with CUDA graphs (train.serve.static_target) where `static_cache`
+    asks for it and it can work; else the target as given (note None)."""
+    from train.serve.static_target import StaticSpecTarget, static_cache_length
+
+    wanted = args.static_cache == "on" or (args.static_cache == "auto" and target.device.type == "cuda")
+    if not wanted:
+        return target, None
+    layer_types = getattr(target.target.text_config, "layer_types", None) or []
+    if args.budgets or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        if args.static_cache == "on":
+            raise ValueError("static_cache=on: not with DDTree budgets or a target with recurrent layers")
+        return target, None
+    limit = int(getattr(target.target.text_config, "max_position_embeddings", 1 << 20))
+    length = static_cache_length(prompts, args.max_new_tokens, block_size, limit)
+    static = StaticSpecTarget(
+        target.target, target.layer_ids, sorted(target.stop_ids), max_len=length, graph_sizes=(1, block_size)
+    )
+    return static, f"{static.graph_note} ({length} positions)"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_specdecode_args(sys.argv[1:] if argv is None else argv)
@@ -807,6 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter = load_exported(args.drafter, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
         target_obj = load_target(args.target, dtype=args.dtype, device=args.device)
         target = SpecTarget(target_obj, drafter.target_layer_ids, stop_token_ids(target_obj))
+        static_note = None
         if target_obj.hidden_size != int(drafter.config.hidden_size):
             raise ValueError(
                 f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size {target_obj.hidden_size}"
@@ -819,9 +911,12 @@ def main(argv: list[str] | None = None) -> int:
             if not Path(path).is_file():
                 raise ValueError(f"prompts file '{path}' does not exist (give --prompts or --data)")
             prompts = prompts_from_jsonl(path, target_obj.tokenizer, args.num_prompts or None, thinking=args.thinking)
+        target, static_note = maybe_static(args, target, prompts, int(drafter.block_size))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if static_note:
+        print(f"target: static KV cache, CUDA graphs {static_note}")
     proposer = DFlashProposer(drafter, target, context_cache=not args.no_context_cache)
     try:
         result = run_benchmark(
@@ -833,6 +928,9 @@ def main(argv: list[str] | None = None) -> int:
             progress=True,
             tree_budgets=args.budgets,
             stop_repeat=args.stop_repeat,
+            peers=PEERS if args.peer_baselines else (),
+            prompt_lookup_tokens=args.prompt_lookup_tokens,
+            peer_prompts=args.peer_prompts,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -870,6 +968,9 @@ def main(argv: list[str] | None = None) -> int:
         "context_cache": not args.no_context_cache,
         "tree_budgets": args.budgets,
         "stop_repeat": args.stop_repeat,
+        "peer_baselines": list(PEERS) if args.peer_baselines else [],
+        "static_cache": static_note,
+        "prompt_lookup_tokens": args.prompt_lookup_tokens,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
@@ -878,7 +979,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"results: {args.out}")
-    summaries = [result["summary"], *result.get("ddtree", {}).values()]
+    summaries = [result["summary"], *result.get("ddtree", {}).values()]  # the peers' own checks are reported only
     if any(not s.get("lossless", True) for s in summaries):
         print("error: speculative output differs from target-only greedy decoding", file=sys.stderr)
         return 1

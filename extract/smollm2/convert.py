@@ -1,0 +1,89 @@
+"""A GGUF checkpoint -> a Hugging Face checkpoint directory that every stage loads like any other
+target: config.json, generation_config.json, model.safetensors (float32), the tokenizer files and
+the chat template, and `conversion.json` (where it came from, and each file's checksum).
+
+transformers reads the GGUF (with the `gguf` package) and dequantizes its tensors to float32; the
+tensors are written as they come out (no rounding to bf16), so the converted target computes what
+the GGUF's dequantized weights compute. The output is deterministic: the same GGUF gives the same
+bytes (`checksum` over the files' checksums), which `conversion.json` records and a test holds.
+Written into a temporary directory and renamed into place: a killed conversion leaves no target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CONVERSION_RECORD = "conversion.json"
+# What the converted directory must hold (the tokenizer writes its own, version-dependent extra files).
+REQUIRED = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", CONVERSION_RECORD)
+
+
+def file_checksums(directory: Path) -> dict[str, str]:
+    """{file name: xxh3-128} of every file in `directory` except the conversion record."""
+    import pyarrow.fs as pafs
+
+    from common.hashing import file_checksum
+
+    fs = pafs.LocalFileSystem()
+    return {
+        p.name: file_checksum(fs, str(p))
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != CONVERSION_RECORD
+    }
+
+
+def directory_checksum(checksums: dict[str, str]) -> str:
+    from common.hashing import json_digest
+
+    return json_digest(sorted(checksums.items()))
+
+
+def convert_gguf(gguf: Path, out: Path, *, name: str, source: dict[str, Any]) -> dict[str, Any]:
+    """Convert `gguf` into the directory `out` (replaced whole); returns the conversion record."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        write_checkpoint(gguf, tmp, name)
+        checksums = file_checksums(tmp)
+        record = {
+            "name": name,
+            "source": source,
+            "files": checksums,
+            "checksum": directory_checksum(checksums),
+            "dtype": "float32",
+        }
+        (tmp / CONVERSION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record
+
+
+def write_checkpoint(gguf: Path, out: Path, name: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the weights are written dequantized
+    config["_name_or_path"] = name
+    config["dtype"] = "float32"
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)  # the same tensor as the embedding; transformers ties it on load
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
