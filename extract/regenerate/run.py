@@ -100,6 +100,12 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
     from extract.pipeline import corpus_fingerprint
 
     fingerprint = corpus_fingerprint(corpus, cfg.max_records)
+    if corpus.skipped:
+        from extract.pipeline import describe_skipped
+
+        log.warning(
+            "corpus %s: %d files not read: %s", cfg.corpus, len(corpus.skipped), describe_skipped(corpus.skipped)
+        )
     target = target_fingerprint(cfg.target, tokenizer)
     out = os.path.abspath(cfg.out)
     os.makedirs(out, exist_ok=True)
@@ -133,6 +139,7 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
             journal.close()
         summary["torn_bytes_discarded"] = journal.torn_bytes
         summary["config"] = config_to_dict(cfg)
+        summary["skipped_files"] = list(corpus.skipped)
         info.barrier()
         if info.rank == 0:
             summary.update(_commit_if_finished(cfg, out, corpus, fingerprint, target, header, summary))
@@ -443,6 +450,7 @@ def build_provenance(
             "hash": fingerprint["hash"],
             "files": fingerprint["files"],
             "records": fingerprint["records"],
+            **({"skipped": fingerprint["skipped"]} if fingerprint.get("skipped") else {}),
         },
         "config": config_to_dict(cfg),
         "journal_header": header,
@@ -483,6 +491,11 @@ def format_summary(summary: dict) -> str:
             + ", ".join(f"{url} {n:,}" for url, n in summary["by_url"].items())
             + f"; model {summary.get('model')!r}"
         )
+    if summary.get("skipped_files"):
+        from extract.pipeline import describe_skipped
+
+        skipped = summary["skipped_files"]
+        lines.append(f"skipped: {len(skipped):,} files of the corpus directory, not read: {describe_skipped(skipped)}")
     if summary.get("torn_bytes_discarded"):
         lines.append(f"resumed after a kill: discarded {summary['torn_bytes_discarded']} bytes of a torn journal line")
     if summary.get("stopped"):
