@@ -293,6 +293,14 @@ def _takes_text(hint: Any) -> bool:
     return typing.get_origin(hint) is Literal and all(isinstance(a, str) for a in args)
 
 
+def _spells_container(value: "CommandLineValue", args: tuple) -> bool:
+    """The text is a TOML array or inline table and the key takes more than text (a list, say):
+    it is then read as TOML reads it, and refused the same way if the key takes no such value."""
+    if all(_takes_text(a) or a is type(None) for a in args):
+        return False
+    return value.text.lstrip()[:1] in ("[", "{") and isinstance(value.as_toml(), (list, dict))
+
+
 def _plain(value: Any, hint: Any = Any) -> Any:
     """Command-line values inside `value` read for `hint` (a table's or list's items: their own hint)."""
     if isinstance(value, CommandLineValue):
@@ -397,6 +405,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             if type(None) in args and value.text.lower() in ("none", "null"):
                 return None
             text_type = next((a for a in args if _takes_text(a)), None)
+            if text_type is not None and _spells_container(value, args):
+                text_type = None  # `key=[a, b]` for a key taking a name or a list: the list, as in TOML
             value = _plain(value, text_type if text_type is not None else Any)
         if value is None and type(None) in args:
             return None
