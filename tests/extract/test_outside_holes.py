@@ -239,3 +239,81 @@ def test_a_second_writer_is_refused_before_the_target(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Values that were silently reinterpreted: booleans as token ids, per-turn training switches
+
+
+def build(tokenizer, records):
+    builder = C.SampleBuilder(tokenizer, C.SamplePolicy(512, "truncate", 1, {}, vocab_size=len(tokenizer)))
+    return builder.build([C.RawRecord(i, f"test:{i + 1}", r) for i, r in enumerate(records)])
+
+
+@pytest.mark.parametrize("ids", [[True, False, 1, 4], [1, 2, True], [True, True]])
+def test_booleans_are_never_token_ids(chat_tokenizer, ids):
+    [result] = build(chat_tokenizer, [{"input_ids": ids}])
+    assert isinstance(result, C.Reject) and result.reason == C.BAD_TOKENS, result
+
+
+def two_answers(first: dict, second: dict | None = None) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": "the fox?"},
+            {"role": "assistant", "content": "the quick brown fox", **first},
+            {"role": "user", "content": "and the dog?"},
+            {"role": "assistant", "content": "a lazy dog sleeps", **(second or {})},
+        ]
+    }
+
+
+def loss_text(tokenizer, sample) -> str:
+    return tokenizer.decode([i for i, m in zip(sample.input_ids.tolist(), sample.loss_mask) if m])
+
+
+@pytest.mark.parametrize("switch", [{"weight": 0}, {"train": False}, {"weight": 0.0, "train": False}])
+def test_an_assistant_turn_marked_weight_0_or_train_false_carries_no_loss(chat_tokenizer, switch):
+    from extract.tiny import IM_END
+
+    [plain, marked, unmarked] = build(
+        chat_tokenizer, [two_answers({}), two_answers(switch), two_answers({"weight": 1}, {"train": True})]
+    )
+    assert loss_text(chat_tokenizer, plain) == f"the quick brown fox{IM_END}a lazy dog sleeps{IM_END}"
+    assert loss_text(chat_tokenizer, marked) == f"a lazy dog sleeps{IM_END}"  # the first answer is context only
+    assert marked.input_ids.tolist() == plain.input_ids.tolist()  # the switch is not rendered into the text
+    assert unmarked.loss_mask.tolist() == plain.loss_mask.tolist()
+
+
+def test_sharegpt_turn_weights_are_read_too(chat_tokenizer):
+    from extract.tiny import IM_END
+
+    record = {
+        "conversations": [
+            {"from": "human", "value": "the fox?", "weight": 0},
+            {"from": "gpt", "value": "the quick brown fox", "weight": 0},
+            {"from": "human", "value": "and the dog?", "weight": 0},
+            {"from": "gpt", "value": "a lazy dog sleeps", "weight": 1},
+        ]
+    }
+    [sample] = build(chat_tokenizer, [record])
+    assert loss_text(chat_tokenizer, sample) == f"a lazy dog sleeps{IM_END}"
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        two_answers({"weight": 0.5}),
+        two_answers({"weight": True}),
+        two_answers({"train": "no"}),
+        two_answers({"weight": 1, "train": False}),
+        {"messages": [{"role": "user", "content": "hi", "train": True}, {"role": "assistant", "content": "yo"}]},
+    ],
+)
+def test_a_switch_that_cannot_be_honoured_is_a_counted_reject(chat_tokenizer, record):
+    [result] = build(chat_tokenizer, [record])
+    assert isinstance(result, C.Reject) and result.reason == C.BAD_TURN_WEIGHT, result
+
+
+def test_every_turn_marked_untrained_leaves_too_few_loss_tokens(chat_tokenizer):
+    [result] = build(chat_tokenizer, [two_answers({"weight": 0}, {"weight": 0})])
+    assert isinstance(result, C.Reject) and result.reason == C.TOO_FEW_LOSS_TOKENS, result
