@@ -260,7 +260,10 @@ class CommandLineValue:
     """The text of a `key=value` override. The key's type decides how it is read: a string key
     takes the text as given (`run_name=2024-06-01`, `1e3`, `true` are names, not a date, a number
     and a boolean), with surrounding quotes removed when the whole text is one TOML string; other
-    keys read it as a TOML value (`5`, `[1, 2]`, `true`, `{a = 1}`), and `none` / `null` is none."""
+    keys read it as a TOML value (`5`, `[1, 2]`, `true`, `{a = 1}`), and `none` / `null` is none. A
+    key that takes a name or a list (or table) reads a TOML array or inline table as TOML does
+    (`model.layer_types=["sliding_attention", "full_attention"]`), so a list means the same on the
+    command line as in a config file for every key."""
 
     def __init__(self, text: str):
         self.text = text
