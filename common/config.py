@@ -260,7 +260,10 @@ class CommandLineValue:
     """The text of a `key=value` override. The key's type decides how it is read: a string key
     takes the text as given (`run_name=2024-06-01`, `1e3`, `true` are names, not a date, a number
     and a boolean), with surrounding quotes removed when the whole text is one TOML string; other
-    keys read it as a TOML value (`5`, `[1, 2]`, `true`, `{a = 1}`), and `none` / `null` is none."""
+    keys read it as a TOML value (`5`, `[1, 2]`, `true`, `{a = 1}`), and `none` / `null` is none. A
+    key that takes a name or a list (or table) reads a TOML array or inline table as TOML does
+    (`model.layer_types=["sliding_attention", "full_attention"]`), so a list means the same on the
+    command line as in a config file for every key."""
 
     def __init__(self, text: str):
         self.text = text
@@ -291,6 +294,14 @@ def _takes_text(hint: Any) -> bool:
         return True
     args = typing.get_args(hint)
     return typing.get_origin(hint) is Literal and all(isinstance(a, str) for a in args)
+
+
+def _spells_container(value: "CommandLineValue", args: tuple) -> bool:
+    """The text is a TOML array or inline table and the key takes more than text (a list, say):
+    it is then read as TOML reads it, and refused the same way if the key takes no such value."""
+    if all(_takes_text(a) or a is type(None) for a in args):
+        return False
+    return value.text.lstrip()[:1] in ("[", "{") and isinstance(value.as_toml(), (list, dict))
 
 
 def _plain(value: Any, hint: Any = Any) -> Any:
@@ -397,6 +408,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             if type(None) in args and value.text.lower() in ("none", "null"):
                 return None
             text_type = next((a for a in args if _takes_text(a)), None)
+            if text_type is not None and _spells_container(value, args):
+                text_type = None  # `key=[a, b]` for a key taking a name or a list: the list, as in TOML
             value = _plain(value, text_type if text_type is not None else Any)
         if value is None and type(None) in args:
             return None

@@ -84,9 +84,32 @@ def atomic_write_bytes(path: str, data: bytes, fs: pafs.FileSystem | None = None
     if is_local(fs):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = temp_name(path)
-    with fs.open_output_stream(tmp) as f:
-        f.write(data)
-    commit(fs, tmp, path)
+    try:
+        with fs.open_output_stream(tmp) as f:
+            f.write(data)
+        commit(fs, tmp, path)
+    except BaseException as err:
+        discard(fs, tmp)  # a full disk must not leave a half-written temporary behind
+        if isinstance(err, OSError):
+            raise named_os_error(err, path) from err
+        raise
+
+
+def discard(fs: pafs.FileSystem, path: str) -> None:
+    """Delete `path` if it exists, quietly (cleaning up after an error that is being raised)."""
+    try:
+        if exists(fs, path):
+            fs.delete_file(path)
+    except Exception:  # noqa: BLE001 - the original error matters, not this one
+        pass
+
+
+def named_os_error(err: OSError, path: str) -> OSError:
+    """`err` naming `path` in the operating system's words ("[Errno 28] No space left on device:
+    '/x'"), where it names no file (pyarrow's write errors do not, and say "Error writing bytes")."""
+    if err.filename or not err.errno:
+        return err
+    return OSError(err.errno, os.strerror(err.errno), path)
 
 
 def atomic_write_text(path: str, text: str, fs: pafs.FileSystem | None = None) -> None:

@@ -105,6 +105,30 @@ def exclusive_lock(path: str, *, what: str, hint: str, wait_seconds: float = 0.0
         return Lock(path)
 
 
+def check_unlocked(path: str, *, what: str, hint: str) -> None:
+    """LockedError if another process holds the lock on `path` now; takes nothing, creates nothing."""
+    import fcntl
+
+    path = os.path.abspath(path)
+    with _guard:
+        if path in _held:
+            return  # this process holds it: a counted re-entry, not a second writer
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return  # no lock file: nobody holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise LockedError(
+                f"{what} is being written by another process ({_holder(path)}; lock file {path}). {hint}"
+            ) from None
+    finally:
+        os.close(fd)
+
+
 def _try_lock(path: str) -> int | None | bool:
     """The locked fd; None if the file system has no flock; False if another process holds it."""
     import fcntl

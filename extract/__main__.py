@@ -12,7 +12,8 @@ Reads the `[extract]` table of CONFIG; see extract/config.py. Exit status:
      already writing the same dataset, on_error = fail;
   3  the dataset holds 0 samples (every record rejected, or no records): the reason is printed;
   4  an I/O error (full disk, EIO), one line: every shard committed before it stays in the
-     dataset, and rerunning the same command resumes (said only when something was committed).
+     dataset, and rerunning the same command resumes (said only when something was committed);
+130 interrupted (Ctrl-C), one line; rerunning the same command resumes.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
             after = "Nothing had been committed yet; fix the cause and rerun."
         print(f"extract: I/O error, stopping: {err}. {after}", file=sys.stderr)
         return 4
+    except KeyboardInterrupt:
+        print(
+            "extract: interrupted; shards committed before it are intact: rerun the same command to resume.",
+            file=sys.stderr,
+        )
+        return 130
     if ranks.rank != 0:
         return 0
     for name, summary in summaries.items():

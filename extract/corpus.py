@@ -46,6 +46,7 @@ from extract.records import (  # noqa: F401 - re-exported
     BAD_MESSAGE,
     BAD_TOKENS,
     BAD_TOOL_CALL,
+    BAD_TURN_WEIGHT,
     CHAT_ROLES,
     DUPLICATE,
     EMPTY_CONVERSATION,
@@ -125,6 +126,7 @@ class Span:
     end: int
     loss: bool  # the target generates them (assistant content, rendered reasoning, tool calls)
     data: str | None = None  # None: all of it is record text; else the record data rendered into it (tool calls)
+    message: int | None = None  # the message the span comes from
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +166,11 @@ def chat_spans(
                 f"messages[{i}].{key} spells a control token and was not found in the rendered text, "
                 "so it cannot be kept from forging a turn boundary",
             )
-    return spans + tool_call_spans(tokenizer, chat.messages, text, template_kwargs)
+    spans = spans + tool_call_spans(tokenizer, chat.messages, text, template_kwargs)
+    for span in spans:
+        if span.message in chat.untrained:  # an assistant turn marked weight 0 / train false
+            span.loss = False
+    return spans
 
 
 def content_char_spans(
@@ -202,7 +208,7 @@ def content_char_spans(
         rebuilt.append(skeleton[cursor:at])
         start = sum(map(len, rebuilt))
         rebuilt.append(values[f])
-        spans.append(Span(start, start + len(values[f]), loss=messages[f[0]]["role"] == "assistant"))
+        spans.append(Span(start, start + len(values[f]), loss=messages[f[0]]["role"] == "assistant", message=f[0]))
         cursor = at + len(holders[f])
     rebuilt.append(skeleton[cursor:])
     if "".join(rebuilt) == text and all(skeleton.count(h) <= 1 for h in holders.values()):
@@ -255,7 +261,7 @@ def _search_spans(messages, text: str, values: dict, skeleton) -> tuple[list[Spa
                     found = candidate
                     break
         if at >= 0:
-            spans.append(Span(at, at + len(found), loss=assistant))
+            spans.append(Span(at, at + len(found), loss=assistant, message=f[0]))
             cursor = at + len(found)
             continue
         unlocated.append(f)
@@ -311,7 +317,7 @@ def tool_call_spans(tokenizer, messages: list[dict], text: str, template_kwargs:
                 f"messages[{i}].tool_calls: the template renders the turn differently without its calls, not just "
                 "without them",
             )
-        spans.append(Span(*span, loss=True, data=json.dumps(message["tool_calls"], ensure_ascii=False)))
+        spans.append(Span(*span, loss=True, data=json.dumps(message["tool_calls"], ensure_ascii=False), message=i))
     return spans
 
 

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import torch
 
 from common.config import config_to_dict, fail, save_config
-from common.hashing import file_checksum, json_digest, text_digest, tokenizer_digest
+from common.hashing import json_digest, text_digest, tokenizer_digest
 from common.io import atomic_write_json, atomic_write_text, remove_temp_files, resolve
 from common.provenance import provenance as tool_provenance
 from common.target import Target, check_layer_ids, load_target, read_text_config, target_provenance
@@ -137,7 +137,9 @@ def resolve_devices(cfg: ExtractConfig, ranks: Ranks) -> dict:
 def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None = None) -> dict:
     """Extract every split of `cfg`; returns {split name (or None): summary dict of this rank}."""
     ranks = ranks or Ranks.from_env()
-    check_inputs(cfg)  # corpora and output paths, before the target's weights (minutes for a 27B)
+    # Corpora (found, fingerprinted: damaged files named), output paths and a second writer, all
+    # before the target's weights load (minutes for a 27B).
+    prepared = check_inputs(cfg, ranks)
     torch.manual_seed(cfg.seed)
     if target is None:
         text_config = read_text_config(cfg.target, cfg.trust_remote_code)
@@ -163,11 +165,7 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     else:
         check_layer_ids(cfg.layer_ids, target.num_layers)
     check_topk(cfg.topk, target.vocab_size)
-    mask = choose_mask_token(
-        target.tokenizer,
-        cfg.mask_token_id,
-        [C.find_corpus(split.corpus, split.corpus_format) for split in cfg.split_configs().values()],
-    )
+    mask = choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus for corpus, _ in prepared.values()])
     log.info("%s", mask.describe())
     summaries = {}
     python_interval = sys.getswitchinterval()
@@ -175,27 +173,48 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
         sys.setswitchinterval(cfg.gil_switch_interval)
     try:
         for name, split_cfg in cfg.split_configs().items():
-            summaries[name] = extract_split(split_cfg, target, ranks, label=name, mask=mask)
+            summaries[name] = extract_split(
+                split_cfg, target, ranks, label=name, prepared=prepared.get(name), mask=mask
+            )
     finally:
         sys.setswitchinterval(python_interval)
     return summaries
 
 
-def check_inputs(cfg: ExtractConfig) -> None:
+def check_inputs(cfg: ExtractConfig, ranks: Ranks | None = None) -> dict:
     """ValueError naming the key for what would fail later: a corpus that cannot be found or read
-    as its format, an output path that cannot be a directory."""
+    as its format (a damaged compressed file included: the fingerprint reads every byte), an output
+    path that cannot be a directory, a dataset another process is writing. Returns {split name:
+    (corpus files, fingerprint)}, which the split's extraction then uses as they are."""
+    prepared = {}
     for name, split_cfg in cfg.split_configs().items():
         where = "" if name is None else f"splits.{name}: "
+        key = "out_dir" if name is None else f"out_dir (split {name})"
+        check_out_dir(split_cfg.out_dir, key)
+        if ranks is not None:
+            check_no_other_writer(split_cfg.out_dir, ranks)
         try:
-            C.find_corpus(split_cfg.corpus, split_cfg.corpus_format)
             with_regeneration(split_cfg)
+            corpus = C.find_corpus(split_cfg.corpus, split_cfg.corpus_format)
+            prepared[name] = (corpus, corpus_fingerprint(corpus, split_cfg.max_records))
         except ValueError as err:
             raise ValueError(f"{where}{err}") from None
-        check_out_dir(split_cfg.out_dir, "out_dir" if name is None else f"out_dir (split {name})")
+    return prepared
+
+
+def check_no_other_writer(out_dir: str, ranks: Ranks) -> None:
+    """LockedError (a ValueError) if another process holds this rank's lock of the dataset."""
+    from shards.manifest import check_manifest_unlocked
+
+    root = _local_dir(out_dir)
+    if os.path.isdir(root):
+        check_manifest_unlocked(resolve(root)[0], root, ranks.names["manifest"])
 
 
 def check_out_dir(out_dir: str, key: str) -> None:
     """ConfigError unless `out_dir` is (or can become) a writable local directory."""
+    import tempfile
+
     root = _local_dir(out_dir)
     existing = root
     while not os.path.lexists(existing):
@@ -205,6 +224,12 @@ def check_out_dir(out_dir: str, key: str) -> None:
         fail(key, f"'{root}' {where}, not a directory; choose another out_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
         fail(key, f"'{existing}' is not writable by this user")
+    # os.access answers yes for root, and on file systems where nothing can be made (/proc, /sys,
+    # a read-only mount): make (and remove) a directory there to know.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dflash-probe-", dir=existing))
+    except OSError as err:
+        fail(key, f"cannot create anything under '{existing}' ({err.strerror or err}); choose another out_dir")
 
 
 def check_topk(topk: int, vocab_size: int | None) -> None:
@@ -214,10 +239,16 @@ def check_topk(topk: int, vocab_size: int | None) -> None:
 
 
 def extract_split(
-    cfg: ExtractConfig, target: Target, ranks: Ranks, label: str | None = None, mask: MaskChoice | None = None
+    cfg: ExtractConfig,
+    target: Target,
+    ranks: Ranks,
+    label: str | None = None,
+    prepared: tuple | None = None,
+    mask: MaskChoice | None = None,
 ) -> dict:
     """Extract one corpus into `cfg.out_dir` (this rank's share), then merge if all ranks are done.
-    `mask`: the mask token of the whole run (`extract.mask_token`; chosen for this corpus alone if not given)."""
+    `prepared`: (corpus files, fingerprint) from `check_inputs`, else found here. `mask`: the mask
+    token of the whole run (`extract.mask_token`; chosen for this corpus alone if not given)."""
     from shards import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 
     # The saved config and the provenance name the storage settings actually used.
@@ -230,8 +261,14 @@ def extract_split(
     entered = time.perf_counter()  # the summary's startup_seconds count from here
     root = _local_dir(cfg.out_dir)
     cfg, regeneration = with_regeneration(cfg)
-    corpus = C.find_corpus(cfg.corpus, cfg.corpus_format)
-    fingerprint = corpus_fingerprint(corpus, cfg.max_records)
+    if prepared is None:
+        corpus = C.find_corpus(cfg.corpus, cfg.corpus_format)
+        prepared = corpus, corpus_fingerprint(corpus, cfg.max_records)
+    corpus, fingerprint = prepared
+    if corpus.skipped:
+        log.warning(
+            "corpus %s: %d files not read: %s", cfg.corpus, len(corpus.skipped), describe_skipped(corpus.skipped)
+        )
     mask = mask or choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus])
     fresh = build_provenance(cfg, target, corpus, fingerprint, regeneration, mask)
     names = ranks.names
@@ -450,19 +487,38 @@ def _runtime_keys(cfg: ExtractConfig) -> dict:
 
 
 def corpus_fingerprint(corpus: C.CorpusFiles, max_records: int | None) -> dict:
-    """Content checksums of the corpus files (what a resume compares) and the record count."""
-    files = [
-        {
-            "name": os.path.relpath(f, corpus.root) if corpus.format == "datasets" else os.path.basename(f),
-            "bytes": os.path.getsize(f),
-            "checksum": file_checksum(resolve(f)[0], os.path.abspath(f)),
-        }
-        for f in corpus.files
-    ]
-    records = C.count_records(corpus)
+    """Content checksums of the corpus files (what a resume compares) and the record count, of the
+    extent of each file found at the start (a JSONL file in one pass for both). The checksums are
+    also kept in `corpus`, so that reading checks each file it reads to its end against them."""
+    from extract.reading import extent_checksum, parquet_file, scan_jsonl
+
+    files, lines = [], 0
+    for i, f in enumerate(corpus.files):
+        extent = corpus.extents[i] if corpus.extents else os.path.getsize(f)
+        if corpus.format != "datasets" and corpus.kinds[i] == "jsonl":
+            count, checksum = scan_jsonl(f, extent)
+            lines += count
+        else:
+            checksum = extent_checksum(f, extent)
+        name = os.path.relpath(f, corpus.root) if corpus.format == "datasets" else os.path.basename(f)
+        files.append({"name": name, "bytes": extent, "checksum": checksum})
+    if corpus.format != "datasets":
+        corpus.checksums = [f["checksum"] for f in files]
+        records = lines + sum(
+            parquet_file(f).metadata.num_rows for f, kind in zip(corpus.files, corpus.kinds) if kind != "jsonl"
+        )
+    else:
+        records = C.count_records(corpus)
     if records is not None and max_records is not None:
         records = min(records, max_records)
-    return {"files": files, "hash": json_digest([[f["bytes"], f["checksum"]] for f in files]), "records": records}
+    fingerprint = {
+        "files": files,
+        "hash": json_digest([[f["bytes"], f["checksum"]] for f in files]),
+        "records": records,
+    }
+    if corpus.skipped:
+        fingerprint["skipped"] = list(corpus.skipped)
+    return fingerprint
 
 
 def tokenizer_provenance(tokenizer, mask: MaskChoice, template_kwargs: dict) -> dict:
@@ -545,6 +601,8 @@ def build_provenance(
         "files": fingerprint["files"],
         "records": fingerprint["records"],
     }
+    if fingerprint.get("skipped"):
+        corpus_info["skipped"] = fingerprint["skipped"]
     if regeneration is not None:
         corpus_info["regeneration"] = regeneration
     return {
@@ -1134,6 +1192,7 @@ def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, parti
         "shards": len(manifest["shards"]),
         "bytes": nbytes,
         "bytes_per_token": nbytes / counts["tokens"] if counts["tokens"] else None,
+        "skipped_files": list(manifest["provenance"].get("corpus", {}).get("skipped", [])),
     }
     if this_run is not None:
         keys = (
@@ -1183,6 +1242,14 @@ def no_samples_reason(summary: dict) -> str:
     )
 
 
+def describe_skipped(skipped: list[dict], limit: int = 8) -> str:
+    """'a.json (reason), sub/ (reason), ... and N more' for the files a corpus directory does not read."""
+    shown = "; ".join(f"{s['name']} ({s['reason']})" for s in skipped[:limit])
+    return shown + (
+        f"; and {len(skipped) - limit:,} more (see the manifest's provenance)" if len(skipped) > limit else ""
+    )
+
+
 def format_summary(summary: dict) -> str:
     """The end-of-run report, in words; says so when a group is empty."""
     lines = [
@@ -1197,8 +1264,10 @@ def format_summary(summary: dict) -> str:
     ]
     line = f"records   {summary['records']:,} accounted for = samples + rejects + duplicates"
     lines_in = summary.get("input_lines")
-    if lines_in is not None and lines_in != summary["records"]:
+    if lines_in is not None and lines_in > summary["records"]:
         line += f" (of {lines_in:,} input lines; the other {lines_in - summary['records']:,} are blank)"
+    elif lines_in is not None and lines_in < summary["records"]:
+        line += f" (but the corpus was counted as {lines_in:,} input lines; please report this)"
     lines.append(line)
     if not summary["records"]:
         lines.append("samples   none: the corpus holds no records")
@@ -1211,6 +1280,11 @@ def format_summary(summary: dict) -> str:
     else:
         lines.append("samples   none: every record was rejected or a duplicate (see rejects.jsonl)")
     lines.append(f"duplicates {summary['duplicates']:,}" if summary["duplicates"] else "duplicates none")
+    skipped = summary.get("skipped_files") or []
+    if skipped:
+        lines.append(
+            f"skipped   {len(skipped):,} files of the corpus directory, not read: " + describe_skipped(skipped)
+        )
     if summary["rejects"]:
         lines.append(
             f"rejects   {sum(summary['rejects'].values()):,}: "

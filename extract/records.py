@@ -51,6 +51,10 @@ DUPLICATE = "duplicate"
 NONFINITE_HIDDEN = "nonfinite_hidden"
 NONFINITE_LOGITS = "nonfinite_logits"
 INVALID_TEXT = "invalid_text"
+BAD_TURN_WEIGHT = "bad_turn_weight"
+# Per-turn training switches users bring (axolotl's and LLaMA-Factory's datasets): `"weight": 0` or
+# `"train": false` on an assistant turn takes that turn out of the loss; `1` / `true` is the default.
+TURN_SWITCHES = ("weight", "train")
 
 SHAREGPT_ROLES = {
     "system": "system",
@@ -82,6 +86,7 @@ class Chat:
 
     messages: list[dict]
     tools: list | None = None
+    untrained: frozenset = frozenset()  # indices of assistant turns that carry no loss (weight 0 / train false)
 
     def template_kwargs(self, extra: dict) -> dict:
         return {**extra, "tools": self.tools} if self.tools else dict(extra)
@@ -97,9 +102,9 @@ def parse_record(record: Any, *, answers_required: bool = True) -> tuple[str, An
     for key in ("messages", "conversations"):
         if record.get(key) is not None:
             messages = _system_turn(record) + _sharegpt_or_messages(record[key], key)
-            return "chat", Chat(
-                check_messages(messages, key, answers_required=answers_required), _tools(record.get("tools"))
-            )
+            checked = check_messages(messages, key, answers_required=answers_required)
+            untrained = frozenset(i for i, m in enumerate(checked) if _trains(m) is False)
+            return "chat", Chat([_without_switches(m) for m in checked], _tools(record.get("tools")), untrained)
     if record.get("prompt") is not None or record.get("response") is not None:
         needed = ("prompt", "response") if answers_required else ("prompt",)
         for key in needed:
@@ -126,6 +131,9 @@ def parse_record(record: Any, *, answers_required: bool = True) -> tuple[str, An
 
 
 def check_tokens(input_ids: Any, loss_mask: Any) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(input_ids, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in input_ids):
+        # numpy reads [true, 1, 4] as [1, 1, 4]: a boolean is never a token id
+        raise RecordError(BAD_TOKENS, "'input_ids' holds true/false values; token ids are integers")
     try:
         ids = np.asarray(input_ids)
         mask = np.ones(ids.shape, dtype=np.int64) if loss_mask is None else np.asarray(loss_mask)
@@ -176,10 +184,16 @@ def _from_sharegpt(turn: dict, where: str) -> dict:
     if "value" not in turn:
         raise RecordError(MISSING_FIELD, f"{where} has no 'value'")
     value = turn["value"]
+    switches = {k: turn[k] for k in TURN_SWITCHES if k in turn}
     if speaker == "function_call":
         calls = _json_value(value, f"{where}.value", "a function call")
-        return {"role": "assistant", "content": "", "tool_calls": calls if isinstance(calls, list) else [calls]}
-    return {"role": SHAREGPT_ROLES[speaker], "content": value}
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": calls if isinstance(calls, list) else [calls],
+            **switches,
+        }
+    return {"role": SHAREGPT_ROLES[speaker], "content": value, **switches}
 
 
 def check_messages(messages: list, key: str = "messages", *, answers_required: bool = True) -> list[dict]:
@@ -223,7 +237,42 @@ def _check_message(message: Any, where: str) -> dict:
     reasoning = message.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
         raise RecordError(NON_STRING_CONTENT, f"{where}.reasoning_content is {type(reasoning).__name__}, not a string")
+    _check_switches(message, where)
     return message
+
+
+def _check_switches(message: dict, where: str) -> None:
+    """`weight` 0 or 1 and `train` true or false, agreeing; only an assistant turn may train."""
+    weight, train = message.get("weight"), message.get("train")
+    if "weight" in message and (isinstance(weight, bool) or weight not in (0, 1)):
+        raise RecordError(
+            BAD_TURN_WEIGHT,
+            f"{where}.weight is {weight!r}; a turn's weight is 0 (no loss on it) or 1 (the loss mask has no "
+            "fractional weights)",
+        )
+    if "train" in message and not isinstance(train, bool):
+        raise RecordError(BAD_TURN_WEIGHT, f"{where}.train is {train!r}, not true or false")
+    if "weight" in message and "train" in message and bool(weight) != train:
+        raise RecordError(BAD_TURN_WEIGHT, f"{where} has weight {weight!r} but train {train!r}")
+    if _trains(message) and message["role"] != "assistant":
+        raise RecordError(
+            BAD_TURN_WEIGHT,
+            f"{where} is a {message['role']} turn marked for training; only assistant turns carry loss "
+            "(what the target generates)",
+        )
+
+
+def _trains(message: dict) -> bool | None:
+    """The turn's own training switch (True / False), or None when it has none."""
+    if "train" in message:
+        return bool(message["train"])
+    if "weight" in message:
+        return bool(message["weight"])
+    return None
+
+
+def _without_switches(message: dict) -> dict:
+    return {k: v for k, v in message.items() if k not in TURN_SWITCHES}
 
 
 def _content_text(content: Any, where: str, *, calls_tools: bool) -> str:

@@ -12,6 +12,11 @@
                                                  resumable; verified at the end (`... transcode --help`: every key)
 
 DIR is a local path or any URI pyarrow.fs resolves (s3://..., gs://..., hdfs://...).
+
+Exit status: 0 done; 1 verify (or transcode's final verify) found problems; 2 a user error (one
+line: a bad argument, a dataset that cannot be read); 4 an I/O error such as a full disk (one line
+naming the file; a transcode keeps what it committed and rerunning the same command resumes);
+130 interrupted (Ctrl-C; a transcode resumes the same way).
 """
 
 from __future__ import annotations
@@ -142,6 +147,7 @@ def _verify(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    command = "?"
     try:
         command, args, words = parse_args(list(sys.argv[1:] if argv is None else argv))
         if command == "verify":
@@ -165,6 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, IndexError, FileNotFoundError, ShardFormatError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk, EIO: what was committed stays, a rerun resumes
+        after = (
+            " Shards committed before it are intact; rerun the same command to resume."
+            if command == "transcode"
+            else ""
+        )
+        print(f"shards {command}: I/O error, stopping: {err}.{after}", file=sys.stderr)
+        return 4
+    except KeyboardInterrupt:
+        after = " Rerun the same command to resume." if command == "transcode" else ""
+        print(f"shards {command}: interrupted.{after}", file=sys.stderr)
+        return 130
     print("\n".join(lines))
     return 0
 

@@ -352,6 +352,23 @@ def lock_manifest(fs: pafs.FileSystem, root: str, manifest_name: str, *, wait_se
     )
 
 
+def check_manifest_unlocked(fs: pafs.FileSystem, root: str, manifest_name: str) -> None:
+    """LockedError now if another process writes manifest `manifest_name` in `root` (a check that
+    takes nothing: a run makes it before slow work, then takes the lock itself)."""
+    if io.is_local(fs):
+        locks.check_unlocked(
+            os.path.join(root, f".{manifest_name}.lock"),
+            what=f"{manifest_path(root, manifest_name)}",
+            hint=_LOCK_HINT,
+        )
+
+
+_LOCK_HINT = (
+    "Two writers of one dataset would corrupt it: wait for the other to finish (or stop it), or write to "
+    "another directory."
+)
+
+
 def merge_manifests(root: str, names: list[str], out_name: str = MANIFEST_NAME) -> dict:
     """Combine per-rank manifests in `root` into `out_name`; return the merged manifest.
 

@@ -23,6 +23,7 @@ together with the samples they describe.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -588,6 +589,8 @@ class ShardWriter:
             # The file may now hold a partial record batch: drop the whole uncommitted shard.
             self._abandon_open_shard()
             if isinstance(err, OSError) and not err.filename:  # pyarrow's write errors do not name the file
+                if err.errno:
+                    raise io.named_os_error(err, shard.tmp_path) from err
                 raise OSError(err.errno, err.strerror or str(err), shard.tmp_path) from err
             raise
         self._ids.add(sample.sample_id)
@@ -620,8 +623,9 @@ class ShardWriter:
         # Samples already written are whole and valid: keep them, but do not mask the original error.
         try:
             self.close(complete=False)
-        except Exception:
-            log.exception("could not commit the open shard while handling another error")
+        except Exception as err:  # noqa: BLE001 - the original error is what the user must see
+            # One line, no traceback: on a full disk this second failure is the first one again.
+            log.warning("%s: the open shard was not committed after the error (%s); a rerun writes it", self.root, err)
         finally:
             self._lock.release()
 
@@ -684,9 +688,15 @@ class ShardWriter:
             self.write_behind_syncs += shard.stream.write_behind.syncs if shard.stream.write_behind else 0
             index_file, index_bytes, index_checksum = self._write_index(shard)
             io.commit(self.fs, shard.tmp_path, io.join(self.root, shard.file))
-        except BaseException:
-            # Not committed: these samples are not in the dataset and may be written again.
+        except BaseException as err:
+            # Not committed: these samples are not in the dataset and may be written again, and
+            # the half-written file goes now (a full disk keeps no multi-MB temporary until a rerun).
             self._ids.difference_update(shard.sample_ids)
+            with contextlib.suppress(Exception):
+                shard.stream.close(check=False)
+            io.discard(self.fs, shard.tmp_path)
+            if isinstance(err, OSError) and not err.filename:
+                raise io.named_os_error(err, io.join(self.root, shard.file)) from err
             raise
         entry = {
             "file": shard.file,

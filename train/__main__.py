@@ -9,7 +9,8 @@ Exit status: 0 done, 2 a config or data error (the message names the key or fiel
 (too many non-finite steps in a row), 4 an I/O error such as a full disk (the message names the
 file; checkpoints already written stay intact, and rerunning the same command resumes), 5 another
 rank of a data-parallel run died, hung or became unreachable (the message names it; rerunning the
-same command resumes from the last checkpoint).
+same command resumes from the last checkpoint), 130 interrupted (Ctrl-C; one line, and rerunning resumes
+from the last complete checkpoint).
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 4
+    except KeyboardInterrupt:
+        print(
+            "train: interrupted; rerunning the same command resumes from the last complete checkpoint.", file=sys.stderr
+        )
+        return 130
     if is_main:
         print(json.dumps(summary, indent=2), flush=True)
     return 0

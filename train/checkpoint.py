@@ -184,21 +184,58 @@ def _state_digest(state: dict) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(content, sort_keys=True).encode("utf-8"))
 
 
+_OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)")
+
+
+def _named_os_error(exc: BaseException, path: Path) -> BaseException:
+    """The operating system's error behind a failed write, naming the file: Python's own write
+    errors name none, and safetensors reports "I/O error: ... (os error 28)" in its own type."""
+    if isinstance(exc, OSError):
+        if exc.filename or not exc.errno:
+            return exc
+        return OSError(exc.errno, os.strerror(exc.errno), str(path))
+    found = _OS_ERROR_IN_TEXT.search(str(exc))
+    if found:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code), str(path))
+    return exc
+
+
+def _writing(path: Path, write) -> None:
+    """`write(path)`, its OSError naming `path` (see `_named_os_error`)."""
+    try:
+        write(path)
+    except Exception as exc:  # noqa: BLE001 - re-raised, as the OSError it stands for where there is one
+        named = _named_os_error(exc, path)
+        if named is exc:
+            raise
+        raise named from exc
+
+
+def _torch_save(obj, path: Path) -> None:
+    # Through a Python file: on a full disk torch's own file writer fails with "[enforce fail at
+    # inline_container.cc] unexpected pos", while a Python file raises ENOSPC.
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def _write_files(snapshot: Snapshot, directory: Path) -> None:
     from safetensors.torch import save_file
 
-    save_file(
-        {k: v.contiguous() for k, v in snapshot.model.items()}, str(directory / MODEL_FILE), metadata={"format": "pt"}
+    model = {k: v.contiguous() for k, v in snapshot.model.items()}
+    _writing(directory / MODEL_FILE, lambda p: save_file(model, str(p), metadata={"format": "pt"}))
+    _writing(directory / OPTIMIZER_FILE, lambda p: _torch_save(snapshot.optimizer, p))
+    _writing(
+        directory / DRAFTER_CONFIG_FILE,
+        lambda p: p.write_text(json.dumps(snapshot.drafter_config, indent=2, sort_keys=True) + "\n"),
     )
-    torch.save(snapshot.optimizer, directory / OPTIMIZER_FILE)
-    (directory / DRAFTER_CONFIG_FILE).write_text(json.dumps(snapshot.drafter_config, indent=2, sort_keys=True) + "\n")
     state = dict(snapshot.state)
     state[FILE_CHECKSUMS_KEY] = {
         name: _file_digest(directory / name) for name in (MODEL_FILE, OPTIMIZER_FILE, DRAFTER_CONFIG_FILE)
     }
     state[STATE_CHECKSUM_KEY] = _state_digest(state)
     # state.json last: a directory is only ever renamed complete, but this keeps even the tmp one readable in order.
-    (directory / STATE_FILE).write_text(json.dumps(state, sort_keys=True) + "\n")
+    _writing(directory / STATE_FILE, lambda p: p.write_text(json.dumps(state, sort_keys=True) + "\n"))
 
 
 def write_checkpoint(root: str | os.PathLike, snapshot: Snapshot, keep_last: int | None = None) -> Path:

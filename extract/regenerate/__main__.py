@@ -14,7 +14,8 @@ resumes: finished records are skipped. Exit status:
   3  done, but no record could be stored (every record rejected): the reasons are printed;
   4  not finished: an I/O error, a server that refused every request or went away (401/403/404,
      or `max_consecutive_failures` records in a row), or records that failed every retry. What
-     was finished stays in the journal; rerun the same command to finish the rest.
+     was finished stays in the journal; rerun the same command to finish the rest;
+130 interrupted (Ctrl-C), one line; rerunning the same command resumes.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 4
+    except KeyboardInterrupt:
+        print(
+            "regenerate: interrupted; finished records are in the journal: rerun the same command to resume.",
+            file=sys.stderr,
+        )
+        return 130
     if summary.get("rank", 0) != 0:
         return 0 if summary.get("stopped") is None and not summary["counts"]["failed"] else 4
     print(R.format_summary(summary), flush=True)

@@ -72,6 +72,13 @@ class RegenerateConfig:
     chat_template_kwargs: dict = knob(
         factory=dict, help="further chat template variables (enable_thinking is set by `thinking`)"
     )
+    max_context: int | None = knob(
+        None,
+        help="tokens a prompt and its answer may take together: none = the target's max_position_embeddings; a "
+        "smaller value lowers it. A prompt that leaves no room for an answer is rejected (prompt_too_long) before "
+        "anything is allocated for it; an answer is cut where it would pass the limit (counted as at the cap)",
+        min=2,
+    )
     at_cap: Literal["keep", "drop"] = knob(
         "keep",
         help="an answer that hits max_new_tokens: keep it (cut there; counted) or reject the record (reason "
@@ -193,6 +200,7 @@ DATASET_KEYS = (
     "backend",
     "max_records",
     "max_new_tokens",
+    "max_context",
     "temperature",
     "top_p",
     "top_k",

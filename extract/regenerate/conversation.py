@@ -51,6 +51,7 @@ NOT_REPRODUCIBLE = "answer_not_reproducible"
 REFUSED = "refused"
 TEMPLATE_ERROR = "template_error"
 THINKING_NOT_CLOSED = "thinking_not_closed"
+PROMPT_TOO_LONG = "prompt_too_long"
 
 
 @dataclasses.dataclass
@@ -154,9 +155,12 @@ class Conversation:
     """A record being answered turn by turn. Drive it with `wants_turn` / `prompt_*` / `finish_turn`
     until `outcome` is set."""
 
-    def __init__(self, raw: RawRecord, renderer: Renderer, at_cap: str):
+    def __init__(self, raw: RawRecord, renderer: Renderer, at_cap: str, context_limit: int | None = None):
         self.position, self.source = raw.position, raw.source
         self.renderer, self.at_cap = renderer, at_cap
+        # Tokens the target can attend over (prompt + answer); None: not checked. A prompt that
+        # leaves no room rejects the record before anything is allocated for it.
+        self.context_limit = context_limit
         self.history: list[dict] = []
         self.turns: list[list[dict]] = []
         self.tools: list | None = None
@@ -200,7 +204,24 @@ class Conversation:
     # -- driving --------------------------------------------------------------------------------
 
     def wants_turn(self) -> bool:
-        return self.outcome is None and self.stats["answers"] < len(self.turns)
+        if self.outcome is not None or self.stats["answers"] >= len(self.turns):
+            return False
+        if self.context_limit is not None:
+            n = len(self.prompt()[1])
+            if n >= self.context_limit:
+                self.reject(
+                    PROMPT_TOO_LONG,
+                    f"the prompt of answer {self.stats['answers'] + 1} is {n:,} tokens; the target's context holds "
+                    f"{self.context_limit:,} (max_context), which leaves no room for an answer",
+                )
+                return False
+        return True
+
+    def answer_budget(self, max_new_tokens: int) -> int:
+        """Tokens the next answer may take: `max_new_tokens`, less what would run past the context."""
+        if self.context_limit is None:
+            return max_new_tokens
+        return max(1, min(max_new_tokens, self.context_limit - len(self.prompt()[1])))
 
     def messages(self) -> list[dict]:
         """The conversation the next answer continues: earlier turns with their regenerated answers, then this turn."""

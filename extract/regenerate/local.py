@@ -66,7 +66,7 @@ def pad_token_id(tokenizer) -> int:
 def generate_answers(
     model,
     prompts: list[list[int]],
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     batch_size: int,
     stop_ids: set[int],
     pad_id: int,
@@ -76,7 +76,9 @@ def generate_answers(
     stop_repeat: int = 0,
 ) -> list[tuple[list[int], str]]:
     """(tokens before the first stop token, how the answer ended: see `generate_batch`) per prompt,
-    at most `max_new_tokens` generated; prompts batched by length (less padding), results in input order."""
+    at most `max_new_tokens` generated (one cap, or one per prompt); prompts batched by length (less
+    padding), results in input order."""
+    caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     results: list[tuple[list[int], str]] = [([], "cap")] * len(prompts)
     for at in range(0, len(order), batch_size):
@@ -85,7 +87,14 @@ def generate_answers(
         for i, answer in zip(
             batch,
             generate_batch(
-                model, [prompts[i] for i in batch], max_new_tokens, stop_ids, pad_id, sampling, batch_seeds, stop_repeat
+                model,
+                [prompts[i] for i in batch],
+                [caps[i] for i in batch],
+                stop_ids,
+                pad_id,
+                sampling,
+                batch_seeds,
+                stop_repeat,
             ),
         ):
             results[i] = answer
@@ -97,7 +106,7 @@ def generate_answers(
 def generate_batch(
     model,
     prompts: list[list[int]],
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     stop_ids: set[int],
     pad_id: int,
     sampling: Sampling = Sampling(),
@@ -107,10 +116,13 @@ def generate_batch(
     """Decoding of left-padded prompts with a KV cache (see the module docstring). Each answer ends
     before its first stop token ("stop"), where it starts looping if `stop_repeat` > 0 ("repeat":
     `common.repeat.RepeatWatch`; the looping tokens that show it are kept), or after
-    `max_new_tokens` tokens ("cap")."""
+    `max_new_tokens` tokens ("cap"; one cap for all rows, or one per row)."""
     import torch
 
     from common.repeat import RepeatWatch
+
+    caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    max_new_tokens = max(caps)
 
     device = model.get_input_embeddings().weight.device
     rows, width = len(prompts), max(len(p) for p in prompts)
@@ -149,6 +161,8 @@ def generate_batch(
                     tokens[row].append(token)
                     if loops:
                         ends[row] = "repeat"
+                    elif len(tokens[row]) >= caps[row]:
+                        ends[row] = "cap"  # this row's own cap, below the batch's
             running = [n for n, row in enumerate(alive) if ends[row] is None]
             if not running or step == max_new_tokens - 1:
                 break
@@ -248,6 +262,7 @@ def answer_window(
         if not todo:
             return
         prompts = [c.prompt()[1] for c in todo]
+        caps = [c.answer_budget(generator.max_new_tokens) for c in todo]  # never past the target's context
         seeds = (
             None
             if generator.sampling.greedy
@@ -256,7 +271,7 @@ def answer_window(
         answers = generate_answers(
             generator.model,
             prompts,
-            generator.max_new_tokens,
+            caps,
             generator.batch_size,
             generator.stop_ids,
             generator.pad_id,

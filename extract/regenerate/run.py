@@ -57,7 +57,30 @@ def check_inputs(cfg: RegenerateConfig) -> reading.CorpusFiles:
     if any(os.path.abspath(f).startswith(out + os.sep) for f in corpus.files):
         raise ValueError(f"out: '{cfg.out}' holds the corpus being read; write the regenerated corpus elsewhere")
     check_out_dir(cfg.out, "out")
+    context_limit(cfg)  # a max_context above the target's own is refused now
     return corpus
+
+
+def context_limit(cfg: RegenerateConfig) -> int | None:
+    """Tokens a prompt and its answer may take: the target's max_position_embeddings, or the smaller
+    `max_context`; None when neither is known. ConfigError for a max_context above the target's."""
+    from common.config import fail
+    from common.hf_target import text_config
+
+    try:
+        own = text_config(cfg.target).get("max_position_embeddings")
+    except (OSError, ValueError):
+        own = None
+    own = int(own) if isinstance(own, int) and own > 0 else None
+    if cfg.max_context is None:
+        return own
+    if own is not None and cfg.max_context > own:
+        fail(
+            "max_context",
+            f"{cfg.max_context} exceeds the target's max_position_embeddings ({own}); leave it unset to use the "
+            "target's, or set a smaller value",
+        )
+    return cfg.max_context
 
 
 def target_fingerprint(target_dir: str, tokenizer) -> dict:
@@ -100,6 +123,12 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
     from extract.pipeline import corpus_fingerprint
 
     fingerprint = corpus_fingerprint(corpus, cfg.max_records)
+    if corpus.skipped:
+        from extract.pipeline import describe_skipped
+
+        log.warning(
+            "corpus %s: %d files not read: %s", cfg.corpus, len(corpus.skipped), describe_skipped(corpus.skipped)
+        )
     target = target_fingerprint(cfg.target, tokenizer)
     out = os.path.abspath(cfg.out)
     os.makedirs(out, exist_ok=True)
@@ -133,6 +162,7 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
             journal.close()
         summary["torn_bytes_discarded"] = journal.torn_bytes
         summary["config"] = config_to_dict(cfg)
+        summary["skipped_files"] = list(corpus.skipped)
         info.barrier()
         if info.rank == 0:
             summary.update(_commit_if_finished(cfg, out, corpus, fingerprint, target, header, summary))
@@ -235,12 +265,13 @@ def _conversations(
     cfg, corpus, renderer, info: RankInfo, tally: Tally, done: set[str], seen: list
 ) -> Iterator[Conversation]:
     """This rank's conversations that still need answers; bad records go to the journal at once."""
+    limit = context_limit(cfg)
     for raw in reading.iter_records(corpus, streaming=cfg.streaming, max_records=cfg.max_records):
         seen[0] += 1
         if raw.position % info.world != info.rank:
             continue
         tally.counts["records_owned"] += 1
-        conversation = Conversation(raw, renderer, cfg.at_cap)
+        conversation = Conversation(raw, renderer, cfg.at_cap, limit)
         if conversation.record_id in done:
             tally.counts["already_done"] += 1
             tally.bar.update(1)
@@ -443,6 +474,7 @@ def build_provenance(
             "hash": fingerprint["hash"],
             "files": fingerprint["files"],
             "records": fingerprint["records"],
+            **({"skipped": fingerprint["skipped"]} if fingerprint.get("skipped") else {}),
         },
         "config": config_to_dict(cfg),
         "journal_header": header,
@@ -483,6 +515,11 @@ def format_summary(summary: dict) -> str:
             + ", ".join(f"{url} {n:,}" for url, n in summary["by_url"].items())
             + f"; model {summary.get('model')!r}"
         )
+    if summary.get("skipped_files"):
+        from extract.pipeline import describe_skipped
+
+        skipped = summary["skipped_files"]
+        lines.append(f"skipped: {len(skipped):,} files of the corpus directory, not read: {describe_skipped(skipped)}")
     if summary.get("torn_bytes_discarded"):
         lines.append(f"resumed after a kill: discarded {summary['torn_bytes_discarded']} bytes of a torn journal line")
     if summary.get("stopped"):

@@ -189,7 +189,9 @@ class ServerBackend:
         for attempt in range(self.cfg.max_retries + 1):
             endpoint = min(self.endpoints, key=lambda e: (e.in_flight, random.random()))
             try:
-                generated = await self._send(endpoint, conversation, self.cfg.max_new_tokens)
+                generated = await self._send(
+                    endpoint, conversation, conversation.answer_budget(self.cfg.max_new_tokens)
+                )
                 self._consecutive_failures = 0
                 return generated
             except openai.APIStatusError as err:

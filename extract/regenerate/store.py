@@ -35,7 +35,7 @@ import logging
 import os
 import time
 
-from common.io import atomic_write_json, commit, remove_temp_files, resolve, temp_name
+from common.io import atomic_write_json, commit, discard, named_os_error, remove_temp_files, resolve, temp_name
 from common.locks import Lock, exclusive_lock
 
 log = logging.getLogger(__name__)
@@ -166,20 +166,29 @@ class Journal:
         self.last_sync = time.monotonic()
 
     def append(self, entry: dict) -> None:
-        self.file.write((json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8"))
-        self.file.flush()
+        try:
+            self.file.write((json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8"))
+            self.file.flush()
+        except OSError as err:  # a full disk: a torn last line, which the resume discards
+            raise named_os_error(err, self.path) from err
         if time.monotonic() - self.last_sync >= self.fsync_every_s:
             self.sync()
 
     def sync(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as err:
+            raise named_os_error(err, self.path) from err
         self.last_sync = time.monotonic()
 
     def close(self) -> None:
         if not self.file.closed:
-            self.sync()
-            self.file.close()
+            try:
+                self.sync()
+            finally:
+                with contextlib.suppress(OSError):
+                    self.file.close()  # after a failed write, closing fails the same way: said already
 
 
 def header_problems(stored: dict | None, fresh: dict) -> list[str]:
@@ -256,11 +265,17 @@ def commit_corpus(out: str, expected_records: int, provenance: dict) -> dict:
                         )
                         + "\n"
                     )
+        commit(fs, data_tmp, os.path.join(out, DATA_FILE))
+        commit(fs, rejects_tmp, os.path.join(out, REJECTS_FILE))
+    except BaseException as err:  # a full disk: no half-written data.jsonl temporary stays behind
+        for tmp in (data_tmp, rejects_tmp):
+            discard(fs, tmp)
+        if isinstance(err, OSError):
+            raise named_os_error(err, os.path.join(out, DATA_FILE)) from err
+        raise
     finally:
         for journal in journals.values():
             journal.close()
-    commit(fs, data_tmp, os.path.join(out, DATA_FILE))
-    commit(fs, rejects_tmp, os.path.join(out, REJECTS_FILE))
     atomic_write_json(os.path.join(out, PROVENANCE_FILE), {**provenance, "counts": counts, "complete": True})
     for name in journal_files(out):
         with contextlib.suppress(FileNotFoundError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -245,3 +246,86 @@ def test_one_command_grammar_positional_key_value_and_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_command(Command, ["--help"], usage="usage: cmd SOURCE")
     assert "usage: cmd SOURCE" in capsys.readouterr().out
+
+
+def _stage_configs() -> list[type]:
+    from extract.config import ExtractConfig
+    from extract.regenerate.config import RegenerateConfig
+    from extract.tiny.config import TinyConfig
+    from shards.transcode import TranscodeConfig
+    from train.choose_tier import ChooseTierConfig
+    from train.config import TrainConfig
+    from train.demo import DemoConfig
+    from train.eval.config import EvalConfig
+    from train.report.config import ReportConfig
+
+    classes = [ExtractConfig, RegenerateConfig, TinyConfig, TranscodeConfig, ChooseTierConfig, TrainConfig]
+    return classes + [DemoConfig, EvalConfig, ReportConfig]
+
+
+def _container_keys(cls, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, hint, default) of every key of `cls` (nested tables included) that takes a list or a table."""
+    import dataclasses
+    import types
+    import typing
+
+    found = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            found += _container_keys(hint, prefix + f.name + ".")
+            continue
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if any((typing.get_origin(a) or a) in (list, tuple, dict) for a in args):
+            found.append((prefix + f.name, hint, f.default))
+    return found
+
+
+def _toml(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def _outcome(load):
+    try:
+        return ("ok", config_to_dict(load()))
+    except ConfigError as exc:
+        return ("error", str(exc))
+
+
+def test_lists_and_tables_on_the_command_line_parse_as_in_toml_for_every_key(tmp_path):
+    """`model.layer_types=[...]` was read as a preset name on the command line but as a list in TOML."""
+    import dataclasses
+
+    tried = 0
+    for cls in (c for c in _stage_configs() if dataclasses.is_dataclass(c)):
+        for key, _hint, default in _container_keys(cls):
+            values = [["full_attention", "sliding_attention"], [1, 2], {"a": 1, "b": "x"}]
+            if isinstance(default, (list, dict)) and default:
+                values.insert(0, default)
+            for value in values:
+                toml_path = tmp_path / "c.toml"
+                *tables, leaf = key.split(".")
+                toml_path.write_text((f"[{'.'.join(tables)}]\n" if tables else "") + f"{leaf} = {_toml(value)}\n")
+                from_file = _outcome(lambda: load_config(cls, toml_path))
+                from_cli = _outcome(lambda: load_config(cls, None, [f"{key}={_toml(value)}"]))
+                assert from_cli == from_file, (cls.__name__, key, value)
+                tried += 1
+    assert tried >= 20
+
+
+def test_a_layer_types_list_on_the_command_line_is_a_list():
+    from train.config import TrainConfig
+
+    words = [
+        "model.num_layers=2",
+        "model.sliding_window=8",
+        'model.layer_types=["sliding_attention", "full_attention"]',
+    ]
+    cfg = load_config(TrainConfig, None, words)
+    assert cfg.model.layer_types == ["sliding_attention", "full_attention"]
+    assert load_config(TrainConfig, None, ["model.layer_types=full"]).model.layer_types == "full"  # a preset name

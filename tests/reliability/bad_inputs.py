@@ -17,6 +17,8 @@ inside, never a silent pass.
   and one line naming the key or file.
 - Mismatched shards (another tokenizer, other taps, another hidden size or vocabulary, fewer
   top-k, an unfinished extraction): training and eval refuse them naming the manifest field.
+- The corpus-file families (`corpus_files`): directory contents, corpora changing while read,
+  damaged compressed files, over-long regeneration prompts, type confusions (booleans as ids, turn weights).
 - The corpus-input families: corpus formats (ShareGPT, content parts), text encodings (BOM, UTF-16/32),
   tool calls, control tokens planted in record text (`tests/reliability/corpus_inputs.py`), and
   concurrent writers of one dataset or run (`tests/reliability/writers.py`).
@@ -560,6 +562,9 @@ def run(
     from tests.reliability import corpus_inputs, writers  # they build on this module's strategies
 
     corpus_inputs.run_all(world, tally, examples=record_examples // 3, seed=seed, lines=lines, work=work)
+    from tests.reliability import corpus_files
+
+    corpus_files.run_all(world, tally, examples=record_examples // 3, seed=seed, work=work / "corpus-files")
     writers_line = writers.concurrent_writers(
         world, tally, work, extraction_pairs=writer_pairs, training_pairs=max(1, writer_pairs - 1)
     )
@@ -573,7 +578,8 @@ def run(
         t, c = groups.get(group, (0, 0))
         groups[group] = (t + tried, c + clear)
     outcome.details.append("by family: " + ", ".join(f"{g} {c}/{t}" for g, (t, c) in sorted(groups.items())))
-    for family in ("record", "format", "encoding", "tool_call", "control_token", "writers"):
+    families = ("record", "format", "encoding", "tool_call", "control_token", "writers", "directory", "changing")
+    for family in families + ("compressed", "prompt_length", "type_confusion"):
         outcome.details.append(
             f"{family} kinds tried: "
             + ", ".join(

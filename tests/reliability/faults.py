@@ -39,6 +39,9 @@ POINTS = {
     "merged_rejects_written": "merge: rejects.jsonl written under .tmp, not renamed",
     "merged_manifest_written": "merge: manifest.json written under .tmp, not renamed",
     "merged_manifest_renamed": "merge: manifest.json renamed, summary not written",
+    # regeneration
+    "journal_line": "regeneration: journal line half-written",
+    "regen_data_written": "regeneration: data.jsonl written under .tmp, not renamed",
     # training
     "ckpt_model": "checkpoint: model.safetensors half-written",
     "ckpt_optimizer": "checkpoint: optimizer.pt half-written",
@@ -160,6 +163,7 @@ def install(fault: Fault | None) -> None:
     _hook_rejects()
     _hook_checkpoints()
     _hook_metrics()
+    _hook_journal()
 
 
 def uninstall() -> None:
@@ -284,9 +288,13 @@ def _hook_checkpoints() -> None:
     real_torch_save = torch.save
 
     def torch_save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)) and _in_checkpoint_tmp(f) and armed("ckpt_optimizer"):
-            _half_write(f, real_torch_save, obj, f, *args, **kwargs)
-            fire("ckpt_optimizer", str(f))
+        path = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)  # a path, or an open file
+        if isinstance(path, (str, os.PathLike)) and _in_checkpoint_tmp(path) and armed("ckpt_optimizer"):
+            real_torch_save(obj, f, *args, **kwargs)
+            if not isinstance(f, (str, os.PathLike)):
+                f.flush()
+            os.truncate(path, os.path.getsize(path) // 2)  # what a kill mid-write leaves
+            fire("ckpt_optimizer", str(path))
         return real_torch_save(obj, f, *args, **kwargs)
 
     _patch(torch, "save", torch_save)
@@ -345,3 +353,28 @@ def _hook_metrics() -> None:
         return real_write(self, record)
 
     _patch(metrics.MetricsLog, "write", write)
+
+
+def _hook_journal() -> None:
+    from extract.regenerate import store
+
+    real_append = store.Journal.append
+
+    def append(self, entry):
+        if armed("journal_line"):
+            line = json.dumps(entry, ensure_ascii=False)
+            self.file.write(line[: len(line) // 2].encode("utf-8"))
+            self.file.flush()
+            fire("journal_line", str(self.path))
+        return real_append(self, entry)
+
+    _patch(store.Journal, "append", append)
+
+    real_commit = store.commit  # imported by name there: the common.io hook does not reach it
+
+    def commit(fs, tmp_path, final_path):
+        if os.path.basename(final_path) == store.DATA_FILE:
+            hit("regen_data_written", final_path)
+        real_commit(fs, tmp_path, final_path)
+
+    _patch(store, "commit", commit)

@@ -8,6 +8,11 @@ this process with the fault armed, and passes when:
 - the last good state is intact: the extraction's committed samples pass `verify` and match the
   uninterrupted run bit for bit; every listed checkpoint loads and no temporary directory is left;
 - rerunning the same command without the fault finishes with exactly the uninterrupted result.
+The same holds for `shards transcode` and `extract.regenerate` (injected ENOSPC / EIO in a shard
+write, a journal line, data.jsonl's commit), and, where the test can make a small file system
+(`small_disk`: a tmpfs in a user namespace), for all four stages on a real full disk: the first run
+exits 4 with one line naming the file and "No space left on device", leaves no temporary file, and
+the same command after the disk has grown ends identical to a clean run.
 Figure: scenarios passed.
 """
 
@@ -42,7 +47,18 @@ TRAIN_CASES = (
     ("eio", "ckpt_fsync", 7),
     ("enospc", "metrics_line", 5),
 )
+TRANSCODE_CASES = (
+    ("enospc", "shard_data", 3),
+    ("eio", "merged_manifest_written", 1),
+)
+REGENERATE_CASES = (
+    ("enospc", "journal_line", 5),
+    ("enospc", "regen_data_written", 1),
+)
+SMALL_DISK_STAGES = ("extract", "transcode", "regenerate", "train")
 STEPS, EVERY = 8, 2
+REGEN_SETTINGS = ["backend=local", "max_new_tokens=6", "batch_size=4", "window_records=8", "dtype=float32"]
+REGEN_SETTINGS += ["device=cpu", "progress=false", "fsync_every_s=0"]
 
 
 def judge_message(stage: str, code, stderr: str, expected: str) -> list[str]:
@@ -131,7 +147,156 @@ def training_case(world: World, work: Path, action: str, point: str, nth: int) -
     return problems, said
 
 
-def run(world: World, *, work: Path, extract_cases=EXTRACT_CASES, train_cases=TRAIN_CASES) -> Outcome:
+def transcode_args(world: World, dst: Path) -> list[str]:
+    return ["transcode", str(world.baseline), str(dst), "encoding=fp8", "shard_bytes=20000", "progress=false"]
+
+
+def regenerate_args(world: World, out: Path) -> list[str]:
+    return [f"target={world.target_dir}", f"corpus={world.corpus}", f"out={out}", *REGEN_SETTINGS]
+
+
+def reference_transcode(world: World, work: Path) -> Path:
+    from shards.__main__ import main
+
+    out = work / "transcode-reference"
+    if not (out / "manifest.json").exists():
+        code, stderr = call_main(main, transcode_args(world, out))
+        assert code == 0, stderr[-600:]
+    return out
+
+
+def reference_regeneration(world: World, work: Path) -> Path:
+    from extract.regenerate.__main__ import main
+
+    out = work / "regenerate-reference"
+    if not (out / "regenerate.json").exists():
+        code, stderr = call_main(main, regenerate_args(world, out))
+        assert code == 0, stderr[-600:]
+    return out
+
+
+def same_transcode(out: Path, reference: Path) -> list[str]:
+    from shards import verify_dataset
+
+    problems = [f"verify: {p}" for p in verify_dataset(str(out))][:5]
+    cmp = compare(sample_bytes(out, "manifest.json"), dict(sample_bytes(reference, "manifest.json")))
+    if not cmp.equal:
+        problems.append(f"the transcoded dataset differs from a clean transcode: {cmp}")
+    return problems
+
+
+def same_regeneration(out: Path, reference: Path) -> list[str]:
+    problems = []
+    for name in ("data.jsonl", "rejects.jsonl"):
+        if not (out / name).exists():
+            problems.append(f"{name} is missing")
+        elif (out / name).read_bytes() != (reference / name).read_bytes():
+            problems.append(f"{name} differs from a clean regeneration")
+    return problems
+
+
+def stage_case(world: World, work: Path, stage: str, action: str, point: str, nth: int) -> tuple[list[str], str]:
+    """An injected fault in transcode or regeneration, then a clean rerun."""
+    if stage == "transcode":
+        from shards.__main__ import main
+
+        out, prefix = work / f"transcode-{point}", "shards transcode:"
+        args, reference, same = transcode_args(world, out), reference_transcode(world, work), same_transcode
+    else:
+        from extract.regenerate.__main__ import main
+
+        out, prefix = work / f"regenerate-{point}", "regenerate:"
+        args, reference, same = regenerate_args(world, out), reference_regeneration(world, work), same_regeneration
+    expected = "No space left on device" if action == "enospc" else "Input/output error"
+    with faults.injected(faults.Fault(action, point, nth)):
+        code, stderr = call_main(main, args)
+        fired = list(faults.fired)
+    if not fired:
+        return [f"the fault never fired (exit {code})"], ""
+    problems = judge_message(prefix.rstrip(":"), code, stderr, expected)
+    if code != 4:
+        problems.append(f"exit status {code}, not 4")
+    said = message(stderr, prefix)
+    left = [p.name for p in out.rglob("*") if p.name.endswith(".tmp")] if out.exists() else []
+    if left:
+        problems.append(f"temporary files left after the error: {left[:5]}")
+    code, stderr = call_main(main, args)
+    if code != 0:
+        problems.append(f"rerun failed ({code}): {stderr[-400:]}")
+    else:
+        problems += [f"after the rerun: {p}" for p in same(out, reference)]
+    return problems, said
+
+
+def small_disk_case(world: World, work: Path, stage: str) -> tuple[list[str], str]:
+    """The stage on a real full disk (a small tmpfs), then again with room: see `small_disk`."""
+    from tests.reliability import small_disk
+
+    disk, keep = work / f"disk-{stage}", work / f"disk-{stage}-kept"
+    if stage == "extract":
+        reference = world.baseline
+        config = world.extract_config(work / f"disk-{stage}-config" / "out")
+        text = config.read_text().replace(str(work / f"disk-{stage}-config" / "out"), str(disk / "out"))
+        config.write_text(text)
+        args, output = [str(config)], "out"
+    elif stage == "transcode":
+        reference = reference_transcode(world, work)
+        args, output = transcode_args(world, disk / "out"), "out"
+    elif stage == "regenerate":
+        reference = reference_regeneration(world, work)
+        args, output = regenerate_args(world, disk / "out"), "out"
+    else:
+        reference = reference_training(world, work)
+        args, output = world.train_args(disk, "run", *train_extra(STEPS, EVERY)), "run"
+    size_kb = max(16, small_disk.disk_bytes(reference) // 2 // 4096 * 4)
+    report = small_disk.run_case(stage, args, disk=disk, size_kb=size_kb, output=output, keep=keep)
+    if "error" in report:
+        return [report["error"]], ""
+    (code, stderr), left, (again, again_err) = report["first"], report["left"], report["second"]
+    prefix = {"extract": "extract", "transcode": "shards transcode", "regenerate": "regenerate", "train": "train"}
+    problems = judge_message(prefix[stage], code, stderr, "No space left on device")
+    if code != 4:
+        problems.append(f"exit status {code}, not 4 (on a {size_kb} kB disk)")
+    if left:
+        problems.append(f"temporaries left on the full disk: {left[:5]}")
+    if again != 0:
+        problems.append(f"rerun with room failed ({again}): {again_err[-400:]}")
+    elif stage == "extract":
+        problems += [
+            f"after the rerun: {p}" for p in check_final(keep, world.baseline, dict(sample_bytes(reference)))[0]
+        ]
+    elif stage == "transcode":
+        problems += [f"after the rerun: {p}" for p in same_transcode(keep, reference)]
+    elif stage == "regenerate":
+        problems += [f"after the rerun: {p}" for p in same_regeneration(keep, reference)]
+    else:
+        problems += [f"after the rerun: {p}" for p in compare_runs(keep, reference, STEPS)[0]]
+    return problems, message(stderr, prefix[stage] + ":")
+
+
+def reference_training(world: World, work: Path) -> Path:
+    from train.__main__ import main as train_main
+
+    reference = work / "runs" / "io-reference"
+    if not (reference / "metrics.jsonl").exists():
+        code, stderr = call_main(
+            train_main, world.train_args(work / "runs", "io-reference", *train_extra(STEPS, EVERY))
+        )
+        assert code == 0, stderr[-600:]
+    return reference
+
+
+def run(
+    world: World,
+    *,
+    work: Path,
+    extract_cases=EXTRACT_CASES,
+    train_cases=TRAIN_CASES,
+    transcode_cases=TRANSCODE_CASES,
+    regenerate_cases=REGENERATE_CASES,
+    small_disk_stages=SMALL_DISK_STAGES,
+) -> Outcome:
+    from tests.reliability import small_disk
     from train.__main__ import main as train_main
 
     outcome = Outcome(4, "Full disk and I/O errors")
@@ -160,6 +325,26 @@ def run(world: World, *, work: Path, extract_cases=EXTRACT_CASES, train_cases=TR
         outcome.failures += [f"training, {action} at {point} #{nth}: {p}" for p in problems]
         outcome.details.append(
             f"training, {action.upper()} at {point} (#{nth}): {'passed' if not problems else 'FAILED'}; {said[:240]}"
+        )
+    for stage, cases in (("transcode", transcode_cases), ("regenerate", regenerate_cases)):
+        for action, point, nth in cases:
+            total += 1
+            problems, said = stage_case(world, work, stage, action, point, nth)
+            passed += not problems
+            outcome.failures += [f"{stage}, {action} at {point} #{nth}: {p}" for p in problems]
+            outcome.details.append(
+                f"{stage}, {action.upper()} at {point} (#{nth}): {'passed' if not problems else 'FAILED'}; {said[:240]}"
+            )
+    why_not = small_disk.unavailable() if small_disk_stages else None
+    if why_not:
+        outcome.details.append(f"real full disks (small tmpfs): not run here: {why_not}")
+    for stage in () if why_not else small_disk_stages:
+        total += 1
+        problems, said = small_disk_case(world, work, stage)
+        passed += not problems
+        outcome.failures += [f"{stage} on a full disk: {p}" for p in problems]
+        outcome.details.append(
+            f"{stage} on a real full disk (small tmpfs): {'passed' if not problems else 'FAILED'}; {said[:240]}"
         )
     outcome.seconds = time.perf_counter() - start
     return outcome.finish(f"{passed}/{total} scenarios passed")

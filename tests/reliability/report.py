@@ -60,7 +60,14 @@ bit-identical between processes.
 4. **Full disk and I/O errors.** ENOSPC or EIO injected in-process at one point of the write path
    while the real CLI entry point runs; it must stop with one line on stderr naming the error and
    the file (no traceback), keep the last good state (committed samples verify and match; every
-   checkpoint loads; no temporary directory), and a rerun must finish with the uninterrupted result.
+   checkpoint loads; no temporary directory), and a rerun must finish with the uninterrupted result;
+   the same for `shards transcode` (a shard write, the manifest) and `extract.regenerate` (a journal
+   line, data.jsonl's commit), which must exit 4. Then real full disks: each of extraction,
+   transcode, regeneration and training runs in a child in its own user and mount namespace with its
+   output on a tmpfs of half the clean run's size (`tests/reliability/small_disk.py`, where the kernel
+   allows it; the report says when it does not): exit 4 with one line naming the file and "No space
+   left on device" (also for torch's and safetensors' own writers), no temporary file left on the full
+   disk, and the same command after the tmpfs has grown ends identical to a clean run.
 5. **Bad inputs.** Hypothesis-generated corpus records through the extraction's own reading and
    tokenizing path, one fuzzed corpus through the whole extraction (also with `on_error=fail`),
    every wrong type / range / choice of every config key plus generated unknown keys, semantic
@@ -74,7 +81,14 @@ bit-identical between processes.
    their reasons), control-token text planted in any text of a record (the ids hold exactly the
    template's control tokens, the mask still matches), and concurrent writers: two real extractions
    into one out_dir at once with different batch settings, two trainings into one run directory,
-   and a lock held by a process that is then SIGKILLed.
+   and a lock held by a process that is then SIGKILLed. And (`corpus_files.py`): generated corpus
+   directories (suffixes in any case, unknown names, hidden files, subdirectories: every entry read
+   or listed as skipped, exactly the read files' lines counted), corpus files appended to, rewritten
+   or cut after their fingerprint (the fingerprinted records, or an error naming the file), damaged
+   .gz / .bz2 / .zst files (an error naming the file and how far it was read, or lines read as
+   records and rejects; a truncation always named), regeneration prompts around the context limit
+   (`prompt_too_long` exactly when no room is left, else an answer budget inside the context), and
+   type confusions (booleans among token ids, per-turn weight / train switches of every type).
 6. **Security.** An AST scan of common/, shards/, extract/, train/ for every load site; a
    checkpoint whose optimizer.pt is a code-running pickle (with a matching checksum); a shard whose
    schema carries a pickled Arrow extension type; targets and exported drafters that ship Python
@@ -93,13 +107,15 @@ once per test process): one kill in each of the shard-written, shard-renamed, ma
 merge windows; kills in a half-written checkpoint file, after a checkpoint rename and in the middle
 of pruning; 5 damaged dataset files and 5 damaged checkpoint files plus the three `on_corrupt=skip`
 runs; ENOSPC in shard data and in a manifest update, in a checkpoint file and EIO in a checkpoint
-fsync; 80 generated records, one fuzzed corpus, every bad value of every config key, the semantic
-and mismatched-shard cases, 30 generated cases of each corpus-input family, one pair of concurrent
-extractions and a crashed lock holder; every security check; one default-threads kill. The fixes the
-suite led to have their own
-regression tests next to the component (tests/shards/test_integrity.py,
-tests/extract/test_failures.py, tests/train/test_checkpoint_integrity.py,
-tests/train/serve/test_remote_code.py).
+fsync, in a transcode shard and a regeneration journal, and real full disks for extraction,
+transcode and training; 80 generated records, one fuzzed corpus, every bad value of every config
+key, the semantic and mismatched-shard cases, 30 generated cases of each corpus-input family, 60 of
+the corpus-file families, one pair of concurrent extractions and a crashed lock holder; every
+security check; one default-threads kill. The fixes the suite led to have their own regression
+tests next to the component (tests/shards/test_integrity.py, tests/extract/test_failures.py,
+tests/train/test_checkpoint_integrity.py, tests/train/serve/test_remote_code.py; for the holes of
+issue 28: tests/extract/test_outside_holes.py, tests/extract/test_regenerate_context.py,
+tests/train/serve/test_zlab_loop.py, tests/test_interrupts.py).
 """
 
 

@@ -55,6 +55,32 @@ def test_formats_encodings_tool_calls_and_control_tokens_get_a_clear_answer(worl
     assert {"format", "encoding", "tool_call", "control_token"} <= families
 
 
+def test_corpus_files_prompts_and_type_confusions_get_a_clear_answer(world, tmp_path):
+    """The families of issue 28: directory contents, changing corpora, damaged compressed files,
+    over-long regeneration prompts, booleans as token ids and per-turn weights."""
+    from tests.reliability import corpus_files
+
+    tally = bad_inputs.Tally()
+    corpus_files.run_all(world, tally, examples=60, seed=None, work=tmp_path)
+    assert not tally.failures, tally.failures[:10]
+    families = {kind.split(":")[0] for kind in tally.kinds}
+    assert families == {"directory", "changing", "compressed", "prompt_length", "type_confusion"}
+
+
+def test_the_compressed_judge_catches_a_silent_truncation(world, tmp_path, monkeypatch):
+    """The family can fail: a reader that ignores a truncated stream's error is reported."""
+    import random
+
+    from extract import reading
+    from tests.reliability import corpus_files
+
+    monkeypatch.setattr(reading, "_damaged", lambda path, err, lines, raw: StopIteration())
+    monkeypatch.setattr(reading, "_decode_errors", lambda: (ValueError,))  # swallow nothing: the error escapes
+    tally = bad_inputs.Tally()
+    corpus_files.compressed(tally, random.Random(1), 12, tmp_path)
+    assert tally.failures
+
+
 def test_concurrent_writers_never_both_write(world, tmp_path):
     from tests.reliability import writers
 

@@ -135,6 +135,31 @@ def position_mask(q_pos_BQ: torch.Tensor, kv_pos_BK: torch.Tensor, window: int |
     return visible_BQK[:, None]
 
 
+class _OneBlockMask:
+    """The mask of one block after its context (`position_mask`), made once a layer's keys are known.
+
+    A layer attends over the keys its cache hands back followed by this call's P = S + Q new ones.
+    The cached keys are always the latest positions before the new context: all of them for a plain
+    `DynamicCache`, the last `sliding_window - 1` (or fewer) for the sliding layers of a
+    `DynamicCache(config=...)`; so with K keys the cached ones sit at first - (K - P) .. first - 1,
+    where first is the position of the first new context token."""
+
+    def __init__(self, position_ids_BP: torch.Tensor, S: int, rule: tuple[int | None, bool]):
+        self.position_ids_BP, self.q_pos_BQ, self.rule = position_ids_BP, position_ids_BP[:, S:], rule
+        self._by_keys: dict[int, torch.Tensor | None] = {}
+
+    def for_keys(self, K: int) -> torch.Tensor | None:
+        if K not in self._by_keys:
+            cached = K - self.position_ids_BP.shape[1]
+            if cached < 0:
+                raise ValueError(f"the cache returned {K} keys, fewer than the {self.position_ids_BP.shape[1]} new ones")
+            offsets = torch.arange(-cached, 0, device=self.position_ids_BP.device)
+            cached_BC = self.position_ids_BP[:, :1] + offsets[None]
+            kv_pos_BK = torch.cat((cached_BC, self.position_ids_BP), dim=1)
+            self._by_keys[K] = position_mask(self.q_pos_BQ, kv_pos_BK, *self.rule)
+        return self._by_keys[K]
+
+
 def extract_context_feature(hidden_states, layer_ids) -> torch.Tensor:
     """Tap features from `output_hidden_states`: id i is the output of decoder layer i = hidden_states[i + 1]."""
     return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
@@ -279,6 +304,8 @@ class DFlashAttention(nn.Module):
             k_BGKE, v_BGKE = past_key_values.update(k_BGPE, v_BGPE, self.layer_idx)
         else:
             k_BGKE, v_BGKE = k_BGPE, v_BGPE
+        if isinstance(attention_mask, _OneBlockMask):
+            attention_mask = attention_mask.for_keys(k_BGKE.shape[-2])
         out_BHQE = _attention(q_BHQE, k_BGKE, v_BGKE, attention_mask)
         return self.o_proj(out_BHQE.transpose(1, 2).reshape(B, Q, self.heads * self.head_dim))
 
@@ -369,15 +396,18 @@ class DFlashDraftModel(PreTrainedModel):
             return [attention_mask[t] for t in self.layer_types]
         if attention_mask is not None:
             return [attention_mask] * len(self.layers)
-        cached = past_key_values.get_seq_length() if past_key_values is not None else 0
-        B = position_ids.shape[0]
-        kv_pos_BK = torch.cat((torch.arange(cached, device=position_ids.device).expand(B, cached), position_ids), dim=1)
-        q_pos_BQ = position_ids[:, S:]
+        # Built per layer once its keys are known: a cache may keep fewer than it has seen (the sliding
+        # layers of `DynamicCache(config=...)` keep the last sliding_window - 1, as z-lab's loop makes them).
         by_rule: dict = {}
         for rule in self.layer_attention:
             if rule not in by_rule:
-                by_rule[rule] = position_mask(q_pos_BQ, kv_pos_BK, *rule)
+                by_rule[rule] = None if rule == (None, False) else _OneBlockMask(position_ids, S, rule)
         return [by_rule[rule] for rule in self.layer_attention]
+
+    def compute_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Logits of drafted positions: the target's output head (`lm_head`) on `forward`'s hidden
+        states (z-lab's `dflash_generate` calls this with the target's head)."""
+        return lm_head(hidden_states.to(lm_head.weight.dtype))
 
     @property
     def attention_rules(self) -> dict[str, tuple[int | None, bool]]:

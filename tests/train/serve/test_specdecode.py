@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tests.common.test_repeat import first_loop_reference
-from train.attention import build_dense_mask
+from train.attention import build_layer_masks
 from train.blocks import make_blocks
 from train.model import DFlashDrafter, DrafterConfig
 from train.serve.agreement import agreement, offline_block_drafts
@@ -297,7 +297,7 @@ def train_drafter(
             mask_token_id=MASK,
             generator=generator,
         )
-        mask = build_dense_mask(blocks.anchors_BN, blocks.keep_BN, S, B)
+        mask = build_layer_masks("sdpa", blocks.anchors_BN, blocks.keep_BN, S, B, drafter.config.mask_rules)
         out = drafter(F.embedding(blocks.block_ids_BQ, embed), hidden, blocks.position_ids_BP, mask)
         rows_M = blocks.loss_rows_M
         logits = out.reshape(-1, out.shape[-1])[rows_M] @ head.T
