@@ -1,6 +1,7 @@
 """Filesystem helpers shared by every stage: resolve a local path or any `pyarrow.fs` URI, and
 write files atomically (temporary name, fsync, rename) so a kill never leaves a half-written file
-under its final name.
+under its final name. On an object store (S3, GCS: `common.objstore`), which has no rename and
+where a PUT is atomic per object, a file is written once, under its final name.
 
 Temporary files are named `<name>.tmp` (or `<name>.<anything>.tmp`); readers ignore them and
 writers clean them up on their next run.
@@ -22,13 +23,21 @@ def resolve(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) for a local path or a URI such as `s3://bucket/dir`."""
     text = str(uri_or_path)
     if "://" in text:
-        fs, path = pafs.FileSystem.from_uri(text)
-        return fs, path.rstrip("/")
+        from common.objstore import resolve_store
+
+        return resolve_store(text)
     return pafs.LocalFileSystem(), os.path.abspath(text)
 
 
 def is_local(fs: pafs.FileSystem) -> bool:
     return isinstance(fs, pafs.LocalFileSystem)
+
+
+def in_place(fs: pafs.FileSystem) -> bool:
+    """Whether files are written under their final name (an object store: a PUT is atomic, a rename is a copy)."""
+    from common.objstore import is_object_store
+
+    return is_object_store(fs)
 
 
 def join(*parts: str) -> str:
@@ -83,6 +92,10 @@ def atomic_write_bytes(path: str, data: bytes, fs: pafs.FileSystem | None = None
         fs, path = resolve(path)
     if is_local(fs):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    elif in_place(fs):
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
     tmp = temp_name(path)
     with fs.open_output_stream(tmp) as f:
         f.write(data)

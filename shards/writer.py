@@ -2,7 +2,9 @@
 any moment leaves a dataset whose manifest lists only complete, checksummed shards.
 
 Commit protocol for one shard (see FORMAT.md): the shard and its index are written under `*.tmp`
-names, fsynced and renamed; then the manifest is rewritten atomically. A shard whose rename
+names, fsynced and renamed; then the manifest is rewritten atomically. On an object store (no
+rename; a PUT is atomic per object) both are written once under their final names, the shard as a
+multipart upload, and the manifest, written last, is what makes them part of the dataset. A shard whose rename
 happened but whose manifest update did not is not part of the dataset and is deleted when the
 next writer opens the dataset. Every sample's record batch is also hashed on its way to the file:
 its byte range and xxh3-64 go into the index, and readers check them on every read
@@ -463,6 +465,10 @@ class ShardWriter:
 
     def _remove_leftovers(self) -> None:
         removed = io.remove_temp_files(self.fs, self.root, prefixes=(f"{self.shard_prefix}-", f"{self.manifest_name}."))
+        if io.in_place(self.fs):  # a killed writer's half-done multipart uploads (invisible, but billed)
+            from common.objstore import abort_uploads
+
+            removed += abort_uploads(self.fs, self.root, (f"{self.shard_prefix}-",))
         if removed:
             log.info("removed %d leftover temporary files from a killed writer: %s", len(removed), removed)
 
@@ -633,7 +639,9 @@ class ShardWriter:
 
     def _start_shard(self) -> _OpenShard:
         file = shard_file_name(self.shard_prefix, self._next_number)
-        tmp_path = io.temp_name(io.join(self.root, file))
+        # An object store has no rename: the shard is uploaded under its final name (unlisted until committed).
+        final = io.join(self.root, file)
+        tmp_path = final if io.in_place(self.fs) else io.temp_name(final)
         raw = self.fs.open_output_stream(tmp_path, buffer_size=1 << 20)
         write_behind = (
             _WriteBehind(tmp_path, self.write_behind_bytes)
@@ -683,7 +691,8 @@ class ShardWriter:
             shard.stream.close()
             self.write_behind_syncs += shard.stream.write_behind.syncs if shard.stream.write_behind else 0
             index_file, index_bytes, index_checksum = self._write_index(shard)
-            io.commit(self.fs, shard.tmp_path, io.join(self.root, shard.file))
+            if not io.in_place(self.fs):
+                io.commit(self.fs, shard.tmp_path, io.join(self.root, shard.file))
         except BaseException:
             # Not committed: these samples are not in the dataset and may be written again.
             self._ids.difference_update(shard.sample_ids)
@@ -736,4 +745,5 @@ class ShardWriter:
         self._manifest["counts"] = counts
         self._manifest["stage_state"] = stage_state
         self._manifest["writer"].update(tool_version=tool_version(), git_sha=git_sha())
+        self._lock.check()  # an object store's lock lease: never commit once another writer may hold it
         save_manifest(self.fs, self.root, self.manifest_name, self._manifest)
