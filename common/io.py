@@ -44,6 +44,32 @@ def join(*parts: str) -> str:
     return "/".join(p.rstrip("/") for p in parts if p)
 
 
+def join_uri(root: str, *names: str) -> str:
+    """`root/name` for a local path or a URI, keeping the URI's query (`s3://b/p?endpoint_override=...`)."""
+    if "://" not in str(root):
+        return os.path.join(root, *names)
+    base, sep, query = str(root).partition("?")
+    return "/".join([base.rstrip("/"), *names]) + sep + query
+
+
+def list_names(root: str) -> list[str]:
+    """Names directly under the directory `root` (local path or URI); [] if it does not exist."""
+    fs, path = resolve(root)
+    return sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)))
+
+
+def exists_at(uri_or_path: str) -> bool:
+    fs, path = resolve(uri_or_path)
+    return exists(fs, path)
+
+
+def remove_at(uri_or_path: str) -> None:
+    """Delete the file `uri_or_path` if it exists."""
+    fs, path = resolve(uri_or_path)
+    if exists(fs, path):
+        fs.delete_file(path)
+
+
 def exists(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 

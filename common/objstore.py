@@ -286,14 +286,19 @@ class ObjectLock:
                 self.etag = self._put(IfNoneMatch="*")
                 break
             except botocore.exceptions.ClientError as err:
-                if _status(err) not in (409, 412) and _error_code(err) not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                if _status(err) not in (409, 412) and _error_code(err) not in (
+                    "PreconditionFailed",
+                    "ConditionalRequestConflict",
+                ):
                     raise OSError(f"{store_uri(fs, path)}: cannot create the lock object: {err}") from None
             taken = self._take_over_if_stale()
             if taken:
                 break
             if time.monotonic() >= deadline:
-                raise _locked_error(f"{what} is being written by another process ({self._holder}; lock object "
-                                    f"{store_uri(fs, path)}). {hint}")
+                raise _locked_error(
+                    f"{what} is being written by another process ({self._holder}; lock object "
+                    f"{store_uri(fs, path)}). {hint}"
+                )
             time.sleep(0.5)
         self.renewed_at = time.monotonic()
         self._thread = threading.Thread(target=self._renew_loop, name="object-lock", daemon=True)
@@ -330,7 +335,11 @@ class ObjectLock:
             if info
             else "holder unknown"
         )
-        same_host_dead = info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int) and not _pid_alive(info["pid"])
+        same_host_dead = (
+            info.get("host") == socket.gethostname()
+            and isinstance(info.get("pid"), int)
+            and not _pid_alive(info["pid"])
+        )
         expired = age > float(info.get("lease_s", self.lease))
         if not (same_host_dead or expired):
             return False
@@ -408,4 +417,3 @@ def _locked_error(message: str):
     from common.locks import LockedError
 
     return LockedError(message)
-

@@ -399,6 +399,9 @@ class ShardWriter:
         self._ids = set(self._committed_ids)  # committed + in the open shard, to refuse duplicates
         self._next_number = self._first_free_number()
         self.extra_counts: collections.Counter = collections.Counter(extra_counts_of(self._manifest))
+        # Called before every manifest save: what the caller's stage_state points at must be durable
+        # first (extract: the rejects object on an object store).
+        self.before_save: list = []
         self.stage_state: dict = dict(self._manifest.get("stage_state") or {})
 
     # ------------------------------------------------------------------ opening / resuming
@@ -745,5 +748,7 @@ class ShardWriter:
         self._manifest["counts"] = counts
         self._manifest["stage_state"] = stage_state
         self._manifest["writer"].update(tool_version=tool_version(), git_sha=git_sha())
+        for hook in self.before_save:
+            hook()
         self._lock.check()  # an object store's lock lease: never commit once another writer may hold it
         save_manifest(self.fs, self.root, self.manifest_name, self._manifest)
