@@ -85,6 +85,10 @@ def resolve_store(uri: str) -> tuple[pafs.FileSystem, str]:
     fs, path = pafs.FileSystem.from_uri(uri)
     if is_s3(fs):
         kwargs = dict(fs.__reduce__()[1][0])
+        # Delayed open: an object smaller than one part (manifests, indexes) is one PutObject at
+        # close instead of a multipart upload of three requests.
+        kwargs.setdefault("allow_delayed_open", True)
+        kwargs["allow_delayed_open"] = True
         fs = pafs.S3FileSystem(**kwargs, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=retry_attempts()))
     return fs, path.rstrip("/")
 
