@@ -135,7 +135,9 @@ def s3_client(fs: pafs.S3FileSystem):
             "writing to s3:// needs botocore for the lock object (pip install botocore); see docs/object-storage.md"
         ) from None
     kwargs = _client_kwargs(fs)
-    key = json.dumps(kwargs, sort_keys=True)
+    # The credentials botocore finds depend on the environment: a client per environment, too.
+    env = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE")}
+    key = json.dumps([kwargs, env], sort_keys=True)
     with _clients_guard:
         if key not in _clients:
             session = botocore.session.get_session()

@@ -52,7 +52,7 @@ class _OpenShardFile:
     """One thread's handle on a shard file: the file (memory map or input file) and its IPC reader."""
 
     source: pa.NativeFile
-    reader: pa.ipc.RecordBatchFileReader
+    reader: pa.ipc.RecordBatchFileReader | None  # None: remote, samples read from their index ranges only
 
 
 class ShardDataset:
@@ -88,6 +88,7 @@ class ShardDataset:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._checked_shards: set[int] = set()
+        self._opened_shards: set[int] = set()  # shards whose file was checked (size, schema, samples) once
         self._index: pa.Table | None = None
         self._position_of_id: dict[str, int] | None = None
         self._ranges: dict[int, SampleRanges] = {}  # shard -> its samples' byte ranges and checksums
@@ -111,6 +112,7 @@ class ShardDataset:
         # Open readers, locks and thread-locals stay behind (e.g. when sent to a worker process).
         state = {k: v for k, v in self.__dict__.items() if k not in ("_local", "_lock", "fs")}
         state["_checked_shards"] = set(self._checked_shards)
+        state["_opened_shards"] = set(self._opened_shards)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -303,6 +305,11 @@ class ShardDataset:
     def _open(self, shard: int) -> _OpenShardFile:
         entry = self.shards[shard]
         path = io.join(self.root, entry["file"])
+        if shard in self._opened_shards and not io.is_local(self.fs) and self._sample_ranges(shard) is not None:
+            # Remote, checked reads: the file was checked once (by any thread) and a sample is read from
+            # its index range, so this thread's handle costs no request (no HEAD, no footer).
+            known = pafs.FileInfo(path, type=pafs.FileType.File, size=entry["bytes"])
+            return _OpenShardFile(self.fs.open_input_file(known), None)
         info = self.fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"{path}: shard file listed in the manifest is missing")
@@ -327,6 +334,7 @@ class ShardDataset:
             raise ShardFormatError(
                 f"{path}: {reader.num_record_batches} samples in the file, manifest says {entry['samples']}"
             )
+        self._opened_shards.add(shard)
         return _OpenShardFile(source, reader)
 
     def _check_checksum(self, file: str, expected: str) -> None:
