@@ -122,3 +122,54 @@ def test_live_lock_of_another_host_refuses_until_its_lease_runs_out(s3_uri, monk
     with open_writer(s3_uri) as w:
         w.write(make_sample(0))
     assert len(ShardDataset(s3_uri)) == 1
+
+
+def test_the_shards_command_line_reads_and_merges_s3_datasets(s3_uri, capsys):
+    from common.io import join_uri
+    from shards.__main__ import main
+
+    for rank in range(2):
+        with ShardWriter(
+            s3_uri,
+            provenance=provenance(),
+            hidden_width=WIDTH,
+            topk=TOPK,
+            shard_bytes=6_000,
+            manifest_name=f"manifest.rank{rank:03d}.json",
+            shard_prefix=f"r{rank:03d}-shard",
+        ) as w:
+            for i in range(rank, 12, 2):
+                w.write(make_sample(i))
+    assert main(["merge", s3_uri, "manifest.rank000.json", "manifest.rank001.json"]) == 0
+    assert "merged 2 manifests" in capsys.readouterr().out
+    assert main(["verify", s3_uri, "--no_progress"]) == 0
+    assert capsys.readouterr().out.startswith("OK: 12 samples")
+    assert main(["inspect", s3_uri]) == 0
+    assert "12" in capsys.readouterr().out
+    assert main(["show", s3_uri, "3"]) == 0
+    assert make_sample(6).sample_id in capsys.readouterr().out  # rank 0's shards first: 0, 2, 4, 6, ...
+    # A damaged object is named by verify, as on disk.
+    fs, root = io.resolve(s3_uri)
+    entry = ShardDataset(s3_uri).shards[0]
+    data = bytearray(io.read_bytes(fs, f"{root}/{entry['file']}"))
+    data[len(data) // 2] ^= 0xFF
+    with fs.open_output_stream(f"{root}/{entry['file']}") as f:
+        f.write(bytes(data))
+    assert main(["verify", s3_uri, "--no_progress"]) == 1
+    assert entry["file"] in capsys.readouterr().out
+    assert io.exists_at(join_uri(s3_uri, "manifest.json"))
+
+
+def test_transcode_from_and_to_s3(s3_uri):
+    from common.io import join_uri
+    from shards.transcode import TranscodeConfig, transcode
+
+    src = join_uri(s3_uri, "src").replace("/data/src", "/src")
+    with open_writer(src) as w:
+        for i in range(10):
+            w.write(make_sample(i))
+    dst = src.replace("/src", "/fp8")
+    result = transcode(src, dst, TranscodeConfig(encoding="fp8", progress=False))
+    assert result["problems"] == [] and result["samples"] == 10
+    again = transcode(src, dst, TranscodeConfig(encoding="fp8", progress=False))
+    assert again["resumed_past"] == 10 and len(ShardDataset(dst)) == 10
