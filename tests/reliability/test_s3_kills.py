@@ -23,12 +23,20 @@ def test_random_kills_against_s3_resume_to_the_uninterrupted_dataset(world, moto
 
 
 def test_extraction_to_s3_stores_the_local_run_and_a_rerun_has_nothing_to_do(world, moto_server, s3_uri):
+    from common.config import load_config
+    from extract import pipeline
+    from extract.config import ExtractConfig
     from tests.reliability.datasets import sample_bytes
 
-    summary = world.extract_in_process(s3_uri)[None]
+    cfg = load_config(ExtractConfig, s3_kills._config(world, "s3-in-process", s3_uri), section="extract")
+
+    def extract():
+        return pipeline.run(cfg, target=world.target, ranks=pipeline.Ranks())[None]
+
+    summary = extract()
     assert summary["complete"] and summary["this_run"]["coverage_ok"]
     reference = dict(sample_bytes(world.baseline))
     problems, lost, duplicated = s3_kills.check_final(s3_uri, world, reference, moto_server)
     assert problems == [] and lost == duplicated == 0
-    again = world.extract_in_process(s3_uri)[None]
+    again = extract()
     assert "this_run" not in again and again["samples"] == len(reference)
