@@ -116,6 +116,12 @@ def parse_cli(cls: type, argv: typing.Sequence[str], *, section: str | None = No
     return parse_command(cls, argv, section=section, config=path)
 
 
+def _is_uri(word: str) -> bool:
+    """`s3://bucket/p?endpoint_override=...`: a value (a URI's query holds '='), not key=value."""
+    scheme, sep, _ = word.partition("://")
+    return bool(sep) and "=" not in scheme and scheme.replace("+", "").isalnum()
+
+
 def parse_command(
     cls: type,
     argv: typing.Sequence[str],
@@ -165,7 +171,7 @@ def parse_command(
                     path = value
                 else:
                     _put_word(key, value, hint, overrides, values)
-        elif "=" in word and not os.path.exists(word):  # an existing path may hold '='
+        elif "=" in word and not os.path.exists(word) and not _is_uri(word):  # a path or URI may hold '='
             overrides.append(word)
         else:
             words.append(word)

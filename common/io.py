@@ -1,6 +1,7 @@
 """Filesystem helpers shared by every stage: resolve a local path or any `pyarrow.fs` URI, and
 write files atomically (temporary name, fsync, rename) so a kill never leaves a half-written file
-under its final name.
+under its final name. On an object store (S3, GCS: `common.objstore`), which has no rename and
+where a PUT is atomic per object, a file is written once, under its final name.
 
 Temporary files are named `<name>.tmp` (or `<name>.<anything>.tmp`); readers ignore them and
 writers clean them up on their next run.
@@ -22,8 +23,9 @@ def resolve(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) for a local path or a URI such as `s3://bucket/dir`."""
     text = str(uri_or_path)
     if "://" in text:
-        fs, path = pafs.FileSystem.from_uri(text)
-        return fs, path.rstrip("/")
+        from common.objstore import resolve_store
+
+        return resolve_store(text)
     return pafs.LocalFileSystem(), os.path.abspath(text)
 
 
@@ -31,8 +33,41 @@ def is_local(fs: pafs.FileSystem) -> bool:
     return isinstance(fs, pafs.LocalFileSystem)
 
 
+def in_place(fs: pafs.FileSystem) -> bool:
+    """Whether files are written under their final name (an object store: a PUT is atomic, a rename is a copy)."""
+    from common.objstore import is_object_store
+
+    return is_object_store(fs)
+
+
 def join(*parts: str) -> str:
     return "/".join(p.rstrip("/") for p in parts if p)
+
+
+def join_uri(root: str, *names: str) -> str:
+    """`root/name` for a local path or a URI, keeping the URI's query (`s3://b/p?endpoint_override=...`)."""
+    if "://" not in str(root):
+        return os.path.join(root, *names)
+    base, sep, query = str(root).partition("?")
+    return "/".join([base.rstrip("/"), *names]) + sep + query
+
+
+def list_names(root: str) -> list[str]:
+    """Names directly under the directory `root` (local path or URI); [] if it does not exist."""
+    fs, path = resolve(root)
+    return sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)))
+
+
+def exists_at(uri_or_path: str) -> bool:
+    fs, path = resolve(uri_or_path)
+    return exists(fs, path)
+
+
+def remove_at(uri_or_path: str) -> None:
+    """Delete the file `uri_or_path` if it exists."""
+    fs, path = resolve(uri_or_path)
+    if exists(fs, path):
+        fs.delete_file(path)
 
 
 def exists(fs: pafs.FileSystem, path: str) -> bool:
@@ -83,6 +118,10 @@ def atomic_write_bytes(path: str, data: bytes, fs: pafs.FileSystem | None = None
         fs, path = resolve(path)
     if is_local(fs):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    elif in_place(fs):
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
     tmp = temp_name(path)
     try:
         with fs.open_output_stream(tmp) as f:

@@ -57,6 +57,9 @@ class Lock:
         """Nothing to release (where no lock is taken, e.g. a remote file system)."""
         return cls(None)
 
+    def check(self) -> None:
+        """Nothing to check: the operating system holds a local lock until the holder exits."""
+
     def release(self) -> None:
         with _guard:
             if self._released:

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from common.io import exists_at, join_uri
 from extract import corpus as C
 from extract.batching import attention_mask_for, collate_right_padded, plan_micro_batches
 from extract.capture import STORE_DTYPE, forward_with_taps, to_device_async
@@ -31,13 +32,13 @@ WAIT_SECONDS = 6 * 3600  # how long a rank waits for rank 0's calibration
 
 def listed_projection(root: str) -> dict | None:
     """The projection entry a manifest in `root` (merged or a rank's) lists, if any."""
-    from common.io import resolve
+    from common.io import list_names, resolve
     from shards.manifest import load_manifest
 
-    if not os.path.isdir(root):
+    if "://" not in root and not os.path.isdir(root):
         return None
     fs, path = resolve(root)
-    for name in sorted(n for n in os.listdir(root) if n.startswith("manifest") and n.endswith(".json")):
+    for name in sorted(n for n in list_names(root) if n.startswith("manifest") and n.endswith(".json")):
         try:
             entry = load_manifest(fs, path, name).get("projection")
         except (ValueError, OSError):
@@ -64,9 +65,9 @@ def ensure_projection(cfg, target, ranks, root: str):
                 f"projection: {cfg.projection!r} reads {projection.in_width} features, the taps give {width}"
             )
         return projection, save_projection(root, projection, data)
-    path = os.path.join(root, PROJECTION_FILE)
+    path = join_uri(root, PROJECTION_FILE)
     if ranks.rank != 0:
-        return _wait_for(path, cfg)
+        return _wait_for(root, path, cfg)
     left = _matching_file(path, cfg)
     if left is not None:
         log.info("%s: reusing the projection of a run that stopped before its first commit", path)
@@ -82,7 +83,7 @@ def _settings(cfg) -> dict:
 def _matching_file(path: str, cfg):
     from shards.projection import load_projection_file
 
-    if not os.path.exists(path):
+    if not exists_at(path):
         return None
     projection, _ = load_projection_file(path)
     made_with = {
@@ -92,14 +93,14 @@ def _matching_file(path: str, cfg):
     return projection if made_with == _settings(cfg) else None
 
 
-def _wait_for(path: str, cfg):
+def _wait_for(root: str, path: str, cfg):
     from shards.projection import load_projection_file, save_projection
 
     started = time.time()
     while time.time() - started < WAIT_SECONDS:
         projection = _matching_file(path, cfg)
         if projection is not None:
-            return projection, save_projection(os.path.dirname(path), projection, load_projection_file(path)[1])
+            return projection, save_projection(root, projection, load_projection_file(path)[1])
         time.sleep(2.0)
     raise TimeoutError(f"{path}: rank 0's calibration pass did not finish within {WAIT_SECONDS} s")
 

@@ -36,7 +36,16 @@ import torch
 
 from common.config import config_to_dict, fail, save_config
 from common.hashing import json_digest, text_digest, tokenizer_digest
-from common.io import atomic_write_json, atomic_write_text, remove_temp_files, resolve
+from common.io import (
+    atomic_write_json,
+    atomic_write_text,
+    exists_at,
+    join_uri,
+    list_names,
+    remove_at,
+    remove_temp_files,
+    resolve,
+)
 from common.provenance import provenance as tool_provenance
 from common.target import Target, check_layer_ids, load_target, read_text_config, target_provenance
 from extract import corpus as C
@@ -45,7 +54,7 @@ from extract.calibrate import ensure_projection
 from extract.capture import Capturer, sample_views, tier_for
 from extract.config import DATASET_KEYS, ExtractConfig
 from extract.mask_token import MaskChoice, choose_mask_token
-from extract.sink import Progress, RejectLog, Worker, read_committed_rejects
+from extract.sink import Progress, RejectLog, Worker, open_reject_log, read_committed_rejects
 from shards.manifest import MERGE_WAIT_SECONDS, lock_manifest
 
 log = logging.getLogger("extract")
@@ -212,9 +221,18 @@ def check_no_other_writer(out_dir: str, ranks: Ranks) -> None:
 
 
 def check_out_dir(out_dir: str, key: str) -> None:
-    """ConfigError unless `out_dir` is (or can become) a writable local directory."""
+    """ConfigError unless `out_dir` is (or can become) a writable local directory, or is on an
+    object store whose bucket this process can reach (docs/object-storage.md)."""
     import tempfile
 
+    if "://" in out_dir:
+        from common.objstore import check_location
+
+        try:
+            check_location(out_dir, write=True)
+        except ValueError as err:
+            fail(key, str(err))
+        return
     root = _local_dir(out_dir)
     existing = root
     while not os.path.lexists(existing):
@@ -272,13 +290,15 @@ def extract_split(
     mask = mask or choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus])
     fresh = build_provenance(cfg, target, corpus, fingerprint, regeneration, mask)
     names = ranks.names
-    created = _missing_dirs(root)  # what a start that commits nothing removes again
-    os.makedirs(root, exist_ok=True)
-    fs, _ = resolve(root)
+    remote = "://" in root  # an object store: no directories to make or remove
+    created = [] if remote else _missing_dirs(root)  # what a start that commits nothing removes again
+    if not remote:
+        os.makedirs(root, exist_ok=True)
+    fs, fs_root = resolve(root)
     try:
         with lock_manifest(
-            fs, root, names["manifest"]
-        ):  # one writer per rank of a dataset; released by the OS on a crash
+            fs, fs_root, names["manifest"]
+        ):  # one writer per rank of a dataset; released by the OS on a crash (a lease on an object store)
             return _extract_locked(cfg, target, ranks, root, corpus, fingerprint, fresh, label, entered, created)
     except BaseException:
         for path in created:
@@ -303,13 +323,13 @@ def _extract_locked(
     from shards import ShardWriter, load_manifest
     from shards.manifest import hidden_split_of
 
-    fs, _ = resolve(root)
+    fs, fs_root = resolve(root)
     names = ranks.names
     done = _already_complete(fs, root, fresh, load_manifest)
     if done is not None:
         log.info("%s: already complete (%d samples); nothing to do", root, done["counts"]["samples"])
-        if not os.path.exists(os.path.join(root, SUMMARY_FILE)):  # killed between manifest.json and summary.json
-            with lock_manifest(fs, root, FINAL_MANIFEST, wait_seconds=MERGE_WAIT_SECONDS):
+        if not exists_at(join_uri(root, SUMMARY_FILE)):  # killed between manifest.json and summary.json
+            with lock_manifest(fs, fs_root, FINAL_MANIFEST, wait_seconds=MERGE_WAIT_SECONDS):
                 remove_merge_leftovers(root)
                 return write_summary(root, done)
         return summarize_dataset(root, done, this_run=None)
@@ -317,7 +337,7 @@ def _extract_locked(
     provenance, stage_state, hidden_split = fresh, {}, None
     existing = _existing_rank_manifest(root, names["manifest"])
     if existing is not None:
-        stored = load_manifest(fs, root, existing)
+        stored = load_manifest(fs, fs_root, existing)
         if _holds_nothing(stored) and resume_problems(stored["provenance"], fresh):
             # Left by a start that committed nothing (killed, or refused before its first commit):
             # nothing to resume, so it must not block a corrected run.
@@ -334,10 +354,10 @@ def _extract_locked(
         if existing == names["manifest"]:
             stage_state = stored.get("stage_state", {})
     else:
-        created += [os.path.join(root, n) for n in (names["manifest"], names["rejects"])]
-    config_path = os.path.join(root, CONFIG_FILE)
+        created += [join_uri(root, n) for n in (names["manifest"], names["rejects"])]
+    config_path = join_uri(root, CONFIG_FILE)
     if ranks.rank == 0:
-        if not os.path.exists(config_path):
+        if not exists_at(config_path):
             created.append(config_path)
         save_config(cfg, config_path)
 
@@ -373,7 +393,8 @@ def _extract_locked(
                 }
             )
             writer.stage_state["runs"] = runs
-            rejects = RejectLog(os.path.join(root, names["rejects"]), int(writer.stage_state.get("rejects_bytes", 0)))
+            rejects = open_reject_log(join_uri(root, names["rejects"]), int(writer.stage_state.get("rejects_bytes", 0)))
+            writer.before_save.append(rejects.upload)  # an object store's rejects object: before the manifest
             try:
                 run_stats = _extract_into(cfg, target, ranks, corpus, fingerprint, writer, rejects, label, entered)
             finally:
@@ -408,7 +429,7 @@ def _extract_locked(
     )
     merged = finish_ranks(root, ranks)
     if merged is None:
-        return summarize_dataset(root, load_manifest(fs, root, names["manifest"]), this_run=run_stats, partial=True)
+        return summarize_dataset(root, load_manifest(fs, fs_root, names["manifest"]), this_run=run_stats, partial=True)
     return summarize_dataset(root, merged, this_run=run_stats)
 
 
@@ -421,7 +442,7 @@ def _holds_nothing(manifest: dict) -> bool:
 def _remove_stub(root: str, names: dict) -> None:
     for name in (names["manifest"], names["rejects"]):
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(root, name))
+            remove_at(join_uri(root, name))
 
 
 def _discard_if_empty(root: str, names: dict, created: list) -> None:
@@ -429,16 +450,16 @@ def _discard_if_empty(root: str, names: dict, created: list) -> None:
     starts afresh with whatever settings it is given, and an out_dir this run made disappears)."""
     from shards import load_manifest
 
-    fs, _ = resolve(root)
+    fs, fs_root = resolve(root)
     try:
-        if not _holds_nothing(load_manifest(fs, root, names["manifest"])):
+        if not _holds_nothing(load_manifest(fs, fs_root, names["manifest"])):
             return
     except (ValueError, OSError):
         return  # unreadable or absent: leave everything for a person to look at
     for path in created:
-        if not os.path.isdir(path):
+        if "://" in path or not os.path.isdir(path):
             with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+                remove_at(path)
 
 
 def has_committed_work(cfg: ExtractConfig, ranks: Ranks) -> bool:
@@ -447,9 +468,8 @@ def has_committed_work(cfg: ExtractConfig, ranks: Ranks) -> bool:
 
     for split_cfg in cfg.split_configs().values():
         try:
-            root = _local_dir(split_cfg.out_dir)
-            fs, _ = resolve(root)
-            if not _holds_nothing(load_manifest(fs, root, ranks.names["manifest"])):
+            fs, fs_root = resolve(_local_dir(split_cfg.out_dir))
+            if not _holds_nothing(load_manifest(fs, fs_root, ranks.names["manifest"])):
                 return True
         except (ValueError, OSError):
             continue
@@ -458,18 +478,17 @@ def has_committed_work(cfg: ExtractConfig, ranks: Ranks) -> bool:
 
 def _existing_rank_manifest(root: str, own: str) -> str | None:
     """This rank's manifest if it exists, else another rank's (whose provenance this rank adopts)."""
-    if os.path.exists(os.path.join(root, own)):
+    present = list_names(root)
+    if own in present:
         return own
-    others = sorted(f for f in os.listdir(root) if f.startswith("manifest.rank") and f.endswith(".json"))
+    others = sorted(f for f in present if f.startswith("manifest.rank") and f.endswith(".json"))
     return others[0] if others else None
 
 
 def _local_dir(out_dir: str) -> str:
+    """The dataset root: an absolute local path, or the URI as given (an object store)."""
     if "://" in out_dir:
-        raise ValueError(
-            f"out_dir: {out_dir!r} is a URI; extraction writes to a local or mounted path (copy the finished "
-            "dataset afterwards)"
-        )
+        return out_dir.rstrip("/")
     return os.path.abspath(out_dir)
 
 
@@ -691,9 +710,9 @@ def _refuse_changed(root: str, stored_manifest: dict, fresh: dict, ranks: Ranks)
 
 
 def _already_complete(fs, root: str, fresh: dict, load_manifest) -> dict | None:
-    if not os.path.exists(os.path.join(root, FINAL_MANIFEST)):
+    if not exists_at(join_uri(root, FINAL_MANIFEST)):
         return None
-    manifest = load_manifest(fs, root, FINAL_MANIFEST)
+    manifest = load_manifest(fs, resolve(root)[1], FINAL_MANIFEST)
     if not manifest.get("complete"):
         return None
     problems = resume_problems(manifest["provenance"], fresh)
@@ -1109,13 +1128,16 @@ def merge_ranks(root: str, world: int, *, required: bool = True) -> dict | None:
     into rejects.jsonl. With required=False, returns None if some rank has not finished yet."""
     from shards import load_manifest
 
-    fs, root = resolve(root)
+    fs, fs_root = resolve(root)
+    if "://" not in root:
+        root = fs_root
     names = [rank_names(r) for r in range(world)]
-    missing = [n["manifest"] for n in names if not os.path.exists(os.path.join(root, n["manifest"]))]
+    present = list_names(root)
+    missing = [n["manifest"] for n in names if n["manifest"] not in present]
     unfinished = missing + [
         n["manifest"]
         for n in names
-        if n["manifest"] not in missing and not load_manifest(fs, root, n["manifest"]).get("complete")
+        if n["manifest"] not in missing and not load_manifest(fs, fs_root, n["manifest"]).get("complete")
     ]
     if unfinished:
         if required:
@@ -1129,13 +1151,13 @@ def merge_ranks(root: str, world: int, *, required: bool = True) -> dict | None:
         return None
     extra = sorted(
         f
-        for f in os.listdir(root)
+        for f in present
         if f.startswith("manifest.rank") and f.endswith(".json") and f not in {n["manifest"] for n in names}
     )
     if extra:
         raise ValueError(f"{root}: found {extra} from a run with more ranks; merge with that world size or remove them")
     with lock_manifest(
-        fs, root, FINAL_MANIFEST, wait_seconds=MERGE_WAIT_SECONDS
+        fs, fs_root, FINAL_MANIFEST, wait_seconds=MERGE_WAIT_SECONDS
     ):  # the last two ranks may finish together
         return _merge_locked(root, names)
 
@@ -1143,18 +1165,18 @@ def merge_ranks(root: str, world: int, *, required: bool = True) -> dict | None:
 def _merge_locked(root: str, names: list[dict]) -> dict:
     from shards import load_manifest, merge_manifests
 
-    fs, root = resolve(root)
+    fs, fs_root = resolve(root)
+    if "://" not in root:
+        root = fs_root
     remove_merge_leftovers(root)
     # rejects.jsonl before manifest.json: a complete manifest.json makes a rerun stop at once
     # ("already complete"), so everything else the merge writes must exist by then.
     entries = []
     for n in names:
-        committed = load_manifest(fs, root, n["manifest"]).get("stage_state", {}).get("rejects_bytes", 0)
-        entries += read_committed_rejects(os.path.join(root, n["rejects"]), committed)
+        committed = load_manifest(fs, fs_root, n["manifest"]).get("stage_state", {}).get("rejects_bytes", 0)
+        entries += read_committed_rejects(join_uri(root, n["rejects"]), committed)
     entries.sort(key=lambda e: e["position"])
-    atomic_write_text(
-        os.path.join(root, FINAL_REJECTS), "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries)
-    )
+    atomic_write_text(join_uri(root, FINAL_REJECTS), "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
     merged = merge_manifests(root, [n["manifest"] for n in names], FINAL_MANIFEST)
     write_summary(root, merged)
     return merged
@@ -1170,7 +1192,7 @@ def remove_merge_leftovers(root: str) -> None:
 
 def write_summary(root: str, manifest: dict) -> dict:
     summary = summarize_dataset(root, manifest, this_run=None)
-    atomic_write_json(os.path.join(root, SUMMARY_FILE), summary)
+    atomic_write_json(join_uri(root, SUMMARY_FILE), summary)
     return summary
 
 
@@ -1234,7 +1256,7 @@ def no_samples_reason(summary: dict) -> str:
         dupes = f", duplicates {summary['duplicates']:,}" if summary["duplicates"] else ""
         what = (
             f"every one of its {summary['records']:,} records was rejected ({rejects}{dupes}); see "
-            f"{os.path.join(where, FINAL_REJECTS)}"
+            f"{join_uri(where, FINAL_REJECTS)}"
         )
     return (
         f"0 samples written to {where}: {what}. Fix the corpus or the settings, then delete {where} "

@@ -147,15 +147,75 @@ class RejectLog:
             self._dirty = False
         return self._file.tell()
 
+    def upload(self) -> None:
+        """Nothing to do: `sync` made the lines durable (see `ObjectRejectLog`)."""
+
     def close(self) -> None:
         self.sync()
         self._file.close()
 
 
+class ObjectRejectLog:
+    """The rejects file on an object store, where nothing can be appended: the lines are kept in
+    memory and the whole object is written again (once per shard commit, before the manifest that
+    claims its length: `ShardWriter.before_save`). The object only ever grows by whole lines, so its
+    first `rejects_bytes` bytes are exactly what the manifest committed, as with the local file."""
+
+    def __init__(self, uri: str, committed_bytes: int):
+        from common.io import exists, read_bytes, resolve
+
+        self.path = uri
+        self._fs, self._key = resolve(uri)
+        data = read_bytes(self._fs, self._key) if exists(self._fs, self._key) else b""
+        if len(data) < committed_bytes:
+            raise ValueError(
+                f"{uri}: {len(data)} bytes, but the manifest committed {committed_bytes}; the rejects object was "
+                "truncated or replaced"
+            )
+        if len(data) > committed_bytes:
+            log.info("%s: dropping %d bytes written after the last commit", uri, len(data) - committed_bytes)
+        self._data = bytearray(data[:committed_bytes])
+        self._stored = data[:committed_bytes] == data
+        self.positions: dict[int, str] = {}
+        for line in bytes(self._data).splitlines():
+            entry = json.loads(line)
+            self.positions[int(entry["position"])] = entry["reason"]
+
+    def add(self, reject) -> bool:
+        if reject.position in self.positions:
+            return False
+        self._data += (json.dumps(reject.to_json(), ensure_ascii=False) + "\n").encode("utf-8")
+        self.positions[reject.position] = reject.reason
+        self._stored = False
+        return True
+
+    def sync(self) -> int:
+        """The length a commit may claim; the bytes reach the store in `upload` (before that commit)."""
+        return len(self._data)
+
+    def upload(self) -> None:
+        if not self._stored:
+            from common.io import atomic_write_bytes
+
+            atomic_write_bytes(self._key, bytes(self._data), self._fs)
+            self._stored = True
+
+    def close(self) -> None:
+        self.upload()
+
+
+def open_reject_log(path: str, committed_bytes: int):
+    """The rejects log of a dataset root: a local file (appended, fsynced) or an object (rewritten whole)."""
+    return ObjectRejectLog(path, committed_bytes) if "://" in path else RejectLog(path, committed_bytes)
+
+
 def read_committed_rejects(path: str, committed_bytes: int) -> list[dict]:
-    if not os.path.exists(path):
+    from common.io import exists, resolve
+
+    fs, key = resolve(path)
+    if not exists(fs, key):
         return []
-    with open(path, "rb") as f:
+    with fs.open_input_stream(key) as f:
         data = f.read(committed_bytes)
     return [json.loads(line) for line in data.splitlines() if line.strip()]
 

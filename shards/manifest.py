@@ -339,17 +339,31 @@ def _refuse_duplicates(fs, root, names, manifests) -> None:
 
 
 def lock_manifest(fs: pafs.FileSystem, root: str, manifest_name: str, *, wait_seconds: float = 0.0):
-    """The exclusive lock every writer of manifest `manifest_name` in `root` holds (a local
-    directory; other file systems are not locked): a second writer stops at once, naming the first."""
-    if not io.is_local(fs):
-        return locks.Lock.unheld()
-    return locks.exclusive_lock(
-        os.path.join(root, f".{manifest_name}.lock"),
-        what=f"{manifest_path(root, manifest_name)}",
-        wait_seconds=wait_seconds,
-        hint="Two writers of one dataset would corrupt it: wait for the other to finish (or stop it), or write to "
-        "another directory.",
+    """The exclusive lock every writer of manifest `manifest_name` in `root` holds: a second writer
+    stops at once, naming the first. A local directory: `flock` on `.<name>.lock`; S3: the lock
+    object `.<name>.lock` (`common.objstore.ObjectLock`, conditional writes); another object store
+    is refused unless DFLASH_UNLOCKED_WRITES=1; other file systems are not locked."""
+    hint = (
+        "Two writers of one dataset would corrupt it: wait for the other to finish (or stop it), or write to "
+        "another directory."
     )
+    if io.is_local(fs):
+        return locks.exclusive_lock(
+            os.path.join(root, f".{manifest_name}.lock"),
+            what=f"{manifest_path(root, manifest_name)}",
+            wait_seconds=wait_seconds,
+            hint=hint,
+        )
+    from common import objstore
+
+    where = objstore.store_uri(fs, manifest_path(root, manifest_name))
+    if objstore.is_s3(fs):
+        return objstore.ObjectLock(
+            fs, io.join(root, f".{manifest_name}.lock"), what=where, hint=hint, wait_seconds=wait_seconds
+        )
+    if objstore.is_object_store(fs) and not objstore.unlocked_writes():
+        raise ValueError(objstore.refuse_unlocked_message(where))
+    return locks.Lock.unheld()
 
 
 def check_manifest_unlocked(fs: pafs.FileSystem, root: str, manifest_name: str) -> None:

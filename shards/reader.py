@@ -52,7 +52,7 @@ class _OpenShardFile:
     """One thread's handle on a shard file: the file (memory map or input file) and its IPC reader."""
 
     source: pa.NativeFile
-    reader: pa.ipc.RecordBatchFileReader
+    reader: pa.ipc.RecordBatchFileReader | None  # None: remote, samples read from their index ranges only
 
 
 class ShardDataset:
@@ -88,6 +88,8 @@ class ShardDataset:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._checked_shards: set[int] = set()
+        # Remote shards checked once (size, schema, samples): one handle each, shared by threads (read_at).
+        self._shared_sources: collections.OrderedDict = collections.OrderedDict()
         self._index: pa.Table | None = None
         self._position_of_id: dict[str, int] | None = None
         self._ranges: dict[int, SampleRanges] = {}  # shard -> its samples' byte ranges and checksums
@@ -109,13 +111,14 @@ class ShardDataset:
 
     def __getstate__(self) -> dict:
         # Open readers, locks and thread-locals stay behind (e.g. when sent to a worker process).
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_local", "_lock", "fs")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_local", "_lock", "fs", "_shared_sources")}
         state["_checked_shards"] = set(self._checked_shards)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.fs = io.resolve(self.root_uri)[0]
+        self._shared_sources = collections.OrderedDict()
         self._local = threading.local()
         self._lock = threading.Lock()
 
@@ -260,7 +263,8 @@ class ShardDataset:
             if ranges is None:
                 batch = opened.reader.get_batch(row)
             else:
-                data = ranges.read(opened.source, row, path)
+                remote = not io.is_local(self.fs)  # a remote handle may be shared by threads: no seek
+                data = ranges.read_at(opened.source, row, path) if remote else ranges.read(opened.source, row, path)
                 ranges.check(data, row, path)  # ShardFormatError naming file, sample and row
                 batch = decode_message(data, self._schema)
             batch.validate(full=True)  # damaged offsets would otherwise crash or mislead the decoding
@@ -303,6 +307,13 @@ class ShardDataset:
     def _open(self, shard: int) -> _OpenShardFile:
         entry = self.shards[shard]
         path = io.join(self.root, entry["file"])
+        if not io.is_local(self.fs) and self._sample_ranges(shard) is not None:
+            with self._lock:
+                shared = self._shared_sources.get(shard)
+            if shared is not None:
+                # Remote, checked reads: the file was checked once (by any thread) and every thread reads
+                # its samples' ranges with `read_at` through one handle: no further HEAD or footer reads.
+                return _OpenShardFile(shared, None)
         info = self.fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"{path}: shard file listed in the manifest is missing")
@@ -327,6 +338,11 @@ class ShardDataset:
             raise ShardFormatError(
                 f"{path}: {reader.num_record_batches} samples in the file, manifest says {entry['samples']}"
             )
+        if not io.is_local(self.fs):
+            with self._lock:
+                self._shared_sources[shard] = source
+                if len(self._shared_sources) > 4096:
+                    self._shared_sources.popitem(last=False)
         return _OpenShardFile(source, reader)
 
     def _check_checksum(self, file: str, expected: str) -> None:

@@ -105,6 +105,18 @@ class SampleRanges:
             )
         return data
 
+    def read_at(self, source: pa.NativeFile, row: int, shard_path: str) -> pa.Buffer:
+        """`read` without moving the file position, so threads may share `source` (a remote file:
+        one ranged request per sample)."""
+        offset, length = int(self.offset[row]), int(self.length[row])
+        data = pa.py_buffer(source.read_at(length, offset))
+        if data.size != length:
+            raise ShardFormatError(
+                f"{shard_path}: sample {self.sample_id(row)} (row {row}): bytes {offset}..{offset + length} "
+                "are past the end of the file (truncated)"
+            )
+        return data
+
     def check(self, data, row: int, shard_path: str) -> None:
         """ShardFormatError naming the shard file, the sample and its row unless `data` hashes to the index's
         checksum."""

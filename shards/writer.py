@@ -2,7 +2,9 @@
 any moment leaves a dataset whose manifest lists only complete, checksummed shards.
 
 Commit protocol for one shard (see FORMAT.md): the shard and its index are written under `*.tmp`
-names, fsynced and renamed; then the manifest is rewritten atomically. A shard whose rename
+names, fsynced and renamed; then the manifest is rewritten atomically. On an object store (no
+rename; a PUT is atomic per object) both are written once under their final names, the shard as a
+multipart upload, and the manifest, written last, is what makes them part of the dataset. A shard whose rename
 happened but whose manifest update did not is not part of the dataset and is deleted when the
 next writer opens the dataset. Every sample's record batch is also hashed on its way to the file:
 its byte range and xxh3-64 go into the index, and readers check them on every read
@@ -398,6 +400,9 @@ class ShardWriter:
         self._ids = set(self._committed_ids)  # committed + in the open shard, to refuse duplicates
         self._next_number = self._first_free_number()
         self.extra_counts: collections.Counter = collections.Counter(extra_counts_of(self._manifest))
+        # Called before every manifest save: what the caller's stage_state points at must be durable
+        # first (extract: the rejects object on an object store).
+        self.before_save: list = []
         self.stage_state: dict = dict(self._manifest.get("stage_state") or {})
 
     # ------------------------------------------------------------------ opening / resuming
@@ -464,6 +469,10 @@ class ShardWriter:
 
     def _remove_leftovers(self) -> None:
         removed = io.remove_temp_files(self.fs, self.root, prefixes=(f"{self.shard_prefix}-", f"{self.manifest_name}."))
+        if io.in_place(self.fs):  # a killed writer's half-done multipart uploads (invisible, but billed)
+            from common.objstore import abort_uploads
+
+            removed += abort_uploads(self.fs, self.root, (f"{self.shard_prefix}-",))
         if removed:
             log.info("removed %d leftover temporary files from a killed writer: %s", len(removed), removed)
 
@@ -637,7 +646,9 @@ class ShardWriter:
 
     def _start_shard(self) -> _OpenShard:
         file = shard_file_name(self.shard_prefix, self._next_number)
-        tmp_path = io.temp_name(io.join(self.root, file))
+        # An object store has no rename: the shard is uploaded under its final name (unlisted until committed).
+        final = io.join(self.root, file)
+        tmp_path = final if io.in_place(self.fs) else io.temp_name(final)
         raw = self.fs.open_output_stream(tmp_path, buffer_size=1 << 20)
         write_behind = (
             _WriteBehind(tmp_path, self.write_behind_bytes)
@@ -687,10 +698,12 @@ class ShardWriter:
             shard.stream.close()
             self.write_behind_syncs += shard.stream.write_behind.syncs if shard.stream.write_behind else 0
             index_file, index_bytes, index_checksum = self._write_index(shard)
-            io.commit(self.fs, shard.tmp_path, io.join(self.root, shard.file))
+            if not io.in_place(self.fs):
+                io.commit(self.fs, shard.tmp_path, io.join(self.root, shard.file))
         except BaseException as err:
             # Not committed: these samples are not in the dataset and may be written again, and
-            # the half-written file goes now (a full disk keeps no multi-MB temporary until a rerun).
+            # the half-written file goes now (a full disk keeps no multi-MB temporary until a rerun;
+            # on an object store, no manifest lists the object).
             self._ids.difference_update(shard.sample_ids)
             with contextlib.suppress(Exception):
                 shard.stream.close(check=False)
@@ -746,4 +759,7 @@ class ShardWriter:
         self._manifest["counts"] = counts
         self._manifest["stage_state"] = stage_state
         self._manifest["writer"].update(tool_version=tool_version(), git_sha=git_sha())
+        for hook in self.before_save:
+            hook()
+        self._lock.check()  # an object store's lock lease: never commit once another writer may hold it
         save_manifest(self.fs, self.root, self.manifest_name, self._manifest)

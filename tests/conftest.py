@@ -18,3 +18,27 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """A real S3 server (`moto_server`) on a free loopback port for the session; skipped where moto is missing."""
+    from benchmarks.s3_server import MotoServer, moto_server_command
+
+    if moto_server_command() is None:
+        pytest.skip("moto[server] is not installed (the dev extra installs it): no S3 server to test against")
+    with MotoServer() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_uri(moto_server, monkeypatch, request):
+    """A fresh bucket on the moto server and the URI of a prefix in it; credentials set in the environment."""
+    import uuid
+
+    for key, value in moto_server.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("DFLASH_S3_RETRIES", "3")
+    bucket = f"t-{uuid.uuid4().hex[:12]}"
+    moto_server.create_bucket(bucket)
+    return moto_server.uri(f"{bucket}/data")

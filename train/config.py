@@ -105,6 +105,14 @@ class DataConfig:
     prefetch_depth: int = knob(
         4, help="batches loaded ahead of the consumer (bounds host memory); >= prefetch_threads", min=1, max=256
     )
+    fetch_threads: int = knob(
+        0,
+        help="concurrent sample reads within one batch; 0 = auto: 1 for a local dataset (read in turn, as the "
+        "page cache serves it), 16 for an object store (one ranged GET per sample, so a batch waits about one "
+        "request's latency instead of one per sample)",
+        min=0,
+        max=256,
+    )
     pin_memory: bool = knob(True, help="collate into pinned host memory (only when CUDA is available)")
     on_corrupt: str = knob(
         "fail",

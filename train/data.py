@@ -366,6 +366,16 @@ def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: i
 # The stream
 
 
+def _fetch_threads(cfg: DataConfig, dataset) -> int:
+    """`data.fetch_threads`, with auto (0) resolved: 16 on an object store, else 1."""
+    if cfg.fetch_threads:
+        return cfg.fetch_threads
+    from common.io import is_local
+
+    fs = getattr(dataset, "fs", None)
+    return 1 if fs is None or is_local(fs) else 16
+
+
 def _open_dataset(cfg: DataConfig):
     from shards import ShardDataset
 
@@ -406,6 +416,8 @@ class DataStream:
         self._plans: dict[int, buckets.EpochPlan] = {}
         self._epoch, self._batch = 0, 0  # position of the next batch handed to the consumer
         self._executor: ThreadPoolExecutor | None = None
+        self._fetch_threads = _fetch_threads(cfg, self.dataset)
+        self._fetcher: ThreadPoolExecutor | None = None  # concurrent sample reads within a batch (object stores)
         self._pending: collections.deque[tuple[tuple[int, int], Future]] = collections.deque()
         self._submit_at = (0, 0)
         self._corrupt_lock = threading.Lock()
@@ -564,10 +576,21 @@ class DataStream:
             self._pending.append(((epoch, j), self._executor.submit(load, **job)))
             self._submit_at = self._after(epoch, j)
 
+    def _load_samples(self, dataset_indices, sample_ids, lengths) -> list:
+        """The samples of one batch (None for one skipped as corrupt), in order; read concurrently
+        with `fetch_threads` > 1 (on an object store every read is a request with its own latency)."""
+        jobs = list(zip(dataset_indices, sample_ids, lengths))
+        if self._fetch_threads <= 1 or len(jobs) <= 1:
+            return [self._load_sample(*job) for job in jobs]
+        if self._fetcher is None:
+            with self._corrupt_lock:
+                if self._fetcher is None:
+                    self._fetcher = ThreadPoolExecutor(max_workers=self._fetch_threads, thread_name_prefix="fetch")
+        return list(self._fetcher.map(lambda job: self._load_sample(*job), jobs))
+
     def _load_batch(self, dataset_indices, sample_ids, lengths, bucket, epoch, state) -> Batch | None:
         samples, kept_ids = [], []
-        for i, sid, n in zip(dataset_indices, sample_ids, lengths):
-            sample = self._load_sample(i, sid, n)
+        for sid, sample in zip(sample_ids, self._load_samples(dataset_indices, sample_ids, lengths)):
             if sample is not None:
                 samples.append(sample)
                 kept_ids.append(sid)
@@ -580,10 +603,13 @@ class DataStream:
         parts = buckets.split_by_tokens(lengths, self.split.num_parts)
         batches, rows = [], []
         for positions in (parts[p] for p in self.split.mine):
-            loaded = [
-                (pos, self._load_sample(dataset_indices[pos], sample_ids[pos], lengths[pos]))
-                for pos in positions.tolist()
-            ]
+            positions = positions.tolist()
+            fetched = self._load_samples(
+                [dataset_indices[p] for p in positions],
+                [sample_ids[p] for p in positions],
+                [lengths[p] for p in positions],
+            )
+            loaded = list(zip(positions, fetched))
             loaded = [(pos, sample) for pos, sample in loaded if sample is not None]
             rows.append(np.asarray([pos for pos, _ in loaded], dtype=np.int64))
             batches.append(
@@ -664,6 +690,9 @@ class DataStream:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         self._executor = None
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True, cancel_futures=True)
+        self._fetcher = None
         self._pending.clear()
 
     def close(self) -> None:

@@ -52,6 +52,13 @@ def check_inputs(cfg: RegenerateConfig) -> reading.CorpusFiles:
 
     if not os.path.isdir(cfg.target):
         raise ValueError(f"target: '{cfg.target}' is not a checkpoint directory (config key 'target')")
+    if "://" in cfg.out:
+        # Not yet: the journal is appended a record at a time, which an object store cannot do.
+        raise ValueError(
+            f"out: {cfg.out!r} is a URI; regeneration writes to a local directory (its journal is appended "
+            "record by record). Regenerate locally, then extract from it with out_dir=s3://... "
+            "(docs/object-storage.md)"
+        )
     corpus = reading.find_corpus(cfg.corpus, cfg.corpus_format)
     out = os.path.abspath(cfg.out)
     if any(os.path.abspath(f).startswith(out + os.sep) for f in corpus.files):
