@@ -87,3 +87,16 @@ def write_checkpoint(gguf: Path, out: Path, name: str) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    drop_load_flags(out / "tokenizer_config.json")
+
+
+# How the tokenizer was loaded (offline or not), not what it is: kept out so that the bytes do not
+# depend on the environment the conversion ran in (HF_HUB_OFFLINE turns local_files_only on).
+LOAD_FLAGS = ("is_local", "local_files_only")
+
+
+def drop_load_flags(path: Path) -> None:
+    config = json.loads(path.read_text())
+    for key in LOAD_FLAGS:
+        config.pop(key, None)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -29,11 +29,12 @@ def hf_generate(
 
     model = target.model
     ids_1T = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)
+    stops = sorted(target.stop_ids)
     kwargs = dict(
         max_new_tokens=max_new_tokens,
         do_sample=False,
-        eos_token_id=sorted(target.stop_ids),
-        pad_token_id=sorted(target.stop_ids)[0],
+        eos_token_id=stops or None,
+        pad_token_id=stops[0] if stops else 0,
         attention_mask=torch.ones_like(ids_1T),
     )
     if prompt_lookup is not None:

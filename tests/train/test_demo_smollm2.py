@@ -1,0 +1,46 @@
+"""`make demo target=smollm2` (train.demo_smollm2): every step's command line is valid for its stage at
+both scales, and the summary says n/a where a number is missing instead of failing."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import parse_cli
+from train.demo_smollm2 import SCALES, smollm2_steps, smollm2_summary, smollm2_summary_text
+
+
+@pytest.mark.parametrize("scale, device", [("full", "cuda"), ("reduced", "cpu")])
+def test_every_step_parses_with_its_stage_config(scale, device):
+    from extract.config import ExtractConfig
+    from extract.regenerate.config import RegenerateConfig
+    from extract.smollm2.config import SmolConfig
+    from train.config import TrainConfig
+
+    stages = {
+        "extract.smollm2": (SmolConfig, "smollm2"),
+        "extract.regenerate": (RegenerateConfig, "regenerate"),
+        "extract": (ExtractConfig, "extract"),
+        "train": (TrainConfig, "train"),
+    }
+    steps = smollm2_steps(SCALES[scale], "demo", device, ["seed=1", "data.seed=1"], None)
+    seen = set()
+    for name, argv in steps:
+        assert argv[0] == "-m"
+        if argv[1] in stages:
+            cls, section = stages[argv[1]]
+            cfg = parse_cli(cls, argv[2:], section=section)
+            seen.add(argv[1])
+            if argv[1] == "train":
+                assert cfg.optim.max_steps == SCALES[scale].steps and cfg.seed == 1
+                assert cfg.model.num_layers == SCALES[scale].num_layers and cfg.device == device
+                assert not cfg.compile
+            if argv[1] == "extract.regenerate":
+                assert cfg.max_new_tokens == SCALES[scale].max_new_tokens and cfg.dtype == "float32"
+    assert seen == set(stages)
+    assert [n for n, _ in steps][-1] == "report"
+
+
+def test_summary_of_a_run_with_nothing_written_says_n_a(tmp_path):
+    summary = smollm2_summary(str(tmp_path), {"extraction": 1.0}, {}, SCALES["reduced"])
+    text = smollm2_summary_text(summary)
+    assert "reduced scale" in text and "n/a" in text
