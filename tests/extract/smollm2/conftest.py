@@ -16,7 +16,8 @@ def smollm2_dir() -> Path:
     from extract.smollm2.build import build_smollm2
     from extract.smollm2.config import SmolConfig
 
-    return build_smollm2(SmolConfig(out_dir=str(REPO / "artifacts/smollm2"), downloads=str(REPO / "artifacts/downloads")))
+    cfg = SmolConfig(out_dir=str(REPO / "artifacts/smollm2"), downloads=str(REPO / "artifacts/downloads"))
+    return build_smollm2(cfg)
 
 
 @pytest.fixture(scope="session")
