@@ -88,6 +88,55 @@ def time_generate(target, prompt: list[int], tokens: int, static: bool) -> tuple
     return gen.decode_s / max(1, len(gen.tokens)) * 1e3, gen.tokens
 
 
+def time_proposals(target, prompt: list[int], layers: int, rounds: int = 24) -> float:
+    """Median ms of one DFlash proposal (eager): a drafter of the target's widths with `layers` layers
+    (random weights, exported and loaded as serving loads it), 16 new context features per round."""
+    import tempfile
+
+    from train.model import DFlashDrafter, DrafterConfig
+    from train.serve.export import export_drafter, load_exported
+    from train.serve.specdecode import DFlashProposer
+
+    cfg = DrafterConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        target_layer_ids=TAPS,
+        num_target_layers=30,
+        mask_token_id=3,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+        sliding_window=2048,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp, dtype="float32")
+        drafter = load_exported(tmp, dtype=target.embed_VD.dtype, device=str(target.device))
+    proposer = DFlashProposer(drafter, target)
+    _, features, _ = target.forward(torch.tensor([prompt]), None, taps=True)
+    F = features.shape[-1]
+    times = []
+    for attempt in range(2):  # the first pass warms up
+        proposer.reset()
+        proposer.propose(features, 5, len(prompt))
+        position = len(prompt)
+        for _ in range(rounds):
+            new = torch.randn((1, 16, F), device=target.device, dtype=features.dtype)
+            sync(target.device)
+            t0 = time.perf_counter()
+            proposer.propose(new, 5, position + 16)
+            sync(target.device)
+            if attempt:
+                times.append(time.perf_counter() - t0)
+            position += 16
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -116,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         "graphs": static.graph_note,
         "setup_s": setup,
     }
+    for layers in (2, 5):
+        try:
+            rows[f"DFlash proposal, {layers}-layer drafter"] = {"propose_ms": time_proposals(eager, prompt, layers)}
+        except Exception as exc:  # noqa: BLE001 - a benchmark row that fails says why
+            rows[f"DFlash proposal, {layers}-layer drafter"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     for name, is_static in (("transformers generate", False), ("transformers generate, static cache", True)):
         try:
             ms, toks = time_generate(eager, prompt, args.tokens, is_static)
@@ -127,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in rows.items():
         if "error" in row:
             print(f"  {name:<38} error: {row['error']}")
+            continue
+        if "propose_ms" in row:
+            print(f"  {name:<38} {row['propose_ms']:8.2f} ms / proposal (eager, 16 new context positions)")
             continue
         verify = f"{row['verify16_ms']:8.2f} ms / 16-token verify" if "verify16_ms" in row else ""
         print(f"  {name:<38} {row['step_ms']:8.2f} ms / token  {verify}  same tokens: {row['same']}")

@@ -295,7 +295,11 @@ def test_a_quantized_projected_dataset_trains_under_data_parallel_like_accumulat
     in_process(tiny, tmp_path, "run_name=acc4", "distributed.accumulation=4", *extra)
     a, b = records(tmp_path / "ddp"), records(tmp_path / "acc4")
     assert len(a) == 4 and all(r["loss"] is not None and r["loss"] > 0 for r in a)
-    assert_same_steps(a[:1], b[:1])
+    # The first step's gradients are summed in another order (all-reduce of two ranks' sums against
+    # one sum of four parts): its norm may differ in the last bits (seen: 1e-7 relative with
+    # numpy 2.4 / pyarrow 26 / transformers 5.24), everything else of the step is exact.
+    assert_same_steps(a[:1], b[:1], keys=tuple(k for k in COMPARED if k != "grad_norm"))
+    assert a[0]["grad_norm"] == pytest.approx(b[0]["grad_norm"], rel=1e-6)
     assert_close_steps(a, b, rel=1e-6)
     layout = json.loads((tmp_path / "ddp" / "run.json").read_text())["distributed"]
     assert layout["parts_per_step"] == 4 and layout["epoch0_steps_with_an_empty_part"] > 0  # the placeholder step ran
