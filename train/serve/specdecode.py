@@ -24,6 +24,16 @@ features do not exist yet):
      context, and the target cache is cut back to a + acc + 1.
 The output is the target's own greedy continuation, token for token (lossless).
 
+What "lossless" can promise in floating point: the verify pass computes 16 positions in one forward,
+target-only decoding one position per forward, and a GPU runs the two with different kernels (other
+reduction orders), so their logits differ in the last bits. Where the target's top-1 and top-2 are
+that close, the two decodings may pick different tokens, neither of them wrong. On the CPU in float32
+every test decodes identically. Each divergence is reported with the target's top-1 minus top-2 logit
+at the first differing token in both decodings (`compare_generations`: `margin`, `other_margin`), so a
+near-tie (a margin of the order of the dtype's rounding) and a bug (a clear margin) are told apart,
+and the default dtype is float32, whose rounding is 2^16 times finer than bfloat16's (so far fewer
+near-ties are close enough to flip).
+
 Target cache: a `transformers` DynamicCache cropped to the accepted length. Hybrid models (Qwen3.5 /
 3.6 Gated DeltaNet layers) carry recurrent states that cannot be cropped; for them the cache is
 copied before each verification, and after a partial acceptance the copy is restored and the
