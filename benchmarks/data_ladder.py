@@ -19,6 +19,8 @@ import os
 import subprocess
 import sys
 
+from train.demo import _num
+
 
 def train_share(config: str, run: str, samples: int, steps: int | None, overrides: list[str]) -> None:
     argv = [sys.executable, "-m", "train", config, f"run_name={run}", f"data.max_samples={samples}", *overrides]
@@ -99,10 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump({"config": args.config, "overrides": overrides, "rows": rows}, f, indent=2)
     return 0
-
-
-def _num(value, spec: str = ".3f") -> str:
-    return "n/a" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":

@@ -24,43 +24,7 @@ import tempfile
 import time
 
 from benchmarks.s3_server import DelayProxy, MotoServer
-from benchmarks.train_data import skewed_lengths, synthetic_sample, write_synthetic
-from train.data import DataConfig, DataStream
-from train.tiers import hidden_nbytes
-
-
-def measure(root: str, *, budget: int, batches: int, step_s: float, threads: int, depth: int, fetch: int) -> dict:
-    cfg = DataConfig(
-        shards=root,
-        holdout_fraction=0.0,
-        boundaries=[512, 1024, 2048],
-        token_budget=budget,
-        prefetch_threads=threads,
-        prefetch_depth=max(depth, threads),
-        fetch_threads=fetch,
-    )
-    start = time.perf_counter()
-    stream = DataStream(cfg)
-    next(stream)
-    time_to_first = time.perf_counter() - start
-    stream.total_wait = 0.0
-    hidden_bytes = samples = 0
-    start = time.perf_counter()
-    for _ in range(batches):
-        batch = next(stream)
-        hidden_bytes += hidden_nbytes(batch.hidden)
-        samples += len(batch.sample_ids)
-        time.sleep(step_s)
-    wall = time.perf_counter() - start
-    stream.close()
-    return {
-        "time_to_first_batch_s": round(time_to_first, 3),
-        "fetch_frac": round(stream.total_wait / wall, 4),
-        "step_s_mean": round(wall / batches, 4),
-        "batches_per_s": round(batches / wall, 3),
-        "hidden_GB_per_s": round(hidden_bytes / wall / 1e9, 3),
-        "samples_per_batch": round(samples / batches, 2),
-    }
+from benchmarks.train_data import measure, skewed_lengths, synthetic_sample, write_synthetic
 
 
 def write_dataset(root: str, *, samples: int, width: int, topk: int, max_len: int, shard_bytes: int) -> float:

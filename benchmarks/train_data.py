@@ -96,7 +96,9 @@ def write_synthetic(root: str, *, samples: int, width: int, topk: int, max_len: 
     return time.perf_counter() - start
 
 
-def measure(root: str, *, threads: int, depth: int, budget: int, batches: int, step_s: float) -> dict:
+def measure(root: str, *, threads: int, depth: int, budget: int, batches: int, step_s: float, fetch: int = 0) -> dict:
+    """The data stream over `batches` batches with a stubbed step of `step_s` seconds (`fetch`: the
+    stream's fetch_threads, 0 = auto; `benchmarks.object_store` measures object stores with it)."""
     cfg = DataConfig(
         shards=root,
         holdout_fraction=0.0,
@@ -104,18 +106,20 @@ def measure(root: str, *, threads: int, depth: int, budget: int, batches: int, s
         token_budget=budget,
         prefetch_threads=threads,
         prefetch_depth=max(depth, threads),
+        fetch_threads=fetch,
     )
     start = time.perf_counter()
     stream = DataStream(cfg)
     first = next(stream)
     time_to_first = time.perf_counter() - start
-    real = padded = hidden_bytes = 0
+    real = padded = hidden_bytes = samples = 0
     stream.total_wait = 0.0
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(batches):
         batch = next(stream)
         real += batch.real_tokens
         padded += batch.padded_tokens
+        samples += len(batch.sample_ids)
         hidden_bytes += hidden_nbytes(batch.hidden)  # compact bytes for a quantized dataset
         if step_s:
             time.sleep(step_s)  # the GPU step, stubbed; sleeping releases the GIL as a CUDA step would
@@ -128,6 +132,8 @@ def measure(root: str, *, threads: int, depth: int, budget: int, batches: int, s
         "depth": max(depth, threads),
         "time_to_first_batch_s": round(time_to_first, 3),
         "batches_per_s": round(batches / wall, 3),
+        "step_s_mean": round(wall / batches, 4),
+        "samples_per_batch": round(samples / batches, 2),
         "real_tokens_per_s": round(real / wall),
         "padded_tokens_per_s": round(padded / wall),
         "hidden_GB_per_s": round(hidden_bytes / wall / 1e9, 3),

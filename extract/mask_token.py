@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from extract import corpus as C
+from extract.reading import token_id_lists
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,8 @@ def corpus_token_ids(corpora: Iterable[C.CorpusFiles], wanted: Iterable[int]) ->
     if not wanted_arr.size:
         return found
     for corpus in corpora:
-        for raw in C.iter_records(corpus):
-            ids = raw.record.get("input_ids") if isinstance(raw.record, dict) else None
-            if ids is None or isinstance(ids, (str, bytes)):
+        for ids in token_id_lists(corpus):
+            if isinstance(ids, (str, bytes)):
                 continue
             try:
                 arr = np.asarray(ids)

@@ -600,12 +600,11 @@ def build_provenance(
     target: Target,
     corpus: C.CorpusFiles,
     fingerprint: dict,
-    regeneration: dict | None = None,
-    mask: MaskChoice | None = None,
+    regeneration: dict | None,
+    mask: MaskChoice,
 ) -> dict:
     from shards import TAP_MEANING
 
-    mask = mask or choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus])
     if mask.token_id is None:
         log.warning(
             "no mask token: the tokenizer has no special token to spare and mask_token_id is not set; the "

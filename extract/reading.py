@@ -272,6 +272,28 @@ def _iter_files(corpus: CorpusFiles) -> Iterator[RawRecord]:
                 _check_unchanged(path, extent, corpus.mtimes[i])
 
 
+def token_id_lists(corpus: CorpusFiles) -> Iterator[Any]:
+    """The `input_ids` value of every record that has one (ready-tokenized records), cheaply: a JSONL
+    line is parsed only if its text holds "input_ids", a Parquet file is read only if its schema has
+    that column (that column alone). Bad lines and records are skipped: extraction rejects them."""
+    if corpus.format == "datasets":
+        for raw in iter_records(corpus):
+            if isinstance(raw.record, dict) and raw.record.get("input_ids") is not None:
+                yield raw.record["input_ids"]
+        return
+    for i, (path, kind) in enumerate(zip(corpus.files, corpus.kinds)):
+        extent = corpus.extents[i] if corpus.extents else None
+        if kind == "jsonl":
+            for line in _text_lines(path, extent, corpus.checksums[i] if corpus.checksums else None):
+                if ("input_ids" if isinstance(line, str) else b"input_ids") in line:
+                    record = parse_json_line(line, 0, path).record
+                    if isinstance(record, dict) and record.get("input_ids") is not None:
+                        yield record["input_ids"]
+        elif "input_ids" in parquet_file(path).schema_arrow.names:
+            for batch in parquet_file(path).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=["input_ids"]):
+                yield from (ids for ids in batch.column(0).to_pylist() if ids is not None)
+
+
 class ExtentReader(io.RawIOBase):
     """The first `extent` bytes of a file (all of it for None), hashed (xxh3-128, as
     `common.hashing.file_checksum`) as they are read. Lines appended to the file while it is read

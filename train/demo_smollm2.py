@@ -177,12 +177,8 @@ def smollm2_summary(run_dir: str, timings: dict[str, float], machine: dict, scal
     }
 
 
-def _num(value, spec: str = ".3f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def smollm2_summary_text(summary: dict) -> str:
-    from train.demo import DTYPE_NAMES, machine_line
+    from train.demo import DTYPE_NAMES, _num, machine_line
 
     timings = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in summary["timings_s"].items())
     scale, spec, prompts = summary["scale"], summary["specdecode"], summary["prompts"]

@@ -61,11 +61,13 @@ def random_watch(out: Path, rng: random.Random, total: int, run_seconds: float):
     return lambda elapsed: elapsed >= moment
 
 
-def check_after_kill(out: Path, reference: dict, before: int) -> tuple[list[str], int]:
-    """Problems of the dataset a kill left (empty: sound), and how many samples it commits."""
+def check_after_kill(out: Path | str, reference: dict, before: int) -> tuple[list[str], int]:
+    """Problems of the dataset a kill left (empty: sound), and how many samples it commits; `out` is
+    a directory or an object-store URI."""
+    from common.io import list_names
     from shards import verify_dataset
 
-    if not (out / RANK_MANIFEST).exists():
+    if RANK_MANIFEST not in list_names(str(out)):
         return [], 0
     problems = [str(p) for p in verify_dataset(str(out), RANK_MANIFEST)]
     if problems:

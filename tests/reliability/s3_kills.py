@@ -20,6 +20,7 @@ import time
 import uuid
 
 from tests.reliability.datasets import RANK_MANIFEST, compare, sample_bytes
+from tests.reliability.extract_kills import check_after_kill
 from tests.reliability.outcome import Outcome
 from tests.reliability.runner import run_stage, watch_after_count
 from tests.reliability.world import World
@@ -39,24 +40,6 @@ def committed_samples(uri: str) -> int:
         return _read_json(join_uri(uri, RANK_MANIFEST))["counts"]["samples"]
     except (OSError, ValueError, KeyError):
         return 0
-
-
-def check_after_kill(uri: str, reference: dict, before: int) -> tuple[list[str], int]:
-    from common.io import list_names
-    from shards import verify_dataset
-
-    if RANK_MANIFEST not in list_names(uri):
-        return [], 0
-    problems = [f"verify after the kill: {p}" for p in verify_dataset(uri, RANK_MANIFEST)][:5]
-    if problems:
-        return problems, 0
-    got = sample_bytes(uri, RANK_MANIFEST)
-    cmp = compare(got, reference, subset=True)
-    if not cmp.equal:
-        problems.append(f"after the kill the committed samples differ from the reference: {cmp}")
-    if len(got) < before:
-        problems.append(f"a kill lost committed samples: {before} before, {len(got)} after")
-    return problems, len(got)
 
 
 def leftovers(uri: str, server) -> list[str]:

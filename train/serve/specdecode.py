@@ -244,11 +244,6 @@ class SpecTarget:
         `position_ids_1T` and an additive float mask `mask_11TK` over [cached | new] keys are for tree
         verification; by default the new tokens continue the cache causally.
         """
-        captured: list = [None] * len(self.layer_ids)
-
-        def keep(slot: int, hidden_1TH: torch.Tensor) -> None:
-            captured[slot] = hidden_1TH
-
         kwargs = {"input_ids": ids_1T.to(self.device), self.cache_kwarg: cache, "use_cache": True}
         if last_only:
             kwargs["logits_to_keep"] = 1
@@ -256,26 +251,27 @@ class SpecTarget:
             kwargs["position_ids"] = position_ids_1T.to(self.device)
         if mask_11TK is not None:
             kwargs["attention_mask"] = mask_11TK.to(self.device)
-        if taps:
-            with TapHooks(self.target.layers, self.layer_ids, keep):
-                out = self.model(**kwargs)
-            features_1TF = torch.cat(captured, dim=-1)
-        else:
-            out = self.model(**kwargs)
-            features_1TF = None
+        out, features_1TF = self.call_model(kwargs, taps=taps)
         return out.logits.float(), features_1TF, _cache_of(out)
 
-    @torch.inference_mode()
-    def teacher_forced(self, ids_1T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(greedy next token [T] int64, tap features [T, F]) of one uncached forward, as extraction computes them."""
+    def call_model(self, kwargs: dict, *, taps: bool):
+        """(the model's output, tap features [1, T, F] or None) of one forward with these arguments."""
+        if not taps:
+            return self.model(**kwargs), None
         captured: list = [None] * len(self.layer_ids)
 
         def keep(slot: int, hidden_1TH: torch.Tensor) -> None:
             captured[slot] = hidden_1TH
 
         with TapHooks(self.target.layers, self.layer_ids, keep):
-            out = self.model(input_ids=ids_1T.to(self.device), use_cache=False)
-        return out.logits[0].float().argmax(-1), torch.cat(captured, dim=-1)[0]
+            out = self.model(**kwargs)
+        return out, torch.cat(captured, dim=-1)
+
+    @torch.inference_mode()
+    def teacher_forced(self, ids_1T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(greedy next token [T] int64, tap features [T, F]) of one uncached forward, as extraction computes them."""
+        out, features_1TF = self.call_model({"input_ids": ids_1T.to(self.device), "use_cache": False}, taps=True)
+        return out.logits[0].float().argmax(-1), features_1TF[0]
 
     def draft_logits(self, hidden_NQD: torch.Tensor) -> torch.Tensor:
         """The target's final logits of drafter outputs (its lm_head and any post-scaling)."""
@@ -663,16 +659,25 @@ def summarize(specs: Sequence[Generation], bases: Sequence[Generation] | None, b
         "spec": _speed(specs),
     }
     if bases is not None:
-        summary["baseline"] = _speed(bases)
-        comparisons = [compare_generations(s, b) for s, b in zip(specs, bases)]
-        summary["lossless"] = all(c["identical"] for c in comparisons)
-        summary["mismatched_prompts"] = [i for i, c in enumerate(comparisons) if not c["identical"]]
-        summary["mismatches"] = [dict(prompt=i, **c) for i, c in enumerate(comparisons) if not c["identical"]]
+        summary.update(against_baseline(specs, bases, summary["spec"]))
         spec_decode, base_decode = summary["spec"]["decode_s"], summary["baseline"]["decode_s"]
         summary["speedup"] = base_decode / spec_decode if spec_decode > 0 else None
-        spec_wall, base_wall = summary["spec"]["wall_s"], summary["baseline"]["wall_s"]
-        summary["speedup_wall"] = base_wall / spec_wall if spec_wall > 0 else None
     return summary
+
+
+def against_baseline(gens: Sequence[Generation], bases: Sequence[Generation], speed: dict) -> dict:
+    """Target-only greedy decoding of the same prompts (`baseline`: its speed), whether `gens` equal it
+    prompt by prompt (`lossless`, where they differ and the margins there) and the wall-clock speed-up
+    of `gens` (whose speed is `speed`)."""
+    baseline = _speed(bases)
+    comparisons = [compare_generations(g, b) for g, b in zip(gens, bases)]
+    return {
+        "baseline": baseline,
+        "lossless": all(c["identical"] for c in comparisons),
+        "mismatched_prompts": [i for i, c in enumerate(comparisons) if not c["identical"]],
+        "mismatches": [dict(prompt=i, **c) for i, c in enumerate(comparisons) if not c["identical"]],
+        "speedup_wall": baseline["wall_s"] / speed["wall_s"] if speed["wall_s"] > 0 else None,
+    }
 
 
 def _speed(gens: Sequence[Generation]) -> dict:
@@ -786,13 +791,7 @@ def summarize_peer(gens: Sequence[Generation], bases: Sequence[Generation] | Non
     lossless check and wall-clock speed-up."""
     out = {"prompts": len(gens), "new_tokens": sum(len(g.tokens) for g in gens), "spec": _speed(gens)}
     if bases is not None:
-        out["baseline"] = _speed(bases)
-    if bases is not None:
-        comparisons = [compare_generations(g, b) for g, b in zip(gens, bases)]
-        out["lossless"] = all(c["identical"] for c in comparisons)
-        out["mismatches"] = [dict(prompt=i, **c) for i, c in enumerate(comparisons) if not c["identical"]]
-        wall = out["spec"]["wall_s"]
-        out["speedup_wall"] = _speed(bases)["wall_s"] / wall if wall > 0 else None
+        out.update(against_baseline(gens, bases, out["spec"]))
     return out
 
 

@@ -9,7 +9,7 @@ causal mask, built from the positions, never lets a query see a key past itself,
 beyond the count are never read). The prompt's forward runs eagerly (its length varies); the forwards
 of 1 and of `block_size` new tokens are captured once as CUDA graphs and replayed with the new token
 ids and positions copied into their input buffers. The tap features come from the same hooks as the
-eager path (`TapHooks`: layer id i = output of decoder layer i), recorded during capture.
+eager path (`SpecTarget.call_model`: layer id i = output of decoder layer i), recorded during capture.
 
 Where a graph cannot be captured (no CUDA, or a model whose forward synchronizes with the host), the
 same static-cache forwards run eagerly, and `graphs` says why. Targets with recurrent layers (Gated
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from common.target import TapHooks, Target
+from common.target import Target
 from train.serve.specdecode import SpecTarget
 
 
@@ -138,22 +138,14 @@ class StaticSpecTarget(SpecTarget):
     # -- forwards -----------------------------------------------------------------------------
 
     def _run(self, ids_1T: torch.Tensor, positions_T: torch.Tensor, *, taps: bool, last_only: bool):
-        captured: list = [None] * len(self.layer_ids)
-
-        def keep(slot: int, hidden_1TH: torch.Tensor) -> None:
-            captured[slot] = hidden_1TH
-
         kwargs = {"input_ids": ids_1T, self.cache_kwarg: self.cache, "use_cache": True}
         kwargs["position_ids"] = positions_T[None]
         if self.takes_cache_position:
             kwargs["cache_position"] = positions_T
         if last_only:
             kwargs["logits_to_keep"] = 1
-        if taps:
-            with TapHooks(self.target.layers, self.layer_ids, keep):
-                out = self.model(**kwargs)
-            return out.logits, torch.cat(captured, dim=-1)
-        return self.model(**kwargs).logits, None
+        out, features_1TF = self.call_model(kwargs, taps=taps)
+        return out.logits, features_1TF
 
     def _eager(self, ids_1T: torch.Tensor, start: int, *, taps: bool, last_only: bool):
         self._place(start)
@@ -181,10 +173,10 @@ class StaticSpecTarget(SpecTarget):
         if start + T > self.max_len:
             raise ValueError(f"sequence of {start + T} positions exceeds the static cache of {self.max_len}")
         graph = self.graphs.get(T) if cache is not None else None
-        self._place(start)
         if graph is None:
             logits, features = self._eager(ids_1T, start, taps=taps, last_only=last_only)
         else:
+            self._place(start)
             graph.ids_1Q.copy_(ids_1T, non_blocking=True)
             graph.positions_Q.copy_(torch.arange(start, start + T), non_blocking=True)
             graph.graph.replay()

@@ -104,6 +104,15 @@ def test_a_corpus_holding_the_first_candidate_makes_it_pick_another(smollm2_toke
     choice = choose_mask_token(smollm2_tokenizer, None, [C.find_corpus(str(path))])
     assert (choice.token_id, choice.source, choice.passed_over) == (4, "auto", (3,))
     assert "skipped [3]" in choice.describe()
+    # The same in Parquet, where only the input_ids column is read; a text corpus holds no candidate.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"input_ids": [[1, 100, 2], [1, 3, 4, 2]]}), tmp_path / "tok.parquet")
+    choice = choose_mask_token(smollm2_tokenizer, None, [C.find_corpus(str(tmp_path / "tok.parquet"))])
+    assert (choice.token_id, choice.passed_over) == (5, (3, 4))
+    text_only = write_jsonl(tmp_path / "text.jsonl", [chat(*CHATS[1]), {"text": "input_ids <repo_name>"}])
+    assert choose_mask_token(smollm2_tokenizer, None, [C.find_corpus(str(text_only))]).token_id == 3
 
 
 def test_a_configured_mask_token_the_data_holds_is_refused(smollm2_tokenizer, tmp_path, caplog):
