@@ -108,7 +108,10 @@ def run(world: World, server, *, kills: int, seed: int, bucket: str, check_plain
         ok, committed, run_kills = True, 0, 0
         for _ in range(2 if rng.random() < 0.3 and kills - done >= 2 else 1):
             if rng.random() < 0.6:
-                threshold = rng.randint(max(1, committed), max(1, total - 1))
+                # A first kill after every sample was committed leaves no later count to wait for: then
+                # the second kill comes at once (a kill during the finish).
+                top = max(1, total - 1)
+                threshold = rng.randint(min(max(1, committed), top), top)
                 watch = watch_after_count(lambda u=uri: committed_samples(u), threshold, rng.uniform(0.0, 0.03))
             else:
                 moment = rng.uniform(0.5, run_seconds)
