@@ -88,14 +88,16 @@ def time_generate(target, prompt: list[int], tokens: int, static: bool) -> tuple
     return gen.decode_s / max(1, len(gen.tokens)) * 1e3, gen.tokens
 
 
-def time_proposals(target, prompt: list[int], layers: int, rounds: int = 24) -> float:
-    """Median ms of one DFlash proposal (eager): a drafter of the target's widths with `layers` layers
-    (random weights, exported and loaded as serving loads it), 16 new context features per round."""
+def time_proposals(target, prompt: list[int], layers: int, *, static: bool, rounds: int = 24) -> tuple[float, str]:
+    """(median ms of one DFlash proposal, how it ran): a drafter of the target's widths with `layers`
+    layers (random weights, exported and loaded as serving loads it), 16 new context features per
+    round; eager on a dynamic cache, or `static` (train.serve.static_drafter: slot cache, CUDA graph)."""
     import tempfile
 
     from train.model import DFlashDrafter, DrafterConfig
     from train.serve.export import export_drafter, load_exported
     from train.serve.specdecode import DFlashProposer
+    from train.serve.static_drafter import StaticDFlashProposer
 
     cfg = DrafterConfig(
         hidden_size=576,
@@ -116,7 +118,11 @@ def time_proposals(target, prompt: list[int], layers: int, rounds: int = 24) -> 
     with tempfile.TemporaryDirectory() as tmp:
         export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp, dtype="float32")
         drafter = load_exported(tmp, dtype=target.embed_VD.dtype, device=str(target.device))
-    proposer = DFlashProposer(drafter, target)
+    if static:
+        proposer = StaticDFlashProposer(drafter, target, max_len=1024)
+        note = f"slot cache, CUDA graph {proposer.graph_note}"
+    else:
+        proposer, note = DFlashProposer(drafter, target), "eager, dynamic cache"
     _, features, _ = target.forward(torch.tensor([prompt]), None, taps=True)
     F = features.shape[-1]
     times = []
@@ -134,7 +140,7 @@ def time_proposals(target, prompt: list[int], layers: int, rounds: int = 24) -> 
                 times.append(time.perf_counter() - t0)
             position += 16
     times.sort()
-    return times[len(times) // 2] * 1e3
+    return times[len(times) // 2] * 1e3, note, note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,10 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         "setup_s": setup,
     }
     for layers in (2, 5):
-        try:
-            rows[f"DFlash proposal, {layers}-layer drafter"] = {"propose_ms": time_proposals(eager, prompt, layers)}
-        except Exception as exc:  # noqa: BLE001 - a benchmark row that fails says why
-            rows[f"DFlash proposal, {layers}-layer drafter"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        for static_drafter in (False, True):
+            name = f"DFlash proposal, {layers}-layer drafter" + (", graphed" if static_drafter else "")
+            try:
+                ms, note = time_proposals(eager, prompt, layers, static=static_drafter)
+                rows[name] = {"propose_ms": ms, "how": note}
+            except Exception as exc:  # noqa: BLE001 - a benchmark row that fails says why
+                rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     for name, is_static in (("transformers generate", False), ("transformers generate, static cache", True)):
         try:
             ms, toks = time_generate(eager, prompt, args.tokens, is_static)
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<38} error: {row['error']}")
             continue
         if "propose_ms" in row:
-            print(f"  {name:<38} {row['propose_ms']:8.2f} ms / proposal (eager, 16 new context positions)")
+            print(f"  {name:<38} {row['propose_ms']:8.2f} ms / proposal (16 new context positions; {row['how']})")
             continue
         verify = f"{row['verify16_ms']:8.2f} ms / 16-token verify" if "verify16_ms" in row else ""
         print(f"  {name:<38} {row['step_ms']:8.2f} ms / token  {verify}  same tokens: {row['same']}")

@@ -47,7 +47,7 @@ class Scale:
 
 
 SCALES = {
-    "full": Scale("full", 0, 0, 0, 256, 1024, 1000, 5, 16384, 512, 0, 24),
+    "full": Scale("full", 0, 0, 0, 256, 1024, 1000, 5, 16384, 512, 0, 16),
     # Two CPU cores decode this model at ~7 tok/s (batch 1) to ~70 tok/s (batch 32), and train its 2-layer
     # drafter at 15-20 s per 4,096-token step (49,152-way loss): minutes per hundred answers or steps.
     "reduced": Scale("reduced", 64, 8, 4, 64, 32, 30, 2, 2048, 32, 4, 4),

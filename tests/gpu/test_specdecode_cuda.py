@@ -88,3 +88,32 @@ def test_the_specdecode_cli_is_lossless_on_cuda(tmp_path, capsys):
     assert "lossless: True" in printed.out
     result = json.loads(out.read_text())
     assert result["summary"]["lossless"] and result["summary"]["prompts"] == 4 and result["config"]["device"] == "cuda"
+    # On CUDA the CLI runs the static-cache target and the graphed drafter by default.
+    assert result["config"]["static_cache"].startswith("on") and result["config"]["static_drafter"].startswith("on")
+
+
+@pytest.mark.parametrize("layout", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}])
+def test_the_graphed_drafter_replays_what_the_eager_one_drafts(tmp_path, layout):
+    """The fixed-window round captured as a CUDA graph proposes, round by round, what the
+    dynamic-cache proposer does (float64: no rounding can flip an argmax), beside the graphed target."""
+    from tests.train.serve.test_static_drafter import Recording
+    from train.serve.static_drafter import StaticDFlashProposer
+    from train.serve.static_target import StaticSpecTarget
+
+    model = tiny_qwen3().cuda()
+    target = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[])
+    static_target = StaticSpecTarget(target.target, LAYER_IDS, [], max_len=256)
+    drafter = cuda_drafter(tmp_path, **layout)
+    graphed = StaticDFlashProposer(drafter, static_target, max_len=256)
+    assert graphed.graph_note.startswith("on"), graphed.graph_note
+    replays = 0
+    for prompt in random_prompts(3, lengths=(5, 23, 60), seed=4):
+        ours, theirs = Recording(graphed), Recording(DFlashProposer(drafter, target))
+        spec = speculative_generate(static_target, ours, prompt, 64)
+        reference = speculative_generate(target, theirs, prompt, 64)
+        assert spec.tokens == reference.tokens == greedy_generate(target, prompt, 64).tokens
+        check_round_bookkeeping(spec)
+        for mine, expected in zip(ours.logits, theirs.logits, strict=True):
+            torch.testing.assert_close(mine, expected, rtol=1e-9, atol=1e-9)
+        replays += len(ours.logits) - 1
+    assert replays > 3

@@ -64,7 +64,8 @@ class SpecDecodeConfig:
     static_cache: Literal["auto", "on", "off"] = knob(
         "auto",
         help="the target on a static KV cache with CUDA graphs for its 1-token and block forwards "
-        "(train.serve.static_target), for target-only and speculative decoding alike; auto = on with CUDA, "
+        "(train.serve.static_target), for target-only and speculative decoding alike, and the drafter on a slot "
+        "cache with its rounds as one CUDA graph (train.serve.static_drafter); auto = on with CUDA, "
         "unless DDTree budgets are given or the target has recurrent layers",
     )
     peer_baselines: bool = knob(

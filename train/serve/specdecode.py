@@ -890,6 +890,18 @@ def maybe_static(args, target: SpecTarget, prompts, block_size: int) -> tuple[Sp
     return static, f"{static.graph_note} ({length} positions)"
 
 
+def proposer_for(drafter: nn.Module, target: SpecTarget, context_cache: bool) -> tuple[Proposer, str | None]:
+    """The drafter on a slot cache with its rounds as a CUDA graph (train.serve.static_drafter) beside a
+    static-cache target; else on a dynamic cache. (proposer, note: how the static one runs, or None)."""
+    from train.serve.static_drafter import StaticDFlashProposer
+    from train.serve.static_target import StaticSpecTarget
+
+    if isinstance(target, StaticSpecTarget) and context_cache:
+        static = StaticDFlashProposer(drafter, target, max_len=target.max_len)
+        return static, static.graph_note
+    return DFlashProposer(drafter, target, context_cache=context_cache), None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_specdecode_args(sys.argv[1:] if argv is None else argv)
@@ -926,7 +938,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if static_note:
         print(f"target: static KV cache, CUDA graphs {static_note}")
-    proposer = DFlashProposer(drafter, target, context_cache=not args.no_context_cache)
+    proposer, drafter_note = proposer_for(drafter, target, not args.no_context_cache)
+    if drafter_note:
+        print(f"drafter: slot cache, CUDA graph {drafter_note}")
     try:
         result = run_benchmark(
             target,
@@ -979,6 +993,7 @@ def main(argv: list[str] | None = None) -> int:
         "stop_repeat": args.stop_repeat,
         "peer_baselines": list(PEERS) if args.peer_baselines else [],
         "static_cache": static_note,
+        "static_drafter": drafter_note,
         "prompt_lookup_tokens": args.prompt_lookup_tokens,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

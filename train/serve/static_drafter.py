@@ -1,0 +1,182 @@
+"""The DFlash drafter's proposal as one fixed-shape forward on a slot cache, replayed as a CUDA graph:
+the drafter-side half of making a small target's speculative decoding fast where kernel launches,
+not arithmetic, set the pace (a 5-layer drafter of a 135 M target costs ~8 ms eagerly, mostly launches).
+
+`StaticDFlashProposer` proposes exactly what `specdecode.DFlashProposer` proposes (the same exported
+model's `forward`, unchanged), with two differences in how it is driven:
+
+- Its cache (`SlotCache`) holds every layer's K/V in fixed buffers indexed by absolute position: a
+  call writes its entries at their positions, and the attention mask, built from the anchor, lets the
+  block see the context before the anchor and its own B positions only. Entries past the block are
+  stale and never visible, so a round never has to cut the cache back.
+- After the first round of a sequence (the prompt's context, of any length, runs eagerly), every
+  round re-projects a fixed window of the last `B` context positions (the verified tokens of the last
+  round are at most B, and re-projecting an already cached position writes the same K/V) and the
+  B-token block: one shape, captured once as a CUDA graph through the target's lm_head and argmax.
+
+Without CUDA (or where capture fails, said by `graph_note`) the same fixed-window forwards run
+eagerly, so the CPU tests exercise every path except the replay itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.alignment import block_input_ids
+from train.serve.dflash_hf import position_mask
+from train.serve.specdecode import SpecTarget
+
+
+class SlotCache:
+    """Every drafter layer's K/V [1, G, L, E] by absolute position; `update` writes a call's entries at
+    `slots_P` (set by the caller before the forward) and hands back the whole buffer."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, length: int, dtype, device):
+        shape = (1, kv_heads, length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.slots_P: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+    def update(self, k_1GPE: torch.Tensor, v_1GPE: torch.Tensor, layer_idx: int):
+        assert self.slots_P is not None and self.slots_P.numel() == k_1GPE.shape[2], (self.slots_P, k_1GPE.shape)
+        self.keys[layer_idx].index_copy_(2, self.slots_P, k_1GPE)
+        self.values[layer_idx].index_copy_(2, self.slots_P, v_1GPE)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class _Window:
+    """Static inputs and outputs of the captured fixed-window round."""
+
+    def __init__(self, B: int, F_: int, dtype, device):
+        self.features_1WF = torch.zeros((1, B, F_), dtype=dtype, device=device)
+        self.block_ids_1Q = torch.zeros((1, B), dtype=torch.long, device=device)
+        self.anchor = torch.zeros((), dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits_QV: torch.Tensor | None = None
+
+
+class StaticDFlashProposer:
+    """A `Proposer` (specdecode) driving an exported DFlash drafter on a `SlotCache` of `max_len`
+    positions, its steady-state rounds replayed as one CUDA graph where `graphs` and CUDA allow."""
+
+    def __init__(self, drafter: nn.Module, target: SpecTarget, *, max_len: int, graphs: bool = True):
+        if list(drafter.target_layer_ids) != target.layer_ids:
+            raise ValueError(
+                f"drafter target_layer_ids {list(drafter.target_layer_ids)} != the target taps {target.layer_ids}"
+            )
+        self.drafter, self.target = drafter, target
+        self.block_size = B = int(drafter.block_size)
+        self.mask_token_id = int(drafter.mask_token_id)
+        self.device = target.device
+        config = drafter.config
+        dtype = drafter.fc.weight.dtype
+        self.cache = SlotCache(
+            int(config.num_hidden_layers),
+            int(config.num_key_value_heads),
+            int(config.head_dim),
+            int(max_len),
+            dtype,
+            self.device,
+        )
+        self.key_pos_K = torch.arange(int(max_len), device=self.device)
+        self.offsets_P = torch.arange(-B, B, device=self.device)  # window then block, relative to the anchor
+        self.window = _Window(B, int(drafter.fc.in_features), target.embed_VD.dtype, self.device)
+        self.graph_note = "off"
+        self.reset()
+        if graphs:
+            self.graph_note = self._capture()
+
+    def reset(self) -> None:
+        self.recent_1WF: torch.Tensor | None = None  # features of the last <= B context positions
+        self.started = False
+
+    # -- one forward ----------------------------------------------------------------------------
+
+    def _masks(self, anchor) -> dict:
+        """{layer type: bool [1, 1, B, L]}: the block at anchor..anchor+B-1 sees the context before it
+        and itself, under each layer's window and causality; slots at or past anchor+B never."""
+        q_pos_1Q = (anchor + torch.arange(self.block_size, device=self.device))[None]
+        filled_11QK = (self.key_pos_K < anchor + self.block_size)[None, None, None, :]
+        masks = {}
+        for layer_type, rule in self.drafter.attention_rules.items():
+            by_position = position_mask(q_pos_1Q, self.key_pos_K[None], *rule)
+            masks[layer_type] = filled_11QK if by_position is None else by_position & filled_11QK
+        return masks
+
+    def _forward(self, features_1SF: torch.Tensor, block_ids_1Q: torch.Tensor, positions_P: torch.Tensor, anchor):
+        """The target's logits [B-1, V] at block positions 1..B-1, writing the K/V of `positions_P`."""
+        self.cache.slots_P = positions_P
+        hidden_1QD = self.drafter(
+            position_ids=positions_P[None],
+            attention_mask=self._masks(anchor),
+            noise_embedding=F.embedding(block_ids_1Q, self.target.embed_VD),
+            target_hidden=features_1SF,
+            past_key_values=self.cache,
+        )
+        return self.target.draft_logits(hidden_1QD[:, 1:])[0]
+
+    def _window_forward(self) -> torch.Tensor:
+        w = self.window
+        return self._forward(w.features_1WF, w.block_ids_1Q, w.anchor + self.offsets_P, w.anchor)
+
+    # -- capture --------------------------------------------------------------------------------
+
+    def _capture(self) -> str:
+        if self.device.type != "cuda":
+            return "off: CUDA graphs need a CUDA device"
+        if self.cache.length < 2 * self.block_size:
+            return f"off: a cache of {self.cache.length} positions holds no window and block"
+        w = self.window
+        w.anchor.fill_(self.block_size)  # any anchor with a full window: the capture's writes are stale later
+        try:
+            with torch.inference_mode():
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._window_forward()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                w.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(w.graph):
+                    w.logits_QV = self._window_forward()
+        except Exception as exc:  # noqa: BLE001 - a drafter whose forward cannot be captured runs eagerly
+            w.graph = w.logits_QV = None
+            torch.cuda.synchronize(self.device)
+            return f"off: capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        return f"on for a {self.block_size}-position window and block"
+
+    # -- the Proposer interface -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> list[int]:
+        return self.draft_logits(new_features_1SF, anchor_token, anchor_pos).argmax(-1).tolist()
+
+    @torch.inference_mode()
+    def draft_logits(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> torch.Tensor:
+        """The target's logits [B-1, V] at block positions 1..B-1 (as `DFlashProposer.draft_logits`)."""
+        B = self.block_size
+        if anchor_pos + B > self.cache.length:
+            raise ValueError(f"a block at {anchor_pos} runs past the drafter's cache of {self.cache.length}")
+        seen_1SF = new_features_1SF if self.recent_1WF is None else torch.cat((self.recent_1WF, new_features_1SF), 1)
+        self.recent_1WF = seen_1SF[:, -B:]
+        block_ids_1Q = block_input_ids(torch.tensor([anchor_token], device=self.device), B, self.mask_token_id)
+        if not self.started or anchor_pos < B:
+            # The sequence's first round: all its context so far, whatever its length.
+            assert seen_1SF.shape[1] == anchor_pos, (seen_1SF.shape, anchor_pos)
+            self.started = True
+            positions_P = torch.arange(anchor_pos + B, device=self.device)
+            return self._forward(seen_1SF, block_ids_1Q, positions_P, anchor_pos)
+        w = self.window
+        w.features_1WF.copy_(self.recent_1WF)
+        w.block_ids_1Q.copy_(block_ids_1Q)
+        w.anchor.fill_(anchor_pos)
+        if w.graph is None:
+            return self._window_forward()
+        w.graph.replay()
+        return w.logits_QV.clone()  # the next replay overwrites it
