@@ -208,8 +208,11 @@ def length_mix(n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
     return np.clip(lengths, 64 if max_len >= 256 else 8, max_len).astype(np.int64)
 
 
-def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: int = 32, seed: int = 0) -> dict:
-    """Synthetic shards with the shape's provenance (reused when `root` already holds a complete set)."""
+def write_synthetic_shards(
+    root: str, shape: dict, n: int, max_len: int, topk: int = 32, seed: int = 0, shard_bytes: int | None = None
+) -> dict:
+    """Synthetic shards with the shape's provenance (reused when `root` already holds a complete set);
+    `shard_bytes`: ShardWriter's default when None."""
     from common.hashing import sample_id
     from shards import Sample, ShardWriter
 
@@ -242,7 +245,8 @@ def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: i
     pool = torch.randn(int(max_len * width * 1.5), generator=torch.Generator().manual_seed(seed)) * 0.8
     pool = pool.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     start = time.perf_counter()
-    with ShardWriter(root, provenance=provenance, hidden_width=width, topk=topk) as writer:
+    sizes = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
+    with ShardWriter(root, provenance=provenance, hidden_width=width, topk=topk, **sizes) as writer:
         for T in lengths.tolist():
             ids = rng.integers(0, shape["vocab_size"] - 1, T).astype(np.int32)
             lm = (np.arange(T) >= int(T * rng.uniform(0.1, 0.4))).astype(np.uint8)
@@ -256,6 +260,11 @@ def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: i
         flush=True,
     )
     return json.load(open(manifest_path))
+
+
+def synthetic_root(args) -> str:
+    """Where the stream phase's synthetic shards are written (one folder per shape and shard size)."""
+    return os.path.join(args.workdir, f"shards-{args.shape}" + (f"-{args.shard_mb}mb" if args.shard_mb else ""))
 
 
 def tier_root(root: str, tier: str) -> str:
@@ -526,6 +535,13 @@ def parse_args(argv):
     p.add_argument("--prefetch-threads", type=int, default=8)
     p.add_argument("--fetch-threads", type=int, default=0, help="data.fetch_threads (0 = auto: 1 local, 16 S3)")
     p.add_argument(
+        "--shard-mb",
+        type=int,
+        default=0,
+        help="shard size of the synthetic shards (0 = the writer's default; moto_server reads a whole object to "
+        "answer a range, so the S3 phases want small shards)",
+    )
+    p.add_argument(
         "--s3-delays-ms",
         default="",
         help="also stream each tier from an S3 server with these per-request latencies (comma list, e.g. 0,20,80)",
@@ -593,9 +609,11 @@ def stream_phase(
     same (compiled) drafter and only where the batches come from changes."""
     from train.data import DataConfig, DataStream
 
-    root = os.path.join(args.workdir, f"shards-{args.shape}")
+    root = synthetic_root(args)
     if dist.is_main:
-        write_synthetic_shards(root, shape, args.samples, args.seq_len)
+        write_synthetic_shards(
+            root, shape, args.samples, args.seq_len, shard_bytes=args.shard_mb << 20 if args.shard_mb else None
+        )
         tier_shards(root, tier)
     dist.gather_objects(None)  # the other ranks wait for the shards
     data_cfg = DataConfig(
@@ -700,7 +718,7 @@ class S3Source:
             from benchmarks.s3_server import uri_for
 
             started = time.perf_counter()
-            local = tier_root(os.path.join(args.workdir, f"shards-{args.shape}"), tier)
+            local = tier_root(synthetic_root(args), tier)
             copy_to_s3(local, uri_for(self.port, f"bench/{tier}"))
             print(f"copied the {tier} shards to the S3 server in {time.perf_counter() - started:.1f} s", flush=True)
             self.uploaded[tier] = f"bench/{tier}"
@@ -749,6 +767,8 @@ def ddp_phase(args, nproc: int) -> list[dict]:
         args.prefetch_threads,
         "--fetch-threads",
         args.fetch_threads,
+        "--shard-mb",
+        args.shard_mb,
         "--workdir",
         args.workdir,
         "--accumulation",
