@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=16384, help="token budget per batch")
     p.add_argument("--batches", type=int, default=30, help="batches measured per source, after the first")
     p.add_argument("--step-ms", type=float, default=200.0, help="the stubbed GPU step")
+    p.add_argument(
+        "--warmup", type=int, default=0, help="untimed steps after the first batch (each shard's first read included)"
+    )
     p.add_argument("--delays-ms", default="0,20,80", help="S3 request latencies to inject (comma list)")
     p.add_argument("--threads", type=int, default=4, help="data.prefetch_threads")
     p.add_argument("--depth", type=int, default=8, help="data.prefetch_depth")
@@ -98,13 +101,14 @@ def main(argv=None) -> int:
             threads=args.threads,
             depth=args.depth,
             fetch=args.fetch_threads,
+            warmup=args.warmup,
         )
         rows.append({"source": "local disk", **measure(local, **kw)})
         print(rows[-1], flush=True)
         for delay in delays:
             with DelayProxy(server.port, delay_s=delay / 1000) as proxy:
                 row = measure(proxy.uri("bench/ds"), **kw)
-                row["requests_per_batch"] = round(proxy.requests / (args.batches + 1), 1)
+                row["requests_per_batch"] = round(proxy.requests / (args.batches + 1 + args.warmup), 1)
             rows.append({"source": f"S3, {delay:g} ms per request", **row})
             print(rows[-1], flush=True)
     local_step = rows[0]["step_s_mean"]

@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -31,6 +32,18 @@ def moto_server_command() -> list[str] | None:
     except ImportError:
         return None
     return [sys.executable, "-m", "moto.server"]
+
+
+def _server_env() -> dict:
+    """The environment of the moto_server child: PYTHONPATH without this project's root (its
+    top-level packages, common, train, ..., would shadow moto's imports) but with the rest (where
+    moto may be installed, as on a machine that got it from carried wheels)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != repo]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
+    return env
 
 
 def free_port() -> int:
@@ -51,13 +64,12 @@ class MotoServer:
         if command is None:
             raise RuntimeError("moto[server] is not installed (pip install 'moto[server]==5.2.5')")
         self.port = free_port()
-        # Not this project's PYTHONPATH: its top-level packages (common, train, ...) would shadow moto's imports.
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.proc = subprocess.Popen(
             [*command, "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
             stderr=open(os.environ.get("MOTO_LOG", os.devnull), "ab"),
-            env=env,
+            env=_server_env(),
+            cwd=tempfile.gettempdir(),  # `-m` puts the working directory first on sys.path
         )
         deadline = time.monotonic() + 30
         while True:

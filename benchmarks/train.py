@@ -42,6 +42,13 @@ shards transcoded to it once (`python -m shards transcode`, cached next to them)
 through the same compiled drafter; a `stream-TIER` row per tier with its bytes/token and fetch
 fraction (the `--ddp` runs stream every tier too: `stream-ddpN-TIER`).
 
+Object storage (`--s3-delays-ms 0,20,80`): after each tier's stream phase, the same phase again
+with the tier's shards in an S3 server (`moto_server` on loopback, started here, or the one at
+`--s3-port`), read as `s3://` through `benchmarks.s3_server.DelayProxy`, which holds every request
+for the given latency: the trainer's own path (`ShardDataset` ranged reads, `data.fetch_threads`
+concurrent reads per batch, `--fetch-threads`, auto 16 on S3), the same drafter and options; a
+`stream-s3-Nms` row per latency, compared with the local `stream` row (step time, fetch fraction).
+
 Hidden states in the synthetic shards are Gaussian bf16 slices of one random pool (writing ~8 GB of
 fresh random numbers would dominate the run); their compression ratio is close to real features'.
 """
@@ -201,8 +208,11 @@ def length_mix(n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
     return np.clip(lengths, 64 if max_len >= 256 else 8, max_len).astype(np.int64)
 
 
-def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: int = 32, seed: int = 0) -> dict:
-    """Synthetic shards with the shape's provenance (reused when `root` already holds a complete set)."""
+def write_synthetic_shards(
+    root: str, shape: dict, n: int, max_len: int, topk: int = 32, seed: int = 0, shard_bytes: int | None = None
+) -> dict:
+    """Synthetic shards with the shape's provenance (reused when `root` already holds a complete set);
+    `shard_bytes`: ShardWriter's default when None."""
     from common.hashing import sample_id
     from shards import Sample, ShardWriter
 
@@ -235,7 +245,8 @@ def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: i
     pool = torch.randn(int(max_len * width * 1.5), generator=torch.Generator().manual_seed(seed)) * 0.8
     pool = pool.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     start = time.perf_counter()
-    with ShardWriter(root, provenance=provenance, hidden_width=width, topk=topk) as writer:
+    sizes = {} if shard_bytes is None else {"shard_bytes": shard_bytes}
+    with ShardWriter(root, provenance=provenance, hidden_width=width, topk=topk, **sizes) as writer:
         for T in lengths.tolist():
             ids = rng.integers(0, shape["vocab_size"] - 1, T).astype(np.int32)
             lm = (np.arange(T) >= int(T * rng.uniform(0.1, 0.4))).astype(np.uint8)
@@ -249,6 +260,11 @@ def write_synthetic_shards(root: str, shape: dict, n: int, max_len: int, topk: i
         flush=True,
     )
     return json.load(open(manifest_path))
+
+
+def synthetic_root(args) -> str:
+    """Where the stream phase's synthetic shards are written (one folder per shape and shard size)."""
+    return os.path.join(args.workdir, f"shards-{args.shape}" + (f"-{args.shard_mb}mb" if args.shard_mb else ""))
 
 
 def tier_root(root: str, tier: str) -> str:
@@ -472,8 +488,8 @@ def print_table(results: list[dict], header: dict) -> None:
 
 
 def compare(results: list[dict]) -> list[str]:
-    """The data-parallel rows against the in-process stream row of the same storage tier (same
-    tokens per optimizer step)."""
+    """The data-parallel and S3 rows against the in-process local-disk stream row of the same storage
+    tier (same tokens per optimizer step)."""
     bases = {
         r.get("storage_tier", "planes"): r
         for r in results
@@ -482,13 +498,14 @@ def compare(results: list[dict]) -> list[str]:
     lines = []
     for r in results:
         base = bases.get(r.get("storage_tier", "planes"))
-        if base is None or not r.get("phase", "").startswith("stream-ddp") or "error" in r:
+        if base is None or not r.get("phase", "").startswith(("stream-ddp", "stream-s3")) or "error" in r:
             continue
         lines.append(
             f"{r['phase']} / {base['phase']}: step time (median) {r['step_s_median'] / base['step_s_median']:.4f}, "
             f"step time (mean) {r['step_s_mean'] / base['step_s_mean']:.4f}, context tok/s "
             f"{r['context_tok_s'] / base['context_tok_s']:.4f}, "
-            f"peak mem (largest rank) {r['peak_mem_gib'] / base['peak_mem_gib']:.4f}"
+            f"peak mem (largest rank) {r['peak_mem_gib'] / base['peak_mem_gib']:.4f}, "
+            f"fetch fraction {r['fetch_frac']:.3%} (local {base['fetch_frac']:.3%})"
         )
         r["vs_stream"] = {
             "step_s_median": r["step_s_median"] / base["step_s_median"],
@@ -516,6 +533,25 @@ def parse_args(argv):
     p.add_argument("--compile", dest="compile", action="store_true", default=None)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--prefetch-threads", type=int, default=8)
+    p.add_argument("--fetch-threads", type=int, default=0, help="data.fetch_threads (0 = auto: 1 local, 16 S3)")
+    p.add_argument(
+        "--shard-mb",
+        type=int,
+        default=0,
+        help="shard size of the synthetic shards (0 = the writer's default; moto_server reads a whole object to "
+        "answer a range, so the S3 phases want small shards)",
+    )
+    p.add_argument(
+        "--s3-delays-ms",
+        default="",
+        help="also stream each tier from an S3 server with these per-request latencies (comma list, e.g. 0,20,80)",
+    )
+    p.add_argument(
+        "--s3-port",
+        type=int,
+        default=0,
+        help="port of an S3 server already running on 127.0.0.1 (0 = start moto_server here)",
+    )
     p.add_argument(
         "--tiers",
         default="planes",
@@ -565,19 +601,24 @@ def stream_phase(
     tier: str = "planes",
     run: Run | None = None,
     warmup: int | None = None,
+    source: str | None = None,
 ) -> tuple[dict, Run]:
     """The stream phase: synthetic shards in storage tier `tier` through `DataStream` (this rank's
-    share when split). Returns (result, run): pass `run` back for the next tier, so every tier
-    streams through the same (compiled) drafter and only where the batches come from changes."""
+    share when split), from local disk or from `source` (the same shards' URI on an object store).
+    Returns (result, run): pass `run` back for the next tier, so every tier streams through the
+    same (compiled) drafter and only where the batches come from changes."""
     from train.data import DataConfig, DataStream
 
-    root = os.path.join(args.workdir, f"shards-{args.shape}")
+    root = synthetic_root(args)
     if dist.is_main:
-        write_synthetic_shards(root, shape, args.samples, args.seq_len)
+        write_synthetic_shards(
+            root, shape, args.samples, args.seq_len, shard_bytes=args.shard_mb << 20 if args.shard_mb else None
+        )
         tier_shards(root, tier)
     dist.gather_objects(None)  # the other ranks wait for the shards
     data_cfg = DataConfig(
-        shards=tier_root(root, tier),
+        shards=source or tier_root(root, tier),
+        fetch_threads=args.fetch_threads,
         token_budget=args.token_budget,
         num_buckets=4,
         holdout_fraction=0.0,
@@ -603,6 +644,8 @@ def stream_phase(
     result["kernels"] = run.kernels.to_dict()
     result["data_plan"] = {k: v for k, v in stream.data_plan().items() if k != "buckets"}
     result["storage_tier"] = tier
+    result["source"] = "s3" if source else "local disk"
+    result["fetch_threads"] = stream._fetch_threads
     result["tier"] = {
         "encoding": stream.dataset.encoding,
         "shard_bytes_per_token": sum(e["bytes"] for e in stream.dataset.shards)
@@ -617,23 +660,78 @@ def stream_phase(
     return result, run
 
 
-def stream_tiers(args, shape: dict, device: torch.device, dist: Dist, name: str, on_result=None) -> list[dict]:
-    """The stream phase once per storage tier of `--tiers` through one drafter (one compilation);
-    `on_result(results)` after every tier, so a time limit keeps what was measured."""
+def stream_tiers(args, shape: dict, device: torch.device, dist: Dist, name: str, on_result=None, s3=None) -> list[dict]:
+    """The stream phase once per storage tier of `--tiers` through one drafter (one compilation),
+    and with `s3` (an `S3Source`) once more per `--s3-delays-ms` latency from the S3 server;
+    `on_result(results)` after every phase, so a time limit keeps what was measured."""
     results, run = [], None
     for i, tier in enumerate(parse_tiers(args.tiers)):
-        phase = tier_phase_name(name, tier)
-        try:
-            result, run = stream_phase(
-                args, shape, device, dist, phase, tier, run=run, warmup=args.warmup if i == 0 else min(args.warmup, 2)
-            )
-            results.append(result)
-        except Exception as exc:  # noqa: BLE001 - report and go on to the next tier
-            traceback.print_exc()
-            results.append({"phase": phase, "storage_tier": tier, "error": f"{type(exc).__name__}: {exc}"})
-        if on_result is not None:
-            on_result(results)
+        sources = [(tier_phase_name(name, tier), None)]
+        sources += [(tier_phase_name(f"{name}-s3-{d:g}ms", tier), d) for d in (s3.delays_ms if s3 else [])]
+        for j, (phase, delay) in enumerate(sources):
+            try:
+                warmup = args.warmup if i == j == 0 else min(args.warmup, 2)
+                if delay is None:
+                    result, run = stream_phase(args, shape, device, dist, phase, tier, run=run, warmup=warmup)
+                else:
+                    with s3.proxy(delay) as proxy:
+                        uri = proxy.uri(s3.upload(args, tier))
+                        result, run = stream_phase(
+                            args, shape, device, dist, phase, tier, run=run, warmup=warmup, source=uri
+                        )
+                        result["s3_delay_ms"] = delay
+                        result["s3_requests_per_step"] = proxy.requests / max(1, args.steps + warmup)
+                results.append(result)
+            except Exception as exc:  # noqa: BLE001 - report and go on to the next tier
+                traceback.print_exc()
+                results.append({"phase": phase, "storage_tier": tier, "error": f"{type(exc).__name__}: {exc}"})
+            if on_result is not None:
+                on_result(results)
     return results
+
+
+class S3Source:
+    """The S3 server the `--s3-delays-ms` phases read from: moto_server on a free loopback port
+    (or the server at `--s3-port`), each tier's shards uploaded once to `s3://bench/<tier>`."""
+
+    def __init__(self, args):
+        from benchmarks.s3_server import MotoServer
+
+        self.delays_ms = [float(d) for d in args.s3_delays_ms.split(",") if d.strip()]
+        os.environ.update({k: os.environ.get(k) or v for k, v in MotoServer.env().items()})
+        self.server = MotoServer() if not args.s3_port else None
+        self.port = args.s3_port or self.server.port
+        self.uploaded: dict[str, str] = {}
+        self._client().create_bucket(Bucket="bench")
+
+    def _client(self):
+        import botocore.session
+
+        return botocore.session.get_session().create_client(
+            "s3", endpoint_url=f"http://127.0.0.1:{self.port}", region_name=os.environ["AWS_DEFAULT_REGION"]
+        )
+
+    def upload(self, args, tier: str) -> str:
+        """The bucket path of `tier`'s shards on the server (copied there the first time)."""
+        if tier not in self.uploaded:
+            from benchmarks.object_store import copy_to_s3
+            from benchmarks.s3_server import uri_for
+
+            started = time.perf_counter()
+            local = tier_root(synthetic_root(args), tier)
+            copy_to_s3(local, uri_for(self.port, f"bench/{tier}"))
+            print(f"copied the {tier} shards to the S3 server in {time.perf_counter() - started:.1f} s", flush=True)
+            self.uploaded[tier] = f"bench/{tier}"
+        return self.uploaded[tier]
+
+    def proxy(self, delay_ms: float):
+        from benchmarks.s3_server import DelayProxy
+
+        return DelayProxy(self.port, delay_s=delay_ms / 1000)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
 
 
 def ddp_phase(args, nproc: int) -> list[dict]:
@@ -667,6 +765,10 @@ def ddp_phase(args, nproc: int) -> list[dict]:
         args.attention,
         "--prefetch-threads",
         args.prefetch_threads,
+        "--fetch-threads",
+        args.fetch_threads,
+        "--shard-mb",
+        args.shard_mb,
         "--workdir",
         args.workdir,
         "--accumulation",
@@ -782,7 +884,14 @@ def main(argv: list[str] | None = None) -> int:
                 with open(args.out, "w") as f:
                     json.dump({"header": header, "results": results + tier_results}, f, indent=2)
 
-        results += stream_tiers(args, shape, device, Dist.single(args.accumulation), "stream", on_result=save)
+        s3 = S3Source(args) if args.s3_delays_ms.strip() else None
+        try:
+            results += stream_tiers(
+                args, shape, device, Dist.single(args.accumulation), "stream", on_result=save, s3=s3
+            )
+        finally:
+            if s3 is not None:
+                s3.close()
         if device.type == "cuda":  # the --ddp workers need this GPU's memory: drop compiled graphs holding the drafter
             import gc
 

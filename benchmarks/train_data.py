@@ -96,9 +96,13 @@ def write_synthetic(root: str, *, samples: int, width: int, topk: int, max_len: 
     return time.perf_counter() - start
 
 
-def measure(root: str, *, threads: int, depth: int, budget: int, batches: int, step_s: float, fetch: int = 0) -> dict:
+def measure(
+    root: str, *, threads: int, depth: int, budget: int, batches: int, step_s: float, fetch: int = 0, warmup: int = 0
+) -> dict:
     """The data stream over `batches` batches with a stubbed step of `step_s` seconds (`fetch`: the
-    stream's fetch_threads, 0 = auto; `benchmarks.object_store` measures object stores with it)."""
+    stream's fetch_threads, 0 = auto; `benchmarks.object_store` measures object stores with it),
+    after the first batch and `warmup` more untimed steps (a trainer's warmup steps: on an object
+    store, the first reads of each shard also fetch its size and footer)."""
     cfg = DataConfig(
         shards=root,
         holdout_fraction=0.0,
@@ -112,6 +116,10 @@ def measure(root: str, *, threads: int, depth: int, budget: int, batches: int, s
     stream = DataStream(cfg)
     first = next(stream)
     time_to_first = time.perf_counter() - start
+    for _ in range(warmup):
+        next(stream)
+        if step_s:
+            time.sleep(step_s)
     real = padded = hidden_bytes = samples = 0
     stream.total_wait = 0.0
     start, cpu_start = time.perf_counter(), time.process_time()

@@ -108,6 +108,22 @@ def exclusive_lock(path: str, *, what: str, hint: str, wait_seconds: float = 0.0
         return Lock(path)
 
 
+def writer_lock(fs, path: str, *, what: str, hint: str, wait_seconds: float = 0.0):
+    """The one-writer lock at `path` on file system `fs`: `flock` on a local disk, a lock object
+    made with conditional writes on S3 (`common.objstore.ObjectLock`); another object store (GCS)
+    is refused unless DFLASH_UNLOCKED_WRITES=1 (pyarrow offers it no conditional write); other file
+    systems are not locked. `what` names the protected thing in messages, `hint` what to do."""
+    from common import io, objstore
+
+    if io.is_local(fs):
+        return exclusive_lock(path, what=what, hint=hint, wait_seconds=wait_seconds)
+    if objstore.is_s3(fs):
+        return objstore.ObjectLock(fs, path, what=what, hint=hint, wait_seconds=wait_seconds)
+    if objstore.is_object_store(fs) and not objstore.unlocked_writes():
+        raise ValueError(objstore.refuse_unlocked_message(what))
+    return Lock.unheld()
+
+
 def check_unlocked(path: str, *, what: str, hint: str) -> None:
     """LockedError if another process holds the lock on `path` now; takes nothing, creates nothing."""
     import fcntl

@@ -347,23 +347,14 @@ def lock_manifest(fs: pafs.FileSystem, root: str, manifest_name: str, *, wait_se
         "Two writers of one dataset would corrupt it: wait for the other to finish (or stop it), or write to "
         "another directory."
     )
-    if io.is_local(fs):
-        return locks.exclusive_lock(
-            os.path.join(root, f".{manifest_name}.lock"),
-            what=f"{manifest_path(root, manifest_name)}",
-            wait_seconds=wait_seconds,
-            hint=hint,
-        )
-    from common import objstore
+    where = manifest_path(root, manifest_name)
+    if not io.is_local(fs):
+        from common import objstore
 
-    where = objstore.store_uri(fs, manifest_path(root, manifest_name))
-    if objstore.is_s3(fs):
-        return objstore.ObjectLock(
-            fs, io.join(root, f".{manifest_name}.lock"), what=where, hint=hint, wait_seconds=wait_seconds
-        )
-    if objstore.is_object_store(fs) and not objstore.unlocked_writes():
-        raise ValueError(objstore.refuse_unlocked_message(where))
-    return locks.Lock.unheld()
+        where = objstore.store_uri(fs, where)
+    return locks.writer_lock(
+        fs, io.join(root, f".{manifest_name}.lock"), what=where, hint=hint, wait_seconds=wait_seconds
+    )
 
 
 def check_manifest_unlocked(fs: pafs.FileSystem, root: str, manifest_name: str) -> None:

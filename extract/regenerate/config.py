@@ -39,8 +39,8 @@ class RegenerateConfig:
     max_records: int | None = knob(None, help="answer only the first N records of the corpus (smoke tests)", min=1)
     out: str = knob(
         "",
-        help="output directory: data.jsonl (the regenerated corpus), rejects.jsonl, regenerate.json (provenance), "
-        "summary.json",
+        help="output directory (or s3://bucket/prefix, docs/object-storage.md): data.jsonl (the regenerated corpus), "
+        "rejects.jsonl, regenerate.json (provenance), summary.json",
     )
     backend: Literal["local", "server"] = knob(
         "local",
@@ -135,7 +135,10 @@ class RegenerateConfig:
 
     # -- behaviour -------------------------------------------------------------------------------
     fsync_every_s: float = knob(
-        5.0, help="fsync the journal of finished records at most this often (and at the end)", min=0.0
+        5.0,
+        help="fsync the journal of finished records at most this often (and at the end); on an object store, put "
+        "the records finished since the last put as a new journal object at most this often",
+        min=0.0,
     )
     progress: bool = knob(True, help="show a progress bar (rank 0)")
 
@@ -150,8 +153,6 @@ class RegenerateConfig:
             fail("corpus", "name the corpus whose prompts are answered (corpus=PATH)")
         if not self.out:
             fail("out", "name the output directory (out=DIR)")
-        if "://" in self.out:
-            fail("out", f"{self.out!r} is a URI; regeneration writes to a local or mounted directory")
         if self.backend == "server" and not self.urls:
             fail("urls", 'the server backend needs at least one endpoint, e.g. urls=["http://127.0.0.1:8000/v1"]')
         for i, url in enumerate(self.urls):

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from common.config import config_to_dict
 from common.hashing import json_digest, text_digest, tokenizer_digest
 from common.hf_target import read_config
-from common.io import atomic_write_json
+from common.io import atomic_write_json, join_uri
 from common.provenance import provenance as tool_provenance
 from extract import reading
 from extract.regenerate import store
@@ -52,20 +52,18 @@ def check_inputs(cfg: RegenerateConfig) -> reading.CorpusFiles:
 
     if not os.path.isdir(cfg.target):
         raise ValueError(f"target: '{cfg.target}' is not a checkpoint directory (config key 'target')")
-    if "://" in cfg.out:
-        # Not yet: the journal is appended a record at a time, which an object store cannot do.
-        raise ValueError(
-            f"out: {cfg.out!r} is a URI; regeneration writes to a local directory (its journal is appended "
-            "record by record). Regenerate locally, then extract from it with out_dir=s3://... "
-            "(docs/object-storage.md)"
-        )
     corpus = reading.find_corpus(cfg.corpus, cfg.corpus_format)
-    out = os.path.abspath(cfg.out)
-    if any(os.path.abspath(f).startswith(out + os.sep) for f in corpus.files):
+    out = out_location(cfg)
+    if not store.on_object_store(out) and any(os.path.abspath(f).startswith(out + os.sep) for f in corpus.files):
         raise ValueError(f"out: '{cfg.out}' holds the corpus being read; write the regenerated corpus elsewhere")
     check_out_dir(cfg.out, "out")
     context_limit(cfg)  # a max_context above the target's own is refused now
     return corpus
+
+
+def out_location(cfg: RegenerateConfig) -> str:
+    """The output directory as an absolute local path, or the object store URI as given (s3://...)."""
+    return cfg.out if store.on_object_store(cfg.out) else os.path.abspath(cfg.out)
 
 
 def context_limit(cfg: RegenerateConfig) -> int | None:
@@ -137,8 +135,9 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
             "corpus %s: %d files not read: %s", cfg.corpus, len(corpus.skipped), describe_skipped(corpus.skipped)
         )
     target = target_fingerprint(cfg.target, tokenizer)
-    out = os.path.abspath(cfg.out)
-    os.makedirs(out, exist_ok=True)
+    out = out_location(cfg)
+    if not store.on_object_store(out):
+        os.makedirs(out, exist_ok=True)
     backend = None
     if cfg.backend == "server":
         from extract.regenerate.server import ServerBackend, ServerStop
@@ -161,8 +160,8 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
             )
         log.info("%s: already complete (%d records stored); nothing to do", out, done["counts"]["stored"])
         return {"complete": True, "already_complete": True, "counts": done["counts"], "out": out}
-    with store.lock_rank(out, info.rank):
-        journal = store.Journal(out, info.rank, header, cfg.fsync_every_s)
+    with store.lock_rank(out, info.rank) as lock:
+        journal = store.open_journal(out, info.rank, header, cfg.fsync_every_s, lock)
         try:
             summary = _answer_rank(cfg, corpus, fingerprint, renderer, journal, info, backend, model, entered)
         finally:
@@ -172,7 +171,7 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
         summary["skipped_files"] = list(corpus.skipped)
         info.barrier()
         if info.rank == 0:
-            summary.update(_commit_if_finished(cfg, out, corpus, fingerprint, target, header, summary))
+            summary.update(_commit_if_finished(cfg, out, corpus, fingerprint, target, header, summary, lock))
         _write_summary(out, info, summary)
     return summary
 
@@ -290,7 +289,7 @@ def _conversations(
 
 
 def _answer_rank(cfg, corpus, fingerprint, renderer, journal, info: RankInfo, backend, model, entered: float) -> dict:
-    done = store.done_ids(cfg.out)
+    done = store.done_ids(out_location(cfg))
     total = fingerprint["records"]
     tally = Tally(
         journal,
@@ -326,7 +325,7 @@ def _answer_rank(cfg, corpus, fingerprint, renderer, journal, info: RankInfo, ba
         "rank": info.rank,
         "world_size": info.world,
         "backend": cfg.backend,
-        "out": os.path.abspath(cfg.out),
+        "out": out_location(cfg),
         "counts": counts,
         "rejected_by_reason": tally.rejected_by_reason,
         "failures": tally.failures,
@@ -432,7 +431,7 @@ def _chain(first, rest):
 # Commit and summary
 
 
-def _commit_if_finished(cfg, out: str, corpus, fingerprint, target: dict, header: dict, summary: dict) -> dict:
+def _commit_if_finished(cfg, out: str, corpus, fingerprint, target: dict, header: dict, summary: dict, lock) -> dict:
     """Commit the corpus if every record is finished (in every journal); else say what is left."""
     records = summary["counts"]["records_seen"]  # every rank reads every record (and owns its share)
     finished = len(store.done_ids(out))
@@ -440,7 +439,7 @@ def _commit_if_finished(cfg, out: str, corpus, fingerprint, target: dict, header
         return {"complete": False, "finished_records": finished, "total_records": records}
     runs = [run for scan in store.scan_all(out).values() for run in scan.runs]
     provenance = build_provenance(cfg, corpus, fingerprint, target, header, runs)
-    counts = store.commit_corpus(out, records, provenance)
+    counts = store.commit_corpus(out, records, provenance, lock)
     return {"complete": True, "finished_records": records, "total_records": records, "corpus_counts": counts}
 
 
@@ -493,7 +492,7 @@ def build_provenance(
 
 def _write_summary(out: str, info: RankInfo, summary: dict) -> None:
     name = store.SUMMARY_FILE if info.world == 1 else f"summary.rank{info.rank:03d}.json"
-    atomic_write_json(os.path.join(out, name), summary)
+    atomic_write_json(join_uri(out, name), summary)
 
 
 def format_summary(summary: dict) -> str:

@@ -22,21 +22,45 @@ that every record of the corpus has one, and writes data.jsonl, rejects.jsonl an
 regenerate.json by temporary file + fsync + rename; then removes the journals. A kill at any point
 leaves either the journals (a rerun commits again) or the finished output (a rerun says so).
 
-One writer at a time: each rank holds `common.locks.exclusive_lock` on `.rankNNN.lock` for its
-whole run (the commit included), released by the OS if the process dies.
+One writer at a time: each rank holds `common.locks.writer_lock` on `.rankNNN.lock` for its
+whole run (the commit included): `flock` on a local disk (released by the OS if the process dies),
+a lock object made with conditional writes on S3.
+
+On an object store (`out=s3://bucket/prefix`), which cannot append, a rank's journal is a series
+of objects `journal.rankNNN.sNNNNNN.jsonl`, each written once under its final name (a PUT is
+atomic: a reader sees all of it or nothing) and each starting with the header: the records
+finished since the last one, put at most every `fsync_every_s` seconds and at the end. A kill
+loses the records not yet put (they are answered again), never part of one. The commit writes
+data.jsonl and rejects.jsonl in place (an object becomes visible only when its upload completes),
+then regenerate.json, then deletes the journal objects; a killed upload (an open multipart upload,
+invisible) is aborted by the next run. docs/object-storage.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io as pyio
 import json
 import logging
 import os
+import re
+import tempfile
 import time
 
-from common.io import atomic_write_json, commit, discard, named_os_error, remove_temp_files, resolve, temp_name
-from common.locks import Lock, exclusive_lock
+from common import io
+from common.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    commit,
+    discard,
+    join_uri,
+    named_os_error,
+    remove_temp_files,
+    resolve,
+    temp_name,
+)
+from common.locks import Lock, writer_lock
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +75,42 @@ def journal_name(rank: int) -> str:
     return f"journal.rank{rank:03d}.jsonl"
 
 
+def segment_name(rank: int, number: int) -> str:
+    """An object store's journal object number `number` of `rank`."""
+    return f"journal.rank{rank:03d}.s{number:06d}.jsonl"
+
+
+_SEGMENT = re.compile(r"journal\.rank(\d{3})\.s(\d{6})\.jsonl")
+
+
+def on_object_store(out: str) -> bool:
+    return "://" in str(out)
+
+
 def lock_rank(out: str, rank: int) -> Lock:
-    return exclusive_lock(
-        os.path.join(out, f".rank{rank:03d}.lock"),
+    fs, root = resolve(out)
+    return writer_lock(
+        fs,
+        io.join(root, f".rank{rank:03d}.lock"),
         what=f"the regenerated corpus {out} (rank {rank})",
         hint="Wait for it to finish, or stop it; a killed run leaves nothing locked.",
     )
 
 
 def journal_files(out: str) -> list[str]:
-    return (
-        sorted(f for f in os.listdir(out) if f.startswith("journal.rank") and f.endswith(".jsonl"))
-        if os.path.isdir(out)
-        else []
-    )
+    if on_object_store(out):
+        names = io.list_names(out)
+    else:  # os.listdir, not pyarrow: a corpus directory may hold names that are not UTF-8 (extraction names them)
+        names = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    return [f for f in names if f.startswith("journal.rank") and f.endswith(".jsonl")]
+
+
+def _open_binary(path: str):
+    """A local file, or an object read whole into memory (a journal object holds a few seconds of records)."""
+    if not on_object_store(path):
+        return open(path, "rb")
+    fs, where = resolve(path)
+    return pyio.BytesIO(io.read_bytes(fs, where))
 
 
 @dataclasses.dataclass
@@ -95,7 +141,7 @@ def scan_journal(path: str) -> JournalScan:
     held in memory). An incomplete last line (a kill mid-write) is not read; a broken line before it
     is an error naming the file and line."""
     scan = JournalScan()
-    with open(path, "rb") as f:
+    with _open_binary(path) as f:
         offset = 0
         for n, line in enumerate(f, start=1):
             if not line.endswith(b"\n"):
@@ -132,7 +178,26 @@ def scan_journal(path: str) -> JournalScan:
 
 
 def scan_all(out: str) -> dict[str, JournalScan]:
-    return {name: scan_journal(os.path.join(out, name)) for name in journal_files(out)}
+    return {name: scan_journal(join_uri(out, name)) for name in journal_files(out)}
+
+
+def check_resumable(out: str, header: dict) -> None:
+    """ValueError if a journal of `out` (any rank's: a resume may change the world size) holds
+    finished records made with other settings."""
+    for name, scan in scan_all(out).items():
+        problems = header_problems(scan.header, header)
+        if problems and scan.finished:
+            raise ValueError(
+                f"{out}: cannot resume: " + "; ".join(problems) + f" ({name}). Use the same settings, or another out "
+                "directory."
+            )
+
+
+def open_journal(out: str, rank: int, header: dict, fsync_every_s: float, lock: Lock):
+    """This rank's journal: appended on a local disk, a series of objects on an object store."""
+    if on_object_store(out):
+        return SegmentJournal(out, rank, header, fsync_every_s, lock)
+    return Journal(out, rank, header, fsync_every_s)
 
 
 class Journal:
@@ -142,14 +207,7 @@ class Journal:
         self.path = os.path.join(out, journal_name(rank))
         self.fsync_every_s = fsync_every_s
         self.torn_bytes = 0
-        for name, scan in scan_all(out).items():  # every rank's: a resume may change the world size
-            problems = header_problems(scan.header, header)
-            if problems and scan.finished:
-                raise ValueError(
-                    f"{out}: cannot resume: "
-                    + "; ".join(problems)
-                    + f" ({name}). Use the same settings, or another out directory."
-                )
+        check_resumable(out, header)
         if os.path.exists(self.path):
             scan = scan_journal(self.path)
             size, complete = os.path.getsize(self.path), scan.complete_bytes
@@ -191,6 +249,53 @@ class Journal:
                     self.file.close()  # after a failed write, closing fails the same way: said already
 
 
+class SegmentJournal:
+    """This rank's journal on an object store: records are collected in memory and put as a new
+    object (header first, then the records) at most every `fsync_every_s` seconds and at close,
+    each after `lock.check()` (no object once another writer may hold the lock)."""
+
+    torn_bytes = 0  # an object is whole or absent: nothing is ever torn
+
+    def __init__(self, out: str, rank: int, header: dict, fsync_every_s: float, lock: Lock):
+        from common.objstore import abort_uploads
+
+        self.out, self.rank, self.fsync_every_s, self.lock = out, rank, fsync_every_s, lock
+        check_resumable(out, header)
+        self.fs, self.root = resolve(out)
+        abort_uploads(self.fs, self.root, (f"journal.rank{rank:03d}.",))  # a killed put of a large object
+        numbers = [-1]
+        for name in journal_files(out):
+            match = _SEGMENT.fullmatch(name)
+            if match is None or int(match.group(1)) != rank:
+                continue
+            if header_problems(scan_journal(join_uri(out, name)).header, header):  # nothing finished under those
+                self.fs.delete_file(io.join(self.root, name))
+                continue
+            numbers.append(int(match.group(2)))
+        self.number = max(numbers) + 1
+        self.header_line = (json.dumps({"journal": JOURNAL_VERSION, **header}, sort_keys=True) + "\n").encode()
+        self.lines: list[bytes] = []
+        self.last_sync = time.monotonic()
+
+    def append(self, entry: dict) -> None:
+        self.lines.append((json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8"))
+        if time.monotonic() - self.last_sync >= self.fsync_every_s:
+            self.sync()
+
+    def sync(self) -> None:
+        """Put the records collected since the last put as the next journal object."""
+        if self.lines:
+            self.lock.check()
+            path = io.join(self.root, segment_name(self.rank, self.number))
+            atomic_write_bytes(path, self.header_line + b"".join(self.lines), self.fs)
+            self.number += 1
+            self.lines = []
+        self.last_sync = time.monotonic()
+
+    def close(self) -> None:
+        self.sync()
+
+
 def header_problems(stored: dict | None, fresh: dict) -> list[str]:
     """What differs between a journal's settings and this run's, in words."""
     if stored is None:
@@ -229,58 +334,91 @@ def done_ids(out: str) -> set[str]:
 
 def is_complete(out: str) -> dict | None:
     """The provenance of a committed corpus in `out`, or None."""
-    path = os.path.join(out, PROVENANCE_FILE)
-    if not os.path.exists(path) or not os.path.exists(os.path.join(out, DATA_FILE)):
+    fs, root = resolve(out)
+    path = io.join(root, PROVENANCE_FILE)
+    if not io.exists(fs, path) or not io.exists(fs, io.join(root, DATA_FILE)):
         return None
-    with open(path, encoding="utf-8") as f:
-        provenance = json.load(f)
+    provenance = io.read_json(fs, path)
     return provenance if provenance.get("complete") else None
 
 
-def commit_corpus(out: str, expected_records: int, provenance: dict) -> dict:
+@contextlib.contextmanager
+def local_journals(out: str):
+    """A local directory holding `out`'s journals: `out` itself on a local disk; on an object store a
+    temporary copy (the commit reads the records back in input order, which a GET per record would make slow)."""
+    if not on_object_store(out):
+        yield out
+        return
+    fs, root = resolve(out)
+    with tempfile.TemporaryDirectory(prefix="regenerate-journals-") as local:
+        for name in journal_files(out):
+            with open(os.path.join(local, name), "wb") as f:
+                f.write(io.read_bytes(fs, io.join(root, name)))
+        yield local
+
+
+def commit_corpus(out: str, expected_records: int, provenance: dict, lock: Lock | None = None) -> dict:
     """Write data.jsonl, rejects.jsonl and regenerate.json from the journals (atomically, the
-    provenance last) and remove the journals. Returns the counts. ValueError if records are missing."""
-    finished, duplicates = finished_records(out)
-    if len(finished) != expected_records:
-        raise ValueError(f"{out}: {len(finished)} of {expected_records} records are finished; rerun to finish the rest")
-    entries = sorted(finished.values(), key=lambda e: e.position)
-    counts = count_entries(entries)
-    counts["journal_duplicates"] = duplicates
-    fs, _ = resolve(out)
-    remove_temp_files(fs, out)
-    data_tmp, rejects_tmp = temp_name(os.path.join(out, DATA_FILE)), temp_name(os.path.join(out, REJECTS_FILE))
+    provenance last) and remove the journals. Returns the counts. ValueError if records are missing.
+    `lock` (rank 0's) is checked before each write on an object store."""
+    lock = lock or Lock.unheld()
+    fs, root = resolve(out)
+    with local_journals(out) as journal_dir:
+        finished, duplicates = finished_records(journal_dir)
+        if len(finished) != expected_records:
+            raise ValueError(
+                f"{out}: {len(finished)} of {expected_records} records are finished; rerun to finish the rest"
+            )
+        entries = sorted(finished.values(), key=lambda e: e.position)
+        counts = count_entries(entries)
+        counts["journal_duplicates"] = duplicates
+        _write_corpus_files(fs, root, entries, lock)
+    lock.check()
+    atomic_write_json(io.join(root, PROVENANCE_FILE), {**provenance, "counts": counts, "complete": True}, fs)
+    for name in journal_files(out):
+        with contextlib.suppress(FileNotFoundError):
+            fs.delete_file(io.join(root, name))
+    return counts
+
+
+def _write_corpus_files(fs, root: str, entries: list[Finished], lock: Lock) -> None:
+    """data.jsonl and rejects.jsonl from the journal lines `entries` name: on a local disk through
+    temporary files renamed into place; on an object store in place (visible once complete)."""
+    in_place = io.in_place(fs)
+    if in_place:
+        from common.objstore import abort_uploads
+
+        abort_uploads(fs, root, (DATA_FILE, REJECTS_FILE))  # a killed commit's unfinished uploads
+        lock.check()
+    else:
+        remove_temp_files(fs, root)
+    finals = (io.join(root, DATA_FILE), io.join(root, REJECTS_FILE))
+    paths = finals if in_place else tuple(temp_name(p) for p in finals)
     journals: dict[str, object] = {}
     try:
-        with open(data_tmp, "w", encoding="utf-8") as data, open(rejects_tmp, "w", encoding="utf-8") as rejects:
+        with fs.open_output_stream(paths[0]) as data, fs.open_output_stream(paths[1]) as rejects:
             for entry in entries:
                 journal = journals.get(entry.file) or journals.setdefault(entry.file, open(entry.file, "rb"))
                 journal.seek(entry.offset)
                 item = json.loads(journal.read(entry.length))
                 if entry.status == "ok":
-                    data.write(json.dumps(item["record"], ensure_ascii=False) + "\n")
+                    line = item["record"]
+                    data.write((json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
                 else:
-                    rejects.write(
-                        json.dumps(
-                            {k: item[k] for k in ("position", "source", "reason", "detail", "id")}, ensure_ascii=False
-                        )
-                        + "\n"
-                    )
-        commit(fs, data_tmp, os.path.join(out, DATA_FILE))
-        commit(fs, rejects_tmp, os.path.join(out, REJECTS_FILE))
-    except BaseException as err:  # a full disk: no half-written data.jsonl temporary stays behind
-        for tmp in (data_tmp, rejects_tmp):
-            discard(fs, tmp)
+                    line = {k: item[k] for k in ("position", "source", "reason", "detail", "id")}
+                    rejects.write((json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
+        if not in_place:
+            for tmp, final in zip(paths, finals):
+                commit(fs, tmp, final)
+    except BaseException as err:  # a full disk: no half-written data.jsonl (or temporary) stays behind
+        for path in paths:  # on an object store, closing the stream completed the upload with what it held
+            discard(fs, path)
         if isinstance(err, OSError):
-            raise named_os_error(err, os.path.join(out, DATA_FILE)) from err
+            raise named_os_error(err, finals[0]) from err
         raise
     finally:
         for journal in journals.values():
             journal.close()
-    atomic_write_json(os.path.join(out, PROVENANCE_FILE), {**provenance, "counts": counts, "complete": True})
-    for name in journal_files(out):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out, name))
-    return counts
 
 
 def count_entries(entries: list[Finished]) -> dict:

@@ -15,7 +15,11 @@ from tests.paths import REPO, child_pythonpath
 def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
     """`benchmarks.train --ddp 2 --tiers planes,fp8` (the GPU measurements of data parallelism and storage
     tiers) runs on CPU: both rows of a tier train the same global batches (same tokens and FLOPs per step), the
-    torchrun rows report each rank."""
+    torchrun rows report each rank; with moto, the in-process rows are streamed again from an S3 server
+    (`--s3-delays-ms`, issue 27's training-from-S3 measurement) and train the same batches."""
+    from benchmarks.s3_server import moto_server_command
+
+    s3 = ["--s3-delays-ms", "5"] if moto_server_command() is not None else []
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [
@@ -42,6 +46,7 @@ def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
             str(tmp_path),
             "--out",
             str(out),
+            *s3,
         ],
         # CPU processes also on a GPU host (the bench takes the GPU when it sees one)
         cwd=REPO,
@@ -72,3 +77,9 @@ def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
     # Both rows ran on the one kernel choice, printed once per row (rank 0 speaks for the torchrun row).
     assert plain["kernels"] == ddp["kernels"] and plain["kernels"]["attention"] == "sdpa"
     assert done.stdout.count("kernels: device cpu, fp32, attention sdpa") == 2, done.stdout[-3000:]
+    if s3:  # the same batches read as s3:// through the trainer's path, with concurrent fetches
+        for tier in ("", "-fp8"):
+            local, remote = rows[f"stream{tier}"], rows[f"stream-s3-5ms{tier}"]
+            assert (local["source"], remote["source"], remote["fetch_threads"]) == ("local disk", "s3", 16)
+            assert remote["mean_context_tokens"] == local["mean_context_tokens"] and remote["s3_requests_per_step"] > 1
+            assert f"stream-s3-5ms{tier} / stream{tier}: step time" in done.stdout
