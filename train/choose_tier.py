@@ -116,12 +116,13 @@ def _run(args: list[str], log: list) -> None:
 
 
 def tier_name(tier: str) -> str:
-    """A directory name for a tier: fp8@pca:rank=32 -> fp8-pca-rank32."""
+    """A directory name for a tier: fp8@pca:rank=32 -> fp8-pca-rank32, fp8@pca:rank=32,keep=4 ->
+    fp8-pca-rank32-keep4."""
     encoding, _, projection = tier.partition("@")
     if not projection:
         return encoding
     if projection.startswith("pca:"):
-        return f"{encoding}-pca-{projection[4:].replace('=', '')}"
+        return f"{encoding}-pca-{projection[4:].replace('=', '').replace(',', '-')}"
     return f"{encoding}-proj-{Path(projection).stem}"
 
 
@@ -419,6 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__ + "\nkeys:\n" + describe(ChooseTierConfig))
         return 0
+    run_all(config_from_argv(argv))
+    return 0
+
+
+def config_from_argv(argv: list[str]) -> ChooseTierConfig:
+    """CONFIG's [tiers] table (if any) and the overrides; CONFIG is also the experiment config."""
     import tomllib
 
     path = argv[0] if argv and "=" not in argv[0] else None
@@ -427,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(ChooseTierConfig, argv if table is not None else argv[1:] if path else argv, section="tiers")
     if path and "config" not in (table or {}) and not any(word.startswith("config=") for word in argv[1:]):
         cfg = dataclasses.replace(cfg, config=path)
-    run_all(cfg)
-    return 0
+    return cfg
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def trained_on_tier(lossless_root: str, tmp_path, projection: str) -> tuple:
             f"out_dir={tmp_path / 'runs'}",
             "run_name=r",
             "device=cpu",
-            "model.num_layers=1",
+            "model.num_layers=2",
             "model.attention=sdpa",
             "data.token_budget=512",
             "data.num_buckets=1",
@@ -50,6 +50,7 @@ def trained_on_tier(lossless_root: str, tmp_path, projection: str) -> tuple:
             "checkpoint.every=2",
             "log.progress=false",
         ],
+        section="train",
     )
     train(cfg)
     run = tmp_path / "runs" / "r"
