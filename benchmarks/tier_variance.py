@@ -111,9 +111,15 @@ def synthetic_features(n_taps: int, hidden: int, tokens: int) -> tuple[Features,
     return feats, {"source": f"synthetic {n_taps} x {hidden} (benchmarks/synthetic.py)", "tokens": total}
 
 
-def kept_shares(vectors_HR: torch.Tensor, held_HH: torch.Tensor) -> np.ndarray:
-    """Share of the measured second moment kept by the first 1..R columns of `vectors_HR`."""
-    return captured_shares(vectors_HR.t(), held_HH).cpu().numpy()
+def held_curve(feats: Features) -> list[np.ndarray]:
+    """Per tap, the share of the measured second moment kept by the fit's top 1..H eigenvectors
+    (one H x H x H product per tap; every rank's share is a prefix sum of it)."""
+    if getattr(feats, "_held_curve", None) is None:
+        vectors = feats.fit.eigen()[1]
+        feats._held_curve = [
+            captured_shares(vectors[t].t(), feats.held.sums[t]).cpu().numpy() for t in range(feats.n_taps)
+        ]
+    return feats._held_curve
 
 
 def ranks_of(width: int) -> list[int]:
@@ -122,10 +128,10 @@ def ranks_of(width: int) -> list[int]:
 
 def curve(feats: Features) -> list[dict]:
     """Per tap: share kept at each rank fraction, on the fit sample and on the measured one."""
-    values, vectors = feats.fit.eigen()
+    values = feats.fit.eigen()[0]
     out = []
     for tap in range(feats.n_taps):
-        held = kept_shares(vectors[tap], feats.held.sums[tap])
+        held = held_curve(feats)[tap]
         fit = (values[tap].cumsum(0) / values[tap].sum()).cpu().numpy()
         out.append(
             {
@@ -197,14 +203,14 @@ def per_tap_against_concatenated(feats: Features) -> list[dict]:
 
 
 def variance_targets(feats: Features) -> list[dict]:
-    values, vectors = feats.fit.eigen()
+    values = feats.fit.eigen()[0]
     shares = values.cumsum(-1) / values.sum(-1, keepdim=True)
     out = []
     for target in TARGETS:
         needed = [int((shares[t] < target - 1e-12).sum()) + 1 for t in range(feats.n_taps)]
         rank = fit_projection(feats.fit, parse_projection_spec(f"pca:variance={target}")).rank
-        kept = [float(kept_shares(vectors[t][:, :rank], feats.held.sums[t])[-1]) for t in range(feats.n_taps)]
-        kept_own = [float(kept_shares(vectors[t][:, : needed[t]], feats.held.sums[t])[-1]) for t in range(feats.n_taps)]
+        kept = [float(held_curve(feats)[t][rank - 1]) for t in range(feats.n_taps)]
+        kept_own = [float(held_curve(feats)[t][needed[t] - 1]) for t in range(feats.n_taps)]
         out.append(
             {
                 "target": target,
