@@ -37,34 +37,45 @@ if TYPE_CHECKING:
 
 PROJECTION_FILE = "projection.safetensors"
 METHOD = "pca-uncentered-per-tap"
-_SPEC = re.compile(r"^pca:(rank|variance)=([0-9.eE+-]+)$")
+METHOD_KEPT = "pca-uncentered-per-tap-kept-channels"
+_SPEC = re.compile(r"^pca:(rank|variance)=([0-9.eE+-]+)(?:,keep=([0-9]+))?$")
 
 
 @dataclasses.dataclass(frozen=True)
 class ProjectionSpec:
-    """How to choose the rank: `rank` per tap, or the `variance` share every tap keeps."""
+    """How to choose the rank: `rank` per tap, or the `variance` share every tap keeps; `keep`: that
+    many channels per tap (those of largest energy) stored exactly, the rest of the rank a PCA of the
+    other channels."""
 
     rank: int | None = None
     variance: float | None = None
+    keep: int = 0
 
     def describe(self) -> str:
-        return f"pca:rank={self.rank}" if self.rank is not None else f"pca:variance={self.variance:g}"
+        text = f"pca:rank={self.rank}" if self.rank is not None else f"pca:variance={self.variance:g}"
+        return text + (f",keep={self.keep}" if self.keep else "")
 
 
 def parse_projection_spec(text: str) -> ProjectionSpec:
-    """`pca:rank=R` (R per tap) or `pca:variance=V` (0 < V <= 1); ValueError naming the form otherwise."""
+    """`pca:rank=R` (R per tap) or `pca:variance=V` (0 < V <= 1), each optionally `,keep=K`;
+    ValueError naming the form otherwise."""
     match = _SPEC.match(text.strip()) if isinstance(text, str) else None
     if match is None:
-        raise ValueError(f"projection: {text!r} is not 'pca:rank=R', 'pca:variance=V' or a projection file")
-    key, value = match.groups()
+        raise ValueError(
+            f"projection: {text!r} is not 'pca:rank=R', 'pca:variance=V' (optionally ',keep=K') or a projection file"
+        )
+    key, value, keep_text = match.groups()
+    keep = int(keep_text or 0)
     if key == "rank":
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"projection: rank must be a positive integer, got {value!r}")
-        return ProjectionSpec(rank=int(value))
+        if keep >= int(value):
+            raise ValueError(f"projection: keep={keep} channels must be fewer than the rank {value}")
+        return ProjectionSpec(rank=int(value), keep=keep)
     share = float(value)
     if not 0.0 < share <= 1.0:
         raise ValueError(f"projection: variance must lie in (0, 1], got {value!r}")
-    return ProjectionSpec(variance=share)
+    return ProjectionSpec(variance=share, keep=keep)
 
 
 @dataclasses.dataclass
@@ -187,17 +198,25 @@ def _canonical_signs(vectors_HR: torch.Tensor) -> torch.Tensor:
 def fit_projection(
     moments: SecondMoments, spec: ProjectionSpec, *, multiple: int = 1, info: dict | None = None
 ) -> Projection:
-    """P from the calibration sums: per tap the top eigenvectors of sum h hᵀ; the rank per tap from
-    `spec`: as given (ValueError unless a multiple of `multiple`, a 4-bit encoding's group size), or the
-    smallest that keeps the variance share in every tap, rounded up to a multiple of `multiple`; at most H."""
+    """P from the calibration sums: per tap the top eigenvectors of sum h hᵀ (with `spec.keep`: the
+    tap's `keep` channels of largest energy, then the top eigenvectors of the other channels); the rank
+    per tap from `spec`: as given (ValueError unless a multiple of `multiple`, a 4-bit encoding's group
+    size), or the smallest that keeps the variance share in every tap, rounded up to a multiple of
+    `multiple`; at most H."""
     import torch
 
     if moments.sums is None or moments.tokens == 0:
         raise ValueError("projection: the calibration pass saw no tokens")
-    eigenvalues, eigenvectors = moments.eigen()
-    totals = eigenvalues.sum(-1)
-    shares = eigenvalues.cumsum(-1) / torch.where(totals > 0, totals, torch.ones_like(totals))[:, None]
     H = moments.tap_width
+    if spec.keep:
+        # Every rank's rows are the first rows of the full-rank ones: kept channels first, then the rest's PCA.
+        rows_by_tap = [kept_channel_rows(moments.sums[i], H, spec.keep)[0] for i in range(moments.n_taps)]
+        shares = torch.stack([captured_shares(rows, moments.sums[i]) for i, rows in enumerate(rows_by_tap)])
+    else:
+        eigenvalues, eigenvectors = moments.eigen()
+        rows_by_tap = [eigenvectors[i].t() for i in range(moments.n_taps)]
+        totals = eigenvalues.sum(-1)
+        shares = eigenvalues.cumsum(-1) / torch.where(totals > 0, totals, torch.ones_like(totals))[:, None]
     if spec.rank is not None:
         rank = spec.rank
         if rank % multiple:  # a rank asked for is kept, or refused: never changed behind the user's back
@@ -206,23 +225,15 @@ def fit_projection(
                 f"ask for pca:rank={-(-rank // multiple) * multiple}, or a smaller group"
             )
     else:
-        needed = [
-            int(
-                torch.searchsorted(
-                    shares[i], torch.tensor(spec.variance - 1e-12, dtype=shares.dtype, device=shares.device)
-                )
-            )
-            + 1
-            for i in range(moments.n_taps)
-        ]
-        rank = max(needed)
+        rank = max(smallest_rank_keeping(shares[i], spec.variance) for i in range(moments.n_taps))
+        rank = max(rank, spec.keep + 1)
     rank = min(H, int(math.ceil(rank / multiple) * multiple))
     if rank > H:
         raise ValueError(f"projection: rank {rank} exceeds the tap width {H}")
-    blocks = torch.stack([_canonical_signs(eigenvectors[i][:, :rank]).t() for i in range(moments.n_taps)]).float().cpu()
+    blocks = torch.stack([_canonical_signs(rows[:rank].t()).t() for rows in rows_by_tap]).float().cpu()
     explained = [float(shares[i, rank - 1]) for i in range(moments.n_taps)]
     details = {
-        "method": METHOD,
+        "method": METHOD_KEPT if spec.keep else METHOD,
         "spec": spec.describe(),
         "rank_per_tap": rank,
         "n_taps": moments.n_taps,
@@ -232,6 +243,45 @@ def fit_projection(
         **(info or {}),
     }
     return Projection(blocks, details)
+
+
+def captured_shares(rows_RH: torch.Tensor, sums_HH: torch.Tensor) -> torch.Tensor:
+    """Share of the second moment `sums_HH` kept by the first 1..R of the orthonormal rows (float64 [R])."""
+    import torch
+
+    rows = rows_RH.to(sums_HH.dtype)
+    captured = torch.einsum("rh,hk,rk->r", rows, sums_HH, rows).clamp_min(0.0)
+    total = sums_HH.trace()
+    return (captured.cumsum(0) / torch.where(total > 0, total, torch.ones_like(total))).clamp(max=1.0)
+
+
+def smallest_rank_keeping(shares_R: torch.Tensor, target: float) -> int:
+    """The smallest rank whose share reaches `target` (shares ascending); the largest if none does."""
+    import torch
+
+    reached = torch.nonzero(shares_R >= target - 1e-12)
+    return int(reached[0, 0]) + 1 if reached.numel() else int(shares_R.shape[0])
+
+
+def kept_channel_rows(sums_HH: torch.Tensor, rank: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [rank, H] orthonormal, the kept channels [keep]) of one tap's P that stores its `keep`
+    channels of largest energy (diagonal of sum h hᵀ) as they are and the top `rank - keep`
+    eigenvectors of the other channels' second moment: a projection of the usual form (P Pᵀ = I), whose
+    reconstruction Pᵀ P h is exact on the kept channels."""
+    import torch
+
+    H = sums_HH.shape[-1]
+    if not 0 <= keep < rank <= H:
+        raise ValueError(f"projection: keep {keep} channels needs 0 <= keep < rank <= {H}, rank is {rank}")
+    channels = torch.argsort(sums_HH.diagonal(), descending=True)[:keep]
+    rest = torch.ones(H, dtype=torch.bool, device=sums_HH.device)
+    rest[channels] = False
+    _, vectors = torch.linalg.eigh(sums_HH[rest][:, rest])
+    pca = torch.zeros(H, rank - keep, dtype=sums_HH.dtype, device=sums_HH.device)
+    pca[rest] = _canonical_signs(vectors.flip(-1)[:, : rank - keep])
+    exact = torch.zeros(keep, H, dtype=sums_HH.dtype, device=sums_HH.device)
+    exact[torch.arange(keep), channels] = 1.0
+    return torch.cat([exact, pca.t()]), channels
 
 
 def projection_bytes(projection: Projection) -> bytes:

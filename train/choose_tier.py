@@ -9,30 +9,37 @@ Steps, each the project's own command (rerunning the command resumes: finished s
   3. train a drafter on each tier (and on lossless) for every seed
          python -m train CONFIG data.shards=OUT/data/TIER run_name=TIER-sSEED seed=SEED out_dir=OUT/runs
   4. evaluate each tier's drafter against lossless's of the same seed, side by side, on the lossless
-     held-out data (what the drafter meets when it serves: full bf16 features)
+     held-out data (what the drafter meets when it serves: full bf16 features); `heldout` may name
+     several sets ({humaneval = DIR, chat_heldout = DIR}), each evaluated
          python -m train.eval OUT/runs/lossless-sSEED OUT/runs/TIER-sSEED --data HELDOUT
-  5. (optional, `online=true`) export each drafter and decode speculatively with the real target
+  5. (optional, `online=true`) export each drafter and decode speculatively with the real target, on
+     each prompt set of `prompts` (one file, or several by name)
          python -m train.export RUN RUN/export ; python -m train.specdecode --target T --drafter RUN/export ...
 and writes OUT/tiers.md and OUT/tiers.json: one row per tier (lossless first) with bytes/token and
 the ratio to raw bf16 of the full features, reconstruction error per tap (recorded at encode time),
-held-out acc@1 (block position 1), chain τ, DDTree-B τ and online τ, each as the mean over seeds
-with the per-seed values, and the change against lossless.
+variance kept per tap (a projection's share of each tap's second moment), held-out acc@1 (block
+position 1), chain τ and DDTree-B τ per held-out set and online τ per prompt set, each as the mean
+over seeds with the per-seed values, and the change against lossless.
 
 Tiers are written `ENCODING` or `ENCODING@PROJECTION`, e.g. `fp8`, `nf4-g64`, `fp8@pca:rank=32`.
 With no CONFIG the tiny default runs (configs/tiny.toml; `make tiny` and `make extract` first).
+On the real target SmolLM2-135M-Instruct: `make tiers CONFIG=configs/smollm2-135m.toml` (its [tiers]
+table: the full scale, for a GPU) or `CONFIG=configs/smollm2-135m-tiers-cpu.toml` (a reduced scale
+for a CPU); docs/benchmarks.md, "Storage tiers on the real target".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common.config import describe, knob, parse_cli
+from common.config import describe, fail, knob, parse_cli
 
 TINY_CONFIG = "configs/tiny.toml"
 
@@ -53,10 +60,11 @@ class ChooseTierConfig:
     lossless: str = knob(
         "artifacts/tiny/shards/train", help="the lossless training subset (written by step 1 with extract=true)"
     )
-    heldout: str | None = knob(
+    heldout: str | dict[str, str] | None = knob(
         "artifacts/tiny/shards/heldout",
-        help="lossless held-out dataset every drafter is evaluated on; none = the held-out split "
-        "(holdout_fraction) of `lossless`, which the training runs then leave out",
+        help="lossless held-out dataset every drafter is evaluated on, or several by name ({humaneval = DIR, "
+        "chat = DIR}); none = the held-out split (holdout_fraction) of `lossless`, which the training runs "
+        "then leave out",
     )
     holdout_fraction: float = knob(
         0.02,
@@ -77,10 +85,22 @@ class ChooseTierConfig:
     target: str | None = knob(
         None, help="target checkpoint for step 5; none = the lossless dataset's provenance target"
     )
-    prompts: str = knob("artifacts/tiny/corpus/heldout_regen.jsonl", help="step 5: JSONL prompts ({'messages': [...]})")
+    prompts: str | dict[str, str] = knob(
+        "artifacts/tiny/corpus/heldout_regen.jsonl",
+        help="step 5: JSONL prompts ({'messages': [...]}), or several sets by name ({humaneval = FILE, ...})",
+    )
     num_prompts: int = knob(8, help="step 5: prompts decoded per drafter", min=1)
     max_new_tokens: int = knob(96, help="step 5: tokens generated per prompt", min=1)
+    specdecode_overrides: list[str] = knob(
+        factory=list, help="step 5: extra key=value overrides for every decoding run, e.g. ['device=cuda']"
+    )
     budget: int = knob(32, help="the DDTree node budget reported (one of the eval budgets)", min=1)
+
+    def check(self) -> None:
+        for key in ("heldout", "prompts"):
+            for name in named_sets(getattr(self, key)):
+                if name and not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                    fail(key, f"set name {name!r} must be a plain file name (letters, digits, '_', '-', '.')")
 
 
 def _run(args: list[str], log: list) -> None:
@@ -96,12 +116,13 @@ def _run(args: list[str], log: list) -> None:
 
 
 def tier_name(tier: str) -> str:
-    """A directory name for a tier: fp8@pca:rank=32 -> fp8-pca-rank32."""
+    """A directory name for a tier: fp8@pca:rank=32 -> fp8-pca-rank32, fp8@pca:rank=32,keep=4 ->
+    fp8-pca-rank32-keep4."""
     encoding, _, projection = tier.partition("@")
     if not projection:
         return encoding
     if projection.startswith("pca:"):
-        return f"{encoding}-pca-{projection[4:].replace('=', '')}"
+        return f"{encoding}-pca-{projection[4:].replace('=', '').replace(',', '-')}"
     return f"{encoding}-proj-{Path(projection).stem}"
 
 
@@ -175,33 +196,37 @@ def run_all(cfg: ChooseTierConfig) -> dict:
                     log,
                 )
                 (run / "done.json").write_text(json.dumps({"finished": time.time()}) + "\n")
-    for tier in cfg.tiers:
-        for seed in cfg.seeds:
-            report = out / "eval" / f"{tier_name(tier)}-s{seed}.json"
-            if not report.is_file():
-                split = ["split=all"] if cfg.heldout else ["split=holdout", f"holdout_fraction={cfg.holdout_fraction}"]
-                _run(
-                    [
-                        "-m",
-                        "train.eval",
-                        str(runs[("lossless", seed)]),
-                        str(runs[(tier, seed)]),
-                        "--data",
-                        cfg.heldout or cfg.lossless,
-                        "--out",
-                        str(report),
-                        "progress=false",
-                        *split,
-                        *cfg.eval_overrides,
-                    ],
-                    log,
-                )
+    for name, data in eval_sets(cfg).items():
+        for tier in cfg.tiers:
+            for seed in cfg.seeds:
+                report = eval_report_path(out, name, tier, seed)
+                if not report.is_file():
+                    split = ["split=all"] if data else ["split=holdout", f"holdout_fraction={cfg.holdout_fraction}"]
+                    _run(
+                        [
+                            "-m",
+                            "train.eval",
+                            str(runs[("lossless", seed)]),
+                            str(runs[(tier, seed)]),
+                            "--data",
+                            data or cfg.lossless,
+                            "--out",
+                            str(report),
+                            "progress=false",
+                            *split,
+                            *cfg.eval_overrides,
+                        ],
+                        log,
+                    )
     if cfg.online:
         target = cfg.target or _provenance_target(cfg.lossless)
         for (tier, seed), run in runs.items():
-            result = run / "specdecode.json"
-            if not result.is_file():
+            if not (run / "export" / "config.json").is_file():
                 _run(["-m", "train.export", str(run), str(run / "export")], log)
+            for name, prompts in named_sets(cfg.prompts).items():
+                result = specdecode_path(run, name)
+                if result.is_file():
+                    continue
                 _run(
                     [
                         "-m",
@@ -211,7 +236,7 @@ def run_all(cfg: ChooseTierConfig) -> dict:
                         "--drafter",
                         str(run / "export"),
                         "--prompts",
-                        cfg.prompts,
+                        prompts,
                         "--num-prompts",
                         str(cfg.num_prompts),
                         "--max-new-tokens",
@@ -219,6 +244,7 @@ def run_all(cfg: ChooseTierConfig) -> dict:
                         "--no-baseline",
                         "--out",
                         str(result),
+                        *cfg.specdecode_overrides,
                     ],
                     log,
                 )
@@ -267,40 +293,75 @@ def dataset_facts(root: str) -> dict:
         "rel_rms_per_tap": [t["rel_rms"] for t in taps],
         "worst_channel_rel_rms": max((t["worst_channel_rel_rms"] for t in taps), default=0.0),
         "projection_file_bytes": ds.projection["bytes"] if ds.projection else 0,
+        "variance_kept_per_tap": list(ds.projection.get("explained") or []) if ds.projection else [],
     }
 
 
-def _eval_metrics(overall: dict, budget: int) -> dict:
+def named_sets(value: str | dict | None) -> dict[str, str]:
+    """A path, or {name: path}, as {name: path}; a single path is the set named "" (its files keep the
+    names a single set always had: eval/TIER-sSEED.json, specdecode.json)."""
+    if value is None:
+        return {}
+    return dict(value) if isinstance(value, dict) else {"": value}
+
+
+def eval_sets(cfg: ChooseTierConfig) -> dict[str, str | None]:
+    """The held-out sets by name; none = the held-out split of `lossless` (value None)."""
+    return named_sets(cfg.heldout) or {"": None}
+
+
+def eval_report_path(out: Path, name: str, tier: str, seed: int) -> Path:
+    return out / "eval" / name / f"{tier_name(tier)}-s{seed}.json"
+
+
+def specdecode_path(run: Path, name: str) -> Path:
+    return run / (f"specdecode-{name}.json" if name else "specdecode.json")
+
+
+def metric_key(metric: str, name: str) -> str:
+    return f"{metric}:{name}" if name else metric
+
+
+def _eval_metrics(overall: dict, budget: int, name: str) -> dict:
     return {
-        "acc1": overall["position_acceptance"][0],
-        "chain_tau": overall["tau"],
-        "ddtree_tau": overall.get(f"ddtree_tau_{budget}"),
+        metric_key("acc1", name): overall["position_acceptance"][0],
+        metric_key("chain_tau", name): overall["tau"],
+        metric_key("ddtree_tau", name): overall.get(f"ddtree_tau_{budget}"),
     }
+
+
+def metric_keys(cfg: ChooseTierConfig) -> list[str]:
+    """The table's metric columns in order: per held-out set acc@1, chain τ, DDTree τ; then online τ
+    per prompt set (when decoding runs)."""
+    keys = [metric_key(m, name) for name in eval_sets(cfg) for m in ("acc1", "chain_tau", "ddtree_tau")]
+    return keys + ([metric_key("online_tau", name) for name in named_sets(cfg.prompts)] if cfg.online else [])
 
 
 def collect(cfg: ChooseTierConfig, datasets: dict, runs: dict) -> list[dict]:
     out = Path(cfg.out_dir)
     per_seed: dict = {tier: {} for tier in datasets}
-    for tier in cfg.tiers:
-        for seed in cfg.seeds:
-            report = json.loads((out / "eval" / f"{tier_name(tier)}-s{seed}.json").read_text())
-            lossless, this = report["checkpoints"]
-            per_seed["lossless"].setdefault(seed, _eval_metrics(lossless["overall"], cfg.budget))
-            per_seed[tier][seed] = _eval_metrics(this["overall"], cfg.budget)
+    for name in eval_sets(cfg):
+        for tier in cfg.tiers:
+            for seed in cfg.seeds:
+                report = json.loads(eval_report_path(out, name, tier, seed).read_text())
+                lossless, this = report["checkpoints"]
+                per_seed["lossless"].setdefault(seed, {}).update(_eval_metrics(lossless["overall"], cfg.budget, name))
+                per_seed[tier].setdefault(seed, {}).update(_eval_metrics(this["overall"], cfg.budget, name))
     for (tier, seed), run in runs.items():
-        spec = run / "specdecode.json"
-        if spec.is_file() and seed in per_seed[tier]:
-            per_seed[tier][seed]["online_tau"] = json.loads(spec.read_text())["summary"]["tau"]
+        for name in named_sets(cfg.prompts):
+            spec = specdecode_path(run, name)
+            if spec.is_file() and seed in per_seed[tier]:
+                per_seed[tier][seed][metric_key("online_tau", name)] = json.loads(spec.read_text())["summary"]["tau"]
     rows = []
     for tier, path in datasets.items():
         row = {"tier": tier, **dataset_facts(path), "seeds": per_seed[tier]}
-        for metric in ("acc1", "chain_tau", "ddtree_tau", "online_tau"):
+        for metric in metric_keys(cfg):
             values = [v[metric] for v in per_seed[tier].values() if v.get(metric) is not None]
             row[metric] = statistics.fmean(values) if values else None
         rows.append(row)
     reference = rows[0]
     for row in rows:
-        for metric in ("chain_tau", "online_tau", "ddtree_tau", "acc1"):
+        for metric in metric_keys(cfg):
             a, b = reference.get(metric), row.get(metric)
             row[f"delta_{metric}"] = (b - a) / a if a and b is not None else None
     return rows
@@ -317,23 +378,37 @@ def _cell(row: dict, metric: str, spec: str = ".3f") -> str:
     return f"{mean:{spec}}{change} [{per_seed}]"
 
 
+METRIC_NAMES = {"acc1": "acc@1", "chain_tau": "chain τ", "online_tau": "online τ"}
+
+
+def _header(metric: str, budget: int) -> str:
+    base, _, name = metric.partition(":")
+    label = METRIC_NAMES.get(base, f"DDTree-{budget} τ")
+    return f"{label} ({name})" if name else label
+
+
 def markdown(rows: list[dict], cfg: ChooseTierConfig) -> list[str]:
+    metrics = metric_keys(cfg)
     lines = [
-        "| tier | bytes/token | vs raw bf16 | rel. RMS per tap | worst channel | acc@1 | chain τ | "
-        f"DDTree-{cfg.budget} τ | online τ |",
-        "|---|---:|---:|---|---:|---|---|---|---|",
+        "| tier | bytes/token | vs raw bf16 | rel. RMS per tap | variance kept per tap | worst channel | "
+        + " | ".join(_header(m, cfg.budget) for m in metrics)
+        + " |",
+        "|---|---:|---:|---|---|---:|" + "---|" * len(metrics),
     ]
     for r in rows:
         rel = " / ".join(f"{x:.3f}" for x in r["rel_rms_per_tap"]) or "0 (exact)"
+        kept = " / ".join(f"{x:.4f}" for x in r["variance_kept_per_tap"]) if r["variance_kept_per_tap"] else "1"
         lines.append(
-            f"| {r['tier']} | {r['bytes_per_token']:,.0f} | {r['ratio_to_raw_bf16']:.3f} | {rel} | "
-            f"{r['worst_channel_rel_rms']:.2f} | "
-            f"{_cell(r, 'acc1')} | {_cell(r, 'chain_tau')} | {_cell(r, 'ddtree_tau')} | {_cell(r, 'online_tau')} |"
+            f"| {r['tier']} | {r['bytes_per_token']:,.0f} | {r['ratio_to_raw_bf16']:.3f} | {rel} | {kept} | "
+            f"{r['worst_channel_rel_rms']:.2f} | " + " | ".join(_cell(r, m) for m in metrics) + " |"
         )
+    where = ", ".join(f"{name or 'held out'}: {path or cfg.lossless}" for name, path in eval_sets(cfg).items())
+    prompts = ", ".join(f"{name or 'prompts'}: {path}" for name, path in named_sets(cfg.prompts).items())
     lines.append(
-        f"\nmean over seeds {cfg.seeds} (change against lossless) [per seed]; evaluated on {cfg.heldout} with "
-        "lossless features; "
-        f"online: {cfg.num_prompts} prompts x {cfg.max_new_tokens} tokens of {cfg.prompts}"
+        f"\nmean over seeds {cfg.seeds} (change against lossless) [per seed]; evaluated with lossless features on "
+        f"{where}; variance kept: the projection's share of each tap's second moment on its calibration "
+        f"sample (1 = not projected)"
+        + (f"; online: {cfg.num_prompts} prompts x {cfg.max_new_tokens} tokens of {prompts}" if cfg.online else "")
     )
     return lines
 
@@ -345,6 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__ + "\nkeys:\n" + describe(ChooseTierConfig))
         return 0
+    run_all(config_from_argv(argv))
+    return 0
+
+
+def config_from_argv(argv: list[str]) -> ChooseTierConfig:
+    """CONFIG's [tiers] table (if any) and the overrides; CONFIG is also the experiment config."""
     import tomllib
 
     path = argv[0] if argv and "=" not in argv[0] else None
@@ -353,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(ChooseTierConfig, argv if table is not None else argv[1:] if path else argv, section="tiers")
     if path and "config" not in (table or {}) and not any(word.startswith("config=") for word in argv[1:]):
         cfg = dataclasses.replace(cfg, config=path)
-    run_all(cfg)
-    return 0
+    return cfg
 
 
 if __name__ == "__main__":
