@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.extract.conftest import build_model, qwen3_config, qwen35_text_config, sentence, write_lines
@@ -90,4 +91,51 @@ def regenerate_cli(*words: str, timeout: float = 300, env: dict | None = None) -
         cwd=REPO,
         env=child_env,
         timeout=timeout,
+    )
+
+
+def run_crashing_before_provenance(monkeypatch, cfg, **run_kwargs) -> None:
+    """Run regeneration with the write of regenerate.json raising KeyboardInterrupt (so data.jsonl and
+    rejects.jsonl are in place and regenerate.json is not); that write works again afterwards."""
+    from extract.regenerate import run as R
+    from extract.regenerate import store
+
+    real = store.atomic_write_json
+
+    def crash(path, obj, *args):
+        if path.endswith(store.PROVENANCE_FILE):
+            raise KeyboardInterrupt
+        return real(path, obj, *args)
+
+    monkeypatch.setattr(store, "atomic_write_json", crash)
+    with pytest.raises(KeyboardInterrupt):
+        R.run(cfg, **run_kwargs)
+    monkeypatch.setattr(store, "atomic_write_json", real)
+
+
+def answered_baseline(root, tokenizer, chats: int, settings: list[str], name: str) -> dict:
+    """A word model saved as a target, a corpus of `chats` chats and two broken lines, and the
+    corpus regenerated under root/`name` with `settings`: {"root", "target", "corpus", "model", name}."""
+    from common.config import load_config
+    from extract.regenerate import run as R
+    from extract.regenerate.config import RegenerateConfig
+
+    model = word_model(tokenizer, stop_weight=2.0)
+    target = save_target(root / "target", model, tokenizer)
+    corpus = chat_corpus(root / "corpus.jsonl", chats, extra=[{"text": "no prompt"}, "{broken"])
+    out = root / name
+    cfg = load_config(RegenerateConfig, None, [f"target={target}", f"corpus={corpus}", f"out={out}", *settings])
+    assert R.run(cfg, model=model, tokenizer=tokenizer)["complete"]
+    return {"root": root, "target": target, "corpus": corpus, "model": model, name: out}
+
+
+def start_regenerate_child(words: list[str]) -> subprocess.Popen:
+    """The regeneration CLI with these key=value words in a child process (for kills), one thread."""
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "extract.regenerate", *words],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )

@@ -18,7 +18,13 @@ from extract.reading import find_corpus
 from extract.regenerate import run as R
 from extract.regenerate import store
 from extract.regenerate.config import RegenerateConfig
-from tests.extract.regen_fixtures import chat_corpus, read_jsonl, regenerate_cli, save_target, word_model
+from tests.extract.regen_fixtures import (
+    answered_baseline,
+    read_jsonl,
+    regenerate_cli,
+    run_crashing_before_provenance,
+    start_regenerate_child,
+)
 from tests.paths import REPO, child_pythonpath
 
 SETTINGS = [
@@ -34,14 +40,7 @@ SETTINGS = [
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, chat_tokenizer):
-    root = tmp_path_factory.mktemp("resume")
-    model = word_model(chat_tokenizer, stop_weight=2.0)
-    target = save_target(root / "target", model, chat_tokenizer)
-    corpus = chat_corpus(root / "corpus.jsonl", 40, extra=[{"text": "no prompt"}, "{broken"])
-    baseline = root / "baseline"
-    cfg = load_config(RegenerateConfig, None, [f"target={target}", f"corpus={corpus}", f"out={baseline}", *SETTINGS])
-    assert R.run(cfg, model=model, tokenizer=chat_tokenizer)["complete"]
-    return {"root": root, "target": target, "corpus": corpus, "baseline": baseline, "model": model}
+    return answered_baseline(tmp_path_factory.mktemp("resume"), chat_tokenizer, 40, SETTINGS, "baseline")
 
 
 def words(setup, out) -> list[str]:
@@ -58,14 +57,7 @@ def journal_lines(out) -> int:
 
 
 def start_child(setup, out) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "extract.regenerate", *words(setup, out)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    return start_regenerate_child(words(setup, out))
 
 
 def kill_when(process: subprocess.Popen, out, lines: int, timeout: float = 120) -> int:
@@ -116,18 +108,8 @@ def test_sigkill_at_several_moments_then_rerun_gives_every_record_once(setup):
 def test_a_crash_inside_the_commit_is_finished_by_the_rerun(setup, chat_tokenizer, monkeypatch):
     out = setup["root"] / "commit-crash"
     cfg = load_config(RegenerateConfig, None, words(setup, out))
-    real = store.atomic_write_json
-
-    def crash(path, obj, *args):
-        if path.endswith(store.PROVENANCE_FILE):
-            raise KeyboardInterrupt  # data.jsonl and rejects.jsonl are in place, regenerate.json is not
-        return real(path, obj, *args)
-
-    monkeypatch.setattr(store, "atomic_write_json", crash)
-    with pytest.raises(KeyboardInterrupt):
-        R.run(cfg, model=setup["model"], tokenizer=chat_tokenizer)
+    run_crashing_before_provenance(monkeypatch, cfg, model=setup["model"], tokenizer=chat_tokenizer)
     assert (out / store.DATA_FILE).exists() and store.journal_files(str(out)) and store.is_complete(str(out)) is None
-    monkeypatch.setattr(store, "atomic_write_json", real)
     summary = R.run(cfg, model=setup["model"], tokenizer=chat_tokenizer)
     assert summary["complete"] and summary["counts"]["already_done"] == 42 and summary["counts"]["stored"] == 0
     assert_same_as_baseline(setup, out)

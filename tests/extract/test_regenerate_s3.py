@@ -10,7 +10,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -21,8 +20,11 @@ from common.locks import LockedError
 from extract.regenerate import run as R
 from extract.regenerate import store
 from extract.regenerate.config import RegenerateConfig
-from tests.extract.regen_fixtures import chat_corpus, save_target, word_model
-from tests.paths import REPO, child_pythonpath
+from tests.extract.regen_fixtures import (
+    answered_baseline,
+    run_crashing_before_provenance,
+    start_regenerate_child,
+)
 
 SETTINGS = [
     "max_new_tokens=10",
@@ -38,14 +40,7 @@ RECORDS = 26  # 24 chats and 2 broken lines (rejected)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, chat_tokenizer):
-    root = tmp_path_factory.mktemp("regen-s3")
-    model = word_model(chat_tokenizer, stop_weight=2.0)
-    target = save_target(root / "target", model, chat_tokenizer)
-    corpus = chat_corpus(root / "corpus.jsonl", 24, extra=[{"text": "no prompt"}, "{broken"])
-    local = root / "local"
-    cfg = load_config(RegenerateConfig, None, [f"target={target}", f"corpus={corpus}", f"out={local}", *SETTINGS])
-    assert R.run(cfg, model=model, tokenizer=chat_tokenizer)["complete"]
-    return {"target": target, "corpus": corpus, "local": local, "model": model}
+    return answered_baseline(tmp_path_factory.mktemp("regen-s3"), chat_tokenizer, 24, SETTINGS, "local")
 
 
 def words(setup, out: str) -> list[str]:
@@ -86,35 +81,16 @@ def test_a_crash_inside_the_commit_on_s3_leaves_nothing_complete_and_the_rerun_f
     setup, s3_uri, chat_tokenizer, monkeypatch
 ):
     cfg = load_config(RegenerateConfig, None, words(setup, s3_uri))
-    real = store.atomic_write_json
-
-    def crash(path, obj, *args):
-        if path.endswith(store.PROVENANCE_FILE):
-            raise KeyboardInterrupt  # data.jsonl and rejects.jsonl are in place, regenerate.json is not
-        return real(path, obj, *args)
-
-    monkeypatch.setattr(store, "atomic_write_json", crash)
-    with pytest.raises(KeyboardInterrupt):
-        R.run(cfg, model=setup["model"], tokenizer=chat_tokenizer)
+    run_crashing_before_provenance(monkeypatch, cfg, model=setup["model"], tokenizer=chat_tokenizer)
     assert store.DATA_FILE in io.list_names(s3_uri) and store.journal_files(s3_uri)
     assert store.is_complete(s3_uri) is None
-    monkeypatch.setattr(store, "atomic_write_json", real)
     summary = R.run(cfg, model=setup["model"], tokenizer=chat_tokenizer)
     assert summary["complete"] and summary["counts"]["already_done"] == RECORDS and summary["counts"]["stored"] == 0
     assert_same_as_local(setup, s3_uri)
 
 
-def start_child(setup, uri: str) -> subprocess.Popen:
-    import os
-
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "extract.regenerate", *words(setup, uri)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+def start_child(setup, out) -> subprocess.Popen:
+    return start_regenerate_child(words(setup, out))
 
 
 def kill_after(process: subprocess.Popen, uri: str, segments: int, timeout: float = 120) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 
 from train.alignment import block_input_ids
 from train.serve.dflash_hf import position_mask
-from train.serve.specdecode import SpecTarget
+from train.serve.specdecode import DFlashProposer, SpecTarget
 
 
 class SlotCache:
@@ -61,18 +61,14 @@ class _Window:
         self.logits_QV: torch.Tensor | None = None
 
 
-class StaticDFlashProposer:
+class StaticDFlashProposer(DFlashProposer):
     """A `Proposer` (specdecode) driving an exported DFlash drafter on a `SlotCache` of `max_len`
-    positions, its steady-state rounds replayed as one CUDA graph where `graphs` and CUDA allow."""
+    positions, its steady-state rounds replayed as one CUDA graph where `graphs` and CUDA allow
+    (the drafter's checks and `propose` are `DFlashProposer`'s; its cache and rounds are its own)."""
 
     def __init__(self, drafter: nn.Module, target: SpecTarget, *, max_len: int, graphs: bool = True):
-        if list(drafter.target_layer_ids) != target.layer_ids:
-            raise ValueError(
-                f"drafter target_layer_ids {list(drafter.target_layer_ids)} != the target taps {target.layer_ids}"
-            )
-        self.drafter, self.target = drafter, target
-        self.block_size = B = int(drafter.block_size)
-        self.mask_token_id = int(drafter.mask_token_id)
+        super().__init__(drafter, target)
+        B = self.block_size
         self.device = target.device
         config = drafter.config
         dtype = drafter.fc.weight.dtype
@@ -88,7 +84,6 @@ class StaticDFlashProposer:
         self.offsets_P = torch.arange(-B, B, device=self.device)  # window then block, relative to the anchor
         self.window = _Window(B, int(drafter.fc.in_features), target.embed_VD.dtype, self.device)
         self.graph_note = "off"
-        self.reset()
         if graphs:
             self.graph_note = self._capture()
 
@@ -151,11 +146,7 @@ class StaticDFlashProposer:
             return f"off: capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
         return f"on for a {self.block_size}-position window and block"
 
-    # -- the Proposer interface -----------------------------------------------------------------
-
-    @torch.inference_mode()
-    def propose(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> list[int]:
-        return self.draft_logits(new_features_1SF, anchor_token, anchor_pos).argmax(-1).tolist()
+    # -- the round (`propose` is DFlashProposer's) -------------------------------------------
 
     @torch.inference_mode()
     def draft_logits(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> torch.Tensor:
