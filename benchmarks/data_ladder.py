@@ -29,9 +29,11 @@ def train_share(config: str, run: str, samples: int, steps: int | None, override
     subprocess.run(argv, check=True)
 
 
-def evaluate(run_dir: str, data: str, out: str, split: str | None = None) -> dict:
+def evaluate(run_dir: str, data: str, out: str, split: str | None = None, max_anchors: int = 0) -> dict:
     argv = [sys.executable, "-m", "train.eval", run_dir, "--data", data, "--out", out]
-    subprocess.run(argv + ([f"split={split}"] if split else []), check=True)
+    argv += [f"split={split}"] if split else []
+    argv += [f"max_anchors={max_anchors}"] if max_anchors else []
+    subprocess.run(argv, check=True)
     with open(out) as f:
         overall = (json.load(f).get("checkpoints") or [{}])[0].get("overall", {})
     return {k: overall.get(k) for k in ("tau", "ddtree_tau_64", "n_blocks")}
@@ -71,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="training steps of every run (default: the config's)")
     parser.add_argument("--prefix", default="ladder")
     parser.add_argument("--eval-split", default=None, help="train.eval's split (all: measure training data on purpose)")
-    parser.add_argument("--out", default=None, help="write the table as JSON here")
+    parser.add_argument(
+        "--max-anchors",
+        type=int,
+        default=16,
+        help="anchors per held-out sequence (0 = every position; the demo's offline evaluation uses 16 too)",
+    )
+    parser.add_argument("--out", default=None, help="write the table as JSON here (after every run)")
     args, overrides = parser.parse_known_args(argv)
     fractions = [float(f) for f in args.fractions.split(",")]
     if not fractions or any(not 0 < f <= 1 for f in fractions):
@@ -86,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         row = {"fraction": fraction, "samples_asked": samples, "run": run_dir, **run_summary(run_dir)}
         for data in args.eval:
             name = os.path.basename(os.path.normpath(data))
-            row[name] = evaluate(run_dir, data, os.path.join(run_dir, f"eval_{name}.json"), args.eval_split)
+            out = os.path.join(run_dir, f"eval_{name}.json")
+            row[name] = evaluate(run_dir, data, out, args.eval_split, args.max_anchors)
         rows.append(row)
+        if args.out:  # each finished size is kept, also when a later one is cut short
+            write_table(args.out, args.config, overrides, rows)
     names = [os.path.basename(os.path.normpath(d)) for d in args.eval]
     header = f"\n{'share':>6} {'samples':>8} {'steps':>6} {'epochs':>7} {'tokens seen':>12} "
     print(header + " ".join(f"{'tau ' + n:>22}" for n in names))
@@ -97,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['fraction']:>6g} {row['samples']:>8} {_num(row.get('total_steps'), 'd'):>6} "
             f"{_num(row.get('epochs'), '.2f'):>7} {_num(row.get('tokens_seen'), ',d'):>12} {taus}"
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"config": args.config, "overrides": overrides, "rows": rows}, f, indent=2)
     return 0
+
+
+def write_table(path: str, config: str, overrides: list[str], rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"config": config, "overrides": overrides, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -172,7 +172,9 @@ def run_smollm2(cfg: DemoConfig, run_dir: str, machine: dict, env: dict, timings
     scale = SCALES["full" if machine["device"] == "cuda" else "reduced"]
     if scale.name != "full":
         print(f"demo: no GPU here, so SmolLM2 runs at the reduced scale ({scale})", flush=True)
-    for name, args in smollm2_steps(scale, cfg.run, machine["device"], seed_overrides(cfg.seed), cfg.steps):
+    for name, args in smollm2_steps(
+        scale, cfg.run, machine["device"], seed_overrides(cfg.seed), cfg.steps, cfg.eval_anchors
+    ):
         step(timings, name, args, env)
         if name == {"extraction": "extraction", "training": "drafter training"}.get(cfg.stop_after):
             print(f"demo: stopped after {name} (stop_after); timings {timings}", flush=True)

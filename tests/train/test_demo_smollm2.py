@@ -22,10 +22,16 @@ def test_every_step_parses_with_its_stage_config(scale, device):
         "extract": (ExtractConfig, "extract"),
         "train": (TrainConfig, "train"),
     }
-    steps = smollm2_steps(SCALES[scale], "demo", device, ["seed=1", "data.seed=1"], None)
+    from train.eval.__main__ import parse_args as parse_eval_args
+
+    steps = smollm2_steps(SCALES[scale], "demo", device, ["seed=1", "data.seed=1"], None, eval_anchors=7)
     seen = set()
     for name, argv in steps:
         assert argv[0] == "-m"
+        if argv[1] == "train.eval":
+            checkpoints, eval_cfg = parse_eval_args(argv[2:])
+            assert checkpoints == ["runs/demo"] and eval_cfg.max_anchors == 7
+            seen.add(argv[1])
         if argv[1] in stages:
             cls, section = stages[argv[1]]
             cfg = parse_cli(cls, argv[2:], section=section)
@@ -36,7 +42,7 @@ def test_every_step_parses_with_its_stage_config(scale, device):
                 assert not cfg.compile
             if argv[1] == "extract.regenerate":
                 assert cfg.max_new_tokens == SCALES[scale].max_new_tokens and cfg.dtype == "float32"
-    assert seen == set(stages)
+    assert seen == set(stages) | {"train.eval"}
     assert [n for n, _ in steps][-1] == "report"
 
 
