@@ -11,12 +11,17 @@
             peak GPU memory. Every row generates exactly --new-tokens (no stop token).
             python -m benchmarks.regenerate local --batch-sizes 16,64,128,256 --out local.json
             python -m benchmarks.regenerate local --shape tiny --device cpu     # CPU smoke run
+            --shape smollm2: SmolLM2-135M-Instruct's shape (Llama, 30 layers, hidden 576), float32
+            as the real-target pipeline runs it (--dtype to change):
+            python -m benchmarks.regenerate local --shape smollm2 --batch-sizes 256,1024 --prompt-len 96
     ops     why `local` decodes the 27B at about 10 steps/s: aten op calls per decoding step of
             `generate_batch` (torch.profiler) and the wall time per step, on the 27B's layout (64
             layers, 3 Gated DeltaNet to 1 attention) at full widths or, with --narrow, at hidden 64
             (the op count does not depend on the widths; on a CPU the time is then almost all
-            dispatch).
+            dispatch); --shape smollm2 for the real target's shape. On CUDA it also prints the
+            kernels that take the GPU's time per step and how busy the GPU is (kernel time / wall).
             python -m benchmarks.regenerate ops --narrow --device cpu
+            python -m benchmarks.regenerate ops --shape smollm2 --batch 1024 --prompt-len 96 --steps 8
 
 Not a test: numbers depend on the machine. Prints a table and, with --out, JSON.
 """
@@ -32,6 +37,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
+
+SHAPES = ["qwen3.6-27b", "tiny", "smollm2"]
+DTYPE_HELP = "auto: float32 for smollm2 (as its pipeline runs), bfloat16 on CUDA otherwise, float32 on a CPU"
 
 
 def parse_args(argv):
@@ -51,7 +60,8 @@ def parse_args(argv):
     )
     s.add_argument("--out", default=None)
     g = sub.add_parser("local", help="backend=local on a random-weight target")
-    g.add_argument("--shape", choices=["qwen3.6-27b", "tiny"], default="qwen3.6-27b")
+    g.add_argument("--shape", choices=SHAPES, default="qwen3.6-27b")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help=DTYPE_HELP)
     g.add_argument(
         "--batch-sizes", default="16,64,128,256", help="comma-separated; the sweep stops at the first out-of-memory"
     )
@@ -61,7 +71,10 @@ def parse_args(argv):
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default=None)
     o = sub.add_parser("ops", help="aten op calls and time per decoding step (27B layout)")
+    o.add_argument("--shape", choices=["qwen3.6-27b", "smollm2"], default="qwen3.6-27b")
+    o.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help=DTYPE_HELP)
     o.add_argument("--narrow", action="store_true", help="the 27B's layers at hidden 64 (for a CPU)")
+    o.add_argument("--kernels", type=int, default=12, help="CUDA kernels listed by time per step (CUDA only)")
     o.add_argument("--batch", type=int, default=16)
     o.add_argument("--prompt-len", type=int, default=64)
     o.add_argument("--steps", type=int, default=10, help="decoding steps measured (after 2 that are subtracted)")
@@ -203,13 +216,13 @@ def format_server_row(row: dict) -> str:
 def run_local(args) -> dict:
     import torch
 
-    from benchmarks.extract import QWEN36_27B_TEXT, TINY_TEXT, build_random_target, kernel_report
+    from benchmarks.extract import kernel_report
     from extract.regenerate.local import generate_batch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = pick_dtype(args.dtype, args.shape, device)
     started = time.perf_counter()
-    target, n_params = build_random_target(QWEN36_27B_TEXT if args.shape == "qwen3.6-27b" else TINY_TEXT, device, dtype)
+    target, n_params = random_target(args.shape, device, dtype)
     model = target.model
     build_seconds = time.perf_counter() - started
     vocab = target.vocab_size
@@ -289,13 +302,13 @@ def run_ops(args) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.extract import QWEN36_27B_TEXT, build_random_target, kernel_report
+    from benchmarks.extract import kernel_report
     from extract.regenerate.local import generate_batch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    text = {**QWEN36_27B_TEXT, **NARROW} if args.narrow else QWEN36_27B_TEXT
-    target, n_params = build_random_target(text, device, dtype)
+    dtype = pick_dtype(args.dtype, args.shape, device)
+    target, n_params = random_target(args.shape, device, dtype, narrow=args.narrow)
+    layers = target.model.config.num_hidden_layers
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, target.vocab_size, (args.batch, args.prompt_len), generator=generator).tolist()
 
@@ -319,15 +332,24 @@ def run_ops(args) -> dict:
     (many_all, many_top), (few_all, few_top) = op_calls(2 + args.steps), op_calls(2)
     calls, top_calls = (many_all - few_all) / args.steps, (many_top - few_top) / args.steps
     step_s = (seconds(2 + args.steps) - seconds(2)) / args.steps
-    layers = text["num_hidden_layers"]
+    kernels = cuda_kernels_per_step(decode, args.steps, args.kernels) if device.startswith("cuda") else None
     print(
         f"{calls:,.0f} aten op calls per decoding step ({calls / layers:,.0f} per layer of {layers}), of which "
         f"{top_calls:,.0f} made from Python ({top_calls / layers:,.0f} per layer); "
         f"{step_s * 1e3:.1f} ms per step = {1 / step_s:.1f} steps/s at batch {args.batch} "
-        f"({device}, {'narrow' if args.narrow else 'full'} widths, {n_params / 1e6:,.1f} M parameters)"
+        f"({device}, {args.shape}, {'narrow' if args.narrow else 'full'} widths, {n_params / 1e6:,.1f} M "
+        f"parameters, {dtype})"
     )
+    if kernels is not None:
+        busy = kernels["kernel_ms_per_step"] / (step_s * 1e3)
+        print(f"GPU kernel time {kernels['kernel_ms_per_step']:.2f} ms per step: the GPU is busy {busy:.0%} of a step")
+        for row in kernels["top"]:
+            print(f"  {row['ms_per_step']:8.3f} ms/step  {row['calls_per_step']:6.1f} calls  {row['name'][:100]}")
     return {
         "mode": "ops",
+        "shape": args.shape,
+        "dtype": str(dtype),
+        "cuda_kernels": kernels,
         "narrow": args.narrow,
         "device": device,
         "batch": args.batch,
@@ -339,6 +361,53 @@ def run_ops(args) -> dict:
         "kernels": kernel_report(),
         "machine": machine(),
     }
+
+
+def pick_dtype(name: str, shape: str, device: str):
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.bfloat16 if device.startswith("cuda") and shape != "smollm2" else torch.float32
+
+
+def random_target(shape: str, device: str, dtype, narrow: bool = False):
+    """(the target's text parts, parameter count) with random weights of `shape`."""
+    from benchmarks.extract import QWEN36_27B_TEXT, TINY_TEXT, build_random_target
+
+    if shape == "smollm2":
+        from benchmarks.small_decode import random_target as smollm2_target
+
+        if narrow:
+            raise SystemExit("--narrow is for the 27B layout only")
+        target = smollm2_target(dtype, device)
+        return target, sum(p.numel() for p in target.model.parameters())
+    text = {"qwen3.6-27b": QWEN36_27B_TEXT, "tiny": TINY_TEXT}[shape]
+    return build_random_target({**text, **NARROW} if narrow else text, device, dtype)
+
+
+def cuda_kernels_per_step(decode, steps: int, top: int) -> dict:
+    """CUDA kernel time per decoding step (decoding 2 + steps tokens minus decoding 2, over steps), in
+    all and for the `top` kernels that take most of it: which kernels the step's time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernel_times(new_tokens: int) -> dict[str, tuple[float, int]]:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            decode(new_tokens)
+        out: dict[str, tuple[float, int]] = {}
+        for event in prof.key_averages():
+            us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+            if us and getattr(event, "device_type", None) is not None and "CUDA" in str(event.device_type):
+                out[event.key] = (us, event.count)
+        return out
+
+    many, few = kernel_times(2 + steps), kernel_times(2)
+    rows = []
+    for name, (us, count) in many.items():
+        us0, count0 = few.get(name, (0.0, 0))
+        rows.append({"name": name, "ms_per_step": (us - us0) / steps / 1e3, "calls_per_step": (count - count0) / steps})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return {"kernel_ms_per_step": sum(r["ms_per_step"] for r in rows), "top": rows[:top]}
 
 
 def inside_aten_op(event) -> bool:

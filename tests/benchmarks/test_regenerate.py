@@ -58,3 +58,13 @@ def test_ops_counts_the_calls_of_one_decoding_step(tmp_path):
     # every one of the 64 layers runs at least a norm, a projection and a residual add per step
     assert report["aten_calls_per_step"] >= report["top_level_aten_calls_per_step"] >= 3 * 64
     assert report["seconds_per_step"] > 0
+
+
+def test_smollm2_shape_is_the_real_targets_and_runs_in_float32():
+    target, params = bench.random_target("smollm2", "cpu", bench.pick_dtype("auto", "smollm2", "cpu"))
+    config = target.model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    assert 130e6 < params < 140e6 and next(target.model.parameters()).dtype.is_floating_point
+    assert str(bench.pick_dtype("auto", "smollm2", "cuda")) == "torch.float32"
+    assert str(bench.pick_dtype("auto", "qwen3.6-27b", "cuda")) == "torch.bfloat16"
+    assert str(bench.pick_dtype("bfloat16", "smollm2", "cpu")) == "torch.bfloat16"
