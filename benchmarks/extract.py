@@ -238,13 +238,13 @@ def sync(device: str) -> None:
 def bare_batches(target, cfg, corpus_path: str, ranks) -> list:
     """(input ids, lengths) of exactly the micro-batches (b) runs on this rank."""
     from extract import corpus as C
-    from extract import pipeline
     from extract.batching import collate_right_padded, plan_micro_batches
+    from extract.windows import read_windows
 
     policy = C.SamplePolicy(cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, {}, target.vocab_size)
     builder = C.SampleBuilder(target.tokenizer, policy)
     batches = []
-    for window in pipeline._windows(cfg, C.find_corpus(corpus_path), builder, ranks):
+    for window in read_windows(cfg, C.find_corpus(corpus_path), builder, ranks):
         lengths = [s.n_tokens for s in window.samples]
         for plan in plan_micro_batches(lengths, cfg.tokens_per_batch):
             batches.append(collate_right_padded([torch.from_numpy(window.samples[i].input_ids) for i in plan], 0))
@@ -419,10 +419,10 @@ def host_rss_gib() -> float:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from common.config import load_config
-    from extract import pipeline
     from extract.config import ExtractConfig
+    from extract.ranks import Ranks
 
-    ranks = pipeline.Ranks.from_env()
+    ranks = Ranks.from_env()
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.shape != "tiny" and not use_cuda:
         print("benchmarks.extract: the qwen3.6-27b shape needs a GPU; use --shape tiny on a CPU", file=sys.stderr)

@@ -20,7 +20,7 @@ Two measurements of each path:
 
 Paths (`--path`):
 
-  current    the pipeline as it is (`extract.pipeline.HostPath`)
+  current    the pipeline as it is (`extract.host_path.HostPath`)
   legacy     the host path before 2026-12-01, for comparison: the buffer holds the taps as bf16
              [n_taps, B, T, H]; each sample is copied out to uint16 [T, W]; the writer scans it
              for NaN/Inf and splits the byte planes on the host. It runs on this tree's shard
@@ -269,7 +269,7 @@ class CurrentRun:
 
     def __init__(self, args, syn: Synthetic, root: str):
         from extract.batching import BufferPool
-        from extract.pipeline import HostPath
+        from extract.host_path import HostPath
         from extract.sink import Progress, RejectLog
 
         self.syn = syn
@@ -349,11 +349,11 @@ class CurrentRun:
 
 
 def current_serial(args, syn, batches, root) -> dict:
-    from extract import pipeline
+    from extract import host_path
 
     clock = StageClock()
     instrument_writer(clock)
-    clock.wrap(pipeline, "sample_views", "unpack (cut sample out of the buffer)")
+    clock.wrap(host_path, "sample_views", "unpack (cut sample out of the buffer)")
     fill = FillMeter()
     start = run_start()
     try:

@@ -34,10 +34,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"extract: {err}", file=sys.stderr)
         return 2
     from extract import pipeline
+    from extract.ranks import Ranks
+    from extract.summary import format_summary, no_samples_reason
 
     ranks = None
     try:
-        ranks = pipeline.Ranks.from_env()
+        ranks = Ranks.from_env()
         summaries = pipeline.run(cfg, ranks=ranks)
     except ValueError as err:  # user errors: config, corpus, target, resume refusals, a second writer, on_error=fail
         print(f"extract: {err}", file=sys.stderr)
@@ -58,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     if ranks.rank != 0:
         return 0
     for name, summary in summaries.items():
-        print(("" if name is None else f"[{name}]\n") + pipeline.format_summary(summary), flush=True)
+        print(("" if name is None else f"[{name}]\n") + format_summary(summary), flush=True)
     empty = [(name, summary) for name, summary in summaries.items() if summary["complete"] and not summary["samples"]]
     for name, summary in empty:
-        print(f"extract: {'' if name is None else f'[{name}] '}{pipeline.no_samples_reason(summary)}", file=sys.stderr)
+        print(f"extract: {'' if name is None else f'[{name}] '}{no_samples_reason(summary)}", file=sys.stderr)
     return 3 if empty else 0
 
 

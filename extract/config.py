@@ -264,7 +264,7 @@ class ExtractConfig:
 
 # Keys that decide the content of the dataset. A resume must match them exactly; the others are
 # runtime knobs that may change between runs of the same dataset.
-# The target and the corpus are compared by content digest (see extract.pipeline), not by path, so a
+# The target and the corpus are compared by content digest (see extract.provenance), not by path, so a
 # moved checkpoint or corpus still resumes.
 DATASET_KEYS = (
     "dtype",

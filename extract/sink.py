@@ -7,7 +7,7 @@ progress display.
     "write":          rejects (NaN/Inf flags come from the device), `ShardWriter.write` (zstd in
                       pyarrow's threads, which release the GIL), counters, then give the buffer back
 
-(`pipeline.HostPath` wires these up.)
+(`host_path.HostPath` wires these up.)
 
 Queues are bounded and the pinned buffers are a fixed pool, so memory stays bounded and a slow
 disk slows the forward loop down instead of filling RAM. The first exception in a worker is kept

@@ -17,9 +17,10 @@ def test_ctrl_c_ends_with_one_line_and_status_130(stage, monkeypatch, tmp_path):
     if stage == "extract":
         from extract import pipeline
         from extract.__main__ import main
+        from extract.ranks import Ranks
 
         monkeypatch.setattr(pipeline, "run", interrupt)
-        monkeypatch.setattr(pipeline.Ranks, "from_env", classmethod(lambda cls: cls()))
+        monkeypatch.setattr(Ranks, "from_env", classmethod(lambda cls: cls()))
         args = [f"target={tmp_path}", f"corpus={tmp_path}", f"out_dir={tmp_path / 'out'}"]
     elif stage == "regenerate":
         from extract.regenerate import run as R

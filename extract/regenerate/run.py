@@ -35,7 +35,7 @@ VERSION = 1
 class RankInfo:
     rank: int = 0
     world: int = 1
-    ranks: object = None  # extract.pipeline.Ranks under torchrun (barrier)
+    ranks: object = None  # extract.ranks.Ranks under torchrun (barrier)
 
     def barrier(self) -> None:
         if self.ranks is not None:
@@ -48,7 +48,7 @@ class Incomplete(Exception):
 
 def check_inputs(cfg: RegenerateConfig) -> reading.CorpusFiles:
     """ValueError naming the problem before any model or server is touched."""
-    from extract.pipeline import check_out_dir
+    from extract.checks import check_out_dir
 
     if not os.path.isdir(cfg.target):
         raise ValueError(f"target: '{cfg.target}' is not a checkpoint directory (config key 'target')")
@@ -125,11 +125,11 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code)
     renderer = Renderer(tokenizer, cfg.thinking, cfg.generation_template_kwargs(), cfg.extraction_template_kwargs())
-    from extract.pipeline import corpus_fingerprint
+    from extract.provenance import corpus_fingerprint
 
     fingerprint = corpus_fingerprint(corpus, cfg.max_records)
     if corpus.skipped:
-        from extract.pipeline import describe_skipped
+        from extract.summary import describe_skipped
 
         log.warning(
             "corpus %s: %d files not read: %s", cfg.corpus, len(corpus.skipped), describe_skipped(corpus.skipped)
@@ -187,7 +187,7 @@ def rank_info(cfg: RegenerateConfig) -> RankInfo:
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return RankInfo()
-    from extract.pipeline import Ranks
+    from extract.ranks import Ranks
 
     ranks = Ranks.from_env()
     return RankInfo(ranks.rank, ranks.world, ranks)
@@ -522,7 +522,7 @@ def format_summary(summary: dict) -> str:
             + f"; model {summary.get('model')!r}"
         )
     if summary.get("skipped_files"):
-        from extract.pipeline import describe_skipped
+        from extract.summary import describe_skipped
 
         skipped = summary["skipped_files"]
         lines.append(f"skipped: {len(skipped):,} files of the corpus directory, not read: {describe_skipped(skipped)}")

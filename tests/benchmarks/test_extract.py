@@ -49,7 +49,7 @@ def test_a_multi_rank_corpus_gives_every_rank_the_same_tokens(tmp_path):
     """Ranks own samples by content hash; the bench's corpus is drawn so each rank owns the same
     tokens (within one sequence), checked here with the pipeline's own ownership rule."""
     from common.hashing import sample_id
-    from extract.pipeline import Ranks
+    from extract.ranks import Ranks
 
     lengths = bench.length_mix(40_000, 50, 800, np.random.default_rng(1))
     owned = bench.write_token_corpus(str(tmp_path / "c.jsonl"), lengths, 1000, seed=0, world=3)

@@ -20,6 +20,7 @@ from common.target import read_text_config
 from extract import corpus as C
 from extract import pipeline, sink
 from extract.config import ExtractConfig
+from extract.ranks import Ranks
 from tests.extract.conftest import mixed_corpus
 from tests.reliability.faults import ModuleProxy
 
@@ -58,13 +59,13 @@ def test_a_merge_that_fails_at_manifest_json_leaves_rejects_written_and_the_reru
 
     monkeypatch.setattr(common_io, "commit", fail_at_merged_manifest)
     with pytest.raises(OSError):
-        pipeline.run(cfg, target=loaded_target, ranks=pipeline.Ranks())
+        pipeline.run(cfg, target=loaded_target, ranks=Ranks())
     monkeypatch.undo()
     # rejects.jsonl is written before manifest.json: once manifest.json exists, a rerun does nothing more.
     assert (out / "rejects.jsonl").exists() and not (out / "manifest.json").exists()
     # The failed write removed its own temporary (a kill leaves one, which the rerun removes: tests/reliability).
     assert not [p.name for p in out.iterdir() if p.name.startswith("manifest.json.")]
-    pipeline.run(cfg, target=loaded_target, ranks=pipeline.Ranks())
+    pipeline.run(cfg, target=loaded_target, ranks=Ranks())
     assert (out / "manifest.json").exists() and (out / "summary.json").exists()
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
 
@@ -73,11 +74,11 @@ def test_a_run_killed_between_manifest_json_and_summary_json_is_finished_by_the_
     corpus, _ = mixed_corpus(tmp_path / "corpus.jsonl")
     out = tmp_path / "out"
     cfg = make_config(out, corpus)
-    pipeline.run(cfg, target=loaded_target, ranks=pipeline.Ranks())
+    pipeline.run(cfg, target=loaded_target, ranks=Ranks())
     summary = json.loads((out / "summary.json").read_text())
     (out / "summary.json").unlink()
     (out / "summary.json.deadbeef.tmp").write_text("{")
-    pipeline.run(cfg, target=loaded_target, ranks=pipeline.Ranks())
+    pipeline.run(cfg, target=loaded_target, ranks=Ranks())
     assert json.loads((out / "summary.json").read_text()) == summary
     assert not (out / "summary.json.deadbeef.tmp").exists()
 
@@ -95,7 +96,7 @@ def test_topk_above_the_vocabulary_is_refused_before_any_work(tmp_path, loaded_t
     corpus, _ = mixed_corpus(tmp_path / "corpus.jsonl")
     cfg = make_config(tmp_path / "out", corpus, topk=loaded_target.vocab_size + 1)
     with pytest.raises(ConfigError, match="'topk'.*vocabulary"):
-        pipeline.run(cfg, target=loaded_target, ranks=pipeline.Ranks())
+        pipeline.run(cfg, target=loaded_target, ranks=Ranks())
     assert not (tmp_path / "out").exists()
 
 
@@ -111,7 +112,7 @@ def test_an_io_error_stops_the_cli_with_one_line_and_status_4(tmp_path, monkeypa
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "r000-shard-00003.arrow"))
 
     monkeypatch.setattr(pipeline, "run", full_disk)
-    monkeypatch.setattr(pipeline.Ranks, "from_env", classmethod(lambda cls: cls()))
+    monkeypatch.setattr(Ranks, "from_env", classmethod(lambda cls: cls()))
     err = io.StringIO()
     corpus, _ = mixed_corpus(tmp_path / "corpus.jsonl")
     with redirect_stderr(err):

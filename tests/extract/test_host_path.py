@@ -1,4 +1,4 @@
-"""The extraction's host path (`pipeline.HostPath`: byte planes laid out on the device, samples
+"""The extraction's host path (`extract.host_path.HostPath`: byte planes laid out on the device, samples
 handed to the writer as views of the pinned buffer, the hidden NaN/Inf scan left to the device's
 flags) stores exactly the bytes of the plain path: a synchronous `capture` of the same
 micro-batches, each sample copied out as uint16, and `ShardWriter.write` scanning and splitting on
@@ -17,10 +17,12 @@ import torch
 from common.hashing import sample_id
 from common.target import reach_text_parts
 from extract import corpus as C
-from extract import pipeline
 from extract.batching import BufferPool, collate_right_padded, plan_micro_batches
 from extract.capture import InFlight, capture
+from extract.host_path import HostPath
+from extract.ranks import Ranks
 from extract.sink import Progress, RejectLog
+from extract.windows import read_windows
 from shards import HiddenPlanes, ShardDataset, ShardWriter, verify_dataset
 from tests.extract.conftest import build_model, mixed_corpus, write_lines
 from tests.extract.test_pipeline import make_config, run
@@ -37,7 +39,7 @@ def plain_path_dataset(cfg, target, root) -> dict:
     )
     tokenizer = target.tokenizer
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
-    names = pipeline.Ranks().names
+    names = Ranks().names
     from shards import Sample
 
     with ShardWriter(
@@ -51,7 +53,7 @@ def plain_path_dataset(cfg, target, root) -> dict:
         shard_prefix=names["prefix"],
         hidden_split=len(cfg.layer_ids),
     ) as writer:  # extract's default: one piece per tap
-        for window in pipeline._windows(cfg, C.find_corpus(cfg.corpus), builder, pipeline.Ranks()):
+        for window in read_windows(cfg, C.find_corpus(cfg.corpus), builder, Ranks()):
             lengths = [s.n_tokens for s in window.samples]
             for plan in plan_micro_batches(lengths, cfg.tokens_per_batch):
                 samples = [window.samples[i] for i in plan]
@@ -88,7 +90,7 @@ def test_pipeline_stores_the_bytes_of_the_plain_path(tmp_path, loaded_target, en
     cfg = make_config(tmp_path / "out", corpus, hidden_encoding=encoding, inflight_batches=2)
     summary = run(cfg, loaded_target)
     assert summary["samples"] == 24
-    ours = json.load(open(tmp_path / "out" / pipeline.Ranks().names["manifest"]))
+    ours = json.load(open(tmp_path / "out" / Ranks().names["manifest"]))
     plain = plain_path_dataset(resolved(cfg), loaded_target, str(tmp_path / "plain"))
     assert len(ours["shards"]) > 1, "the test should span several shards"
     strip = lambda m: [{k: v for k, v in e.items() if k != "written"} for e in m["shards"]]  # noqa: E731
@@ -169,7 +171,7 @@ class Harness:
             pin=False,
             hidden_split=self.W_TAPS,
         )
-        self.path = pipeline.HostPath(
+        self.path = HostPath(
             self.writer,
             self.rejects,
             self.pool,

@@ -19,7 +19,9 @@ import pytest
 import zstandard
 
 from extract import corpus as C
-from extract import pipeline
+from extract import pipeline, windows
+from extract.ranks import Ranks
+from extract.summary import format_summary
 from tests.extract.conftest import mixed_corpus, write_lines
 from tests.extract.test_failures import make_config
 from tests.paths import child_pythonpath
@@ -84,10 +86,10 @@ def test_a_recursive_glob_reads_the_subdirectory(tmp_path):
 def test_the_summary_and_the_provenance_list_the_skipped_files(tmp_path, loaded_target):
     messy_directory(tmp_path / "corpus")
     cfg = make_config(tmp_path / "out", tmp_path / "corpus", min_loss_tokens=1)
-    summary = pipeline.run(cfg, target=loaded_target, ranks=pipeline.Ranks())[None]
+    summary = pipeline.run(cfg, target=loaded_target, ranks=Ranks())[None]
     assert summary["records"] == 10 and summary["input_lines"] == 10
     assert {s["name"] for s in summary["skipped_files"]} == {".hidden.jsonl", "b.json", "sub/"}
-    text = pipeline.format_summary(summary)
+    text = format_summary(summary)
     assert "skipped   3 files" in text and "b.json" in text
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert {s["name"] for s in manifest["provenance"]["corpus"]["skipped"]} == {".hidden.jsonl", "b.json", "sub/"}
@@ -102,7 +104,7 @@ def test_lines_appended_during_the_run_are_not_read_and_the_fingerprint_describe
 ):
     path, _ = mixed_corpus(tmp_path / "corpus.jsonl")
     size, lines = os.path.getsize(path), len(open(path).read().splitlines())
-    real_windows = pipeline._windows
+    real_windows = windows.read_windows
 
     def appending(*args, **kwargs):  # another process appends once the run has started reading
         write_more = open(path, "a", encoding="utf-8")
@@ -110,10 +112,10 @@ def test_lines_appended_during_the_run_are_not_read_and_the_fingerprint_describe
         write_more.close()
         yield from real_windows(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "_windows", appending)
-    summary = pipeline.run(make_config(tmp_path / "out", path), target=loaded_target, ranks=pipeline.Ranks())[None]
+    monkeypatch.setattr(windows, "read_windows", appending)
+    summary = pipeline.run(make_config(tmp_path / "out", path), target=loaded_target, ranks=Ranks())[None]
     assert summary["input_lines"] == lines and summary["records"] == lines - 1  # mixed_corpus has one blank line
-    assert "-" not in pipeline.format_summary(summary).splitlines()[1]
+    assert "-" not in format_summary(summary).splitlines()[1]
     corpus = json.loads((tmp_path / "out" / "manifest.json").read_text())["provenance"]["corpus"]
     assert corpus["files"][0]["bytes"] == size and corpus["records"] == lines
 
@@ -121,7 +123,7 @@ def test_lines_appended_during_the_run_are_not_read_and_the_fingerprint_describe
 @pytest.mark.parametrize("change", ["rewritten", "truncated"])
 def test_a_file_changed_while_it_is_read_stops_the_run_naming_it(tmp_path, loaded_target, monkeypatch, change):
     path, _ = mixed_corpus(tmp_path / "corpus.jsonl")
-    real_windows = pipeline._windows
+    real_windows = windows.read_windows
 
     def changing(*args, **kwargs):
         data = open(path, "rb").read()
@@ -132,9 +134,9 @@ def test_a_file_changed_while_it_is_read_stops_the_run_naming_it(tmp_path, loade
         open(path, "wb").write(data)
         yield from real_windows(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "_windows", changing)
+    monkeypatch.setattr(windows, "read_windows", changing)
     with pytest.raises(C.CorpusError, match=r"corpus\.jsonl' changed while it was read"):
-        pipeline.run(make_config(tmp_path / "out", path), target=loaded_target, ranks=pipeline.Ranks())
+        pipeline.run(make_config(tmp_path / "out", path), target=loaded_target, ranks=Ranks())
     assert not (tmp_path / "out" / "manifest.json").exists()  # never marked complete
 
 

@@ -18,6 +18,8 @@ from common.target import reach_text_parts
 from extract import pipeline
 from extract.capture import capture
 from extract.config import ExtractConfig
+from extract.ranks import Ranks
+from extract.summary import format_summary
 from shards import ShardDataset, verify_dataset
 from tests.extract.conftest import build_model, chat_record, mixed_corpus, write_lines
 
@@ -47,7 +49,7 @@ def make_config(out_dir, corpus, target="unused", **overrides):
 
 
 def run(cfg, target, ranks=None):
-    return pipeline.run(cfg, target=target, ranks=ranks or pipeline.Ranks())[None]
+    return pipeline.run(cfg, target=target, ranks=ranks or Ranks())[None]
 
 
 def samples_by_id(root, manifest_name="manifest.json"):
@@ -96,7 +98,7 @@ def test_dataset_is_valid_and_accounts_for_every_record(baseline):
         assert line["source"] == f"corpus.jsonl:{line['position'] + 1}"
         assert corpus_lines[line["position"]].strip()
     assert [line["position"] for line in lines] == sorted(line["position"] for line in lines)
-    text = pipeline.format_summary(summary)
+    text = format_summary(summary)
     for reason in baseline["expected"]:
         assert reason in text
     prov = ds.provenance
@@ -126,7 +128,7 @@ def test_stored_values_equal_an_unbatched_capture(baseline, loaded_target):
 def test_rerun_of_a_finished_dataset_does_nothing(baseline, loaded_target):
     summary = run(baseline["cfg"], loaded_target)
     assert "this_run" not in summary
-    assert "nothing to do" in pipeline.format_summary(summary) and summary["samples"] == 24
+    assert "nothing to do" in format_summary(summary) and summary["samples"] == 24
 
 
 def test_crash_then_rerun_is_bit_identical(baseline, loaded_target, tmp_path, monkeypatch):
@@ -228,8 +230,8 @@ def test_a_rank_joining_an_older_dataset_writes_its_layout(baseline, loaded_targ
     cfg = make_config(out, baseline["corpus"])
     with monkeypatch.context() as patch:
         patch.setattr(shards.writer, "default_hidden_split", lambda provenance, width: 1)  # what older versions wrote
-        run(cfg, loaded_target, pipeline.Ranks(rank=0, world=2))
-    final = run(cfg, loaded_target, pipeline.Ranks(rank=1, world=2))
+        run(cfg, loaded_target, Ranks(rank=0, world=2))
+    final = run(cfg, loaded_target, Ranks(rank=1, world=2))
     assert final["complete"] and verify_dataset(str(out)) == []
     manifests = [
         json.load(open(out / name)) for name in ("manifest.rank000.json", "manifest.rank001.json", "manifest.json")
@@ -240,9 +242,9 @@ def test_a_rank_joining_an_older_dataset_writes_its_layout(baseline, loaded_targ
 def test_two_ranks_hold_the_same_samples_as_one(baseline, loaded_target, tmp_path):
     out = tmp_path / "out"
     cfg = make_config(out, baseline["corpus"])
-    first = run(cfg, loaded_target, pipeline.Ranks(rank=1, world=2))
+    first = run(cfg, loaded_target, Ranks(rank=1, world=2))
     assert first["partial"] and not os.path.exists(out / "manifest.json")  # rank 0 still missing
-    final = run(cfg, loaded_target, pipeline.Ranks(rank=0, world=2))  # the last rank to finish merges
+    final = run(cfg, loaded_target, Ranks(rank=0, world=2))  # the last rank to finish merges
     assert final["complete"] and verify_dataset(str(out)) == []
     two, one = samples_by_id(str(out)), samples_by_id(baseline["root"])
     assert two.keys() == one.keys()
@@ -277,21 +279,19 @@ def test_a_rank_starting_late_adopts_the_datasets_provenance(baseline, loaded_ta
     """Rank 1 starts for the first time after rank 0 ran with another batch size (a runtime knob):
     it takes over rank 0's provenance, so the ranks still merge."""
     out = tmp_path / "out"
-    run(make_config(out, baseline["corpus"], tokens_per_batch=512), loaded_target, pipeline.Ranks(rank=0, world=2))
-    final = run(
-        make_config(out, baseline["corpus"], tokens_per_batch=300), loaded_target, pipeline.Ranks(rank=1, world=2)
-    )
+    run(make_config(out, baseline["corpus"], tokens_per_batch=512), loaded_target, Ranks(rank=0, world=2))
+    final = run(make_config(out, baseline["corpus"], tokens_per_batch=300), loaded_target, Ranks(rank=1, world=2))
     assert final["complete"] and final["samples"] == 24
     with pytest.raises(ValueError, match="config key 'topk'"):
-        run(make_config(tmp_path / "other", baseline["corpus"]), loaded_target, pipeline.Ranks(rank=0, world=2))
-        run(make_config(tmp_path / "other", baseline["corpus"], topk=3), loaded_target, pipeline.Ranks(rank=1, world=2))
+        run(make_config(tmp_path / "other", baseline["corpus"]), loaded_target, Ranks(rank=0, world=2))
+        run(make_config(tmp_path / "other", baseline["corpus"], topk=3), loaded_target, Ranks(rank=1, world=2))
 
 
 def test_empty_corpus_says_so(tmp_path, loaded_target):
     corpus = write_lines(tmp_path / "empty.jsonl", [])
     summary = run(make_config(tmp_path / "out", corpus), loaded_target)
     assert summary["complete"] and summary["samples"] == 0
-    assert "the corpus holds no records" in pipeline.format_summary(summary)
+    assert "the corpus holds no records" in format_summary(summary)
 
 
 def test_splits_and_cli(tmp_path, saved_target, capsys):

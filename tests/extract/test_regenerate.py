@@ -336,6 +336,7 @@ def test_a_regenerated_corpus_extracts_with_the_loss_on_exactly_the_generated_to
     from common.target import load_target
     from extract import pipeline
     from extract.config import ExtractConfig
+    from extract.ranks import Ranks
     from shards import ShardDataset
 
     target_dir, model = word_target
@@ -354,7 +355,7 @@ def test_a_regenerated_corpus_extracts_with_the_loss_on_exactly_the_generated_to
         "progress=false",
         "writer_threads=1",
     ]
-    summary = pipeline.run(load_config(ExtractConfig, None, words), target=target, ranks=pipeline.Ranks())[None]
+    summary = pipeline.run(load_config(ExtractConfig, None, words), target=target, ranks=Ranks())[None]
     assert summary["samples"] == 13 and not summary["rejects"]
     ds = ShardDataset(str(tmp_path / "shards"))
     provenance = ds.provenance
@@ -383,7 +384,7 @@ def test_a_regenerated_corpus_extracts_with_the_loss_on_exactly_the_generated_to
 
 
 def test_extraction_refuses_other_template_variables_than_the_regeneration_used(tmp_path, local_run, word_target):
-    from extract import pipeline
+    from extract.checks import check_inputs
     from extract.config import ExtractConfig
 
     words = [
@@ -395,7 +396,7 @@ def test_extraction_refuses_other_template_variables_than_the_regeneration_used(
         "chat_template_kwargs={enable_thinking = true}",
     ]
     with pytest.raises(ValueError, match="chat_template_kwargs"):
-        pipeline.check_inputs(load_config(ExtractConfig, None, words))
+        check_inputs(load_config(ExtractConfig, None, words))
 
 
 # ----------------------------------------------------------------------------------------------

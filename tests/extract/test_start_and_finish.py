@@ -19,6 +19,7 @@ import pytest
 
 from common.locks import LockedError, exclusive_lock
 from extract import pipeline
+from extract.host_path import HostPath
 from shards import verify_dataset
 from tests.extract.conftest import chat_record, write_lines
 from tests.extract.test_pipeline import make_config, run
@@ -144,7 +145,7 @@ def test_a_stub_from_a_killed_start_does_not_block_a_changed_corpus(tmp_path, lo
 
 def test_rerun_to_resume_is_said_only_when_something_was_committed(tmp_path, saved_target, monkeypatch):
     corpus = good_corpus(tmp_path / "c.jsonl", n=6)
-    real_write = pipeline.HostPath.store
+    real_write = HostPath.store
     calls = {"n": 0}
 
     def full_disk_after(n_ok):
@@ -157,12 +158,12 @@ def test_rerun_to_resume_is_said_only_when_something_was_committed(tmp_path, sav
 
         return store
 
-    monkeypatch.setattr(pipeline.HostPath, "store", full_disk_after(0))
+    monkeypatch.setattr(HostPath, "store", full_disk_after(0))
     code, _, err = main(config_file(tmp_path, saved_target, tmp_path / "first", corpus))
     assert code == 4 and "Nothing had been committed yet" in err and "rerun the same command to resume" not in err, err
     assert not (tmp_path / "first").exists()
     calls["n"] = 0
-    monkeypatch.setattr(pipeline.HostPath, "store", full_disk_after(1))
+    monkeypatch.setattr(HostPath, "store", full_disk_after(1))
     code, _, err = main(config_file(tmp_path, saved_target, tmp_path / "second", corpus))
     assert code == 4 and "rerun the same command to resume" in err, err
 

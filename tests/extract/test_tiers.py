@@ -124,14 +124,14 @@ def test_tier_settings_are_checked_by_key(tmp_path):
 
 
 def test_two_ranks_share_rank_0s_projection_and_merge(lossless, loaded_target, tmp_path):
-    from extract import pipeline
+    from extract.ranks import Ranks
 
     root, corpus = lossless
     out = tmp_path / "out"
     cfg = make_config(out, corpus, hidden_encoding="nf4-g16", projection="pca:rank=16", calibration_samples=6)
-    first = run(cfg, loaded_target, pipeline.Ranks(rank=0, world=2))  # rank 0 fits P in its calibration pass
+    first = run(cfg, loaded_target, Ranks(rank=0, world=2))  # rank 0 fits P in its calibration pass
     assert first["partial"]
-    final = run(cfg, loaded_target, pipeline.Ranks(rank=1, world=2))  # rank 1 takes it from rank 0's manifest
+    final = run(cfg, loaded_target, Ranks(rank=1, world=2))  # rank 1 takes it from rank 0's manifest
     assert final["complete"] and verify_dataset(str(out)) == []
     ds = ShardDataset(str(out))
     assert ds.projection["out_width"] == 48 and {e["encoding"] for e in ds.shards} == {"nf4-g16"}

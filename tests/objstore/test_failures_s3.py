@@ -16,7 +16,7 @@ def open_writer(uri):
 
 
 def test_a_wrong_bucket_is_one_line_naming_it(s3_uri, moto_server):
-    from extract.pipeline import check_out_dir
+    from extract.checks import check_out_dir
 
     wrong = moto_server.uri("no-such-bucket/data")
     with pytest.raises(ConfigError, match="out_dir.*bucket 'no-such-bucket' does not exist") as err:

@@ -92,7 +92,7 @@ def directories(tally: Tally, rng: random.Random, examples: int, work: Path) -> 
 
 def changing(tally: Tally, rng: random.Random, examples: int, work: Path) -> None:
     from extract import corpus as C
-    from extract.pipeline import corpus_fingerprint
+    from extract.provenance import corpus_fingerprint
 
     for n in range(examples):
         path = work / f"changing-{n}.jsonl"
@@ -121,7 +121,7 @@ def changing(tally: Tally, rng: random.Random, examples: int, work: Path) -> Non
 
 def compressed(tally: Tally, rng: random.Random, examples: int, work: Path) -> None:
     from extract import corpus as C
-    from extract.pipeline import corpus_fingerprint
+    from extract.provenance import corpus_fingerprint
 
     for n in range(examples):
         kind = rng.choice(["gz", "bz2", "zst"])

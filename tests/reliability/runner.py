@@ -181,9 +181,10 @@ def _run_in_child(world, stage, config, train_args) -> None:
         from common.config import load_config
         from extract import pipeline
         from extract.config import ExtractConfig
+        from extract.ranks import Ranks
 
         cfg = load_config(ExtractConfig, config, section="extract")
-        pipeline.run(cfg, target=world.target, ranks=pipeline.Ranks())
+        pipeline.run(cfg, target=world.target, ranks=Ranks())
     else:
         from common.config import load_config
         from train.config import TrainConfig

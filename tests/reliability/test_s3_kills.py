@@ -26,12 +26,13 @@ def test_extraction_to_s3_stores_the_local_run_and_a_rerun_has_nothing_to_do(wor
     from common.config import load_config
     from extract import pipeline
     from extract.config import ExtractConfig
+    from extract.ranks import Ranks
     from tests.reliability.datasets import sample_bytes
 
     cfg = load_config(ExtractConfig, s3_kills._config(world, "s3-in-process", s3_uri), section="extract")
 
     def extract():
-        return pipeline.run(cfg, target=world.target, ranks=pipeline.Ranks())[None]
+        return pipeline.run(cfg, target=world.target, ranks=Ranks())[None]
 
     summary = extract()
     assert summary["complete"] and summary["this_run"]["coverage_ok"]

@@ -114,8 +114,9 @@ class World:
 
     def extract_in_process(self, out_dir: Path, corpus: Path | None = None, **overrides) -> dict:
         from extract import pipeline
+        from extract.ranks import Ranks
 
-        return pipeline.run(self.extract_cfg(out_dir, corpus, **overrides), target=self.target, ranks=pipeline.Ranks())
+        return pipeline.run(self.extract_cfg(out_dir, corpus, **overrides), target=self.target, ranks=Ranks())
 
     @functools.cached_property
     def baseline(self) -> Path:

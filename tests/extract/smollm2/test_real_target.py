@@ -16,6 +16,7 @@ from extract import corpus as C
 from extract import pipeline
 from extract.config import ExtractConfig
 from extract.mask_token import choose_mask_token, mask_token_candidates
+from extract.ranks import Ranks
 from shards import ShardDataset
 
 TAPS = [1, 8, 14, 21, 27]  # configs/smollm2-135m.toml
@@ -58,7 +59,7 @@ def extracted(smollm2_dir, tmp_path_factory):
         ],
     )
     target = load_target(str(smollm2_dir / "target"), dtype="float32", device="cpu")
-    pipeline.run(cfg, target=target, ranks=pipeline.Ranks())
+    pipeline.run(cfg, target=target, ranks=Ranks())
     return target, ShardDataset(str(tmp / "shards"))
 
 

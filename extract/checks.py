@@ -1,0 +1,90 @@
+"""The checks an extraction makes before it loads anything (the target's weights take minutes for a
+27B): every corpus found and readable as its format (each file fingerprinted, which reads every
+byte once, so a damaged compressed file is named now), every `out_dir` a directory that something
+can be created in, no other process writing this rank's part of the dataset, and `topk` within the
+target's vocabulary. Each failure is a ValueError (or ConfigError) naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+
+from common.config import fail
+from common.io import resolve
+from extract import corpus as C
+from extract.config import ExtractConfig
+from extract.provenance import corpus_fingerprint, with_regeneration
+from extract.ranks import Ranks
+
+
+def check_inputs(cfg: ExtractConfig, ranks: Ranks | None = None) -> dict:
+    """ValueError naming the key for what would fail later: a corpus that cannot be found or read
+    as its format (a damaged compressed file included: the fingerprint reads every byte), an output
+    path that cannot be a directory, a dataset another process is writing. Returns {split name:
+    (corpus files, fingerprint)}, which the split's extraction then uses as they are."""
+    prepared = {}
+    for name, split_cfg in cfg.split_configs().items():
+        where = "" if name is None else f"splits.{name}: "
+        key = "out_dir" if name is None else f"out_dir (split {name})"
+        check_out_dir(split_cfg.out_dir, key)
+        if ranks is not None:
+            check_no_other_writer(split_cfg.out_dir, ranks)
+        try:
+            with_regeneration(split_cfg)
+            corpus = C.find_corpus(split_cfg.corpus, split_cfg.corpus_format)
+            prepared[name] = (corpus, corpus_fingerprint(corpus, split_cfg.max_records))
+        except ValueError as err:
+            raise ValueError(f"{where}{err}") from None
+    return prepared
+
+
+def check_no_other_writer(out_dir: str, ranks: Ranks) -> None:
+    """LockedError (a ValueError) if another process holds this rank's lock of the dataset."""
+    from shards.manifest import check_manifest_unlocked
+
+    root = local_dir(out_dir)
+    if os.path.isdir(root):
+        check_manifest_unlocked(resolve(root)[0], root, ranks.names["manifest"])
+
+
+def check_out_dir(out_dir: str, key: str) -> None:
+    """ConfigError unless `out_dir` is (or can become) a writable local directory, or is on an
+    object store whose bucket this process can reach (docs/object-storage.md)."""
+    import tempfile
+
+    if "://" in out_dir:
+        from common.objstore import check_location
+
+        try:
+            check_location(out_dir, write=True)
+        except ValueError as err:
+            fail(key, str(err))
+        return
+    root = local_dir(out_dir)
+    existing = root
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is a file" if existing == root else f"lies under '{existing}', which is a file"
+        fail(key, f"'{root}' {where}, not a directory; choose another out_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(key, f"'{existing}' is not writable by this user")
+    # os.access answers yes for root, and on file systems where nothing can be made (/proc, /sys,
+    # a read-only mount): make (and remove) a directory there to know.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dflash-probe-", dir=existing))
+    except OSError as err:
+        fail(key, f"cannot create anything under '{existing}' ({err.strerror or err}); choose another out_dir")
+
+
+def check_topk(topk: int, vocab_size: int | None) -> None:
+    """ConfigError naming `topk` if the target's vocabulary has fewer entries (torch.topk would fail mid-run)."""
+    if vocab_size is not None and topk > int(vocab_size):
+        fail("topk", f"{topk} exceeds the target's vocabulary of {vocab_size} tokens")
+
+
+def local_dir(out_dir: str) -> str:
+    """The dataset root: an absolute local path, or the URI as given (an object store)."""
+    if "://" in out_dir:
+        return out_dir.rstrip("/")
+    return os.path.abspath(out_dir)

@@ -1,0 +1,317 @@
+"""What a dataset records about how it was made, and the rules of resuming it.
+
+`build_provenance` is the manifest's `provenance` (target, tokenizer, taps, corpus fingerprint,
+the regeneration a corpus came from, the resolved config). A rerun of the same command resumes:
+`resume_point` reopens the dataset's rank manifest, whose provenance must agree with this run's on
+every dataset setting, the target, the tokenizer and the corpus content (`resume_problems` says
+what changed; runtime knobs such as batch size, devices and threads may change). A rank manifest
+that holds nothing (left by a start that committed nothing) never blocks a run with other settings,
+and a finished dataset made with other settings is refused (`already_complete`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+
+from common.config import config_to_dict, fail
+from common.hashing import json_digest, text_digest, tokenizer_digest
+from common.io import exists_at, join_uri, list_names, remove_at, resolve
+from common.provenance import provenance as tool_provenance
+from common.target import Target, target_provenance
+from extract import corpus as C
+from extract.config import DATASET_KEYS, ExtractConfig
+from extract.mask_token import MaskChoice
+from extract.ranks import FINAL_MANIFEST, Ranks
+
+log = logging.getLogger("extract")
+
+
+# ----------------------------------------------------------------------------------------------
+# Provenance
+
+
+def corpus_fingerprint(corpus: C.CorpusFiles, max_records: int | None) -> dict:
+    """Content checksums of the corpus files (what a resume compares) and the record count, of the
+    extent of each file found at the start (a JSONL file in one pass for both). The checksums are
+    also kept in `corpus`, so that reading checks each file it reads to its end against them."""
+    from extract.reading import extent_checksum, parquet_file, scan_jsonl
+
+    files, lines = [], 0
+    for i, f in enumerate(corpus.files):
+        extent = corpus.extents[i] if corpus.extents else os.path.getsize(f)
+        if corpus.format != "datasets" and corpus.kinds[i] == "jsonl":
+            count, checksum = scan_jsonl(f, extent)
+            lines += count
+        else:
+            checksum = extent_checksum(f, extent)
+        name = os.path.relpath(f, corpus.root) if corpus.format == "datasets" else os.path.basename(f)
+        files.append({"name": name, "bytes": extent, "checksum": checksum})
+    if corpus.format != "datasets":
+        corpus.checksums = [f["checksum"] for f in files]
+        records = lines + sum(
+            parquet_file(f).metadata.num_rows for f, kind in zip(corpus.files, corpus.kinds) if kind != "jsonl"
+        )
+    else:
+        records = C.count_records(corpus)
+    if records is not None and max_records is not None:
+        records = min(records, max_records)
+    fingerprint = {
+        "files": files,
+        "hash": json_digest([[f["bytes"], f["checksum"]] for f in files]),
+        "records": records,
+    }
+    if corpus.skipped:
+        fingerprint["skipped"] = list(corpus.skipped)
+    return fingerprint
+
+
+def tokenizer_provenance(tokenizer, mask: MaskChoice, template_kwargs: dict) -> dict:
+    return {
+        "hash": tokenizer_digest(tokenizer),
+        "chat_template_hash": text_digest(tokenizer.chat_template)
+        if isinstance(getattr(tokenizer, "chat_template", None), str)
+        else None,
+        "chat_template_kwargs": dict(template_kwargs),
+        "mask_token_id": mask.token_id,
+        "mask_token": mask.provenance(),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def with_regeneration(cfg: ExtractConfig) -> tuple[ExtractConfig, dict | None]:
+    """For a corpus written by `python -m extract.regenerate`: the config with the chat template
+    variables its answers were generated for (so the template and loss mask follow its thinking
+    choice; an explicit different choice is refused) and the provenance the manifest carries."""
+    from extract.regenerate.store import provenance_for_manifest, regeneration_of
+
+    found = regeneration_of(cfg.corpus) if cfg.corpus else None
+    if found is None:
+        return cfg, None
+    provenance = found[1]
+    kwargs = dict(provenance.get("chat_template_kwargs") or {})
+    if cfg.chat_template_kwargs and cfg.chat_template_kwargs != kwargs:
+        mode = provenance.get("thinking", {}).get("mode")
+        fail(
+            "chat_template_kwargs",
+            f"{cfg.chat_template_kwargs} differs from {kwargs}, the variables the regenerated corpus "
+            f"'{cfg.corpus}' was answered for (thinking = {mode}); leave chat_template_kwargs unset "
+            "(extraction then takes the regeneration's) or make them equal",
+        )
+    return dataclasses.replace(cfg, chat_template_kwargs=kwargs), provenance_for_manifest(provenance)
+
+
+def check_regeneration_target(regeneration: dict | None, target: dict) -> None:
+    """Warn when the corpus was answered by another target than the one extracted (a drafter learns
+    what the answering model says)."""
+    if regeneration is None:
+        return
+    answered_by = regeneration.get("target", {})
+    for key in ("config_hash", "weights_digest"):
+        if answered_by.get(key) and target.get(key) and answered_by[key] != target[key]:
+            log.warning(
+                "the regenerated corpus was answered by %s (%s %s), not by the target extracted now (%s %s)",
+                answered_by.get("name_or_path"),
+                key,
+                answered_by[key],
+                key,
+                target[key],
+            )
+            return
+
+
+def build_provenance(
+    cfg: ExtractConfig,
+    target: Target,
+    corpus: C.CorpusFiles,
+    fingerprint: dict,
+    regeneration: dict | None,
+    mask: MaskChoice,
+) -> dict:
+    from shards import TAP_MEANING
+
+    if mask.token_id is None:
+        log.warning(
+            "no mask token: the tokenizer has no special token to spare and mask_token_id is not set; the "
+            "trainer will need one (model.mask_token_id)"
+        )
+    target_info = target_provenance(target)
+    check_regeneration_target(regeneration, target_info)
+    corpus_info = {
+        "source": cfg.corpus,
+        "format": corpus.format,
+        "hash": fingerprint["hash"],
+        "files": fingerprint["files"],
+        "records": fingerprint["records"],
+    }
+    if fingerprint.get("skipped"):
+        corpus_info["skipped"] = fingerprint["skipped"]
+    if regeneration is not None:
+        corpus_info["regeneration"] = regeneration
+    return {
+        "target": target_info,
+        "tokenizer": tokenizer_provenance(target.tokenizer, mask, cfg.chat_template_kwargs),
+        "taps": {"layer_ids": list(cfg.layer_ids), "meaning": TAP_MEANING},
+        "dtype": "bfloat16",  # of the stored hidden states
+        "compute_dtype": cfg.dtype,
+        "topk": cfg.topk,
+        "max_len": cfg.max_len,
+        "corpus": corpus_info,
+        "extract_config": config_to_dict(cfg),
+        **tool_provenance(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume rules
+
+
+@dataclasses.dataclass
+class ResumePoint:
+    """Where this rank's run starts in its dataset."""
+
+    provenance: dict  # what the writer records: the dataset's first run's, or this run's for a new dataset
+    stage_state: dict  # this rank's own from its manifest (runs so far, rejects_bytes), else empty
+    hidden_split: list | None  # the dataset's column layout when it exists, else None (the writer's default)
+    new: bool  # no rank manifest to continue from: this run creates this rank's manifest and rejects file
+
+
+def resume_point(fs, fs_root: str, root: str, fresh: dict, ranks: Ranks) -> ResumePoint:
+    """This rank's rank manifest if it exists, else another rank's (whose provenance and layout this
+    rank adopts); ValueError if it was made with other settings (`refuse_changed`)."""
+    from shards import load_manifest
+    from shards.manifest import hidden_split_of
+
+    names = ranks.names
+    existing = _existing_rank_manifest(root, names["manifest"])
+    if existing is not None:
+        stored = load_manifest(fs, fs_root, existing)
+        if holds_nothing(stored) and resume_problems(stored["provenance"], fresh):
+            # Left by a start that committed nothing (killed, or refused before its first commit):
+            # nothing to resume, so it must not block a corrected run.
+            log.info("%s: %s holds nothing yet and was made with other settings; starting afresh", root, existing)
+            if existing == names["manifest"]:
+                _remove_stub(root, names)
+            existing = None
+    if existing is None:
+        return ResumePoint(fresh, {}, None, new=True)
+    # A rank that starts after others (or resumes) writes the dataset's layout, never its own default.
+    hidden_split = hidden_split_of(stored)
+    refuse_changed(root, stored, fresh, ranks)
+    # Every rank keeps the provenance of the dataset's first run (merging needs them equal).
+    stage_state = stored.get("stage_state", {}) if existing == names["manifest"] else {}
+    return ResumePoint(stored["provenance"], stage_state, hidden_split, new=False)
+
+
+RESUME_COMPARED = {
+    "target": (
+        "config_hash",
+        "weights_digest",
+        "architecture",
+        "model_type",
+        "num_layers",
+        "hidden_size",
+        "vocab_size",
+    ),
+    "tokenizer": ("hash", "chat_template_hash", "mask_token_id", "eos_token_id", "pad_token_id"),
+}
+
+
+def resume_problems(stored: dict, fresh: dict) -> list[str]:
+    """What differs between a dataset's provenance and this run's, in words (empty: may resume)."""
+    problems = []
+    old_cfg, new_cfg = stored.get("extract_config", {}), fresh["extract_config"]
+    for key in DATASET_KEYS:
+        if old_cfg.get(key) != new_cfg.get(key):
+            problems.append(f"config key '{key}' is {old_cfg.get(key)!r} in the dataset but {new_cfg.get(key)!r} now")
+    for part, keys in RESUME_COMPARED.items():
+        for key in keys:
+            old, new = stored.get(part, {}).get(key), fresh[part].get(key)
+            if old != new:
+                problems.append(
+                    f"{part} {key} changed: {old!r} in the dataset, {new!r} now "
+                    f"({fresh[part].get('name_or_path', '')})".replace(" ()", "")
+                )
+    old_corpus, new_corpus = stored.get("corpus", {}), fresh["corpus"]
+    if old_corpus.get("hash") != new_corpus["hash"]:
+        old_files = {f["name"]: f for f in old_corpus.get("files", [])}
+        new_files = {f["name"]: f for f in new_corpus["files"]}
+        what = [f"{n} added" for n in new_files.keys() - old_files.keys()] + [
+            f"{n} removed" for n in old_files.keys() - new_files.keys()
+        ]
+        what += [
+            f"{n} changed ({old_files[n]['bytes']} -> {new_files[n]['bytes']} bytes)"
+            for n in new_files.keys() & old_files.keys()
+            if old_files[n] != new_files[n]
+        ]
+        problems.append(f"corpus content changed: {', '.join(sorted(what)) or 'files renamed or reordered'}")
+    return problems
+
+
+def refuse_changed(root: str, stored_manifest: dict, fresh: dict, ranks: Ranks) -> None:
+    """ValueError naming every change that forbids resuming (a dataset setting, the target, the tokenizer, the
+    corpus, the world size); the runtime settings that changed are logged."""
+    problems = resume_problems(stored_manifest["provenance"], fresh)
+    world = stored_manifest.get("stage_state", {}).get("world_size")
+    if world is not None and world != ranks.world:
+        problems.append(
+            f"world size is {ranks.world} but the dataset is being extracted by {world} ranks (resume with {world} "
+            "processes)"
+        )
+    if problems:
+        raise ValueError(
+            f"{root}: cannot resume: "
+            + "; ".join(problems)
+            + ". Use the dataset's settings, or write to a new out_dir."
+        )
+    changed = {
+        k: (v, fresh["extract_config"][k])
+        for k, v in stored_manifest["provenance"].get("extract_config", {}).items()
+        if k not in DATASET_KEYS and fresh["extract_config"].get(k) != v
+    }
+    if changed:
+        log.info(
+            "resuming with changed runtime settings (allowed): %s",
+            ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())),
+        )
+
+
+def already_complete(fs, root: str, fresh: dict, load_manifest) -> dict | None:
+    """The merged manifest if `root` holds a finished dataset of these settings; ValueError if of others."""
+    if not exists_at(join_uri(root, FINAL_MANIFEST)):
+        return None
+    manifest = load_manifest(fs, resolve(root)[1], FINAL_MANIFEST)
+    if not manifest.get("complete"):
+        return None
+    problems = resume_problems(manifest["provenance"], fresh)
+    if problems:
+        raise ValueError(
+            f"{root}: holds a finished dataset made with other settings: "
+            + "; ".join(problems)
+            + ". Write to a new out_dir."
+        )
+    return manifest
+
+
+def holds_nothing(manifest: dict) -> bool:
+    """A rank manifest with no shard, no committed reject and not complete: a start that committed nothing."""
+    state = manifest.get("stage_state") or {}
+    return not manifest["shards"] and not manifest.get("complete") and not state.get("rejects_bytes")
+
+
+def _remove_stub(root: str, names: dict) -> None:
+    for name in (names["manifest"], names["rejects"]):
+        with contextlib.suppress(FileNotFoundError):
+            remove_at(join_uri(root, name))
+
+
+def _existing_rank_manifest(root: str, own: str) -> str | None:
+    """This rank's manifest if it exists, else another rank's (whose provenance this rank adopts)."""
+    present = list_names(root)
+    if own in present:
+        return own
+    others = sorted(f for f in present if f.startswith("manifest.rank") and f.endswith(".json"))
+    return others[0] if others else None
