@@ -16,8 +16,9 @@ from extract.batching import BufferPool, HostBatch
 from extract.capture import sample_views
 from extract.sink import Progress, RejectLog, Worker
 
-# Reasons that are the corpus's fault; `on_error = fail` stops on these. Length and loss-token
-# filtering and duplicates are policy: counted and listed, never an error.
+# Rejects by policy: length and loss-token filtering, duplicates and samples holding the mask token are
+# counted and listed, never an error. Every other reason is the corpus's fault, and `on_error = fail`
+# stops on it.
 POLICY_REASONS = frozenset({C.TOO_LONG, C.TOO_FEW_LOSS_TOKENS, C.DUPLICATE, C.HOLDS_MASK_TOKEN})
 
 
