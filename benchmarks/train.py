@@ -77,8 +77,9 @@ from train.blocks import Blocks
 from train.config import DistributedConfig, TrainConfig
 from train.data import Share
 from train.distributed import Dist
-from train.loop import Run, choose_run_kernels, step_functions, train_step
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.prepare import Run, choose_run_kernels
+from train.step import step_functions, train_step
 
 PEAK_FLOPS = 790e12
 FLOP_PARTS = ("fc", "context_kv", "block_matmuls", "attention", "lm_head")  # the keys of step_flops

@@ -413,7 +413,7 @@ def resume_conflicts(saved: dict, current: dict) -> list[str]:
 
     A key the checkpoint does not have (a knob added after it was written) is no conflict when it
     holds its default now, nor when it is a `model.` key: the drafter those build is compared with
-    the checkpoint's own drafter_config.json on load (`train.loop.Run.load`).
+    the checkpoint's own drafter_config.json on load (`train.prepare.Run.load`).
     """
     from common.config import config_to_dict
 

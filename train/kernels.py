@@ -1,4 +1,4 @@
-"""Where and how the drafter runs, chosen in one place for the trainer (`train.loop`), the offline
+"""Where and how the drafter runs, chosen in one place for the trainer (`train.prepare`), the offline
 evaluation (`train.eval`) and the bench: device, autocast dtype, attention kernel and compilation.
 
     plan = choose_kernels(device="auto", precision="auto", attention="auto", compile=False,

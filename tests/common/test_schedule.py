@@ -9,7 +9,7 @@ import pytest
 from common.schedule import warmup_cosine
 from extract.tiny.config import TinyConfig
 from extract.tiny.target import learning_rate
-from train.loop import lr_at
+from train.step import lr_at
 
 
 def test_warmup_is_linear_and_ends_at_the_peak():

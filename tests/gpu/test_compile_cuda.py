@@ -20,7 +20,8 @@ import torch
 
 from tests.gpu import GPU
 from tests.train.test_loop import config, make_tiny
-from train.loop import Run, train_step
+from train.prepare import Run
+from train.step import train_step
 
 pytestmark = GPU
 

@@ -290,7 +290,7 @@ def remote_code_target(world: World, work: Path, checks: Checks) -> None:
         load_config(ExtractConfig, None, ["target=x", "out_dir=y", "corpus=z"]).trust_remote_code is False,
     )
 
-    from train.loop import _load_tokenizer
+    from train.prepare import _load_tokenizer
 
     try:
         _load_tokenizer(str(target))

@@ -131,7 +131,7 @@ def test_a_data_parallel_rank_runs_on_its_own_device_and_only_rank_0_logs(fake_c
     from common.config import load_config
     from train.config import TrainConfig
     from train.distributed import Dist
-    from train.loop import choose_run_kernels
+    from train.prepare import choose_run_kernels
 
     with caplog.at_level(logging.INFO, logger="train.kernels"):
         plain = choose(head_dims=[64])

@@ -28,8 +28,10 @@ from common.hashing import sample_id, tokenizer_digest
 from shards import Sample, ShardWriter
 from train.checkpoint import list_checkpoints, load_checkpoint
 from train.config import TrainConfig
-from train.loop import TrainingAborted, lr_at, resolve_mask_token, train
+from train.loop import TrainingAborted, train
 from train.metrics import SKIP_KEYS, STEP_KEYS, read_metrics
+from train.prepare import resolve_mask_token
+from train.step import lr_at
 
 V, H, LAYERS, TAPS, TOPK = 64, 32, 4, [0, 2], 4
 MASK_ID = V - 1

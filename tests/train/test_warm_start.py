@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.train.test_loop import config, tiny  # noqa: F401  (tiny is a fixture)
-from train.loop import Run, train
+from train.loop import train
 from train.model import DFlashDrafter
+from train.prepare import Run
 from train.serve.export import drafter_config_from_export, export_checkpoint, load_exported
 from train.warm_start import warm_start
 

@@ -36,7 +36,7 @@ def test_the_trainer_reads_a_target_tokenizer_without_running_its_code(tmp_path,
     import transformers
 
     from tests.train.test_loop import _tokenizer
-    from train.loop import _load_tokenizer
+    from train.prepare import _load_tokenizer
 
     asked = []
     real = transformers.AutoTokenizer.from_pretrained
