@@ -65,7 +65,7 @@ def time_steps(target, prompt: list[int], tokens: int) -> tuple[float, list[int]
 def time_verify(target, prompt: list[int], block: int, repeats: int = 20) -> float:
     logits, _, cache = target.forward(torch.tensor([prompt]), None, taps=True, last_only=True)
     ids = torch.randint(100, 40000, (1, block))
-    from train.serve.specdecode import crop_cache
+    from train.serve.spec_target import crop_cache
 
     times = []
     for _ in range(repeats):
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--proposals-only", action="store_true", help="time only the DFlash proposals")
     args = parser.parse_args(argv)
-    from train.serve.specdecode import SpecTarget
+    from train.serve.spec_target import SpecTarget
     from train.serve.static_target import StaticSpecTarget
 
     dtype = getattr(torch, args.dtype)

@@ -1,5 +1,5 @@
 """Load a target model and capture its tap layers: shared by extraction (`extract/`) and real
-speculative decoding (`train/serve/specdecode.py`), so both read the same features the same way.
+speculative decoding (`train/serve/spec_target.py`), so both read the same features the same way.
 
 Any Hugging Face causal LM from a local directory is reduced to what these need: the text
 decoder's layers, its final norm and `lm_head`. Multimodal checkpoints such as Qwen3.6-27B

@@ -1,5 +1,5 @@
 """`python -m train.specdecode --target DIR --drafter DIR [...]`: the documented command, kept; the
-code lives in `train.serve.specdecode`. The options are read before torch loads (`--help` needs no torch).
+code lives in `train.serve.specdecode_run`. The options are read before torch loads (`--help` needs no torch).
 """
 
 import sys
@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_specdecode_args(argv)
     except ConfigError as exc:
         return usage_error("train.specdecode", exc)
-    from train.serve.specdecode import main as specdecode_main
+    from train.serve.specdecode_run import main as specdecode_main
 
     return specdecode_main(argv)
 

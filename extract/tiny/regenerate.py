@@ -5,7 +5,7 @@ DFlash trains on the target's own answers to user prompts. Offline τ equals onl
 where the data tokens are the target's greedy continuation, and the tiny target's own answers
 (generic, repetitive) are what a drafter can learn, unlike documentation text the target predicts
 poorly. So every user turn is re-answered by the saved target, greedily, on the prompt rendered
-exactly as `train.serve.specdecode.prompts_from_jsonl` renders it.
+exactly as `train.serve.prompts.prompts_from_jsonl` renders it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ from tests.train.serve.test_specdecode import (
 )
 from train.model import DFlashDrafter
 from train.serve.export import export_drafter, load_exported
-from train.serve.specdecode import DFlashProposer, SpecTarget, greedy_generate, main, speculative_generate
+from train.serve.spec_target import SpecTarget
+from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
+from train.serve.specdecode_run import main
 
 pytestmark = GPU
 

@@ -32,7 +32,8 @@ from train.eval.run import evaluate_checkpoints
 from train.loop import train
 from train.model import DFlashDrafter
 from train.serve.export import export_checkpoint, export_drafter, load_exported
-from train.serve.specdecode import DFlashProposer, SpecTarget, greedy_generate, speculative_generate
+from train.serve.spec_target import SpecTarget
+from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
 from train.tiers import CompactHidden, fold_projection
 
 

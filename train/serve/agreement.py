@@ -2,6 +2,19 @@
 target's own greedy continuations run once teacher-forced, the drafter's blocks drafted at every
 response anchor as offline evaluation drafts them, and τ compared at the online round starts, over
 the online schedule replayed offline, and over all anchors.
+
+Why: offline chain τ is computed over teacher-forced data, with an anchor at every position; online
+rounds start only where the previous round stopped, and the data tokens are the target's own greedy
+continuation. So the comparison is built on that continuation: the generated sequences are run
+through the target in one teacher-forced forward (what extraction stores: tap features, greedy
+top-1), the drafter proposes at every anchor of the response with the training mask (many blocks in
+one forward), and chain τ is computed with `train.eval.acceptance`. Offline τ at the anchors where
+online rounds started equals the online τ round by round (exactly, up to floating-point argmax flips
+between the incremental and the one-pass forward); offline τ over all anchors is a different average
+(see `agreement`).
+
+It checks the generations `train.serve.specdecode` decoded (or decodes them itself); the decoding
+loop knows nothing of this check.
 """
 
 from __future__ import annotations
@@ -14,7 +27,9 @@ from torch import nn
 
 from train.alignment import block_input_ids, block_positions, draft_label_rows
 from train.serve.prompts import first_response
-from train.serve.specdecode import DFlashProposer, Generation, SpecTarget, _mean, speculative_generate
+from train.serve.results import mean_or_none
+from train.serve.spec_target import SpecTarget
+from train.serve.specdecode import DFlashProposer, Generation, speculative_generate
 
 
 @torch.inference_mode()
@@ -164,7 +179,7 @@ def agreement(
             }
         )
     keys = ("online_tau", "offline_tau_at_rounds", "offline_tau_chained", "offline_tau_all", "offline_tau_harmonic")
-    result = {k: _mean([p[k] for p in per_prompt]) for k in keys}
+    result = {k: mean_or_none([p[k] for p in per_prompt]) for k in keys}
     result.update(
         prompts=len(per_prompt),
         rounds=sum(p["rounds"] for p in per_prompt),
@@ -199,7 +214,7 @@ def corpus_offline_tau(drafter: nn.Module, target: SpecTarget, samples: Sequence
         all_means.append(float(tau_N.double().mean()))
         chained_means.append(float(tau_N[torch.tensor(chained_anchors(tau_N, start, end)) - start].double().mean()))
     return {
-        "offline_tau_corpus": _mean(all_means),
-        "offline_tau_corpus_chained": _mean(chained_means),
+        "offline_tau_corpus": mean_or_none(all_means),
+        "offline_tau_corpus_chained": mean_or_none(chained_means),
         "samples": len(all_means),
     }

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from train.serve.specdecode import Generation
+
 PEERS = ("generate", "prompt_lookup", "generate_static")
 
 
@@ -25,8 +27,6 @@ def hf_generate(
     draft tokens; with `static`, a static cache, which transformers compiles the forward for on CUDA),
     as a `train.serve.specdecode.Generation` (tokens after the prompt, up to and with the first stop
     token; its time all in `decode_s`)."""
-    from train.serve.specdecode import Generation
-
     model = target.model
     ids_1T = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)
     stops = sorted(target.stop_ids)

@@ -26,7 +26,8 @@ from torch import nn
 
 from train.alignment import block_input_ids
 from train.serve.dflash_hf import position_mask
-from train.serve.specdecode import DFlashProposer, SpecTarget
+from train.serve.spec_target import SpecTarget
+from train.serve.specdecode import DFlashProposer
 
 
 class SlotCache:

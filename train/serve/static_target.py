@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from common.target import Target
-from train.serve.specdecode import SpecTarget
+from train.serve.spec_target import SpecTarget
 
 
 class StaticKV:
@@ -39,7 +39,7 @@ class StaticKV:
         return self.n
 
     def crop(self, length: int) -> None:
-        assert length < 0, length  # specdecode.crop_cache passes the number of positions to drop
+        assert length < 0, length  # spec_target.crop_cache passes the number of positions to drop
         self.n += length
 
 

@@ -157,7 +157,7 @@ def test_context_cache_equals_recomputing_the_whole_context(tmp_path, layout):
     (cached keys sit at positions 0..cached-1, and a sliding window still applies to them)."""
     from transformers import DynamicCache
 
-    from train.serve.specdecode import crop_cache
+    from train.serve.spec_target import crop_cache
 
     cfg = tiny_config(block_size=4, **layout)
     model = random_drafter(cfg, seed=2)

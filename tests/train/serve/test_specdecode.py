@@ -25,17 +25,11 @@ from train.model import DFlashDrafter, DrafterConfig
 from train.serve.agreement import agreement, offline_block_drafts
 from train.serve.export import export_drafter, load_exported
 from train.serve.prompts import prompts_from_jsonl
-from train.serve.specdecode import (
-    DFlashProposer,
-    SpecTarget,
-    ddtree_generate,
-    greedy_generate,
-    main,
-    speculative_generate,
-    summarize,
-    tree_attention_mask,
-    walk_verified_tree,
-)
+from train.serve.results import summarize
+from train.serve.spec_target import SpecTarget
+from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
+from train.serve.specdecode_run import main
+from train.serve.tree_decode import ddtree_generate, tree_attention_mask, walk_verified_tree
 
 V = 64
 MASK = V - 1

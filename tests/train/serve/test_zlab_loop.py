@@ -31,7 +31,7 @@ from tests.train.serve.test_specdecode import (
     train_drafter,
 )
 from train.serve.export import export_drafter
-from train.serve.specdecode import SpecTarget
+from train.serve.spec_target import SpecTarget
 
 
 def contract_loop(drafter, target, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[int], int, object]:

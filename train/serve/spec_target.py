@@ -1,0 +1,129 @@
+"""The target as speculative decoding drives it: `SpecTarget`, cached forwards on a transformers
+`DynamicCache` that also return the tap features (layer id i = output of decoder layer i, as
+extraction stores them), and the cache helpers every decoding loop shares (`crop_cache`,
+`cache_mode_for`).
+
+How the decoding loops cut the cache back after a partial acceptance (`crop_cache`), or, for the
+recurrent states of hybrid models that cannot be cut (`cache_mode_for` = "snapshot"), restore a copy:
+`train.serve.specdecode`. `train.serve.static_target` is the same target on a static cache with its
+forwards captured as CUDA graphs.
+
+Shape legend: T tokens, S context, Q block tokens, F tap feature width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from common.target import TapHooks, Target, check_layer_ids, reach_text_parts
+
+
+def crop_cache(cache, length: int) -> None:
+    """Cut a transformers cache back to its first `length` positions.
+
+    A negative argument (tokens to remove) means the same in every transformers 5 release; a
+    positive one is refused by newer releases, and `crop(0)` would empty the cache in older ones.
+    """
+    remove = cache.get_seq_length() - length
+    assert remove >= 0, (cache.get_seq_length(), length)
+    if remove:
+        cache.crop(-remove)
+
+
+def cache_mode_for(cache, text_config) -> str:
+    """'crop' when the cache can be cut back exactly, else 'snapshot' (copy before each verification)."""
+    croppable = getattr(cache, "is_croppable", None)
+    if croppable is not None:
+        return "crop" if croppable else "snapshot"
+    # transformers without `is_croppable`: hybrid models declare their recurrent layers in layer_types.
+    layer_types = getattr(text_config, "layer_types", None) or []
+    recurrent = [t for t in layer_types if t not in ("full_attention", "sliding_attention")]
+    return "snapshot" if recurrent else "crop"
+
+
+def _cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+class SpecTarget:
+    """A target causal LM as speculative decoding uses it: cached forwards that also return tap features."""
+
+    def __init__(self, target: Target, layer_ids: Sequence[int], stop_ids: Sequence[int]):
+        check_layer_ids(list(layer_ids), target.num_layers)
+        self.target = target
+        self.model = target.model
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.stop_ids = frozenset(int(i) for i in stop_ids)
+        self.embed_VD = target.decoder.get_input_embeddings().weight
+        self.cache_mode: str | None = None
+        # transformers renamed `past_key_values` to `cache` (5.2x); pass whichever this version takes.
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    @classmethod
+    def from_model(
+        cls, model: nn.Module, layer_ids: Sequence[int], stop_ids: Sequence[int], tokenizer=None
+    ) -> "SpecTarget":
+        return cls(reach_text_parts(model.eval(), tokenizer), layer_ids, stop_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_VD.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids_1T: torch.Tensor,
+        cache=None,
+        *,
+        taps: bool = True,
+        last_only: bool = False,
+        position_ids_1T: torch.Tensor | None = None,
+        mask_11TK: torch.Tensor | None = None,
+    ):
+        """(logits [1, T or 1, V] float32, tap features [1, T, F] or None, cache) of one cached forward.
+
+        `position_ids_1T` and an additive float mask `mask_11TK` over [cached | new] keys are for tree
+        verification; by default the new tokens continue the cache causally.
+        """
+        kwargs = {"input_ids": ids_1T.to(self.device), self.cache_kwarg: cache, "use_cache": True}
+        if last_only:
+            kwargs["logits_to_keep"] = 1
+        if position_ids_1T is not None:
+            kwargs["position_ids"] = position_ids_1T.to(self.device)
+        if mask_11TK is not None:
+            kwargs["attention_mask"] = mask_11TK.to(self.device)
+        out, features_1TF = self.call_model(kwargs, taps=taps)
+        return out.logits.float(), features_1TF, _cache_of(out)
+
+    def call_model(self, kwargs: dict, *, taps: bool):
+        """(the model's output, tap features [1, T, F] or None) of one forward with these arguments."""
+        if not taps:
+            return self.model(**kwargs), None
+        captured: list = [None] * len(self.layer_ids)
+
+        def keep(slot: int, hidden_1TH: torch.Tensor) -> None:
+            captured[slot] = hidden_1TH
+
+        with TapHooks(self.target.layers, self.layer_ids, keep):
+            out = self.model(**kwargs)
+        return out, torch.cat(captured, dim=-1)
+
+    @torch.inference_mode()
+    def teacher_forced(self, ids_1T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(greedy next token [T] int64, tap features [T, F]) of one uncached forward, as extraction computes them."""
+        out, features_1TF = self.call_model({"input_ids": ids_1T.to(self.device), "use_cache": False}, taps=True)
+        return out.logits[0].float().argmax(-1), features_1TF[0]
+
+    def draft_logits(self, hidden_NQD: torch.Tensor) -> torch.Tensor:
+        """The target's final logits of drafter outputs (its lm_head and any post-scaling)."""
+        head = self.target.lm_head
+        return self.target.logits_fn(head(hidden_NQD.to(head.weight.dtype))).float()

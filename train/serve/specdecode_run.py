@@ -1,0 +1,241 @@
+"""The command `python -m train.specdecode` (options: `train.serve.cli`): load the target and the
+exported drafter, pick their implementations (`maybe_static`, `proposer_for`: the static-cache,
+CUDA-graph ones of `train.serve.static_target` / `train.serve.static_drafter` where they can work,
+else the dynamic-cache ones), decode every prompt speculatively and target-only, interleaved
+(`run_benchmark`; DDTree and the peer baselines too when asked), add the agreement of offline and
+online τ (`--agreement`, `train.serve.agreement`), print the summary and write the JSON.
+
+    python -m train.specdecode --target DIR --drafter EXPORT_DIR [--prompts FILE.jsonl | --data SHARDS]
+        [--max-new-tokens N] [--num-prompts N] [--out result.json] [--agreement [--agreement-bf16]]
+        [--tree-budgets 8,32] [--dtype float32] [--threads N] [--thinking] [--no-baseline] [--stop-repeat N]
+    make specdecode ARGS="--target artifacts/tiny/target --drafter exports/NAME --agreement"
+
+Prompts: the first user turn of each `{"messages": [...]}` record (default
+artifacts/tiny/corpus/heldout.jsonl), rendered with the chat template, add_generation_prompt=True and
+enable_thinking=False (non-thinking, as the published drafters); or, with --data, the tokens before
+each shard sample's first response.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.config import ConfigError
+from common.target import load_target
+from train.serve.agreement import agreement, corpus_offline_tau
+from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args, usage_error
+from train.serve.peers import PEERS, peer_generate
+from train.serve.prompts import prompts_from_jsonl, prompts_from_shards, stop_token_ids
+from train.serve.results import generation_record, print_summary, summarize, summarize_peer
+from train.serve.spec_target import SpecTarget
+from train.serve.specdecode import DFlashProposer, Generation, Proposer, greedy_generate, speculative_generate
+from train.serve.static_drafter import StaticDFlashProposer
+from train.serve.static_target import StaticSpecTarget, static_cache_length
+from train.serve.tree_decode import ddtree_generate
+
+
+def run_benchmark(
+    target: SpecTarget,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    baseline: bool = True,
+    warmup: bool = True,
+    progress: bool = False,
+    tree_budgets: Sequence[int] = (),
+    stop_repeat: int = 0,
+    peers: Sequence[str] = (),
+    prompt_lookup_tokens: int = 10,
+    peer_prompts: int = 0,
+) -> dict:
+    """Speculative and (interleaved, per prompt) target-only greedy decoding of every prompt; with
+    `tree_budgets`, DDTree verification at each budget too (`ddtree`: one summary per budget); with
+    `peers`, transformers' own decoding too (`train.serve.peers`; `peers`: one summary each, its
+    lossless check and its wall-clock speed-up against target-only greedy decoding).
+    `stop_repeat` > 0 ends every response where it starts looping (`specdecode.Ending`)."""
+    from tqdm.auto import tqdm
+
+    if peers and stop_repeat:
+        raise ValueError("the peer baselines cannot end responses where they start looping (stop_repeat)")
+
+    if warmup and prompts:  # first calls allocate and pick kernels; keep that out of the timings
+        speculative_generate(target, proposer, prompts[0], min(max_new_tokens, 2 * proposer.block_size))
+        if baseline:
+            greedy_generate(target, prompts[0], min(max_new_tokens, 8))
+        for name in peers:
+            peer_generate(name, target, prompts[0], min(max_new_tokens, 2 * proposer.block_size), prompt_lookup_tokens)
+    specs, bases, records = [], [], []
+    trees: dict[int, list[Generation]] = {int(b): [] for b in tree_budgets}
+    peer_runs: dict[str, list[Generation]] = {name: [] for name in peers}
+    for i, prompt in enumerate(tqdm(prompts, desc="specdecode", unit="prompt", disable=not progress)):
+        base = greedy_generate(target, prompt, max_new_tokens, stop_repeat=stop_repeat) if baseline else None
+        spec = speculative_generate(target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat)
+        for budget, gens in trees.items():
+            gens.append(ddtree_generate(target, proposer, prompt, max_new_tokens, budget, stop_repeat=stop_repeat))
+        for name, gens in peer_runs.items():
+            if not peer_prompts or i < peer_prompts:
+                gens.append(peer_generate(name, target, prompt, max_new_tokens, prompt_lookup_tokens))
+        specs.append(spec)
+        bases.append(base)
+        records.append(generation_record(i, spec, base))
+    result = {
+        "summary": summarize(specs, bases if baseline else None, proposer.block_size),
+        "prompts": records,
+        "cache_mode": target.cache_mode,
+        "generations": specs,
+    }
+    if trees:
+        result["ddtree"] = {
+            str(b): summarize(g, bases if baseline else None, proposer.block_size) for b, g in trees.items()
+        }
+    if peer_runs:
+        result["peers"] = {
+            name: summarize_peer(g, bases[: len(g)] if baseline else None) for name, g in peer_runs.items()
+        }
+    return result
+
+
+def maybe_static(args, target: SpecTarget, prompts, block_size: int) -> tuple[SpecTarget, str | None]:
+    """The target on a static cache with CUDA graphs (train.serve.static_target) where `static_cache`
+    asks for it and it can work; else the target as given (note None)."""
+    wanted = args.static_cache == "on" or (args.static_cache == "auto" and target.device.type == "cuda")
+    if not wanted:
+        return target, None
+    layer_types = getattr(target.target.text_config, "layer_types", None) or []
+    if args.budgets or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        if args.static_cache == "on":
+            raise ValueError("static_cache=on: not with DDTree budgets or a target with recurrent layers")
+        return target, None
+    limit = int(getattr(target.target.text_config, "max_position_embeddings", 1 << 20))
+    length = static_cache_length(prompts, args.max_new_tokens, block_size, limit)
+    static = StaticSpecTarget(
+        target.target, target.layer_ids, sorted(target.stop_ids), max_len=length, graph_sizes=(1, block_size)
+    )
+    return static, f"{static.graph_note} ({length} positions)"
+
+
+def proposer_for(drafter: nn.Module, target: SpecTarget, context_cache: bool) -> tuple[Proposer, str | None]:
+    """The drafter on a slot cache with its rounds as a CUDA graph (train.serve.static_drafter) beside a
+    static-cache target; else on a dynamic cache. (proposer, note: how the static one runs, or None)."""
+    if isinstance(target, StaticSpecTarget) and context_cache:
+        static = StaticDFlashProposer(drafter, target, max_len=target.max_len)
+        return static, static.graph_note
+    return DFlashProposer(drafter, target, context_cache=context_cache), None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m train.specdecode`: 0 done, 1 a decoding was not lossless, 2 a usage or input error."""
+    try:
+        args = parse_specdecode_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        return usage_error("train.specdecode", exc)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    from train.serve.export import load_exported
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    try:
+        drafter = load_exported(args.drafter, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+        target_obj = load_target(args.target, dtype=args.dtype, device=args.device)
+        target = SpecTarget(target_obj, drafter.target_layer_ids, stop_token_ids(target_obj))
+        static_note = None
+        if target_obj.hidden_size != int(drafter.config.hidden_size):
+            raise ValueError(
+                f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size {target_obj.hidden_size}"
+            )
+        samples = None
+        if args.data:
+            prompts, samples = prompts_from_shards(args.data, args.num_prompts or None)
+        else:
+            path = args.prompts or DEFAULT_PROMPTS
+            if not Path(path).is_file():
+                raise ValueError(f"prompts file '{path}' does not exist (give --prompts or --data)")
+            prompts = prompts_from_jsonl(path, target_obj.tokenizer, args.num_prompts or None, thinking=args.thinking)
+        target, static_note = maybe_static(args, target, prompts, int(drafter.block_size))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if static_note:
+        print(f"target: static KV cache, CUDA graphs {static_note}")
+    proposer, drafter_note = proposer_for(drafter, target, not args.no_context_cache)
+    if drafter_note:
+        print(f"drafter: slot cache, CUDA graph {drafter_note}")
+    try:
+        result = run_benchmark(
+            target,
+            proposer,
+            prompts,
+            args.max_new_tokens,
+            baseline=not args.no_baseline,
+            progress=True,
+            tree_budgets=args.budgets,
+            stop_repeat=args.stop_repeat,
+            peers=PEERS if args.peer_baselines else (),
+            prompt_lookup_tokens=args.prompt_lookup_tokens,
+            peer_prompts=args.peer_prompts,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    generations = result.pop("generations")
+    if args.agreement:  # on the very rounds the benchmark decoded, not a second decoding
+        result["agreement"] = agreement(
+            target,
+            drafter,
+            prompts,
+            args.max_new_tokens,
+            feature_dtype=torch.bfloat16 if args.agreement_bf16 else None,
+            progress=True,
+            generations=generations,
+            stop_repeat=args.stop_repeat,
+        )
+        if samples is not None:
+            result["agreement"].update(corpus_offline_tau(drafter, target, samples))
+    import transformers
+
+    result["config"] = {
+        "target": str(args.target),
+        "drafter": str(args.drafter),
+        "prompts": args.prompts or (None if args.data else DEFAULT_PROMPTS),
+        "data": args.data,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "thinking": args.thinking,
+        "block_size": proposer.block_size,
+        "context_cache": not args.no_context_cache,
+        "tree_budgets": args.budgets,
+        "stop_repeat": args.stop_repeat,
+        "peer_baselines": list(PEERS) if args.peer_baselines else [],
+        "static_cache": static_note,
+        "static_drafter": drafter_note,
+        "prompt_lookup_tokens": args.prompt_lookup_tokens,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    print_summary(result)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"results: {args.out}")
+    summaries = [result["summary"], *result.get("ddtree", {}).values()]  # the peers' own checks are reported only
+    if any(not s.get("lossless", True) for s in summaries):
+        print("error: speculative output differs from target-only greedy decoding", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
