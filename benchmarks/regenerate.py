@@ -38,7 +38,6 @@ import sys
 import tempfile
 import time
 
-
 SHAPES = ["qwen3.6-27b", "tiny", "smollm2"]
 DTYPE_HELP = "auto: float32 for smollm2 (as its pipeline runs), bfloat16 on CUDA otherwise, float32 on a CPU"
 

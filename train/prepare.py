@@ -136,7 +136,7 @@ def build_drafter_config(cfg: TrainConfig, target_cfg: dict, provenance: dict, m
 
 
 def expected_fields(drafter_cfg: DrafterConfig, target_cfg: dict, tokenizer, topk_needed: int) -> dict:
-    """What the shards' manifest must agree with (train.data.check_compatible)."""
+    """What the shards' manifest must agree with (train.samples.check_compatible)."""
     hidden = int(target_cfg["hidden_size"])
     expected = {
         "layer_ids": list(drafter_cfg.target_layer_ids),
@@ -163,7 +163,7 @@ class Target:
 
 def resolve_target(cfg: TrainConfig, manifest: dict) -> Target:
     """Find the target, derive the drafter config, and refuse shards that do not fit it (naming the field)."""
-    from train.data import check_compatible
+    from train.samples import check_compatible
     from train.tiers import drafter_projection
 
     provenance = manifest.get("provenance") or {}

@@ -10,7 +10,7 @@ publishes) and `model.safetensors`. Nothing from DIR is executed. The start is s
   config key or source of the value here;
 - every tensor of the drafter is loaded and no tensor of the file is left over (names and shapes).
 
-The shards are checked against the run's drafter config separately (`train.data.check_compatible`),
+The shards are checked against the run's drafter config separately (`train.samples.check_compatible`),
 so a DIR that passes here also fits the shards' taps and widths.
 """
 

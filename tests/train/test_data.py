@@ -17,7 +17,8 @@ import torch
 from common.config import ConfigError, load_config
 from common.hashing import sample_id as make_sample_id
 from shards import TAP_MEANING, Sample, ShardDataset, ShardWriter
-from train.data import Batch, DataConfig, DataLoadError, DataStream, collate, holdout_mask, is_holdout
+from train.data import Batch, DataConfig, DataLoadError, DataStream, collate
+from train.samples import holdout_mask, is_holdout
 
 W, K, VOCAB, N_SAMPLES = 8, 4, 1000, 150
 

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from train.data import EXPECTED_FIELDS, check_compatible
+from train.samples import EXPECTED_FIELDS, check_compatible
 
 
 def manifest() -> dict:

@@ -38,7 +38,7 @@ Data. If `--data` is the dataset the run trained on (same manifest digest as in 
 same path), only its held-out split is evaluated (`is_holdout` with the run's
 `data.holdout_fraction`; with two runs the smaller fraction, so no sample either run trained on is
 used); any other dataset is evaluated whole (`split=` overrides). Shards that do not fit the
-drafter are refused (`train.data.check_compatible`). Buckets: the run's `data_plan.json` boundaries
+drafter are refused (`train.samples.check_compatible`). Buckets: the run's `data_plan.json` boundaries
 unless `boundaries=` is set; an empty bucket is reported as empty.
 
 Output: a table on stdout (a pure function of the JSON: `render_report`) and a JSON file (`--out`,

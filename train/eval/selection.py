@@ -44,7 +44,7 @@ def select_eval_data(
     dataset, root: str, *, split: str, holdout_fraction: float | None, max_samples: int | None, split_reason: str = ""
 ) -> EvalData:
     """The samples of `dataset` to evaluate: all, or its `is_holdout(id, holdout_fraction)` split."""
-    from train.data import holdout_mask, spread_subset
+    from train.samples import holdout_mask, spread_subset
 
     index = dataset.index
     all_ids = [str(s) for s in index.column("sample_id").to_pylist()]
@@ -173,7 +173,7 @@ def _training_manifest(info: CheckpointInfo, root: str, manifest: dict) -> dict 
 
 def check_data_fits(info: CheckpointInfo, root: str, manifest: dict) -> list[str]:
     """Refuse shards that do not fit the drafter (ValueError naming the fields); returns what was checked."""
-    from train.data import check_compatible
+    from train.samples import check_compatible
 
     expected = expected_manifest_fields(info, _training_manifest(info, root, manifest))
     try:

@@ -23,7 +23,6 @@ from torch import nn
 from common.config import config_from_dict, load_config
 from common.hashing import json_digest, sample_id
 from shards import Sample, ShardDataset, ShardWriter
-from train.data import holdout_mask
 from train.eval.__main__ import main
 from train.eval.anchors import block_anchors, block_targets, response_run_lengths
 from train.eval.baseline import label_baseline, label_frequency_topk
@@ -37,6 +36,7 @@ from train.eval.scoring import run_blocks, summarize_model
 from train.eval.selection import bucket_table, select_eval_data
 from train.kernels import KernelPlan
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.samples import holdout_mask
 
 V, H, LAYERS, TAPS, TOPK = 64, 32, 4, [0, 2], 4
 MASK_ID = V - 1
