@@ -69,7 +69,7 @@ def parse_args(argv):
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default=None)
-    o = sub.add_parser("ops", help="aten op calls and time per decoding step (27B layout)")
+    o = sub.add_parser("ops", help="aten op calls, time and (on CUDA) kernels per decoding step")
     o.add_argument("--shape", choices=["qwen3.6-27b", "smollm2"], default="qwen3.6-27b")
     o.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help=DTYPE_HELP)
     o.add_argument("--narrow", action="store_true", help="the 27B's layers at hidden 64 (for a CPU)")

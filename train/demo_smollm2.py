@@ -58,7 +58,8 @@ def smollm2_steps(
     scale: Scale, run: str, device: str, seed_overrides: list[str], steps: int | None, eval_anchors: int = 16
 ):
     """(name, argv) of every step, in order. `eval_anchors` anchors per held-out sequence offline: every
-    position of HumanEval's 164 answers (23 K blocks) took 140 s on the H200, 16 per answer take a tenth."""
+    position of HumanEval's answers (23 K blocks) took about 140 s on the H200; 16 per answer (2.6 K blocks)
+    took 69 s with the model's load and the DDTree budgets (2026-12-02)."""
     run_dir = os.path.join("runs", run)
     export_dir = os.path.join(run_dir, "export")
     shards = f"{ROOT}/shards"
