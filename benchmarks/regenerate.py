@@ -42,6 +42,10 @@ SHAPES = ["qwen3.6-27b", "tiny", "smollm2"]
 DTYPE_HELP = "auto: float32 for smollm2 (as its pipeline runs), bfloat16 on CUDA otherwise, float32 on a CPU"
 
 
+CACHE_HELP = "the decoding's KV cache (extract.regenerate.local.batch_decoder; static = CUDA graphs on CUDA)"
+TF32_HELP = "float32 matrix products on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)"
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.regenerate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
@@ -68,6 +72,8 @@ def parse_args(argv):
     g.add_argument("--new-tokens", type=int, default=256)
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--caches", default="dynamic,static", help=CACHE_HELP + " (comma-separated: one sweep each)")
+    g.add_argument("--tf32", action="store_true", help=TF32_HELP)
     g.add_argument("--out", default=None)
     o = sub.add_parser("ops", help="aten op calls, time and (on CUDA) kernels per decoding step")
     o.add_argument("--shape", choices=["qwen3.6-27b", "smollm2"], default="qwen3.6-27b")
@@ -78,6 +84,8 @@ def parse_args(argv):
     o.add_argument("--prompt-len", type=int, default=64)
     o.add_argument("--steps", type=int, default=10, help="decoding steps measured (after 2 that are subtracted)")
     o.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    o.add_argument("--cache", default="dynamic", choices=["dynamic", "static"], help=CACHE_HELP)
+    o.add_argument("--tf32", action="store_true", help=TF32_HELP)
     o.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.mode == "ops":
@@ -86,7 +94,15 @@ def parse_args(argv):
         args.in_flight = [int(x) for x in args.in_flight.split(",")]
     else:
         args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+        args.caches = [c for c in args.caches.split(",") if c]
     return args
+
+
+def set_tf32(on: bool) -> None:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
 
 
 def machine() -> dict:
@@ -230,15 +246,56 @@ def run_local(args) -> dict:
     def prompts(batch: int) -> list[list[int]]:
         return torch.randint(0, vocab, (batch, args.prompt_len), generator=generator).tolist()
 
-    def timed(batch_prompts, new_tokens: int) -> float:
+    def timed(batch_prompts, new_tokens: int, cache: str) -> float:
         sync(device)
         t0 = time.perf_counter()
-        out = generate_batch(model, batch_prompts, new_tokens, set(), 0)
+        out = generate_batch(model, batch_prompts, new_tokens, set(), 0, cache=cache)
         sync(device)
         assert all(len(tokens) == new_tokens for tokens, _ in out)
         return time.perf_counter() - t0
 
-    timed(prompts(2), 4)  # warm-up: kernels for these shapes (Triton autotuning with fla)
+    set_tf32(args.tf32)
+    rows, caches = [], []
+    for cache in args.caches:
+        try:
+            timed(prompts(2), 4, cache)  # warm-up: kernels for these shapes (Triton autotuning with fla)
+        except ValueError as exc:
+            print(f"{cache:>7}: {exc}", flush=True)
+            continue
+        caches.append(cache)
+        rows += sweep_local(args, device, cache, prompts, timed)
+    same = same_answers(model, prompts(min(args.batch_sizes)), 32) if {"dynamic", "static"} <= set(caches) else None
+    if same is not None:
+        print(f"static vs dynamic cache, 32 greedy tokens: {same[0]} of {same[1]} rows the same", flush=True)
+    best = max((r for r in rows if not r.get("oom")), key=lambda r: r["generated_tokens_per_s"], default=None)
+    return {
+        "mode": "local",
+        "shape": args.shape,
+        "device": device,
+        "dtype": str(dtype),
+        "tf32": args.tf32,
+        "static_rows_same_as_dynamic": same,
+        "parameters": n_params,
+        "build_seconds": build_seconds,
+        "rows": rows,
+        "best": best,
+        "kernels": kernel_report(),
+        "machine": machine(),
+    }
+
+
+def same_answers(model, prompts: list[list[int]], new_tokens: int) -> tuple[int, int]:
+    """(rows whose greedy answers are the same on both caches, rows)."""
+    from extract.regenerate.local import generate_batch
+
+    dynamic, static = (generate_batch(model, prompts, new_tokens, set(), 0, cache=c) for c in ("dynamic", "static"))
+    return sum(a == b for a, b in zip(dynamic, static)), len(prompts)
+
+
+def sweep_local(args, device: str, cache: str, prompts, timed) -> list[dict]:
+    """One row per batch size with this cache; stops at the first out-of-memory."""
+    import torch
+
     rows = []
     for batch in args.batch_sizes:
         if device.startswith("cuda"):
@@ -246,14 +303,15 @@ def run_local(args) -> dict:
             torch.cuda.reset_peak_memory_stats()
         batch_prompts = prompts(batch)
         try:
-            prefill = timed(batch_prompts, 1)
-            total = timed(batch_prompts, args.new_tokens)
+            prefill = timed(batch_prompts, 1, cache)
+            total = timed(batch_prompts, args.new_tokens, cache)
         except torch.OutOfMemoryError:
-            rows.append({"batch": batch, "oom": True})
-            print(f"batch {batch:>4}: out of memory; the sweep stops here", flush=True)
+            rows.append({"cache": cache, "batch": batch, "oom": True})
+            print(f"{cache:>7} batch {batch:>4}: out of memory; the sweep stops here", flush=True)
             break
         generated = batch * args.new_tokens
         row = {
+            "cache": cache,
             "batch": batch,
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
@@ -265,19 +323,7 @@ def run_local(args) -> dict:
         }
         rows.append(row)
         print(format_local_row(row), flush=True)
-    best = max((r for r in rows if not r.get("oom")), key=lambda r: r["generated_tokens_per_s"], default=None)
-    return {
-        "mode": "local",
-        "shape": args.shape,
-        "device": device,
-        "dtype": str(dtype),
-        "parameters": n_params,
-        "build_seconds": build_seconds,
-        "rows": rows,
-        "best": best,
-        "kernels": kernel_report(),
-        "machine": machine(),
-    }
+    return rows
 
 
 # The 27B's layer layout with every width cut down: what `ops --narrow` runs on a CPU.
@@ -311,8 +357,10 @@ def run_ops(args) -> dict:
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, target.vocab_size, (args.batch, args.prompt_len), generator=generator).tolist()
 
+    set_tf32(args.tf32)
+
     def decode(new_tokens: int) -> None:
-        generate_batch(target.model, prompts, new_tokens, set(), 0)
+        generate_batch(target.model, prompts, new_tokens, set(), 0, cache=args.cache)
         sync(device)
 
     def op_calls(new_tokens: int) -> tuple[int, int]:
@@ -337,7 +385,7 @@ def run_ops(args) -> dict:
         f"{top_calls:,.0f} made from Python ({top_calls / layers:,.0f} per layer); "
         f"{step_s * 1e3:.1f} ms per step = {1 / step_s:.1f} steps/s at batch {args.batch} "
         f"({device}, {args.shape}, {'narrow' if args.narrow else 'full'} widths, {n_params / 1e6:,.1f} M "
-        f"parameters, {dtype})"
+        f"parameters, {dtype}{', TF32' if args.tf32 else ''}, {args.cache} cache)"
     )
     if kernels is not None:
         busy = kernels["kernel_ms_per_step"] / (step_s * 1e3)
@@ -352,6 +400,8 @@ def run_ops(args) -> dict:
         "narrow": args.narrow,
         "device": device,
         "batch": args.batch,
+        "cache": args.cache,
+        "tf32": args.tf32,
         "prompt_len": args.prompt_len,
         "parameters": n_params,
         "aten_calls_per_step": calls,
@@ -428,7 +478,8 @@ def sync(device: str) -> None:
 def format_local_row(row: dict) -> str:
     peak = f", peak {row['peak_gib']:.1f} GiB" if row.get("peak_gib") is not None else ""
     return (
-        f"batch {row['batch']:>4}: {row['batch'] * row['new_tokens']:>7} tokens in {row['seconds']:7.1f} s = "
+        f"{row['cache']:>7} batch {row['batch']:>4}: {row['batch'] * row['new_tokens']:>7} tokens in "
+        f"{row['seconds']:7.1f} s = "
         f"{row['generated_tokens_per_s']:8.1f} generated tok/s (prefill {row['prefill_seconds']:.1f} s; decode alone "
         f"{row['decode_tokens_per_s']:8.1f} tok/s){peak}"
     )

@@ -150,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     parser.add_argument("--proposals-only", action="store_true", help="time only the DFlash proposals")
+    parser.add_argument(
+        "--tf32", action="store_true", help="float32 matrix products on TF32 tensor cores, every variant alike"
+    )
     args = parser.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
     from train.serve.spec_target import SpecTarget
     from train.serve.static_target import StaticSpecTarget
 
@@ -189,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - a benchmark row that fails says why
                 rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     shape = "SmolLM2-135M shape (random weights)"
-    print(f"{args.device} {args.dtype}, {shape}, {args.tokens} tokens after a 200-token prompt")
+    precision = ", TF32 matrix products" if args.tf32 else ""
+    print(f"{args.device} {args.dtype}{precision}, {shape}, {args.tokens} tokens after a 200-token prompt")
     for name, row in rows.items():
         if "error" in row:
             print(f"  {name:<38} error: {row['error']}")
@@ -203,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  graphs: {rows['static cache + CUDA graphs']['graphs']}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": args.device, "dtype": args.dtype, "tokens": args.tokens, "rows": rows}, f, indent=2)
+            json.dump(
+                {"device": args.device, "dtype": args.dtype, "tf32": args.tf32, "tokens": args.tokens, "rows": rows},
+                f,
+                indent=2,
+            )
     return 0
 
 

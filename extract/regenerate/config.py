@@ -121,10 +121,21 @@ class RegenerateConfig:
     # -- local backend ----------------------------------------------------------------------------
     device: str = knob("auto", help="local: auto (cuda:LOCAL_RANK if a GPU exists, else cpu), cpu, cuda or cuda:N")
     dtype: Literal["bfloat16", "float16", "float32"] = knob("bfloat16", help="local: compute dtype of the target")
+    tf32: bool = knob(
+        False,
+        help="local, CUDA, float32: matrix products on TF32 tensor cores (several times faster; an answer may then "
+        "differ from full float32 where two tokens nearly tie; the labels still come from extraction's own forward)",
+    )
     attn_implementation: str = knob(
         "sdpa", help="local: attention kernel", choices=("sdpa", "eager", "flash_attention_2", "flash_attention_3")
     )
     batch_size: int = knob(64, help="local: prompts per generation batch (left-padded, sorted by length)", min=1)
+    cache: Literal["auto", "static", "dynamic"] = knob(
+        "auto",
+        help="local: the KV cache of batched decoding. static: one slot per position, each step replayed as a CUDA "
+        "graph on CUDA (full-attention models only); dynamic: transformers' growing cache; auto: static on CUDA "
+        "where the model allows it",
+    )
     window_records: int = knob(
         1024,
         help="local: records answered together, turn by turn (a longer window pads less; results are written per "

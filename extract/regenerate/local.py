@@ -16,12 +16,12 @@ its corpus through this same code.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import xxhash
 
+from common.static_cache import cache_kwarg
 from extract.regenerate.conversation import Conversation, Generated
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ def generate_answers(
     seeds: Sequence[int] | None = None,
     on_batch: Callable[[int], None] | None = None,
     stop_repeat: int = 0,
+    cache: str = "dynamic",
 ) -> list[tuple[list[int], str]]:
     """(tokens before the first stop token, how the answer ended: see `generate_batch`) per prompt,
     at most `max_new_tokens` generated (one cap, or one per prompt); prompts batched by length (less
@@ -95,6 +96,7 @@ def generate_answers(
                 sampling,
                 batch_seeds,
                 stop_repeat,
+                cache,
             ),
         ):
             results[i] = answer
@@ -112,11 +114,14 @@ def generate_batch(
     sampling: Sampling = Sampling(),
     seeds: Sequence[int] | None = None,
     stop_repeat: int = 0,
+    cache: str = "dynamic",
 ) -> list[tuple[list[int], str]]:
     """Decoding of left-padded prompts with a KV cache (see the module docstring). Each answer ends
     before its first stop token ("stop"), where it starts looping if `stop_repeat` > 0 ("repeat":
     `common.repeat.RepeatWatch`; the looping tokens that show it are kept), or after
-    `max_new_tokens` tokens ("cap"; one cap for all rows, or one per row)."""
+    `max_new_tokens` tokens ("cap"; one cap for all rows, or one per row). `cache`: "dynamic"
+    (transformers' growing cache), "static" (`static_batch`: a static cache, each step a CUDA graph
+    on CUDA) or "auto" (`batch_decoder`)."""
     import torch
 
     from common.repeat import RepeatWatch
@@ -131,20 +136,15 @@ def generate_batch(
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
-    input_ids, mask = input_ids.to(device), mask.to(device)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    # transformers renamed `past_key_values` to `cache` (5.2x); pass whichever this version takes.
-    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    decoder = batch_decoder(model, input_ids.to(device), mask.to(device), max_new_tokens, cache)
     generators = None if sampling.greedy else row_generators(seeds if seeds is not None else range(rows), device)
     tokens: list[list[int]] = [[] for _ in prompts]
     ends: list[str | None] = [None] * rows
     alive = list(range(rows))  # batch row -> prompt index
     watch = RepeatWatch(rows, max_new_tokens, stop_repeat) if stop_repeat else None
     with torch.inference_mode():
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        last = positions[:, -1:]
+        logits = decoder.prefill()
         for step in range(max_new_tokens):
-            cache, logits = cache_of(out), out.logits[:, -1]
             next_ids = (
                 logits.argmax(-1)
                 if generators is None
@@ -168,21 +168,72 @@ def generate_batch(
                 break
             if 4 * (len(alive) - len(running)) >= len(alive):
                 keep = torch.tensor(running, device=device)
-                select_cache_rows(cache, keep)
-                mask, last, next_ids = mask[keep], last[keep], next_ids[keep]
+                decoder.keep(keep)
+                next_ids = next_ids[keep]
                 if watch:
                     watch.keep_rows(running)
                 alive = [alive[n] for n in running]
-            mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
-            last = last + 1
-            out = model(
-                input_ids=next_ids[:, None],
-                attention_mask=mask,
-                position_ids=last,
-                use_cache=True,
-                **{cache_kwarg: cache},
-            )
+            logits = decoder.step(next_ids)
     return [(t, end or "cap") for t, end in zip(tokens, ends)]
+
+
+CACHES = ("auto", "static", "dynamic")
+
+
+def batch_decoder(model, ids_BW: "torch.Tensor", real_BW: "torch.Tensor", max_new_tokens: int, cache: str):
+    """The decoding state of one batch: `prefill()` -> logits [B, V], `step(next_ids_B)` -> logits,
+        `keep(rows)`. "auto" takes the static cache on CUDA where the model's layers allow it (on a CPU,
+    attending over every slot of a static cache costs more than the dynamic cache saves)."""
+    from extract.regenerate.static_batch import StaticBatch, new_static_cache
+
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {CACHES}, not {cache!r}")
+    if cache == "static" or (cache == "auto" and ids_BW.device.type == "cuda"):
+        static = new_static_cache(model, ids_BW.shape[1] + max_new_tokens)
+        if static is not None:
+            return StaticBatch(model, static, ids_BW, real_BW, graphs=True)
+        if cache == "static":
+            raise ValueError("cache='static': this model's cache layers are not all full attention; use 'auto'")
+    return DynamicBatch(model, ids_BW, real_BW)
+
+
+class DynamicBatch:
+    """One batch on transformers' dynamic cache: the mask grows by a column per step."""
+
+    def __init__(self, model, ids_BW: "torch.Tensor", real_BW: "torch.Tensor"):
+        self.model, self.ids_BW, self.mask = model, ids_BW, real_BW
+        self.positions = (real_BW.cumsum(1) - 1).clamp(min=0)
+        self.cache_kwarg = cache_kwarg(model)
+
+    def prefill(self) -> "torch.Tensor":
+        out = self.model(
+            input_ids=self.ids_BW,
+            attention_mask=self.mask,
+            position_ids=self.positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache, self.last = cache_of(out), self.positions[:, -1:]
+        return out.logits[:, -1]
+
+    def keep(self, rows: "torch.Tensor") -> None:
+        select_cache_rows(self.cache, rows)
+        self.mask, self.last = self.mask[rows], self.last[rows]
+
+    def step(self, next_ids_B: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.mask), 1))], dim=1)
+        self.last = self.last + 1
+        out = self.model(
+            input_ids=next_ids_B[:, None],
+            attention_mask=self.mask,
+            position_ids=self.last,
+            use_cache=True,
+            **{self.cache_kwarg: self.cache},
+        )
+        self.cache = cache_of(out)
+        return out.logits[:, -1]
 
 
 def cache_of(output):
@@ -246,6 +297,7 @@ class LocalGenerator:
     seed: int = 0
     stop_ids: set[int] | None = None
     stop_repeat: int = 0  # > 0: cut answers where they start looping (`generate_batch`)
+    cache: str = "dynamic"  # the KV cache of batched decoding (`batch_decoder`)
 
     def __post_init__(self):
         if self.stop_ids is None:
@@ -279,6 +331,7 @@ def answer_window(
             seeds,
             on_batch,
             generator.stop_repeat,
+            generator.cache,
         )
         for conversation, (ids, end) in zip(todo, answers):
             conversation.finish_turn(Generated(ids=ids, at_cap=end == "cap", at_repeat=end == "repeat"))

@@ -343,10 +343,13 @@ def _answer_rank(cfg, corpus, fingerprint, renderer, journal, info: RankInfo, ba
 
 
 def _run_local(cfg, renderer, conversations: Iterator[Conversation], tally: Tally, info: RankInfo, model) -> dict:
+    import torch
+
     from extract.regenerate.local import LocalGenerator, Sampling, answer_window
 
     if model is None:
         model = load_local_model(cfg, info)
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     generator = LocalGenerator(
         model,
         renderer.tokenizer,
@@ -354,6 +357,7 @@ def _run_local(cfg, renderer, conversations: Iterator[Conversation], tally: Tall
         cfg.batch_size,
         Sampling(cfg.temperature, cfg.top_p, cfg.top_k),
         cfg.seed,
+        cache=cfg.cache,
     )
     batches = 0
     window: list[Conversation] = []

@@ -133,17 +133,36 @@ def test_record_ids_are_stable_and_depend_on_the_prompt_side_and_position():
 # Decoding
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["qwen3", "qwen3.5-gated-deltanet"])
-def test_batched_answers_equal_generate_one_prompt_at_a_time(chat_tokenizer, hybrid):
+def test_batched_answers_equal_generate_one_prompt_at_a_time(chat_tokenizer, hybrid, cache):
     """Left-padded prompts of different lengths, rows stopping at different steps and dropped from
-    the batch (and its cache: the Gated DeltaNet states too): each equals `generate` alone."""
+    the batch (and its cache: the Gated DeltaNet states too, the static cache's rows): each equals
+    `generate` alone. A hybrid model's recurrent states cannot live in a static cache: refused."""
     model = word_model(chat_tokenizer, hybrid=hybrid, stop_weight=3.0)
     stop = answer_stop_ids(model, chat_tokenizer)
     rng = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 300, (n,), generator=rng).tolist() for n in (3, 17, 8, 25, 5, 12, 30, 9)]
+    if hybrid and cache == "static":
+        with pytest.raises(ValueError, match="not all full attention"):
+            generate_answers(model, prompts, 12, 4, stop, pad_id=0, cache=cache)
+        return
     expected = [greedy_reference(model, p, 12, stop) for p in prompts]
     assert any(end == "stop" for _, end in expected) and not all(end == "stop" for _, end in expected), expected
-    assert generate_answers(model, prompts, 12, 4, stop, pad_id=0) == expected
+    assert generate_answers(model, prompts, 12, 4, stop, pad_id=0, cache=cache) == expected
+
+
+def test_the_static_cache_samples_the_answers_of_the_dynamic_one(chat_tokenizer, qwen3_model):
+    """Sampled rows (each from its own generator) and rows dropped mid-batch: the static cache's
+    logits equal the dynamic cache's closely enough that every draw is the same."""
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 300, (n,), generator=rng).tolist() for n in (4, 11, 2, 7, 19, 6)]
+    sampling, seeds = Sampling(0.9, 0.95, 0), [11, 12, 13, 14, 15, 16]
+    caps = [3, 9, 5, 9, 2, 9]  # rows end at different steps: the batch shrinks twice
+    dynamic = generate_answers(qwen3_model, prompts, caps, 6, set(), 0, sampling, seeds, cache="dynamic")
+    static = generate_answers(qwen3_model, prompts, caps, 6, set(), 0, sampling, seeds, cache="static")
+    assert [len(t) for t, _ in dynamic] == caps
+    assert static == dynamic
 
 
 def test_sampled_answers_do_not_depend_on_the_batch_they_are_in(chat_tokenizer, qwen3_model):

@@ -83,6 +83,11 @@ class SpecDecodeConfig:
         10, help="peer baseline: prompt_lookup_num_tokens of transformers' prompt-lookup decoding", min=1, max=64
     )
     dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="target and drafter dtype")
+    tf32: bool = knob(
+        False,
+        help="CUDA, float32: matrix products on TF32 tensor cores for every decoding of the run alike (target-only "
+        "reference, verify, drafter), so the lossless check compares like with like",
+    )
     device: str = knob("cpu", help="torch device of the target and the drafter")
     threads: int = knob(0, help="torch CPU threads (0 = torch's default)", min=0)
     thinking: bool = knob(

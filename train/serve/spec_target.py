@@ -13,12 +13,12 @@ Shape legend: T tokens, S context, Q block tokens, F tap feature width, V vocabu
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from common.static_cache import cache_kwarg
 from common.target import TapHooks, Target, check_layer_ids, reach_text_parts
 
 
@@ -62,7 +62,7 @@ class SpecTarget:
         self.embed_VD = target.decoder.get_input_embeddings().weight
         self.cache_mode: str | None = None
         # transformers renamed `past_key_values` to `cache` (5.2x); pass whichever this version takes.
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.cache_kwarg = cache_kwarg(self.model)
 
     @classmethod
     def from_model(

@@ -138,6 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         return usage_error("train.specdecode", exc)
     if args.threads:
         torch.set_num_threads(args.threads)
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    try:
+        return _run(args)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32_before
+
+
+def _run(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -211,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
+        "tf32": args.tf32,
         "device": args.device,
         "threads": torch.get_num_threads(),
         "thinking": args.thinking,

@@ -18,11 +18,11 @@ DeltaNet) are not supported here: their state cannot be cut back by moving a cou
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 import torch
 
+from common.static_cache import CachePlacement
 from common.target import Target
 from train.serve.spec_target import SpecTarget
 
@@ -73,10 +73,7 @@ class StaticSpecTarget(SpecTarget):
 
         self.max_len = int(max_len)
         self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
-        # transformers before 5.2x place new keys by a `cache_position` argument; later ones by a length
-        # counter in each cache layer (`cumulative_length`, a device tensor moved in place).
-        self.takes_cache_position = "cache_position" in inspect.signature(self.model.forward).parameters
-        self._length = 0  # what the cache layers' counters hold (later transformers)
+        self.placement = CachePlacement(self.model, self.cache)  # where the next forward writes its keys
         self.graphs: dict[int, _Graph] = {}
         self.graph_note = "off"
         self._prime()
@@ -88,19 +85,6 @@ class StaticSpecTarget(SpecTarget):
     def _prime(self) -> None:
         """One eager forward: the cache allocates its tensors (graphs capture their addresses)."""
         self._eager(torch.zeros((1, 1), dtype=torch.long, device=self.device), 0, taps=True, last_only=False)
-
-    def _place(self, start: int) -> None:
-        """Make the next forward write its keys from position `start` on (later transformers: set the
-        layers' counters; earlier ones take the positions as `cache_position`)."""
-        if self.takes_cache_position or start == self._length:
-            return
-        for layer in self.cache.layers:
-            counter = getattr(layer, "cumulative_length", None)
-            if isinstance(counter, torch.Tensor):
-                counter.fill_(start)
-            elif counter is not None:
-                layer.cumulative_length = start
-        self._length = start
 
     def _capture_all(self, sizes: list[int]) -> str:
         if self.device.type != "cuda":
@@ -124,15 +108,15 @@ class StaticSpecTarget(SpecTarget):
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._place(end)
+                self.placement.place(end)
                 self._run(g.ids_1Q, g.positions_Q, taps=True, last_only=False)
-                self._length = end + Q
+                self.placement.wrote(end + Q)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        self._place(end)
+        self.placement.place(end)
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph):
             g.logits_1QV, g.features_1QF = self._run(g.ids_1Q, g.positions_Q, taps=True, last_only=False)
-        self._length = end + Q
+        self.placement.wrote(end + Q)
         return g
 
     # -- forwards -----------------------------------------------------------------------------
@@ -140,18 +124,17 @@ class StaticSpecTarget(SpecTarget):
     def _run(self, ids_1T: torch.Tensor, positions_T: torch.Tensor, *, taps: bool, last_only: bool):
         kwargs = {"input_ids": ids_1T, self.cache_kwarg: self.cache, "use_cache": True}
         kwargs["position_ids"] = positions_T[None]
-        if self.takes_cache_position:
-            kwargs["cache_position"] = positions_T
+        kwargs.update(self.placement.kwargs(positions_T))
         if last_only:
             kwargs["logits_to_keep"] = 1
         out, features_1TF = self.call_model(kwargs, taps=taps)
         return out.logits, features_1TF
 
     def _eager(self, ids_1T: torch.Tensor, start: int, *, taps: bool, last_only: bool):
-        self._place(start)
+        self.placement.place(start)
         positions = torch.arange(start, start + ids_1T.shape[1], device=self.device)
         out = self._run(ids_1T.to(self.device), positions, taps=taps, last_only=last_only)
-        self._length = start + ids_1T.shape[1]
+        self.placement.wrote(start + ids_1T.shape[1])
         return out
 
     @torch.inference_mode()
@@ -176,14 +159,14 @@ class StaticSpecTarget(SpecTarget):
         if graph is None:
             logits, features = self._eager(ids_1T, start, taps=taps, last_only=last_only)
         else:
-            self._place(start)
+            self.placement.place(start)
             graph.ids_1Q.copy_(ids_1T, non_blocking=True)
             graph.positions_Q.copy_(torch.arange(start, start + T), non_blocking=True)
             graph.graph.replay()
             # Graph outputs are overwritten by the next replay: hand out copies.
             logits = graph.logits_1QV[:, -1:] if last_only else graph.logits_1QV
             logits, features = logits.clone(), graph.features_1QF.clone() if taps else None
-        self._length = start + T
+        self.placement.wrote(start + T)
         return logits.float(), features, StaticKV(start + T)
 
 

@@ -566,9 +566,11 @@ def test_cli_end_to_end(tmp_path, capsys):
             "--agreement",
             "--threads",
             "1",
+            "--tf32",
         ]
     )
     assert code == 0
+    assert not torch.backends.cuda.matmul.allow_tf32  # the run's precision setting does not outlive it
     printed = capsys.readouterr().out
     assert "lossless: True" in printed and "speed-up" in printed and "offline τ at the online round starts" in printed
     result = json.loads(out.read_text())
@@ -577,6 +579,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert sum(summary["tau_histogram"]) == summary["rounds"] and len(summary["tau_histogram"]) == B
     assert result["agreement"]["round_mismatches"] == 0
     assert result["config"]["max_new_tokens"] == 24 and result["cache_mode"] == "crop"
+    assert result["config"]["tf32"] is True
     assert (
         main(
             [
