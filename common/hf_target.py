@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["read_config", "text_config", "load_tensors", "tensor_names", "EMBED", "LM_HEAD"]
+__all__ = ["read_config", "text_config", "load_tensors", "tensor_names", "stored_name", "EMBED", "LM_HEAD"]
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -90,6 +90,11 @@ def _candidates(name: str) -> list[str]:
     return [name]
 
 
+def stored_name(name: str, stored: dict[str, str]) -> str | None:
+    """How the checkpoint spells the causal-LM tensor `name` (plain or multimodal), None if absent."""
+    return next((c for c in _candidates(name) if c in stored), None)
+
+
 def _is_tied(config: dict) -> bool:
     # transformers' PretrainedConfig default is True when the key is absent.
     return bool(config.get("tie_word_embeddings", True))
@@ -108,14 +113,14 @@ def load_tensors(target_dir: str | os.PathLike, names: Iterable[str]) -> dict[st
     wanted = list(dict.fromkeys(names))
     where: dict[str, str] = {}
     for name in wanted:
-        found = next((c for c in _candidates(name) if c in stored), None)
+        found = stored_name(name, stored)
         if found is None and name.startswith("lm_head."):
             config = text_config(root)
             if not _is_tied(config):
                 raise ValueError(
                     f"target '{target_dir}': '{name}' is not stored and the config says tie_word_embeddings=false"
                 )
-            found = next((c for c in _candidates(EMBED) if c in stored), None)
+            found = stored_name(EMBED, stored)
         if found is None:
             sample = ", ".join(sorted(stored)[:5])
             raise ValueError(
@@ -127,10 +132,10 @@ def load_tensors(target_dir: str | os.PathLike, names: Iterable[str]) -> dict[st
     # Read each stored tensor once: a tied head is then the very same tensor as the embedding.
     read: dict[str, torch.Tensor] = {}
     by_file: dict[str, set[str]] = {}
-    for stored_name in where.values():
-        by_file.setdefault(stored[stored_name], set()).add(stored_name)
-    for file, stored_names in by_file.items():
+    for spelled in where.values():
+        by_file.setdefault(stored[spelled], set()).add(spelled)
+    for file, spelled_names in by_file.items():
         with safe_open(str(root / file), framework="pt") as handle:
-            for stored_name in sorted(stored_names):
-                read[stored_name] = handle.get_tensor(stored_name)
+            for spelled in sorted(spelled_names):
+                read[spelled] = handle.get_tensor(spelled)
     return {name: read[where[name]] for name in wanted}

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import fail, flatten_dotted, knob, set_resolved
+from common.config import ConfigError, fail, flatten_dotted, knob, set_resolved
 from train import buckets
 
 __all__ = [
@@ -216,8 +216,25 @@ class ModelConfig:
         "types, widths, rope)",
     )
 
+    init_from_target: str = knob(
+        "none",
+        help="ablation: start each drafter layer from a target decoder layer: none (fresh, the published recipe), "
+        "first, last, spread (first to last, evenly) or comma-separated target layer ids, one per drafter layer "
+        "(train/target_init.py); the final norm comes from the target too",
+    )
+
     def check(self) -> None:
         from train.model import SLIDING_ATTENTION, resolve_layer_types
+        from train.target_init import parse_init_rule
+
+        try:
+            rule = parse_init_rule(self.init_from_target)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if rule is not None and self.init_from:
+            fail("model.init_from_target", "set together with model.init_from: a run starts from one of them")
+        if isinstance(rule, list) and len(rule) != self.num_layers:
+            fail("model.init_from_target", f"{len(rule)} layer ids for model.num_layers={self.num_layers}")
 
         try:
             types = resolve_layer_types(self.layer_types, self.num_layers)

@@ -141,6 +141,10 @@ def smollm2_steps(
                 "--peer-baselines",
                 "--peer-prompts",
                 str(scale.peer_prompts),
+                # Not generate_static: it compiles again for every prompt shape (49 s of 16 prompts, 2026-12-02);
+                # benchmarks.small_decode times it at one shape.
+                "--peers",
+                "generate,prompt_lookup",
                 "--dtype",
                 "float32",
                 "--device",

@@ -53,6 +53,7 @@ from train.metrics import truncate_after
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 from train.run_dir import claim_run_dir, release_run_dir
 from train.step import make_part_blocks, step_functions
+from train.target_init import init_from_target, parse_init_rule
 from train.warm_start import check_init_from, config_differences, warm_start
 
 __all__ = [
@@ -305,7 +306,15 @@ class Run(OnKernels):
         )
         resumed_from = run._maybe_resume()
         # A resumed run has its weights from the checkpoint (init_from may be gone by then).
-        init_from = warm_start(drafter, cfg.model.init_from) if cfg.model.init_from and resumed_from is None else None
+        init_from = None
+        if resumed_from is None and cfg.model.init_from:
+            init_from = warm_start(drafter, cfg.model.init_from)
+        elif resumed_from is None and parse_init_rule(cfg.model.init_from_target) is not None:
+            init_from = init_from_target(drafter, target.path, parse_init_rule(cfg.model.init_from_target))
+            log.info(
+                f"drafter layers start from target layers {init_from['target_layers']} "
+                f"({init_from['copied']} tensors; fresh: {', '.join(init_from['left_at_init']) or 'none'})"
+            )
         run._write_run_files(target, resumed_from, init_from)
         return run
 

@@ -73,6 +73,11 @@ class SpecDecodeConfig:
         help="also decode every prompt with transformers' own generate: plain greedy and prompt-lookup decoding "
         "(the speed-ups any user gets without a drafter), each checked against target-only greedy decoding",
     )
+    peers: str = knob(
+        "generate,prompt_lookup,generate_static",
+        help="peer baselines: which of them, comma-separated (generate, prompt_lookup, generate_static: `generate` "
+        "with a static cache, which compiles again for every prompt shape)",
+    )
     peer_prompts: int = knob(
         0,
         help="peer baselines: decode only the first N prompts with them (0 = all); their speed-up is against "
@@ -113,6 +118,19 @@ class SpecDecodeConfig:
             fail("tree_budgets", f"must be comma-separated integers, got {self.tree_budgets!r}")
         if any(b < 1 for b in budgets):
             fail("tree_budgets", f"every budget must be >= 1, got {self.tree_budgets!r}")
+        from train.serve.peers import PEERS
+
+        unknown = [name for name in self.peer_names if name not in PEERS]
+        if unknown or not self.peer_names:
+            fail("peers", f"{self.peers!r}: give one or more of {', '.join(PEERS)}")
+
+    @property
+    def peer_names(self) -> list[str]:
+        """The peer baselines `peers` names, in the order of `PEERS`."""
+        from train.serve.peers import PEERS
+
+        asked = [name.strip() for name in self.peers.split(",") if name.strip()]
+        return [name for name in PEERS if name in asked] + [name for name in asked if name not in PEERS]
 
     @property
     def budgets(self) -> list[int]:

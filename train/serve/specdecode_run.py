@@ -30,7 +30,7 @@ from common.config import ConfigError
 from common.target import load_target
 from train.serve.agreement import agreement, corpus_offline_tau
 from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args, usage_error
-from train.serve.peers import PEERS, peer_generate
+from train.serve.peers import peer_generate
 from train.serve.prompts import prompts_from_jsonl, prompts_from_shards, stop_token_ids
 from train.serve.results import generation_record, print_summary, summarize, summarize_peer
 from train.serve.spec_target import SpecTarget
@@ -189,7 +189,7 @@ def _run(args) -> int:
             progress=True,
             tree_budgets=args.budgets,
             stop_repeat=args.stop_repeat,
-            peers=PEERS if args.peer_baselines else (),
+            peers=args.peer_names if args.peer_baselines else (),
             prompt_lookup_tokens=args.prompt_lookup_tokens,
             peer_prompts=args.peer_prompts,
         )
@@ -228,7 +228,7 @@ def _run(args) -> int:
         "context_cache": not args.no_context_cache,
         "tree_budgets": args.budgets,
         "stop_repeat": args.stop_repeat,
-        "peer_baselines": list(PEERS) if args.peer_baselines else [],
+        "peer_baselines": args.peer_names if args.peer_baselines else [],
         "static_cache": static_note,
         "static_drafter": drafter_note,
         "prompt_lookup_tokens": args.prompt_lookup_tokens,

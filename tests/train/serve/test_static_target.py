@@ -107,3 +107,18 @@ def test_benchmark_summarizes_peers_on_their_own_prompts(targets, tmp_path):
     for peer in result["peers"].values():
         assert peer["prompts"] == 2 and peer["lossless"] and peer["mismatches"] == []
         assert peer["speedup_wall"] == pytest.approx(peer["baseline"]["wall_s"] / peer["spec"]["wall_s"])
+
+
+def test_the_peers_key_picks_baselines_and_refuses_unknown_ones():
+    from common.config import ConfigError
+    from train.serve.cli import parse_specdecode_args
+
+    base = ["--target", "t", "--drafter", "d"]
+    assert parse_specdecode_args(base).peer_names == list(PEERS)
+    assert parse_specdecode_args([*base, "--peers", "prompt_lookup, generate"]).peer_names == [
+        "generate",
+        "prompt_lookup",
+    ]
+    for bad in ("generate,beam", ","):
+        with pytest.raises(ConfigError, match="config key 'peers'"):
+            parse_specdecode_args([*base, "--peers", bad])
