@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from common.config import ConfigError
 from tests.train.test_loop import config, tiny  # noqa: F401  (tiny is a fixture)
-from train.model import DFlashDrafter, DrafterConfig
+from tests.train.test_model import tiny_config
+from train.model import DFlashDrafter
 from train.prepare import Run
 from train.target_init import init_from_target, parse_init_rule, target_layer_choice
 
@@ -51,20 +52,8 @@ def _llama_target(path, layers=4):
 
 
 def _drafter(layers=2, intermediate=48):
-    cfg = DrafterConfig(
-        hidden_size=32,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=64,
-        target_layer_ids=[0, 2],
-        num_target_layers=4,
-        mask_token_id=1,
-    )
     torch.manual_seed(0)
-    return DFlashDrafter(cfg)
+    return DFlashDrafter(tiny_config(vocab_size=64, num_hidden_layers=layers, intermediate_size=intermediate))
 
 
 def test_llama_layers_copied_and_missing_norms_left_fresh(tmp_path):
