@@ -4,9 +4,9 @@ sampled; under `torchrun` each rank answers its share of the records (position %
 `generate_batch` decodes left-padded prompts together: position ids count each row's real tokens
 and padding is masked out, so every row decodes as it would alone (tests hold it to transformers'
 `generate`, one prompt at a time). Rows that finish are dropped from the batch (and its cache) once
-a quarter of the batch has finished. Sampling draws each row from its own generator, seeded from
-(seed, record id, turn), so an answer does not depend on which records share its batch, and a
-rerun after a kill samples the same answer.
+a quarter of the batch has finished. Sampling draws each row's token at each step from a hash of
+the row's seed (from seed, record id and turn) and the step, so an answer does not depend on which
+records share its batch, and a rerun after a kill samples the same answer.
 
 `answer_window` answers a window of conversations turn by turn: all first answers (batched by
 prompt length), then all second answers, and so on. The tiny build (`extract.tiny`) regenerates
@@ -137,7 +137,9 @@ def generate_batch(
         input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
     decoder = batch_decoder(model, input_ids.to(device), mask.to(device), max_new_tokens, cache)
-    generators = None if sampling.greedy else row_generators(seeds if seeds is not None else range(rows), device)
+    seeds_B = None
+    if not sampling.greedy:
+        seeds_B = torch.tensor([int(x) for x in (seeds if seeds is not None else range(rows))], device=device)
     tokens: list[list[int]] = [[] for _ in prompts]
     ends: list[str | None] = [None] * rows
     alive = list(range(rows))  # batch row -> prompt index
@@ -145,11 +147,7 @@ def generate_batch(
     with torch.inference_mode():
         logits = decoder.prefill()
         for step in range(max_new_tokens):
-            next_ids = (
-                logits.argmax(-1)
-                if generators is None
-                else sample_rows(logits, sampling, [generators[row] for row in alive])
-            )
+            next_ids = logits.argmax(-1) if seeds_B is None else sample_rows(logits, sampling, seeds_B, step)
             next_list = next_ids.tolist()
             looping = watch.push(next_list) if watch else [False] * len(alive)
             for row, token, loops in zip(alive, next_list, looping):
@@ -170,6 +168,7 @@ def generate_batch(
                 keep = torch.tensor(running, device=device)
                 decoder.keep(keep)
                 next_ids = next_ids[keep]
+                seeds_B = seeds_B[keep] if seeds_B is not None else None
                 if watch:
                     watch.keep_rows(running)
                 alive = [alive[n] for n in running]
@@ -254,15 +253,11 @@ def select_cache_rows(cache, keep: "torch.Tensor") -> None:
         select(keep)
 
 
-def row_generators(seeds, device) -> list["torch.Generator"]:
-    import torch
-
-    return [torch.Generator(device=device).manual_seed(int(seed)) for seed in seeds]
-
-
-def sample_rows(logits_RV: "torch.Tensor", sampling: Sampling, generators: list) -> "torch.Tensor":
-    """One token per row from softmax(logits / temperature), cut to top-k and top-p, each row drawing
-    from its own generator (Gumbel-max: argmax of log-probabilities plus Gumbel noise)."""
+def sample_rows(logits_RV: "torch.Tensor", sampling: Sampling, seeds_R: "torch.Tensor", step: int) -> "torch.Tensor":
+    """One token per row from softmax(logits / temperature), cut to top-k and top-p, by inverting the
+    row's distribution at one uniform draw `row_uniforms(seeds_R, step)`: a row's tokens depend on its
+    seed and the step only, never on which rows share its batch, and the whole batch draws in a few
+    kernels (one generator per row cost a launch per row per step: half of a sampled regeneration's time)."""
     import torch
 
     scores_RV = logits_RV.float() / sampling.temperature
@@ -274,11 +269,41 @@ def sample_rows(logits_RV: "torch.Tensor", sampling: Sampling, generators: list)
         before_RV = sorted_RV.softmax(-1).cumsum(-1) - sorted_RV.softmax(-1)  # mass of the tokens ranked above
         drop_RV = before_RV >= sampling.top_p  # the top token is always kept
         scores_RV = scores_RV.scatter(-1, order_RV, sorted_RV.masked_fill(drop_RV, float("-inf")))
-    uniform_RV = torch.stack(
-        [torch.rand(scores_RV.shape[-1], generator=g, device=scores_RV.device) for g in generators]
-    )
-    gumbel_RV = -torch.log(-torch.log(uniform_RV.clamp(min=1e-20, max=1 - 1e-7)))
-    return (scores_RV.log_softmax(-1) + gumbel_RV).argmax(-1)
+    # float64: the running sum over 49 K tokens keeps every kept token's own share of the mass.
+    cdf_RV = scores_RV.softmax(-1).double().cumsum(-1)
+    target_R1 = (row_uniforms(seeds_R, step) * cdf_RV[:, -1])[:, None]
+    # The first token whose running sum passes the draw: a dropped token (probability 0) never does.
+    index_R = torch.searchsorted(cdf_RV, target_R1, right=True)[:, 0]
+    return index_R.clamp(max=scores_RV.shape[-1] - 1)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: "torch.Tensor", c: int) -> "torch.Tensor":
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), in 16-bit halves so that no product overflows int64."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: "torch.Tensor") -> "torch.Tensor":
+    """A 32-bit integer hash (the "lowbias32" constants): every output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_uniforms(seeds_R: "torch.Tensor", step: int) -> "torch.Tensor":
+    """One uniform draw in (0, 1) per row (float64), a hash of (the row's 63-bit seed, `step`): the same
+    integers, so the same draws, on every device."""
+    import torch
+
+    seeds_R = seeds_R.to(torch.int64)
+    x = _mix32(((seeds_R >> 32) & _M32) ^ 0x9E3779B9)
+    x = _mix32(x ^ (seeds_R & _M32))
+    x = _mix32(x ^ (int(step) & _M32))
+    return (x.double() + 0.5) / 2.0**32
 
 
 # ----------------------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ def test_batched_answers_equal_generate_one_prompt_at_a_time(chat_tokenizer, hyb
 
 
 def test_the_static_cache_samples_the_answers_of_the_dynamic_one(chat_tokenizer, qwen3_model):
-    """Sampled rows (each from its own generator) and rows dropped mid-batch: the static cache's
+    """Sampled rows (each from its own seed) and rows dropped mid-batch: the static cache's
     logits equal the dynamic cache's closely enough that every draw is the same."""
     rng = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, 300, (n,), generator=rng).tolist() for n in (4, 11, 2, 7, 19, 6)]
@@ -179,6 +179,51 @@ def test_sampled_answers_do_not_depend_on_the_batch_they_are_in(chat_tokenizer, 
     assert other_seed != together
     greedy = generate_answers(qwen3_model, prompts, 8, 4, stop, 0)
     assert greedy != together  # sampling at temperature 1 from a random model leaves the argmax path
+
+
+def _lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_row_uniforms_are_the_integer_hash_of_seed_and_step():
+    """The draws are exact integer arithmetic (so every device draws the same): checked against the hash
+    in plain Python integers, for seeds across the 63-bit range."""
+    from extract.regenerate.local import row_uniforms
+
+    seeds = [0, 1, 12345, answer_seed(0, "record-1", 0), (1 << 63) - 1]
+    for step in (0, 1, 255, 70_000):
+        expected = []
+        for seed in seeds:
+            x = _lowbias32((seed >> 32) ^ 0x9E3779B9)
+            x = _lowbias32(x ^ (seed & 0xFFFFFFFF))
+            expected.append((_lowbias32(x ^ step) + 0.5) / 2**32)
+        assert row_uniforms(torch.tensor(seeds), step).tolist() == expected
+
+
+def test_sampled_tokens_follow_the_cut_distribution():
+    """Over 20,000 (seed, step) draws from fixed logits the tokens come with softmax's frequencies,
+    within 4 standard errors, and never a token that top-k or top-p cut."""
+    from extract.regenerate.local import sample_rows
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -8.0])
+    rows = 2_000
+    seeds = torch.arange(rows) * 7919 + 3
+    for sampling, kept in ((Sampling(1.0, 1.0, 0), 6), (Sampling(0.7, 1.0, 3), 3), (Sampling(1.0, 0.8, 0), 3)):
+        counts = torch.zeros(6)
+        for step in range(10):
+            tokens = sample_rows(logits.expand(rows, 6), sampling, seeds, step)
+            counts += torch.bincount(tokens, minlength=6).float()
+        scaled = logits / sampling.temperature
+        probs = torch.zeros(6)
+        probs[:kept] = scaled[:kept].softmax(-1)  # the kept tokens are the top ones here
+        n = 10 * rows
+        assert counts[kept:].sum() == 0, (sampling, counts)
+        tolerance = 4 * (probs * (1 - probs) / n).sqrt() * n + 1
+        assert ((counts - probs * n).abs() <= tolerance).all(), (sampling, counts, probs * n)
 
 
 def test_top_k_one_samples_the_greedy_answer(qwen3_model):
