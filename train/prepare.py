@@ -306,11 +306,11 @@ class Run(OnKernels):
         )
         resumed_from = run._maybe_resume()
         # A resumed run has its weights from the checkpoint (init_from may be gone by then).
-        init_from = None
+        init_from, target_rule = None, parse_init_rule(cfg.model.init_from_target)
         if resumed_from is None and cfg.model.init_from:
             init_from = warm_start(drafter, cfg.model.init_from)
-        elif resumed_from is None and parse_init_rule(cfg.model.init_from_target) is not None:
-            init_from = init_from_target(drafter, target.path, parse_init_rule(cfg.model.init_from_target))
+        elif resumed_from is None and target_rule is not None:
+            init_from = init_from_target(drafter, target.path, target_rule)
             log.info(
                 f"drafter layers start from target layers {init_from['target_layers']} "
                 f"({init_from['copied']} tensors; fresh: {', '.join(init_from['left_at_init']) or 'none'})"
