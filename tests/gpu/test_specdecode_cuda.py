@@ -119,3 +119,30 @@ def test_the_graphed_drafter_replays_what_the_eager_one_drafts(tmp_path, layout)
             torch.testing.assert_close(mine, expected, rtol=1e-9, atol=1e-9)
         replays += len(ours.logits) - 1
     assert replays > 3
+
+
+def test_compiled_graphs_decode_what_the_eager_target_and_drafter_do(tmp_path):
+    """`compile`: the target's decoder layers and the drafter's round compiled by inductor inside
+    their CUDA graphs (train.serve.fusion) propose and verify, round by round, what the eager
+    dynamic-cache path does (float64), and the layers get their own forwards back."""
+    from tests.train.serve.test_static_drafter import Recording
+    from train.serve.static_drafter import StaticDFlashProposer
+    from train.serve.static_target import StaticSpecTarget
+
+    model = tiny_qwen3().cuda()
+    target = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[])
+    static_target = StaticSpecTarget(target.target, LAYER_IDS, [], max_len=256, compile_mode="default")
+    assert static_target.graph_note.endswith("layers compiled (default)"), static_target.graph_note
+    assert not any("forward" in layer.__dict__ for layer in target.target.layers)
+    drafter = cuda_drafter(tmp_path)
+    graphed = StaticDFlashProposer(drafter, static_target, max_len=256, compile_mode="default")
+    assert graphed.graph_note.endswith("compiled (default)"), graphed.graph_note
+    for prompt in random_prompts(3, lengths=(5, 23, 60), seed=4):
+        ours, theirs = Recording(graphed), Recording(DFlashProposer(drafter, target))
+        spec = speculative_generate(static_target, ours, prompt, 64)
+        reference = speculative_generate(target, theirs, prompt, 64)
+        assert spec.tokens == reference.tokens == greedy_generate(target, prompt, 64).tokens
+        assert greedy_generate(static_target, prompt, 64).tokens == reference.tokens
+        check_round_bookkeeping(spec)
+        for mine, expected in zip(ours.logits, theirs.logits, strict=True):
+            torch.testing.assert_close(mine, expected, rtol=1e-7, atol=1e-7)

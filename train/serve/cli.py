@@ -68,6 +68,13 @@ class SpecDecodeConfig:
         "cache with its rounds as one CUDA graph (train.serve.static_drafter); auto = on with CUDA, "
         "unless DDTree budgets are given or the target has recurrent layers",
     )
+    compile: Literal["off", "default", "max-autotune"] = knob(
+        "off",
+        help="CUDA, with the static cache: compile the target's decoder layers and the drafter's round (inductor, "
+        "this mode) while their CUDA graphs are captured, so replays run fused kernels (train.serve.fusion); "
+        "max-autotune also times Triton matrix products against cuBLAS. The target-only reference replays the same "
+        "graphs, so the speed-up compares like with like",
+    )
     peer_baselines: bool = knob(
         False,
         help="also decode every prompt with transformers' own generate: plain greedy and prompt-lookup decoding "

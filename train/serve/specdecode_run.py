@@ -116,16 +116,23 @@ def maybe_static(args, target: SpecTarget, prompts, block_size: int) -> tuple[Sp
     limit = int(getattr(target.target.text_config, "max_position_embeddings", 1 << 20))
     length = static_cache_length(prompts, args.max_new_tokens, block_size, limit)
     static = StaticSpecTarget(
-        target.target, target.layer_ids, sorted(target.stop_ids), max_len=length, graph_sizes=(1, block_size)
+        target.target,
+        target.layer_ids,
+        sorted(target.stop_ids),
+        max_len=length,
+        graph_sizes=(1, block_size),
+        compile_mode=None if args.compile == "off" else args.compile,
     )
     return static, f"{static.graph_note} ({length} positions)"
 
 
-def proposer_for(drafter: nn.Module, target: SpecTarget, context_cache: bool) -> tuple[Proposer, str | None]:
+def proposer_for(
+    drafter: nn.Module, target: SpecTarget, context_cache: bool, compile_mode: str | None = None
+) -> tuple[Proposer, str | None]:
     """The drafter on a slot cache with its rounds as a CUDA graph (train.serve.static_drafter) beside a
     static-cache target; else on a dynamic cache. (proposer, note: how the static one runs, or None)."""
     if isinstance(target, StaticSpecTarget) and context_cache:
-        static = StaticDFlashProposer(drafter, target, max_len=target.max_len)
+        static = StaticDFlashProposer(drafter, target, max_len=target.max_len, compile_mode=compile_mode)
         return static, static.graph_note
     return DFlashProposer(drafter, target, context_cache=context_cache), None
 
@@ -176,7 +183,8 @@ def _run(args) -> int:
         return 2
     if static_note:
         print(f"target: static KV cache, CUDA graphs {static_note}")
-    proposer, drafter_note = proposer_for(drafter, target, not args.no_context_cache)
+    compile_mode = None if args.compile == "off" else args.compile
+    proposer, drafter_note = proposer_for(drafter, target, not args.no_context_cache, compile_mode)
     if drafter_note:
         print(f"drafter: slot cache, CUDA graph {drafter_note}")
     try:
@@ -221,6 +229,7 @@ def _run(args) -> int:
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
         "tf32": args.tf32,
+        "compile": args.compile,
         "device": args.device,
         "threads": torch.get_num_threads(),
         "thinking": args.thinking,

@@ -11,8 +11,11 @@ of 1 and of `block_size` new tokens are captured once as CUDA graphs and replaye
 ids and positions copied into their input buffers. The tap features come from the same hooks as the
 eager path (`SpecTarget.call_model`: layer id i = output of decoder layer i), recorded during capture.
 
-Where a graph cannot be captured (no CUDA, or a model whose forward synchronizes with the host), the
-same static-cache forwards run eagerly, and `graphs` says why. Targets with recurrent layers (Gated
+With `compile_mode` (train.serve.fusion.COMPILE_MODES), each decoder layer is compiled while the
+graphs are warmed up and captured, so a replay runs fused kernels; if that fails, the graphs are
+captured from the eager layers and the note says why. Where a graph cannot be captured (no CUDA, or a model
+whose forward synchronizes with the host), the same static-cache forwards run eagerly, and `graphs`
+says why. Targets with recurrent layers (Gated
 DeltaNet) are not supported here: their state cannot be cut back by moving a count.
 """
 
@@ -24,6 +27,7 @@ import torch
 
 from common.static_cache import CachePlacement
 from common.target import Target
+from train.serve.fusion import compiled_layers
 from train.serve.spec_target import SpecTarget
 
 
@@ -67,6 +71,7 @@ class StaticSpecTarget(SpecTarget):
         max_len: int,
         graph_sizes: Sequence[int] = (1, 16),
         graphs: bool = True,
+        compile_mode: str | None = None,
     ):
         super().__init__(target, layer_ids, stop_ids)
         from transformers import StaticCache
@@ -78,7 +83,7 @@ class StaticSpecTarget(SpecTarget):
         self.graph_note = "off"
         self._prime()
         if graphs:
-            self.graph_note = self._capture_all(sorted(set(int(q) for q in graph_sizes)))
+            self.graph_note = self._capture_all(sorted(set(int(q) for q in graph_sizes)), compile_mode)
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -86,17 +91,31 @@ class StaticSpecTarget(SpecTarget):
         """One eager forward: the cache allocates its tensors (graphs capture their addresses)."""
         self._eager(torch.zeros((1, 1), dtype=torch.long, device=self.device), 0, taps=True, last_only=False)
 
-    def _capture_all(self, sizes: list[int]) -> str:
+    def _capture_all(self, sizes: list[int], compile_mode: str | None) -> str:
         if self.device.type != "cuda":
             return "off: CUDA graphs need a CUDA device"
+        fusion = ""
+        if compile_mode:
+            try:
+                with compiled_layers(self.target.layers, compile_mode):
+                    self._capture_sizes(sizes)
+                return f"on for {sizes} new tokens, layers compiled ({compile_mode})"
+            except Exception as exc:  # noqa: BLE001 - the eager layers are captured instead, and the note says why
+                fusion = f", layers not compiled ({_first_line(exc)})"
+        try:
+            self._capture_sizes(sizes)
+        except Exception as exc:  # noqa: BLE001 - a model whose forward cannot be captured runs eagerly
+            return f"off: capture failed ({_first_line(exc)}){fusion}"
+        return f"on for {sizes} new tokens{fusion}"
+
+    def _capture_sizes(self, sizes: list[int]) -> None:
         try:
             for Q in sizes:
                 self.graphs[Q] = self._capture(Q)
-        except Exception as exc:  # noqa: BLE001 - a model whose forward cannot be captured runs eagerly
+        except Exception:
             self.graphs.clear()
             torch.cuda.synchronize(self.device)
-            return f"off: capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-        return f"on for {sizes} new tokens"
+            raise
 
     @torch.inference_mode()
     def _capture(self, Q: int) -> _Graph:
@@ -168,6 +187,10 @@ class StaticSpecTarget(SpecTarget):
             logits, features = logits.clone(), graph.features_1QF.clone() if taps else None
         self.placement.wrote(start + T)
         return logits.float(), features, StaticKV(start + T)
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
 def static_cache_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int, limit: int) -> int:

