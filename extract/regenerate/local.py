@@ -265,16 +265,48 @@ def sample_rows(logits_RV: "torch.Tensor", sampling: Sampling, seeds_R: "torch.T
         kth_R1 = torch.topk(scores_RV, min(sampling.top_k, scores_RV.shape[-1]), dim=-1).values[:, -1:]
         scores_RV = scores_RV.masked_fill(scores_RV < kth_R1, float("-inf"))
     if sampling.top_p < 1.0:
-        sorted_RV, order_RV = scores_RV.sort(dim=-1, descending=True)
-        before_RV = sorted_RV.softmax(-1).cumsum(-1) - sorted_RV.softmax(-1)  # mass of the tokens ranked above
-        drop_RV = before_RV >= sampling.top_p  # the top token is always kept
-        scores_RV = scores_RV.scatter(-1, order_RV, sorted_RV.masked_fill(drop_RV, float("-inf")))
+        scores_RV = cut_top_p(scores_RV, sampling.top_p)
     # float64: the running sum over 49 K tokens keeps every kept token's own share of the mass.
     cdf_RV = scores_RV.softmax(-1).double().cumsum(-1)
     target_R1 = (row_uniforms(seeds_R, step) * cdf_RV[:, -1])[:, None]
     # The first token whose running sum passes the draw: a dropped token (probability 0) never does.
     index_R = torch.searchsorted(cdf_RV, target_R1, right=True)[:, 0]
     return index_R.clamp(max=scores_RV.shape[-1] - 1)
+
+
+TOP_P_CANDIDATES = 256
+
+
+def cut_top_p(scores_RV: "torch.Tensor", top_p: float, candidates: int = TOP_P_CANDIDATES) -> "torch.Tensor":
+    """`scores_RV` with -inf for every token outside its row's nucleus: the tokens ranked after the
+    first ones whose probabilities sum to `top_p` (the top token is always kept).
+
+    A row's nucleus is found among its `candidates` best tokens (one top-k, no sort of the vocabulary:
+    a full sort of 1,024 x 49 K scores per step cost more than the model's step) whenever those hold
+    `top_p` of its mass; only the rows whose nucleus is wider are sorted in full."""
+    import torch
+
+    V = scores_RV.shape[-1]
+    K = min(int(candidates), V)
+    top_RK, order_RK = scores_RV.topk(K, dim=-1)  # sorted, best first
+    p_RK = (top_RK - torch.logsumexp(scores_RV, -1, keepdim=True)).exp()
+    before_RK = p_RK.cumsum(-1) - p_RK  # mass of the tokens ranked above
+    inside_R = before_RK[:, -1] + p_RK[:, -1] >= top_p  # the K candidates hold the nucleus
+    cut_RV = torch.full_like(scores_RV, float("-inf")).scatter(
+        -1, order_RK, top_RK.masked_fill(before_RK >= top_p, float("-inf"))
+    )
+    if K == V or bool(inside_R.all()):
+        return cut_RV
+    wide_W = (~inside_R).nonzero()[:, 0]
+    cut_RV[wide_W] = _cut_top_p_sorted(scores_RV[wide_W], top_p)
+    return cut_RV
+
+
+def _cut_top_p_sorted(scores_RV: "torch.Tensor", top_p: float) -> "torch.Tensor":
+    sorted_RV, order_RV = scores_RV.sort(dim=-1, descending=True)
+    p_RV = sorted_RV.softmax(-1)
+    before_RV = p_RV.cumsum(-1) - p_RV
+    return scores_RV.scatter(-1, order_RV, sorted_RV.masked_fill(before_RV >= top_p, float("-inf")))
 
 
 _M32 = 0xFFFFFFFF

@@ -226,6 +226,25 @@ def test_sampled_tokens_follow_the_cut_distribution():
         assert ((counts - probs * n).abs() <= tolerance).all(), (sampling, counts, probs * n)
 
 
+def test_the_nucleus_from_candidates_equals_the_nucleus_from_a_full_sort():
+    """`cut_top_p` keeps exactly the tokens a full sort keeps: on peaked rows (the nucleus inside
+    the candidates) and on flat rows (wider: those rows are sorted in full), in one batch."""
+    from extract.regenerate.local import _cut_top_p_sorted, cut_top_p
+
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn((6, 500), generator=g) * 6.0
+    flat = torch.randn((4, 500), generator=g) * 0.1
+    scores = torch.cat([peaked, flat])[torch.randperm(10, generator=g)]
+    for top_p in (0.5, 0.9, 0.95):
+        expected = _cut_top_p_sorted(scores, top_p)
+        for candidates in (8, 64, 500):
+            got = cut_top_p(scores, top_p, candidates)
+            assert torch.equal(torch.isinf(got), torch.isinf(expected)), (top_p, candidates)
+            assert torch.equal(got[~torch.isinf(got)], scores[~torch.isinf(expected)])
+    kept = (~torch.isinf(cut_top_p(scores, 0.9, 8))).sum(-1)
+    assert kept.min() <= 8 < kept.max()  # both kinds of row occurred
+
+
 def test_top_k_one_samples_the_greedy_answer(qwen3_model):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     greedy = generate_answers(qwen3_model, prompts, 6, 2, set(), 0)

@@ -90,8 +90,9 @@ def test_the_specdecode_cli_is_lossless_on_cuda(tmp_path, capsys):
     assert "lossless: True" in printed.out
     result = json.loads(out.read_text())
     assert result["summary"]["lossless"] and result["summary"]["prompts"] == 4 and result["config"]["device"] == "cuda"
-    # On CUDA the CLI runs the static-cache target and the graphed drafter by default.
+    # On CUDA the CLI runs the static-cache target (its layers compiled) and the graphed drafter by default.
     assert result["config"]["static_cache"].startswith("on") and result["config"]["static_drafter"].startswith("on")
+    assert "layers compiled (default)" in result["config"]["static_cache"] and result["config"]["compile"] == "default"
 
 
 @pytest.mark.parametrize("layout", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}])
@@ -121,10 +122,10 @@ def test_the_graphed_drafter_replays_what_the_eager_one_drafts(tmp_path, layout)
     assert replays > 3
 
 
-def test_compiled_graphs_decode_what_the_eager_target_and_drafter_do(tmp_path):
-    """`compile`: the target's decoder layers and the drafter's round compiled by inductor inside
-    their CUDA graphs (train.serve.fusion) propose and verify, round by round, what the eager
-    dynamic-cache path does (float64), and the layers get their own forwards back."""
+def test_compiled_target_graphs_decode_what_the_eager_target_does(tmp_path):
+    """`compile`: the target's decoder layers compiled by inductor inside its CUDA graphs
+    (train.serve.fusion) verify, round by round, what the eager dynamic-cache target does (float64),
+    beside the graphed drafter, and the layers get their own forwards back."""
     from tests.train.serve.test_static_drafter import Recording
     from train.serve.static_drafter import StaticDFlashProposer
     from train.serve.static_target import StaticSpecTarget
@@ -135,8 +136,7 @@ def test_compiled_graphs_decode_what_the_eager_target_and_drafter_do(tmp_path):
     assert static_target.graph_note.endswith("layers compiled (default)"), static_target.graph_note
     assert not any("forward" in layer.__dict__ for layer in target.target.layers)
     drafter = cuda_drafter(tmp_path)
-    graphed = StaticDFlashProposer(drafter, static_target, max_len=256, compile_mode="default")
-    assert graphed.graph_note.endswith("compiled (default)"), graphed.graph_note
+    graphed = StaticDFlashProposer(drafter, static_target, max_len=256)
     for prompt in random_prompts(3, lengths=(5, 23, 60), seed=4):
         ours, theirs = Recording(graphed), Recording(DFlashProposer(drafter, target))
         spec = speculative_generate(static_target, ours, prompt, 64)

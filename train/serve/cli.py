@@ -68,12 +68,12 @@ class SpecDecodeConfig:
         "cache with its rounds as one CUDA graph (train.serve.static_drafter); auto = on with CUDA, "
         "unless DDTree budgets are given or the target has recurrent layers",
     )
-    compile: Literal["off", "default", "max-autotune"] = knob(
-        "off",
-        help="CUDA, with the static cache: compile the target's decoder layers and the drafter's round (inductor, "
-        "this mode) while their CUDA graphs are captured, so replays run fused kernels (train.serve.fusion); "
-        "max-autotune also times Triton matrix products against cuBLAS. The target-only reference replays the same "
-        "graphs, so the speed-up compares like with like",
+    compile: Literal["auto", "off", "default", "max-autotune"] = knob(
+        "auto",
+        help="with the static cache on CUDA: compile the target's decoder layers (inductor, this mode) while its CUDA "
+        "graphs are captured, so replays run fused kernels (train.serve.fusion). The target-only reference replays "
+        "the same graphs, so the speed-up is against the fastest baseline we have; auto = default (on SmolLM2-135M, "
+        "one H200: 4.2 instead of 5.5 ms per token, about 50 s to compile; max-autotune 10% faster again for 3 min)",
     )
     peer_baselines: bool = knob(
         False,
@@ -140,6 +140,11 @@ class SpecDecodeConfig:
 
         asked = [name.strip() for name in self.peers.split(",") if name.strip()]
         return [name for name in PEERS if name in asked] + [name for name in asked if name not in PEERS]
+
+    @property
+    def compile_mode(self) -> str | None:
+        """The `train.serve.fusion` mode the static-cache target compiles with, or None."""
+        return {"auto": "default", "off": None}.get(self.compile, self.compile)
 
     @property
     def budgets(self) -> list[int]:

@@ -121,18 +121,16 @@ def maybe_static(args, target: SpecTarget, prompts, block_size: int) -> tuple[Sp
         sorted(target.stop_ids),
         max_len=length,
         graph_sizes=(1, block_size),
-        compile_mode=None if args.compile == "off" else args.compile,
+        compile_mode=args.compile_mode,
     )
     return static, f"{static.graph_note} ({length} positions)"
 
 
-def proposer_for(
-    drafter: nn.Module, target: SpecTarget, context_cache: bool, compile_mode: str | None = None
-) -> tuple[Proposer, str | None]:
+def proposer_for(drafter: nn.Module, target: SpecTarget, context_cache: bool) -> tuple[Proposer, str | None]:
     """The drafter on a slot cache with its rounds as a CUDA graph (train.serve.static_drafter) beside a
     static-cache target; else on a dynamic cache. (proposer, note: how the static one runs, or None)."""
     if isinstance(target, StaticSpecTarget) and context_cache:
-        static = StaticDFlashProposer(drafter, target, max_len=target.max_len, compile_mode=compile_mode)
+        static = StaticDFlashProposer(drafter, target, max_len=target.max_len)
         return static, static.graph_note
     return DFlashProposer(drafter, target, context_cache=context_cache), None
 
@@ -183,8 +181,7 @@ def _run(args) -> int:
         return 2
     if static_note:
         print(f"target: static KV cache, CUDA graphs {static_note}")
-    compile_mode = None if args.compile == "off" else args.compile
-    proposer, drafter_note = proposer_for(drafter, target, not args.no_context_cache, compile_mode)
+    proposer, drafter_note = proposer_for(drafter, target, not args.no_context_cache)
     if drafter_note:
         print(f"drafter: slot cache, CUDA graph {drafter_note}")
     try:
@@ -229,7 +226,7 @@ def _run(args) -> int:
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
         "tf32": args.tf32,
-        "compile": args.compile,
+        "compile": args.compile_mode,
         "device": args.device,
         "threads": torch.get_num_threads(),
         "thinking": args.thinking,

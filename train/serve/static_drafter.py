@@ -14,8 +14,6 @@ model's `forward`, unchanged), with two differences in how it is driven:
   round are at most B, and re-projecting an already cached position writes the same K/V) and the
   B-token block: one shape, captured once as a CUDA graph through the target's lm_head and argmax.
 
-With `compile_mode` (train.serve.fusion.COMPILE_MODES) the captured round is compiled first, so its
-replay runs fused kernels; if compiling fails, the eager round is captured and the note says why.
 Without CUDA (or where capture fails, said by `graph_note`) the same fixed-window forwards run
 eagerly, so the CPU tests exercise every path except the replay itself.
 """
@@ -28,7 +26,6 @@ from torch import nn
 
 from train.alignment import block_input_ids
 from train.serve.dflash_hf import position_mask
-from train.serve.fusion import compiled_function
 from train.serve.spec_target import SpecTarget
 from train.serve.specdecode import DFlashProposer
 
@@ -70,15 +67,7 @@ class StaticDFlashProposer(DFlashProposer):
     positions, its steady-state rounds replayed as one CUDA graph where `graphs` and CUDA allow
     (the drafter's checks and `propose` are `DFlashProposer`'s; its cache and rounds are its own)."""
 
-    def __init__(
-        self,
-        drafter: nn.Module,
-        target: SpecTarget,
-        *,
-        max_len: int,
-        graphs: bool = True,
-        compile_mode: str | None = None,
-    ):
+    def __init__(self, drafter: nn.Module, target: SpecTarget, *, max_len: int, graphs: bool = True):
         super().__init__(drafter, target)
         B = self.block_size
         self.device = target.device
@@ -97,7 +86,7 @@ class StaticDFlashProposer(DFlashProposer):
         self.window = _Window(B, int(drafter.fc.in_features), target.embed_VD.dtype, self.device)
         self.graph_note = "off"
         if graphs:
-            self.graph_note = self._capture_maybe_compiled(compile_mode)
+            self.graph_note = self._capture()
 
     def reset(self) -> None:
         self.recent_1WF: torch.Tensor | None = None  # features of the last <= B context positions
@@ -134,15 +123,7 @@ class StaticDFlashProposer(DFlashProposer):
 
     # -- capture --------------------------------------------------------------------------------
 
-    def _capture_maybe_compiled(self, compile_mode: str | None) -> str:
-        if not compile_mode or self.device.type != "cuda":
-            return self._capture(self._window_forward)
-        note = self._capture(compiled_function(self._window_forward, compile_mode))
-        if note.startswith("on"):
-            return f"{note}, compiled ({compile_mode})"
-        return f"{self._capture(self._window_forward)}, not compiled ({note})"
-
-    def _capture(self, window_forward) -> str:
+    def _capture(self) -> str:
         if self.device.type != "cuda":
             return "off: CUDA graphs need a CUDA device"
         if self.cache.length < 2 * self.block_size:
@@ -155,11 +136,11 @@ class StaticDFlashProposer(DFlashProposer):
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        window_forward()
+                        self._window_forward()
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 w.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(w.graph):
-                    w.logits_QV = window_forward()
+                    w.logits_QV = self._window_forward()
         except Exception as exc:  # noqa: BLE001 - a drafter whose forward cannot be captured runs eagerly
             w.graph = w.logits_QV = None
             torch.cuda.synchronize(self.device)

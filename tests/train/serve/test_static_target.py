@@ -152,3 +152,15 @@ def test_compiled_layers_compute_what_the_eager_layers_do_and_are_restored(targe
     with pytest.raises(ValueError, match="compile mode 'cudagraphs'"):
         with compiled_layers(layers, "cudagraphs"):
             pass
+
+
+def test_the_compile_knob_names_the_mode_the_static_target_compiles_with():
+    from common.config import ConfigError
+    from train.serve.cli import parse_specdecode_args
+
+    base = ["--target", "t", "--drafter", "d"]
+    assert parse_specdecode_args(base).compile_mode == "default"  # auto
+    assert parse_specdecode_args(base + ["--compile", "off"]).compile_mode is None
+    assert parse_specdecode_args(base + ["--compile", "max-autotune"]).compile_mode == "max-autotune"
+    with pytest.raises(ConfigError, match="compile"):
+        parse_specdecode_args(base + ["--compile", "reduce-overhead"])
