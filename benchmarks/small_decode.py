@@ -3,12 +3,14 @@ the eager forward on transformers' dynamic cache against the static cache with C
 (train.serve.static_target), and transformers' own `generate` (dynamic and static cache). Random
 weights at SmolLM2-135M's shape (speed does not depend on the values), so it needs no download.
 
-    python -m benchmarks.small_decode [--dtype float32] [--tokens 128] [--compile] [--out result.json]
+    python -m benchmarks.small_decode [--dtype float32] [--tokens 128] [--compile] [--verify-sizes 2,4,8,16]
+        [--out result.json]
 
 `--compile` adds the same graphs with the target's decoder layers compiled by inductor while they are
 captured (train.serve.fusion), in its default mode and in max-autotune.
 
-Prints per variant: ms per 1-token step, ms per 16-token verify forward, and whether each greedy
+Prints per variant: ms per 1-token step, ms per verify forward of each of `--verify-sizes` tokens (what
+`train.specdecode --verify-tokens` trades against tokens per round), and whether each greedy
 continuation equals the eager one.
 """
 
@@ -80,6 +82,10 @@ def time_verify(target, prompt: list[int], block: int, repeats: int = 20) -> flo
         crop_cache(cache, len(prompt))
     times.sort()
     return times[len(times) // 2] * 1e3
+
+
+def verify_times(target, prompt: list[int], sizes: list[int]) -> dict[int, float]:
+    return {q: time_verify(target, prompt, q) for q in sizes}
 
 
 def time_generate(target, prompt: list[int], tokens: int, static: bool) -> tuple[float, list[int]]:
@@ -161,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also the graphs with compiled target layers (default and max-autotune)",
     )
+    parser.add_argument(
+        "--verify-sizes", default="16", help="verify forwards to time, comma-separated token counts (each graphed)"
+    )
     args = parser.parse_args(argv)
+    sizes = sorted({int(q) for q in args.verify_sizes.split(",") if q.strip()})
+    if not sizes or min(sizes) < 1:
+        parser.error(f"--verify-sizes: positive token counts, got {args.verify_sizes!r}")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     from train.serve.spec_target import SpecTarget
     from train.serve.static_target import StaticSpecTarget
@@ -173,15 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     if not args.proposals_only:
         ms, ref = time_steps(eager, prompt, args.tokens)
-        rows["eager dynamic cache"] = {"step_ms": ms, "verify16_ms": time_verify(eager, prompt, 16), "same": True}
+        rows["eager dynamic cache"] = {"step_ms": ms, "verify_ms": verify_times(eager, prompt, sizes), "same": True}
         for backend in (None, "default", "max-autotune") if args.compile else (None,):
             t0 = time.perf_counter()
-            static = StaticSpecTarget(target, TAPS, [2], max_len=1024, graph_sizes=(1, 16), compile_mode=backend)
+            static = StaticSpecTarget(target, TAPS, [2], max_len=1024, graph_sizes=(1, *sizes), compile_mode=backend)
             setup = time.perf_counter() - t0
             ms, toks = time_steps(static, prompt, args.tokens)
             rows["static cache + CUDA graphs" + (f", compiled {backend}" if backend else "")] = {
                 "step_ms": ms,
-                "verify16_ms": time_verify(static, prompt, 16),
+                "verify_ms": verify_times(static, prompt, sizes),
                 "same": toks == ref,
                 "graphs": static.graph_note,
                 "setup_s": setup,
@@ -211,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if "propose_ms" in row:
             print(f"  {name:<38} {row['propose_ms']:8.2f} ms / proposal (16 new context positions; {row['how']})")
             continue
-        verify = f"{row['verify16_ms']:8.2f} ms / 16-token verify" if "verify16_ms" in row else ""
+        verify = "  ".join(f"{ms:6.2f} ms / {q}-token verify" for q, ms in row.get("verify_ms", {}).items())
         print(f"  {name:<38} {row['step_ms']:8.2f} ms / token  {verify}  same tokens: {row['same']}")
     for name, row in rows.items():
         if "graphs" in row:

@@ -75,6 +75,14 @@ class SpecDecodeConfig:
         "the same graphs, so the speed-up is against the fastest baseline we have; auto = default (on SmolLM2-135M, "
         "one H200: 4.2 instead of 5.5 ms per token, about 50 s to compile; max-autotune 10% faster again for 3 min)",
     )
+    verify_tokens: int = knob(
+        0,
+        help="block positions each round verifies: the anchor and the first N-1 drafts (0 = the block size). "
+        "A round then commits at most N tokens from a verify forward of N rows: on a GPU, float32 products of 16 "
+        "rows cost about twice a one-token step, so a drafter that rarely gets past its first drafts can pay more "
+        "with a shorter verify (still lossless)",
+        min=0,
+    )
     peer_baselines: bool = knob(
         False,
         help="also decode every prompt with transformers' own generate: plain greedy and prompt-lookup decoding "

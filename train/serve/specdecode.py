@@ -282,12 +282,28 @@ def greedy_generate(
 
 @torch.inference_mode()
 def speculative_generate(
-    target: SpecTarget, proposer: Proposer, prompt_ids: Sequence[int], max_new_tokens: int, *, stop_repeat: int = 0
+    target: SpecTarget,
+    proposer: Proposer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    stop_repeat: int = 0,
+    verify_tokens: int = 0,
 ) -> Generation:
-    """Greedy speculative decoding; the tokens equal `greedy_generate`'s (ends: `Ending`)."""
+    """Greedy speculative decoding; the tokens equal `greedy_generate`'s (ends: `Ending`).
+
+    `verify_tokens` (0 = the block size): each round verifies the anchor and only the first
+    `verify_tokens - 1` drafts, so a round commits at most that many tokens, in a verify forward of
+    that many rows (where float32 products of 16 rows cost twice a one-token step, a drafter that
+    rarely gets past its first drafts pays more with a shorter verify)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     B = proposer.block_size
+    if not 0 <= verify_tokens <= B:
+        raise ValueError(
+            f"verify_tokens must be between 1 and the block size {B} (0 = the block size), got {verify_tokens}"
+        )
+    V = verify_tokens or B  # a round's τ counts the verified drafts only (all B-1 when V = B)
     started = time.perf_counter()
     ending = Ending(target.stop_ids, max_new_tokens, stop_repeat)
     proposer.reset()
@@ -307,7 +323,7 @@ def speculative_generate(
         assert len(drafts) == B - 1, (len(drafts), B)
         t1 = time.perf_counter()
         budget = max_new_tokens - len(tokens)
-        verify_len = min(B, budget)  # no need to verify drafts past the token budget
+        verify_len = min(V, budget)  # no need to verify drafts past the token budget
         snapshot = copy.deepcopy(cache) if mode == "snapshot" else None
         block_1Q = torch.tensor([[tokens[-1]] + drafts[: verify_len - 1]])
         logits, features_1TF, cache = target.forward(block_1Q, cache, taps=True)
@@ -327,7 +343,7 @@ def speculative_generate(
             result.target_forwards += 1
         t3 = time.perf_counter()
         result.end_round(
-            Round(start=anchor, accepted=accepted, committed=len(committed), tau=round_tau(drafts, committed)),
+            Round(start=anchor, accepted=accepted, committed=len(committed), tau=round_tau(drafts[: V - 1], committed)),
             t0,
             t1,
             t2,

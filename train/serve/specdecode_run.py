@@ -54,19 +54,23 @@ def run_benchmark(
     peers: Sequence[str] = (),
     prompt_lookup_tokens: int = 10,
     peer_prompts: int = 0,
+    verify_tokens: int = 0,
 ) -> dict:
     """Speculative and (interleaved, per prompt) target-only greedy decoding of every prompt; with
     `tree_budgets`, DDTree verification at each budget too (`ddtree`: one summary per budget); with
     `peers`, transformers' own decoding too (`train.serve.peers`; `peers`: one summary each, its
     lossless check and its wall-clock speed-up against target-only greedy decoding).
-    `stop_repeat` > 0 ends every response where it starts looping (`specdecode.Ending`)."""
+    `stop_repeat` > 0 ends every response where it starts looping (`specdecode.Ending`);
+    `verify_tokens` > 0 verifies only that many block positions per round (`speculative_generate`)."""
     from tqdm.auto import tqdm
 
     if peers and stop_repeat:
         raise ValueError("the peer baselines cannot end responses where they start looping (stop_repeat)")
 
     if warmup and prompts:  # first calls allocate and pick kernels; keep that out of the timings
-        speculative_generate(target, proposer, prompts[0], min(max_new_tokens, 2 * proposer.block_size))
+        speculative_generate(
+            target, proposer, prompts[0], min(max_new_tokens, 2 * proposer.block_size), verify_tokens=verify_tokens
+        )
         if baseline:
             greedy_generate(target, prompts[0], min(max_new_tokens, 8))
         for name in peers:
@@ -76,7 +80,9 @@ def run_benchmark(
     peer_runs: dict[str, list[Generation]] = {name: [] for name in peers}
     for i, prompt in enumerate(tqdm(prompts, desc="specdecode", unit="prompt", disable=not progress)):
         base = greedy_generate(target, prompt, max_new_tokens, stop_repeat=stop_repeat) if baseline else None
-        spec = speculative_generate(target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat)
+        spec = speculative_generate(
+            target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat, verify_tokens=verify_tokens
+        )
         for budget, gens in trees.items():
             gens.append(ddtree_generate(target, proposer, prompt, max_new_tokens, budget, stop_repeat=stop_repeat))
         for name, gens in peer_runs.items():
@@ -120,7 +126,7 @@ def maybe_static(args, target: SpecTarget, prompts, block_size: int) -> tuple[Sp
         target.layer_ids,
         sorted(target.stop_ids),
         max_len=length,
-        graph_sizes=(1, block_size),
+        graph_sizes=(1, args.verify_tokens or block_size),
         compile_mode=args.compile_mode,
     )
     return static, f"{static.graph_note} ({length} positions)"
@@ -167,6 +173,10 @@ def _run(args) -> int:
             raise ValueError(
                 f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size {target_obj.hidden_size}"
             )
+        if args.verify_tokens > int(drafter.block_size):
+            raise ValueError(
+                f"verify_tokens {args.verify_tokens} is more than the drafter's block size {drafter.block_size}"
+            )
         samples = None
         if args.data:
             prompts, samples = prompts_from_shards(args.data, args.num_prompts or None)
@@ -197,6 +207,7 @@ def _run(args) -> int:
             peers=args.peer_names if args.peer_baselines else (),
             prompt_lookup_tokens=args.prompt_lookup_tokens,
             peer_prompts=args.peer_prompts,
+            verify_tokens=args.verify_tokens,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -227,6 +238,7 @@ def _run(args) -> int:
         "dtype": args.dtype,
         "tf32": args.tf32,
         "compile": args.compile_mode,
+        "verify_tokens": args.verify_tokens or proposer.block_size,
         "device": args.device,
         "threads": torch.get_num_threads(),
         "thinking": args.thinking,

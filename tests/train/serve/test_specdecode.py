@@ -168,6 +168,25 @@ def test_stop_token_ends_both_loops_at_the_same_token():
         check_round_bookkeeping(spec)
 
 
+def test_a_shorter_verify_commits_at_most_its_rows_and_stays_lossless():
+    """`verify_tokens`: every round verifies the anchor and its first N-1 drafts only, so an oracle
+    commits exactly N tokens a round (the last round fewer), a partly right drafter at most N, and
+    the output is target-only greedy decoding; a value past the block size is refused."""
+    model = tiny_qwen3(seed=3)
+    target = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[])
+    prompt = random_prompts(1, lengths=(9,), seed=6)[0]
+    base = greedy_generate(target, prompt, 41)
+    for N in (1, 2, 5):
+        oracle = speculative_generate(target, OracleProposer(prompt + base.tokens), prompt, 41, verify_tokens=N)
+        assert oracle.tokens == base.tokens
+        assert [r.committed for r in oracle.rounds[:-1]] == [N] * (len(oracle.rounds) - 1)
+        partial = speculative_generate(target, BrokenAtProposer(prompt + base.tokens, 3), prompt, 41, verify_tokens=N)
+        assert partial.tokens == base.tokens and max(r.committed for r in partial.rounds) == min(N, 3)
+        check_round_bookkeeping(partial)
+    with pytest.raises(ValueError, match="verify_tokens must be between 1 and the block size"):
+        speculative_generate(target, OracleProposer(prompt + base.tokens), prompt, 8, verify_tokens=B + 1)
+
+
 def test_stop_repeat_ends_both_loops_where_the_response_starts_looping():
     """With stop_repeat, a response ends right after its first repetition, where extract.tiny cuts
     its regenerated answers (`first_loop_reference`), in target-only and speculative decoding alike."""
@@ -579,7 +598,16 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert sum(summary["tau_histogram"]) == summary["rounds"] and len(summary["tau_histogram"]) == B
     assert result["agreement"]["round_mismatches"] == 0
     assert result["config"]["max_new_tokens"] == 24 and result["cache_mode"] == "crop"
-    assert result["config"]["tf32"] is True
+    assert result["config"]["tf32"] is True and result["config"]["verify_tokens"] == B
+    args = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts)]
+    short = tmp_path / "short.json"
+    assert (
+        main(args + ["--num-prompts", "1", "--max-new-tokens", "12", "--verify-tokens", "3", "--out", str(short)]) == 0
+    )
+    result = json.loads(short.read_text())
+    assert result["summary"]["lossless"] and result["config"]["verify_tokens"] == 3
+    assert not any(result["summary"]["tau_histogram"][3:])  # no round got past its third position
+    assert main(args + ["--verify-tokens", str(B + 1)]) == 2
     assert (
         main(
             [
