@@ -6,7 +6,9 @@ Triton (cpu tensor?)"): every CPU extraction or speculative decoding of a Qwen3.
 such hosts. Here a stand-in `fla` package that fails exactly so on CPU tensors is put first on the
 path of a child process (the real one may or may not be installed on this machine).
 
-Proves: without the routing the stand-in kernel is reached and fails; after `reach_text_parts`
+Proves (transformers < 5.25; later releases choose the kernel per call from the inputs' device, so
+the stand-in is never reached and only the capture's equality is checked): without the routing the
+stand-in kernel is reached and fails; after `reach_text_parts`
 (which every target load goes through) the module functions bound to it pass CPU tensors to
 transformers' torch implementation, so capture works and equals the capture of the same weights in
 this process (torch implementation, fla or not); CUDA tensors still go to the kernel.
@@ -100,12 +102,17 @@ def test_a_cpu_hybrid_target_runs_where_fla_is_installed(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     child = torch.load(tmp_path / "out.pt")
-    assert "cannot be accessed from Triton" in child["before"] and child["fla_calls_before"] >= 1  # the bug, reproduced
-    assert any(name.endswith(".torch_chunk_gated_delta_rule") for name in child["routed"]), child["routed"]
-    assert child["fla_calls_after"] == 0  # routed: the kernel never saw a CPU tensor again
-    assert set(child["kernels"]) >= set(child["routed"]) and all(
-        k.startswith("fla.") for k in child["kernels"].values()
-    )
+    if child["fla_calls_before"] == 0:
+        # transformers >= 5.25 chooses its kernel per call from the inputs' device: the bug does not occur,
+        # there is nothing to route, and the capture below must still work.
+        assert child["before"] == "no error" and child["routed"] == [] and child["fla_calls_after"] == 0, child
+    else:
+        assert "cannot be accessed from Triton" in child["before"]  # the bug, reproduced (transformers < 5.25)
+        assert any(name.endswith(".torch_chunk_gated_delta_rule") for name in child["routed"]), child["routed"]
+        assert child["fla_calls_after"] == 0  # routed: the kernel never saw a CPU tensor again
+        assert set(child["kernels"]) >= set(child["routed"]) and all(
+            k.startswith("fla.") for k in child["kernels"].values()
+        )
 
     reference = capture(reach_text_parts(model), ids, [37, 20], [0, 1, 2], topk=4)  # this process: torch implementation
     for got, ref in zip(child["taps"], reference.taps):

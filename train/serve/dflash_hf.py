@@ -563,8 +563,12 @@ def _crop(cache, length: int) -> None:
 
 
 def _croppable(cache) -> bool:
-    """A cache that can be cut back to a length (attention layers only; recurrent states cannot)."""
+    """A cache that can be cut back to a length (attention layers only; recurrent states cannot: transformers
+    5.25 calls a hybrid cache croppable, but its linear-attention layers refuse `crop` unless recording)."""
+    layers = getattr(cache, "layers", [])
+    if any(getattr(layer, "record_past", True) is False for layer in layers):
+        return False
     flag = getattr(cache, "is_croppable", None)
     if flag is not None:
         return bool(flag)
-    return all(type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in getattr(cache, "layers", []))
+    return all(type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in layers)

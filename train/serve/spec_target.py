@@ -35,14 +35,19 @@ def crop_cache(cache, length: int) -> None:
 
 
 def cache_mode_for(cache, text_config) -> str:
-    """'crop' when the cache can be cut back exactly, else 'snapshot' (copy before each verification)."""
-    croppable = getattr(cache, "is_croppable", None)
-    if croppable is not None:
-        return "crop" if croppable else "snapshot"
-    # transformers without `is_croppable`: hybrid models declare their recurrent layers in layer_types.
+    """'crop' when the cache can be cut back exactly, else 'snapshot' (copy before each verification).
+
+    A model with recurrent layers (hybrid models declare them in `layer_types`) always snapshots, and
+    so does a cache with a layer that does not record its past: transformers 5.25 calls such caches
+    croppable, but its linear-attention layers, and its sliding-window layers once past the window,
+    refuse `crop` unless they were recording their past states all along."""
     layer_types = getattr(text_config, "layer_types", None) or []
-    recurrent = [t for t in layer_types if t not in ("full_attention", "sliding_attention")]
-    return "snapshot" if recurrent else "crop"
+    if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        return "snapshot"
+    if any(getattr(layer, "record_past", True) is False for layer in getattr(cache, "layers", None) or []):
+        return "snapshot"
+    croppable = getattr(cache, "is_croppable", None)
+    return "snapshot" if croppable is False else "crop"
 
 
 def _cache_of(output):
