@@ -237,7 +237,7 @@ def _run(args) -> int:
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
         "tf32": args.tf32,
-        "compile": args.compile_mode,
+        "compile": args.compile_mode if static_note else None,  # only the static-cache target compiles
         "verify_tokens": args.verify_tokens or proposer.block_size,
         "device": args.device,
         "threads": torch.get_num_threads(),

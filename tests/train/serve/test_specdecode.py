@@ -599,6 +599,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert result["agreement"]["round_mismatches"] == 0
     assert result["config"]["max_new_tokens"] == 24 and result["cache_mode"] == "crop"
     assert result["config"]["tf32"] is True and result["config"]["verify_tokens"] == B
+    assert result["config"]["compile"] is None  # no static cache on the CPU, so nothing was compiled
     args = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts)]
     short = tmp_path / "short.json"
     assert (
