@@ -225,6 +225,8 @@ def step(timings: dict[str, float], name: str, args: list[str], env: dict[str, s
     start = time.time()
     result = subprocess.run([sys.executable, *args], env=env)
     timings[name] = time.time() - start
+    # Said as each step ends, so a run cut short (a lost machine, a time limit) still shows where the time went.
+    print(f"=== {name}: {timings[name]:.1f} s (demo so far {sum(timings.values()):.1f} s)", flush=True)
     if result.returncode != 0:
         raise SystemExit(f"demo: step '{name}' failed (exit {result.returncode}); its output is above")
 

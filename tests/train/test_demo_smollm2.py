@@ -50,3 +50,18 @@ def test_summary_of_a_run_with_nothing_written_says_n_a(tmp_path):
     summary = smollm2_summary(str(tmp_path), {"extraction": 1.0}, {}, SCALES["reduced"])
     text = smollm2_summary_text(summary)
     assert "reduced scale" in text and "n/a" in text
+
+
+def test_each_step_says_its_time_as_it_ends(capsys):
+    """A demo cut short keeps the times of the steps it finished: each step prints its own on ending,
+    and a failing step still records and prints its time before the demo stops."""
+    from train.demo import step
+
+    timings: dict[str, float] = {}
+    step(timings, "first", ["-c", "pass"])
+    with pytest.raises(SystemExit, match="step 'second' failed"):
+        step(timings, "second", ["-c", "raise SystemExit(3)"])
+    printed = capsys.readouterr().out
+    assert list(timings) == ["first", "second"] and all(t > 0 for t in timings.values())
+    assert f"=== first: {timings['first']:.1f} s (demo so far {timings['first']:.1f} s)" in printed
+    assert f"=== second: {timings['second']:.1f} s (demo so far {sum(timings.values()):.1f} s)" in printed

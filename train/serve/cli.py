@@ -83,6 +83,11 @@ class SpecDecodeConfig:
         "with a shorter verify (still lossless)",
         min=0,
     )
+    verify_sweep: str = knob(
+        "",
+        help="also decode every prompt at each of these verify sizes, e.g. 2,4,8 (one summary each, each checked "
+        "lossless against the same target-only decoding): prices several sizes with one compile and one baseline",
+    )
     peer_baselines: bool = knob(
         False,
         help="also decode every prompt with transformers' own generate: plain greedy and prompt-lookup decoding "
@@ -135,6 +140,12 @@ class SpecDecodeConfig:
             fail("tree_budgets", f"must be comma-separated integers, got {self.tree_budgets!r}")
         if any(b < 1 for b in budgets):
             fail("tree_budgets", f"every budget must be >= 1, got {self.tree_budgets!r}")
+        try:
+            sweep = self.sweep
+        except ValueError:
+            fail("verify_sweep", f"must be comma-separated integers, got {self.verify_sweep!r}")
+        if any(n < 1 for n in sweep):
+            fail("verify_sweep", f"every size must be >= 1, got {self.verify_sweep!r}")
         from train.serve.peers import PEERS
 
         unknown = [name for name in self.peer_names if name not in PEERS]
@@ -153,6 +164,11 @@ class SpecDecodeConfig:
     def compile_mode(self) -> str | None:
         """The `train.serve.fusion` mode the static-cache target compiles with, or None."""
         return {"auto": "default", "off": None}.get(self.compile, self.compile)
+
+    @property
+    def sweep(self) -> list[int]:
+        """The verify sizes of `verify_sweep`, in order, each once."""
+        return list(dict.fromkeys(int(n) for n in self.verify_sweep.split(",") if n.strip()))
 
     @property
     def budgets(self) -> list[int]:

@@ -48,15 +48,19 @@ def _compile(fn: Callable, mode: str) -> Callable:
 
 
 @contextlib.contextmanager
-def compiled_layers(layers: Sequence[nn.Module], mode: str) -> Iterator[None]:
+def compiled_layers(layers: Sequence[nn.Module], mode: str, shapes: int = 2) -> Iterator[None]:
     """Each module's `forward` compiled (fixed shapes) for the duration of the block, then restored.
 
     Every layer is a recompilation of the same code (they differ in `layer_idx`, a constant to the
-    compiler), so the recompilation limit is raised to cover them for the shapes captured."""
+    compiler), so the recompilation limit is raised to cover them for the `shapes` input shapes
+    captured; a limit hit anyway raises (where torch can say so) instead of leaving layers eager."""
     check_mode(mode)
     originals = [layer.__dict__.get("forward") for layer in layers]
-    limit = max(torch._dynamo.config.recompile_limit, 4 * len(layers) + 8)
-    with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 8 * limit)):
+    limit = max(torch._dynamo.config.recompile_limit, 2 * max(shapes, 2) * len(layers) + 8)
+    patch = {"recompile_limit": limit, "accumulated_recompile_limit": max(256, 8 * limit)}
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        patch["fail_on_recompile_limit_hit"] = True
+    with torch._dynamo.config.patch(**patch):
         try:
             for layer in layers:
                 layer.forward = _compile(type(layer).forward.__get__(layer), mode)

@@ -175,6 +175,17 @@ def print_summary(result: dict) -> None:
                 f"top-1 minus top-2 logit there: {m.get('margin', float('nan')):.4g} (target-only decoding), "
                 f"{m.get('other_margin', float('nan')):.4g} (speculative verify)"
             )
+    for n, run in result.get("verify_sweep", {}).items():
+        per_round = 1000 * run["spec"]["verify_s"] / max(run["rounds"], 1)
+        line = (
+            f"verify {n} tokens: τ {run['tau']:.3f} (pooled {run['tau_pooled']:.3f}), {per_round:.2f} ms per verify, "
+            f"{run['spec']['decode_tokens_per_s']:.1f} tok/s decode"
+        )
+        if "speedup" in run:
+            line += (
+                f", speed-up {run['speedup']:.2f}x decode, {run['speedup_wall']:.2f}x wall, lossless: {run['lossless']}"
+            )
+        print(line)
     for budget, tree in result.get("ddtree", {}).items():
         line = f"DDTree budget {budget}: τ {tree['tau']:.3f}, {tree['spec']['decode_tokens_per_s']:.1f} tok/s decode"
         if "speedup" in tree:

@@ -55,13 +55,16 @@ def run_benchmark(
     prompt_lookup_tokens: int = 10,
     peer_prompts: int = 0,
     verify_tokens: int = 0,
+    verify_sweep: Sequence[int] = (),
 ) -> dict:
     """Speculative and (interleaved, per prompt) target-only greedy decoding of every prompt; with
     `tree_budgets`, DDTree verification at each budget too (`ddtree`: one summary per budget); with
     `peers`, transformers' own decoding too (`train.serve.peers`; `peers`: one summary each, its
     lossless check and its wall-clock speed-up against target-only greedy decoding).
     `stop_repeat` > 0 ends every response where it starts looping (`specdecode.Ending`);
-    `verify_tokens` > 0 verifies only that many block positions per round (`speculative_generate`)."""
+    `verify_tokens` > 0 verifies only that many block positions per round (`speculative_generate`);
+    `verify_sweep` decodes every prompt again at each of these verify sizes (`verify_sweep`: one summary
+    each, checked against the same target-only decoding), so one run prices several sizes."""
     from tqdm.auto import tqdm
 
     if peers and stop_repeat:
@@ -71,6 +74,10 @@ def run_benchmark(
         speculative_generate(
             target, proposer, prompts[0], min(max_new_tokens, 2 * proposer.block_size), verify_tokens=verify_tokens
         )
+        for n in verify_sweep:
+            speculative_generate(
+                target, proposer, prompts[0], min(max_new_tokens, 2 * proposer.block_size), verify_tokens=n
+            )
         if baseline:
             greedy_generate(target, prompts[0], min(max_new_tokens, 8))
         for name in peers:
@@ -78,11 +85,16 @@ def run_benchmark(
     specs, bases, records = [], [], []
     trees: dict[int, list[Generation]] = {int(b): [] for b in tree_budgets}
     peer_runs: dict[str, list[Generation]] = {name: [] for name in peers}
+    sweeps: dict[int, list[Generation]] = {int(n): [] for n in verify_sweep}
     for i, prompt in enumerate(tqdm(prompts, desc="specdecode", unit="prompt", disable=not progress)):
         base = greedy_generate(target, prompt, max_new_tokens, stop_repeat=stop_repeat) if baseline else None
         spec = speculative_generate(
             target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat, verify_tokens=verify_tokens
         )
+        for n, gens in sweeps.items():
+            gens.append(
+                speculative_generate(target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat, verify_tokens=n)
+            )
         for budget, gens in trees.items():
             gens.append(ddtree_generate(target, proposer, prompt, max_new_tokens, budget, stop_repeat=stop_repeat))
         for name, gens in peer_runs.items():
@@ -100,6 +112,10 @@ def run_benchmark(
     if trees:
         result["ddtree"] = {
             str(b): summarize(g, bases if baseline else None, proposer.block_size) for b, g in trees.items()
+        }
+    if sweeps:
+        result["verify_sweep"] = {
+            str(n): summarize(g, bases if baseline else None, proposer.block_size) for n, g in sweeps.items()
         }
     if peer_runs:
         result["peers"] = {
@@ -126,7 +142,7 @@ def maybe_static(args, target: SpecTarget, prompts, block_size: int) -> tuple[Sp
         target.layer_ids,
         sorted(target.stop_ids),
         max_len=length,
-        graph_sizes=(1, args.verify_tokens or block_size),
+        graph_sizes=tuple(sorted({1, args.verify_tokens or block_size, *args.sweep})),
         compile_mode=args.compile_mode,
     )
     return static, f"{static.graph_note} ({length} positions)"
@@ -173,10 +189,9 @@ def _run(args) -> int:
             raise ValueError(
                 f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size {target_obj.hidden_size}"
             )
-        if args.verify_tokens > int(drafter.block_size):
-            raise ValueError(
-                f"verify_tokens {args.verify_tokens} is more than the drafter's block size {drafter.block_size}"
-            )
+        for name, n in [("verify_tokens", args.verify_tokens)] + [("verify_sweep", n) for n in args.sweep]:
+            if n > int(drafter.block_size):
+                raise ValueError(f"{name} {n} is more than the drafter's block size {drafter.block_size}")
         samples = None
         if args.data:
             prompts, samples = prompts_from_shards(args.data, args.num_prompts or None)
@@ -208,6 +223,7 @@ def _run(args) -> int:
             prompt_lookup_tokens=args.prompt_lookup_tokens,
             peer_prompts=args.peer_prompts,
             verify_tokens=args.verify_tokens,
+            verify_sweep=args.sweep,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -239,6 +255,7 @@ def _run(args) -> int:
         "tf32": args.tf32,
         "compile": args.compile_mode if static_note else None,  # only the static-cache target compiles
         "verify_tokens": args.verify_tokens or proposer.block_size,
+        "verify_sweep": args.sweep,
         "device": args.device,
         "threads": torch.get_num_threads(),
         "thinking": args.thinking,
@@ -258,8 +275,9 @@ def _run(args) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"results: {args.out}")
-    summaries = [result["summary"], *result.get("ddtree", {}).values()]  # the peers' own checks are reported only
-    if any(not s.get("lossless", True) for s in summaries):
+    # Every decoding of ours must be lossless; the peers' own checks are reported only.
+    ours = [result["summary"], *result.get("ddtree", {}).values(), *result.get("verify_sweep", {}).values()]
+    if any(not s.get("lossless", True) for s in ours):
         print("error: speculative output differs from target-only greedy decoding", file=sys.stderr)
         return 1
     return 0

@@ -97,7 +97,7 @@ class StaticSpecTarget(SpecTarget):
         fusion = ""
         if compile_mode:
             try:
-                with compiled_layers(self.target.layers, compile_mode):
+                with compiled_layers(self.target.layers, compile_mode, shapes=len(sizes)):
                     self._capture_sizes(sizes)
                 return f"on for {sizes} new tokens, layers compiled ({compile_mode})"
             except Exception as exc:  # noqa: BLE001 - the eager layers are captured instead, and the note says why

@@ -608,7 +608,18 @@ def test_cli_end_to_end(tmp_path, capsys):
     result = json.loads(short.read_text())
     assert result["summary"]["lossless"] and result["config"]["verify_tokens"] == 3
     assert not any(result["summary"]["tau_histogram"][3:])  # no round got past its third position
+    swept = tmp_path / "sweep.json"
+    sweep_args = ["--num-prompts", "1", "--max-new-tokens", "12", "--verify-sweep", "2,3", "--out", str(swept)]
+    assert main(args + sweep_args) == 0
+    result = json.loads(swept.read_text())
+    assert sorted(result["verify_sweep"]) == ["2", "3"] and result["config"]["verify_sweep"] == [2, 3]
+    for n, run in result["verify_sweep"].items():  # each size decoded the prompt losslessly, at most n per round
+        assert run["lossless"] and run["new_tokens"] == result["summary"]["new_tokens"]
+        assert not any(run["tau_histogram"][int(n) :]) and sum(run["tau_histogram"]) == run["rounds"]
+    assert "verify 2 tokens: τ" in capsys.readouterr().out
     assert main(args + ["--verify-tokens", str(B + 1)]) == 2
+    assert main(args + ["--verify-sweep", f"2,{B + 1}"]) == 2
+    assert main(args + ["--verify-sweep", "two"]) == 2
     assert (
         main(
             [
