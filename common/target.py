@@ -15,7 +15,8 @@ Kernels: transformers binds functions such as the Gated DeltaNet's `chunk_gated_
 `fla` Triton kernels when `fla` is importable, whatever device the model later runs on; a CPU model
 on a host with `fla` installed then fails inside Triton. `route_kernels_by_device` (applied by
 `reach_text_parts`) sends CPU and float64 tensors to transformers' own torch implementation and
-keeps the fast kernels for CUDA tensors.
+keeps the fast kernels for CUDA tensors; `common.packing.install_fla_convolution` does the same for
+fla's convolution, which transformers does not try.
 
 `read_text_config` + `check_layer_ids` run before any weights are loaded, so a bad tap list fails in
 a second, not after minutes of loading.
@@ -175,6 +176,9 @@ def reach_text_parts(model: nn.Module, tokenizer=None, path: str = "") -> Target
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     route_kernels_by_device(model)
+    from common.packing import install_fla_convolution
+
+    install_fla_convolution(model)
     return Target(
         model, decoder, layers, final_norm, lm_head, text_config, tokenizer, path, final_logits_fn(text_config)
     )

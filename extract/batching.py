@@ -5,6 +5,9 @@ Right padding with an attention mask is the one layout every decoder handles: ca
 never lets a real token see a later pad, and Qwen3.5's linear-attention (Gated DeltaNet) layers
 zero padded positions and run left to right, so pads after the last real token cannot reach it.
 Padded positions are dropped when results are unpacked; they never reach the shards.
+
+Packed micro-batches (`packing = true`) are one row of several samples and no padding, planned by
+tokens; `common.packing` says which targets can keep the samples of a row apart.
 """
 
 from __future__ import annotations
@@ -40,6 +43,52 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     if current:
         batches.append(current)
     return batches
+
+
+def plan_packed_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices into packed rows of at most `token_budget` tokens in all (no padding):
+    first fit over the samples longest first, each row's members in that order. A pure function of
+    the lengths, as `plan_micro_batches` is, so a resumed run re-forms the same rows."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        if n > token_budget:
+            raise ValueError(f"sample of {n} tokens exceeds tokens_per_batch {token_budget}")
+        fit = next((r for r, free in enumerate(room) if free >= n), None)
+        if fit is None:
+            rows.append([])
+            room.append(token_budget)
+            fit = len(rows) - 1
+        rows[fit].append(i)
+        room[fit] -= n
+    return rows
+
+
+def collate_packed(sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """[1, N] int64 input ids of the samples one after another, and their lengths."""
+    lengths = [int(s.shape[0]) for s in sequences]
+    return torch.cat([s.to(torch.long) for s in sequences])[None], lengths
+
+
+def packed_arguments(lengths: Sequence[int], device) -> dict:
+    """What a transformers decoder reads a packed row's boundaries from: position ids restarting at 0
+    per sample (the attention mask), and cumulative lengths (flash attention, fla's kernels)."""
+    lengths_S = torch.tensor(list(lengths), dtype=torch.long)
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths_S, 0)
+    starts_N = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths_S)
+    position_ids = (torch.arange(int(lengths_S.sum())) - starts_N)[None]
+    cu = cu_seqlens.to(device)
+    longest = int(lengths_S.max())
+    return {
+        "position_ids": position_ids.to(device),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
 
 
 def padded_tokens(batch: Sequence[int], lengths: Sequence[int]) -> int:

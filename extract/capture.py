@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from common.target import TapHooks
-from extract.batching import HostBatch, attention_mask_for
+from extract.batching import HostBatch, attention_mask_for, packed_arguments
 
 STORE_DTYPE = torch.bfloat16
 # Byte planes are cut from a byte view of the bf16 values: (low, high) per value in memory.
@@ -39,11 +39,14 @@ assert sys.byteorder == "little", "byte-plane layout assumes a little-endian hos
 
 
 def forward_with_taps(
-    target, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, layer_ids, on_tap
+    target, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, layer_ids, on_tap, packed=None
 ) -> torch.Tensor:
-    """Run the base model once; return its final-normed last hidden state [B, T, H]."""
+    """Run the base model once; return its final-normed last hidden state [B, T, H]. `packed`: the
+    boundaries of a packed row (`extract.batching.packed_arguments`), passed to the decoder."""
     with torch.inference_mode(), TapHooks(target.layers, layer_ids, on_tap):
-        out = target.decoder(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+        out = target.decoder(
+            input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False, **(packed or {})
+        )
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
@@ -102,11 +105,19 @@ class Captured:
 
 
 def capture(
-    target, input_ids_BT: torch.Tensor, lengths: Sequence[int], layer_ids, topk: int, logits_chunk: int = 1024
+    target,
+    input_ids_BT: torch.Tensor,
+    lengths: Sequence[int],
+    layer_ids,
+    topk: int,
+    logits_chunk: int = 1024,
+    packed: bool = False,
 ) -> Captured:
-    """The whole capture on device, synchronously (tests and the benchmark's bare forward)."""
+    """The whole capture on device, synchronously (tests and the benchmark's bare forward). `packed`:
+    `input_ids_BT` is one row [1, N] of the samples of `lengths` one after another."""
     B, T = input_ids_BT.shape
-    mask = attention_mask_for(lengths, T)
+    assert not packed or (B == 1 and T == sum(lengths)), (B, T, list(lengths))
+    mask = None if packed else attention_mask_for(lengths, T)
     device = target.input_device
     taps: list = [None] * len(layer_ids)
 
@@ -115,8 +126,9 @@ def capture(
 
     ids = to_device_async(input_ids_BT, device)
     mask = None if mask is None else to_device_async(mask, device)
-    positions = to_device_async(packed_positions(lengths, T), target.output_device)
-    last = forward_with_taps(target, ids, mask, layer_ids, keep)
+    positions = to_device_async(packed_positions([T] if packed else lengths, T), target.output_device)
+    boundaries = packed_arguments(lengths, device) if packed else None
+    last = forward_with_taps(target, ids, mask, layer_ids, keep, boundaries)
     flat = last.reshape(B * T, -1).to(positions.device).index_select(0, positions)
     ids, logprobs, finite = final_topk(target, flat, topk, logits_chunk)
     return Captured(taps, ids, logprobs, finite, last)
@@ -173,6 +185,7 @@ class InFlight:
     T: int
     events: list
     keepalive: list  # device tensors the side-stream copies read; freed after wait()
+    packed: bool = False  # one row [1, T] holding the samples one after another
 
     def wait(self) -> None:
         for event in self.events:
@@ -266,18 +279,26 @@ class Capturer:
         self.tier = tier
 
     @torch.inference_mode()
-    def launch(self, input_ids_BT: torch.Tensor, lengths: list[int], host: HostBatch) -> InFlight:
+    def launch(self, input_ids_BT: torch.Tensor, lengths: list[int], host: HostBatch, packed: bool = False) -> InFlight:
+        """Start one micro-batch: right-padded [B, T], or with `packed` one row [1, N] of the samples
+        of `lengths` one after another (`extract.batching.collate_packed`)."""
         B, T = input_ids_BT.shape
+        assert not packed or (B == 1 and T == sum(lengths)), (B, T, lengths)
+        if packed and self.tier is not None:
+            raise ValueError("packing: not with a storage tier yet (its error sums are kept per row, not per sample)")
         target, out_dev = self.target, self.out_device
         in_dev = target.input_device
         keepalive: list = []
+        rows = [T] if packed else lengths  # the real length of each row of the forward
         # Every host-to-device copy is queued before the forward, from pinned memory, so none of
         # them makes the CPU wait for the GPU.
-        mask = attention_mask_for(lengths, T)
+        mask = None if packed else attention_mask_for(lengths, T)
         ids_dev = to_device_async(input_ids_BT, in_dev)
         mask_dev = None if mask is None else to_device_async(mask, in_dev)
-        positions_N = to_device_async(packed_positions(lengths, T), out_dev)
-        lengths_B = to_device_async(torch.tensor(lengths, dtype=torch.long), out_dev)
+        boundaries = packed_arguments(lengths, in_dev) if packed else None
+        positions_N = to_device_async(packed_positions(rows, T), out_dev)
+        lengths_B = to_device_async(torch.tensor(rows, dtype=torch.long), out_dev)
+        samples_S = to_device_async(torch.tensor(lengths, dtype=torch.long), out_dev)
         N = int(positions_N.shape[0])
         hidden_host = host.hidden_block(B, T)
         # On a GPU the taps are assembled in a device buffer of the host layout, then copied in one
@@ -311,18 +332,24 @@ class Capturer:
                 self._to_host(staging_block, hidden_host, keepalive)
 
         with self.throttle:
-            last_BTH = forward_with_taps(target, ids_dev, mask_dev, self.layer_ids, on_tap)
+            last_BTH = forward_with_taps(target, ids_dev, mask_dev, self.layer_ids, on_tap, boundaries)
         assert sorted(arrived) == list(range(len(self.layer_ids))), f"tap hooks fired for slots {arrived}"
         flat_NH = last_BTH.reshape(B * T, -1).to(out_dev).index_select(0, positions_N)  # .to: no-op unless device_map
         ids_NK, logprobs_NK, finite_N = final_topk(target, flat_NH, self.topk, self.logits_chunk)
-        valid_BT = torch.arange(T, device=out_dev)[None, :] < lengths_B[:, None]
-        hidden_ok_B = (ok_BT | ~valid_BT).all(dim=-1)
-        owner_N = torch.repeat_interleave(torch.arange(B, device=out_dev), lengths_B, output_size=N)
-        bad_B = torch.zeros(B, dtype=torch.int32, device=out_dev).index_add_(0, owner_N, (~finite_N).to(torch.int32))
+        # Per sample: a sample is a row of a padded batch, a stretch of the packed row.
+        S = len(lengths)
+        owner_N = torch.repeat_interleave(torch.arange(S, device=out_dev), samples_S, output_size=N)
+        if packed:
+            bad_hidden_S = torch.zeros(S, dtype=torch.int32, device=out_dev)
+            hidden_ok_S = bad_hidden_S.index_add_(0, owner_N, (~ok_BT[0]).to(torch.int32)) == 0
+        else:
+            valid_BT = torch.arange(T, device=out_dev)[None, :] < lengths_B[:, None]
+            hidden_ok_S = (ok_BT | ~valid_BT).all(dim=-1)
+        bad_S = torch.zeros(S, dtype=torch.int32, device=out_dev).index_add_(0, owner_N, (~finite_N).to(torch.int32))
         self._to_host(ids_NK, host.topk_ids[:N], keepalive)
         self._to_host(logprobs_NK, host.topk_logprobs[:N], keepalive)
-        self._to_host(hidden_ok_B, host.hidden_ok[:B], keepalive)
-        self._to_host(bad_B == 0, host.logits_ok[:B], keepalive)
+        self._to_host(hidden_ok_S, host.hidden_ok[:S], keepalive)
+        self._to_host(bad_S == 0, host.logits_ok[:S], keepalive)
         if tier is not None:
             self._to_host(errors_2BW, host.error_rows(B), keepalive)
         events = []
@@ -330,7 +357,7 @@ class Capturer:
             event = torch.cuda.Event()
             event.record(stream)
             events.append(event)
-        return InFlight(host, list(lengths), T, events, keepalive)
+        return InFlight(host, list(lengths), T, events, keepalive, packed)
 
     def _to_host(self, src: torch.Tensor, dst: torch.Tensor, keepalive: list) -> None:
         if src.device.type != "cuda":
@@ -374,7 +401,10 @@ def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
     from shards import HiddenPlanes
 
     host, L = inflight.host, inflight.lengths[b]
-    rows = host.hidden_view(len(inflight.lengths), inflight.T)
+    B = 1 if inflight.packed else len(inflight.lengths)
+    rows = host.hidden_view(B, inflight.T)
+    # Sample b: row b of a padded batch, or tokens offset .. offset + L of the packed row.
+    row, span = (0, slice(offset, offset + L)) if inflight.packed else (b, slice(0, L))
     pieces = range(host.hidden_split)
     error = None
     if (
@@ -382,6 +412,7 @@ def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
     ):  # a storage tier: its reconstruction error travels along
         from shards.quant import ErrorSums
 
+        assert not inflight.packed, "storage tiers are not packed (Capturer.launch refuses)"
         sums = host.error_rows(len(inflight.lengths))
         error = ErrorSums(sums[0, b].numpy(), sums[1, b].numpy(), L)
     if host.quant is not None:
@@ -390,17 +421,19 @@ def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
         codes, scales = rows
         hidden = QuantizedHidden(
             host.encoding,
-            tuple(codes[j, b, :L].numpy() for j in pieces),
-            tuple(scales_to_numpy(scales[j, b, :L]) for j in pieces),
+            tuple(codes[j, row, span].numpy() for j in pieces),
+            tuple(scales_to_numpy(scales[j, row, span]) for j in pieces),
             host.stored_width,
             error,
         )
     elif host.encoding == "planes":
         hidden = HiddenPlanes(
-            tuple(rows[0, j, b, :L].numpy() for j in pieces), tuple(rows[1, j, b, :L].numpy() for j in pieces), error
+            tuple(rows[0, j, row, span].numpy() for j in pieces),
+            tuple(rows[1, j, row, span].numpy() for j in pieces),
+            error,
         )
     else:
-        hidden = rows[b, :L].view(torch.uint16).numpy()
+        hidden = rows[row, span].view(torch.uint16).numpy()
     topk_ids = host.topk_ids[offset : offset + L].numpy()
     topk_logprobs = host.topk_logprobs[offset : offset + L].numpy()
     return hidden, topk_ids, topk_logprobs, bool(host.hidden_ok[b]), bool(host.logits_ok[b])

@@ -32,10 +32,17 @@ import torch
 from common.config import config_to_dict, save_config
 from common.hashing import json_digest
 from common.io import exists_at, join_uri, remove_at, resolve
+from common.packing import packing_refusal
 from common.target import Target, check_layer_ids, load_target, read_text_config
 from extract import corpus as C
 from extract import windows
-from extract.batching import BufferPool, collate_right_padded, plan_micro_batches
+from extract.batching import (
+    BufferPool,
+    collate_packed,
+    collate_right_padded,
+    plan_micro_batches,
+    plan_packed_micro_batches,
+)
 from extract.calibrate import ensure_projection
 from extract.capture import Capturer, tier_for
 from extract.checks import check_inputs, check_topk, local_dir
@@ -71,6 +78,11 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     else:
         check_layer_ids(cfg.layer_ids, target.num_layers)
     check_topk(cfg.topk, target.vocab_size)
+    if cfg.packing:
+        refusal = packing_refusal(target)
+        if refusal is not None:
+            raise ValueError(f"packing: refused for this target: {refusal}; run with packing=false")
+        log.info("packing: one row of several samples per forward, boundaries passed to every layer")
     mask = choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus for corpus, _ in prepared.values()])
     log.info("%s", mask.describe())
     summaries = {}
@@ -347,6 +359,10 @@ def _extract_into(
         cfg.launch_ahead_layers,
         tier=tier_for(writer, target.output_device),
     )
+    if cfg.packing and capturer.tier is not None:
+        raise ValueError(
+            "packing: not with a storage tier yet (its error sums are kept per row); run with packing=false"
+        )
     pool = BufferPool(
         cfg.inflight_batches,
         n_taps=n_taps,
@@ -395,7 +411,8 @@ def _run_window(window: windows.Window, cfg, capturer, host_path: HostPath, prog
     total_tokens = sum(lengths)
     rejects_share = window.span if not total_tokens else 0.0
     host_path.put_rejects(window.rejects, rejects_share)
-    for batch in plan_micro_batches(lengths, cfg.tokens_per_batch):
+    plan = plan_packed_micro_batches if cfg.packing else plan_micro_batches
+    for batch in plan(lengths, cfg.tokens_per_batch):
         samples = [window.samples[i] for i in batch]
         share = window.span * sum(lengths[i] for i in batch) / total_tokens
         to_write = [not is_done(s) for s in samples]
@@ -406,8 +423,12 @@ def _run_window(window: windows.Window, cfg, capturer, host_path: HostPath, prog
             continue
         host = host_path.acquire()
         stats.setdefault("first_launch_at", time.perf_counter())
-        input_ids_BT, batch_lengths = collate_right_padded([torch.from_numpy(s.input_ids) for s in samples], pad_id)
-        inflight = capturer.launch(input_ids_BT, batch_lengths, host)
+        sequences = [torch.from_numpy(s.input_ids) for s in samples]
+        if cfg.packing:
+            input_ids_BT, batch_lengths = collate_packed(sequences)
+        else:
+            input_ids_BT, batch_lengths = collate_right_padded(sequences, pad_id)
+        inflight = capturer.launch(input_ids_BT, batch_lengths, host, packed=cfg.packing)
         stats["batches"] += 1
         stats["padded_tokens"] += int(input_ids_BT.numel())
         host_path.put_batch(inflight, samples, to_write, share)

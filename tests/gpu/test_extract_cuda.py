@@ -19,6 +19,7 @@ the size of the values themselves.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -72,16 +73,18 @@ def bf16_values(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_extraction_with_fla_matches_the_reference(hybrid, tmp_path, dtype):
+@pytest.mark.parametrize(
+    "dtype,packing", [("float32", False), ("bfloat16", False), ("float32", True), ("bfloat16", True)]
+)
+def test_cuda_extraction_with_fla_matches_the_reference(hybrid, tmp_path, dtype, packing):
+    """Padded and packed (one row of several samples: fla's kernels take the boundaries) alike."""
     path, corpus, reference = hybrid
     tap_tol, delta = TOLERANCE[dtype]
-    summary = run(
-        make_config(
-            tmp_path / "out", corpus, target=str(path), layer_ids=LAYER_IDS, topk=TOPK, dtype=dtype, device="cuda"
-        ),
-        None,
+    cfg = make_config(
+        tmp_path / "out", corpus, target=str(path), layer_ids=LAYER_IDS, topk=TOPK, dtype=dtype, device="cuda"
     )
+    summary = run(dataclasses.replace(cfg, packing=packing), None)
+    assert summary["this_run"]["pad_efficiency"] == 1.0 or not packing
     got = samples_by_id(str(tmp_path / "out"))
     assert summary["samples"] == len(reference) == len(got) > 10 and got.keys() == reference.keys()
     checked = positions = 0
@@ -104,7 +107,8 @@ def test_cuda_extraction_with_fla_matches_the_reference(hybrid, tmp_path, dtype)
         checked, positions = checked + int(clear.sum()), positions + len(clear)
     assert checked >= positions // 2, f"only {checked} of {positions} positions have a top-1 margin above {delta}"
     print(
-        f"{dtype}: worst tap error {worst_tap:.2e} (of max |ref|), worst log-prob error {worst_lp:.2e}, "
+        f"{dtype}{' packed' if packing else ''}: worst tap error {worst_tap:.2e} (of max |ref|), "
+        f"worst log-prob error {worst_lp:.2e}, "
         f"top-1 equal at all {checked} of {positions} positions with margin > {delta}"
     )
 
@@ -134,3 +138,31 @@ def test_one_model_class_serves_both_devices(hybrid, chat_tokenizer):
             x, y = a[row, :length].cpu(), b[row, :length]
             error = float((x - y).abs().max() / y.abs().max())
             assert error <= TOLERANCE["float32"][0], (slot, row, error)
+
+
+def test_fla_convolution_equals_the_reference_with_and_without_packing():
+    """fla's Triton causal_conv1d, as `common.packing` rebinds it, against transformers' reference
+    convolution on random CUDA inputs (float32, SiLU): whole rows, and a packed row whose samples
+    must each equal their own convolution (nothing carried across a boundary)."""
+    import torch.nn.functional as F
+
+    from common.packing import conv_via_fla, fla_causal_conv1d
+
+    kernel = fla_causal_conv1d()
+    if kernel is None:
+        pytest.skip("fla's causal_conv1d is not importable here")
+
+    def reference(x_BDT, weight, bias=None, activation=None):
+        out = F.conv1d(x_BDT, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x_BDT.shape[1])
+        return F.silu(out[..., : x_BDT.shape[-1]])
+
+    conv = conv_via_fla(reference, kernel)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight, bias = torch.randn(256, 4, device="cuda", generator=gen), torch.randn(256, device="cuda", generator=gen)
+    x = torch.randn(2, 256, 300, device="cuda", generator=gen)
+    assert torch.allclose(conv(x, weight, bias, activation="silu"), reference(x, weight, bias), atol=2e-3, rtol=2e-3)
+    cu = torch.tensor([0, 37, 38, 200, 300], dtype=torch.int32, device="cuda")
+    packed = conv(x[:1], weight, bias, activation="silu", cu_seq_lens_q=cu)
+    for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+        alone = reference(x[:1, :, a:b], weight, bias)
+        assert torch.allclose(packed[..., a:b], alone, atol=2e-3, rtol=2e-3), (a, b)

@@ -1,0 +1,176 @@
+"""What a packed forward (several samples in one row, no padding) needs from the target's kernels.
+
+A packed row carries its samples' boundaries the way transformers' decoders read them: position ids
+that restart at 0 for each sample (the attention layers' mask builder turns that into a document
+mask for sdpa, eager and flex attention; the flash-attention path reads them too) and `cu_seq_lens_q`
+/ `cu_seq_lens_k` (the Gated DeltaNet layers pass them to fla as `cu_seqlens`). The torch fallbacks
+of the Gated DeltaNet's convolution and delta rule accept those arguments and drop them, so a
+sample would silently read its neighbour's state: `packing_refusal` says why a target cannot be
+packed (None when it can), and the routed kernels raise instead of dropping boundaries.
+
+The convolution: transformers' `causal_conv1d_fn` falls back to its reference PyTorch code when the
+`causal-conv1d` package is missing (no wheel for these hosts), although fla, which the Gated DeltaNet
+already uses, has a Triton one that takes `cu_seqlens`. `install_fla_convolution` rebinds that one
+module function (nothing else of the model code) so CUDA tensors go to fla's kernel and every other
+tensor to the reference, as `common.target.route_kernels_by_device` does for the delta rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+CONV_NAME = "causal_conv1d_fn"
+# transformers' reference convolution: hidden_states [B, D, T], weight [D, W] (qwen3_5, 5.17 to 5.25).
+CONV_PARAMS = ("hidden_states", "weight", "bias", "activation")
+ATTENTION_KINDS = {"full_attention", "sliding_attention", "linear_attention"}
+PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+def fla_causal_conv1d() -> Callable | None:
+    """fla's Triton `causal_conv1d` (x [B, T, D], weight [D, W], ... -> (y, final_state)), or None."""
+    for name in ("fla.modules.causal_conv1d", "fla.modules.convolution"):  # fla-core 0.6 / earlier releases
+        try:
+            fn = getattr(importlib.import_module(name), "causal_conv1d", None)
+        except Exception:  # noqa: BLE001 - fla missing, or its Triton import failing on this host
+            continue
+        if callable(fn):
+            return fn
+    return None
+
+
+def _kernel_takes(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cuda" and tensor.dtype != torch.float64
+
+
+def packed_boundaries(kwargs: dict) -> torch.Tensor | None:
+    """The cumulative sample lengths a packed forward passes down (None: not packed)."""
+    for key in ("cu_seq_lens_q", "cu_seqlens"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return None
+
+
+def conv_via_fla(reference: Callable, kernel: Callable) -> Callable:
+    """`reference` (transformers' causal_conv1d_fn) with CUDA tensors sent to fla's `kernel`, packed
+    boundaries included; other tensors go to `reference`, which refuses packed input."""
+
+    @functools.wraps(reference)
+    def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
+        cu_seqlens = packed_boundaries(kwargs)
+        if _kernel_takes(hidden_states):
+            x_BTD = hidden_states.transpose(1, 2).contiguous()
+            y_BTD, _ = kernel(x_BTD, weight, bias, activation=activation, cu_seqlens=cu_seqlens)
+            return y_BTD.transpose(1, 2)
+        if cu_seqlens is not None or kwargs.get("seq_idx") is not None:
+            raise ValueError(
+                f"{CONV_NAME}: packed sequences need fla's CUDA kernel; the torch implementation cannot keep them apart"
+            )
+        return reference(hidden_states, weight, bias, activation=activation)
+
+    conv._dflash_fla_conv = True
+    return conv
+
+
+def _modules_of(model: nn.Module):
+    import sys
+
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        if module is not None and name.startswith("transformers."):
+            yield module
+
+
+def _unwrap_func_module(fn):
+    """With the `kernels` package installed, transformers (5.25) wraps such functions in a module
+    whose forward calls the function it was made from: that function."""
+    forward = getattr(type(fn), "forward", None)
+    if isinstance(fn, nn.Module) and getattr(forward, "__closure__", None):
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__))
+        if "func" in cells and callable(cells["func"].cell_contents):
+            return cells["func"].cell_contents
+    return fn
+
+
+def _reference_conv(fn) -> Callable | None:
+    """The reference convolution behind transformers' `causal_conv1d_fn` when no external package is
+    bound to it (with `causal-conv1d` installed, transformers' own choice stays)."""
+    from common.target import _external_kernel
+
+    if not callable(fn) or getattr(fn, "_dflash_fla_conv", False):
+        return None
+    if _external_kernel(_unwrap_func_module(fn)) is not None:
+        return None
+    inner = getattr(_unwrap_func_module(fn), "__wrapped__", _unwrap_func_module(fn))
+    try:
+        params = tuple(inspect.signature(inner).parameters)
+    except (TypeError, ValueError):
+        return None
+    return fn if params[: len(CONV_PARAMS)] == CONV_PARAMS else None
+
+
+def install_fla_convolution(model: nn.Module, kernel: Callable | None = None) -> list[str]:
+    """Rebind the model's transformers `causal_conv1d_fn` to `conv_via_fla` where fla is importable
+    (or `kernel` is given) and no external convolution is bound; the module functions rebound now."""
+    kernel = kernel or fla_causal_conv1d()
+    if kernel is None:
+        return []
+    done = []
+    for module in _modules_of(model):
+        reference = _reference_conv(getattr(module, CONV_NAME, None))
+        if reference is not None:
+            setattr(module, CONV_NAME, conv_via_fla(reference, kernel))
+            done.append(f"{module.__name__}.{CONV_NAME}")
+    if done:
+        log.info("fla's Triton causal_conv1d for CUDA tensors (reference convolution otherwise): %s", ", ".join(done))
+    return done
+
+
+def fla_convolution_installed(model: nn.Module) -> bool:
+    return any(getattr(getattr(m, CONV_NAME, None), "_dflash_fla_conv", False) for m in _modules_of(model))
+
+
+def packing_refusal(target) -> str | None:
+    """Why packing this target's samples into one row could let one sample see another; None when
+    every layer keeps packed samples apart (attention through the position-id document mask, Gated
+    DeltaNet layers through fla's CUDA kernels for the delta rule and the convolution)."""
+    from common.target import external_kernels
+
+    model, config = target.model, target.text_config
+    name = type(model).__name__
+    if not type(target.decoder).__module__.startswith("transformers."):
+        return f"{name} runs model code from outside transformers, whose handling of packed rows is unknown"
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return "this transformers version builds no document mask from restarting position ids"
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds - ATTENTION_KINDS:
+        return f"{name} has layers of kind {sorted(kinds - ATTENTION_KINDS)}, which packing does not cover"
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if attention not in PACKABLE_ATTENTION:
+        return f"attention implementation {attention!r} builds no document mask (use one of {PACKABLE_ATTENTION})"
+    if "linear_attention" not in kinds:
+        return None
+    device = target.input_device
+    if device.type != "cuda":
+        return (
+            f"its Gated DeltaNet layers keep packed samples apart only in fla's CUDA kernels; on {device} the torch "
+            "implementation would carry one sample's state into the next"
+        )
+    bound = " ".join(external_kernels(model).values())
+    if "chunk_gated_delta_rule" not in bound:
+        return "fla's chunk_gated_delta_rule is not bound to its Gated DeltaNet layers (is fla installed?)"
+    if not fla_convolution_installed(model):
+        return "fla's causal_conv1d is not bound to its Gated DeltaNet convolution (is fla installed?)"
+    if next(target.layers.parameters()).dtype == torch.float64:
+        return "in float64 the Gated DeltaNet runs in torch, which cannot keep packed samples apart"
+    return None
