@@ -135,6 +135,16 @@ def parse_args(argv):
         help="run (b) once more with these extract config overrides, e.g. launch_ahead_layers=4 or "
         "gil_switch_interval=0.0005 (repeatable; (b) runs once per --variant, in order; default: once as configured)",
     )
+    p.add_argument(
+        "--packing",
+        action="store_true",
+        help="(a) and every (b) on packed rows (packing=true: no padding; refused where a layer could mix samples)",
+    )
+    p.add_argument(
+        "--reference-conv",
+        action="store_true",
+        help="the Gated DeltaNet convolution on transformers' reference code instead of fla's Triton kernel",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -213,8 +223,10 @@ def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype):
     return reach_text_parts(model, tokenizer, path=""), sum(p.numel() for p in model.parameters())
 
 
-def kernel_report() -> dict:
+def kernel_report(model=None) -> dict:
     from transformers.utils import import_utils
+
+    from common.packing import fla_convolution_installed
 
     fla_spec = importlib.util.find_spec("fla")
     check = getattr(import_utils, "is_flash_linear_attention_available", None)
@@ -223,6 +235,7 @@ def kernel_report() -> dict:
         "fla_importable": fla_spec is not None,
         "fla_used_by_transformers": bool(check()) if check else None,
         "causal_conv1d_used": bool(conv()) if conv else None,
+        "fla_convolution": None if model is None else fla_convolution_installed(model),
     }
 
 
@@ -236,9 +249,9 @@ def sync(device: str) -> None:
 
 
 def bare_batches(target, cfg, corpus_path: str, ranks) -> list:
-    """(input ids, lengths) of exactly the micro-batches (b) runs on this rank."""
+    """(input ids, lengths, packed) of exactly the micro-batches (b) runs on this rank."""
     from extract import corpus as C
-    from extract.batching import collate_right_padded, plan_micro_batches
+    from extract.batching import collate_packed, collate_right_padded, plan_micro_batches, plan_packed_micro_batches
     from extract.windows import read_windows
 
     policy = C.SamplePolicy(cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, {}, target.vocab_size)
@@ -246,8 +259,10 @@ def bare_batches(target, cfg, corpus_path: str, ranks) -> list:
     batches = []
     for window in read_windows(cfg, C.find_corpus(corpus_path), builder, ranks):
         lengths = [s.n_tokens for s in window.samples]
-        for plan in plan_micro_batches(lengths, cfg.tokens_per_batch):
-            batches.append(collate_right_padded([torch.from_numpy(window.samples[i].input_ids) for i in plan], 0))
+        for plan in (plan_packed_micro_batches if cfg.packing else plan_micro_batches)(lengths, cfg.tokens_per_batch):
+            sequences = [torch.from_numpy(window.samples[i].input_ids) for i in plan]
+            ids, batch_lengths = collate_packed(sequences) if cfg.packing else collate_right_padded(sequences, 0)
+            batches.append((ids, batch_lengths, cfg.packing))
     return batches
 
 
@@ -257,11 +272,12 @@ def measure_bare(target, cfg, batches: list, device: str) -> dict:
 
     if not batches:
         return {"tokens": 0, "seconds": 0.0, "batches": 0}
-    capture(target, *batches[0], cfg.layer_ids, cfg.topk, cfg.logits_chunk)  # warm-up (kernels, allocator)
+    ids, lengths, packed = batches[0]
+    capture(target, ids, lengths, cfg.layer_ids, cfg.topk, cfg.logits_chunk, packed)  # warm-up (kernels, allocator)
     sync(device)
     start, tokens = time.perf_counter(), 0
-    for ids, lengths in batches:
-        captured = capture(target, ids, lengths, cfg.layer_ids, cfg.topk, cfg.logits_chunk)
+    for ids, lengths, packed in batches:
+        captured = capture(target, ids, lengths, cfg.layer_ids, cfg.topk, cfg.logits_chunk, packed)
         tokens += sum(lengths)
         del captured
     sync(device)
@@ -270,7 +286,7 @@ def measure_bare(target, cfg, batches: list, device: str) -> dict:
         "tokens": tokens,
         "seconds": seconds,
         "batches": len(batches),
-        "padded_tokens": sum(int(i.numel()) for i, _ in batches),
+        "padded_tokens": sum(int(i.numel()) for i, _, _ in batches),
     }
 
 
@@ -449,6 +465,17 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     target, n_params = build_random_target(shape["text"], device, dtype)
+    if args.packing:
+        from common.packing import packing_refusal
+
+        refusal = packing_refusal(target)
+        if refusal is not None:
+            print(f"benchmarks.extract: --packing refused for this target: {refusal}", file=sys.stderr)
+            return 2
+    if args.reference_conv:
+        from common.packing import restore_reference_convolution
+
+        print(f"reference convolution restored: {restore_reference_convolution(target.model)}", file=sys.stderr)
     sync(device)
     build_seconds = time.perf_counter() - t0
     overrides = [
@@ -469,6 +496,8 @@ def main(argv=None) -> int:
         overrides.append(f"zstd_level={args.zstd_level}")
     if args.hidden_encoding:
         overrides.append(f"hidden_encoding={args.hidden_encoding}")
+    if args.packing:
+        overrides.append("packing=true")
     cfgs = [
         load_config(ExtractConfig, None, overrides + variant) for variant in args.variants
     ]  # all checked before any work
@@ -511,7 +540,7 @@ def main(argv=None) -> int:
     }
     results = gather(result, ranks)
     if ranks.rank == 0:
-        report = make_report(args, results, n_params, device, summary, kernel_report())
+        report = make_report(args, results, n_params, device, summary, kernel_report(target.model))
         print(format_report(report), flush=True)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
@@ -611,6 +640,7 @@ def make_report(args, results: list[dict], n_params: int, device: str, summary: 
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "kernels": kernels,
+        "packing": args.packing,
         "settings": {
             "tokens": args.tokens,
             "min_len": args.min_len,
@@ -646,7 +676,8 @@ def format_report(report: dict) -> str:
         f"benchmarks.extract  shape={report['shape']}  params={report['parameters'] / 1e9:.2f}B  "
         f"device={report['device']} x{report['world_size']}",
         f"torch {report['torch']}, transformers {report['transformers']}; fla importable: {k['fla_importable']}, "
-        f"used: {k['fla_used_by_transformers']}",
+        f"used: {k['fla_used_by_transformers']}; fla convolution: {k.get('fla_convolution')}; "
+        f"packed rows: {report.get('packing', False)}",
     ]
     for variant in report["variants"]:
         lines += [

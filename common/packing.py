@@ -77,6 +77,7 @@ def conv_via_fla(reference: Callable, kernel: Callable) -> Callable:
         return reference(hidden_states, weight, bias, activation=activation)
 
     conv._dflash_fla_conv = True
+    conv._dflash_reference = reference
     return conv
 
 
@@ -131,6 +132,17 @@ def install_fla_convolution(model: nn.Module, kernel: Callable | None = None) ->
             done.append(f"{module.__name__}.{CONV_NAME}")
     if done:
         log.info("fla's Triton causal_conv1d for CUDA tensors (reference convolution otherwise): %s", ", ".join(done))
+    return done
+
+
+def restore_reference_convolution(model: nn.Module) -> list[str]:
+    """Undo `install_fla_convolution` (a benchmark's baseline): the module functions restored."""
+    done = []
+    for module in _modules_of(model):
+        fn = getattr(module, CONV_NAME, None)
+        if getattr(fn, "_dflash_fla_conv", False):
+            setattr(module, CONV_NAME, fn._dflash_reference)
+            done.append(f"{module.__name__}.{CONV_NAME}")
     return done
 
 

@@ -45,6 +45,14 @@ def test_tiny_bench_runs_and_reports(tmp_path, capsys):
     assert not (tmp_path / "w" / "shards").exists()  # cleaned up without --keep
 
 
+def test_packed_rows_are_refused_where_the_gated_deltanet_runs_in_torch(tmp_path, capsys):
+    """The tiny shape is a hybrid Qwen3.5: on the CPU its torch Gated DeltaNet would carry one
+    sample's state into the next, so --packing stops at once and says why."""
+    argv = ["--shape", "tiny", "--tokens", "500", "--max-len", "100", "--workdir", str(tmp_path / "w"), "--packing"]
+    assert bench.main(argv) == 2
+    assert "--packing refused for this target: its Gated DeltaNet layers" in capsys.readouterr().err
+
+
 def test_a_multi_rank_corpus_gives_every_rank_the_same_tokens(tmp_path):
     """Ranks own samples by content hash; the bench's corpus is drawn so each rank owns the same
     tokens (within one sequence), checked here with the pipeline's own ownership rule."""

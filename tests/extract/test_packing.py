@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.packing import conv_via_fla, install_fla_convolution, packing_refusal
+from common.packing import conv_via_fla, install_fla_convolution, packing_refusal, restore_reference_convolution
 from common.target import reach_text_parts
 from extract.batching import HostBatch, collate_packed, packed_arguments, plan_packed_micro_batches
 from extract.capture import Capturer, capture, sample_views
@@ -126,6 +126,8 @@ def test_rebound_convolution_passes_layout_and_boundaries_to_the_kernel(monkeypa
         alone = reference_conv(x_BDT[..., a:b], weight, bias, "silu")
         assert torch.allclose(packed[..., a:b], alone, atol=1e-6)
     assert calls == [None, cu.tolist()]
+    assert restore_reference_convolution(qwen35_model) == [f"{module.__name__}.causal_conv1d_fn"]
+    assert module.causal_conv1d_fn is original  # a benchmark's baseline runs the reference again
 
 
 def test_a_packed_extraction_holds_the_unpacked_datasets_samples(tmp_path, loaded_target, qwen35_model):
