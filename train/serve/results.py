@@ -217,3 +217,5 @@ def print_summary(result: dict) -> None:
                 f"  offline τ on the corpus responses of the same prompts: all anchors {a['offline_tau_corpus']:.3f}, "
                 f"online schedule {a['offline_tau_corpus_chained']:.3f}"
             )
+        if "seconds" in a:
+            print(f"  the agreement check took {a['seconds']:.1f} s")

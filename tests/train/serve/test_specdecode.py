@@ -596,7 +596,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     summary = result["summary"]
     assert summary["prompts"] == 2 and summary["lossless"] and summary["speedup"] > 0
     assert sum(summary["tau_histogram"]) == summary["rounds"] and len(summary["tau_histogram"]) == B
-    assert result["agreement"]["round_mismatches"] == 0
+    assert result["agreement"]["round_mismatches"] == 0 and result["agreement"]["seconds"] > 0
+    assert f"the agreement check took {result['agreement']['seconds']:.1f} s" in printed
     assert result["config"]["max_new_tokens"] == 24 and result["cache_mode"] == "crop"
     assert result["config"]["tf32"] is True and result["config"]["verify_tokens"] == B
     assert result["config"]["compile"] is None  # no static cache on the CPU, so nothing was compiled
