@@ -13,6 +13,12 @@ The convolution: transformers' `causal_conv1d_fn` falls back to its reference Py
 already uses, has a Triton one that takes `cu_seqlens`. `install_fla_convolution` rebinds that one
 module function (nothing else of the model code) so CUDA tensors go to fla's kernel and every other
 tensor to the reference, as `common.target.route_kernels_by_device` does for the delta rule.
+
+Checking the structure is not enough: some transformers decoders never hand the position ids to
+their mask builder (Qwen2-VL's text model expands them to three rows; gpt-oss leaves them out; ALiBi
+models read none), and their attention then mixes packed samples with no error. So
+`packing_probe` also runs the loaded target on two packed rows that share a last sample but differ
+in the one before it: where the samples are kept apart that last sample's output is the same bits.
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ def packed_boundaries(kwargs: dict) -> torch.Tensor | None:
     return None
 
 
+FLA_ACTIVATIONS = (None, "silu", "swish")  # fla's kernel applies no other activation
+
+
 def conv_via_fla(reference: Callable, kernel: Callable) -> Callable:
     """`reference` (transformers' causal_conv1d_fn) with CUDA tensors sent to fla's `kernel`, packed
     boundaries included; other tensors go to `reference`, which refuses packed input."""
@@ -66,7 +75,7 @@ def conv_via_fla(reference: Callable, kernel: Callable) -> Callable:
     @functools.wraps(reference)
     def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
         cu_seqlens = packed_boundaries(kwargs)
-        if _kernel_takes(hidden_states):
+        if _kernel_takes(hidden_states) and activation in FLA_ACTIVATIONS:
             x_BTD = hidden_states.transpose(1, 2).contiguous()
             y_BTD, _ = kernel(x_BTD, weight, bias, activation=activation, cu_seqlens=cu_seqlens)
             return y_BTD.transpose(1, 2)
@@ -90,21 +99,10 @@ def _modules_of(model: nn.Module):
             yield module
 
 
-def _unwrap_func_module(fn):
-    """With the `kernels` package installed, transformers (5.25) wraps such functions in a module
-    whose forward calls the function it was made from: that function."""
-    forward = getattr(type(fn), "forward", None)
-    if isinstance(fn, nn.Module) and getattr(forward, "__closure__", None):
-        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__))
-        if "func" in cells and callable(cells["func"].cell_contents):
-            return cells["func"].cell_contents
-    return fn
-
-
 def _reference_conv(fn) -> Callable | None:
     """The reference convolution behind transformers' `causal_conv1d_fn` when no external package is
     bound to it (with `causal-conv1d` installed, transformers' own choice stays)."""
-    from common.target import _external_kernel
+    from common.target import _external_kernel, _unwrap_func_module
 
     if not callable(fn) or getattr(fn, "_dflash_fla_conv", False):
         return None
@@ -148,6 +146,58 @@ def restore_reference_convolution(model: nn.Module) -> list[str]:
 
 def fla_convolution_installed(model: nn.Module) -> bool:
     return any(getattr(getattr(m, CONV_NAME, None), "_dflash_fla_conv", False) for m in _modules_of(model))
+
+
+def packed_arguments(lengths, device) -> dict:
+    """What a transformers decoder reads a packed row's boundaries from: position ids restarting at 0
+    per sample (the attention mask) and cumulative lengths (flash attention, fla's kernels), on
+    `device` (from pinned memory on a GPU, so the copies do not make the host wait for it)."""
+    lengths_S = torch.tensor(list(lengths), dtype=torch.long)
+    cu_seqlens = torch.zeros(len(lengths_S) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths_S, 0)
+    starts_N = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths_S)
+    position_ids = (torch.arange(int(lengths_S.sum())) - starts_N)[None]
+    if torch.device(device).type == "cuda":
+        cu = cu_seqlens.pin_memory().to(device, non_blocking=True)
+        position_ids = position_ids.pin_memory().to(device, non_blocking=True)
+    else:
+        cu, position_ids = cu_seqlens.to(device), position_ids.to(device)
+    longest = int(lengths_S.max())
+    return {
+        "position_ids": position_ids,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
+
+
+PROBE_LENGTHS = (70, 90)  # past fla's 64-token chunks and the convolution's width
+
+
+@torch.inference_mode()
+def packing_probe(target, seed: int = 0) -> str | None:
+    """Run the target on two packed rows [a, b] and [a', b] (random tokens, a != a'): None when b's
+    final hidden states are equal in both (nothing of the sample before it reached b), else why not."""
+    first, last = PROBE_LENGTHS
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(target.vocab_size)
+    b = torch.randint(0, vocab, (last,), generator=gen)
+    outputs = []
+    for _ in range(2):
+        a = torch.randint(0, vocab, (first,), generator=gen)
+        ids = torch.cat([a, b])[None].to(target.input_device)
+        out = target.decoder(input_ids=ids, use_cache=False, **packed_arguments(PROBE_LENGTHS, target.input_device))
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        outputs.append(hidden[0, first:].float().cpu())
+    scale = float(outputs[0].abs().max()) or 1.0
+    error = float((outputs[0] - outputs[1]).abs().max()) / scale
+    if error > 1e-4:  # kept apart, the same kernels on the same shapes give the same bits
+        return (
+            f"a packed sample's output changed with the sample before it (max difference {error:.2g} of its "
+            "largest value): this model's layers do not keep packed samples apart"
+        )
+    return None
 
 
 def packing_refusal(target) -> str | None:

@@ -206,6 +206,17 @@ def _external_kernel(fn) -> tuple[Callable, Callable] | None:
     return kernel, reference
 
 
+def _unwrap_func_module(fn):
+    """With the `kernels` package installed (a dependency of transformers 5.25), transformers wraps
+    such functions in a module whose forward calls the function it was made from: that function."""
+    forward = getattr(type(fn), "forward", None)
+    if isinstance(fn, nn.Module) and getattr(forward, "__closure__", None):
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__))
+        if "func" in cells and callable(cells["func"].cell_contents):
+            return cells["func"].cell_contents
+    return fn
+
+
 def _kernel_takes(tensor: torch.Tensor) -> bool:
     """Whether the external Triton/CUDA kernels take this tensor: CUDA, 16- or 32-bit floats."""
     return tensor.device.type == "cuda" and tensor.dtype != torch.float64
@@ -246,6 +257,7 @@ def external_kernels(model: nn.Module) -> dict[str, str]:
     (e.g. fla's `chunk_gated_delta_rule`), routed or not; empty when transformers uses no such kernel."""
     found = {}
     for module, name, fn in _module_functions(model):
+        fn = _unwrap_func_module(fn)
         bound = _external_kernel(getattr(fn, "__wrapped__", None) if getattr(fn, "_dflash_routed", False) else fn)
         if bound is not None:
             kernel = bound[0]

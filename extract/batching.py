@@ -72,25 +72,6 @@ def collate_packed(sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, lis
     return torch.cat([s.to(torch.long) for s in sequences])[None], lengths
 
 
-def packed_arguments(lengths: Sequence[int], device) -> dict:
-    """What a transformers decoder reads a packed row's boundaries from: position ids restarting at 0
-    per sample (the attention mask), and cumulative lengths (flash attention, fla's kernels)."""
-    lengths_S = torch.tensor(list(lengths), dtype=torch.long)
-    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(lengths_S, 0)
-    starts_N = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths_S)
-    position_ids = (torch.arange(int(lengths_S.sum())) - starts_N)[None]
-    cu = cu_seqlens.to(device)
-    longest = int(lengths_S.max())
-    return {
-        "position_ids": position_ids.to(device),
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "max_length_q": longest,
-        "max_length_k": longest,
-    }
-
-
 def padded_tokens(batch: Sequence[int], lengths: Sequence[int]) -> int:
     return len(batch) * max(lengths[i] for i in batch)
 

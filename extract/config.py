@@ -218,6 +218,11 @@ class ExtractConfig:
                 "tokens_per_batch",
                 f"{self.tokens_per_batch} is below max_len {self.max_len}; a longest sample must fit one micro-batch",
             )
+        tiered = self.projection is not None or self.hidden_encoding not in (None, *HIDDEN_ENCODINGS)
+        if self.packing and tiered:
+            fail(
+                "packing", "not with a storage tier (hidden_encoding / projection) yet: its error sums are kept per row"
+            )
         if self.min_loss_tokens > self.max_len:
             fail("min_loss_tokens", f"{self.min_loss_tokens} exceeds max_len {self.max_len}; no sample could pass")
         for key, value in self.chat_template_kwargs.items():

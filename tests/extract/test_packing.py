@@ -13,9 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.packing import conv_via_fla, install_fla_convolution, packing_refusal, restore_reference_convolution
+from common.packing import (
+    conv_via_fla,
+    install_fla_convolution,
+    packed_arguments,
+    packing_probe,
+    packing_refusal,
+    restore_reference_convolution,
+)
 from common.target import reach_text_parts
-from extract.batching import HostBatch, collate_packed, packed_arguments, plan_packed_micro_batches
+from extract.batching import HostBatch, collate_packed, plan_packed_micro_batches
 from extract.capture import Capturer, capture, sample_views
 
 
@@ -162,3 +169,36 @@ def test_a_packed_extraction_holds_the_unpacked_datasets_samples(tmp_path, loade
         cfg = dataclasses.replace(make_config(tmp_path / "hybrid", corpus), packing=True, layer_ids=[0, 1])
         pipeline.run(cfg, target=reach_text_parts(qwen35_model, loaded_target.tokenizer), ranks=Ranks())
     assert not (tmp_path / "hybrid" / "manifest.json").exists()
+
+
+def test_the_probe_catches_a_model_whose_attention_ignores_the_boundaries(qwen3_model):
+    """A decoder whose mask builder never sees the position ids passes the structural check but
+    mixes packed samples: the probe (two rows that share their last sample) refuses it."""
+    target = reach_text_parts(qwen3_model)
+    assert packing_probe(target) is None  # Qwen3 keeps packed samples apart
+
+    class NoDocumentMask(torch.nn.Module):
+        """The decoder with the position ids withheld from it: plain causal attention over the row."""
+
+        def __init__(self, decoder):
+            super().__init__()
+            self.inner = decoder
+
+        def get_input_embeddings(self):
+            return self.inner.get_input_embeddings()
+
+        def forward(self, input_ids, position_ids=None, **kwargs):
+            return self.inner(input_ids=input_ids, **kwargs)
+
+    leaky = dataclasses.replace(target, decoder=NoDocumentMask(target.decoder))
+    reason = packing_probe(leaky)
+    assert reason is not None and "changed with the sample before it" in reason
+
+
+def test_packing_with_a_storage_tier_is_refused_up_front(tmp_path):
+    from common.config import ConfigError
+    from tests.extract.test_pipeline import make_config
+
+    with pytest.raises(ConfigError, match="config key 'packing': not with a storage tier"):
+        cfg = make_config(tmp_path / "out", tmp_path / "c.jsonl", hidden_encoding="fp8")
+        dataclasses.replace(cfg, packing=True).check()
