@@ -141,6 +141,13 @@ def parse_args(argv):
         help="(a) and every (b) on packed rows (packing=true: no padding; refused where a layer could mix samples)",
     )
     p.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        choices=["sdpa", "eager", "flex_attention", "flash_attention_2"],
+        help="the attention layers' kernel (with --packing: flex_attention skips the document mask's empty blocks, "
+        "sdpa computes the whole N x N row)",
+    )
+    p.add_argument(
         "--reference-conv",
         action="store_true",
         help="the Gated DeltaNet convolution on transformers' reference code instead of fla's Triton kernel",
@@ -207,7 +214,7 @@ def write_token_corpus(path: str, lengths: list[int], vocab_size: int, seed: int
     return owned
 
 
-def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype):
+def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     from common.target import reach_text_parts
@@ -216,7 +223,7 @@ def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype):
     config = Qwen3_5TextConfig(**text_kwargs)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     model.eval().requires_grad_(False)
     # Token ids come pre-made; the tokenizer only supplies pad/eos ids and provenance.
     tokenizer = build_chat_tokenizer(["benchmark corpus of random token ids " * 8], 300)
@@ -464,11 +471,14 @@ def main(argv=None) -> int:
     ranks.barrier()
 
     t0 = time.perf_counter()
-    target, n_params = build_random_target(shape["text"], device, dtype)
+    target, n_params = build_random_target(shape["text"], device, dtype, args.attn_implementation)
     if args.packing:
-        from common.packing import packing_refusal
+        from common.packing import packing_probe, packing_refusal, use_packed_sdpa
 
         refusal = packing_refusal(target)
+        if refusal is None:  # as the pipeline does, so (a) runs the same attention as (b)
+            use_packed_sdpa(target)
+            refusal = packing_probe(target)
         if refusal is not None:
             print(f"benchmarks.extract: --packing refused for this target: {refusal}", file=sys.stderr)
             return 2
@@ -498,6 +508,7 @@ def main(argv=None) -> int:
         overrides.append(f"hidden_encoding={args.hidden_encoding}")
     if args.packing:
         overrides.append("packing=true")
+    overrides.append(f"attn_implementation={args.attn_implementation}")
     cfgs = [
         load_config(ExtractConfig, None, overrides + variant) for variant in args.variants
     ]  # all checked before any work
@@ -641,6 +652,7 @@ def make_report(args, results: list[dict], n_params: int, device: str, summary: 
         "transformers": __import__("transformers").__version__,
         "kernels": kernels,
         "packing": args.packing,
+        "attn_implementation": args.attn_implementation,
         "settings": {
             "tokens": args.tokens,
             "min_len": args.min_len,
@@ -677,7 +689,7 @@ def format_report(report: dict) -> str:
         f"device={report['device']} x{report['world_size']}",
         f"torch {report['torch']}, transformers {report['transformers']}; fla importable: {k['fla_importable']}, "
         f"used: {k['fla_used_by_transformers']}; fla convolution: {k.get('fla_convolution')}; "
-        f"packed rows: {report.get('packing', False)}",
+        f"packed rows: {report.get('packing', False)}; attention: {report.get('attn_implementation', 'sdpa')}",
     ]
     for variant in report["variants"]:
         lines += [

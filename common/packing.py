@@ -38,7 +38,7 @@ CONV_NAME = "causal_conv1d_fn"
 # transformers' reference convolution: hidden_states [B, D, T], weight [D, W] (qwen3_5, 5.17 to 5.25).
 CONV_PARAMS = ("hidden_states", "weight", "bias", "activation")
 ATTENTION_KINDS = {"full_attention", "sliding_attention", "linear_attention"}
-PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKABLE_ATTENTION = ("sdpa", "dflash_packed_sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 def fla_causal_conv1d() -> Callable | None:
@@ -164,12 +164,70 @@ def packed_arguments(lengths, device) -> dict:
         cu, position_ids = cu_seqlens.to(device), position_ids.to(device)
     longest = int(lengths_S.max())
     return {
+        "dflash_segments": tuple(int(x) for x in cu_seqlens),  # on the host, for `packed_sdpa_attention`
         "position_ids": position_ids,
         "cu_seq_lens_q": cu,
         "cu_seq_lens_k": cu,
         "max_length_q": longest,
         "max_length_k": longest,
     }
+
+
+PACKED_SDPA = "dflash_packed_sdpa"
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-function signature (query [B, H, Q, D], key and value [B, Hkv, S, D];
+    returns ([B, Q, H, D], None)). A packed row (one row, `dflash_segments` given): transformers' SDPA
+    once per sample, causal and without a mask (so SDPA's flash kernel runs) on layers without a
+    sliding window, on the sample's block of the mask otherwise; never the row's dense N x N mask.
+    Anything else: transformers' SDPA as it is."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    segments = kwargs.pop("dflash_segments", None)
+    is_causal = kwargs.pop("is_causal", None)
+    packed = segments is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2] == segments[-1]
+    if not packed:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    windowed = getattr(module, "sliding_window", None) is not None and attention_mask is not None
+    outputs = []
+    for a, b in zip(segments, segments[1:]):
+        mask = attention_mask[..., a:b, a:b] if windowed else None
+        out, _ = sdpa_attention_forward(
+            module,
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+            **kwargs,
+        )
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+def use_packed_sdpa(target) -> bool:
+    """Switch a target that runs transformers' SDPA to `packed_sdpa_attention` (registered once, with
+    SDPA's own mask builder); True when switched. Other attention implementations stay as they are.
+    The switch stays: on any forward that is not a packed row it is transformers' SDPA unchanged."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    configs = {id(c): c for c in (target.model.config, target.text_config)}
+    for module in target.layers.modules():
+        if getattr(module, "config", None) is not None:
+            configs[id(module.config)] = module.config
+    if any(getattr(c, "_attn_implementation", None) not in ("sdpa", PACKED_SDPA) for c in configs.values()):
+        return False
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)
+    for config in configs.values():
+        config._attn_implementation = PACKED_SDPA  # read by every attention layer when it runs
+    return True
 
 
 PROBE_LENGTHS = (70, 90)  # past fla's 64-token chunks and the convolution's width

@@ -32,7 +32,7 @@ import torch
 from common.config import config_to_dict, save_config
 from common.hashing import json_digest
 from common.io import exists_at, join_uri, remove_at, resolve
-from common.packing import packing_probe, packing_refusal
+from common.packing import packing_probe, packing_refusal, use_packed_sdpa
 from common.target import Target, check_layer_ids, load_target, read_text_config
 from extract import corpus as C
 from extract import windows
@@ -79,15 +79,17 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
         check_layer_ids(cfg.layer_ids, target.num_layers)
     check_topk(cfg.topk, target.vocab_size)
     if cfg.packing:
-        refusal = packing_refusal(target) or packing_probe(target)
+        refusal = packing_refusal(target)
+        if refusal is None:
+            use_packed_sdpa(target)  # SDPA per sample instead of over the row's dense mask
+            refusal = packing_probe(target)
         if refusal is not None:
             raise ValueError(f"packing: refused for this target: {refusal}; run with packing=false")
         attention = getattr(target.text_config, "_attn_implementation", None)
-        dense = attention not in ("flex_attention", "flash_attention_2", "flash_attention_3")
+        dense = attention == "eager"
         log.info(
             "packing: one row of several samples per forward, boundaries passed to every layer (checked on a probe)%s",
-            f"; with {attention} attention the document mask is dense (N x N per row): flex_attention or flash "
-            "attention skip its masked blocks"
+            f"; with {attention} attention the document mask is dense (N x N per row): sdpa runs per sample"
             if dense
             else "",
         )

@@ -202,3 +202,40 @@ def test_packing_with_a_storage_tier_is_refused_up_front(tmp_path):
     with pytest.raises(ConfigError, match="config key 'packing': not with a storage tier"):
         cfg = make_config(tmp_path / "out", tmp_path / "c.jsonl", hidden_encoding="fp8")
         dataclasses.replace(cfg, packing=True).check()
+
+
+def test_packed_sdpa_runs_each_sample_causally_and_equals_it_alone(qwen3_model, monkeypatch):
+    """With `use_packed_sdpa` a packed row's attention is SDPA once per sample, causal and maskless
+    (the flash kernel's case), never over the row's dense N x N mask; the stored values still equal
+    each sample's own extraction, and an unpacked forward is transformers' SDPA unchanged."""
+    from common.packing import PACKED_SDPA, use_packed_sdpa
+
+    target = reach_text_parts(qwen3_model)
+    seqs = [torch.randint(0, qwen3_model.config.vocab_size, (n,)) for n in (23, 40, 5)]
+    ids_1N, lengths = collate_packed(seqs)
+    dense = capture(target, ids_1N, lengths, [1, 3], 4, packed=True)  # through the row's document mask
+    calls = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((q.shape[-2], attn_mask is None, is_causal))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    try:
+        assert use_packed_sdpa(target) and qwen3_model.config._attn_implementation == PACKED_SDPA
+        monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+        per_sample = capture(target, ids_1N, lengths, [1, 3], 4, packed=True)
+        n_layers = qwen3_model.config.num_hidden_layers
+        assert calls == [(n, True, True) for _ in range(n_layers) for n in lengths]
+        assert packing_probe(target) is None
+        calls.clear()
+        alone = capture(target, seqs[1][None], [lengths[1]], [1, 3], 4)
+        assert len(calls) == n_layers  # unpacked: one SDPA call per layer, as transformers makes it
+    finally:
+        for config in {id(c): c for c in (qwen3_model.config, target.text_config)}.values():
+            config._attn_implementation = "sdpa"  # the model is shared with other tests
+    for a, b in zip(dense.taps, per_sample.taps):
+        assert torch.allclose(a, b, atol=1e-5)
+    at = lengths[0]
+    assert torch.allclose(per_sample.taps[0][0, at : at + lengths[1]], alone.taps[0][0], atol=1e-5)
+    assert torch.equal(per_sample.topk_ids, dense.topk_ids)
