@@ -113,8 +113,9 @@ class ExtractConfig:
     packing: bool = knob(
         False,
         help="one packed row per forward: the samples one after another, no padding, at most tokens_per_batch "
-        "tokens; refused unless every layer keeps the samples apart (attention through transformers' document mask; "
-        "Gated DeltaNet layers only in fla's CUDA kernels), and not with a storage tier yet",
+        "tokens; refused unless every layer keeps the samples apart (attention: transformers' document mask, SDPA "
+        "once per sample; Gated DeltaNet layers: only fla's CUDA kernels; a probe forward checks it); not with a "
+        "storage tier yet",
     )
     logits_chunk: int = knob(
         1024, help="positions per lm_head chunk; full-vocabulary logits exist for this many positions at once", min=1
