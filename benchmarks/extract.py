@@ -143,9 +143,9 @@ def parse_args(argv):
     p.add_argument(
         "--attn-implementation",
         default="sdpa",
-        choices=["sdpa", "eager", "flex_attention", "flash_attention_2"],
-        help="the attention layers' kernel (with --packing: flex_attention skips the document mask's empty blocks, "
-        "sdpa computes the whole N x N row)",
+        choices=["sdpa", "eager", "flash_attention_2"],
+        help="the attention layers' kernel (with --packing, sdpa runs once per sample; transformers has no flex "
+        "attention for Qwen3.5)",
     )
     p.add_argument(
         "--reference-conv",
@@ -473,14 +473,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     target, n_params = build_random_target(shape["text"], device, dtype, args.attn_implementation)
     if args.packing:
-        from common.packing import packing_probe, packing_refusal, use_packed_sdpa
+        from extract.pipeline import prepare_packing
 
-        refusal = packing_refusal(target)
-        if refusal is None:  # as the pipeline does, so (a) runs the same attention as (b)
-            use_packed_sdpa(target)
-            refusal = packing_probe(target)
-        if refusal is not None:
-            print(f"benchmarks.extract: --packing refused for this target: {refusal}", file=sys.stderr)
+        try:
+            prepare_packing(target)  # as the pipeline does, so (a) runs the same attention as (b)
+        except ValueError as refusal:
+            print(f"benchmarks.extract: --packing {str(refusal).removeprefix('packing: ')}", file=sys.stderr)
             return 2
     if args.reference_conv:
         from common.packing import restore_reference_convolution

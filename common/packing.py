@@ -38,7 +38,14 @@ CONV_NAME = "causal_conv1d_fn"
 # transformers' reference convolution: hidden_states [B, D, T], weight [D, W] (qwen3_5, 5.17 to 5.25).
 CONV_PARAMS = ("hidden_states", "weight", "bias", "activation")
 ATTENTION_KINDS = {"full_attention", "sliding_attention", "linear_attention"}
-PACKABLE_ATTENTION = ("sdpa", "dflash_packed_sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKABLE_ATTENTION = (
+    "sdpa",
+    "sdpa_per_packed_sample",
+    "eager",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+)
 
 
 def fla_causal_conv1d() -> Callable | None:
@@ -173,27 +180,33 @@ def packed_arguments(lengths, device) -> dict:
     }
 
 
-PACKED_SDPA = "dflash_packed_sdpa"
+# No "flash" in the name: transformers treats any implementation whose name holds it as flash attention.
+PACKED_SDPA = "sdpa_per_packed_sample"
 
 
 def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention-function signature (query [B, H, Q, D], key and value [B, Hkv, S, D];
     returns ([B, Q, H, D], None)). A packed row (one row, `dflash_segments` given): transformers' SDPA
     once per sample, causal and without a mask (so SDPA's flash kernel runs) on layers without a
-    sliding window, on the sample's block of the mask otherwise; never the row's dense N x N mask.
-    Anything else: transformers' SDPA as it is."""
+    sliding window shorter than the sample, on the sample's block of the mask otherwise (the row's mask
+    is built, but no attention runs over all of it). Anything else (not packed, not causal, a position
+    bias): transformers' SDPA as it is."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     segments = kwargs.pop("dflash_segments", None)
     is_causal = kwargs.pop("is_causal", None)
+    causal = getattr(module, "is_causal", True) and is_causal is not False
     packed = segments is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2] == segments[-1]
+    packed = packed and causal and kwargs.get("position_bias") is None
     if not packed:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    windowed = getattr(module, "sliding_window", None) is not None and attention_mask is not None
+    # Mistral-style models pass the window to the attention function; Qwen2/3-style ones set it on the module.
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     outputs = []
     for a, b in zip(segments, segments[1:]):
+        windowed = window is not None and attention_mask is not None and b - a > window
         mask = attention_mask[..., a:b, a:b] if windowed else None
         out, _ = sdpa_attention_forward(
             module,
@@ -210,24 +223,30 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     return torch.cat(outputs, dim=1), None
 
 
-def use_packed_sdpa(target) -> bool:
-    """Switch a target that runs transformers' SDPA to `packed_sdpa_attention` (registered once, with
-    SDPA's own mask builder); True when switched. Other attention implementations stay as they are.
-    The switch stays: on any forward that is not a packed row it is transformers' SDPA unchanged."""
+def use_packed_sdpa(target) -> Callable[[], None] | None:
+    """Switch the text decoder of a target that runs transformers' SDPA to `packed_sdpa_attention`
+    (registered once, with SDPA's own mask builder); returns what switches it back, or None where
+    nothing was switched (another attention implementation). Only the text decoder's configs change:
+    a composite config's setter would pass the name on to a vision tower, which packing never feeds."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    configs = {id(c): c for c in (target.model.config, target.text_config)}
+    configs = {id(target.text_config): target.text_config}
     for module in target.layers.modules():
         if getattr(module, "config", None) is not None:
             configs[id(module.config)] = module.config
-    if any(getattr(c, "_attn_implementation", None) not in ("sdpa", PACKED_SDPA) for c in configs.values()):
-        return False
+    if any(getattr(c, "_attn_implementation", None) != "sdpa" for c in configs.values()):
+        return None
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)
     for config in configs.values():
         config._attn_implementation = PACKED_SDPA  # read by every attention layer when it runs
-    return True
+
+    def restore() -> None:
+        for config in configs.values():
+            config._attn_implementation = "sdpa"
+
+    return restore
 
 
 PROBE_LENGTHS = (70, 90)  # past fla's 64-token chunks and the convolution's width

@@ -78,21 +78,7 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     else:
         check_layer_ids(cfg.layer_ids, target.num_layers)
     check_topk(cfg.topk, target.vocab_size)
-    if cfg.packing:
-        refusal = packing_refusal(target)
-        if refusal is None:
-            use_packed_sdpa(target)  # SDPA per sample instead of over the row's dense mask
-            refusal = packing_probe(target)
-        if refusal is not None:
-            raise ValueError(f"packing: refused for this target: {refusal}; run with packing=false")
-        attention = getattr(target.text_config, "_attn_implementation", None)
-        dense = attention == "eager"
-        log.info(
-            "packing: one row of several samples per forward, boundaries passed to every layer (checked on a probe)%s",
-            f"; with {attention} attention the document mask is dense (N x N per row): sdpa runs per sample"
-            if dense
-            else "",
-        )
+    restore_attention = prepare_packing(target) if cfg.packing else None
     mask = choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus for corpus, _ in prepared.values()])
     log.info("%s", mask.describe())
     summaries = {}
@@ -106,7 +92,29 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
             )
     finally:
         sys.setswitchinterval(python_interval)
+        if restore_attention is not None:  # a target the caller passed in stays as it came
+            restore_attention()
     return summaries
+
+
+def prepare_packing(target: Target):
+    """Refuse packing (ValueError naming why) unless the target keeps packed samples apart, checked on
+    its structure and on a probe forward; SDPA switched to run per sample. Returns what undoes the
+    switch (None: nothing to undo)."""
+    refusal = packing_refusal(target)
+    restore = use_packed_sdpa(target) if refusal is None else None  # per sample, not over the row's dense mask
+    if refusal is None:
+        refusal = packing_probe(target)
+    if refusal is not None:
+        if restore is not None:
+            restore()
+        raise ValueError(f"packing: refused for this target: {refusal}; run with packing=false")
+    attention = getattr(target.text_config, "_attn_implementation", None)
+    log.info(
+        "packing: one row of several samples per forward, boundaries passed to every layer (checked on a probe)%s",
+        f"; with {attention} attention the document mask is dense (N x N per row)" if attention == "eager" else "",
+    )
+    return restore
 
 
 def _load_checked_target(cfg: ExtractConfig, ranks: Ranks) -> Target:

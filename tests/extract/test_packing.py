@@ -221,8 +221,9 @@ def test_packed_sdpa_runs_each_sample_causally_and_equals_it_alone(qwen3_model, 
         calls.append((q.shape[-2], attn_mask is None, is_causal))
         return real_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
 
+    restore = use_packed_sdpa(target)
     try:
-        assert use_packed_sdpa(target) and qwen3_model.config._attn_implementation == PACKED_SDPA
+        assert restore is not None and qwen3_model.config._attn_implementation == PACKED_SDPA
         monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
         per_sample = capture(target, ids_1N, lengths, [1, 3], 4, packed=True)
         n_layers = qwen3_model.config.num_hidden_layers
@@ -232,10 +233,49 @@ def test_packed_sdpa_runs_each_sample_causally_and_equals_it_alone(qwen3_model, 
         alone = capture(target, seqs[1][None], [lengths[1]], [1, 3], 4)
         assert len(calls) == n_layers  # unpacked: one SDPA call per layer, as transformers makes it
     finally:
-        for config in {id(c): c for c in (qwen3_model.config, target.text_config)}.values():
-            config._attn_implementation = "sdpa"  # the model is shared with other tests
+        restore()  # the model is shared with other tests
+    assert qwen3_model.config._attn_implementation == "sdpa"
     for a, b in zip(dense.taps, per_sample.taps):
         assert torch.allclose(a, b, atol=1e-5)
     at = lengths[0]
     assert torch.allclose(per_sample.taps[0][0, at : at + lengths[1]], alone.taps[0][0], atol=1e-5)
     assert torch.equal(per_sample.topk_ids, dense.topk_ids)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_packed_sdpa_keeps_sliding_windows(family):
+    """Sliding-window models (Mistral passes the window to the attention function, Qwen2 sets it on the
+    module): packed per-sample SDPA still applies the window, so each sample equals its own extraction."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from common.packing import use_packed_sdpa
+    from tests.extract.conftest import build_model
+
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=8,
+    )
+    if family == "mistral":
+        config = MistralConfig(**common)
+    else:
+        config = Qwen2Config(**common, use_sliding_window=True, max_window_layers=0)
+    target = reach_text_parts(build_model(config))
+    seqs = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 30, 1, 13)]
+    ids_1N, lengths = collate_packed(seqs)
+    restore = use_packed_sdpa(target)
+    assert restore is not None
+    try:
+        packed = capture(target, ids_1N, lengths, [0, 1], 4, packed=True)
+    finally:
+        restore()
+    at = 0
+    for seq in seqs:
+        alone = capture(target, seq[None], [len(seq)], [0, 1], 4)
+        assert torch.allclose(packed.taps[1][0, at : at + len(seq)], alone.taps[1][0], atol=1e-5), len(seq)
+        at += len(seq)

@@ -8,7 +8,7 @@ them is what transformers' own `generate(cache_implementation="static")` gets fr
 
 Why only during capture: every other forward of the same model (the prompt's prefill of any length,
 the agreement check's teacher-forced passes, the peer baselines) runs the eager code, so the compiler
-sees exactly the captured shapes (1 and one block of new tokens) and never recompiles per prompt.
+sees exactly the captured shapes (1 and each verify size of new tokens) and never recompiles per prompt.
 Each decoder layer is compiled on its own, so the tap hooks (layer id i = output of decoder layer i)
 stay outside the compiled code, exactly as extraction runs them.
 
@@ -58,7 +58,8 @@ def compiled_layers(layers: Sequence[nn.Module], mode: str, shapes: int = 2) -> 
     originals = [layer.__dict__.get("forward") for layer in layers]
     limit = max(torch._dynamo.config.recompile_limit, 2 * max(shapes, 2) * len(layers) + 8)
     patch = {"recompile_limit": limit, "accumulated_recompile_limit": max(256, 8 * limit)}
-    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+    # Not with suppressed errors: torch then refuses the flag, and every compile would fail its config check.
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit") and not torch._dynamo.config.suppress_errors:
         patch["fail_on_recompile_limit_hit"] = True
     with torch._dynamo.config.patch(**patch):
         try:
