@@ -364,7 +364,15 @@ def _extract_into(
     committed, done_positions = writer.committed_ids(), set(rejects.positions)
     n_taps = len(cfg.layer_ids)
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
-    stats = {"records_owned": 0, "samples": 0, "tokens": 0, "batches": 0, "skipped_batches": 0, "padded_tokens": 0}
+    stats = {
+        "records_owned": 0,
+        "samples": 0,
+        "tokens": 0,
+        "batches": 0,
+        "skipped_batches": 0,
+        "padded_tokens": 0,
+        "budget_tokens": 0,
+    }
     desc = f"extract {label or os.path.basename(cfg.out_dir)}" + (
         f" rank {ranks.rank}/{ranks.world}" if ranks.world > 1 else ""
     )
@@ -449,6 +457,7 @@ def _run_window(window: windows.Window, cfg, capturer, host_path: HostPath, prog
         inflight = capturer.launch(input_ids_BT, batch_lengths, host, packed=cfg.packing)
         stats["batches"] += 1
         stats["padded_tokens"] += int(input_ids_BT.numel())
+        stats["budget_tokens"] += cfg.tokens_per_batch
         host_path.put_batch(inflight, samples, to_write, share)
 
 

@@ -82,6 +82,7 @@ def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, parti
             "batches",
             "skipped_batches",
             "padded_tokens",
+            "budget_tokens",
             "coverage_ok",
             "startup_seconds",
             "drain_seconds",
@@ -91,6 +92,8 @@ def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, parti
             summary["this_run"]["tok_per_s"] = this_run["tokens"] / this_run["seconds"]
         if this_run.get("padded_tokens"):
             summary["this_run"]["pad_efficiency"] = this_run["tokens"] / this_run["padded_tokens"]
+        if this_run.get("budget_tokens"):  # real tokens per forward against tokens_per_batch (packed rows too)
+            summary["this_run"]["batch_fill"] = this_run["tokens"] / this_run["budget_tokens"]
         if this_run.get("seconds") and "write_busy_seconds" in this_run:
             summary["this_run"]["write_thread_busy"] = this_run["write_busy_seconds"] / this_run["seconds"]
             summary["this_run"]["commit_busy"] = this_run.get("commit_seconds", 0.0) / this_run["seconds"]
@@ -180,6 +183,8 @@ def format_summary(summary: dict) -> str:
             line += f" = {run['tok_per_s']:,.0f} tok/s"
         if run.get("pad_efficiency"):
             line += f", padding efficiency {run['pad_efficiency']:.1%}"
+        if run.get("batch_fill"):
+            line += f", micro-batches {run['batch_fill']:.1%} full"
         if run.get("skipped_batches"):
             line += f"; {run['skipped_batches']} batches already committed"
         lines.append(line)

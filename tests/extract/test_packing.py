@@ -143,6 +143,7 @@ def test_a_packed_extraction_holds_the_unpacked_datasets_samples(tmp_path, loade
     layers cannot keep packed samples apart is refused before anything is written."""
     from extract import pipeline
     from extract.ranks import Ranks
+    from extract.summary import format_summary
     from shards import ShardDataset, verify_dataset
     from tests.extract.conftest import mixed_corpus
     from tests.extract.test_pipeline import make_config
@@ -155,6 +156,10 @@ def test_a_packed_extraction_holds_the_unpacked_datasets_samples(tmp_path, loade
     assert verify_dataset(str(tmp_path / "packed")) == []
     assert packed["samples"] == padded["samples"] == 24 and packed["rejects"] == padded["rejects"] == expected
     assert packed["this_run"]["pad_efficiency"] == 1.0 and padded["this_run"]["pad_efficiency"] < 1.0
+    for run in (packed, padded):  # real tokens per forward against the budget, counted per launched batch
+        fill = run["this_run"]["tokens"] / run["this_run"]["budget_tokens"]
+        assert run["this_run"]["batch_fill"] == fill and 0 < fill <= 1
+        assert f"micro-batches {fill:.1%} full" in format_summary(run)
     a = {s.sample_id: s for s in ShardDataset(str(tmp_path / "padded"))}
     b = {s.sample_id: s for s in ShardDataset(str(tmp_path / "packed"))}
     assert a.keys() == b.keys()
