@@ -185,6 +185,8 @@ def print_summary(result: dict) -> None:
             line += (
                 f", speed-up {run['speedup']:.2f}x decode, {run['speedup_wall']:.2f}x wall, lossless: {run['lossless']}"
             )
+            if not run["lossless"]:
+                line += f" (prompts {run['mismatched_prompts']} differ)"
         print(line)
     for budget, tree in result.get("ddtree", {}).items():
         line = f"DDTree budget {budget}: τ {tree['tau']:.3f}, {tree['spec']['decode_tokens_per_s']:.1f} tok/s decode"

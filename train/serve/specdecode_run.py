@@ -279,9 +279,15 @@ def _run(args) -> int:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"results: {args.out}")
     # Every decoding of ours must be lossless; the peers' own checks are reported only.
-    ours = [result["summary"], *result.get("ddtree", {}).values(), *result.get("verify_sweep", {}).values()]
-    if any(not s.get("lossless", True) for s in ours):
-        print("error: speculative output differs from target-only greedy decoding", file=sys.stderr)
+    ours = {"speculative": result["summary"]}
+    ours.update({f"DDTree budget {b}": tree for b, tree in result.get("ddtree", {}).items()})
+    ours.update({f"verify {n} tokens": run for n, run in result.get("verify_sweep", {}).items()})
+    differing = [name for name, s in ours.items() if not s.get("lossless", True)]
+    if differing:
+        print(
+            f"error: speculative output differs from target-only greedy decoding ({', '.join(differing)})",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
