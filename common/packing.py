@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from common.target import _external_kernel, _unwrap_func_module, external_kernels, transformers_modules
+
 log = logging.getLogger(__name__)
 
 CONV_NAME = "causal_conv1d_fn"
@@ -97,25 +99,15 @@ def conv_via_fla(reference: Callable, kernel: Callable) -> Callable:
     return conv
 
 
-def _modules_of(model: nn.Module):
-    import sys
-
-    for name in sorted({type(m).__module__ for m in model.modules()}):
-        module = sys.modules.get(name)
-        if module is not None and name.startswith("transformers."):
-            yield module
-
-
 def _reference_conv(fn) -> Callable | None:
     """The reference convolution behind transformers' `causal_conv1d_fn` when no external package is
     bound to it (with `causal-conv1d` installed, transformers' own choice stays)."""
-    from common.target import _external_kernel, _unwrap_func_module
-
     if not callable(fn) or getattr(fn, "_dflash_fla_conv", False):
         return None
-    if _external_kernel(_unwrap_func_module(fn)) is not None:
+    unwrapped = _unwrap_func_module(fn)
+    if _external_kernel(unwrapped) is not None:
         return None
-    inner = getattr(_unwrap_func_module(fn), "__wrapped__", _unwrap_func_module(fn))
+    inner = getattr(unwrapped, "__wrapped__", unwrapped)
     try:
         params = tuple(inspect.signature(inner).parameters)
     except (TypeError, ValueError):
@@ -130,7 +122,7 @@ def install_fla_convolution(model: nn.Module, kernel: Callable | None = None) ->
     if kernel is None:
         return []
     done = []
-    for module in _modules_of(model):
+    for module in transformers_modules(model):
         reference = _reference_conv(getattr(module, CONV_NAME, None))
         if reference is not None:
             setattr(module, CONV_NAME, conv_via_fla(reference, kernel))
@@ -143,7 +135,7 @@ def install_fla_convolution(model: nn.Module, kernel: Callable | None = None) ->
 def restore_reference_convolution(model: nn.Module) -> list[str]:
     """Undo `install_fla_convolution` (a benchmark's baseline): the module functions restored."""
     done = []
-    for module in _modules_of(model):
+    for module in transformers_modules(model):
         fn = getattr(module, CONV_NAME, None)
         if getattr(fn, "_dflash_fla_conv", False):
             setattr(module, CONV_NAME, fn._dflash_reference)
@@ -152,7 +144,7 @@ def restore_reference_convolution(model: nn.Module) -> list[str]:
 
 
 def fla_convolution_installed(model: nn.Module) -> bool:
-    return any(getattr(getattr(m, CONV_NAME, None), "_dflash_fla_conv", False) for m in _modules_of(model))
+    return any(getattr(getattr(m, CONV_NAME, None), "_dflash_fla_conv", False) for m in transformers_modules(model))
 
 
 def packed_arguments(lengths, device) -> dict:
@@ -260,11 +252,12 @@ def packing_probe(target, seed: int = 0) -> str | None:
     gen = torch.Generator().manual_seed(seed)
     vocab = int(target.vocab_size)
     b = torch.randint(0, vocab, (last,), generator=gen)
+    boundaries = packed_arguments(PROBE_LENGTHS, target.input_device)
     outputs = []
     for _ in range(2):
         a = torch.randint(0, vocab, (first,), generator=gen)
         ids = torch.cat([a, b])[None].to(target.input_device)
-        out = target.decoder(input_ids=ids, use_cache=False, **packed_arguments(PROBE_LENGTHS, target.input_device))
+        out = target.decoder(input_ids=ids, use_cache=False, **boundaries)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         outputs.append(hidden[0, first:].float().cpu())
     scale = float(outputs[0].abs().max()) or 1.0
@@ -281,8 +274,6 @@ def packing_refusal(target) -> str | None:
     """Why packing this target's samples into one row could let one sample see another; None when
     every layer keeps packed samples apart (attention through the position-id document mask, Gated
     DeltaNet layers through fla's CUDA kernels for the delta rule and the convolution)."""
-    from common.target import external_kernels
-
     model, config = target.model, target.text_config
     name = type(model).__name__
     if not type(target.decoder).__module__.startswith("transformers."):

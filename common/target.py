@@ -243,13 +243,19 @@ def _routed(fn: Callable, reference: Callable) -> Callable:
     return routed
 
 
-def _module_functions(model: nn.Module):
-    """(module, name, function) of the transformers modules the model's layers come from."""
+def transformers_modules(model: nn.Module):
+    """The transformers modules the model's layers come from (imported), in name order."""
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(module_name)
         if module is not None and module_name.startswith("transformers."):
-            for name, fn in list(vars(module).items()):
-                yield module, name, fn
+            yield module
+
+
+def _module_functions(model: nn.Module):
+    """(module, name, function) of the transformers modules the model's layers come from."""
+    for module in transformers_modules(model):
+        for name, fn in list(vars(module).items()):
+            yield module, name, fn
 
 
 def external_kernels(model: nn.Module) -> dict[str, str]:

@@ -134,18 +134,8 @@ class SpecDecodeConfig:
     def check(self) -> None:
         if self.prompts is not None and self.data is not None:
             fail("data", "give prompts or data, not both")
-        try:
-            budgets = self.budgets
-        except ValueError:
-            fail("tree_budgets", f"must be comma-separated integers, got {self.tree_budgets!r}")
-        if any(b < 1 for b in budgets):
-            fail("tree_budgets", f"every budget must be >= 1, got {self.tree_budgets!r}")
-        try:
-            sweep = self.sweep
-        except ValueError:
-            fail("verify_sweep", f"must be comma-separated integers, got {self.verify_sweep!r}")
-        if any(n < 1 for n in sweep):
-            fail("verify_sweep", f"every size must be >= 1, got {self.verify_sweep!r}")
+        check_positive_ints("tree_budgets", self.tree_budgets, "budget")
+        check_positive_ints("verify_sweep", self.verify_sweep, "size")
         from train.serve.peers import PEERS
 
         unknown = [name for name in self.peer_names if name not in PEERS]
@@ -174,6 +164,16 @@ class SpecDecodeConfig:
     def budgets(self) -> list[int]:
         """The DDTree node budgets of `tree_budgets`, in order."""
         return [int(b) for b in self.tree_budgets.split(",") if b.strip()]
+
+
+def check_positive_ints(key: str, text: str, noun: str) -> None:
+    """ConfigError naming `key` unless `text` is comma-separated integers, each >= 1."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        fail(key, f"must be comma-separated integers, got {text!r}")
+    if any(v < 1 for v in values):
+        fail(key, f"every {noun} must be >= 1, got {text!r}")
 
 
 def parse_export_args(argv: list[str]) -> ExportConfig:

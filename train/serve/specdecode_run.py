@@ -72,10 +72,7 @@ def run_benchmark(
         raise ValueError("the peer baselines cannot end responses where they start looping (stop_repeat)")
 
     if warmup and prompts:  # first calls allocate and pick kernels; keep that out of the timings
-        speculative_generate(
-            target, proposer, prompts[0], min(max_new_tokens, 2 * proposer.block_size), verify_tokens=verify_tokens
-        )
-        for n in verify_sweep:
+        for n in (verify_tokens, *verify_sweep):
             speculative_generate(
                 target, proposer, prompts[0], min(max_new_tokens, 2 * proposer.block_size), verify_tokens=n
             )
