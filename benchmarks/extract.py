@@ -185,6 +185,11 @@ def length_mix(total_tokens: int, min_len: int, max_len: int, rng: np.random.Gen
     return lengths
 
 
+# Above every id of the benchmark's tokenizer (300 ids, its special tokens among them), so that no
+# pad, eos or mask token occurs in the random corpus: extraction refuses a mask token found in the data.
+FIRST_CORPUS_ID = 512
+
+
 def write_token_corpus(path: str, lengths: list[int], vocab_size: int, seed: int, world: int = 1) -> list[int]:
     """JSONL of {"input_ids": [...]} records (no `datasets` needed); loss on every token. Returns the
     tokens each of `world` ranks will own.
@@ -204,7 +209,7 @@ def write_token_corpus(path: str, lengths: list[int], vocab_size: int, seed: int
         for n in lengths:
             neediest = owned.index(min(owned))
             while True:
-                ids = rng.integers(0, vocab_size, size=n).astype(np.int32)
+                ids = rng.integers(FIRST_CORPUS_ID, vocab_size, size=n).astype(np.int32)
                 owner = int(sample_id(ids, np.ones(n, dtype=np.uint8)), 16) % world
                 if world == 1 or owner == neediest:
                     break

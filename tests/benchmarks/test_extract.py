@@ -97,3 +97,18 @@ def test_variants_run_the_full_phase_once_each_and_restore_the_interpreter(tmp_p
     assert [v["overrides"] for v in report["variants"]] == [[], ["gil_switch_interval=0.0005", "launch_ahead_layers=2"]]
     assert all(v["per_rank"][0]["full_tokens"] == report["dataset"]["tokens"] for v in report["variants"])
     assert sys.getswitchinterval() == before
+
+
+def test_the_random_corpus_holds_none_of_the_tokenizers_own_ids(tmp_path):
+    """Extraction refuses a corpus holding the mask token (extract.mask_token), so a long random
+    corpus must never draw the benchmark tokenizer's special ids (at 300 K tokens over 248 K ids it
+    would, almost surely, if the draw started at 0)."""
+    from extract.tiny import build_chat_tokenizer
+
+    tokenizer = build_chat_tokenizer(["benchmark corpus of random token ids " * 8], 300)
+    path = str(tmp_path / "corpus.jsonl")
+    bench.write_token_corpus(path, [20_000] * 10, 600, seed=0)
+    ids = np.concatenate([json.loads(line)["input_ids"] for line in open(path)])
+    assert ids.size == 200_000 and ids.max() < 600
+    assert len(tokenizer) <= bench.FIRST_CORPUS_ID == ids.min()
+    assert not set(tokenizer.all_special_ids) & set(ids.tolist())
