@@ -12,5 +12,6 @@ run them from a checkout, `python -m benchmarks.NAME --help`.
     shard_tiers    storage tiers: bytes, encode/decode speed and error
     train          the training step on a GPU (fixed batch, the data stream, data parallel)
     train_data     the data stream's throughput with the step stubbed
+    s3_ceiling     an S3 server's own PUT and ranged-GET rates (moto_server on loopback)
     synthetic      realistic synthetic samples the shard benchmarks write
 """

@@ -47,7 +47,12 @@ with the tier's shards in an S3 server (`moto_server` on loopback, started here,
 `--s3-port`), read as `s3://` through `benchmarks.s3_server.DelayProxy`, which holds every request
 for the given latency: the trainer's own path (`ShardDataset` ranged reads, `data.fetch_threads`
 concurrent reads per batch, `--fetch-threads`, auto 16 on S3), the same drafter and options; a
-`stream-s3-Nms` row per latency, compared with the local `stream` row (step time, fetch fraction).
+`stream-s3-Nms` row per latency, compared with the local `stream` row (step time, fetch fraction,
+shard MB/s read), timing the same batches (the same warm-up). The shards are copied in once per
+tier (one PutObject per file, its GB/s printed); then the server's own ranged-GET rate
+(`benchmarks.s3_ceiling`, no trainer code, `--s3-ceiling-s` per row) is printed against what the
+local row read, so a server-bound S3 row reads as such. moto_server keeps every object: with
+`--shard-mb 32` at the 27B widths, `--samples 64` is 2.5 GB (the stream loops over epochs).
 
 Hidden states in the synthetic shards are Gaussian bf16 slices of one random pool (writing ~8 GB of
 fresh random numbers would dominate the run); their compression ratio is close to real features'.
@@ -507,6 +512,11 @@ def compare(results: list[dict]) -> list[str]:
             f"{r['context_tok_s'] / base['context_tok_s']:.4f}, "
             f"peak mem (largest rank) {r['peak_mem_gib'] / base['peak_mem_gib']:.4f}, "
             f"fetch fraction {r['fetch_frac']:.3%} (local {base['fetch_frac']:.3%})"
+            + (
+                f", shards read at {read_rate_MB_s(r):,.0f} MB/s (local {read_rate_MB_s(base):,.0f})"
+                if "tier" in r and "tier" in base
+                else ""
+            )
         )
         r["vs_stream"] = {
             "step_s_median": r["step_s_median"] / base["step_s_median"],
@@ -546,6 +556,13 @@ def parse_args(argv):
         "--s3-delays-ms",
         default="",
         help="also stream each tier from an S3 server with these per-request latencies (comma list, e.g. 0,20,80)",
+    )
+    p.add_argument(
+        "--s3-ceiling-s",
+        type=float,
+        default=1.0,
+        help="with --s3-delays-ms: seconds per row of the S3 server's own GET ceiling (benchmarks.s3_ceiling), "
+        "measured once before the S3 rows (0 = not measured)",
     )
     p.add_argument(
         "--s3-port",
@@ -669,19 +686,24 @@ def stream_tiers(args, shape: dict, device: torch.device, dist: Dist, name: str,
     for i, tier in enumerate(parse_tiers(args.tiers)):
         sources = [(tier_phase_name(name, tier), None)]
         sources += [(tier_phase_name(f"{name}-s3-{d:g}ms", tier), d) for d in (s3.delays_ms if s3 else [])]
-        for j, (phase, delay) in enumerate(sources):
+        # Every row of a tier has its local row's warm-up, so all of them time the same batches
+        # (each row's stream starts at the plan's first batch); compilation is paid by the first.
+        warmup = args.warmup if i == 0 else min(args.warmup, 2)
+        local = None
+        for phase, delay in sources:
             try:
-                warmup = args.warmup if i == j == 0 else min(args.warmup, 2)
                 if delay is None:
                     result, run = stream_phase(args, shape, device, dist, phase, tier, run=run, warmup=warmup)
+                    local = result
                 else:
+                    path = s3.upload(args, tier, local)
                     with s3.proxy(delay) as proxy:
-                        uri = proxy.uri(s3.upload(args, tier))
                         result, run = stream_phase(
-                            args, shape, device, dist, phase, tier, run=run, warmup=warmup, source=uri
+                            args, shape, device, dist, phase, tier, run=run, warmup=warmup, source=proxy.uri(path)
                         )
                         result["s3_delay_ms"] = delay
                         result["s3_requests_per_step"] = proxy.requests / max(1, args.steps + warmup)
+                        result["s3_upload"] = s3.uploads[tier]
                 results.append(result)
             except Exception as exc:  # noqa: BLE001 - report and go on to the next tier
                 traceback.print_exc()
@@ -693,7 +715,10 @@ def stream_tiers(args, shape: dict, device: torch.device, dist: Dist, name: str,
 
 class S3Source:
     """The S3 server the `--s3-delays-ms` phases read from: moto_server on a free loopback port
-    (or the server at `--s3-port`), each tier's shards uploaded once to `s3://bench/<tier>`."""
+    (or the server at `--s3-port`), each tier's shards uploaded once to `s3://bench/<tier>`; after
+    the first upload, the server's own GET ceiling (`benchmarks.s3_ceiling`, `--s3-ceiling-s`
+    per row) at the stream's object and sample sizes, so a slow S3 row can be told apart: the
+    server (its ceiling is below what the local row read) or the trainer's read path."""
 
     def __init__(self, args):
         from benchmarks.s3_server import MotoServer
@@ -702,7 +727,10 @@ class S3Source:
         os.environ.update({k: os.environ.get(k) or v for k, v in MotoServer.env().items()})
         self.server = MotoServer() if not args.s3_port else None
         self.port = args.s3_port or self.server.port
+        self.ceiling_s = args.s3_ceiling_s
         self.uploaded: dict[str, str] = {}
+        self.uploads: dict[str, dict] = {}
+        self.ceiling: dict | None = None
         self._client().create_bucket(Bucket="bench")
 
     def _client(self):
@@ -712,18 +740,54 @@ class S3Source:
             "s3", endpoint_url=f"http://127.0.0.1:{self.port}", region_name=os.environ["AWS_DEFAULT_REGION"]
         )
 
-    def upload(self, args, tier: str) -> str:
-        """The bucket path of `tier`'s shards on the server (copied there the first time)."""
+    def upload(self, args, tier: str, local_result: dict | None = None) -> str:
+        """The bucket path of `tier`'s shards on the server (copied there the first time; the
+        first time of all, the server's ceiling measured after the copy, against `local_result`)."""
         if tier not in self.uploaded:
             from benchmarks.object_store import copy_to_s3
             from benchmarks.s3_server import uri_for
 
-            started = time.perf_counter()
             local = tier_root(synthetic_root(args), tier)
-            copy_to_s3(local, uri_for(self.port, f"bench/{tier}"))
-            print(f"copied the {tier} shards to the S3 server in {time.perf_counter() - started:.1f} s", flush=True)
-            self.uploaded[tier] = f"bench/{tier}"
+            copied = copy_to_s3(local, uri_for(self.port, f"bench/{tier}"))
+            print(
+                f"copied the {tier} shards to the S3 server: {copied['bytes'] / 1e9:.2f} GB in {copied['files']} "
+                f"files in {copied['seconds']:.1f} s ({copied['MB_per_s']:,.0f} MB/s, PutObject, 8 at a time)",
+                flush=True,
+            )
+            self.uploaded[tier], self.uploads[tier] = f"bench/{tier}", copied
+            if self.ceiling is None and self.ceiling_s > 0:
+                self.ceiling = self.measure_ceiling(local)
+            if self.ceiling is not None and local_result is not None and "error" not in local_result:
+                print(ceiling_against_need(self.ceiling, local_result), flush=True)
         return self.uploaded[tier]
+
+    def measure_ceiling(self, local: str) -> dict:
+        """The server's ranged-GET rates (direct and through DelayProxy at 0 ms; 1, 4 and 16
+        readers: the stream's `fetch_threads` on S3) with objects of the dataset's mean shard
+        size and ranges of its mean sample size (a sample is one ranged read)."""
+        from benchmarks import s3_ceiling
+
+        manifest = json.load(open(os.path.join(local, "manifest.json")))
+        shard_bytes = sum(e["bytes"] for e in manifest["shards"])
+        object_mib = min(64.0, max(1.0, shard_bytes / len(manifest["shards"]) / 2**20))
+        sample_mib = min(object_mib, shard_bytes / manifest["counts"]["samples"] / 2**20)
+        print(
+            f"S3 server ceiling (benchmarks.s3_ceiling, no trainer code): {object_mib:.1f} MiB objects, "
+            f"{sample_mib:.2f} MiB ranges",
+            flush=True,
+        )
+        result = s3_ceiling.measure(
+            self.port,
+            object_mb=object_mib,
+            objects=8,
+            threads=[1, 4, 16],
+            range_mb=[sample_mib],
+            seconds=self.ceiling_s,
+            puts=False,
+            log=lambda line: print(line, flush=True),
+        )
+        result["best"] = s3_ceiling.summarize(result)
+        return result
 
     def proxy(self, delay_ms: float):
         from benchmarks.s3_server import DelayProxy
@@ -733,6 +797,27 @@ class S3Source:
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+
+def read_rate_MB_s(result: dict) -> float:
+    """The shard bytes a stream row read per second: stored bytes per token x real tokens per step / step time."""
+    return result["tier"]["shard_bytes_per_token"] * result["mean_context_tokens"] / result["step_s_mean"] / 1e6
+
+
+def ceiling_against_need(ceiling: dict, local_result: dict) -> str:
+    """One line: what the local row read against the most the S3 server served (GET, through the
+    proxy as the S3 rows read): below 1, the server, not the trainer, caps the S3 rows."""
+    need = read_rate_MB_s(local_result)
+    served = max((r["MB_per_s"] for r in ceiling["rows"] if r["op"] == "get" and r.get("via") == "proxy"), default=0)
+    return (
+        f"{local_result['phase']} read {need:,.0f} MB/s of shards; the S3 server's best GET through the proxy: "
+        f"{served:,.0f} MB/s ({served / need if need else float('nan'):.2f}x what the local row read)"
+    )
+
+
+def s3_facts(s3: S3Source | None) -> dict:
+    """The S3 server's ceiling and the uploads, for the JSON (nothing without --s3-delays-ms)."""
+    return {} if s3 is None else {"s3_ceiling": s3.ceiling, "s3_uploads": s3.uploads}
 
 
 def ddp_phase(args, nproc: int) -> list[dict]:
@@ -862,6 +947,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(header), flush=True)
     results = []
+    s3 = None
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     if "fixed" in phases:
         try:
@@ -883,7 +969,7 @@ def main(argv: list[str] | None = None) -> int:
         def save(tier_results: list[dict]) -> None:  # after every tier, so a time limit keeps what was measured
             if args.out:
                 with open(args.out, "w") as f:
-                    json.dump({"header": header, "results": results + tier_results}, f, indent=2)
+                    json.dump({"header": header, "results": results + tier_results, **s3_facts(s3)}, f, indent=2)
 
         s3 = S3Source(args) if args.s3_delays_ms.strip() else None
         try:
@@ -909,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, header)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"header": header, "results": results}, f, indent=2)
+            json.dump({"header": header, "results": results, **s3_facts(s3)}, f, indent=2)
         print(f"wrote {args.out}")
     return 0 if all("error" not in r for r in results) else 1
 

@@ -31,12 +31,14 @@ for a CPU); docs/benchmarks.md, "Storage tiers on the real target".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common.config import describe, fail, knob, parse_cli
@@ -95,12 +97,50 @@ class ChooseTierConfig:
         factory=list, help="step 5: extra key=value overrides for every decoding run, e.g. ['device=cuda']"
     )
     budget: int = knob(32, help="the DDTree node budget reported (one of the eval budgets)", min=1)
+    jobs: int = knob(
+        1,
+        help="steps 2-5 run this many commands at a time, each logging to OUT/logs/ (1: one after another, "
+        "output on the terminal). On one GPU small drafters are bound by kernel launches, so several runs "
+        "share it well; the decodings' speed is not compared, only their τ",
+        min=1,
+        max=64,
+    )
 
     def check(self) -> None:
         for key in ("heldout", "prompts"):
             for name in named_sets(getattr(self, key)):
                 if name and not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
                     fail(key, f"set name {name!r} must be a plain file name (letters, digits, '_', '-', '.')")
+
+
+def _run_all_of(phase: list[tuple[str, list[str], Callable[[], None] | None]], cfg, log: list) -> None:
+    """Run a phase's commands, (name, args, on_done), none of which needs another's output: one after
+    another, or `cfg.jobs` at a time with their logs in OUT/logs/. `on_done` marks a step finished (for
+    a resumed run) as soon as it ends well."""
+    if cfg.jobs == 1 or len(phase) == 1:
+        for _, args, on_done in phase:
+            _run(args, log)
+            if on_done is not None:
+                on_done()
+        return
+    from common.processes import run_side_by_side
+
+    done = {name: on_done for name, _, on_done in phase}
+    ended = run_side_by_side(
+        [(name, args) for name, args, _ in phase],
+        str(Path(cfg.out_dir) / "logs"),
+        max_running=cfg.jobs,
+        on_success=lambda name: done[name]() if done[name] is not None else None,
+        show_tail=0,
+    )
+    log.extend({"command": e.command, "seconds": e.seconds, "exit": e.exit, "log": e.log} for e in ended)
+    failed = [e for e in ended if e.exit != 0]
+    if failed:
+        raise SystemExit(
+            "choose_tier: step failed: "
+            + "; ".join(f"{e.command} (exit {e.exit}, log {e.log})" for e in failed)
+            + (f"; {len(phase) - len(ended)} steps not started (rerun to resume)" if len(ended) < len(phase) else "")
+        )
 
 
 def _run(args: list[str], log: list) -> None:
@@ -113,6 +153,10 @@ def _run(args: list[str], log: list) -> None:
     )
     if result.returncode != 0:
         raise SystemExit(f"choose_tier: step failed (exit {result.returncode}): python {' '.join(args)}")
+
+
+def _mark_done(run: Path) -> None:
+    (run / "done.json").write_text(json.dumps({"finished": time.time()}) + "\n")
 
 
 def tier_name(tier: str) -> str:
@@ -157,6 +201,7 @@ def run_all(cfg: ChooseTierConfig) -> dict:
             "set extract=true)"
         )
     datasets = {"lossless": cfg.lossless}
+    transcodes = []
     for tier in cfg.tiers:
         encoding, _, projection = tier.partition("@")
         path = str(out / "data" / tier_name(tier))
@@ -171,8 +216,12 @@ def run_all(cfg: ChooseTierConfig) -> dict:
                 f"encoding={encoding}",
                 f"calibration_samples={cfg.calibration_samples}",
             ]
-            _run(args + ([f"projection={projection}"] if projection else []), log)
+            transcodes.append(
+                (f"transcode {tier_name(tier)}", args + ([f"projection={projection}"] if projection else []), None)
+            )
+    _run_all_of(transcodes, cfg, log)
     runs: dict = {}
+    trainings = []
     for tier in datasets:
         for seed in cfg.seeds:
             name = f"{tier_name(tier)}-s{seed}"
@@ -180,74 +229,86 @@ def run_all(cfg: ChooseTierConfig) -> dict:
             runs[(tier, seed)] = run
             if not (run / "done.json").is_file():
                 holdout = [] if cfg.heldout else [f"data.holdout_fraction={cfg.holdout_fraction}"]
-                _run(
-                    [
-                        "-m",
-                        "train",
-                        cfg.config,
-                        f"data.shards={datasets[tier]}",
-                        f"run_name={name}",
-                        f"seed={seed}",
-                        f"out_dir={out / 'runs'}",
-                        "log.progress=false",
-                        *holdout,
-                        *cfg.train_overrides,
-                    ],
-                    log,
-                )
-                (run / "done.json").write_text(json.dumps({"finished": time.time()}) + "\n")
+                args = [
+                    "-m",
+                    "train",
+                    cfg.config,
+                    f"data.shards={datasets[tier]}",
+                    f"run_name={name}",
+                    f"seed={seed}",
+                    f"out_dir={out / 'runs'}",
+                    "log.progress=false",
+                    *holdout,
+                    *cfg.train_overrides,
+                ]
+                trainings.append((f"train {name}", args, functools.partial(_mark_done, run)))
+    _run_all_of(trainings, cfg, log)
+    evaluations = []
     for name, data in eval_sets(cfg).items():
         for tier in cfg.tiers:
             for seed in cfg.seeds:
                 report = eval_report_path(out, name, tier, seed)
                 if not report.is_file():
                     split = ["split=all"] if data else ["split=holdout", f"holdout_fraction={cfg.holdout_fraction}"]
-                    _run(
-                        [
-                            "-m",
-                            "train.eval",
-                            str(runs[("lossless", seed)]),
-                            str(runs[(tier, seed)]),
-                            "--data",
-                            data or cfg.lossless,
-                            "--out",
-                            str(report),
-                            "progress=false",
-                            *split,
-                            *cfg.eval_overrides,
-                        ],
-                        log,
+                    evaluations.append(
+                        (
+                            f"eval {name} {tier_name(tier)}-s{seed}",
+                            [
+                                "-m",
+                                "train.eval",
+                                str(runs[("lossless", seed)]),
+                                str(runs[(tier, seed)]),
+                                "--data",
+                                data or cfg.lossless,
+                                "--out",
+                                str(report),
+                                "progress=false",
+                                *split,
+                                *cfg.eval_overrides,
+                            ],
+                            None,
+                        )
                     )
+    _run_all_of(evaluations, cfg, log)
     if cfg.online:
         target = cfg.target or _provenance_target(cfg.lossless)
-        for (tier, seed), run in runs.items():
-            if not (run / "export" / "config.json").is_file():
-                _run(["-m", "train.export", str(run), str(run / "export")], log)
+        exports = [
+            (f"export {run.name}", ["-m", "train.export", str(run), str(run / "export")], None)
+            for run in runs.values()
+            if not (run / "export" / "config.json").is_file()
+        ]
+        _run_all_of(exports, cfg, log)
+        decodings = []
+        for run in runs.values():
             for name, prompts in named_sets(cfg.prompts).items():
                 result = specdecode_path(run, name)
                 if result.is_file():
                     continue
-                _run(
-                    [
-                        "-m",
-                        "train.specdecode",
-                        "--target",
-                        target,
-                        "--drafter",
-                        str(run / "export"),
-                        "--prompts",
-                        prompts,
-                        "--num-prompts",
-                        str(cfg.num_prompts),
-                        "--max-new-tokens",
-                        str(cfg.max_new_tokens),
-                        "--no-baseline",
-                        "--out",
-                        str(result),
-                        *cfg.specdecode_overrides,
-                    ],
-                    log,
+                decodings.append(
+                    (
+                        f"specdecode {name} {run.name}",
+                        [
+                            "-m",
+                            "train.specdecode",
+                            "--target",
+                            target,
+                            "--drafter",
+                            str(run / "export"),
+                            "--prompts",
+                            prompts,
+                            "--num-prompts",
+                            str(cfg.num_prompts),
+                            "--max-new-tokens",
+                            str(cfg.max_new_tokens),
+                            "--no-baseline",
+                            "--out",
+                            str(result),
+                            *cfg.specdecode_overrides,
+                        ],
+                        None,
+                    )
                 )
+        _run_all_of(decodings, cfg, log)
     table = collect(cfg, datasets, runs)
     (out / "tiers.json").write_text(
         json.dumps({"config": dataclasses.asdict(cfg), "rows": table, "steps": log}, indent=1) + "\n"

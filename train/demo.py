@@ -167,17 +167,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_smollm2(cfg: DemoConfig, run_dir: str, machine: dict, env: dict, timings: dict) -> int:
     """The real-target demo (train.demo_smollm2), at the scale the device allows."""
-    from train.demo_smollm2 import SCALES, print_smollm2_summary, smollm2_steps, smollm2_summary, write_summary
+    from train.demo_smollm2 import SCALES, print_smollm2_summary, smollm2_stages, smollm2_summary, write_summary
 
     scale = SCALES["full" if machine["device"] == "cuda" else "reduced"]
     if scale.name != "full":
         print(f"demo: no GPU here, so SmolLM2 runs at the reduced scale ({scale})", flush=True)
-    for name, args in smollm2_steps(
-        scale, cfg.run, machine["device"], seed_overrides(cfg.seed), cfg.steps, cfg.eval_anchors
-    ):
-        step(timings, name, args, env)
-        if name == {"extraction": "extraction", "training": "drafter training"}.get(cfg.stop_after):
-            print(f"demo: stopped after {name} (stop_after); timings {timings}", flush=True)
+    stages = smollm2_stages(scale, cfg.run, machine["device"], seed_overrides(cfg.seed), cfg.steps, cfg.eval_anchors)
+    for stage in stages:
+        # Side by side only on a GPU: on a few CPU cores each step already uses them all.
+        if len(stage) > 1 and machine["device"] == "cuda":
+            steps_together(timings, stage, env, os.path.join(run_dir, "logs"))
+        else:
+            for name, args in stage:
+                step(timings, name, args, env)
+        if stage[-1][0] == {"extraction": "extraction", "training": "drafter training"}.get(cfg.stop_after):
+            print(f"demo: stopped after {stage[-1][0]} (stop_after); timings {timings}", flush=True)
             return 0
     summary = smollm2_summary(run_dir, timings, machine, scale)
     write_summary(summary, run_dir)
@@ -229,6 +233,25 @@ def step(timings: dict[str, float], name: str, args: list[str], env: dict[str, s
     print(f"=== {name}: {timings[name]:.1f} s (demo so far {sum(timings.values()):.1f} s)", flush=True)
     if result.returncode != 0:
         raise SystemExit(f"demo: step '{name}' failed (exit {result.returncode}); its output is above")
+
+
+def steps_together(
+    timings: dict[str, float], stage: list[tuple[str, list[str]]], env: dict[str, str] | None, log_dir: str
+) -> None:
+    """The steps of `stage` as processes side by side, each writing to its own log in `log_dir` (their
+    progress bars would interleave), its end printed as it ends. The stage's wall time is recorded under
+    the steps' names joined by ' + ', so the demo's total stays the sum of its timings."""
+    from common.processes import run_side_by_side
+
+    name = " + ".join(n for n, _ in stage)
+    print(f"\n=== {name}, side by side (logs in {log_dir}/)", flush=True)
+    start = time.time()
+    ended = run_side_by_side(stage, log_dir, max_running=len(stage), env=env)
+    timings[name] = time.time() - start
+    print(f"=== {name}: {timings[name]:.1f} s (demo so far {sum(timings.values()):.1f} s)", flush=True)
+    failed = [f"'{e.name}' (exit {e.exit}, log {e.log})" for e in ended if e.exit != 0]
+    if failed:
+        raise SystemExit(f"demo: step {', '.join(failed)} failed; its log's end is above")
 
 
 def summarize(run_dir: str, timings: dict[str, float], machine: dict | None = None) -> dict:

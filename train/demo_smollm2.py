@@ -5,9 +5,10 @@ model, SmolLM2-135M-Instruct, each step the project's own command:
   2. the target answers its prompts itself (greedy)                  python -m extract.regenerate (x3)
   3. extract train / chat_heldout / humaneval shards                 python -m extract configs/smollm2-135m.toml
   4. train a drafter                                                 python -m train configs/smollm2-135m.toml
-  5. offline evaluation on HumanEval and the held-out chat split     python -m train.eval
-  6. export; real speculative decoding on HumanEval beside target-only greedy decoding, transformers'
-     `generate` and prompt-lookup decoding                           python -m train.export / train.specdecode
+  5. offline evaluation on HumanEval and the held-out chat split,    python -m train.eval (x2)
+     and the export, side by side on a GPU                           python -m train.export
+  6. real speculative decoding on 64 HumanEval prompts beside target-only greedy decoding, transformers'
+     `generate` and prompt-lookup decoding (those two on 4)          python -m train.specdecode
   7. the training-health report                                      python -m train.report
 
 On a GPU it runs at full scale (`SCALES["full"]`); on a CPU at a reduced scale (`SCALES["reduced"]`:
@@ -47,17 +48,21 @@ class Scale:
 
 
 SCALES = {
-    "full": Scale("full", 0, 0, 0, 256, 1024, 1000, 5, 16384, 512, 0, 16),
+    # 64 of HumanEval's 164 prompts online (all 164 took about 6 of the demo's 17-19 minutes on the H200,
+    # 2026-12-04; `train.specdecode --num-prompts 0` decodes them all), the peers on 4 (about 9.5 s each).
+    "full": Scale("full", 0, 0, 0, 256, 1024, 1000, 5, 16384, 512, 64, 4),
     # Two CPU cores decode this model at ~7 tok/s (batch 1) to ~70 tok/s (batch 32), and train its 2-layer
     # drafter at 15-20 s per 4,096-token step (49,152-way loss): minutes per hundred answers or steps.
     "reduced": Scale("reduced", 64, 8, 4, 64, 32, 30, 2, 2048, 32, 4, 4),
 }
 
 
-def smollm2_steps(
+def smollm2_stages(
     scale: Scale, run: str, device: str, seed_overrides: list[str], steps: int | None, eval_anchors: int = 16
-):
-    """(name, argv) of every step, in order. `eval_anchors` anchors per held-out sequence offline: every
+) -> list[list[tuple[str, list[str]]]]:
+    """Every step as (name, argv), in stages run in order; the steps of one stage need only what earlier
+    stages wrote, so on a GPU they run side by side (the offline evaluations and the export: three
+    launch-bound small-model processes). `eval_anchors` anchors per held-out sequence offline: every
     position of HumanEval's answers (23 K blocks) took about 140 s on the H200; 16 per answer (2.6 K blocks)
     took 69 s with the model's load and the DDTree budgets (2026-12-02)."""
     run_dir = os.path.join("runs", run)
@@ -103,8 +108,10 @@ def smollm2_steps(
         # most of 5 minutes on the H200 (132 of 1,000 steps done, 2026-12-02); SDPA runs the mask uncompiled.
         train.append("model.attention=sdpa")
     out.append(("drafter training", train))
+    stages = [[step] for step in out]
+    after_training = []
     for split in ("humaneval", "chat_heldout"):
-        out.append(
+        after_training.append(
             (
                 f"offline evaluation ({split})",
                 [
@@ -116,46 +123,52 @@ def smollm2_steps(
                     "--out",
                     f"{run_dir}/eval_{split}.json",
                     f"max_anchors={eval_anchors}",
+                    # As in training: flex attention compiles for every block shape, which costs this small
+                    # drafter more than the dense-mask SDPA it replaces saves.
+                    *(["attention=sdpa"] if device == "cuda" else []),
                 ],
             )
         )
-    out.append(("export", ["-m", "train.export", run_dir, export_dir]))
-    out.append(
-        (
-            "speculative decoding (HumanEval)",
-            [
-                "-m",
-                "train.specdecode",
-                "--target",
-                f"{ROOT}/target",
-                "--drafter",
-                export_dir,
-                "--prompts",
-                REGEN["humaneval"],
-                "--num-prompts",
-                str(scale.online_prompts),
-                "--max-new-tokens",
-                str(scale.max_new_tokens),
-                "--agreement",
-                "--agreement-bf16",
-                "--peer-baselines",
-                "--peer-prompts",
-                str(scale.peer_prompts),
-                # Not generate_static: it compiles again for every prompt shape (49 s of 16 prompts, 2026-12-02);
-                # benchmarks.small_decode times it at one shape.
-                "--peers",
-                "generate,prompt_lookup",
-                "--dtype",
-                "float32",
-                "--device",
-                device,
-                "--out",
-                f"{run_dir}/specdecode_humaneval.json",
-            ],
-        )
+    after_training.append(("export", ["-m", "train.export", run_dir, export_dir]))
+    stages.append(after_training)
+    stages.append(
+        [
+            (
+                "speculative decoding (HumanEval)",
+                [
+                    "-m",
+                    "train.specdecode",
+                    "--target",
+                    f"{ROOT}/target",
+                    "--drafter",
+                    export_dir,
+                    "--prompts",
+                    REGEN["humaneval"],
+                    "--num-prompts",
+                    str(scale.online_prompts),
+                    "--max-new-tokens",
+                    str(scale.max_new_tokens),
+                    "--agreement",
+                    "--agreement-bf16",
+                    "--peer-baselines",
+                    "--peer-prompts",
+                    str(scale.peer_prompts),
+                    # Not generate_static: it compiles again for every prompt shape (49 s of 16 prompts, 2026-12-02);
+                    # benchmarks.small_decode times it at one shape.
+                    "--peers",
+                    "generate,prompt_lookup",
+                    "--dtype",
+                    "float32",
+                    "--device",
+                    device,
+                    "--out",
+                    f"{run_dir}/specdecode_humaneval.json",
+                ],
+            )
+        ]
     )
-    out.append(("report", ["-m", "train.report", run_dir]))
-    return out
+    stages.append([("report", ["-m", "train.report", run_dir])])
+    return stages
 
 
 def smollm2_summary(run_dir: str, timings: dict[str, float], machine: dict, scale: Scale) -> dict:

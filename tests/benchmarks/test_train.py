@@ -19,7 +19,7 @@ def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
     (`--s3-delays-ms`, issue 27's training-from-S3 measurement) and train the same batches."""
     from benchmarks.s3_server import moto_server_command
 
-    s3 = ["--s3-delays-ms", "5"] if moto_server_command() is not None else []
+    s3 = ["--s3-delays-ms", "5", "--s3-ceiling-s", "0.05"] if moto_server_command() is not None else []
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [
@@ -83,3 +83,11 @@ def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
             assert (local["source"], remote["source"], remote["fetch_threads"]) == ("local disk", "s3", 16)
             assert remote["mean_context_tokens"] == local["mean_context_tokens"] and remote["s3_requests_per_step"] > 1
             assert f"stream-s3-5ms{tier} / stream{tier}: step time" in done.stdout
+            assert remote["s3_upload"]["bytes"] > 0 and remote["s3_upload"]["files"] >= 3  # manifest, shard, index
+        # The server's own GET rates, measured once before the first S3 row, direct and through the proxy.
+        ceiling = json.loads(out.read_text())["s3_ceiling"]
+        assert sorted((r["via"], r["threads"]) for r in ceiling["rows"]) == [
+            (via, n) for via in ("direct", "proxy") for n in (1, 4, 16)
+        ]
+        assert all(r["op"] == "get" and r["MB_per_s"] > 0 and r["bytes"] > 0 for r in ceiling["rows"])
+        assert done.stdout.count("the S3 server's best GET through the proxy") == 2  # once per tier

@@ -124,3 +124,24 @@ def test_real_target_tier_configs_give_every_stage_a_valid_command(path):
         if projection:
             rank = parse_projection_spec(projection).rank
             assert rank is None or spec is None or not spec.four_bit or rank % spec.group_size == 0, tier
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_a_phase_marks_each_step_done_and_a_failure_stops_it_resumably(tmp_path, jobs):
+    """Steps 2-5 run their commands one after another or `jobs` at a time: either way each successful
+    step is marked done for the resumed run as it ends, the log records every command, and a failure
+    stops the tier comparison naming the command."""
+    from train.choose_tier import _run_all_of
+
+    cfg = ChooseTierConfig(out_dir=str(tmp_path), jobs=jobs)
+    done: list[str] = []
+    phase = [(f"ok {i}", ["-c", f"print({i})"], lambda i=i: done.append(f"ok {i}")) for i in range(3)]
+    log: list = []
+    _run_all_of(phase, cfg, log)
+    assert sorted(done) == ["ok 0", "ok 1", "ok 2"] and [entry["exit"] for entry in log] == [0, 0, 0]
+    if jobs > 1:
+        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["ok_0.log", "ok_1.log", "ok_2.log"]
+    failing = [("bad", ["-c", "raise SystemExit(5)"], lambda: done.append("bad")), *phase[:1]]
+    with pytest.raises(SystemExit, match=r"step failed.*exit 5"):
+        _run_all_of(failing, cfg, log)
+    assert "bad" not in done

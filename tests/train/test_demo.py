@@ -31,7 +31,7 @@ def fake_tiny_build(root):
 def fake_outputs(root, run="demo"):
     fake_tiny_build(root)
     run_dir = root / "runs" / run
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     overall = {
         "n_blocks": 900,
         "tau": 2.5,
@@ -140,8 +140,20 @@ def test_steps_run_with_this_interpreter_few_threads_and_the_gpu_when_there_is_o
             fake_outputs(tmp_path)
         return subprocess.CompletedProcess(args, 0)
 
+    together = []
+
+    class FakePopen:  # the steps a GPU runs side by side (common.processes)
+        def __init__(self, args, env=None, **kwargs):
+            calls.append((args, env))
+            together.append(args[2])
+
+        def poll(self):
+            return 0
+
     monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    monkeypatch.setattr("common.processes.subprocess.Popen", FakePopen)
     assert demo.main([]) == 0
+    assert together == (["train.eval", "train.eval", "train.export"] if cuda else [])
     assert all(
         args[0] == demo.sys.executable for args, _ in calls
     )  # not a venv path: `python3 -m train.demo` works anywhere
