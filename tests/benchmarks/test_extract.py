@@ -31,12 +31,16 @@ def test_tiny_bench_runs_and_reports(tmp_path, capsys):
                 str(tmp_path / "w"),
                 "--out",
                 str(out),
+                "--warmup-batches",
+                "1",
             ]
         )
         == 0
     )
     report = json.loads(out.read_text())
     [rank] = report["per_rank"]
+    # The untimed warm-up covered the first micro-batch only, not the whole corpus.
+    assert 0 < rank["warmup_tokens"] < rank["bare_tokens"] and rank["warmup_seconds"] > 0
     assert rank["bare_tokens"] == rank["full_tokens"] == report["dataset"]["tokens"] >= 3000
     assert rank["bare_tok_s"] > 0 and rank["full_tok_s"] > 0 and rank["full_over_bare"] > 0
     assert report["parameters"] > 0 and report["kernels"]["fla_importable"] in (True, False)
