@@ -5,7 +5,7 @@
 #   make test-gpu                               only the GPU tier (pytest -m gpu): the CUDA paths, on a GPU host
 #   make extract [CONFIG=configs/x.toml] [key=value ...]
 #   make train   [CONFIG=configs/x.toml] [RUN=name] [key=value ...]
-#   make tiers   [CONFIG=configs/x.toml] [key=value ...]   compare storage tiers (python -m train.choose_tier)
+#   make tiers   [CONFIG=configs/x.toml] [key=value ...]   compare storage tiers (python -m recipes.compare_tiers)
 #   make regenerate [CONFIG=configs/x.toml] [key=value ...]   the target's own answers for a corpus
 #   make smollm2                                 fetch, check and convert the real target SmolLM2-135M-Instruct, write its prompts
 #   make demo target=smollm2                     the demo on that real target (the default on a CUDA host)
@@ -51,24 +51,24 @@ test-gpu: setup
 	$(PY) -m pytest -q -n 4 -rs -m gpu tests/gpu $(ARGS)
 
 demo: setup
-	$(PY) -m train.demo $(OVERRIDES)
+	$(PY) -m recipes.demo $(OVERRIDES)
 
 tiny: setup
-	$(PY) -m extract.tiny $(OVERRIDES)
+	$(PY) -m recipes.tiny $(OVERRIDES)
 
 smollm2: setup
-	$(PY) -m extract.smollm2 $(OVERRIDES)
+	$(PY) -m recipes.smollm2 $(OVERRIDES)
 
 extract: setup
-	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m extract.tiny)
+	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m recipes.tiny)
 	$(PY) -m extract $(CONFIG) $(OVERRIDES)
 
 regenerate: setup
-	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m extract.tiny)
+	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m recipes.tiny)
 	$(PY) -m extract.regenerate $(CONFIG) $(OVERRIDES)
 
 train: setup
-	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny \&\& $(PY) -m extract configs/tiny.toml))
+	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m recipes.tiny \&\& $(PY) -m extract configs/tiny.toml))
 	$(PY) -m train $(CONFIG) $(if $(RUN),run_name=$(RUN)) $(OVERRIDES)
 
 eval: setup
@@ -91,8 +91,8 @@ bench-tiers: setup
 
 # Storage tiers side by side: transcode, train (two seeds each), evaluate against lossless, decode online.
 tiers: setup
-	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny && $(PY) -m extract configs/tiny.toml))
-	$(PY) -m train.choose_tier $(CONFIG) $(OVERRIDES)
+	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m recipes.tiny && $(PY) -m extract configs/tiny.toml))
+	$(PY) -m recipes.compare_tiers $(CONFIG) $(OVERRIDES)
 
 bench-extract: setup
 	$(PY) -m benchmarks.extract $(ARGS)
@@ -101,7 +101,7 @@ bench-regenerate: setup
 	$(PY) -m benchmarks.regenerate $(ARGS)
 
 bench-train: setup
-	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m extract.tiny \&\& $(PY) -m extract configs/tiny.toml))
+	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m recipes.tiny \&\& $(PY) -m extract configs/tiny.toml))
 	$(PY) -m benchmarks.train $(ARGS)
 
 reliability: setup

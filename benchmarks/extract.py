@@ -233,7 +233,7 @@ def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype, attn
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     from common.target import reach_text_parts
-    from extract.tiny import build_chat_tokenizer
+    from recipes.tiny import build_chat_tokenizer
 
     config = Qwen3_5TextConfig(**text_kwargs)
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """`python -m benchmarks.tiny_threads`: the tiny default's CPU work per torch thread count.
 
 The evidence behind `common.device.small_model_threads()` (at most 4 threads for the tiny default's
-models): on a random-weight target of the tiny default's shape (`extract.tiny.TinyConfig`: 8 layers,
+models): on a random-weight target of the tiny default's shape (`recipes.tiny.TinyConfig`: 8 layers,
 hidden 128, vocabulary 4096), it times, for each thread count, interleaved over several rounds,
 
   train:  one training step of the tiny build (forward, backward, AdamW) on a 1,024-token batch,
@@ -32,8 +32,8 @@ import torch  # noqa: E402
 
 from common.device import describe_machine, usable_cores  # noqa: E402
 from extract.regenerate.local import cache_of  # noqa: E402
-from extract.tiny.config import TinyConfig, resolve_precision  # noqa: E402
-from extract.tiny.target import next_token_loss  # noqa: E402
+from recipes.tiny.config import TinyConfig, resolve_precision  # noqa: E402
+from recipes.tiny.target import next_token_loss  # noqa: E402
 
 TRAIN_ROWS, TRAIN_WIDTH = 4, 256
 DECODE_ROWS, DECODE_PROMPT, DECODE_STEPS = 128, 24, 32

@@ -1,5 +1,5 @@
 """Where a greedy answer starts looping: `RepeatWatch`, shared by the tiny build's regeneration
-(`extract.tiny`, which cuts the target's answers there) and speculative decoding
+(`recipes.tiny`, which cuts the target's answers there) and speculative decoding
 (`train.specdecode --stop-repeat`, which stops there), so that both end a response at the same token.
 
 A response loops once its last n tokens repeat the p tokens before them (token i equals token

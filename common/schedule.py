@@ -1,5 +1,5 @@
 """The learning-rate schedule shared by the drafter trainer (`train/step.py`, `lr_at`) and the tiny target's
-training (`extract/tiny/target.py`): linear warmup, then cosine decay to a floor."""
+training (`recipes/tiny/target.py`): linear warmup, then cosine decay to a floor."""
 
 from __future__ import annotations
 

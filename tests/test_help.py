@@ -15,15 +15,15 @@ ENTRY_POINTS = {
     # module: a line its help must hold (the allowed values of one of its keys, or an option)
     "extract": "dtype = 'bfloat16'  ('bfloat16' | 'float16' | 'float32')",
     "extract.regenerate": "backend = 'local'  ('local' | 'server')",
-    "extract.tiny": "precision = 'auto'  ('auto' | 'fp32' | 'bf16')",
+    "recipes.tiny": "precision = 'auto'  ('auto' | 'fp32' | 'bf16')",
     "extract.merge": "world = None  (int | none)  >= 1",
     "train": "precision = 'auto'  ('auto' | 'bf16' | 'fp32')",
     "train.eval": "precision = 'auto'  ('auto' | 'bf16' | 'fp32')",
     "train.export": "dtype = 'bfloat16'  ('bfloat16' | 'float16' | 'float32')",
     "train.specdecode": "dtype = 'float32'  ('float32' | 'bfloat16' | 'float16')",
     "train.report": "usage: python -m train.report RUN_DIR [RUN_DIR ...] [key=value | --key value ...]",
-    "train.demo": "run = 'demo'  (str)",
-    "train.choose_tier": "budget = 32",
+    "recipes.demo": "run = 'demo'  (str)",
+    "recipes.compare_tiers": "budget = 32",
     "shards": "python -m shards transcode SRC DST encoding=ENC",
     "shards transcode": "zstd_level = 1  (int)  range [1, 22]",
 }

@@ -9,7 +9,7 @@ the row's seed (from seed, record id and turn) and the step, so an answer does n
 records share its batch, and a rerun after a kill samples the same answer.
 
 `answer_window` answers a window of conversations turn by turn: all first answers (batched by
-prompt length), then all second answers, and so on. The tiny build (`extract.tiny`) regenerates
+prompt length), then all second answers, and so on. The tiny build (`recipes.tiny`) regenerates
 its corpus through this same code.
 """
 

@@ -107,7 +107,7 @@ def test_the_random_corpus_holds_none_of_the_tokenizers_own_ids(tmp_path):
     """Extraction refuses a corpus holding the mask token (extract.mask_token), so a long random
     corpus must never draw the benchmark tokenizer's special ids (at 300 K tokens over 248 K ids it
     would, almost surely, if the draw started at 0)."""
-    from extract.tiny import build_chat_tokenizer
+    from recipes.tiny import build_chat_tokenizer
 
     tokenizer = build_chat_tokenizer(["benchmark corpus of random token ids " * 8], 300)
     path = str(tmp_path / "corpus.jsonl")

@@ -171,11 +171,11 @@ def test_every_stage_config_is_frozen_after_validation():
 
     from extract.config import ExtractConfig
     from extract.regenerate.config import RegenerateConfig
-    from extract.tiny.config import TinyConfig
+    from recipes.compare_tiers import ChooseTierConfig
+    from recipes.demo import DemoConfig
+    from recipes.tiny.config import TinyConfig
     from shards.transcode import TranscodeConfig
-    from train.choose_tier import ChooseTierConfig
     from train.config import TrainConfig
-    from train.demo import DemoConfig
     from train.eval.config import EvalConfig
     from train.report.config import ReportConfig
 
@@ -251,11 +251,11 @@ def test_one_command_grammar_positional_key_value_and_flags(tmp_path, capsys):
 def _stage_configs() -> list[type]:
     from extract.config import ExtractConfig
     from extract.regenerate.config import RegenerateConfig
-    from extract.tiny.config import TinyConfig
+    from recipes.compare_tiers import ChooseTierConfig
+    from recipes.demo import DemoConfig
+    from recipes.tiny.config import TinyConfig
     from shards.transcode import TranscodeConfig
-    from train.choose_tier import ChooseTierConfig
     from train.config import TrainConfig
-    from train.demo import DemoConfig
     from train.eval.config import EvalConfig
     from train.report.config import ReportConfig
 

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from common.schedule import warmup_cosine
-from extract.tiny.config import TinyConfig
-from extract.tiny.target import learning_rate
+from recipes.tiny.config import TinyConfig
+from recipes.tiny.target import learning_rate
 from train.step import lr_at
 
 

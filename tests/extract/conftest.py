@@ -1,4 +1,4 @@
-"""Shared fixtures for the extraction tests: the project's chat tokenizer (extract.tiny), tiny random
+"""Shared fixtures for the extraction tests: the project's chat tokenizer (recipes.tiny), tiny random
 Qwen3 and Qwen3.5 (hybrid Gated DeltaNet) targets built from configs, a saved target directory,
 and corpus writers. Everything is CPU, float32 unless a test asks otherwise, and seconds to build.
 """
@@ -23,7 +23,7 @@ def sentence(rng: random.Random, n: int) -> str:
 
 @pytest.fixture(scope="session")
 def chat_tokenizer():
-    from extract.tiny import build_chat_tokenizer
+    from recipes.tiny import build_chat_tokenizer
 
     rng = random.Random(0)
     return build_chat_tokenizer([sentence(rng, 60) for _ in range(40)] + ["user\nassistant\nsystem\n"] * 5, 400)
@@ -148,7 +148,7 @@ def mixed_corpus(path, n_good: int = 24, seed: int = 0) -> tuple[str, dict]:
 
 
 # A chat template that renders tools the way Qwen3.6's does (written for these tests; the tiny
-# template of extract/tiny/ has no tool calls): contents trimmed, a <think> block in the turns
+# template of recipes/tiny/ has no tool calls): contents trimmed, a <think> block in the turns
 # after the last user query, tool calls as <tool_call><function=NAME><parameter=KEY> blocks inside
 # the assistant turn, tool results as <tool_response> blocks inside one user turn, tools listed in
 # the system turn.
@@ -197,7 +197,7 @@ QWEN_TOOL_TEMPLATE = (
 
 def tool_chat_tokenizer():
     """The project's chat tokenizer with the Qwen-style tool template (a fresh object: tests may change it)."""
-    from extract.tiny import build_chat_tokenizer
+    from recipes.tiny import build_chat_tokenizer
 
     rng = random.Random(0)
     tokenizer = build_chat_tokenizer([sentence(rng, 60) for _ in range(40)] + ["user\nassistant\nsystem\n"] * 5, 400)

@@ -23,7 +23,7 @@ def word_token_ids(tokenizer) -> list[int]:
 
 def word_model(tokenizer, *, hybrid: bool = False, seed: int = 0, stop_weight: float = 1.0):
     """A random model whose greedy (and sampled) answers are words and `<|im_end|>`."""
-    from extract.tiny import generation_config
+    from recipes.tiny import generation_config
 
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     make = qwen35_text_config if hybrid else qwen3_config

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from extract import corpus as C
-from extract.tiny import CHAT_TEMPLATE, IM_END
+from recipes.tiny import CHAT_TEMPLATE, IM_END
 from tests.extract.conftest import write_lines
 
 

@@ -275,7 +275,7 @@ def loss_text(tokenizer, sample) -> str:
 
 @pytest.mark.parametrize("switch", [{"weight": 0}, {"train": False}, {"weight": 0.0, "train": False}])
 def test_an_assistant_turn_marked_weight_0_or_train_false_carries_no_loss(chat_tokenizer, switch):
-    from extract.tiny import IM_END
+    from recipes.tiny import IM_END
 
     [plain, marked, unmarked] = build(
         chat_tokenizer, [two_answers({}), two_answers(switch), two_answers({"weight": 1}, {"train": True})]
@@ -287,7 +287,7 @@ def test_an_assistant_turn_marked_weight_0_or_train_false_carries_no_loss(chat_t
 
 
 def test_sharegpt_turn_weights_are_read_too(chat_tokenizer):
-    from extract.tiny import IM_END
+    from recipes.tiny import IM_END
 
     record = {
         "conversations": [

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from extract import corpus as C
-from extract.tiny import IM_END, IM_START
+from recipes.tiny import IM_END, IM_START
 
 WEATHER_TOOL = {
     "type": "function",

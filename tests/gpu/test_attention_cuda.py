@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks.train import SHAPES
-from extract.tiny import TinyConfig
+from recipes.tiny import TinyConfig
 from tests.gpu import GPU
 from tests.train.test_model import QWEN36_TEXT
 from train.attention import attend

@@ -147,7 +147,7 @@ class World:
 def build_world(root: Path, n_good: int = 60, seed: int = 0) -> World:
     """Write the tiny target and the corpus under `root` (the extraction itself is lazy)."""
     single_thread()
-    from extract.tiny import build_chat_tokenizer
+    from recipes.tiny import build_chat_tokenizer
     from tests.extract.conftest import build_model, mixed_corpus, qwen3_config, sentence
 
     root = Path(root)

@@ -15,9 +15,9 @@ from common.config import load_config
 from shards import ShardDataset
 from shards.projection import load_projection
 from shards.transcode import TranscodeConfig, transcode
-from tests.extract.smollm2.conftest import smollm2_dir  # noqa: F401  (the fixture)
-from tests.extract.smollm2.test_real_target import extracted  # noqa: F401  (the fixture)
 from tests.paths import REPO
+from tests.recipes.smollm2.conftest import smollm2_dir  # noqa: F401  (the fixture)
+from tests.recipes.smollm2.test_real_target import extracted  # noqa: F401  (the fixture)
 from train.config import TrainConfig
 from train.loop import train
 from train.model import DFlashDrafter, DrafterConfig

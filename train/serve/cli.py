@@ -127,7 +127,7 @@ class SpecDecodeConfig:
     stop_repeat: int = knob(
         0,
         help="end each response where it starts looping: after its last N >= max(this, p) tokens repeat the p before "
-        "them (p <= 64; the rule extract.tiny cuts its regenerated answers by); 0 = off",
+        "them (p <= 64; the rule recipes.tiny cuts its regenerated answers by); 0 = off",
         min=0,
     )
 

@@ -188,7 +188,7 @@ def test_a_shorter_verify_commits_at_most_its_rows_and_stays_lossless():
 
 
 def test_stop_repeat_ends_both_loops_where_the_response_starts_looping():
-    """With stop_repeat, a response ends right after its first repetition, where extract.tiny cuts
+    """With stop_repeat, a response ends right after its first repetition, where recipes.tiny cuts
     its regenerated answers (`first_loop_reference`), in target-only and speculative decoding alike."""
     target = SpecTarget.from_model(tiny_qwen3(seed=3), LAYER_IDS, stop_ids=[])
     ends = []
