@@ -54,6 +54,11 @@ DTYPE_SYNONYMS = {
 }
 
 
+# transformers' attention implementations a stage that loads the target takes (`attn_implementation`):
+# some targets need one (Gemma2's soft-capping and gpt-oss's sinks: eager).
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
 def literal_member(value: Any, allowed: typing.Sequence[Any]) -> Any:
     """`value` if allowed, else its other dtype spelling if that is allowed, else None."""
     if value in allowed:

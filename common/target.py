@@ -39,11 +39,11 @@ from torch import nn
 from common.config import fail
 from common.hashing import json_digest
 from common.hf_target import read_config
+from common.target_identity import head_digest, weights_digest
 
 LAYER_CONTAINERS = ("layers", "h", "blocks", "block")
 FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_DIGEST_SAMPLE_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -334,24 +334,6 @@ def final_logits_fn(text_config) -> Callable[[torch.Tensor], torch.Tensor]:
 # Provenance
 
 
-def weights_digest(path: str) -> str:
-    """A fast fingerprint of the weight files: names, sizes, and 1 MiB from the start, middle and
-    end of each (hashing 55 GB would take minutes; any other checkpoint differs in these bytes)."""
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    names = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".pt", ".index.json")))
-    for name in names:
-        full = os.path.join(path, name)
-        size = os.path.getsize(full)
-        h.update(f"{name}:{size}|".encode())
-        with open(full, "rb") as f:
-            for at in sorted({0, max(0, size // 2 - _DIGEST_SAMPLE_BYTES // 2), max(0, size - _DIGEST_SAMPLE_BYTES)}):
-                f.seek(at)
-                h.update(f.read(_DIGEST_SAMPLE_BYTES))
-    return h.hexdigest()
-
-
 def target_provenance(target: Target) -> dict:
     top = read_config(target.path) if target.path else target.model.config.to_dict()
     architectures = (
@@ -362,6 +344,7 @@ def target_provenance(target: Target) -> dict:
         "revision": getattr(target.model.config, "_commit_hash", None),
         "config_hash": json_digest(top),
         "weights_digest": weights_digest(target.path) if target.path else None,
+        "head_digest": head_digest(target.path) if target.path else None,
         "architecture": architectures[0],
         "loaded_as": type(target.model).__name__,
         "model_type": getattr(target.text_config, "model_type", None),

@@ -18,11 +18,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import fail, knob, set_resolved
+from common.config import ATTN_IMPLEMENTATIONS, fail, knob, set_resolved
 
 DEFAULT_LAYER_IDS = [1, 16, 31, 46]
 HIDDEN_ENCODINGS = ("planes", "plain")  # the lossless ones; storage tiers: shards.quant.parse_encoding
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 ALLOWED_TEMPLATE_KWARG_TYPES = (bool, int, float, str)
 

@@ -143,6 +143,12 @@ class ModelConfig:
         help="target checkpoint directory (HF layout) for widths, rope, embedding and lm_head; none = the shards' "
         "provenance target.name_or_path",
     )
+    allow_target_mismatch: bool = knob(
+        False,
+        help="train although model.target is not the target the shards were extracted from (its config hash, "
+        "weights digest or embedding and head digest differ): for a deliberate copy, such as the same weights "
+        "re-saved in another dtype; run.json records what differed (common.target_identity)",
+    )
     num_layers: int = knob(5, help="drafter decoder layers", min=1, max=64)
     block_size: int = knob(16, help="tokens per block: the anchor plus block_size-1 drafted tokens", min=2, max=128)
     target_layer_ids: list[int] | None = knob(

@@ -4,9 +4,10 @@
                                # frozen head, optimizer, step functions, resume, run files
 
 1. The run directory is claimed (`train.run_dir`: one training per directory).
-2. The data stream is opened and the target found; the drafter config is derived from the target
-   and the shards' provenance (`resolve_target`: taps, mask token, a storage tier's projection),
-   and shards that do not fit it are refused, naming the field.
+2. The data stream is opened and the target found, refused unless it is the one the shards were
+   extracted from (`common.target_identity`; `model.allow_target_mismatch`); the drafter config is
+   derived from the target and the shards' provenance (`resolve_target`: taps, mask token, a
+   storage tier's projection), and shards that do not fit it are refused, naming the field.
 3. The kernel plan (device, autocast, attention, compile) is chosen, one for every rank (refused on
    all if one rank cannot run it), and `model.init_from` is checked against the drafter config.
 4. The drafter (seeded), the target's frozen embedding and lm_head, AdamW and the step functions
@@ -35,6 +36,8 @@ from common.hashing import json_digest, tokenizer_digest
 from common.hf_target import text_config
 from common.io import atomic_write_json, exists, join, resolve
 from common.provenance import git_sha, tool_version
+from common.target_check import OVERRIDE_KEY, check_target
+from common.target_identity import target_identity
 from train.blocks import Blocks
 from train.buckets import RankSplit, split_summary
 from train.checkpoint import (
@@ -160,6 +163,8 @@ class Target:
     text_config: dict
     mask_source: str
     drafter_cfg: DrafterConfig
+    identity: dict  # common.target_identity.target_identity of `path`
+    check: dict  # how it compares with the shards' target (common.target_identity.check_target)
 
 
 def resolve_target(cfg: TrainConfig, manifest: dict) -> Target:
@@ -171,6 +176,14 @@ def resolve_target(cfg: TrainConfig, manifest: dict) -> Target:
     path = cfg.model.target or (provenance.get("target") or {}).get("name_or_path")
     if not path or not Path(path, "config.json").is_file():
         raise ValueError(f"config key 'model.target': no target checkpoint directory at {path!r} (set model.target)")
+    identity = target_identity(path)
+    check = check_target(
+        identity,
+        provenance.get("target"),
+        made=f"the shards at '{cfg.data.shards}' were extracted from",
+        key=f"model.{OVERRIDE_KEY}",
+        allowed=cfg.model.allow_target_mismatch,
+    )
     target_cfg = text_config(path)
     tokenizer = _load_tokenizer(path)
     mask_token_id, mask_source = resolve_mask_token(provenance, tokenizer, cfg.model.mask_token_id)
@@ -178,7 +191,7 @@ def resolve_target(cfg: TrainConfig, manifest: dict) -> Target:
     # Storage tiers: fc reads the dataset's projected features when it has them (train.tiers).
     drafter_cfg = dataclasses.replace(drafter_cfg, projection=drafter_projection(cfg.model.projection, manifest))
     check_compatible(manifest, expected_fields(drafter_cfg, target_cfg, tokenizer, topk_needed=1))
-    return Target(str(path), target_cfg, mask_source, drafter_cfg)
+    return Target(str(path), target_cfg, mask_source, drafter_cfg, identity, check)
 
 
 def _open_stream(cfg: TrainConfig, split: RankSplit | None = None) -> DataStream:
@@ -445,6 +458,8 @@ class Run(OnKernels):
                 "shards": self.cfg.data.shards,
                 "manifest_digest": json_digest(manifest),
                 "target": target.path,
+                "target_identity": target.identity,
+                "target_check": target.check,
                 "mask_token_source": target.mask_source,
                 "drafter_config": self.drafter_cfg.to_dict(),
                 "drafter_parameters": self.drafter.num_parameters(),

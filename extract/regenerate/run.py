@@ -89,7 +89,7 @@ def context_limit(cfg: RegenerateConfig) -> int | None:
 
 
 def target_fingerprint(target_dir: str, tokenizer) -> dict:
-    from common.target import weights_digest
+    from common.target_identity import weights_digest
 
     config = read_config(target_dir)
     return {

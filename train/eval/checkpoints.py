@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.target_check import OVERRIDE_KEY, check_target
+from common.target_identity import target_identity
+
 
 @dataclasses.dataclass
 class CheckpointInfo:
@@ -107,6 +110,31 @@ def target_dir_for(info: CheckpointInfo, override: str | None, manifest: dict) -
                 raise ValueError(f"no target checkpoint directory at {value!r} (from {source}); set target=DIR")
             return str(value)
     raise ValueError("no target directory known for the frozen embedding / lm_head; set target=DIR")
+
+
+def check_eval_target(info: CheckpointInfo, target_dir: str, data: str, manifest: dict, allowed: bool) -> dict:
+    """The target's identity checked against the run's (run.json) and the evaluated shards' (their
+    manifest): ValueError naming both unless the same or `allowed` (common.target_identity)."""
+    identity = target_identity(target_dir)
+    run = info.run_dir or info.path
+    shards_target = (manifest.get("provenance") or {}).get("target")
+    return {
+        "identity": identity,
+        "run": check_target(
+            identity,
+            info.run_info.get("target_identity"),
+            made=f"run '{run}' trained with",
+            key=OVERRIDE_KEY,
+            allowed=allowed,
+        ),
+        "data": check_target(
+            identity,
+            shards_target,
+            made=f"the shards at '{data}' were extracted from",
+            key=OVERRIDE_KEY,
+            allowed=allowed,
+        ),
+    }
 
 
 @dataclasses.dataclass

@@ -64,6 +64,12 @@ class EvalConfig:
         help="target checkpoint directory for the frozen embedding and lm_head; none = the one the run was "
         "trained with",
     )
+    allow_target_mismatch: bool = knob(
+        False,
+        help="evaluate with a target other than the one the run trained with or the shards were extracted from "
+        "(config hash, weights digest or embedding and head digest differ): for a deliberate copy, such as the "
+        "same weights re-saved in another dtype; the report records what differed",
+    )
     projection: str | None = knob(
         None,
         help="a drafter trained on projected features, evaluated on full ones: the projection file to fold into "

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from common.target_check import allowed_line
+
 BASELINE_NAME = "most-frequent-label baseline"
 
 
@@ -119,6 +121,13 @@ def _pair_table(first: dict, second: dict, ratio: dict, rows_spec) -> str:
     return _grid(header, rows)
 
 
+def _target_lines(ckpt: dict) -> list[str]:
+    """A line for each check of the target that differed and was allowed (`allow_target_mismatch`)."""
+    checks = ckpt.get("target_check") or {}  # absent in reports of older versions
+    lines = [allowed_line(checks.get(part), whose) for part, whose in (("run", "the run's"), ("data", "the shards'"))]
+    return [f"  {line}" for line in lines if line]
+
+
 def render_report(report: dict) -> str:
     """The on-screen table of a report (works on the report as loaded back from its JSON)."""
     data, ckpts = report["data"], report["checkpoints"]
@@ -127,6 +136,7 @@ def render_report(report: dict) -> str:
     names = ["A", "B"] if len(ckpts) == 2 else [""]
     for name, ckpt in zip(names, ckpts):
         lines.append(f"  checkpoint {name + ' ' if name else ''}{ckpt['path']} (step {ckpt['step']})")
+        lines += _target_lines(ckpt)
     lines.append(
         f"  data       {data['path']}: {data['samples']} of {data['samples_in_dataset']} samples, "
         f"{data['tokens']} tokens, {data['blocks']} blocks"

@@ -17,7 +17,7 @@ import torch
 from common.config import config_to_dict
 from common.hashing import json_digest
 from train.eval.baseline import baseline_report
-from train.eval.checkpoints import CheckpointInfo, load_eval_model, read_checkpoint, target_dir_for
+from train.eval.checkpoints import CheckpointInfo, check_eval_target, load_eval_model, read_checkpoint, target_dir_for
 from train.eval.config import EvalConfig
 from train.eval.drafting import Runtime
 from train.eval.scoring import run_blocks, summarize_model
@@ -104,6 +104,10 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
     runtime = Runtime.from_config(cfg, [info.drafter_config.head_dim for info in infos])
     cfg = resolved_config(cfg, runtime, split, fraction, boundaries)
     targets = [target_dir_for(info, cfg.target, manifest) for info in infos]
+    target_checks = [
+        check_eval_target(info, target, cfg.data, manifest, cfg.allow_target_mismatch)
+        for info, target in zip(infos, targets)
+    ]
     models = [load_eval_model(info, target, runtime.device, runtime.head_dtype) for info, target in zip(infos, targets)]
     eval_start = time.perf_counter()
     table, scores = run_blocks(models, data, cfg, runtime, bucket_of_sample)
@@ -143,10 +147,11 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
                 "run_dir": str(info.run_dir) if info.run_dir else None,
                 "step": info.step,
                 "target": target,
+                "target_check": target_check,
                 "checked_fields": fields,
                 **summarize_model(table, s, buckets),
             }
-            for info, target, fields, s in zip(infos, targets, checked, scores)
+            for info, target, target_check, fields, s in zip(infos, targets, target_checks, checked, scores)
         ],
         "baseline": baseline,
         "notes": _notes(data, n_draft, cfg),

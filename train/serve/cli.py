@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import ConfigError, fail, knob, parse_command
+from common.config import ATTN_IMPLEMENTATIONS, ConfigError, fail, knob, parse_command
 
 DEFAULT_PROMPTS = "artifacts/tiny/corpus/heldout.jsonl"
 
@@ -39,6 +39,12 @@ class ExportConfig:
         None,
         help="drafters trained on projected features: the projection file to fold into fc (default: the training "
         "dataset's)",
+    )
+    allow_target_mismatch: bool = knob(
+        False,
+        help="export for a target other than the one the run trained with (config hash, weights digest or "
+        "embedding and head digest differ): for a deliberate copy, such as the same weights re-saved in another "
+        "dtype; dflash_export.json records what differed",
     )
 
 
@@ -108,6 +114,18 @@ class SpecDecodeConfig:
         10, help="peer baseline: prompt_lookup_num_tokens of transformers' prompt-lookup decoding", min=1, max=64
     )
     dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="target and drafter dtype")
+    attn_implementation: str = knob(
+        "sdpa",
+        help="the target's attention implementation in transformers (eager for targets sdpa does not serve exactly, "
+        "e.g. Gemma2, gpt-oss)",
+        choices=ATTN_IMPLEMENTATIONS,
+    )
+    allow_target_mismatch: bool = knob(
+        False,
+        help="decode with a target other than the one the drafter was exported for (config hash, weights digest or "
+        "embedding and head digest differ): for a deliberate copy, such as the same weights re-saved in another "
+        "dtype; the result records what differed",
+    )
     tf32: bool = knob(
         False,
         help="CUDA, float32: matrix products on TF32 tensor cores for every decoding of the run alike (target-only "

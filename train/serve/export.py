@@ -20,7 +20,9 @@ is used). OUT_DIR receives:
                        prefix, no embedding, no lm_head: those are the target's)
     dflash.py          the model code (a copy of train/serve/dflash_hf.py), so that
                        AutoModel.from_pretrained(OUT_DIR, trust_remote_code=True) builds the drafter
-    dflash_export.json where it came from (checkpoint, step, git sha), not read by any loader
+    dflash_export.json where it came from (checkpoint, step, git sha) and the target it is for
+                       (`target_identity`, `target_check`: common.target_check; speculative
+                       decoding compares its target with it), not read by any loader
 
 `model_type` is "qwen3" as in the published checkpoints: transformers builds a `Qwen3Config` from
 the file (keeping the extra DFlash keys), and with trust_remote_code the `auto_map` entry wins over
@@ -41,6 +43,8 @@ import torch
 
 from common.config import ConfigError
 from common.io import replace_local_dir
+from common.target_check import OVERRIDE_KEY, check_target, recorded_identity
+from common.target_identity import target_identity
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
 from train.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig, rope_settings
 from train.serve.cli import parse_export_args, usage_error
@@ -62,6 +66,11 @@ CONFIG_FILE = "config.json"
 INFO_FILE = "dflash_export.json"
 ARCHITECTURE = "DFlashDraftModel"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+TARGET_CHECK_WORDS = {
+    "same": "the run's target (checked)",
+    "allowed": "NOT the run's target, allowed by allow_target_mismatch (dflash_export.json says what differs)",
+    "unchecked": "not checked (no target directory, or the run records no target identity)",
+}
 
 
 def attention_semantics(cfg: DrafterConfig) -> dict:
@@ -327,13 +336,25 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     )
 
 
-def _run_target(checkpoint: Path) -> str | None:
-    """The target path recorded in the run's run.json (runs/NAME/checkpoints/step-X -> runs/NAME/run.json)."""
+def _run_info(checkpoint: Path) -> dict:
+    """The run's run.json (runs/NAME/checkpoints/step-X -> runs/NAME/run.json); {} when absent."""
     run_json = checkpoint.parent.parent / "run.json"
     try:
-        return json.loads(run_json.read_text()).get("target")
+        return json.loads(run_json.read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+
+
+def export_target_check(checkpoint: Path, target: str | None, allowed: bool) -> tuple[dict, dict]:
+    """(the identity the export records, the check record): the target's, checked against the
+    identity the run recorded (common.target_identity); without a target directory, the run's as recorded."""
+    recorded = _run_info(checkpoint).get("target_identity")
+    if not target or not Path(target, "config.json").is_file():
+        note = {"status": "unchecked", "target": target, "reason": "no target directory given or found"}
+        return recorded_identity(recorded), note
+    identity = target_identity(target)
+    made = f"run '{checkpoint.parent.parent}' trained with"
+    return identity, check_target(identity, recorded, made=made, key=OVERRIDE_KEY, allowed=allowed)
 
 
 def target_token_ids(target_dir: str, cfg: DrafterConfig) -> dict:
@@ -358,12 +379,14 @@ def export_checkpoint(
     dtype: str = "bfloat16",
     target: str | None = None,
     projection: str | None = None,
+    allow_target_mismatch: bool = False,
 ) -> Path:
     """Export a training checkpoint (or a run's latest one). Token ids come from `target` or the run's target.
 
     A drafter trained on projected features (a storage tier) is exported with P folded into fc
     (fc = fc'·P, in float32), so it reads full tap features like any DFlash drafter; P comes from
-    the run's training dataset, or from the file `projection`."""
+    the run's training dataset, or from the file `projection`. A target other than the run's is
+    refused unless `allow_target_mismatch` (common.target_identity); dflash_export.json records it."""
     from safetensors.torch import load_file
 
     from common.provenance import git_sha, tool_version
@@ -385,12 +408,15 @@ def export_checkpoint(
         folded = cfg.projection["checksum"]
         p = projection_for_drafter(cfg, (train_config.get("data") or {}).get("shards"), projection)
         state, cfg = fold_projection(state, cfg, p)
-    target = target or _run_target(ckpt)
+    target = target or _run_info(ckpt).get("target")
+    identity, check = export_target_check(ckpt, target, allow_target_mismatch)
     token_ids = target_token_ids(target, cfg) if target and Path(target, "config.json").is_file() else None
     info = {
         "checkpoint": str(ckpt.resolve()),
         "step": step,
         "target": target,
+        "target_identity": identity,
+        "target_check": check,
         "dtype": dtype,
         "git_sha": git_sha(),
         "tool_version": tool_version(),
@@ -436,7 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     try:
         out = export_checkpoint(
-            args.checkpoint, args.out_dir, dtype=args.dtype, target=args.target, projection=args.projection
+            args.checkpoint,
+            args.out_dir,
+            dtype=args.dtype,
+            target=args.target,
+            projection=args.projection,
+            allow_target_mismatch=args.allow_target_mismatch,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -453,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  layer_types {config['layer_types']}, sliding_window {config['sliding_window']}, "
             f"causal per layer {config['dflash_config']['layer_causal']}"
         )
+    check = json.loads((out / INFO_FILE).read_text())["target_check"]
+    print(f"  target {check.get('target')}: {TARGET_CHECK_WORDS[check['status']]}")
     for warning in serving_warnings(drafter_config_from_export(config)):
         print(f"  warning: {warning}")
     print(f"  load: AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from common.target_check import allowed_line
 from train.serve.specdecode import Generation
 
 
@@ -141,6 +142,9 @@ def print_summary(result: dict) -> None:
     DDTree, peers, agreement)."""
     s = result["summary"]
     B = len(s["tau_histogram"])
+    allowed = allowed_line(result.get("target_check"), "the drafter's")
+    if allowed:
+        print(allowed)
     print(
         f"prompts {s['prompts']}, rounds {s['rounds']}, new tokens {s['new_tokens']}, target cache: "
         f"{result['cache_mode']}"

@@ -29,8 +29,11 @@ from torch import nn
 
 from common.config import ConfigError
 from common.target import load_target
+from common.target_check import OVERRIDE_KEY, check_target
+from common.target_identity import target_identity
 from train.serve.agreement import agreement, corpus_offline_tau
 from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args, usage_error
+from train.serve.export import INFO_FILE
 from train.serve.peers import peer_generate
 from train.serve.prompts import prompts_from_jsonl, prompts_from_shards, stop_token_ids
 from train.serve.results import generation_record, print_summary, summarize, summarize_peer
@@ -155,6 +158,18 @@ def proposer_for(drafter: nn.Module, target: SpecTarget, context_cache: bool) ->
     return DFlashProposer(drafter, target, context_cache=context_cache), None
 
 
+def check_drafter_target(drafter_dir: str, target_dir: str, allowed: bool) -> dict:
+    """The target checked against the one the drafter was exported for (its dflash_export.json;
+    common.target_identity): ValueError naming both unless the same or `allowed`."""
+    info_file = Path(drafter_dir) / INFO_FILE
+    try:
+        recorded = json.loads(info_file.read_text()).get("target_identity") if info_file.is_file() else None
+    except ValueError as exc:
+        raise ValueError(f"'{info_file}' is not valid JSON: {exc}") from None
+    made = f"the drafter '{drafter_dir}' was exported for"
+    return check_target(target_identity(target_dir), recorded, made=made, key=OVERRIDE_KEY, allowed=allowed)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m train.specdecode`: 0 done, 1 a decoding was not lossless, 2 a usage or input error."""
     try:
@@ -179,8 +194,11 @@ def _run(args) -> int:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     try:
+        target_check = check_drafter_target(args.drafter, args.target, args.allow_target_mismatch)
         drafter = load_exported(args.drafter, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
-        target_obj = load_target(args.target, dtype=args.dtype, device=args.device)
+        target_obj = load_target(
+            args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device
+        )
         target = SpecTarget(target_obj, drafter.target_layer_ids, stop_token_ids(target_obj))
         static_note = None
         if target_obj.hidden_size != int(drafter.config.hidden_size):
@@ -252,6 +270,8 @@ def _run(args) -> int:
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
+        "attn_implementation": args.attn_implementation,
+        "allow_target_mismatch": args.allow_target_mismatch,
         "tf32": args.tf32,
         "compile": args.compile_mode if static_note else None,  # only the static-cache target compiles
         "verify_tokens": args.verify_tokens or proposer.block_size,
@@ -270,6 +290,7 @@ def _run(args) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    result["target_check"] = target_check
     print_summary(result)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

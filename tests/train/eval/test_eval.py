@@ -49,10 +49,12 @@ def label_of_position(p):
     return p % (V - 1)
 
 
-def write_shards(root, target_dir, *, n=24, seed=0, taps=TAPS):
+def write_shards(root, target_dir, *, n=24, seed=0, taps=TAPS, identity=None, tokenizer_hash="tok"):
+    """Synthetic shards of the tiny target; `identity`: the target identity fields the provenance records."""
+    target = {"name_or_path": str(target_dir), "num_layers": LAYERS, "hidden_size": H, "vocab_size": V}
     prov = {
-        "target": {"name_or_path": str(target_dir), "num_layers": LAYERS, "hidden_size": H, "vocab_size": V},
-        "tokenizer": {"hash": "tok", "mask_token_id": MASK_ID},
+        "target": {**target, **(identity or {})},
+        "tokenizer": {"hash": tokenizer_hash, "mask_token_id": MASK_ID},
         "taps": {"layer_ids": taps, "meaning": "id i = output of decoder layer i = hidden_states[i+1]"},
         "dtype": "bfloat16",
         "topk": TOPK,

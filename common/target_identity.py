@@ -1,0 +1,71 @@
+"""A target's identity: three digests of its checkpoint directory, each computed without building
+the model (`target_identity`), which extraction records in the shards' manifest and every later
+stage compares (`common.target_check`):
+
+  config_hash     xxh3-128 of config.json as parsed: another architecture, size or setting
+  weights_digest  the weight files' names and sizes and 1 MiB of each from its start, middle and
+                  end: another checkpoint differs there
+  head_digest     every byte of the stored embedding and output head, with their dtype and shape:
+                  the two tensors a drafter shares with its target (a 27B's are 2 x 2.5 GB, read
+                  once per stage; the other 50 GB are not read); None without safetensors weights
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import xxhash
+
+from common.hashing import json_digest
+from common.hf_target import EMBED, LM_HEAD, load_tensors, read_config
+
+__all__ = ["target_identity", "weights_digest", "head_digest"]
+
+_DIGEST_SAMPLE_BYTES = 1 << 20
+
+
+def weights_digest(path: str | os.PathLike) -> str:
+    """A fast fingerprint of the weight files: names, sizes, and 1 MiB from the start, middle and
+    end of each (hashing 55 GB would take minutes; any other checkpoint differs in these bytes)."""
+    h = xxhash.xxh3_128()
+    names = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".pt", ".index.json")))
+    for name in names:
+        full = os.path.join(path, name)
+        size = os.path.getsize(full)
+        h.update(f"{name}:{size}|".encode())
+        with open(full, "rb") as f:
+            for at in sorted({0, max(0, size // 2 - _DIGEST_SAMPLE_BYTES // 2), max(0, size - _DIGEST_SAMPLE_BYTES)}):
+                f.seek(at)
+                h.update(f.read(_DIGEST_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def head_digest(target_dir: str | os.PathLike) -> str | None:
+    """xxh3-128 of the stored embedding and output head (dtype, shape, bytes; a tied head once);
+    None when the directory holds no safetensors weights to read them from."""
+    try:
+        tensors = load_tensors(target_dir, [EMBED, LM_HEAD])
+    except ValueError:
+        return None
+    h = xxhash.xxh3_128()
+    embed = tensors[EMBED]
+    for name, tensor in tensors.items():
+        if name == LM_HEAD and tensor.data_ptr() == embed.data_ptr():
+            h.update(b"lm_head tied to the embedding|")
+            continue
+        flat = tensor.detach().contiguous().reshape(-1)
+        h.update(f"{name}:{str(tensor.dtype).replace('torch.', '')}:{list(tensor.shape)}|".encode())
+        h.update(flat.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def target_identity(target_dir: str | os.PathLike) -> dict:
+    """{name_or_path, config_hash, weights_digest, head_digest} of a checkpoint directory."""
+    path = os.path.abspath(target_dir)
+    return {
+        "name_or_path": path,
+        "config_hash": json_digest(read_config(path)),
+        "weights_digest": weights_digest(path),
+        "head_digest": head_digest(path),
+    }
