@@ -19,7 +19,9 @@ the loss on the answer. An answer is stored only as far as that rendering gives 
 generated text and token ids after exactly the prompt the target saw (`fitted_length`): a model
 may emit a token split that BPE would merge, or a template may trim an answer's trailing
 whitespace; such an answer is cut to its longest prefix that survives (counted `answers_cut`), an
-answer of which nothing survives rejects the record (`answer_not_reproducible`).
+answer of which nothing survives rejects the record (`answer_not_reproducible`). The tokens the
+round trip checked and cut away are counted too (`round_trip_tokens`, `round_trip_cut_tokens`, over
+every answer checked, in stored and rejected records alike), so the summary can say how much it cut.
 
 Thinking (`thinking` in the config):
   disable  prompts rendered with enable_thinking=false; the answer is stored as generated.
@@ -174,6 +176,8 @@ class Conversation:
             "at_repeat": 0,
             "cut": 0,
             "turns_cut": 0,
+            "round_trip_tokens": 0,  # answer tokens checked by the decode/re-encode round trip
+            "round_trip_cut_tokens": 0,  # of those, the tokens it cut away (a whole answer that fails: all)
         }
         self.answer_lengths: list[int] = []  # tokens of each stored answer
         self._prompt: tuple[str, list[int]] | None = None
@@ -294,6 +298,8 @@ class Conversation:
             )
         thinking_open = self.renderer.thinking == "keep" and _opens_thinking(prompt_text)
         kept = fitted_length(self.renderer, messages, self.tools, prompt_text, prompt_ids, ids, thinking_open)
+        self.stats["round_trip_tokens"] += len(ids)
+        self.stats["round_trip_cut_tokens"] += len(ids) - kept
         if kept == 0:
             raise RecordError(
                 NOT_REPRODUCIBLE,

@@ -22,6 +22,13 @@ from common.io import atomic_write_json, join_uri
 from common.provenance import provenance as tool_provenance
 from extract import reading
 from extract.regenerate import store
+from extract.regenerate.answer_checks import (
+    MOST,
+    check_answer_end,
+    round_trip_share,
+    round_trip_warning,
+    round_trip_words,
+)
 from extract.regenerate.config import RegenerateConfig, dataset_keys
 from extract.regenerate.conversation import Conversation, Renderer
 
@@ -125,6 +132,7 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code)
     renderer = Renderer(tokenizer, cfg.thinking, cfg.generation_template_kwargs(), cfg.extraction_template_kwargs())
+    check_answer_end(cfg.target, tokenizer, cfg.generation_template_kwargs(), cfg.max_new_tokens)  # before any answer
     from extract.provenance import corpus_fingerprint
 
     fingerprint = corpus_fingerprint(corpus, cfg.max_records)
@@ -216,6 +224,8 @@ class Tally:
             "prompt_tokens": 0,
             "answers_at_cap": 0,
             "answers_cut": 0,
+            "round_trip_tokens": 0,
+            "round_trip_cut_tokens": 0,
         }
         self.rejected_by_reason: dict[str, int] = {}
         self.failures: list[dict] = []
@@ -227,6 +237,8 @@ class Tally:
         assert outcome is not None
         self.journal.append(outcome.journal_entry())
         stats = outcome.stats
+        for key in ("round_trip_tokens", "round_trip_cut_tokens"):  # stored and rejected records alike
+            self.counts[key] += stats.get(key, 0)
         if outcome.record is not None:
             self.counts["stored"] += 1
             for key, name in (
@@ -515,8 +527,10 @@ def format_summary(summary: dict) -> str:
         f"answers: {c['answers']:,} ({c['answer_tokens']:,} tokens, {summary['answer_tokens_per_s']:,.0f} tok/s; "
         f"prompts {c['prompt_tokens']:,} tokens); "
         f"{c['answers_at_cap']:,} reached max_new_tokens, {c['answers_cut']:,} cut to what the template and "
-        "tokenizer give back",
+        f"tokenizer give back ({round_trip_words(c)})",
     ]
+    if round_trip_share(c) > MOST:
+        lines.append(f"WARNING: {round_trip_warning(c)}")
     if summary.get("rejected_by_reason"):
         lines.append("rejected: " + ", ".join(f"{k} {v:,}" for k, v in sorted(summary["rejected_by_reason"].items())))
     if "requests" in summary:

@@ -434,9 +434,13 @@ def count_entries(entries: list[Finished]) -> dict:
         "answers_at_cap": 0,
         "answers_cut": 0,
         "records_cut_at_tool_turn": 0,
+        "round_trip_tokens": 0,
+        "round_trip_cut_tokens": 0,
     }
     for entry in entries:
         stats = entry.stats
+        for key in ("round_trip_tokens", "round_trip_cut_tokens"):  # stored and rejected records alike
+            counts[key] += stats.get(key, 0)
         if entry.status == "ok":
             counts["stored"] += 1
             counts["answers"] += stats.get("answers", 0)

@@ -305,6 +305,9 @@ def test_local_run_stores_the_targets_greedy_answers_for_every_turn(local_run, c
     )
     assert counts["records_cut_at_tool_turn"] == 1 and counts["answers"] == 12 + 3 + 1
     assert not store.journal_files(out)
+    # Whole-word answers survive the round trip: it checked every answer token and cut none.
+    assert counts["round_trip_tokens"] == counts["answer_tokens"] and counts["round_trip_cut_tokens"] == 0
+    assert "the round trip cut 0 of" in R.format_summary(local_run["summary"])
 
 
 def test_rejects_and_provenance_are_written(local_run):
@@ -407,6 +410,9 @@ def test_an_answer_the_tokenizer_would_merge_is_cut_to_what_survives(chat_tokeni
         chat_tokenizer(prompt + stored, add_special_tokens=False)["input_ids"][len(prompt_ids) :]
         == (whole + pieces)[: conversation.outcome.stats["answer_tokens"]]
     )
+    stats = conversation.outcome.stats  # the tokens the round trip checked and cut away are counted
+    assert stats["round_trip_tokens"] == len(whole + pieces)
+    assert stats["round_trip_cut_tokens"] == len(whole + pieces) - stats["answer_tokens"] > 0
 
 
 # ----------------------------------------------------------------------------------------------
