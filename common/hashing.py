@@ -1,4 +1,4 @@
-"""Stable hashes used for provenance: sample ids, file checksums, tokenizer and text digests.
+"""Stable hashes used for provenance: sample ids, file checksums, tokenizer, chat template and text digests.
 
 All are xxh3-128 (fast, stable across platforms and versions) rendered as hex strings.
 """
@@ -53,3 +53,9 @@ def tokenizer_digest(tokenizer) -> str:
     if backend is not None and hasattr(backend, "to_str"):
         return text_digest(backend.to_str())
     return json_digest(sorted(tokenizer.get_vocab().items()))
+
+
+def template_digest(tokenizer) -> str | None:
+    """The provenance's `chat_template_hash`: the tokenizer's chat template's text digest, None without one."""
+    template = getattr(tokenizer, "chat_template", None)
+    return text_digest(template) if isinstance(template, str) else None

@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+from common.chat_template import check_chat_template
 from common.config import ATTN_IMPLEMENTATIONS, fail, knob, set_resolved
 
 DEFAULT_LAYER_IDS = [1, 16, 31, 46]
@@ -69,6 +70,11 @@ class ExtractConfig:
     streaming: bool = knob(True, help="read Parquet / datasets corpora as a stream (no cache copy, constant memory)")
     max_records: int | None = knob(
         None, help="read only the first N records of the corpus (smoke tests, benchmarks)", min=1
+    )
+    chat_template: str | None = knob(
+        None,
+        help="a Jinja chat template file that renders chat records instead of the tokenizer's own (a target without "
+        "one: a base model); hashed into the provenance as the tokenizer's chat_template_hash",
     )
     chat_template_kwargs: dict = knob(
         factory=dict, help="extra variables for the chat template, e.g. {enable_thinking = false}"
@@ -225,6 +231,7 @@ class ExtractConfig:
             )
         if self.min_loss_tokens > self.max_len:
             fail("min_loss_tokens", f"{self.min_loss_tokens} exceeds max_len {self.max_len}; no sample could pass")
+        check_chat_template(self.chat_template)
         for key, value in self.chat_template_kwargs.items():
             if not isinstance(value, ALLOWED_TEMPLATE_KWARG_TYPES):
                 fail(f"chat_template_kwargs.{key}", f"expected a boolean, number or string, got {value!r}")

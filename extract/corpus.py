@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from common.chat_template import NO_TEMPLATE_HINT
 from common.hashing import sample_id as hash_sample
 from extract.reading import (  # noqa: F401 - re-exported: the corpus API in one place
     CorpusError,
@@ -503,8 +504,7 @@ class SampleBuilder:
             return kind, payload
         if not getattr(self.tokenizer, "chat_template", None):
             raise CorpusError(
-                f"{raw.source}: a chat record, but the tokenizer has no chat_template; "
-                'give the checkpoint a chat template or convert the corpus to {"text": ...} records'
+                f"{raw.source}: a chat record, but the tokenizer has no chat_template; {NO_TEMPLATE_HINT}"
             )
         kwargs = payload.template_kwargs(self.policy.chat_template_kwargs)
         rendered = render_chat(self.tokenizer, payload.messages, kwargs)

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from common.chat_template import with_chat_template
 from common.config import config_to_dict, save_config
 from common.hashing import json_digest
 from common.io import exists_at, join_uri, remove_at, resolve
@@ -78,6 +79,8 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     else:
         check_layer_ids(cfg.layer_ids, target.num_layers)
     check_topk(cfg.topk, target.vocab_size)
+    # chat_template=FILE: the file's template renders the chats and is the one the provenance hashes.
+    target = dataclasses.replace(target, tokenizer=with_chat_template(target.tokenizer, cfg.chat_template))
     restore_attention = prepare_packing(target) if cfg.packing else None
     mask = choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus for corpus, _ in prepared.values()])
     log.info("%s", mask.describe())

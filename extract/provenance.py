@@ -17,7 +17,7 @@ import logging
 import os
 
 from common.config import config_to_dict, fail
-from common.hashing import json_digest, text_digest, tokenizer_digest
+from common.hashing import json_digest, template_digest, tokenizer_digest
 from common.io import exists_at, join_uri, list_names, remove_at, resolve
 from common.provenance import provenance as tool_provenance
 from common.target import Target, target_provenance
@@ -71,9 +71,7 @@ def corpus_fingerprint(corpus: C.CorpusFiles, max_records: int | None) -> dict:
 def tokenizer_provenance(tokenizer, mask: MaskChoice, template_kwargs: dict) -> dict:
     return {
         "hash": tokenizer_digest(tokenizer),
-        "chat_template_hash": text_digest(tokenizer.chat_template)
-        if isinstance(getattr(tokenizer, "chat_template", None), str)
-        else None,
+        "chat_template_hash": template_digest(tokenizer),
         "chat_template_kwargs": dict(template_kwargs),
         "mask_token_id": mask.token_id,
         "mask_token": mask.provenance(),
@@ -104,11 +102,22 @@ def with_regeneration(cfg: ExtractConfig) -> tuple[ExtractConfig, dict | None]:
     return dataclasses.replace(cfg, chat_template_kwargs=kwargs), provenance_for_manifest(provenance)
 
 
-def check_regeneration_target(regeneration: dict | None, target: dict) -> None:
+def check_regeneration_target(regeneration: dict | None, target: dict, tokenizer: dict | None = None) -> None:
     """Warn when the corpus was answered by another target than the one extracted (a drafter learns
-    what the answering model says)."""
+    what the answering model says); refuse it when it was answered through another chat template
+    (`tokenizer`: this run's tokenizer provenance; its answers fit the regeneration's prompts)."""
     if regeneration is None:
         return
+    answered_with = regeneration.get("target", {}).get("chat_template_hash")
+    renders_with = (tokenizer or {}).get("chat_template_hash")
+    if answered_with and renders_with and answered_with != renders_with:
+        file = regeneration.get("chat_template_file")
+        source = f"'{file}'" if file else "the tokenizer's own"
+        fail(
+            "chat_template",
+            f"the regenerated corpus was answered with another chat template ({source}, hash {answered_with}) than "
+            f"extraction renders with (hash {renders_with}); give extraction the same chat_template",
+        )
     answered_by = regeneration.get("target", {})
     for key in ("config_hash", "weights_digest"):
         if answered_by.get(key) and target.get(key) and answered_by[key] != target[key]:
@@ -139,7 +148,8 @@ def build_provenance(
             "trainer will need one (model.mask_token_id)"
         )
     target_info = target_provenance(target)
-    check_regeneration_target(regeneration, target_info)
+    tokenizer_info = tokenizer_provenance(target.tokenizer, mask, cfg.chat_template_kwargs)
+    check_regeneration_target(regeneration, target_info, tokenizer_info)
     corpus_info = {
         "source": cfg.corpus,
         "format": corpus.format,
@@ -153,7 +163,7 @@ def build_provenance(
         corpus_info["regeneration"] = regeneration
     return {
         "target": target_info,
-        "tokenizer": tokenizer_provenance(target.tokenizer, mask, cfg.chat_template_kwargs),
+        "tokenizer": tokenizer_info,
         "taps": {"layer_ids": list(cfg.layer_ids), "meaning": TAP_MEANING},
         "dtype": "bfloat16",  # of the stored hidden states
         "compute_dtype": cfg.dtype,

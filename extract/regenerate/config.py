@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from common.chat_template import check_chat_template
 from common.config import fail, knob
 
 THINKING_MODES = ("disable", "keep", "strip")
@@ -71,6 +72,11 @@ class RegenerateConfig:
     )
     chat_template_kwargs: dict = knob(
         factory=dict, help="further chat template variables (enable_thinking is set by `thinking`)"
+    )
+    chat_template: str | None = knob(
+        None,
+        help="a Jinja chat template file that renders the prompts and checks the answers instead of the tokenizer's "
+        "own (a target without one: a base model); extraction of the corpus must be given the same file",
     )
     max_context: int | None = knob(
         None,
@@ -176,6 +182,7 @@ class RegenerateConfig:
                 "top_p" if self.top_p != 1.0 else "top_k",
                 "only applies when sampling; set temperature > 0 or leave it at its default",
             )
+        check_chat_template(self.chat_template)
         for key, value in self.chat_template_kwargs.items():
             if key == "enable_thinking":
                 fail(

@@ -96,8 +96,8 @@ class Renderer:
     def __init__(self, tokenizer, thinking: str, generation_kwargs: dict, extraction_kwargs: dict):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
-                "target: the tokenizer has no chat_template; regeneration renders prompts with the target's own "
-                "template"
+                "target: the tokenizer has no chat_template, and regeneration renders chats with one; set "
+                "chat_template=FILE (a Jinja chat template)"
             )
         self.tokenizer, self.thinking = tokenizer, thinking
         self.generation_kwargs, self.extraction_kwargs = dict(generation_kwargs), dict(extraction_kwargs)

@@ -15,8 +15,9 @@ import os
 import time
 from collections.abc import Iterator
 
+from common.chat_template import with_chat_template
 from common.config import config_to_dict
-from common.hashing import json_digest, text_digest, tokenizer_digest
+from common.hashing import json_digest, template_digest, tokenizer_digest
 from common.hf_target import read_config
 from common.io import atomic_write_json, join_uri
 from common.provenance import provenance as tool_provenance
@@ -106,9 +107,7 @@ def target_fingerprint(target_dir: str, tokenizer) -> dict:
         "model_type": config.get("model_type"),
         "weights_digest": weights_digest(target_dir),
         "tokenizer_hash": tokenizer_digest(tokenizer),
-        "chat_template_hash": text_digest(tokenizer.chat_template)
-        if isinstance(tokenizer.chat_template, str)
-        else None,
+        "chat_template_hash": template_digest(tokenizer),
     }
 
 
@@ -131,6 +130,7 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = with_chat_template(tokenizer, cfg.chat_template)
     renderer = Renderer(tokenizer, cfg.thinking, cfg.generation_template_kwargs(), cfg.extraction_template_kwargs())
     check_answer_end(cfg.target, tokenizer, cfg.generation_template_kwargs(), cfg.max_new_tokens)  # before any answer
     from extract.provenance import corpus_fingerprint
@@ -490,6 +490,7 @@ def build_provenance(
         },
         "thinking": {"mode": cfg.thinking, "generation_chat_template_kwargs": cfg.generation_template_kwargs()},
         "chat_template_kwargs": cfg.extraction_template_kwargs(),
+        "chat_template_file": cfg.chat_template,  # None: the tokenizer's own (target.chat_template_hash either way)
         "corpus": {
             "source": cfg.corpus,
             "format": corpus.format,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from common.chat_template import check_chat_template
 from common.config import ATTN_IMPLEMENTATIONS, ConfigError, fail, knob, parse_command
 
 DEFAULT_PROMPTS = "artifacts/tiny/corpus/heldout.jsonl"
@@ -59,7 +60,16 @@ class SpecDecodeConfig:
         help="build the drafter with the dflash.py its directory ships (runs that code); default: this project's "
         "model code",
     )
-    prompts: str | None = knob(None, help=f'JSONL of {{"messages": [...]}} records (default: {DEFAULT_PROMPTS})')
+    prompts: str | None = knob(
+        None,
+        help=f'JSONL of {{"messages": [...]}} records, rendered with the chat template, or {{"text": ...}} records, '
+        f"tokenized as given (base models) (default: {DEFAULT_PROMPTS})",
+    )
+    chat_template: str | None = knob(
+        None,
+        help="a Jinja chat template file that renders the prompts instead of the tokenizer's own (a target without "
+        "one: a base model); its hash is recorded with the result",
+    )
     data: str | None = knob(None, help="shard dataset: prompts = the tokens before each sample's first response")
     max_new_tokens: int = knob(256, help="tokens generated per prompt", min=1)
     num_prompts: int = knob(16, help="use the first N prompts; 0 = all", min=0)
@@ -152,6 +162,7 @@ class SpecDecodeConfig:
     def check(self) -> None:
         if self.prompts is not None and self.data is not None:
             fail("data", "give prompts or data, not both")
+        check_chat_template(self.chat_template)
         check_positive_ints("tree_budgets", self.tree_budgets, "budget")
         check_positive_ints("verify_sweep", self.verify_sweep, "size")
         from train.serve.peers import PEERS

@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from common.chat_template import NO_TEMPLATE_HINT
 from common.target import Target
 
 
@@ -28,7 +29,8 @@ def prompts_from_jsonl(
     path: str | os.PathLike, tokenizer, limit: int | None, *, thinking: bool = False
 ) -> list[list[int]]:
     """The first user turn (with any system turn before it) of each `{"messages": [...]}` record,
-    rendered with the chat template and the generation prompt. Records without one are skipped."""
+    rendered with the chat template and the generation prompt; a `{"text": ...}` record is a prompt
+    as given (base models: tokenized with the tokenizer's special tokens). Other records are skipped."""
     prompts = []
     with open(path, encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, 1):
@@ -38,21 +40,32 @@ def prompts_from_jsonl(
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"'{path}' line {line_no}: not JSON ({exc})") from None
-            messages = record.get("messages") if isinstance(record, dict) else None
-            if not isinstance(messages, list):
-                continue
-            user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
-            if user is None:
-                continue
-            text = tokenizer.apply_chat_template(
-                messages[: user + 1], tokenize=False, add_generation_prompt=True, enable_thinking=thinking
-            )
-            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompt = _record_prompt(record, tokenizer, thinking, f"'{path}' line {line_no}")
+            if prompt is not None:
+                prompts.append(prompt)
             if limit is not None and len(prompts) >= limit:
                 break
     if not prompts:
-        raise ValueError(f"'{path}' holds no record with a user message")
+        raise ValueError(f"'{path}' holds no record with a user message or a text")
     return prompts
+
+
+def _record_prompt(record, tokenizer, thinking: bool, where: str) -> list[int] | None:
+    """One record's prompt ids (see `prompts_from_jsonl`), None when it has none."""
+    if isinstance(record, dict) and isinstance(record.get("text"), str) and record["text"]:
+        return tokenizer(record["text"])["input_ids"]
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list):
+        return None
+    user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
+    if user is None:
+        return None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: a chat record, but the target's tokenizer has no chat template; {NO_TEMPLATE_HINT}")
+    text = tokenizer.apply_chat_template(
+        messages[: user + 1], tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def prompts_from_shards(root: str, limit: int | None) -> tuple[list[list[int]], list[dict]]:

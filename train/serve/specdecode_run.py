@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common.chat_template import with_chat_template
 from common.config import ConfigError
+from common.hashing import template_digest
 from common.target import load_target
 from common.target_check import OVERRIDE_KEY, check_target
 from common.target_identity import target_identity
@@ -200,6 +202,7 @@ def _run(args) -> int:
             args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device
         )
         target = SpecTarget(target_obj, drafter.target_layer_ids, stop_token_ids(target_obj))
+        tokenizer = with_chat_template(target_obj.tokenizer, args.chat_template)
         static_note = None
         if target_obj.hidden_size != int(drafter.config.hidden_size):
             raise ValueError(
@@ -215,7 +218,7 @@ def _run(args) -> int:
             path = args.prompts or DEFAULT_PROMPTS
             if not Path(path).is_file():
                 raise ValueError(f"prompts file '{path}' does not exist (give --prompts or --data)")
-            prompts = prompts_from_jsonl(path, target_obj.tokenizer, args.num_prompts or None, thinking=args.thinking)
+            prompts = prompts_from_jsonl(path, tokenizer, args.num_prompts or None, thinking=args.thinking)
         target, static_note = maybe_static(args, target, prompts, int(drafter.block_size))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -266,6 +269,8 @@ def _run(args) -> int:
         "target": str(args.target),
         "drafter": str(args.drafter),
         "prompts": args.prompts or (None if args.data else DEFAULT_PROMPTS),
+        "chat_template": args.chat_template,
+        "chat_template_hash": template_digest(tokenizer),
         "data": args.data,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,

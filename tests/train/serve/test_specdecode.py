@@ -521,7 +521,7 @@ def word_tokenizer():
     return wrapped
 
 
-def test_prompts_are_first_user_turns_with_the_generation_prompt(tmp_path):
+def test_prompts_are_first_user_turns_with_the_generation_prompt_or_texts(tmp_path):
     tokenizer = word_tokenizer()
     path = tmp_path / "p.jsonl"
     records = [
@@ -541,6 +541,7 @@ def test_prompts_are_first_user_turns_with_the_generation_prompt(tmp_path):
     decode = [tokenizer.convert_ids_to_tokens(p) for p in prompts]
     assert decode == [
         ["<|im_start|>", "user", "w1", "w2", "<|im_end|>", "<|im_start|>", "assistant"],
+        ["w9", "w9"],  # a text record is a prompt as given (base models)
         ["<|im_start|>", "user", "w7", "<|im_end|>", "<|im_start|>", "assistant"],
     ]
     assert len(prompts_from_jsonl(path, tokenizer, limit=1)) == 1
@@ -563,6 +564,36 @@ def cli_inputs(tmp_path, n_prompts: int = 3):
         )
     )
     return prompts
+
+
+def test_a_base_target_takes_a_chat_template_file_or_text_prompts(tmp_path, capsys):
+    """A target whose tokenizer has no chat template: chat prompts need chat_template=FILE (whose hash the
+    result records), {"text": ...} prompts are taken as they are."""
+    from transformers import AutoTokenizer
+
+    from common.hashing import text_digest
+
+    prompts = cli_inputs(tmp_path, n_prompts=1)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "target")
+    template = tmp_path / "chat.jinja"
+    template.write_text(tokenizer.chat_template)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "target")
+    (tmp_path / "target" / "chat_template.jinja").unlink(missing_ok=True)
+    base = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--max-new-tokens", "4"]
+    assert main([*base, "--prompts", str(prompts)]) == 2
+    assert "set chat_template=FILE" in capsys.readouterr().err
+    out = tmp_path / "r.json"
+    assert main([*base, "--prompts", str(prompts), "--chat-template", str(template), "--out", str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["chat_template"] == str(template) and config["chat_template_hash"] == text_digest(
+        template.read_text()
+    )
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "w1 w2 w3"}) + "\n")
+    assert main([*base, "--prompts", str(text), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["chat_template_hash"] is None and result["prompts"][0]["prompt_tokens"] == 3
 
 
 def test_cli_end_to_end(tmp_path, capsys):
