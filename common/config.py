@@ -55,8 +55,9 @@ DTYPE_SYNONYMS = {
 
 
 # transformers' attention implementations a stage that loads the target takes (`attn_implementation`):
-# some targets need one (Gemma2's soft-capping and gpt-oss's sinks: eager).
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# some targets have no sdpa one (Gemma2, gpt-oss: eager). "auto" leaves the choice to transformers
+# (sdpa where the model supports it, else eager; `common.target.load_target`).
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
 
 
 def literal_member(value: Any, allowed: typing.Sequence[Any]) -> Any:

@@ -136,10 +136,12 @@ def load_target(
     device_map: str | dict | None = None,
     max_memory: dict | None = None,
 ) -> Target:
-    """Load weights and tokenizer from `path` onto `device` (or across GPUs with `device_map`)."""
+    """Load weights and tokenizer from `path` onto `device` (or across GPUs with `device_map`);
+    `attn_implementation="auto"`: transformers' own choice for the model (sdpa where supported, else eager)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = dict(dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    attention = None if attn_implementation == "auto" else attn_implementation
+    kwargs = dict(dtype=DTYPES[dtype], attn_implementation=attention, trust_remote_code=trust_remote_code)
     if device_map is not None:
         kwargs.update(device_map=device_map, max_memory=max_memory)
     else:
@@ -347,6 +349,7 @@ def target_provenance(target: Target) -> dict:
         "head_digest": head_digest(target.path) if target.path else None,
         "architecture": architectures[0],
         "loaded_as": type(target.model).__name__,
+        "attn_implementation": getattr(target.model.config, "_attn_implementation", None),
         "model_type": getattr(target.text_config, "model_type", None),
         "num_layers": target.num_layers,
         "hidden_size": target.hidden_size,

@@ -133,7 +133,9 @@ class RegenerateConfig:
         "differ from full float32 where two tokens nearly tie; the labels still come from extraction's own forward)",
     )
     attn_implementation: str = knob(
-        "sdpa", help="local: attention kernel", choices=("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+        "sdpa",
+        help="local: attention kernel (auto: transformers' choice for the target, sdpa where it has one, else eager)",
+        choices=("sdpa", "eager", "flash_attention_2", "flash_attention_3", "auto"),
     )
     batch_size: int = knob(64, help="local: prompts per generation batch (left-padded, sorted by length)", min=1)
     cache: Literal["auto", "static", "dynamic"] = knob(

@@ -62,6 +62,7 @@ def test_multimodal_checkpoint_loads_as_text_decoder_with_the_same_weights(saved
     # The manifest records the identity the later stages compute from the directory (common.target_identity).
     identity = target_identity(path)
     assert prov["head_digest"] and all(prov[f] == identity[f] for f in IDENTITY_FIELDS)
+    assert prov["attn_implementation"] == "sdpa"  # the implementation the target was loaded with
 
 
 def test_weights_digest_sees_changed_weights(saved_target, tmp_path):

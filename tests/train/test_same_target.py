@@ -159,4 +159,5 @@ def test_speculative_decoding_refuses_another_target(world, tmp_path, capsys):
     assert specdecode_main([*common, "--target", str(world["A"]), "attn_implementation=eager", "--out", str(same)]) == 0
     result = json.loads(same.read_text())
     assert result["target_check"]["status"] == "same" and result["config"]["attn_implementation"] == "eager"
+    assert result["config"]["attn_implementation_used"] == "eager"
     assert result["summary"]["lossless"]

@@ -126,8 +126,8 @@ class SpecDecodeConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="target and drafter dtype")
     attn_implementation: str = knob(
         "sdpa",
-        help="the target's attention implementation in transformers (eager for targets sdpa does not serve exactly, "
-        "e.g. Gemma2, gpt-oss)",
+        help="the target's attention implementation in transformers (Gemma2 and gpt-oss have no sdpa one: eager; "
+        "auto: transformers' choice for the target); the result records the one used",
         choices=ATTN_IMPLEMENTATIONS,
     )
     allow_target_mismatch: bool = knob(

@@ -276,6 +276,7 @@ def _run(args) -> int:
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
         "attn_implementation": args.attn_implementation,
+        "attn_implementation_used": getattr(target_obj.model.config, "_attn_implementation", None),
         "allow_target_mismatch": args.allow_target_mismatch,
         "tf32": args.tf32,
         "compile": args.compile_mode if static_note else None,  # only the static-cache target compiles

@@ -596,6 +596,26 @@ def test_a_base_target_takes_a_chat_template_file_or_text_prompts(tmp_path, caps
     assert result["config"]["chat_template_hash"] is None and result["prompts"][0]["prompt_tokens"] == 3
 
 
+def test_a_target_without_sdpa_decodes_with_eager_attention(tmp_path, capsys):
+    """Gemma2 has no sdpa attention in transformers: attn_implementation=eager (or auto, transformers'
+    own choice) decodes it losslessly, and the result records the implementation used."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    prompts = cli_inputs(tmp_path, n_prompts=1)
+    shape = {k: getattr(tiny_qwen3().config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}
+    gemma = Gemma2Config(**shape, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    Gemma2ForCausalLM(gemma).save_pretrained(tmp_path / "target")  # over the Qwen3 weights, beside the tokenizer
+    args = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts)]
+    args += ["--max-new-tokens", "8"]
+    assert main(args) == 2
+    assert "attn_implementation" in capsys.readouterr().err
+    for asked in ("eager", "auto"):
+        out = tmp_path / f"{asked}.json"
+        assert main([*args, f"attn_implementation={asked}", "--out", str(out)]) == 0
+        result = json.loads(out.read_text())
+        assert result["summary"]["lossless"] and result["config"]["attn_implementation_used"] == "eager"
+
+
 def test_cli_end_to_end(tmp_path, capsys):
     prompts = cli_inputs(tmp_path)
     out = tmp_path / "result.json"
