@@ -9,6 +9,9 @@
 #   make regenerate [CONFIG=configs/x.toml] [key=value ...]   the target's own answers for a corpus
 #   make smollm2                                 fetch, check and convert the real target SmolLM2-135M-Instruct, write its prompts
 #   make demo target=smollm2                     the demo on that real target (the default on a CUDA host)
+#   make bench-gpu suite=NAME [key=value ...]    one GPU benchmark suite (benchmarks/suites: real, real-data, tiers-real,
+#                                                shape27b, s3): one bare H200, at most 9 min, wheels carried in WHEELS
+#   make bench-render [ARGS=--check]             docs/benchmarks.md's "Today" and the README's results table from benchmarks/results
 # key=value words on the make command line are passed through to the stage's config loader.
 
 PYTHON ?= python3
@@ -22,7 +25,7 @@ export PYTHONUNBUFFERED := 1
 # torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup test lint format test-gpu demo extract regenerate train eval export specdecode report tiny smollm2 tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train reliability clean
+.PHONY: setup test lint format test-gpu demo extract regenerate train eval export specdecode report tiny smollm2 tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train bench-gpu bench-render reliability clean
 
 setup: $(VENV)/.installed
 
@@ -103,6 +106,15 @@ bench-regenerate: setup
 bench-train: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m recipes.tiny \&\& $(PY) -m extract configs/tiny.toml))
 	$(PY) -m benchmarks.train $(ARGS)
+
+# No `setup`: a device host has no network for pip. Its python3 holds torch; the carried wheels in WHEELS are
+# installed by the suite itself (benchmarks/suites/__main__.py). Here the venv's python runs it where there is one.
+WHEELS ?= .whl
+bench-gpu:
+	$(if $(wildcard $(PY)),$(PY),python3) -m benchmarks.suites $(suite) --wheels $(WHEELS) $(ARGS) $(filter-out suite=% WHEELS=%,$(OVERRIDES))
+
+bench-render: setup
+	$(PY) -m benchmarks.render $(ARGS)
 
 reliability: setup
 	$(PY) -m tests.reliability $(ARGS)

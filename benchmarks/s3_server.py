@@ -9,10 +9,18 @@ can answer 503 SlowDown or drop connections (the faults an object store shows).
             ...
 
 `MotoServer.env()` gives the environment a child process needs (dummy credentials, region).
+
+    python -m benchmarks.s3_server --bucket B [--plain-bodies] -- ARGS...
+
+runs `python ARGS` beside a moto_server with bucket B, every `{endpoint}` in ARGS replaced by the server's
+`127.0.0.1:PORT` and its credentials in the environment (`--plain-bodies`: AWS_REQUEST_CHECKSUM_CALCULATION=
+when_required, so the AWS SDK inside pyarrow sends plain bodies, not the aws-chunked ones moto decodes slowly:
+benchmarks.s3_ceiling); its exit status is the command's.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
@@ -247,3 +255,28 @@ class DelayProxy:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: python -m benchmarks.s3_server --bucket B [--plain-bodies] -- ARGS...", file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.s3_server")
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--plain-bodies", action="store_true")
+    args, command = p.parse_args(argv[:cut]), argv[cut + 1 :]
+    with MotoServer() as server:
+        server.create_bucket(args.bucket)
+        env = {**os.environ, **server.env()}
+        if args.plain_bodies:
+            env["AWS_REQUEST_CHECKSUM_CALCULATION"] = "when_required"
+        endpoint = f"127.0.0.1:{server.port}"
+        print(f"benchmarks.s3_server: moto_server on {endpoint}, bucket {args.bucket}", flush=True)
+        command = [word.replace("{endpoint}", endpoint) for word in command]
+        return subprocess.run([sys.executable, *command], env=env).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

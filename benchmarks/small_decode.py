@@ -17,6 +17,7 @@ continuation equals the eager one.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -68,10 +69,15 @@ def time_steps(target, prompt: list[int], tokens: int) -> tuple[float, list[int]
 
 
 def time_verify(target, prompt: list[int], block: int, repeats: int = 20) -> float:
-    logits, _, cache = target.forward(torch.tensor([prompt]), None, taps=True, last_only=True)
-    ids = torch.randint(100, 40000, (1, block))
-    from train.serve.spec_target import crop_cache
+    """Median ms of one forward of `block` new tokens with tap features after `prompt`, the cache put back
+    after each: cut back where it can be (`crop`), else restored from a copy made before (`snapshot`: the
+    recurrent states of a hybrid target), outside the timed region either way."""
+    from train.serve.spec_target import cache_mode_for, crop_cache
 
+    _, _, cache = target.forward(torch.tensor([prompt]), None, taps=True, last_only=True)
+    snapshot = cache_mode_for(cache, target.target.text_config) == "snapshot"
+    kept = copy.deepcopy(cache) if snapshot else None
+    ids = torch.randint(100, min(40000, target.vocab_size), (1, block))
     times = []
     for _ in range(repeats):
         sync(target.device)
@@ -79,7 +85,10 @@ def time_verify(target, prompt: list[int], block: int, repeats: int = 20) -> flo
         _, feats, cache = target.forward(ids, cache, taps=True)
         feats.sum().item()
         times.append(time.perf_counter() - t0)
-        crop_cache(cache, len(prompt))
+        if snapshot:
+            cache = copy.deepcopy(kept)
+        else:
+            crop_cache(cache, len(prompt))
     times.sort()
     return times[len(times) // 2] * 1e3
 
@@ -97,18 +106,11 @@ def time_generate(target, prompt: list[int], tokens: int, static: bool) -> tuple
     return gen.decode_s / max(1, len(gen.tokens)) * 1e3, gen.tokens
 
 
-def time_proposals(target, prompt: list[int], layers: int, *, static: bool, rounds: int = 24) -> tuple[float, str]:
-    """(median ms of one DFlash proposal, how it ran): a drafter of the target's widths with `layers`
-    layers (random weights, exported and loaded as serving loads it), 16 new context features per
-    round; eager on a dynamic cache, or `static` (train.serve.static_drafter: slot cache, CUDA graph)."""
-    import tempfile
+def smollm2_drafter(layers: int):
+    """A drafter config of SmolLM2-135M's widths with `layers` layers (the demo's layout: sliding, last full)."""
+    from train.model import DrafterConfig
 
-    from train.model import DFlashDrafter, DrafterConfig
-    from train.serve.export import export_drafter, load_exported
-    from train.serve.specdecode import DFlashProposer
-    from train.serve.static_drafter import StaticDFlashProposer
-
-    cfg = DrafterConfig(
+    return DrafterConfig(
         hidden_size=576,
         intermediate_size=1536,
         num_hidden_layers=layers,
@@ -124,9 +126,23 @@ def time_proposals(target, prompt: list[int], layers: int, *, static: bool, roun
         layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
         sliding_window=2048,
     )
+
+
+def time_proposals(target, prompt: list[int], cfg, *, static: bool, rounds: int = 24) -> tuple[float, str]:
+    """(median ms of one DFlash proposal, how it ran): a drafter of config `cfg` (random weights, exported in
+    the target's dtype and loaded as serving loads it), 16 new context features per round; eager on a
+    dynamic cache, or `static` (train.serve.static_drafter: slot cache, CUDA graph)."""
+    import tempfile
+
+    from train.model import DFlashDrafter
+    from train.serve.export import export_drafter, load_exported
+    from train.serve.specdecode import DFlashProposer
+    from train.serve.static_drafter import StaticDFlashProposer
+
+    dtype = target.embed_VD.dtype
     with tempfile.TemporaryDirectory() as tmp:
-        export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp, dtype="float32")
-        drafter = load_exported(tmp, dtype=target.embed_VD.dtype, device=str(target.device))
+        export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp, dtype=str(dtype).removeprefix("torch."))
+        drafter = load_exported(tmp, dtype=dtype, device=str(target.device))
     if static:
         proposer = StaticDFlashProposer(drafter, target, max_len=1024)
         note = f"slot cache, CUDA graph {proposer.graph_note}"
@@ -202,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         for static_drafter in (False, True):
             name = f"DFlash proposal, {layers}-layer drafter" + (", graphed" if static_drafter else "")
             try:
-                ms, note = time_proposals(eager, prompt, layers, static=static_drafter)
+                ms, note = time_proposals(eager, prompt, smollm2_drafter(layers), static=static_drafter)
                 rows[name] = {"propose_ms": ms, "how": note}
             except Exception as exc:  # noqa: BLE001 - a benchmark row that fails says why
                 rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}

@@ -317,6 +317,17 @@ def tier_phase_name(name: str, tier: str) -> str:
 # Runner
 
 
+def drafter_config(shape: dict, layers: int) -> DrafterConfig:
+    """The drafter of a benchmark shape (`SHAPES`) with `layers` layers, block 16."""
+    fields = {f.name for f in dataclasses.fields(DrafterConfig)}
+    return DrafterConfig(
+        num_hidden_layers=layers,
+        mask_token_id=shape["vocab_size"] - 1,
+        block_size=16,
+        **{k: v for k, v in shape.items() if k in fields},
+    )
+
+
 def build_run(
     args, shape: dict, device: torch.device, stream=None, workdir: str = ".", dist: Dist | None = None
 ) -> Run:
@@ -331,12 +342,7 @@ def build_run(
         f"compile={str(use_compile).lower()}",
     ]
     cfg = load_config(TrainConfig, None, overrides)
-    drafter_cfg = DrafterConfig(
-        num_hidden_layers=args.layers,
-        mask_token_id=shape["vocab_size"] - 1,
-        block_size=16,
-        **{k: v for k, v in shape.items() if k in {f.name for f in dataclasses.fields(DrafterConfig)}},
-    )
+    drafter_cfg = drafter_config(shape, args.layers)
     dist = dist if dist is not None else Dist.single(args.accumulation)
     kernels = choose_run_kernels(cfg, drafter_cfg, dist)  # under --ddp: this rank's GPU
     device = kernels.device

@@ -1,0 +1,212 @@
+"""`make bench-render` (`python -m benchmarks.render [--check] [--add RECORD ...]`): the "Today" section of
+docs/benchmarks.md and the README's results table, rendered from the records in benchmarks/results/ through
+`benchmarks.catalogue`, between their begin and end markers (nothing outside them changes).
+
+    --add RECORD   first check a suite's record (the NAME.json a `make bench-gpu` run wrote) and copy it into
+                   benchmarks/results/ as SUITE-DATE.json
+    --check        change nothing: exit 1, naming the files, where what is there differs from what the records
+                   give (the test suite runs this)
+
+Every figure comes from the newest record holding it, linked in its row (date, machine, commit; "log" where the
+record was imported from the log below "Today"). A figure no record holds reads "not yet measured", with the
+suite or command that measures it. Records at the smoke scale (a CPU run of a suite's code) are never rendered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from benchmarks import catalogue as C
+from benchmarks.suites import SUITES
+from benchmarks.suites.record import REPO, check_record, load_records
+
+RESULTS = REPO / "benchmarks" / "results"
+DOC = REPO / "docs" / "benchmarks.md"
+README = REPO / "README.md"
+TODAY_MARKERS = (
+    "<!-- today: begin (rendered by `make bench-render` from benchmarks/results/; edit the records, not this) -->",
+    "<!-- today: end -->",
+)
+README_MARKERS = (
+    "<!-- results table: begin (rendered by `make bench-render` from benchmarks/results/; keep these markers) -->",
+    "<!-- results table: end -->",
+)
+
+
+class Index:
+    """The records, newest last; which one holds a figure."""
+
+    def __init__(self, records: list[tuple[Path, dict]]):
+        self.records = [(p, r) for p, r in records if r.get("scale") != "smoke"]
+
+    def latest(self, key: str) -> tuple[Path, dict, object] | None:
+        for path, record in reversed(self.records):
+            value = record["figures"].get(key)
+            if value is not None:
+                return path, record, value
+        return None
+
+    def last_run(self, suite: str) -> tuple[Path, dict] | None:
+        runs = [(p, r) for p, r in self.records if r["suite"] == suite and r["status"] != "imported"]
+        return runs[-1] if runs else None
+
+
+def machine_short(record: dict) -> str:
+    m = record.get("machine") or {}
+    if m.get("gpu"):
+        name = str(m["gpu"]).removeprefix("NVIDIA ")
+        return f"{m['gpus']}x {name}" if (m.get("gpus") or 1) > 1 else name
+    return f"{m.get('cores', '?')}-core CPU"
+
+
+def link(path: Path, record: dict, base: Path) -> str:
+    said = f"{record['date'][:10]}, {machine_short(record)}, {record['commit']}"
+    said += ", log" if record["status"] == "imported" else ""
+    return f"[{said}]({os.path.relpath(path, base).replace(os.sep, '/')})"
+
+
+def value_text(value, fmt: str) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, str):
+        return value
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def not_measured(measured_by: str) -> str:
+    if measured_by.startswith("suite:"):
+        return f"not yet measured (`make bench-gpu suite={measured_by.removeprefix('suite:')}`)"
+    return f"not yet measured (`{measured_by}`)"
+
+
+def figure_row(fig: C.Fig, measured_by: str, index: Index, base: Path) -> str:
+    found = index.latest(fig.key)
+    if found is None:
+        return f"| {fig.label} | {not_measured(fig.measured_by or measured_by)} | {fig.goal} | |"
+    path, record, value = found
+    return f"| {fig.label} | {value_text(value, fig.fmt)} | {fig.goal} | {link(path, record, base)} |"
+
+
+def render_figures(table: C.Figures, index: Index, base: Path) -> list[str]:
+    lines = [f"**{table.title}**", "", "| figure | value | goal | record |", "|---|---:|---|---|"]
+    lines += [figure_row(fig, table.measured_by, index, base) for fig in table.rows]
+    return lines + ([f"\n{table.note}"] if table.note else [])
+
+
+def render_series(table: C.Series, index: Index, base: Path) -> list[str]:
+    found = index.latest(table.key)
+    lines = [f"**{table.title}**", ""]
+    lines += ["| " + " | ".join(h for h, _, _ in table.columns) + " |", "|" + "---|" * len(table.columns)]
+    if found is None:
+        lines.append(f"| {not_measured(table.measured_by)} |" + " |" * (len(table.columns) - 1))
+    else:
+        path, record, rows = found
+        cells = [
+            ["—" if row.get(f) is None else value_text(row[f], fmt) for _, f, fmt in table.columns] for row in rows
+        ]
+        lines += ["| " + " | ".join(row) + " |" for row in cells]
+        gaps = any("—" in row for row in cells)
+        lines.append(f"\nRecord: {link(path, record, base)}" + ("; —: not measured in it." if gaps else "."))
+    return lines + ([f"\n{table.note}"] if table.note else [])
+
+
+def render_suites(index: Index, base: Path) -> list[str]:
+    lines = [
+        "**GPU suites** (one H200, one command of at most 9 minutes each from a bare machine; how to carry the "
+        "wheels: [GPU suites](#gpu-suites-make-bench-gpu))",
+        "",
+        "| suite | measures | command on the H200 | last run |",
+        "|---|---|---|---|",
+    ]
+    for name in SUITES:
+        last = index.last_run(name)
+        ran = "not yet run" if last is None else f"{last[1]['status']}: {link(last[0], last[1], base)}"
+        lines.append(f"| `{name}` | {C.SUITE_TEXT[name]} | `python3 -m benchmarks.suites {name}` | {ran} |")
+    return lines
+
+
+def render_today(index: Index) -> str:
+    base = DOC.parent
+    lines = [
+        "Every figure below comes from a record in `benchmarks/results/`, linked in its row (the command, the "
+        "machine, the commit, the package versions, the date; *log*: imported from the log below as written "
+        "there). A figure no record holds reads *not yet measured*, with what measures it.",
+        "",
+        *render_suites(index, base),
+    ]
+    for table in C.TODAY:
+        render = render_series if isinstance(table, C.Series) else render_figures
+        lines += ["", *render(table, index, base)]
+    return "\n".join(lines)
+
+
+def render_readme(index: Index) -> str:
+    base = README.parent
+    lines = ["| result | value | goal | record |", "|---|---:|---|---|"]
+    lines += [figure_row(fig, "", index, base) for fig in C.README.rows]
+    return "\n".join(lines)
+
+
+def splice(text: str, markers: tuple[str, str], body: str, where: Path) -> str:
+    """`text` with what lies between the marker lines replaced by `body`."""
+    begin, end = markers
+    lines = text.split("\n")
+    if lines.count(begin) != 1 or lines.count(end) != 1 or lines.index(begin) > lines.index(end):
+        raise ValueError(
+            f"{where}: needs the lines\n{begin}\n{end}\nonce each, in that order, around the rendered part"
+        )
+    return "\n".join([*lines[: lines.index(begin) + 1], body, *lines[lines.index(end) :]])
+
+
+def rendered(index: Index) -> dict[Path, str]:
+    """Each rendered file's whole new text."""
+    return {
+        DOC: splice(DOC.read_text(), TODAY_MARKERS, render_today(index), DOC),
+        README: splice(README.read_text(), README_MARKERS, render_readme(index), README),
+    }
+
+
+def add(record_path: Path) -> Path:
+    """Check a suite's record and copy it into benchmarks/results/ as SUITE-DATE.json."""
+    record = json.loads(record_path.read_text())
+    check_record(record, str(record_path))
+    if record.get("scale") == "smoke":
+        raise SystemExit(f"{record_path}: a smoke-scale record (a CPU run of the suite's code) is never rendered")
+    stamp = record["date"].replace(":", "")[:15] + "Z"
+    target = RESULTS / f"{record['suite']}-{stamp}.json"
+    shutil.copyfile(record_path, target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.render", description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--add", action="append", default=[], type=Path)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    for path in args.add:
+        print(f"added {add(path)}")
+    index = Index(load_records(RESULTS))
+    stale = []
+    for path, text in rendered(index).items():
+        if path.read_text() != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(text)
+    if args.check and stale:
+        names = ", ".join(str(p.relative_to(REPO)) for p in stale)
+        print(f"{names}: not what benchmarks/results/ gives; run `make bench-render` and commit the result")
+        return 1
+    print("rendered " + (", ".join(str(p.relative_to(REPO)) for p in stale) or "nothing: already up to date"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,30 @@
+"""GPU benchmark suites: `make bench-gpu suite=NAME` (on the device host: `python3 -m benchmarks.suites NAME`),
+each one command of at most 9 minutes on one H200, from a bare machine with carried wheels.
+
+    real        SmolLM2-135M-Instruct end to end (build, regeneration, extraction, training, offline
+                evaluation, export, online decoding on as many HumanEval prompts as fit, the peer baselines)
+    real-data   τ against training data at equal steps, and hard cross-entropy against cross-entropy plus a
+                KL term on the stored top-k at small data, with seeds (SmolLM2)
+    tiers-real  the storage tiers trained side by side on SmolLM2 (`make tiers` on its config)
+    shape27b    the Qwen3.6-27B shape on random weights: the speculative round and its projected speed-up,
+                extraction, drafter training MFU
+    s3          training from and extraction into a local moto_server with injected latency, against local disk
+
+Each suite (`benchmarks/suites/NAME.py`) lists its parts, each with what it costs (`plan.Part`: a fixed time and a
+time per unit, from the log or from the suite's last record); `plan.fit` chooses what fits the budget and prints
+what it cut; `runner` runs every part as child processes under a deadline, plans the rest again from the time
+really left after each, and writes ONE record (`record`) and ONE log under the output folder ($OUT on the device
+host) as it goes. Records committed under benchmarks/results/ render the "Today" section of docs/benchmarks.md and
+the README's results table (`python -m benchmarks.render`).
+
+This file and `__main__` import only the standard library: on the device host they run before the carried wheels
+are installed.
+"""
+
+SUITES = {
+    "real": "benchmarks.suites.real",
+    "real-data": "benchmarks.suites.real_data",
+    "tiers-real": "benchmarks.suites.tiers_real",
+    "shape27b": "benchmarks.suites.shape27b",
+    "s3": "benchmarks.suites.s3",
+}

@@ -1,0 +1,146 @@
+"""One suite run's record: ONE JSON file with the suite, the commit, the machine, the package versions, the date,
+the command, the plan, every part's outcome and every figure measured (flat keys, `SUITE.PART.WHAT`), written
+again after every part so a run cut short keeps what it measured.
+
+The same schema holds the records imported from the log of docs/benchmarks.md (`status` "imported", `source` the
+log entry they were copied from): `benchmarks.render` reads both alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from benchmarks.carry import git_commit
+from common.device import describe_machine
+
+SCHEMA = 1
+PACKAGES = (
+    "torch",
+    "transformers",
+    "pyarrow",
+    "accelerate",
+    "numpy",
+    "safetensors",
+    "triton",
+    "fla-core",
+    "flash-linear-attention",
+    "zstandard",
+    "datasets",
+    "gguf",
+    "moto",
+    "botocore",
+)
+REQUIRED = ("schema", "suite", "status", "date", "commit", "machine", "packages", "command", "figures")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def commit(repo: Path = REPO, wheels: Path | None = None) -> str:
+    """The tree's commit, else what `benchmarks.carry pack` wrote beside the wheels (a device host gets the tree
+    without its .git), else 'unknown'."""
+    found = git_commit(repo)
+    if found:
+        return found
+    written = (wheels or repo / ".whl") / "COMMIT"
+    return written.read_text().strip() if written.is_file() else "unknown"
+
+
+def machine() -> dict:
+    """The GPU(s) torch sees, their memory, the CPU and its usable cores, the host's OS."""
+    out = describe_machine()
+    out.pop("torch", None)  # in `packages`
+    out["gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if out["gpus"]:
+        out["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    out["os"] = platform.platform()
+    return out
+
+
+def packages() -> dict:
+    """Python's version and each of `PACKAGES` installed here, by its distribution's version."""
+    found = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def new_record(suite: str, scale: str, command: str, budget_s: float, wheels: Path | None = None) -> dict:
+    return {
+        "schema": SCHEMA,
+        "suite": suite,
+        "scale": scale,
+        "status": "running",
+        "date": utc_now(),
+        "commit": commit(REPO, wheels),
+        "machine": machine(),
+        "packages": packages(),
+        "command": command,
+        "budget_s": budget_s,
+        "plan": None,
+        "parts": {},
+        "cut": [],
+        "figures": {},
+        "raw": {},
+    }
+
+
+def write_record(record: dict, path: Path) -> None:
+    """Atomically: a reader (or a kill) never sees half a record."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def check_record(record: dict, where: str) -> None:
+    """A ValueError naming `where` and the first thing wrong, where a record cannot be rendered."""
+    missing = [key for key in REQUIRED if key not in record]
+    if missing:
+        raise ValueError(f"{where}: record lacks {', '.join(missing)}")
+    if record["schema"] != SCHEMA:
+        raise ValueError(f"{where}: record schema {record['schema']}, this code reads {SCHEMA}")
+    try:
+        datetime.datetime.strptime(record["date"], "%Y-%m-%dT%H:%M:%SZ")
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: date {record['date']!r} is not YYYY-MM-DDTHH:MM:SSZ (UTC)") from None
+    if not isinstance(record["figures"], dict):
+        raise ValueError(f"{where}: figures must be an object of key: value")
+    if record["status"] == "imported" and not record.get("source", "").startswith("docs/benchmarks.md#"):
+        raise ValueError(f"{where}: an imported record names its log entry as source = docs/benchmarks.md#anchor")
+
+
+def load_records(directory: Path) -> list[tuple[Path, dict]]:
+    """Every record in `directory` (*.json), checked, oldest first (by date, then file name)."""
+    records = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
+        check_record(record, str(path))
+        records.append((path, record))
+    return sorted(records, key=lambda item: (item[1]["date"], item[0].name))
+
+
+def measured_costs(records: list[tuple[Path, dict]], suite: str, scale: str) -> dict[str, dict]:
+    """Per part, the newest finished run of it in this suite's records at this scale: {"seconds", "units", "date"}."""
+    found: dict[str, dict] = {}
+    for path, record in records:
+        if record["suite"] != suite or record.get("scale") != scale:
+            continue
+        for name, part in (record.get("parts") or {}).items():
+            if part.get("status") == "ok" and part.get("seconds"):
+                found[name] = {"seconds": part["seconds"], "units": part.get("units"), "date": record["date"][:10]}
+    return found

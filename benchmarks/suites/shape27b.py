@@ -1,0 +1,139 @@
+"""`make bench-gpu suite=shape27b`: the Qwen3.6-27B shape on random weights, one H200, bf16.
+
+Parts, most important first (the plan cuts from the end when time is short; `only=PART,...` runs the rest in a
+second command):
+
+    round              the speculative round (`benchmarks.spec_round`): the target's one-token step, the 16-token
+                       verify, the drafter's proposal, graphed as our decoding graphs them and eager as it runs a
+                       hybrid target today; the projected speed-up for τ = 2..10 and the break-even τ
+    extract-packed5    extraction, packed rows, five taps (`benchmarks.extract --packing`): full against bare,
+                       TFLOP/s, the untimed cold first pass
+    train-stream       drafter training, the stream phase at the 27B widths (`benchmarks.train --phases stream`)
+    train-zlab         drafter training, the published layout (`--shape 27b-zlab --phases fixed`)
+    extract-unpacked5  extraction, padded rows, five taps
+    extract-packed4    extraction, packed rows, four taps
+    extract-unpacked4  extraction, padded rows, four taps
+
+At the smoke scale (a CPU) the same modules run at toy widths; packed rows are refused there (the CPU's Gated
+DeltaNet would carry one sample's state into the next), so the packed parts are left out.
+"""
+
+from __future__ import annotations
+
+from benchmarks.suites.figures import extract_figures, read_json, round_figures, train_figures
+from benchmarks.suites.plan import Part
+
+FIVE_TAPS = "1,16,31,46,61"
+FOUR_TAPS = "1,16,31,46"
+EXTRACT_LOG = "2026-12-04 packed five taps: cold pass 6,298, full 8,254, bare 9,039 tok/s; model build 17.7 s"
+
+
+def _round(ctx, units: int):
+    argv = ["-m", "benchmarks.spec_round", "--out", ctx.path("round.json")]
+    if ctx.scale == "smoke":
+        argv += ["--shape", "tiny", "--sizes", "1,16", "--tokens", "2", "--repeats", "1", "--rounds", "1"]
+        argv += ["--prompt-len", "16"]
+    return [[("speculative round", argv)]]
+
+
+def _extract(name: str, taps: str, packing: bool):
+    def stages(ctx, units: int):
+        argv = ["-m", "benchmarks.extract", "--layer-ids", taps, "--workdir", ctx.path(name)]
+        argv += ["--out", ctx.path(f"{name}.json")] + (["--packing"] if packing else [])
+        if ctx.scale == "smoke":
+            argv += ["--shape", "tiny", "--tokens", str(units * 500), "--max-len", "200", "--warmup-batches", "1"]
+        else:
+            argv += ["--tokens", str(units * 10_000)]
+        return [[(name, argv)]]
+
+    def collect(ctx, units: int):
+        report = read_json(ctx.path(f"{name}.json"))
+        return extract_figures(report, f"shape27b.{name.replace('-', '_')}"), report
+
+    return stages, collect
+
+
+def _train(name: str, shape: str, phase: str):
+    def stages(ctx, units: int):
+        argv = ["-m", "benchmarks.train", "--phases", phase, "--steps", str(units), "--workdir", ctx.path("train")]
+        argv += ["--out", ctx.path(f"{name}.json")]
+        if ctx.scale == "smoke":
+            argv += ["--shape", f"tiny{shape.removeprefix('27b')}", "--warmup", "1", "--samples", "16"]
+        else:
+            argv += ["--shape", shape, "--warmup", "4" if phase == "stream" else "3", "--samples", "64"]
+        return [[(name, argv)]]
+
+    def collect(ctx, units: int):
+        report = read_json(ctx.path(f"{name}.json"))
+        return train_figures(report, phase, f"shape27b.{name.replace('-', '_')}"), report
+
+    return stages, collect
+
+
+def _collect_round(ctx, units: int):
+    report = read_json(ctx.path("round.json"))
+    return round_figures(report, "shape27b.round"), report
+
+
+def parts(scale: str, options: dict) -> list[Part]:
+    smoke = scale == "smoke"
+    out = [
+        Part(
+            "round",
+            "the speculative round's costs, graphed and eager, and the projected speed-up",
+            8 if smoke else 150,
+            0,
+            "run",
+            1,
+            1,
+            0,
+            "estimate: model build 18 s (2026-12-01), an eager 27B step 140-185 ms (regeneration, 2026-12-01), "
+            "graph capture and fla's Triton compilation not measured yet",
+            _round,
+            _collect_round,
+        )
+    ]
+    extraction = [("extract-packed5", FIVE_TAPS, True, 1), ("extract-unpacked5", FIVE_TAPS, False, 4)]
+    extraction += [("extract-packed4", FOUR_TAPS, True, 5), ("extract-unpacked4", FOUR_TAPS, False, 6)]
+    for name, taps, packing, priority in extraction:
+        if smoke and packing:
+            continue
+        stages, collect = _extract(name, taps if not smoke else "1,2,3,5,6", packing)
+        per_unit = 3.9 if packing else 4.5  # seconds per 10 K tokens over the cold pass, (b) and (a)
+        out.append(
+            Part(
+                name,
+                f"extraction, {'packed' if packing else 'padded'} rows, {len(taps.split(','))} taps: full against bare",
+                20 if smoke else 40,
+                2 if smoke else per_unit,
+                "x 500 tokens" if smoke else "x 10 K tokens",
+                6 if smoke else 30,
+                2 if smoke else 10,
+                priority,
+                EXTRACT_LOG,
+                stages,
+                collect,
+            )
+        )
+    for name, shape, phase, priority, fixed, step in (
+        ("train-stream", "27b", "stream", 2, 200, 0.55),
+        ("train-zlab", "27b-zlab", "fixed", 3, 140, 0.48),
+    ):
+        stages, collect = _train(name, shape, phase)
+        out.append(
+            Part(
+                name,
+                f"drafter training at the 27B widths, {phase} phase, {shape}",
+                12 if smoke else fixed,
+                0.5 if smoke else step,
+                "steps",
+                3 if smoke else 20,
+                2 if smoke else 8 if phase == "stream" else 6,
+                priority,
+                "2026-11-30/12-01 logs: compilation 183 s (stream) and 147 s for the 27b-zlab command with 6 steps; "
+                "steps 0.55 s (stream) and 0.48 s (27b-zlab)",
+                stages,
+                collect,
+            )
+        )
+    return sorted(out, key=lambda p: p.priority)  # run in the order of importance: a long part cuts the rest
