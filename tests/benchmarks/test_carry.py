@@ -7,12 +7,14 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import carry
 from recipes.smollm2.pins import Pin
+from tests.paths import REPO
 
 MIB = carry.MIB
 
@@ -88,3 +90,17 @@ def test_a_damaged_or_missing_part_is_refused(repo):
     with pytest.raises(SystemExit, match="a part was damaged on the way"):
         carry.main(["assemble"])
     assert not (repo / ".whl" / carry.SMOLLM2_GGUF.wheel).exists()
+
+
+@pytest.mark.parametrize("module", ["benchmarks.carry", "benchmarks.suites"])
+def test_the_host_side_needs_nothing_but_the_standard_library(module):
+    """On the device host these run before the carried wheels are installed: `python -S` (no site-packages)."""
+    done = subprocess.run(
+        [sys.executable, "-S", "-m", module, "--help"],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage" in done.stdout or "suites: real" in done.stdout
