@@ -13,5 +13,11 @@ run them from a checkout, `python -m benchmarks.NAME --help`.
     train          the training step on a GPU (fixed batch, the data stream, data parallel)
     train_data     the data stream's throughput with the step stubbed
     s3_ceiling     an S3 server's own PUT and ranged-GET rates (moto_server on loopback)
+    small_decode   a small target's decoding at batch 1: steps, verifies, proposals, graphed or eager
+    spec_round     the speculative round at the Qwen3.6-27B shape and the speed-up its costs project
     synthetic      realistic synthetic samples the shard benchmarks write
+    suites         `make bench-gpu suite=NAME`: the GPU suites, one bare H200 command each, one record each
+    carry          the pinned SmolLM2 wheel in parts over consecutive device commands, joined there checked
+    render         docs/benchmarks.md's "Today" and the README's results table from the records in results/
+                   (what they show: catalogue)
 """
