@@ -255,7 +255,7 @@ def steps_together(
 
 
 def summarize(run_dir: str, timings: dict[str, float], machine: dict | None = None) -> dict:
-    """The numbers the README quotes, read back from the files the steps wrote."""
+    """The numbers the demo prints, read back from the files the steps wrote."""
     report = _read_json(f"{TINY}/target/tiny_report.json")
     target_keys = (
         "heldout_next_token_accuracy",

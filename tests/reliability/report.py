@@ -95,7 +95,7 @@ bit-identical between processes.
    code; generated split and run names; what `extract`, `train`, `shards merge` and `export` write,
    by running them from an empty working directory.
 7. **Extraction kills, default threads.** As scenario 1 (kills at random moments) but the
-   children run with torch's default thread count. Judged is what resume promises (README, "What
+   children run with torch's default thread count. Judged is what resume promises (docs/guide.md, "What
    resume guarantees" in shards/FORMAT.md): the same samples as an uninterrupted run with the same
    threads, each once, with the same tokens, loss masks, counts and rejects. Whether the stored
    values are bit-identical is observed and reported, not judged.

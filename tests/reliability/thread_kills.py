@@ -1,5 +1,5 @@
 """Scenario 7: extraction killed and resumed with torch's default thread count (what users run on
-a CPU), checking what resume promises there (README, shards/FORMAT.md "What resume guarantees"):
+a CPU), checking what resume promises there (docs/guide.md, shards/FORMAT.md "What resume guarantees"):
 
 - promised, judged: the finished dataset holds exactly the samples of an uninterrupted run with
   the same settings, each once (sample ids, which hash the tokens and the loss mask; the tokens
