@@ -3,7 +3,7 @@
     python -m train                                   # the tiny default (configs/tiny.toml via make train)
     python -m train configs/tiny.toml run_name=abl loss.gamma=5
     python -m train --help                            # every key with its default and allowed values
-    torchrun --nproc-per-node 8 -m train CONFIG ...   # data parallel over 8 GPUs (docs/guide.md, "Training on many GPUs")
+    torchrun --nproc-per-node 8 -m train CONFIG ...   # data parallel over 8 GPUs (docs/guide.md)
 
 Exit status: 0 done, 2 a config or data error (the message names the key or field), 3 aborted
 (too many non-finite steps in a row), 4 an I/O error such as a full disk (the message names the
