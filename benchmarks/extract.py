@@ -274,7 +274,7 @@ def bare_batches(target, cfg, corpus_path: str, ranks) -> list:
     """(input ids, lengths, packed) of exactly the micro-batches (b) runs on this rank."""
     from extract import corpus as C
     from extract.batching import collate_packed, collate_right_padded, plan_micro_batches, plan_packed_micro_batches
-    from extract.windows import read_windows
+    from extract.corpus.windows import read_windows
 
     policy = C.SamplePolicy(cfg.max_len, cfg.length_policy, cfg.min_loss_tokens, {}, target.vocab_size)
     builder = C.SampleBuilder(target.tokenizer, policy)

@@ -140,7 +140,7 @@ def make_batches(args, syn: Synthetic) -> list[list]:
     from benchmarks.extract import length_mix
     from common.hashing import sample_id
     from extract.batching import plan_micro_batches
-    from extract.corpus import TokenizedSample
+    from extract.corpus.rendering import TokenizedSample
 
     lengths = length_mix(args.tokens, args.min_len, args.max_len, np.random.default_rng(args.seed))
     samples = []

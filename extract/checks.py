@@ -13,7 +13,7 @@ from common.config import fail
 from common.io import resolve
 from extract import corpus as C
 from extract.config import ExtractConfig
-from extract.provenance import corpus_fingerprint, with_regeneration
+from extract.provenance import with_regeneration
 from extract.ranks import Ranks
 
 
@@ -32,7 +32,7 @@ def check_inputs(cfg: ExtractConfig, ranks: Ranks | None = None) -> dict:
         try:
             with_regeneration(split_cfg)
             corpus = C.find_corpus(split_cfg.corpus, split_cfg.corpus_format)
-            prepared[name] = (corpus, corpus_fingerprint(corpus, split_cfg.max_records))
+            prepared[name] = (corpus, C.corpus_fingerprint(corpus, split_cfg.max_records))
         except ValueError as err:
             raise ValueError(f"{where}{err}") from None
     return prepared

@@ -36,7 +36,6 @@ from common.io import exists_at, join_uri, remove_at, resolve
 from common.packing import packing_probe, packing_refusal, use_packed_sdpa
 from common.target import Target, check_layer_ids, load_target, read_text_config
 from extract import corpus as C
-from extract import windows
 from extract.batching import (
     BufferPool,
     collate_packed,
@@ -48,20 +47,21 @@ from extract.calibrate import ensure_projection
 from extract.capture import Capturer, tier_for
 from extract.checks import check_inputs, check_topk, local_dir
 from extract.config import DATASET_KEYS, ExtractConfig
+from extract.corpus import windows
+from extract.corpus.files import describe_skipped
+from extract.corpus.mask_token import MaskChoice, choose_mask_token
 from extract.host_path import HostPath
-from extract.mask_token import MaskChoice, choose_mask_token
 from extract.merge import finish_ranks, remove_merge_leftovers
 from extract.provenance import (
     already_complete,
     build_provenance,
-    corpus_fingerprint,
     holds_nothing,
     resume_point,
     with_regeneration,
 )
 from extract.ranks import CONFIG_FILE, FINAL_MANIFEST, SUMMARY_FILE, Ranks
 from extract.sink import Progress, RejectLog, open_reject_log
-from extract.summary import check_coverage, describe_skipped, log_run, summarize_dataset, write_summary
+from extract.summary import check_coverage, log_run, summarize_dataset, write_summary
 from shards.manifest import MERGE_WAIT_SECONDS, lock_manifest
 
 log = logging.getLogger("extract")
@@ -177,7 +177,7 @@ def extract_split(
 ) -> dict:
     """Extract one corpus into `cfg.out_dir` (this rank's share), then merge if all ranks are done.
     `prepared`: (corpus files, fingerprint) from `check_inputs`, else found here. `mask`: the mask
-    token of the whole run (`extract.mask_token`; chosen for this corpus alone if not given)."""
+    token of the whole run (`extract.corpus.mask_token`; chosen for this corpus alone if not given)."""
     from shards import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 
     # The saved config and the provenance name the storage settings actually used.
@@ -192,7 +192,7 @@ def extract_split(
     cfg, regeneration = with_regeneration(cfg)
     if prepared is None:
         corpus = C.find_corpus(cfg.corpus, cfg.corpus_format)
-        prepared = corpus, corpus_fingerprint(corpus, cfg.max_records)
+        prepared = corpus, C.corpus_fingerprint(corpus, cfg.max_records)
     corpus, fingerprint = prepared
     if corpus.skipped:
         log.warning(

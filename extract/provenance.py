@@ -14,16 +14,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 
 from common.config import config_to_dict, fail
-from common.hashing import json_digest, template_digest, tokenizer_digest
+from common.hashing import template_digest, tokenizer_digest
 from common.io import exists_at, join_uri, list_names, remove_at, resolve
 from common.provenance import provenance as tool_provenance
 from common.target import Target, target_provenance
 from extract import corpus as C
 from extract.config import DATASET_KEYS, ExtractConfig
-from extract.mask_token import MaskChoice
+from extract.corpus.mask_token import MaskChoice
+from extract.corpus.regenerated import provenance_for_manifest, regeneration_of
 from extract.ranks import FINAL_MANIFEST, Ranks
 
 log = logging.getLogger("extract")
@@ -31,41 +31,6 @@ log = logging.getLogger("extract")
 
 # ----------------------------------------------------------------------------------------------
 # Provenance
-
-
-def corpus_fingerprint(corpus: C.CorpusFiles, max_records: int | None) -> dict:
-    """Content checksums of the corpus files (what a resume compares) and the record count, of the
-    extent of each file found at the start (a JSONL file in one pass for both). The checksums are
-    also kept in `corpus`, so that reading checks each file it reads to its end against them."""
-    from extract.reading import extent_checksum, parquet_file, scan_jsonl
-
-    files, lines = [], 0
-    for i, f in enumerate(corpus.files):
-        extent = corpus.extents[i] if corpus.extents else os.path.getsize(f)
-        if corpus.format != "datasets" and corpus.kinds[i] == "jsonl":
-            count, checksum = scan_jsonl(f, extent)
-            lines += count
-        else:
-            checksum = extent_checksum(f, extent)
-        name = os.path.relpath(f, corpus.root) if corpus.format == "datasets" else os.path.basename(f)
-        files.append({"name": name, "bytes": extent, "checksum": checksum})
-    if corpus.format != "datasets":
-        corpus.checksums = [f["checksum"] for f in files]
-        records = lines + sum(
-            parquet_file(f).metadata.num_rows for f, kind in zip(corpus.files, corpus.kinds) if kind != "jsonl"
-        )
-    else:
-        records = C.count_records(corpus)
-    if records is not None and max_records is not None:
-        records = min(records, max_records)
-    fingerprint = {
-        "files": files,
-        "hash": json_digest([[f["bytes"], f["checksum"]] for f in files]),
-        "records": records,
-    }
-    if corpus.skipped:
-        fingerprint["skipped"] = list(corpus.skipped)
-    return fingerprint
 
 
 def tokenizer_provenance(tokenizer, mask: MaskChoice, template_kwargs: dict) -> dict:
@@ -84,8 +49,6 @@ def with_regeneration(cfg: ExtractConfig) -> tuple[ExtractConfig, dict | None]:
     """For a corpus written by `python -m extract.regenerate`: the config with the chat template
     variables its answers were generated for (so the template and loss mask follow its thinking
     choice; an explicit different choice is refused) and the provenance the manifest carries."""
-    from extract.regenerate.store import provenance_for_manifest, regeneration_of
-
     found = regeneration_of(cfg.corpus) if cfg.corpus else None
     if found is None:
         return cfg, None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from common.io import atomic_write_json, join_uri
+from extract.corpus.files import describe_skipped
 from extract.ranks import FINAL_REJECTS, SUMMARY_FILE, Ranks
 
 log = logging.getLogger("extract")
@@ -120,14 +121,6 @@ def no_samples_reason(summary: dict) -> str:
     return (
         f"0 samples written to {where}: {what}. Fix the corpus or the settings, then delete {where} "
         "(it is a finished, empty dataset) or write to another out_dir."
-    )
-
-
-def describe_skipped(skipped: list[dict], limit: int = 8) -> str:
-    """'a.json (reason), sub/ (reason), ... and N more' for the files a corpus directory does not read."""
-    shown = "; ".join(f"{s['name']} ({s['reason']})" for s in skipped[:limit])
-    return shown + (
-        f"; and {len(skipped) - limit:,} more (see the manifest's provenance)" if len(skipped) > limit else ""
     )
 
 

@@ -1,7 +1,7 @@
 """One record being answered again: its prompt side, its turns, the answers so far, and how each
 generated answer becomes a stored assistant message that extraction reads back exactly.
 
-Prompt side. A record is read by `extract.records.parse_record` (every shape extraction reads;
+Prompt side. A record is read by `extract.corpus.records.parse_record` (every shape extraction reads;
 a chat without an answer and a `prompt` without a `response` are accepted here). Its system and
 user turns are kept; every assistant turn is answered again, in order, each prompt holding the
 answers regenerated before it. A trailing user turn without an answer is answered too, so
@@ -39,8 +39,8 @@ import json
 
 import xxhash
 
-from extract.reading import RawRecord
-from extract.records import RecordError, parse_record
+from extract.corpus.reading import RawRecord
+from extract.corpus.records import RecordError, parse_record
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

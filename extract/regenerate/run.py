@@ -15,13 +15,20 @@ import os
 import time
 from collections.abc import Iterator
 
+import torch
+
 from common.chat_template import with_chat_template
-from common.config import config_to_dict
+from common.config import config_to_dict, fail
 from common.hashing import json_digest, template_digest, tokenizer_digest
-from common.hf_target import read_config
+from common.hf_target import read_config, text_config
 from common.io import atomic_write_json, join_uri
 from common.provenance import provenance as tool_provenance
-from extract import reading
+from common.target import load_target
+from common.target_identity import weights_digest
+from extract.checks import check_out_dir
+from extract.corpus.files import CorpusFiles, describe_skipped, find_corpus
+from extract.corpus.reading import corpus_fingerprint, iter_records
+from extract.ranks import Ranks
 from extract.regenerate import store
 from extract.regenerate.answer_checks import (
     MOST,
@@ -32,6 +39,8 @@ from extract.regenerate.answer_checks import (
 )
 from extract.regenerate.config import RegenerateConfig, dataset_keys
 from extract.regenerate.conversation import Conversation, Renderer
+from extract.regenerate.local import LocalGenerator, Sampling, answer_window
+from extract.regenerate.server import ServerBackend, ServerStop
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +63,11 @@ class Incomplete(Exception):
     """The run ended with records not finished (failed requests): the journal holds the rest; rerun."""
 
 
-def check_inputs(cfg: RegenerateConfig) -> reading.CorpusFiles:
+def check_inputs(cfg: RegenerateConfig) -> CorpusFiles:
     """ValueError naming the problem before any model or server is touched."""
-    from extract.checks import check_out_dir
-
     if not os.path.isdir(cfg.target):
         raise ValueError(f"target: '{cfg.target}' is not a checkpoint directory (config key 'target')")
-    corpus = reading.find_corpus(cfg.corpus, cfg.corpus_format)
+    corpus = find_corpus(cfg.corpus, cfg.corpus_format)
     out = out_location(cfg)
     if not store.on_object_store(out) and any(os.path.abspath(f).startswith(out + os.sep) for f in corpus.files):
         raise ValueError(f"out: '{cfg.out}' holds the corpus being read; write the regenerated corpus elsewhere")
@@ -77,9 +84,6 @@ def out_location(cfg: RegenerateConfig) -> str:
 def context_limit(cfg: RegenerateConfig) -> int | None:
     """Tokens a prompt and its answer may take: the target's max_position_embeddings, or the smaller
     `max_context`; None when neither is known. ConfigError for a max_context above the target's."""
-    from common.config import fail
-    from common.hf_target import text_config
-
     try:
         own = text_config(cfg.target).get("max_position_embeddings")
     except (OSError, ValueError):
@@ -97,8 +101,6 @@ def context_limit(cfg: RegenerateConfig) -> int | None:
 
 
 def target_fingerprint(target_dir: str, tokenizer) -> dict:
-    from common.target_identity import weights_digest
-
     config = read_config(target_dir)
     return {
         "name_or_path": os.path.abspath(target_dir),
@@ -133,12 +135,8 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
     tokenizer = with_chat_template(tokenizer, cfg.chat_template)
     renderer = Renderer(tokenizer, cfg.thinking, cfg.generation_template_kwargs(), cfg.extraction_template_kwargs())
     check_answer_end(cfg.target, tokenizer, cfg.generation_template_kwargs(), cfg.max_new_tokens)  # before any answer
-    from extract.provenance import corpus_fingerprint
-
     fingerprint = corpus_fingerprint(corpus, cfg.max_records)
     if corpus.skipped:
-        from extract.summary import describe_skipped
-
         log.warning(
             "corpus %s: %d files not read: %s", cfg.corpus, len(corpus.skipped), describe_skipped(corpus.skipped)
         )
@@ -148,8 +146,6 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
         os.makedirs(out, exist_ok=True)
     backend = None
     if cfg.backend == "server":
-        from extract.regenerate.server import ServerBackend, ServerStop
-
         backend = ServerBackend(cfg, renderer)
         backend.open()
         try:
@@ -195,8 +191,6 @@ def rank_info(cfg: RegenerateConfig) -> RankInfo:
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return RankInfo()
-    from extract.ranks import Ranks
-
     ranks = Ranks.from_env()
     return RankInfo(ranks.rank, ranks.world, ranks)
 
@@ -284,7 +278,7 @@ def _conversations(
 ) -> Iterator[Conversation]:
     """This rank's conversations that still need answers; bad records go to the journal at once."""
     limit = context_limit(cfg)
-    for raw in reading.iter_records(corpus, streaming=cfg.streaming, max_records=cfg.max_records):
+    for raw in iter_records(corpus, streaming=cfg.streaming, max_records=cfg.max_records):
         seen[0] += 1
         if raw.position % info.world != info.rank:
             continue
@@ -355,10 +349,6 @@ def _answer_rank(cfg, corpus, fingerprint, renderer, journal, info: RankInfo, ba
 
 
 def _run_local(cfg, renderer, conversations: Iterator[Conversation], tally: Tally, info: RankInfo, model) -> dict:
-    import torch
-
-    from extract.regenerate.local import LocalGenerator, Sampling, answer_window
-
     if model is None:
         model = load_local_model(cfg, info)
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
@@ -396,10 +386,6 @@ def _run_local(cfg, renderer, conversations: Iterator[Conversation], tally: Tall
 
 
 def load_local_model(cfg: RegenerateConfig, info: RankInfo):
-    import torch
-
-    from common.target import load_target
-
     device = cfg.device
     if device == "auto":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', info.rank))}" if torch.cuda.is_available() else "cpu"
@@ -416,8 +402,6 @@ def load_local_model(cfg: RegenerateConfig, info: RankInfo):
 
 
 def _run_server(backend, conversations: Iterator[Conversation], tally: Tally) -> tuple[dict, str | None]:
-    from extract.regenerate.server import ServerStop
-
     async def go() -> str | None:
         backend.open()
         try:
@@ -541,8 +525,6 @@ def format_summary(summary: dict) -> str:
             + f"; model {summary.get('model')!r}"
         )
     if summary.get("skipped_files"):
-        from extract.summary import describe_skipped
-
         skipped = summary["skipped_files"]
         lines.append(f"skipped: {len(skipped):,} files of the corpus directory, not read: {describe_skipped(skipped)}")
     if summary.get("torn_bytes_discarded"):

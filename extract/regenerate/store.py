@@ -61,12 +61,11 @@ from common.io import (
     temp_name,
 )
 from common.locks import Lock, writer_lock
+from extract.corpus.regenerated import DATA_FILE, PROVENANCE_FILE, is_journal
 
 log = logging.getLogger(__name__)
 
-DATA_FILE = "data.jsonl"
 REJECTS_FILE = "rejects.jsonl"
-PROVENANCE_FILE = "regenerate.json"
 SUMMARY_FILE = "summary.json"
 JOURNAL_VERSION = 1
 
@@ -102,7 +101,7 @@ def journal_files(out: str) -> list[str]:
         names = io.list_names(out)
     else:  # os.listdir, not pyarrow: a corpus directory may hold names that are not UTF-8 (extraction names them)
         names = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    return [f for f in names if f.startswith("journal.rank") and f.endswith(".jsonl")]
+    return [f for f in names if is_journal(f)]
 
 
 def _open_binary(path: str):
@@ -454,39 +453,3 @@ def count_entries(entries: list[Finished]) -> dict:
             by_reason = counts["rejected_by_reason"]
             by_reason[entry.reason] = by_reason.get(entry.reason, 0) + 1
     return counts
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading a regenerated corpus back (extraction)
-
-
-def regeneration_of(corpus_path: str) -> tuple[str, dict] | None:
-    """(data file, provenance) when `corpus_path` is a regeneration's output directory or its
-    data file, else None. ValueError for an output directory whose regeneration is unfinished."""
-    if os.path.isdir(corpus_path):
-        directory, named = corpus_path, None
-    elif os.path.isfile(corpus_path):
-        directory, named = os.path.dirname(os.path.abspath(corpus_path)), os.path.basename(corpus_path)
-    else:
-        return None
-    provenance_path = os.path.join(directory, PROVENANCE_FILE)
-    if not os.path.isfile(provenance_path):
-        if named is None and journal_files(directory):
-            raise ValueError(
-                f"corpus: '{corpus_path}' is a regeneration that has not finished (journals, no {PROVENANCE_FILE}); "
-                "rerun its `python -m extract.regenerate` command to finish it"
-            )
-        return None
-    with open(provenance_path, encoding="utf-8") as f:
-        provenance = json.load(f)
-    data_file = provenance.get("data_file", DATA_FILE)
-    if named is not None and named != data_file:
-        return None  # another file that happens to sit next to a regeneration
-    if not provenance.get("complete"):
-        raise ValueError(f"corpus: '{corpus_path}': {provenance_path} says the regeneration is not complete")
-    return os.path.join(directory, data_file), provenance
-
-
-def provenance_for_manifest(provenance: dict) -> dict:
-    """The part of regenerate.json an extraction manifest carries (everything but the bulky config copy)."""
-    return {k: v for k, v in provenance.items() if k not in ("config", "journal_header")}

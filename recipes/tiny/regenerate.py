@@ -59,7 +59,7 @@ def regenerate_records(
     """
     from tqdm.auto import tqdm
 
-    from extract.reading import RawRecord
+    from extract.corpus.reading import RawRecord
     from extract.regenerate.conversation import EMPTY_ANSWER, NO_USER_TURN, NOT_A_CHAT, Conversation, Renderer
     from extract.regenerate.local import LocalGenerator, answer_window
 

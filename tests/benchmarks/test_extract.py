@@ -104,7 +104,7 @@ def test_variants_run_the_full_phase_once_each_and_restore_the_interpreter(tmp_p
 
 
 def test_the_random_corpus_holds_none_of_the_tokenizers_own_ids(tmp_path):
-    """Extraction refuses a corpus holding the mask token (extract.mask_token), so a long random
+    """Extraction refuses a corpus holding the mask token (extract.corpus.mask_token), so a long random
     corpus must never draw the benchmark tokenizer's special ids (at 300 K tokens over 248 K ids it
     would, almost surely, if the draw started at 0)."""
     from recipes.tiny import build_chat_tokenizer

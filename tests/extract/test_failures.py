@@ -84,11 +84,11 @@ def test_a_run_killed_between_manifest_json_and_summary_json_is_finished_by_the_
 
 
 def test_lone_surrogates_are_rejected_as_invalid_text():
-    raw = C._parse_json_line(b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 3, "c.jsonl:4")
+    raw = C.parse_json_line(b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 3, "c.jsonl:4")
     assert raw.error is not None and raw.error[0] == C.INVALID_TEXT and "\\ud800" in raw.error[1]
-    pair = C._parse_json_line(b'{"text": "smile \\ud83d\\ude00"}', 0, "c.jsonl:1")  # a proper pair is text
+    pair = C.parse_json_line(b'{"text": "smile \\ud83d\\ude00"}', 0, "c.jsonl:1")  # a proper pair is text
     assert pair.error is None and pair.record["text"] == "smile \U0001f600"
-    escaped = C._parse_json_line(b'{"text": "not an escape: \\\\ud800"}', 0, "c.jsonl:1")
+    escaped = C.parse_json_line(b'{"text": "not an escape: \\\\ud800"}', 0, "c.jsonl:1")
     assert escaped.error is None
 
 

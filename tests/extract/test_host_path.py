@@ -19,10 +19,10 @@ from common.target import reach_text_parts
 from extract import corpus as C
 from extract.batching import BufferPool, collate_right_padded, plan_micro_batches
 from extract.capture import InFlight, capture
+from extract.corpus.windows import read_windows
 from extract.host_path import HostPath
 from extract.ranks import Ranks
 from extract.sink import Progress, RejectLog
-from extract.windows import read_windows
 from shards import HiddenPlanes, ShardDataset, ShardWriter, verify_dataset
 from tests.extract.conftest import build_model, mixed_corpus, write_lines
 from tests.extract.test_pipeline import make_config, run

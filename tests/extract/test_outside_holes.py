@@ -19,7 +19,8 @@ import pytest
 import zstandard
 
 from extract import corpus as C
-from extract import pipeline, windows
+from extract import pipeline
+from extract.corpus import windows
 from extract.ranks import Ranks
 from extract.summary import format_summary
 from tests.extract.conftest import mixed_corpus, write_lines

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.config import ConfigError, load_config
-from extract.reading import RawRecord
+from extract.corpus.reading import RawRecord
 from extract.regenerate import conversation as V
 from extract.regenerate import run as R
 from extract.regenerate import store

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from common.config import load_config
-from extract.reading import find_corpus
+from extract.corpus.files import find_corpus
 from extract.regenerate import run as R
 from extract.regenerate import store
 from extract.regenerate.config import RegenerateConfig

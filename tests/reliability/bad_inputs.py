@@ -5,7 +5,7 @@ inside, never a silent pass.
   level, missing or unknown roles, missing content, no assistant turn, empty and huge contents,
   control characters, lone surrogates, bad token lists, deep nesting; plus well-formed records
   with odd text. Each line goes through the extraction's own reading and tokenizing path
-  (`corpus._parse_json_line`, `windows._build_guarded`). A malformed record must become a
+  (`corpus.reading.parse_json_line`, `corpus.windows._build_guarded`). A malformed record must become a
   reject with a known reason and a detail; a well-formed one a sample (or a length/loss-token
   policy reject). A whole fuzzed corpus then runs through the extraction: every line accounted
   for, rejects.jsonl lists each reject, the dataset verifies; with on_error=fail the command
@@ -219,10 +219,10 @@ def as_line(record) -> bytes:
 def judge_record(builder, line: bytes, should_pass: bool) -> tuple[bool, str]:
     """Run one line through extraction's reading + tokenizing path; (clear answer?, what happened)."""
     from extract import corpus as C
-    from extract.windows import UNEXPECTED, _build_guarded
+    from extract.corpus.windows import UNEXPECTED, _build_guarded
 
     try:
-        raw = C._parse_json_line(line, 0, "fuzz.jsonl:1")
+        raw = C.parse_json_line(line, 0, "fuzz.jsonl:1")
         result = _build_guarded(builder, [raw])[0]
     except Exception as exc:  # noqa: BLE001 - a crash of the whole run because of one record
         return False, f"raised {type(exc).__name__}: {exc}"

@@ -92,7 +92,7 @@ def directories(tally: Tally, rng: random.Random, examples: int, work: Path) -> 
 
 def changing(tally: Tally, rng: random.Random, examples: int, work: Path) -> None:
     from extract import corpus as C
-    from extract.provenance import corpus_fingerprint
+    from extract.corpus.reading import corpus_fingerprint
 
     for n in range(examples):
         path = work / f"changing-{n}.jsonl"
@@ -121,7 +121,7 @@ def changing(tally: Tally, rng: random.Random, examples: int, work: Path) -> Non
 
 def compressed(tally: Tally, rng: random.Random, examples: int, work: Path) -> None:
     from extract import corpus as C
-    from extract.provenance import corpus_fingerprint
+    from extract.corpus.reading import corpus_fingerprint
 
     for n in range(examples):
         kind = rng.choice(["gz", "bz2", "zst"])
@@ -156,7 +156,7 @@ def compressed(tally: Tally, rng: random.Random, examples: int, work: Path) -> N
 def prompt_lengths(world: World, tally: Tally, rng: random.Random, examples: int) -> None:
     from transformers import AutoTokenizer
 
-    from extract.reading import RawRecord
+    from extract.corpus.reading import RawRecord
     from extract.regenerate.conversation import PROMPT_TOO_LONG, Conversation, Renderer
 
     tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir))

@@ -71,11 +71,11 @@ def test_the_compressed_judge_catches_a_silent_truncation(world, tmp_path, monke
     """The family can fail: a reader that ignores a truncated stream's error is reported."""
     import random
 
-    from extract import reading
+    from extract.corpus import streams
     from tests.reliability import corpus_files
 
-    monkeypatch.setattr(reading, "_damaged", lambda path, err, lines, raw: StopIteration())
-    monkeypatch.setattr(reading, "_decode_errors", lambda: (ValueError,))  # swallow nothing: the error escapes
+    monkeypatch.setattr(streams, "_damaged", lambda path, err, lines, raw: StopIteration())
+    monkeypatch.setattr(streams, "_decode_errors", lambda: (ValueError,))  # swallow nothing: the error escapes
     tally = bad_inputs.Tally()
     corpus_files.compressed(tally, random.Random(1), 12, tmp_path)
     assert tally.failures
@@ -92,7 +92,7 @@ def test_concurrent_writers_never_both_write(world, tmp_path):
 
 def test_the_tool_call_judge_catches_a_wrong_mask(world):
     """The family can fail: a mask that also covers a tool result is reported."""
-    from extract import corpus as C
+    from extract.corpus import rendering
     from tests.extract.conftest import tool_chat_tokenizer
     from tests.reliability import corpus_inputs
 
@@ -106,14 +106,14 @@ def test_the_tool_call_judge_catches_a_wrong_mask(world):
         ]
     }
     assert corpus_inputs.judge_chat(builder, record, mask_reference=True) == (True, "sample")
-    real = C.loss_mask_from_spans
+    real = rendering.loss_mask_from_spans
 
     def also_tool_results(offsets, spans, ids, eot):
         return real(offsets, spans + [(0, 10**6)], ids, eot)
 
-    C.loss_mask_from_spans = also_tool_results
+    rendering.loss_mask_from_spans = also_tool_results
     try:
         ok, what = corpus_inputs.judge_chat(builder, record, mask_reference=True)
     finally:
-        C.loss_mask_from_spans = real
+        rendering.loss_mask_from_spans = real
     assert not ok and "loss mask differs" in what

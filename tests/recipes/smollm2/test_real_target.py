@@ -1,6 +1,6 @@
 """Extraction on the real target SmolLM2-135M-Instruct (CPU, float32): the stored taps and top-k equal
 transformers' own `output_hidden_states` and final logits, and the mask token is chosen
-automatically, recorded, never a token of the data (extract.mask_token)."""
+automatically, recorded, never a token of the data (extract.corpus.mask_token)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from common.config import load_config
 from extract import corpus as C
 from extract import pipeline
 from extract.config import ExtractConfig
-from extract.mask_token import choose_mask_token, mask_token_candidates
+from extract.corpus.mask_token import choose_mask_token, mask_token_candidates
 from extract.ranks import Ranks
 from shards import ShardDataset
 

@@ -1,9 +1,6 @@
-"""Corpus -> tokenized samples: render chat through the target's own chat template, build the loss
+"""Records -> tokenized samples: render chat through the target's own chat template, build the loss
 mask, keep record text from forging control tokens, apply the length policy, and turn every bad
-record into a counted `Reject`.
-
-Reading files is `extract.reading`; record shapes and their normalization are `extract.records`
-(both re-exported here). docs/corpus.md lists the accepted formats and what the loss covers.
+record into a counted `Reject`. docs/corpus.md lists the accepted formats and what the loss covers.
 
 Loss mask of a chat sample: 1 on what the target generates in each assistant turn: the tokens of
 its `content`, of its `reasoning_content` when the template renders it, of its tool calls as the
@@ -18,9 +15,6 @@ Record text never forges control tokens: text such as `<|im_end|>\n<|im_start|>u
 message (or a tool call's arguments) is tokenized as plain text (`split_special_tokens`), so only
 the template's own turn boundaries are special tokens. A record whose text holds such a token but
 cannot be located in the rendered text is rejected (`control_token_in_content`).
-
-A record's position is its 0-based index in the input (for JSONL: the line index over all files in
-order, blank lines included), so a reject names `file:line` and resume can recognise it.
 """
 
 from __future__ import annotations
@@ -33,48 +27,24 @@ import numpy as np
 
 from common.chat_template import NO_TEMPLATE_HINT
 from common.hashing import sample_id as hash_sample
-from extract.reading import (  # noqa: F401 - re-exported: the corpus API in one place
-    CorpusError,
-    CorpusFiles,
-    RawRecord,
-    count_records,
-    data_kind,
-    find_corpus,
-    iter_records,
-    parse_json_line,
-)
-from extract.records import (  # noqa: F401 - re-exported
-    BAD_MESSAGE,
+from extract.corpus.reading import RawRecord
+from extract.corpus.records import (
     BAD_TOKENS,
-    BAD_TOOL_CALL,
-    BAD_TURN_WEIGHT,
-    CHAT_ROLES,
-    DUPLICATE,
-    EMPTY_CONVERSATION,
     EMPTY_SAMPLE,
-    INVALID_JSON,
     INVALID_TEXT,
-    MISSING_FIELD,
-    NO_ASSISTANT_TURN,
-    NON_STRING_CONTENT,
-    NON_TEXT_CONTENT,
-    NONFINITE_HIDDEN,
-    NONFINITE_LOGITS,
-    NOT_AN_OBJECT,
     SPAN_NOT_FOUND,
     TEMPLATE_ERROR,
     TOO_FEW_LOSS_TOKENS,
     TOO_LONG,
     TOOL_CALLS_NOT_RENDERED,
-    UNKNOWN_ROLE,
     Chat,
     RecordError,
     parse_record,
 )
+from extract.corpus.streams import CorpusError
 
 CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
 HOLDS_MASK_TOKEN = "holds_mask_token"
-_parse_json_line = parse_json_line  # the name the reliability suite and older tests use
 
 # Placeholders that stand in for message contents when rendering the template's skeleton: a number
 # between two private use code points (which no template strips or rewrites) that no content holds.
@@ -379,7 +349,7 @@ class SamplePolicy:
     min_loss_tokens: int
     chat_template_kwargs: dict
     vocab_size: int | None = None  # the target's; ids at or above it would crash the embedding
-    mask_token_id: int | None = None  # the dataset's mask token (extract.mask_token): never in a sample
+    mask_token_id: int | None = None  # the dataset's mask token (`mask_token`): never in a sample
 
 
 class SampleBuilder:
@@ -523,7 +493,7 @@ class SampleBuilder:
             )
         mask_id = self.policy.mask_token_id
         if mask_id is not None and bool(np.any(input_ids == mask_id)):
-            # Only a configured mask token that text can produce gets here (extract.mask_token).
+            # Only a configured mask token that text can produce gets here (`mask_token`).
             return Reject(raw.position, raw.source, HOLDS_MASK_TOKEN, f"holds the mask token id {mask_id}")
         policy, truncated_from = self.policy, None
         if input_ids.size > policy.max_len:

@@ -1,6 +1,6 @@
-"""Reading: the corpus's records -> windows of this rank's samples, read ahead in a thread.
+"""Windows: the corpus's records -> windows of this rank's samples, read ahead in a thread.
 
-`read_windows` takes `sort_window` records at a time, tokenizes them (`corpus.SampleBuilder`; a
+`read_windows` takes `sort_window` records at a time, tokenizes them (`rendering.SampleBuilder`; a
 record that breaks the tokenizer becomes an `unexpected_error` reject, not a crash), keeps the ones
 this rank owns and turns a repeated sample (same tokens and loss mask) into a `duplicate` reject.
 `Prefetch` runs it in a background thread a few windows ahead, so tokenization overlaps the
@@ -15,8 +15,12 @@ import queue
 import threading
 from collections.abc import Iterator
 
-from extract import corpus as C
 from extract.config import ExtractConfig
+from extract.corpus.files import CorpusFiles
+from extract.corpus.reading import iter_records
+from extract.corpus.records import DUPLICATE
+from extract.corpus.rendering import Reject, SampleBuilder
+from extract.corpus.streams import CorpusError
 from extract.ranks import Ranks
 
 UNEXPECTED = "unexpected_error"
@@ -30,9 +34,9 @@ class Window:
     rejects: list  # Reject, this rank's (including duplicates)
 
 
-def read_windows(cfg: ExtractConfig, corpus: C.CorpusFiles, builder: C.SampleBuilder, ranks: Ranks) -> Iterator[Window]:
+def read_windows(cfg: ExtractConfig, corpus: CorpusFiles, builder: SampleBuilder, ranks: Ranks) -> Iterator[Window]:
     """Windows of `sort_window` records each: this rank's samples (deduplicated over the whole run) and rejects."""
-    records = C.iter_records(corpus, streaming=cfg.streaming, max_records=cfg.max_records)
+    records = iter_records(corpus, streaming=cfg.streaming, max_records=cfg.max_records)
     seen: dict[str, int] = {}
     end = 0
     while True:
@@ -45,14 +49,14 @@ def read_windows(cfg: ExtractConfig, corpus: C.CorpusFiles, builder: C.SampleBui
             if not ranks.owns(result.sample_id, result.position):
                 continue
             window.records_owned += 1
-            if isinstance(result, C.Reject):
+            if isinstance(result, Reject):
                 window.rejects.append(result)
             elif result.sample_id in seen:
                 window.rejects.append(
-                    C.Reject(
+                    Reject(
                         result.position,
                         result.source,
-                        C.DUPLICATE,
+                        DUPLICATE,
                         f"same tokens and loss mask as position {seen[result.sample_id]}",
                         result.sample_id,
                     )
@@ -63,21 +67,21 @@ def read_windows(cfg: ExtractConfig, corpus: C.CorpusFiles, builder: C.SampleBui
         yield window
 
 
-def _build_guarded(builder: C.SampleBuilder, chunk: list) -> list:
+def _build_guarded(builder: SampleBuilder, chunk: list) -> list:
     """`builder.build`, but a record that breaks the tokenizer becomes a reject, not a crash."""
     try:
         return builder.build(chunk)
-    except C.CorpusError:
+    except CorpusError:
         raise
     except Exception:  # noqa: BLE001 - find the record(s) responsible, one by one
         out = []
         for raw in chunk:
             try:
                 out.extend(builder.build([raw]))
-            except C.CorpusError:
+            except CorpusError:
                 raise
             except Exception as err:  # noqa: BLE001
-                out.append(C.Reject(raw.position, raw.source, UNEXPECTED, f"{type(err).__name__}: {err}"))
+                out.append(Reject(raw.position, raw.source, UNEXPECTED, f"{type(err).__name__}: {err}"))
         return out
 
 

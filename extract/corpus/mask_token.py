@@ -10,7 +10,7 @@ that saw it as a real token would read it both ways). The choice, in this order:
    eos / bos / pad / unk token, that the chat template does not write, and that no record of the
    corpus holds.
 
-Why the third rule proves absence: record text is never tokenized into special tokens (extract.corpus
+Why the third rule proves absence: record text is never tokenized into special tokens (extract.corpus.rendering
 keeps record text from forging control tokens), the chat template's own special tokens are excluded,
 so only ready-tokenized records (`input_ids`) can hold a special token, and those are scanned
 (`corpus_token_ids`). A configured or tokenizer mask token that some ready-tokenized record holds is
@@ -28,8 +28,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from extract import corpus as C
-from extract.reading import token_id_lists
+from extract.corpus.files import CorpusFiles
+from extract.corpus.reading import token_id_lists
+from extract.corpus.rendering import control_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,10 @@ def mask_token_candidates(tokenizer) -> list[int]:
     """Special-token ids that text never produces and the template never writes, ascending."""
     reserved = {getattr(tokenizer, f"{name}_token_id", None) for name in ("eos", "bos", "pad", "unk")}
     excluded = {int(i) for i in reserved if i is not None} | template_token_ids(tokenizer)
-    return sorted(i for i in C.control_token_ids(tokenizer) if i not in excluded)
+    return sorted(i for i in control_token_ids(tokenizer) if i not in excluded)
 
 
-def corpus_token_ids(corpora: Iterable[C.CorpusFiles], wanted: Iterable[int]) -> set[int]:
+def corpus_token_ids(corpora: Iterable[CorpusFiles], wanted: Iterable[int]) -> set[int]:
     """The ids of `wanted` that some ready-tokenized record (`input_ids`) of the corpora holds."""
     wanted_arr = np.asarray(sorted(set(wanted)), dtype=np.int64)
     found: set[int] = set()
@@ -110,10 +111,10 @@ def corpus_token_ids(corpora: Iterable[C.CorpusFiles], wanted: Iterable[int]) ->
     return found
 
 
-def choose_mask_token(tokenizer, configured: int | None, corpora: list[C.CorpusFiles]) -> MaskChoice:
+def choose_mask_token(tokenizer, configured: int | None, corpora: list[CorpusFiles]) -> MaskChoice:
     """The mask token for these corpora (see the module docstring); ValueError naming `mask_token_id`
     when a configured or tokenizer mask token could occur in the data."""
-    special = C.control_token_ids(tokenizer)
+    special = control_token_ids(tokenizer)
     if configured is not None:
         given = (configured, "config")
     else:
