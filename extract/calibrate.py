@@ -155,7 +155,7 @@ def calibrate(cfg, target):
             cfg.layer_ids,
             keep,
         )
-    spec = parse_encoding(cfg.hidden_encoding or "planes")
+    spec = parse_encoding(cfg.hidden_encoding)
     multiple = spec.group_size if spec is not None and spec.four_bit else 1
     info = {
         "calibration": {

@@ -3,25 +3,43 @@
 byte once, so a damaged compressed file is named now), every `out_dir` a directory that something
 can be created in, no other process writing this rank's part of the dataset, and `topk` within the
 target's vocabulary. Each failure is a ValueError (or ConfigError) naming the key.
+
+`check_inputs` also settles the one part of a split's config that depends on its corpus rather than
+on the config alone (`ExtractConfig.check` settles the rest): a regenerated corpus's chat template
+variables (`provenance.with_regeneration`). Its `SplitInputs` are what the split's run then uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import tempfile
 
 from common.config import fail
 from common.io import resolve
+from common.objstore import check_location
 from extract import corpus as C
 from extract.config import ExtractConfig
 from extract.provenance import with_regeneration
 from extract.ranks import Ranks
+from shards.manifest import check_manifest_unlocked
 
 
-def check_inputs(cfg: ExtractConfig, ranks: Ranks | None = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class SplitInputs:
+    """One split's inputs, checked before the target loads."""
+
+    cfg: ExtractConfig  # the split's config, settled: a regenerated corpus's chat template variables
+    regeneration: dict | None  # what the manifest carries of the regeneration the corpus came from
+    corpus: C.CorpusFiles
+    fingerprint: dict  # `corpus_fingerprint`: the checksums a resume compares, the record count
+
+
+def check_inputs(cfg: ExtractConfig, ranks: Ranks | None = None) -> dict[str | None, SplitInputs]:
     """ValueError naming the key for what would fail later: a corpus that cannot be found or read
     as its format (a damaged compressed file included: the fingerprint reads every byte), an output
     path that cannot be a directory, a dataset another process is writing. Returns {split name:
-    (corpus files, fingerprint)}, which the split's extraction then uses as they are."""
+    `SplitInputs`}, which the split's extraction then uses as they are."""
     prepared = {}
     for name, split_cfg in cfg.split_configs().items():
         where = "" if name is None else f"splits.{name}: "
@@ -30,9 +48,10 @@ def check_inputs(cfg: ExtractConfig, ranks: Ranks | None = None) -> dict:
         if ranks is not None:
             check_no_other_writer(split_cfg.out_dir, ranks)
         try:
-            with_regeneration(split_cfg)
+            settled, regeneration = with_regeneration(split_cfg)
             corpus = C.find_corpus(split_cfg.corpus, split_cfg.corpus_format)
-            prepared[name] = (corpus, C.corpus_fingerprint(corpus, split_cfg.max_records))
+            fingerprint = C.corpus_fingerprint(corpus, split_cfg.max_records)
+            prepared[name] = SplitInputs(settled, regeneration, corpus, fingerprint)
         except ValueError as err:
             raise ValueError(f"{where}{err}") from None
     return prepared
@@ -40,8 +59,6 @@ def check_inputs(cfg: ExtractConfig, ranks: Ranks | None = None) -> dict:
 
 def check_no_other_writer(out_dir: str, ranks: Ranks) -> None:
     """LockedError (a ValueError) if another process holds this rank's lock of the dataset."""
-    from shards.manifest import check_manifest_unlocked
-
     root = local_dir(out_dir)
     if os.path.isdir(root):
         check_manifest_unlocked(resolve(root)[0], root, ranks.names["manifest"])
@@ -50,11 +67,7 @@ def check_no_other_writer(out_dir: str, ranks: Ranks) -> None:
 def check_out_dir(out_dir: str, key: str) -> None:
     """ConfigError unless `out_dir` is (or can become) a writable local directory, or is on an
     object store whose bucket this process can reach (docs/object-storage.md)."""
-    import tempfile
-
     if "://" in out_dir:
-        from common.objstore import check_location
-
         try:
             check_location(out_dir, write=True)
         except ValueError as err:

@@ -1,9 +1,13 @@
 """`ExtractConfig`: every knob of `python -m extract`, with help text and allowed values.
 
 Loaded from the `[extract]` table of a TOML file plus `key=value` overrides (`common.config`) and
-validated before any model is loaded. Checks that need the target's config (layer ids below the
-layer count) run in `common.target.check_layer_ids` as soon as `config.json` is read, still
-before any weights are touched.
+validated before any model is loaded. `check` also settles every key that has a default chosen
+elsewhere: the storage settings left at none become the shard writer's defaults, and a storage
+tier's encoding its canonical name, so the saved config and the provenance name the settings
+actually used. Checks that need the target's config (layer ids below the layer count) run in
+`common.target.check_layer_ids` as soon as `config.json` is read, still before any weights are
+touched; the chat template variables of a regenerated corpus are settled with the corpus
+(`extract.checks.check_inputs`).
 
 Keys split in two groups (see `DATASET_KEYS`): those that decide what the dataset holds (target,
 corpus, taps, k, lengths, dtype, encoding) and runtime knobs (batch size, devices, threads...).
@@ -20,6 +24,9 @@ from typing import Literal
 
 from common.chat_template import check_chat_template
 from common.config import ATTN_IMPLEMENTATIONS, fail, knob, set_resolved
+from shards.projection import parse_projection_spec
+from shards.quant import canonical_encoding, parse_encoding
+from shards.schema import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 
 DEFAULT_LAYER_IDS = [1, 16, 31, 46]
 HIDDEN_ENCODINGS = ("planes", "plain")  # the lossless ones; storage tiers: shards.quant.parse_encoding
@@ -242,8 +249,6 @@ class ExtractConfig:
                 "extract: device_map is set but gpus_per_replica is 1; the target stays on one device", stacklevel=2
             )
         if self.hidden_encoding is not None and self.hidden_encoding not in HIDDEN_ENCODINGS:
-            from shards.quant import canonical_encoding  # only for storage tiers: a lossless config imports no pyarrow
-
             try:
                 set_resolved(self, "hidden_encoding", canonical_encoding(self.hidden_encoding))
             except ValueError:
@@ -253,14 +258,10 @@ class ExtractConfig:
                     "(G = 4-bit group size in 16..1024, int4 / nf4 alone = 64)",
                 )
         if self.projection is not None and self.projection.startswith("pca:"):
-            from shards.projection import parse_projection_spec
-
             try:
                 spec = parse_projection_spec(self.projection)
             except ValueError as err:
                 fail("projection", str(err).removeprefix("projection: "))
-            from shards.quant import parse_encoding
-
             quant = parse_encoding(self.hidden_encoding or "planes")
             if spec.rank is not None and quant is not None and quant.four_bit and spec.rank % quant.group_size:
                 fail(
@@ -269,6 +270,17 @@ class ExtractConfig:
                 )
         if self.gpus_per_replica > 1 and self.device == "cpu":
             fail("gpus_per_replica", "spanning several GPUs needs a GPU device, but device = cpu")
+        self._settle_storage_defaults()
+
+    def _settle_storage_defaults(self) -> None:
+        """Storage settings left at none -> the shard writer's defaults (named in the saved config)."""
+        for key, default in (
+            ("hidden_encoding", DEFAULT_ENCODING),
+            ("zstd_level", DEFAULT_ZSTD_LEVEL),
+            ("shard_bytes", DEFAULT_SHARD_BYTES),
+        ):
+            if getattr(self, key) is None:
+                set_resolved(self, key, default)
 
     def split_configs(self) -> dict[str | None, "ExtractConfig"]:
         """One single-corpus config per output dataset: {None: self} or {name: config for out_dir/name}."""

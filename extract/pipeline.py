@@ -1,11 +1,14 @@
 """The extraction run, top to bottom: check, load, plan, run the windows, commit, summarize.
 
-    check       `checks.check_inputs`: corpora, output paths and a second writer, before the target loads
+    check       `checks.check_inputs`: corpora, output paths and a second writer, before the target loads;
+                each split's `checks.SplitInputs` (its config settled with its corpus)
     load        the target on this rank's devices (`resolve_devices`), its layer ids and vocabulary checked
-    plan        per split: the provenance (`provenance.build_provenance`), this rank's manifest lock, the
-                resume point (`provenance.resume_point`), the storage tier's projection, the shard writer
-    run windows `windows.read_windows` in a `windows.Prefetch` thread; each window's micro-batches are
-                launched on the device (`capture.Capturer`) and handed to `host_path.HostPath`
+    plan        per split: the provenance (`provenance.build_provenance`) and the `SplitRun` that carries
+                what the split needs; this rank's manifest lock, the resume point
+                (`provenance.resume_point`), the storage tier's projection, the shard writer
+    run windows `corpus.windows.read_windows` in a `corpus.windows.Prefetch` thread; a `ForwardLoop`
+                launches each window's micro-batches on the device (`capture.Capturer`) and hands them
+                to `host_path.HostPath`
     commit      the writer commits the last shard as it closes; the last rank merges (`merge.finish_ranks`)
     summarize   `summary`: the coverage check, the log line, the summary dict the command prints
 
@@ -26,7 +29,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
+import pyarrow as pa
 import torch
 
 from common.chat_template import with_chat_template
@@ -45,11 +50,12 @@ from extract.batching import (
 )
 from extract.calibrate import ensure_projection
 from extract.capture import Capturer, tier_for
-from extract.checks import check_inputs, check_topk, local_dir
+from extract.checks import SplitInputs, check_inputs, check_topk, local_dir
 from extract.config import DATASET_KEYS, ExtractConfig
 from extract.corpus import windows
 from extract.corpus.files import describe_skipped
 from extract.corpus.mask_token import MaskChoice, choose_mask_token
+from extract.corpus.rendering import TokenizedSample
 from extract.host_path import HostPath
 from extract.merge import finish_ranks, remove_merge_leftovers
 from extract.provenance import (
@@ -57,11 +63,11 @@ from extract.provenance import (
     build_provenance,
     holds_nothing,
     resume_point,
-    with_regeneration,
 )
 from extract.ranks import CONFIG_FILE, FINAL_MANIFEST, SUMMARY_FILE, Ranks
 from extract.sink import Progress, RejectLog, open_reject_log
 from extract.summary import check_coverage, log_run, summarize_dataset, write_summary
+from shards import ShardWriter, load_manifest
 from shards.manifest import MERGE_WAIT_SECONDS, lock_manifest
 
 log = logging.getLogger("extract")
@@ -82,17 +88,15 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     # chat_template=FILE: the file's template renders the chats and is the one the provenance hashes.
     target = dataclasses.replace(target, tokenizer=with_chat_template(target.tokenizer, cfg.chat_template))
     restore_attention = prepare_packing(target) if cfg.packing else None
-    mask = choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus for corpus, _ in prepared.values()])
+    mask = choose_mask_token(target.tokenizer, cfg.mask_token_id, [inputs.corpus for inputs in prepared.values()])
     log.info("%s", mask.describe())
     summaries = {}
     python_interval = sys.getswitchinterval()
     if cfg.gil_switch_interval is not None:
         sys.setswitchinterval(cfg.gil_switch_interval)
     try:
-        for name, split_cfg in cfg.split_configs().items():
-            summaries[name] = extract_split(
-                split_cfg, target, ranks, label=name, prepared=prepared.get(name), mask=mask
-            )
+        for name, inputs in prepared.items():
+            summaries[name] = extract_split(inputs, target, ranks, mask, label=name)
     finally:
         sys.setswitchinterval(python_interval)
         if restore_attention is not None:  # a target the caller passed in stays as it came
@@ -167,50 +171,52 @@ def resolve_devices(cfg: ExtractConfig, ranks: Ranks) -> dict:
     return {"device": f"cuda:{first}", "device_map": cfg.device_map or "auto", "max_memory": max_memory}
 
 
-def extract_split(
-    cfg: ExtractConfig,
-    target: Target,
-    ranks: Ranks,
-    label: str | None = None,
-    prepared: tuple | None = None,
-    mask: MaskChoice | None = None,
-) -> dict:
-    """Extract one corpus into `cfg.out_dir` (this rank's share), then merge if all ranks are done.
-    `prepared`: (corpus files, fingerprint) from `check_inputs`, else found here. `mask`: the mask
-    token of the whole run (`extract.corpus.mask_token`; chosen for this corpus alone if not given)."""
-    from shards import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
+@dataclasses.dataclass
+class SplitRun:
+    """What one split's extraction needs once its target is loaded and its provenance built, passed
+    down the plan, the forward loop and the commit (as `train.prepare.Run` serves the training step)."""
 
-    # The saved config and the provenance name the storage settings actually used.
-    cfg = dataclasses.replace(
-        cfg,
-        hidden_encoding=cfg.hidden_encoding or DEFAULT_ENCODING,
-        zstd_level=cfg.zstd_level or DEFAULT_ZSTD_LEVEL,
-        shard_bytes=cfg.shard_bytes or DEFAULT_SHARD_BYTES,
-    )
+    cfg: ExtractConfig  # the split's, settled (`checks.SplitInputs`)
+    target: Target
+    ranks: Ranks
+    label: str | None  # the split's name (the progress bar's); None for a single corpus
+    corpus: C.CorpusFiles
+    fingerprint: dict  # `corpus_fingerprint`: file checksums and the record count
+    fresh: dict  # this run's provenance (`build_provenance`); a resumed dataset keeps its own
+    root: str  # the dataset root: an absolute local path, or the URI of an object store
+    entered: float  # perf_counter when the split started: the summary's startup_seconds count from here
+    created: list[str]  # what a start that commits nothing removes again (grows as files are made)
+
+    @property
+    def names(self) -> dict:
+        """This rank's file names in the dataset (`Ranks.names`)."""
+        return self.ranks.names
+
+
+def extract_split(
+    inputs: SplitInputs, target: Target, ranks: Ranks, mask: MaskChoice, label: str | None = None
+) -> dict:
+    """Extract one corpus into `inputs.cfg.out_dir` (this rank's share), then merge if all ranks are
+    done. `mask`: the mask token of the whole run (`extract.corpus.mask_token`)."""
     entered = time.perf_counter()  # the summary's startup_seconds count from here
+    cfg, corpus = inputs.cfg, inputs.corpus
     root = local_dir(cfg.out_dir)
-    cfg, regeneration = with_regeneration(cfg)
-    if prepared is None:
-        corpus = C.find_corpus(cfg.corpus, cfg.corpus_format)
-        prepared = corpus, C.corpus_fingerprint(corpus, cfg.max_records)
-    corpus, fingerprint = prepared
     if corpus.skipped:
         log.warning(
             "corpus %s: %d files not read: %s", cfg.corpus, len(corpus.skipped), describe_skipped(corpus.skipped)
         )
-    mask = mask or choose_mask_token(target.tokenizer, cfg.mask_token_id, [corpus])
-    fresh = build_provenance(cfg, target, corpus, fingerprint, regeneration, mask)
-    names = ranks.names
+    fresh = build_provenance(cfg, target, corpus, inputs.fingerprint, inputs.regeneration, mask)
     remote = "://" in root  # an object store: no directories to make or remove
-    created = [] if remote else _missing_dirs(root)  # what a start that commits nothing removes again
+    created = [] if remote else _missing_dirs(root)
     if not remote:
         os.makedirs(root, exist_ok=True)
+    split = SplitRun(cfg, target, ranks, label, corpus, inputs.fingerprint, fresh, root, entered, created)
     fs, fs_root = resolve(root)
     try:
         with lock_manifest(
-            fs, fs_root, names["manifest"]
+            fs, fs_root, split.names["manifest"]
         ):  # one writer per rank of a dataset; released by the OS on a crash (a lease on an object store)
-            return _extract_locked(cfg, target, ranks, root, corpus, fingerprint, fresh, label, entered, created)
+            return _extract_locked(split)
     except BaseException:
         for path in created:
             if os.path.isdir(path):
@@ -228,16 +234,12 @@ def _missing_dirs(root: str) -> list[str]:
     return missing
 
 
-def _extract_locked(
-    cfg, target, ranks: Ranks, root: str, corpus, fingerprint: dict, fresh: dict, label, entered: float, created: list
-) -> dict:
+def _extract_locked(split: SplitRun) -> dict:
     """One split under this rank's manifest lock: nothing to do if complete, else plan (resume point,
     config, projection, writer), run the windows, commit, merge if this is the last rank; its summary."""
-    from shards import ShardWriter, load_manifest
-
+    cfg, ranks, root, names = split.cfg, split.ranks, split.root, split.names
     fs, fs_root = resolve(root)
-    names = ranks.names
-    done = already_complete(fs, root, fresh, load_manifest)
+    done = already_complete(fs, root, split.fresh)
     if done is not None:
         log.info("%s: already complete (%d samples); nothing to do", root, done["counts"]["samples"])
         if not exists_at(join_uri(root, SUMMARY_FILE)):  # killed between manifest.json and summary.json
@@ -246,24 +248,18 @@ def _extract_locked(
                 return write_summary(root, done)
         return summarize_dataset(root, done, this_run=None)
 
-    start = resume_point(fs, fs_root, root, fresh, ranks)
+    start = resume_point(fs, fs_root, root, split.fresh, ranks)
     if start.new:
-        created += [join_uri(root, n) for n in (names["manifest"], names["rejects"])]
+        split.created += [join_uri(root, n) for n in (names["manifest"], names["rejects"])]
     config_path = join_uri(root, CONFIG_FILE)
     if ranks.rank == 0:
         if not exists_at(config_path):
-            created.append(config_path)
+            split.created.append(config_path)
         save_config(cfg, config_path)
 
     # Storage tier with projection: P is settled (calibration pass, or reused) before any shard.
-    projection, projection_entry = ensure_projection(cfg, target, ranks, root)
-    writer_kwargs = dict(
-        shard_bytes=cfg.shard_bytes,
-        zstd_level=cfg.zstd_level,
-        hidden_encoding=cfg.hidden_encoding,
-        projection=projection_entry,
-    )
-    hidden_width = projection.out_width if projection is not None else len(cfg.layer_ids) * target.hidden_size
+    projection, projection_entry = ensure_projection(cfg, split.target, ranks, root)
+    hidden_width = projection.out_width if projection is not None else len(cfg.layer_ids) * split.target.hidden_size
     started = time.time()
     try:
         with ShardWriter(
@@ -274,23 +270,16 @@ def _extract_locked(
             manifest_name=names["manifest"],
             shard_prefix=names["prefix"],
             hidden_split=start.hidden_split,
-            **writer_kwargs,
+            shard_bytes=cfg.shard_bytes,
+            zstd_level=cfg.zstd_level,
+            hidden_encoding=cfg.hidden_encoding,
+            projection=projection_entry,
         ) as writer:
-            writer.stage_state["world_size"] = ranks.world
-            writer.stage_state["rank"] = ranks.rank
-            runs = list(start.stage_state.get("runs", []))
-            runs.append(
-                {
-                    "started": _iso(started),
-                    "config_digest": json_digest(config_to_dict(cfg)),
-                    "runtime": _runtime_keys(cfg),
-                }
-            )
-            writer.stage_state["runs"] = runs
+            _record_run_start(writer, split, start.stage_state, started)
             rejects = open_reject_log(join_uri(root, names["rejects"]), int(writer.stage_state.get("rejects_bytes", 0)))
             writer.before_save.append(rejects.upload)  # an object store's rejects object: before the manifest
             try:
-                run_stats = _extract_into(cfg, target, ranks, corpus, fingerprint, writer, rejects, label, entered)
+                run_stats = _extract_into(split, writer, rejects)
             finally:
                 writer.stage_state["rejects_bytes"] = rejects.sync()
                 rejects.close()
@@ -302,7 +291,7 @@ def _extract_locked(
             writer.stage_state["records_owned"] = run_stats["records_owned"]
             manifest = writer.manifest
     except BaseException:
-        _discard_if_empty(root, names, created)
+        _discard_if_empty(root, names, split.created)
         raise
     # The last shard is committed as the writer closes: count it in the run's time and commit share.
     run_stats["seconds"] = time.time() - started
@@ -316,11 +305,24 @@ def _extract_locked(
     return summarize_dataset(root, merged, this_run=run_stats)
 
 
+def _record_run_start(writer: ShardWriter, split: SplitRun, stage_state: dict, started: float) -> None:
+    """This rank's stage state in the manifest: the world, and this run appended to the runs so far."""
+    writer.stage_state["world_size"] = split.ranks.world
+    writer.stage_state["rank"] = split.ranks.rank
+    runs = list(stage_state.get("runs", []))
+    runs.append(
+        {
+            "started": _iso(started),
+            "config_digest": json_digest(config_to_dict(split.cfg)),
+            "runtime": _runtime_keys(split.cfg),
+        }
+    )
+    writer.stage_state["runs"] = runs
+
+
 def _discard_if_empty(root: str, names: dict, created: list) -> None:
     """After a failed start: remove the files this run created if it committed nothing (a rerun then
     starts afresh with whatever settings it is given, and an out_dir this run made disappears)."""
-    from shards import load_manifest
-
     fs, fs_root = resolve(root)
     try:
         if not holds_nothing(load_manifest(fs, fs_root, names["manifest"])):
@@ -335,8 +337,6 @@ def _discard_if_empty(root: str, names: dict, created: list) -> None:
 
 def has_committed_work(cfg: ExtractConfig, ranks: Ranks) -> bool:
     """Whether any dataset of `cfg` holds committed work of this rank (something a rerun resumes)."""
-    from shards import load_manifest
-
     for split_cfg in cfg.split_configs().values():
         try:
             fs, fs_root = resolve(local_dir(split_cfg.out_dir))
@@ -347,13 +347,86 @@ def has_committed_work(cfg: ExtractConfig, ranks: Ranks) -> bool:
     return False
 
 
-def _extract_into(
-    cfg, target: Target, ranks: Ranks, corpus, fingerprint, writer, rejects: RejectLog, label, entered: float
-) -> dict:
+def _extract_into(split: SplitRun, writer: ShardWriter, rejects: RejectLog) -> dict:
     """The forward loop: this rank's windows through the target (`Capturer`) and the host path into
     `writer`; the run's counters and timings."""
-    import pyarrow as pa
+    cfg = split.cfg
+    loop = _forward_loop(split, writer, rejects)
+    host_path, progress, stats = loop.host_path, loop.progress, loop.stats
+    reading = windows.Prefetch(windows.read_windows(cfg, split.corpus, loop.builder, split.ranks), depth=2)
+    try:
+        for window in reading:
+            stats["records_owned"] += window.records_owned
+            loop.run_window(window)
+        launched_all = time.perf_counter()
+        host_path.finish()
+        # Fixed costs around the forwards, which a long run amortizes: setting up until the first
+        # forward is launched, and writing what is still in flight after the last one is launched.
+        stats["startup_seconds"] = stats.pop("first_launch_at", launched_all) - split.entered
+        stats["drain_seconds"] = time.perf_counter() - launched_all
+    except BaseException:
+        reading.close()
+        host_path.abandon()
+        raise
+    finally:
+        progress.close()
+    stats["bytes"] = writer.bytes_written
+    # Seconds each host thread spent working (or blocked downstream): a write thread busy all the
+    # run means the host path, not the GPU, set the pace.
+    stats["write_busy_seconds"] = host_path.writing.busy_seconds
+    stats["write_cpu_seconds"] = host_path.writing.busy_cpu_seconds
+    stats["assemble_busy_seconds"] = host_path.assembling.busy_seconds
+    return stats
 
+
+@dataclasses.dataclass
+class ForwardLoop:
+    """The parts of one split's forward loop (`_forward_loop` builds them): a window's micro-batches
+    launched on the device, then handed to the host path."""
+
+    cfg: ExtractConfig
+    builder: C.SampleBuilder
+    capturer: Capturer
+    host_path: HostPath
+    progress: Progress
+    stats: dict  # this run's counters (records_owned, samples, tokens, batches, ...)
+    is_done: Callable[[TokenizedSample], bool]  # the dataset already holds it (committed or rejected)
+    pad_id: int
+
+    def run_window(self, window: windows.Window) -> None:
+        cfg, host_path, progress, stats = self.cfg, self.host_path, self.progress, self.stats
+        lengths = [s.n_tokens for s in window.samples]
+        total_tokens = sum(lengths)
+        rejects_share = window.span if not total_tokens else 0.0
+        host_path.put_rejects(window.rejects, rejects_share)
+        plan = plan_packed_micro_batches if cfg.packing else plan_micro_batches
+        for batch in plan(lengths, cfg.tokens_per_batch):
+            samples = [window.samples[i] for i in batch]
+            share = window.span * sum(lengths[i] for i in batch) / total_tokens
+            to_write = [not self.is_done(s) for s in samples]
+            if not any(to_write):
+                stats["skipped_batches"] += 1
+                progress.skipped(len(samples))
+                progress.advance(share)
+                continue
+            host = host_path.acquire()
+            stats.setdefault("first_launch_at", time.perf_counter())
+            sequences = [torch.from_numpy(s.input_ids) for s in samples]
+            if cfg.packing:
+                input_ids_BT, batch_lengths = collate_packed(sequences)
+            else:
+                input_ids_BT, batch_lengths = collate_right_padded(sequences, self.pad_id)
+            inflight = self.capturer.launch(input_ids_BT, batch_lengths, host, packed=cfg.packing)
+            stats["batches"] += 1
+            stats["padded_tokens"] += int(input_ids_BT.numel())
+            stats["budget_tokens"] += cfg.tokens_per_batch
+            host_path.put_batch(inflight, samples, to_write, share)
+
+
+def _forward_loop(split: SplitRun, writer: ShardWriter, rejects: RejectLog) -> ForwardLoop:
+    """The tokenizer's policy, the capturer (with the dataset's storage tier), the pinned buffers, the
+    progress bar and the host path of one split, set to write into `writer`."""
+    cfg, target, ranks = split.cfg, split.target, split.ranks
     tokenizer = target.tokenizer
     policy = C.SamplePolicy(
         cfg.max_len,
@@ -376,10 +449,10 @@ def _extract_into(
         "padded_tokens": 0,
         "budget_tokens": 0,
     }
-    desc = f"extract {label or os.path.basename(cfg.out_dir)}" + (
+    desc = f"extract {split.label or os.path.basename(cfg.out_dir)}" + (
         f" rank {ranks.rank}/{ranks.world}" if ranks.world > 1 else ""
     )
-    progress = Progress(fingerprint["records"], desc, enabled=cfg.progress and ranks.rank == 0)
+    progress = Progress(split.fingerprint["records"], desc, enabled=cfg.progress and ranks.rank == 0)
     capturer = Capturer(
         target,
         cfg.layer_ids,
@@ -409,59 +482,7 @@ def _extract_into(
         return sample.sample_id in committed or sample.position in done_positions
 
     host_path = HostPath(writer, rejects, pool, progress, stats, on_error=cfg.on_error, depth=cfg.inflight_batches)
-    reading = windows.Prefetch(windows.read_windows(cfg, corpus, builder, ranks), depth=2)
-    try:
-        for window in reading:
-            stats["records_owned"] += window.records_owned
-            _run_window(window, cfg, capturer, host_path, progress, is_done, pad_id, stats)
-        launched_all = time.perf_counter()
-        host_path.finish()
-        # Fixed costs around the forwards, which a long run amortizes: setting up until the first
-        # forward is launched, and writing what is still in flight after the last one is launched.
-        stats["startup_seconds"] = stats.pop("first_launch_at", launched_all) - entered
-        stats["drain_seconds"] = time.perf_counter() - launched_all
-    except BaseException:
-        reading.close()
-        host_path.abandon()
-        raise
-    finally:
-        progress.close()
-    stats["bytes"] = writer.bytes_written
-    # Seconds each host thread spent working (or blocked downstream): a write thread busy all the
-    # run means the host path, not the GPU, set the pace.
-    stats["write_busy_seconds"] = host_path.writing.busy_seconds
-    stats["write_cpu_seconds"] = host_path.writing.busy_cpu_seconds
-    stats["assemble_busy_seconds"] = host_path.assembling.busy_seconds
-    return stats
-
-
-def _run_window(window: windows.Window, cfg, capturer, host_path: HostPath, progress, is_done, pad_id, stats) -> None:
-    lengths = [s.n_tokens for s in window.samples]
-    total_tokens = sum(lengths)
-    rejects_share = window.span if not total_tokens else 0.0
-    host_path.put_rejects(window.rejects, rejects_share)
-    plan = plan_packed_micro_batches if cfg.packing else plan_micro_batches
-    for batch in plan(lengths, cfg.tokens_per_batch):
-        samples = [window.samples[i] for i in batch]
-        share = window.span * sum(lengths[i] for i in batch) / total_tokens
-        to_write = [not is_done(s) for s in samples]
-        if not any(to_write):
-            stats["skipped_batches"] += 1
-            progress.skipped(len(samples))
-            progress.advance(share)
-            continue
-        host = host_path.acquire()
-        stats.setdefault("first_launch_at", time.perf_counter())
-        sequences = [torch.from_numpy(s.input_ids) for s in samples]
-        if cfg.packing:
-            input_ids_BT, batch_lengths = collate_packed(sequences)
-        else:
-            input_ids_BT, batch_lengths = collate_right_padded(sequences, pad_id)
-        inflight = capturer.launch(input_ids_BT, batch_lengths, host, packed=cfg.packing)
-        stats["batches"] += 1
-        stats["padded_tokens"] += int(input_ids_BT.numel())
-        stats["budget_tokens"] += cfg.tokens_per_batch
-        host_path.put_batch(inflight, samples, to_write, share)
+    return ForwardLoop(cfg, builder, capturer, host_path, progress, stats, is_done, pad_id)
 
 
 def _iso(t: float) -> str:

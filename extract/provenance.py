@@ -25,6 +25,8 @@ from extract.config import DATASET_KEYS, ExtractConfig
 from extract.corpus.mask_token import MaskChoice
 from extract.corpus.regenerated import provenance_for_manifest, regeneration_of
 from extract.ranks import FINAL_MANIFEST, Ranks
+from shards import TAP_MEANING, load_manifest
+from shards.manifest import hidden_split_of
 
 log = logging.getLogger("extract")
 
@@ -103,8 +105,6 @@ def build_provenance(
     regeneration: dict | None,
     mask: MaskChoice,
 ) -> dict:
-    from shards import TAP_MEANING
-
     if mask.token_id is None:
         log.warning(
             "no mask token: the tokenizer has no special token to spare and mask_token_id is not set; the "
@@ -155,9 +155,6 @@ class ResumePoint:
 def resume_point(fs, fs_root: str, root: str, fresh: dict, ranks: Ranks) -> ResumePoint:
     """This rank's rank manifest if it exists, else another rank's (whose provenance and layout this
     rank adopts); ValueError if it was made with other settings (`refuse_changed`)."""
-    from shards import load_manifest
-    from shards.manifest import hidden_split_of
-
     names = ranks.names
     existing = _existing_rank_manifest(root, names["manifest"])
     if existing is not None:
@@ -252,7 +249,7 @@ def refuse_changed(root: str, stored_manifest: dict, fresh: dict, ranks: Ranks) 
         )
 
 
-def already_complete(fs, root: str, fresh: dict, load_manifest) -> dict | None:
+def already_complete(fs, root: str, fresh: dict) -> dict | None:
     """The merged manifest if `root` holds a finished dataset of these settings; ValueError if of others."""
     if not exists_at(join_uri(root, FINAL_MANIFEST)):
         return None

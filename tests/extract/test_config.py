@@ -25,6 +25,22 @@ def test_defaults():
     assert cfg.split_configs() == {None: cfg}
 
 
+def test_storage_settings_left_at_none_are_settled_to_the_writers_defaults():
+    """The config names what the shards use (saved with the dataset, compared on resume); given values stay."""
+    from shards import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
+
+    cfg = make()
+    assert (cfg.hidden_encoding, cfg.zstd_level, cfg.shard_bytes) == (
+        DEFAULT_ENCODING,
+        DEFAULT_ZSTD_LEVEL,
+        DEFAULT_SHARD_BYTES,
+    )
+    given = make("hidden_encoding=plain", "zstd_level=7", "shard_bytes=4096")
+    assert (given.hidden_encoding, given.zstd_level, given.shard_bytes) == ("plain", 7, 4096)
+    split = load_config(ExtractConfig, None, ["target=t", "out_dir=o", 'splits={a="x.jsonl"}']).split_configs()["a"]
+    assert split.zstd_level == DEFAULT_ZSTD_LEVEL
+
+
 @pytest.mark.parametrize(
     "override, needle",
     [

@@ -48,7 +48,7 @@ def plain_path_dataset(cfg, target, root) -> dict:
         hidden_width=len(cfg.layer_ids) * target.hidden_size,
         topk=cfg.topk,
         shard_bytes=cfg.shard_bytes,
-        hidden_encoding=cfg.hidden_encoding or "planes",
+        hidden_encoding=cfg.hidden_encoding,
         manifest_name=names["manifest"],
         shard_prefix=names["prefix"],
         hidden_split=len(cfg.layer_ids),
@@ -91,20 +91,11 @@ def test_pipeline_stores_the_bytes_of_the_plain_path(tmp_path, loaded_target, en
     summary = run(cfg, loaded_target)
     assert summary["samples"] == 24
     ours = json.load(open(tmp_path / "out" / Ranks().names["manifest"]))
-    plain = plain_path_dataset(resolved(cfg), loaded_target, str(tmp_path / "plain"))
+    plain = plain_path_dataset(cfg, loaded_target, str(tmp_path / "plain"))
     assert len(ours["shards"]) > 1, "the test should span several shards"
     strip = lambda m: [{k: v for k, v in e.items() if k != "written"} for e in m["shards"]]  # noqa: E731
     assert strip(ours) == strip(plain)  # sizes and xxh3 of every shard and index file
     assert files_of(str(tmp_path / "out"), ours) == files_of(str(tmp_path / "plain"), plain)
-
-
-def resolved(cfg):
-    """The config with the writer settings the pipeline resolved (it fills in the defaults)."""
-    import dataclasses
-
-    from shards import DEFAULT_SHARD_BYTES
-
-    return dataclasses.replace(cfg, shard_bytes=cfg.shard_bytes or DEFAULT_SHARD_BYTES)
 
 
 def test_nonfinite_samples_are_rejected_counted_and_never_written(tmp_path, loaded_target, chat_tokenizer, monkeypatch):
