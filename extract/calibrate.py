@@ -21,10 +21,21 @@ import time
 
 import torch
 
-from common.io import exists_at, join_uri
+from common.io import exists_at, join_uri, list_names, resolve
 from extract import corpus as C
 from extract.batching import attention_mask_for, collate_right_padded, plan_micro_batches
 from extract.capture import STORE_DTYPE, forward_with_taps, to_device_async
+from shards.manifest import load_manifest
+from shards.projection import (
+    PROJECTION_FILE,
+    SecondMoments,
+    fit_projection,
+    load_projection,
+    load_projection_file,
+    parse_projection_spec,
+    save_projection,
+)
+from shards.quant import parse_encoding
 
 log = logging.getLogger(__name__)
 WAIT_SECONDS = 6 * 3600  # how long a rank waits for rank 0's calibration
@@ -32,9 +43,6 @@ WAIT_SECONDS = 6 * 3600  # how long a rank waits for rank 0's calibration
 
 def listed_projection(root: str) -> dict | None:
     """The projection entry a manifest in `root` (merged or a rank's) lists, if any."""
-    from common.io import list_names, resolve
-    from shards.manifest import load_manifest
-
     if "://" not in root and not os.path.isdir(root):
         return None
     fs, path = resolve(root)
@@ -50,8 +58,6 @@ def listed_projection(root: str) -> dict | None:
 
 def ensure_projection(cfg, target, ranks, root: str):
     """(Projection, manifest entry) for this extraction, or (None, None) without `projection`."""
-    from shards.projection import PROJECTION_FILE, load_projection, load_projection_file, save_projection
-
     if cfg.projection is None:
         return None, None
     width = len(cfg.layer_ids) * target.hidden_size
@@ -81,8 +87,6 @@ def _settings(cfg) -> dict:
 
 
 def _matching_file(path: str, cfg):
-    from shards.projection import load_projection_file
-
     if not exists_at(path):
         return None
     projection, _ = load_projection_file(path)
@@ -94,8 +98,6 @@ def _matching_file(path: str, cfg):
 
 
 def _wait_for(root: str, path: str, cfg):
-    from shards.projection import load_projection_file, save_projection
-
     started = time.time()
     while time.time() - started < WAIT_SECONDS:
         projection = _matching_file(path, cfg)
@@ -125,9 +127,6 @@ def calibration_samples(cfg, target) -> list:
 @torch.inference_mode()
 def calibrate(cfg, target):
     """Fit the PCA projection on the taps of the calibration samples (second moments on the device)."""
-    from shards.projection import SecondMoments, fit_projection, parse_projection_spec
-    from shards.quant import parse_encoding
-
     samples = calibration_samples(cfg, target)
     if not samples:
         raise ValueError("projection: the corpus gave no samples for the calibration pass")

@@ -33,6 +33,17 @@ import torch
 from common.packing import packed_arguments
 from common.target import TapHooks
 from extract.batching import HostBatch, attention_mask_for
+from shards import HiddenPlanes
+from shards.projection import load_projection
+from shards.quant import (
+    ErrorSums,
+    QuantizedHidden,
+    channel_error_sums,
+    decode_piece,
+    encode_piece,
+    parse_encoding,
+    scales_to_numpy,
+)
 
 STORE_DTYPE = torch.bfloat16
 # Byte planes are cut from a byte view of the bf16 values: (low, high) per value in memory.
@@ -211,8 +222,6 @@ class TierEncoder:
     flagged sample is rejected by the host, never written)."""
 
     def __init__(self, encoding: str, projection=None, device=None):
-        from shards.quant import parse_encoding
-
         self.spec = parse_encoding(encoding)
         self.encoding = encoding
         self.projection = projection.to(device) if projection is not None else None
@@ -226,8 +235,6 @@ class TierEncoder:
         ok_BT: torch.Tensor,
         errors_2BW: torch.Tensor,
     ) -> None:
-        from shards.quant import channel_error_sums, decode_piece, encode_piece
-
         H = stored_BTH.shape[-1]
         x = stored_BTH.float()
         z = self.projection.apply_tap(slot, x) if self.projection is not None else x
@@ -253,8 +260,6 @@ def tier_for(writer, device) -> TierEncoder | None:
     """The device-side encoder of the writer's storage tier (None for lossless, unprojected shards)."""
     if writer.quant is None and writer.projection is None:
         return None
-    from shards.projection import load_projection
-
     projection = load_projection(writer.root, writer.projection) if writer.projection is not None else None
     return TierEncoder(writer.encoding, projection, device)
 
@@ -399,8 +404,6 @@ def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
     `hidden` is `shards.HiddenPlanes` (each plane a tuple of S column pieces uint8 [L, W / S]) for
     the planes layout, `shards.quant.QuantizedHidden` for a quantized one, else uint16 [L, W]; a
     storage tier's reconstruction error sums ride along as their `error`."""
-    from shards import HiddenPlanes
-
     host, L = inflight.host, inflight.lengths[b]
     B = 1 if inflight.packed else len(inflight.lengths)
     rows = host.hidden_view(B, inflight.T)
@@ -411,14 +414,10 @@ def sample_views(inflight: InFlight, b: int, offset: int) -> tuple:
     if (
         host.stored_width != host.width or host.quant is not None
     ):  # a storage tier: its reconstruction error travels along
-        from shards.quant import ErrorSums
-
         assert not inflight.packed, "storage tiers are not packed (Capturer.launch refuses)"
         sums = host.error_rows(len(inflight.lengths))
         error = ErrorSums(sums[0, b].numpy(), sums[1, b].numpy(), L)
     if host.quant is not None:
-        from shards.quant import QuantizedHidden, scales_to_numpy
-
         codes, scales = rows
         hidden = QuantizedHidden(
             host.encoding,

@@ -15,6 +15,7 @@ from extract import corpus as C
 from extract.batching import BufferPool, HostBatch
 from extract.capture import sample_views
 from extract.sink import Progress, RejectLog, Worker
+from shards import Sample
 
 # Rejects by policy: length and loss-token filtering, duplicates and samples holding the mask token are
 # counted and listed, never an error. Every other reason is the corpus's fault, and `on_error = fail`
@@ -118,8 +119,6 @@ class HostPath:
     def cut(inflight, samples: list, to_write: list[bool]) -> list[tuple]:
         """(tokenized, Sample of views into the buffer, hidden_ok, logits_ok) of each wanted sample of a landed
         batch."""
-        from shards import Sample
-
         out = []
         offsets = inflight.offsets
         for b, (tokenized, wanted) in enumerate(zip(samples, to_write)):

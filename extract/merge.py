@@ -21,7 +21,7 @@ from common.io import atomic_write_text, join_uri, list_names, remove_temp_files
 from extract.ranks import CONFIG_FILE, FINAL_MANIFEST, FINAL_REJECTS, SUMMARY_FILE, Ranks, rank_names
 from extract.sink import read_committed_rejects
 from extract.summary import format_summary, summarize_dataset, write_summary
-from shards.manifest import MERGE_WAIT_SECONDS, lock_manifest
+from shards.manifest import MERGE_WAIT_SECONDS, load_manifest, lock_manifest, merge_manifests
 
 log = logging.getLogger("extract")
 
@@ -45,8 +45,6 @@ def finish_ranks(root: str, ranks: Ranks) -> dict | None:
 def merge_ranks(root: str, world: int, *, required: bool = True) -> dict | None:
     """Merge `manifest.rank*.json` of ranks 0..world-1 into manifest.json and the rejects files
     into rejects.jsonl. With required=False, returns None if some rank has not finished yet."""
-    from shards import load_manifest
-
     fs, fs_root = resolve(root)
     if "://" not in root:
         root = fs_root
@@ -82,8 +80,6 @@ def merge_ranks(root: str, world: int, *, required: bool = True) -> dict | None:
 
 
 def _merge_locked(root: str, names: list[dict]) -> dict:
-    from shards import load_manifest, merge_manifests
-
     fs, fs_root = resolve(root)
     if "://" not in root:
         root = fs_root

@@ -24,6 +24,8 @@ import queue
 import threading
 import time
 
+from common.io import atomic_write_bytes, exists, read_bytes, resolve
+
 log = logging.getLogger(__name__)
 
 _STOP = object()
@@ -162,8 +164,6 @@ class ObjectRejectLog:
     first `rejects_bytes` bytes are exactly what the manifest committed, as with the local file."""
 
     def __init__(self, uri: str, committed_bytes: int):
-        from common.io import exists, read_bytes, resolve
-
         self.path = uri
         self._fs, self._key = resolve(uri)
         data = read_bytes(self._fs, self._key) if exists(self._fs, self._key) else b""
@@ -195,8 +195,6 @@ class ObjectRejectLog:
 
     def upload(self) -> None:
         if not self._stored:
-            from common.io import atomic_write_bytes
-
             atomic_write_bytes(self._key, bytes(self._data), self._fs)
             self._stored = True
 
@@ -210,8 +208,6 @@ def open_reject_log(path: str, committed_bytes: int):
 
 
 def read_committed_rejects(path: str, committed_bytes: int) -> list[dict]:
-    from common.io import exists, resolve
-
     fs, key = resolve(path)
     if not exists(fs, key):
         return []

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from common.repeat import RepeatWatch
 from common.static_cache import cache_kwarg
 from extract.regenerate.conversation import Conversation, Generated
 
@@ -124,8 +125,6 @@ def generate_batch(
     on CUDA) or "auto" (`batch_decoder`)."""
     import torch
 
-    from common.repeat import RepeatWatch
-
     caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     max_new_tokens = max(caps)
 
@@ -183,6 +182,8 @@ def batch_decoder(model, ids_BW: "torch.Tensor", real_BW: "torch.Tensor", max_ne
     """The decoding state of one batch: `prefill()` -> logits [B, V], `step(next_ids_B)` -> logits,
         `keep(rows)`. "auto" takes the static cache on CUDA where the model's layers allow it (on a CPU,
     attending over every slot of a static cache costs more than the dynamic cache saves)."""
+    # static_batch imports torch, and this module is imported by `python -m recipes.tiny --help` (its
+    # recipe digest), which answers before torch loads.
     from extract.regenerate.static_batch import StaticBatch, new_static_cache
 
     if cache not in CACHES:

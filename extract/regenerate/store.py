@@ -61,6 +61,7 @@ from common.io import (
     temp_name,
 )
 from common.locks import Lock, writer_lock
+from common.objstore import abort_uploads
 from extract.corpus.regenerated import DATA_FILE, PROVENANCE_FILE, is_journal
 
 log = logging.getLogger(__name__)
@@ -256,8 +257,6 @@ class SegmentJournal:
     torn_bytes = 0  # an object is whole or absent: nothing is ever torn
 
     def __init__(self, out: str, rank: int, header: dict, fsync_every_s: float, lock: Lock):
-        from common.objstore import abort_uploads
-
         self.out, self.rank, self.fsync_every_s, self.lock = out, rank, fsync_every_s, lock
         check_resumable(out, header)
         self.fs, self.root = resolve(out)
@@ -385,8 +384,6 @@ def _write_corpus_files(fs, root: str, entries: list[Finished], lock: Lock) -> N
     temporary files renamed into place; on an object store in place (visible once complete)."""
     in_place = io.in_place(fs)
     if in_place:
-        from common.objstore import abort_uploads
-
         abort_uploads(fs, root, (DATA_FILE, REJECTS_FILE))  # a killed commit's unfinished uploads
         lock.check()
     else:
