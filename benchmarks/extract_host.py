@@ -265,7 +265,7 @@ def open_writer(root: str, args, width: int, hidden_split: int = 1):
 
 
 class CurrentRun:
-    """A HostPath over a real ShardWriter, rejects file and buffer pool, as `_extract_into` builds it."""
+    """A HostPath over a real ShardWriter, rejects file and buffer pool, as `pipeline._forward_loop` builds it."""
 
     def __init__(self, args, syn: Synthetic, root: str):
         from extract.batching import BufferPool

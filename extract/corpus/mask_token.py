@@ -10,10 +10,10 @@ that saw it as a real token would read it both ways). The choice, in this order:
    eos / bos / pad / unk token, that the chat template does not write, and that no record of the
    corpus holds.
 
-Why the third rule proves absence: record text is never tokenized into special tokens (extract.corpus.rendering
-keeps record text from forging control tokens), the chat template's own special tokens are excluded,
-so only ready-tokenized records (`input_ids`) can hold a special token, and those are scanned
-(`corpus_token_ids`). A configured or tokenizer mask token that some ready-tokenized record holds is
+Why the third rule proves absence: record text is never tokenized into special tokens (`rendering`
+keeps record text from forging control tokens), the chat template's own special tokens are
+excluded, so only ready-tokenized records (`input_ids`) can hold a special token, and those are
+scanned (`corpus_token_ids`). A configured or tokenizer mask token that some ready-tokenized record holds is
 refused; one that is not a special token (text can produce it) is allowed with a warning, and every
 sample that holds it is rejected (`holds_mask_token`), so no stored sample ever holds the mask token.
 SmolLM2's tokenizer, for instance, has 17 special tokens: `<|endoftext|>` (unk), `<|im_start|>` (bos),
