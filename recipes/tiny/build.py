@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -18,9 +19,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-import common.repeat
-import extract.regenerate.conversation
-import extract.regenerate.local
 from common.config import config_to_dict
 from recipes.tiny.compute import log, resolve_build_device
 from recipes.tiny.config import TRAINING_KNOBS, TinyConfig, resolve_precision
@@ -38,7 +36,10 @@ NOT_IN_RECIPE = ("out_dir", "threads", "force")
 # The code that decides the artifacts: this package, the regeneration code it answers the corpus with, the repeat rule.
 RECIPE_CODE = (
     *sorted(Path(__file__).resolve().parent.glob("*.py")),
-    *(Path(m.__file__).resolve() for m in (extract.regenerate.local, extract.regenerate.conversation, common.repeat)),
+    *(
+        Path(importlib.util.find_spec(name).origin).resolve()
+        for name in ("extract.regenerate.local", "extract.regenerate.conversation", "common.repeat")
+    ),
 )
 
 
