@@ -8,6 +8,12 @@ Names are asked for in the plain causal-LM spelling (`model.embed_tokens.weight`
 `lm_head.weight`, `model.norm.weight`); multimodal checkpoints such as Qwen3.6 store the decoder
 under `model.language_model.` and are found too. `lm_head.weight` falls back to the embedding
 when the config ties the two (or when the checkpoint has no head and does not say it is untied).
+Where a family stores them under other names (GPT-2's `transformer.wte`, GPT-NeoX's `embed_in`),
+`common.target_arch.check_architecture` finds the stored names through the model's own accessors.
+
+`text_config` also carries the canonical spellings transformers' config class gives a checkpoint
+(`hidden_size` for GPT-2's `n_embd`, by the class's attribute map; `rope_parameters` built from
+older rope keys), so readers of widths, heads and rope need to know one spelling only.
 """
 
 from __future__ import annotations
@@ -18,13 +24,23 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from transformers import CONFIG_MAPPING
 
-__all__ = ["read_config", "text_config", "load_tensors", "tensor_names", "stored_name", "EMBED", "LM_HEAD"]
+__all__ = [
+    "read_config",
+    "text_config",
+    "load_tensors",
+    "tensor_names",
+    "stored_name",
+    "EMBED",
+    "LM_HEAD",
+    "INDEX_FILE",
+]
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 _SINGLE_FILE = "model.safetensors"
-_INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_config(target_dir: str | os.PathLike) -> dict:
@@ -47,19 +63,40 @@ def text_config(target_dir: str | os.PathLike) -> dict:
     top = read_config(target_dir)
     nested = top.get("text_config")
     if not isinstance(nested, dict):
-        return dict(top)
+        return with_canonical_keys(dict(top))
     merged = dict(nested)
     for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
         if key not in merged and key in top:
             merged[key] = top[key]
     merged.setdefault("architectures", top.get("architectures"))
-    return merged
+    return with_canonical_keys(merged)
+
+
+def with_canonical_keys(config: dict) -> dict:
+    """The config dict plus the spellings its transformers config class derives: the attribute map's
+    canonical names (`hidden_size`, `num_attention_heads`, ... for GPT-2's `n_embd`, `n_head`) and
+    `rope_parameters` (built from older keys such as GPT-NeoX's `rotary_emb_base`). A model type
+    transformers does not know is returned as it is."""
+    kind = config.get("model_type")
+    if kind not in CONFIG_MAPPING:
+        return config
+    try:
+        parsed = CONFIG_MAPPING[kind].from_dict(config)
+    except (ValueError, TypeError, KeyError):  # a config its class refuses: the stages that build it say why
+        return config
+    out = dict(config)
+    for key in getattr(parsed, "attribute_map", {}):
+        if out.get(key) is None:
+            out[key] = getattr(parsed, key, None)
+    if out.get("rope_parameters") is None and isinstance(getattr(parsed, "rope_parameters", None), dict):
+        out["rope_parameters"] = dict(parsed.rope_parameters)
+    return out
 
 
 def tensor_names(target_dir: str | os.PathLike) -> dict[str, str]:
     """Every stored tensor name mapped to the file (relative to the directory) that holds it."""
     root = Path(target_dir)
-    index = root / _INDEX_FILE
+    index = root / INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -68,7 +105,7 @@ def tensor_names(target_dir: str | os.PathLike) -> dict[str, str]:
     files = [root / _SINGLE_FILE] if (root / _SINGLE_FILE).is_file() else sorted(root.glob("*.safetensors"))
     if not files:
         raise ValueError(
-            f"target directory '{target_dir}' holds no safetensors weights ({_SINGLE_FILE} or {_INDEX_FILE})"
+            f"target directory '{target_dir}' holds no safetensors weights ({_SINGLE_FILE} or {INDEX_FILE})"
         )
     from safetensors import safe_open
 

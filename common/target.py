@@ -162,8 +162,8 @@ def load_target(
 def reach_text_parts(model: nn.Module, tokenizer=None, path: str = "") -> Target:
     """Find the text decoder, its layers, final norm and lm_head in a loaded model (any wrapper)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    layers = _find_layers(decoder)
-    final_norm = _find_attr(decoder, FINAL_NORMS, nn.Module)
+    layers = find_layers(decoder)
+    final_norm = find_attr(decoder, FINAL_NORMS, nn.Module)
     lm_head = model.get_output_embeddings()
     if layers is None or final_norm is None or lm_head is None:
         missing = [
@@ -295,7 +295,7 @@ def route_kernels_by_device(model: nn.Module) -> list[str]:
     return done
 
 
-def _find_attr(module: nn.Module, names, kind):
+def find_attr(module: nn.Module, names, kind):
     for name in names:
         child = getattr(module, name, None)
         if isinstance(child, kind):
@@ -303,10 +303,10 @@ def _find_attr(module: nn.Module, names, kind):
     return None
 
 
-def _find_layers(decoder: nn.Module) -> nn.ModuleList | None:
-    found = _find_attr(decoder, LAYER_CONTAINERS, nn.ModuleList)
+def find_layers(decoder: nn.Module) -> nn.ModuleList | None:
+    found = find_attr(decoder, LAYER_CONTAINERS, nn.ModuleList)
     if found is None and isinstance(getattr(decoder, "decoder", None), nn.Module):  # OPT-style nesting
-        found = _find_attr(decoder.decoder, LAYER_CONTAINERS, nn.ModuleList)
+        found = find_attr(decoder.decoder, LAYER_CONTAINERS, nn.ModuleList)
     return found
 
 

@@ -40,6 +40,7 @@ from common.hashing import json_digest
 from common.io import exists_at, join_uri, remove_at, resolve
 from common.packing import packing_probe, packing_refusal, use_packed_sdpa
 from common.target import Target, check_layer_ids, load_target, read_text_config
+from common.target_arch import check_architecture
 from extract import corpus as C
 from extract.batching import (
     BufferPool,
@@ -79,6 +80,7 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     # Corpora (found, fingerprinted: damaged files named), output paths and a second writer, all
     # before the target's weights load (minutes for a 27B).
     prepared = check_inputs(cfg, ranks)
+    check_architecture(cfg.target, cfg.trust_remote_code)  # a family DFlash cannot serve: refused before any forward
     torch.manual_seed(cfg.seed)
     if target is None:
         target = _load_checked_target(cfg, ranks)

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.hf_target import load_tensors
+from common.target_arch import check_architecture
 from train.attention import MaskRule, attend, position_mask
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "RotaryEmbedding",
     "apply_rotary",
     "rope_settings",
+    "target_rope",
     "LAYER_TYPES",
     "LAYER_TYPE_PRESETS",
     "SLIDING_IN_BLOCK",
@@ -80,19 +83,19 @@ def resolve_layer_types(spec: str | list[str] | None, num_layers: int) -> list[s
 
 
 def rope_settings(target_cfg: dict) -> tuple[float, dict | None, float]:
-    """(rope_theta, rope_scaling or None, partial_rotary_factor) from a target text config.
+    """(rope_theta, rope_scaling or None, partial_rotary_factor) from a config with one rope (a drafter's).
 
     Reads both spellings: transformers 5 `rope_parameters` and the older top-level `rope_theta` /
     `rope_scaling` / `partial_rotary_factor`. Qwen3.6's M-RoPE (`mrope_section`) is ordinary 1-D
     RoPE for text, where the three position streams are equal, so its M-RoPE keys are dropped.
-    The partial factor returned is the config's; `DrafterConfig.from_target` does not pass it on.
+    A target's rope, in any of transformers' layouts, is read by `target_rope`.
     """
     params = target_cfg.get("rope_parameters") or {}
     if not isinstance(params, dict):
         params = {}
     theta = target_cfg.get("rope_theta", params.get("rope_theta"))
     if theta is None:
-        raise ValueError("target config has no rope_theta (neither top level nor rope_parameters)")
+        raise ValueError("config has no rope_theta (neither top level nor rope_parameters)")
     factor = target_cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
     scaling = target_cfg.get("rope_scaling")
     if scaling is None:
@@ -103,6 +106,39 @@ def rope_settings(target_cfg: dict) -> tuple[float, dict | None, float]:
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
     return float(theta), (dict(scaling) if scaling else None), float(factor if factor is not None else 1.0)
+
+
+# The drafter's rope theta for a target without rotary embeddings (GPT-2): vLLM's DFlash model sets
+# the same when a draft config has none (`set_default_rope_theta(config, default_theta=1000000)`).
+DEFAULT_ROPE_THETA = 1e6
+
+
+def target_rope(target_cfg: dict) -> tuple[float, dict | None, str | None]:
+    """(theta, static scaling or None, why it departs from the target or None) for a drafter of this target.
+
+    Every layout transformers writes: top-level `rope_theta` / `rope_scaling`, `rope_parameters`,
+    per-layer-type parameters ({"full_attention": {...}, "sliding_attention": {...}}, Gemma 3: the
+    full-attention layers' rope, the global one, is taken), scaling types. A scaling that depends on
+    the running length (dynamic, longrope) is dropped: the drafter's rope must be a fixed function of
+    position. A target without rope gets `DEFAULT_ROPE_THETA`.
+    """
+    params = target_cfg.get("rope_parameters")
+    why = None
+    if isinstance(params, dict) and all(isinstance(v, dict) for v in params.values()) and params:
+        kind = "full_attention" if "full_attention" in params else sorted(params)[0]
+        why = f"the target's rope is per layer type ({', '.join(sorted(params))}): the drafter takes the {kind} one"
+        target_cfg = {"rope_parameters": params[kind]}
+    if target_cfg.get("rope_theta") is None and (target_cfg.get("rope_parameters") or {}).get("rope_theta") is None:
+        return DEFAULT_ROPE_THETA, None, f"the target has no rope theta: the drafter uses {DEFAULT_ROPE_THETA:g}"
+    theta, scaling, _ = rope_settings(target_cfg)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in _STATIC_ROPE_TYPES:
+        return (
+            theta,
+            None,
+            f"the target's rope scaling {kind!r} depends on the running length: the drafter's is unscaled",
+        )
+    return theta, scaling, why
 
 
 @dataclasses.dataclass
@@ -265,17 +301,21 @@ class DrafterConfig:
         hidden -> drafter hidden, but the frozen embedding and lm_head are the target's, so they
         must match the drafter's width.
 
-        Rope: the target's theta and (static) scaling, but rotary over the whole head
+        Rope: the target's theta and (static) scaling (`target_rope`), but rotary over the whole head
         (partial_rotary_factor 1.0) unless `widths` says otherwise: the drafter's heads are its
         own, SGLang rotates every head dim of a DFlash drafter whatever its config says, and the
-        published Qwen3.6 drafter rotates all of them too (docs/serving.md, "Rope").
+        published Qwen3.6 drafter rotates all of them too (docs/serving.md, "Rope"). The MLP is
+        SiLU whatever the target's activation: the drafter is a Qwen3 stack of its own, and SGLang's
+        DFlash model refuses any other (docs/serving.md). `target_cfg` has the canonical key
+        spellings (`common.hf_target.text_config`); a target without `intermediate_size` (GPT-2)
+        gets 4 x hidden.
         """
-        theta, scaling, _ = rope_settings(target_cfg)
+        theta, scaling, _ = target_rope(target_cfg)
         hidden = int(target_cfg["hidden_size"])
         heads = int(target_cfg["num_attention_heads"])
         values = dict(
             hidden_size=hidden,
-            intermediate_size=int(target_cfg["intermediate_size"]),
+            intermediate_size=int(target_cfg.get("intermediate_size") or 4 * hidden),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(target_cfg.get("num_key_value_heads") or heads),
@@ -285,13 +325,13 @@ class DrafterConfig:
             num_target_layers=int(target_cfg["num_hidden_layers"]),
             mask_token_id=int(mask_token_id),
             block_size=block_size,
-            rms_norm_eps=float(target_cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(target_cfg.get("rms_norm_eps") or 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             partial_rotary_factor=1.0,
-            max_position_embeddings=int(target_cfg.get("max_position_embeddings", 40960)),
-            hidden_act=str(target_cfg.get("hidden_act", "silu")),
-            initializer_range=float(target_cfg.get("initializer_range", 0.02)),
+            max_position_embeddings=int(target_cfg.get("max_position_embeddings") or 40960),
+            hidden_act="silu",
+            initializer_range=float(target_cfg.get("initializer_range") or 0.02),
         )
         values.update({k: v for k, v in widths.items() if v is not None})
         if values["hidden_size"] != hidden:
@@ -523,24 +563,35 @@ class DFlashDrafter(nn.Module):
 
 
 class TargetHead(nn.Module):
-    """The target's embedding and lm_head, frozen (buffers, so no optimizer or checkpoint sees them)."""
+    """The target's embedding and lm_head, frozen (buffers, so no optimizer or checkpoint sees them).
 
-    def __init__(self, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor) -> None:
+    `embed` returns what the target's input embedding module returns: the table row times
+    `embed_scale` (sqrt(hidden_size) for Gemma, 1 for most families), multiplied in the table's
+    dtype as transformers does; the drafter's block embedding is that (docs/serving.md,
+    "Embedding and head")."""
+
+    def __init__(self, embed_VD: torch.Tensor, lm_head_VD: torch.Tensor, embed_scale: float = 1.0) -> None:
         super().__init__()
         assert embed_VD.ndim == 2 and lm_head_VD.shape == embed_VD.shape, (embed_VD.shape, lm_head_VD.shape)
         self.register_buffer("embed_VD", embed_VD.detach(), persistent=False)
         # A tied head is the same storage; keep it shared so memory is not doubled.
         self.register_buffer("lm_head_VD", lm_head_VD.detach(), persistent=False)
+        self.embed_scale = float(embed_scale)
 
     @classmethod
-    def from_pretrained(cls, target_dir: str, dtype: torch.dtype = torch.float32) -> "TargetHead":
-        from common.hf_target import EMBED, LM_HEAD, load_tensors
-
-        tensors = load_tensors(target_dir, [EMBED, LM_HEAD])
-        embed = tensors[EMBED].to(dtype)
-        head = tensors[LM_HEAD]
-        head = embed if head.data_ptr() == tensors[EMBED].data_ptr() else head.to(dtype)
-        return cls(embed, head)
+    def from_pretrained(
+        cls, target_dir: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+    ) -> "TargetHead":
+        """The two tensors the target's accessors reach, read without building the model."""
+        arch = check_architecture(target_dir, trust_remote_code)
+        if arch.embed_tensor is None:
+            raise ValueError(
+                f"target '{target_dir}' holds no safetensors weights: the embedding and head are read from them"
+            )
+        tensors = load_tensors(target_dir, [arch.embed_tensor, arch.head_tensor])
+        embed = tensors[arch.embed_tensor].to(dtype)
+        head = embed if arch.tied else tensors[arch.head_tensor].to(dtype)
+        return cls(embed, head, arch.embed_scale)
 
     @property
     def vocab_size(self) -> int:
@@ -552,7 +603,10 @@ class TargetHead(nn.Module):
 
     @torch.no_grad()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_VD)
+        rows = F.embedding(ids, self.embed_VD)
+        if self.embed_scale == 1.0:
+            return rows
+        return rows * torch.tensor(self.embed_scale, dtype=rows.dtype, device=rows.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits (for small inputs, evaluation and tests; training uses `train.loss`)."""

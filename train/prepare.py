@@ -38,6 +38,7 @@ from common.io import atomic_write_json, exists, join, resolve
 from common.provenance import git_sha, tool_version
 from common.target_check import OVERRIDE_KEY, check_target
 from common.target_identity import target_identity
+from common.target_arch import check_architecture
 from train.blocks import Blocks
 from train.buckets import RankSplit, split_summary
 from train.checkpoint import (
@@ -53,7 +54,7 @@ from train.data import Batch, DataStream
 from train.distributed import Dist
 from train.kernels import TRAIN_KEYS, KernelPlan, OnKernels, choose_kernels
 from train.metrics import truncate_after
-from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.model import DFlashDrafter, DrafterConfig, TargetHead, target_rope
 from train.run_dir import claim_run_dir, release_run_dir
 from train.step import make_part_blocks, step_functions
 from train.target_init import init_from_target, parse_init_rule
@@ -115,6 +116,9 @@ def build_drafter_config(cfg: TrainConfig, target_cfg: dict, provenance: dict, m
             "config key 'model.target_layer_ids' is not set and the shards' provenance has no taps.layer_ids"
         )
     m = cfg.model
+    why = target_rope(target_cfg)[2]
+    if why and m.rope_theta is None and m.rope_scaling is None:
+        log.info("drafter rope: %s (model.rope_theta / model.rope_scaling override it)", why)
     try:
         return DrafterConfig.from_target(
             target_cfg,
@@ -176,6 +180,7 @@ def resolve_target(cfg: TrainConfig, manifest: dict) -> Target:
     path = cfg.model.target or (provenance.get("target") or {}).get("name_or_path")
     if not path or not Path(path, "config.json").is_file():
         raise ValueError(f"config key 'model.target': no target checkpoint directory at {path!r} (set model.target)")
+    check_architecture(path)  # a family the drafter cannot share its embedding and head with, in one line
     identity = target_identity(path)
     check = check_target(
         identity,

@@ -24,6 +24,7 @@ from common.hf_target import read_config, text_config
 from common.io import atomic_write_json, join_uri
 from common.provenance import provenance as tool_provenance
 from common.target import load_target
+from common.target_arch import check_architecture
 from common.target_identity import weights_digest
 from extract.checks import check_out_dir
 from extract.corpus.files import CorpusFiles, describe_skipped, find_corpus
@@ -127,6 +128,7 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
     ones)."""
     entered = time.perf_counter()
     corpus = check_inputs(cfg)
+    check_architecture(cfg.target, cfg.trust_remote_code)  # a family DFlash cannot serve: refused before generating
     info = rank_info(cfg)
     if tokenizer is None:
         from transformers import AutoTokenizer

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from train.alignment import block_input_ids, block_positions, draft_label_rows
@@ -58,7 +57,7 @@ def offline_block_drafts(
         block_ids_NQ = block_input_ids(ids_T[part], B, mask_id)
         positions = torch.cat((torch.arange(S), block_positions(part, B).reshape(-1)))[None]
         masks = build_layer_masks("sdpa", part[None], torch.ones(1, N, dtype=torch.bool), S, B, rules)
-        noise_1QD = F.embedding(block_ids_NQ.reshape(1, -1).to(target.device), target.embed_VD)
+        noise_1QD = target.embed(block_ids_NQ.reshape(1, -1).to(target.device))
         hidden_1QD = drafter(
             position_ids=positions.to(target.device),
             noise_embedding=noise_1QD,

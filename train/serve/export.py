@@ -44,6 +44,7 @@ import torch
 from common.config import ConfigError
 from common.io import replace_local_dir
 from common.target_check import OVERRIDE_KEY, check_target, recorded_identity
+from common.target_arch import check_architecture
 from common.target_identity import target_identity
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
 from train.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig, rope_settings
@@ -101,6 +102,21 @@ def serving_warnings(cfg: DrafterConfig) -> list[str]:
             "this export's dflash.py (docs/serving.md)"
         ]
     return []
+
+
+def target_warnings(target_dir: str | None) -> list[str]:
+    """What a serving engine would feed a drafter of this target differently from training: a scaled
+    input embedding (Gemma) that vLLM's DFlash drafter does not apply (docs/serving.md, "Embedding and head")."""
+    if not target_dir or not Path(target_dir, "config.json").is_file():
+        return []
+    scale = check_architecture(target_dir).embed_scale
+    if scale == 1.0:
+        return []
+    return [
+        f"the target's input embedding multiplies each row by {scale:.6g}, and the drafter was trained on that "
+        "(as z-lab's code and SGLang embed the block); vLLM's DFlash drafter embeds the block with the raw table "
+        "unless it applies the target's normalizer (docs/serving.md)"
+    ]
 
 
 def export_config(cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dict | None = None) -> dict:
@@ -486,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     check = json.loads((out / INFO_FILE).read_text())["target_check"]
     print(f"  target {check.get('target')}: {TARGET_CHECK_WORDS[check['status']]}")
-    for warning in serving_warnings(drafter_config_from_export(config)):
+    target = args.target or _run_target(resolve_checkpoint(args.checkpoint))
+    for warning in serving_warnings(drafter_config_from_export(config)) + target_warnings(target):
         print(f"  warning: {warning}")
     print(f"  load: AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return 0

@@ -64,7 +64,8 @@ class SpecTarget:
         self.model = target.model
         self.layer_ids = [int(i) for i in layer_ids]
         self.stop_ids = frozenset(int(i) for i in stop_ids)
-        self.embed_VD = target.decoder.get_input_embeddings().weight
+        self.embed_module = target.decoder.get_input_embeddings()
+        self.embed_VD = self.embed_module.weight
         self.cache_mode: str | None = None
         # transformers renamed `past_key_values` to `cache` (5.2x); pass whichever this version takes.
         self.cache_kwarg = cache_kwarg(self.model)
@@ -127,6 +128,11 @@ class SpecTarget:
         """(greedy next token [T] int64, tap features [T, F]) of one uncached forward, as extraction computes them."""
         out, features_1TF = self.call_model({"input_ids": ids_1T.to(self.device), "use_cache": False}, taps=True)
         return out.logits[0].float().argmax(-1), features_1TF[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The drafter's block embedding: what the target's input embedding module returns (Gemma's
+        multiplies the table row by sqrt(hidden_size)), as z-lab's and SGLang's DFlash drafting take it."""
+        return self.embed_module(ids)
 
     def draft_logits(self, hidden_NQD: torch.Tensor) -> torch.Tensor:
         """The target's final logits of drafter outputs (its lm_head and any post-scaling)."""

@@ -55,7 +55,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.repeat import RepeatWatch
@@ -178,7 +177,7 @@ class DFlashProposer:
         assert first + context_1SF.shape[1] == anchor_pos, (first, context_1SF.shape, anchor_pos)
         device = self.target.device
         block_ids_1Q = block_input_ids(torch.tensor([anchor_token], device=device), B, self.mask_token_id)
-        noise_1QD = F.embedding(block_ids_1Q, self.target.embed_VD)
+        noise_1QD = self.target.embed(block_ids_1Q)
         position_ids = torch.arange(first, anchor_pos + B, device=device)[None]
         hidden_1QD = self.drafter(
             position_ids=position_ids,

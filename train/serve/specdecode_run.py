@@ -32,6 +32,7 @@ from common.config import ConfigError
 from common.hashing import template_digest
 from common.target import load_target
 from common.target_check import OVERRIDE_KEY, check_target
+from common.target_arch import check_architecture
 from common.target_identity import target_identity
 from train.serve.agreement import agreement, corpus_offline_tau
 from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args, usage_error
@@ -198,6 +199,7 @@ def _run(args) -> int:
     try:
         target_check = check_drafter_target(args.drafter, args.target, args.allow_target_mismatch)
         drafter = load_exported(args.drafter, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+        check_architecture(args.target)
         target_obj = load_target(
             args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device
         )

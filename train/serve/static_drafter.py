@@ -21,7 +21,6 @@ eagerly, so the CPU tests exercise every path except the replay itself.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from train.alignment import block_input_ids
@@ -111,7 +110,7 @@ class StaticDFlashProposer(DFlashProposer):
         hidden_1QD = self.drafter(
             position_ids=positions_P[None],
             attention_mask=self._masks(anchor),
-            noise_embedding=F.embedding(block_ids_1Q, self.target.embed_VD),
+            noise_embedding=self.target.embed(block_ids_1Q),
             target_hidden=features_1SF,
             past_key_values=self.cache,
         )

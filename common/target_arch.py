@@ -1,0 +1,223 @@
+"""Can this checkpoint be a DFlash target, and where are the parts the drafter shares with it?
+
+    arch = check_architecture(path)          # ValueError, one line, when the family cannot work
+
+A DFlash drafter shares its target's token embedding (the block it drafts is embedded by the target)
+and output head (its logits are the target's head applied to its hidden states), and reads the
+target's decoder-layer outputs. `check_architecture` answers, before any weights are loaded (it builds the
+model's skeleton with empty weights from the config), whether a checkpoint offers those:
+
+- a decoder-only causal LM (an encoder-decoder, or a config transformers has no causal-LM class
+  for, is refused);
+- a token embedding and an output head reached through transformers' own accessors
+  (`get_input_embeddings()`, `get_output_embeddings()`), whatever their tensors are called
+  (`model.embed_tokens`, `transformer.wte`, `gpt_neox.embed_in` / `embed_out`, ...), as wide as the
+  hidden states, the head without a bias (the drafter's logits are the head's weight times its
+  hidden state, as SGLang's DFlash drafting computes them);
+- an input embedding module that is a table lookup times a constant: Gemma's multiplies the row
+  by sqrt(hidden_size) (`embed_scale`), and the drafter's block embedding is what that module returns,
+  as z-lab's code, SGLang and vLLM's Gemma-4 support compute it (docs/serving.md, "Embedding and head");
+- decoder layers and a final norm that `common.target.reach_text_parts` finds.
+
+The stages that load a target call it first: regeneration and extraction (so an unusable target is
+refused at the first stage, before any forward pass), training and evaluation (`TargetHead` reads
+the two tensors it names), and speculative decoding. A directory without weights (regeneration
+through a server may have only the config and tokenizer) is checked for everything but the stored
+tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from common.hf_target import INDEX_FILE, stored_name, tensor_names, text_config
+from common.target import FINAL_NORMS, find_attr, find_layers
+
+__all__ = ["TargetArch", "check_architecture"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetArch:
+    """What the drafter needs to know about its target's architecture."""
+
+    path: str
+    model_class: str  # the transformers class the target loads as
+    embed_tensor: str | None  # stored name of the token embedding (None: the directory holds no weights)
+    head_tensor: str | None  # stored name of the output head (the embedding's when tied)
+    embed_scale: float  # what the input embedding module multiplies a table row by (Gemma: sqrt(hidden))
+
+    @property
+    def tied(self) -> bool:
+        return self.embed_tensor is not None and self.embed_tensor == self.head_tensor
+
+
+def check_architecture(path: str | os.PathLike, trust_remote_code: bool = False) -> TargetArch:
+    """The target's architecture as the drafter uses it; ValueError (one line, naming the directory,
+    its class and why) for a family a DFlash drafter cannot serve."""
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise ValueError(f"target '{path}' has no config.json: it is not a Hugging Face checkpoint directory")
+    stamp = tuple((root / name).stat().st_mtime_ns if (root / name).exists() else 0 for name in _STAMPED)
+    return _checked(str(root.resolve()), bool(trust_remote_code), stamp)
+
+
+_STAMPED = ("config.json", INDEX_FILE, "model.safetensors")
+
+
+@functools.lru_cache(maxsize=8)
+def _checked(path: str, trust_remote_code: bool, stamp: tuple) -> TargetArch:
+    # stamp: the files' modification times, so a checkpoint rewritten in place is checked again
+    model = _skeleton(path, trust_remote_code)
+    name = type(model).__name__
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"target '{path}' ({name}) cannot be a DFlash target: {why}")
+
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    hidden = int(model.config.get_text_config().hidden_size)
+    problem = _parts_problem(model, embed, head, hidden)
+    if problem:
+        raise refuse(problem)
+    embed_tensor = head_tensor = None
+    if _has_weights(path):
+        model.tie_weights()  # what loading does: a tied head is the embedding's tensor
+        embed_tensor, head_tensor, problem = _stored_parts(path, model, embed, head)
+        if problem:
+            raise refuse(problem)
+    scale = _embed_scale(embed, hidden)
+    if scale is None:
+        raise refuse(f"its input embedding module ({type(embed).__name__}) is not a table lookup times a constant")
+    return TargetArch(path, name, embed_tensor, head_tensor, scale)
+
+
+def _skeleton(path: str, trust_remote_code: bool) -> nn.Module:
+    """The model built from its config with empty (meta) weights; buffers are real (a scale lives in one)."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"target '{path}': transformers cannot read its config.json ({_first_line(exc)})") from None
+    kind = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"target '{path}' ({kind}) cannot be a DFlash target: it is an encoder-decoder model; "
+            "DFlash drafts for decoder-only causal LMs"
+        )
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        try:
+            with init_empty_weights(include_buffers=False):
+                return auto.from_config(config, trust_remote_code=trust_remote_code)
+        except ValueError as exc:
+            if "Unrecognized configuration class" not in str(exc):
+                raise ValueError(
+                    f"target '{path}' ({kind}): transformers cannot build it ({_first_line(exc)})"
+                ) from None
+    raise ValueError(
+        f"target '{path}' ({kind}) cannot be a DFlash target: transformers has no causal-LM class for model_type "
+        f"{kind!r}"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _parts_problem(model: nn.Module, embed, head, hidden: int) -> str | None:
+    """Why the drafter cannot share this model's embedding, head or layers (None: it can)."""
+    table, out = getattr(embed, "weight", None), getattr(head, "weight", None)
+    if not isinstance(table, torch.Tensor) or table.ndim != 2:
+        return "get_input_embeddings() gives no token table"
+    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+        return "get_output_embeddings() gives no output head (a causal LM's vocabulary projection)"
+    if table.shape[1] != hidden:
+        return (
+            f"its token embedding is {table.shape[1]} wide but its hidden states {hidden}: the drafter embeds "
+            "its block with the target's table at the hidden width"
+        )
+    if tuple(out.shape) != tuple(table.shape):
+        return (
+            f"its output head is {list(out.shape)}, its token embedding {list(table.shape)}: the drafter "
+            "needs both [vocab, hidden]"
+        )
+    if getattr(head, "bias", None) is not None:
+        return "its output head has a bias (the drafter's logits are the head's weight times its hidden state)"
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if find_layers(decoder) is None or find_attr(decoder, FINAL_NORMS, nn.Module) is None:
+        return f"cannot find the decoder layers and final norm of {type(decoder).__name__}"
+    return None
+
+
+def _has_weights(path: str) -> bool:
+    root = Path(path)
+    return (root / INDEX_FILE).is_file() or any(root.glob("*.safetensors"))
+
+
+def _stored_parts(path: str, model: nn.Module, embed, head) -> tuple[str | None, str | None, str | None]:
+    """(stored embedding name, stored head name, problem or None)."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    stored = tensor_names(path)
+    shapes = _stored_shapes(path, stored)
+    shape = tuple(embed.weight.shape)
+    embed_tensor = _find_stored(names[id(embed.weight)], stored, shapes, shape, exclude=None)
+    if embed_tensor is None:
+        return None, None, f"no stored tensor of shape {list(shape)} is its token embedding ({names[id(embed.weight)]})"
+    if head.weight is embed.weight:
+        return embed_tensor, embed_tensor, None
+    head_tensor = _find_stored(names[id(head.weight)], stored, shapes, shape, exclude=embed_tensor)
+    if head_tensor is None:
+        if text_config(path).get("tie_word_embeddings") is False:
+            return (
+                None,
+                None,
+                f"its config unties the output head but no stored tensor is it ({names[id(head.weight)]})",
+            )
+        head_tensor = embed_tensor  # a checkpoint without a head and without tie_word_embeddings=false
+    return embed_tensor, head_tensor, None
+
+
+def _stored_shapes(path: str, stored: dict[str, str]) -> dict[str, tuple]:
+    """{stored tensor name: shape}, read from the safetensors headers only."""
+    shapes: dict[str, tuple] = {}
+    for file in sorted(set(stored.values())):
+        with safe_open(str(Path(path) / file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def _find_stored(param: str, stored: dict, shapes: dict, shape: tuple, exclude: str | None) -> str | None:
+    """How the checkpoint stores the model's parameter `param`: by its own name (or a multimodal
+    spelling of it), else by its last two name parts, else the one other tensor of its shape (a
+    checkpoint whose names transformers converts on load, e.g. GPT-NeoX's `embed_out`)."""
+    fits = [n for n in shapes if shapes[n] == shape and n != exclude]
+    found = stored_name(param, stored)
+    if found is not None and found in fits:
+        return found
+    tail = ".".join(param.split(".")[-2:])
+    by_tail = [n for n in fits if n == tail or n.endswith("." + tail)]
+    if len(by_tail) == 1:
+        return by_tail[0]
+    return fits[0] if len(fits) == 1 else None
+
+
+def _embed_scale(embed: nn.Module, hidden: int) -> float | None:
+    """The constant the input embedding module multiplies a table row by (None: it does something else).
+
+    Runs the module on three random rows put in place of its (empty) table."""
+    rows = torch.randn(3, hidden, generator=torch.Generator().manual_seed(0))
+    embed.weight = nn.Parameter(rows, requires_grad=False)  # the skeleton's own module, discarded after
+    with torch.no_grad():
+        out = embed(torch.arange(3))
+    if not isinstance(out, torch.Tensor) or out.shape != rows.shape:
+        return None
+    ratio = out.float() / rows
+    scale = float(ratio[0, 0])
+    return scale if torch.allclose(ratio, torch.full_like(ratio, scale), rtol=1e-5, atol=0) else None
