@@ -214,6 +214,8 @@ def _embed_scale(embed: nn.Module, hidden: int) -> float | None:
     Runs the module on three random rows put in place of its (empty) table."""
     rows = torch.randn(3, hidden, generator=torch.Generator().manual_seed(0))
     embed.weight = nn.Parameter(rows, requires_grad=False)  # the skeleton's own module, discarded after
+    if getattr(embed, "padding_idx", None) is not None:
+        embed.padding_idx = None  # a row index into the real table; it only stops gradients
     with torch.no_grad():
         out = embed(torch.arange(3))
     if not isinstance(out, torch.Tensor) or out.shape != rows.shape:

@@ -1,0 +1,161 @@
+"""The architecture matrix's families: tiny random targets built from transformers configs (no downloads).
+
+Each `Family` builds a config of one decoder-only family at smoke scale (hidden 32, 3 layers, 4
+heads) with the family's own features kept: Mistral's sliding window, Gemma's scaled embedding and
+per-layer-type rope, GPT-2's `n_embd` spellings and tied `transformer.wte`, GPT-NeoX's
+`embed_in` / `embed_out` and partial rotary, gpt-oss's sinks and experts, the Gated DeltaNet layers
+of Qwen3-Next and Qwen3.5, DeepSeek-V3's MLA, Cohere's logit scale, Granite's multipliers,
+SmolLM3's NoPE layers. Families the installed transformers lacks are skipped by name; `REFUSED`
+families cannot be DFlash targets and must be refused at the first stage, in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import transformers
+
+WIDTH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+HEAD = dict(head_dim=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One row of the matrix: `config_class` (a transformers name) built with `kwargs` and the token ids."""
+
+    name: str
+    config_class: str
+    kwargs: dict
+    refused: str | None = None  # the refusal's reason (a phrase of the one-line error), for REFUSED families
+    seq2seq: bool = False  # built with AutoModelForSeq2SeqLM (an encoder-decoder, refused)
+    attention: str = "sdpa"  # attn_implementation every stage loads it with (Gemma2: eager only)
+
+    @property
+    def available(self) -> bool:
+        return hasattr(transformers, self.config_class)
+
+    def config(self, vocab_size: int, token_ids: dict):
+        return getattr(transformers, self.config_class)(vocab_size=vocab_size, **token_ids, **self.kwargs)
+
+
+def _family(name: str, config_class: str, attention: str = "sdpa", **kwargs) -> Family:
+    return Family(name, config_class, kwargs, attention=attention)
+
+
+FAMILIES: tuple[Family, ...] = (
+    _family("Llama", "LlamaConfig", **WIDTH, **HEAD),
+    _family("Qwen2", "Qwen2Config", **WIDTH),
+    _family("Qwen3", "Qwen3Config", **WIDTH, **HEAD),
+    _family(
+        "Qwen3-MoE",
+        "Qwen3MoeConfig",
+        **WIDTH,
+        **HEAD,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
+    _family("Mistral (sliding window 8)", "MistralConfig", **WIDTH, **HEAD, sliding_window=8),
+    _family("Gemma2", "Gemma2Config", "eager", **WIDTH, **HEAD, sliding_window=8),
+    _family("Gemma3", "Gemma3TextConfig", **WIDTH, **HEAD, sliding_window=8),
+    _family(
+        "Gemma4",
+        "Gemma4TextConfig",
+        **WIDTH,
+        **HEAD,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+    ),
+    _family("Phi3", "Phi3Config", **WIDTH),
+    _family("OLMo2", "Olmo2Config", **WIDTH),
+    _family("GPT-NeoX", "GPTNeoXConfig", **{k: v for k, v in WIDTH.items() if k != "num_key_value_heads"}),
+    _family("GPT-2", "GPT2Config", n_embd=32, n_layer=3, n_head=4, n_positions=256),
+    _family(
+        "gpt-oss",
+        "GptOssConfig",
+        "eager",
+        **WIDTH,
+        **HEAD,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+    ),
+    _family(
+        "Qwen3-Next",
+        "Qwen3NextConfig",
+        **WIDTH,
+        **HEAD,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    ),
+    _family(
+        "Qwen3.5",
+        "Qwen3_5TextConfig",
+        **WIDTH,
+        **HEAD,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    ),
+    _family(
+        "DeepSeek-V3 (MLA)",
+        "DeepseekV3Config",
+        **{k: v for k, v in WIDTH.items() if k != "num_key_value_heads"},
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+    ),
+    _family("Granite", "GraniteConfig", **WIDTH, embedding_multiplier=12.0, logits_scaling=8.0),
+    _family("Cohere", "CohereConfig", **WIDTH, logit_scale=0.25),
+    _family("SmolLM3", "SmolLM3Config", **WIDTH, no_rope_layer_interval=3),
+)
+
+REFUSED: tuple[Family, ...] = (
+    Family(
+        "T5 (encoder-decoder)",
+        "T5Config",
+        dict(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8),
+        refused="encoder-decoder",
+        seq2seq=True,
+    ),
+    Family(
+        "OPT-350m style (embedding narrower than hidden)",
+        "OPTConfig",
+        dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=16),
+        refused="token embedding is 16 wide",
+    ),
+    Family(
+        "Phi (output head with a bias)",
+        "PhiConfig",
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+        refused="output head has a bias",
+    ),
+)
+
+ALL: tuple[Family, ...] = FAMILIES + REFUSED
+
+
+def by_name(name: str) -> Family:
+    return next(f for f in ALL if f.name == name)
