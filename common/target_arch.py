@@ -166,19 +166,18 @@ def _stored_parts(path: str, model: nn.Module, embed, head) -> tuple[str | None,
     stored = tensor_names(path)
     shapes = _stored_shapes(path, stored)
     shape = tuple(embed.weight.shape)
-    embed_tensor = _find_stored(names[id(embed.weight)], stored, shapes, shape, exclude=None)
+    embed_name, head_name = names[id(embed.weight)], names[id(head.weight)]
+    # Stored tensors some other parameter of the model has by name (a [3D, D] qkv can be [V, D] too).
+    claimed = {stored_name(n, stored) for n in names.values() if n not in (embed_name, head_name)} - {None}
+    embed_tensor = _find_stored(embed_name, stored, shapes, shape, claimed)
     if embed_tensor is None:
-        return None, None, f"no stored tensor of shape {list(shape)} is its token embedding ({names[id(embed.weight)]})"
+        return None, None, f"no stored tensor of shape {list(shape)} is its token embedding ({embed_name})"
     if head.weight is embed.weight:
         return embed_tensor, embed_tensor, None
-    head_tensor = _find_stored(names[id(head.weight)], stored, shapes, shape, exclude=embed_tensor)
+    head_tensor = _find_stored(head_name, stored, shapes, shape, claimed | {embed_tensor})
     if head_tensor is None:
         if text_config(path).get("tie_word_embeddings") is False:
-            return (
-                None,
-                None,
-                f"its config unties the output head but no stored tensor is it ({names[id(head.weight)]})",
-            )
+            return None, None, f"its config unties the output head but no stored tensor is it ({head_name})"
         head_tensor = embed_tensor  # a checkpoint without a head and without tie_word_embeddings=false
     return embed_tensor, head_tensor, None
 
@@ -193,11 +192,11 @@ def _stored_shapes(path: str, stored: dict[str, str]) -> dict[str, tuple]:
     return shapes
 
 
-def _find_stored(param: str, stored: dict, shapes: dict, shape: tuple, exclude: str | None) -> str | None:
+def _find_stored(param: str, stored: dict, shapes: dict, shape: tuple, taken: set[str]) -> str | None:
     """How the checkpoint stores the model's parameter `param`: by its own name (or a multimodal
-    spelling of it), else by its last two name parts, else the one other tensor of its shape (a
-    checkpoint whose names transformers converts on load, e.g. GPT-NeoX's `embed_out`)."""
-    fits = [n for n in shapes if shapes[n] == shape and n != exclude]
+    spelling of it), else by its last two name parts, else the one tensor of its shape that no other
+    parameter has (a checkpoint whose names transformers converts on load, e.g. GPT-NeoX's `embed_out`)."""
+    fits = [n for n in shapes if shapes[n] == shape and n not in taken]
     found = stored_name(param, stored)
     if found is not None and found in fits:
         return found
