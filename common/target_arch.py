@@ -104,6 +104,8 @@ def _skeleton(path: str, trust_remote_code: bool) -> nn.Module:
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError) as exc:
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise ValueError(f"target '{path}' needs its own model code: set trust_remote_code=true") from None
         raise ValueError(f"target '{path}': transformers cannot read its config.json ({_first_line(exc)})") from None
     kind = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):

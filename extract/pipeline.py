@@ -80,7 +80,6 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     # Corpora (found, fingerprinted: damaged files named), output paths and a second writer, all
     # before the target's weights load (minutes for a 27B).
     prepared = check_inputs(cfg, ranks)
-    check_architecture(cfg.target, cfg.trust_remote_code)  # a family DFlash cannot serve: refused before any forward
     torch.manual_seed(cfg.seed)
     if target is None:
         target = _load_checked_target(cfg, ranks)
@@ -129,6 +128,7 @@ def prepare_packing(target: Target):
 def _load_checked_target(cfg: ExtractConfig, ranks: Ranks) -> Target:
     """The target on this rank's devices; its layer count and vocabulary checked before any weights move."""
     text_config = read_text_config(cfg.target, cfg.trust_remote_code)
+    check_architecture(cfg.target, cfg.trust_remote_code)  # a family DFlash cannot serve, in one line
     check_layer_ids(cfg.layer_ids, int(text_config.num_hidden_layers))  # before any weights move
     check_topk(cfg.topk, getattr(text_config, "vocab_size", None))
     devices = resolve_devices(cfg, ranks)

@@ -128,7 +128,8 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
     ones)."""
     entered = time.perf_counter()
     corpus = check_inputs(cfg)
-    check_architecture(cfg.target, cfg.trust_remote_code)  # a family DFlash cannot serve: refused before generating
+    if model is None:  # a family DFlash cannot serve: refused before anything is generated
+        check_architecture(cfg.target, cfg.trust_remote_code)
     info = rank_info(cfg)
     if tokenizer is None:
         from transformers import AutoTokenizer

@@ -10,7 +10,8 @@ builds it. It imports only torch and transformers (never the training package).
 What the model computes (DFlash, arXiv 2602.06036; the same semantics as the training model):
 
     c = hidden_norm(fc(target_hidden))          projected target context: one row per context token
-    h = noise_embedding                         the target's embedding of the block [last verified token, MASK x (B-1)]
+    h = noise_embedding                         the target's embedding of the block [last verified token, MASK x (B-1)]:
+                                                what its input embedding module returns (Gemma's scales by sqrt(hidden))
     every layer:  x = input_layernorm(h)
                   q = rope(q_norm(q_proj(x)))                    block queries only
                   k = rope(k_norm(k_proj([c | x])))             context keys and block keys, same weights
