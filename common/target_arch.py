@@ -82,7 +82,7 @@ def _checked(path: str, trust_remote_code: bool, stamp: tuple) -> TargetArch:
     def refuse(why: str) -> ValueError:
         return ValueError(f"target '{path}' ({name}) cannot be a DFlash target: {why}")
 
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embed, head = _accessed(model.get_input_embeddings), _accessed(model.get_output_embeddings)
     hidden = int(model.config.get_text_config().hidden_size)
     problem = _parts_problem(model, embed, head, hidden)
     if problem:
@@ -126,6 +126,14 @@ def _skeleton(path: str, trust_remote_code: bool) -> nn.Module:
         f"target '{path}' ({kind}) cannot be a DFlash target: transformers has no causal-LM class for model_type "
         f"{kind!r}"
     )
+
+
+def _accessed(accessor) -> nn.Module | None:
+    """What one of transformers' accessors returns (None where the class does not implement it)."""
+    try:
+        return accessor()
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -5,10 +5,11 @@ or refused by the first stage in one line; its row must be the one docs/architec
 from __future__ import annotations
 
 import pytest
+import transformers
 
 from tests.archs.families import ALL, FAMILIES, REFUSED
 from tests.archs.pipeline import LAYER_IDS, run_family
-from tests.archs.table import chat_tokenizer, committed, parse, render, row
+from tests.archs.table import chat_tokenizer, committed, page_version, parse, render, row
 
 AVAILABLE = [f for f in ALL if f.available]
 
@@ -20,7 +21,7 @@ def test_the_matrix_covers_at_least_sixteen_working_families_and_the_refusals():
 
 def test_the_committed_page_is_the_generators_with_a_row_per_family():
     rows = parse(committed())
-    assert render(rows) == committed()  # the frame (text, header, order) is the generator's
+    assert render(rows, page_version(committed())) == committed()  # the frame (text, header, order) is the generator's
     assert set(rows) <= {f.name for f in ALL}
     assert {f.name for f in AVAILABLE} <= set(rows), "run `python -m tests.archs --table`"
 
@@ -36,4 +37,6 @@ def test_family_runs_end_to_end_or_is_refused_in_one_line(family, tmp_path):
         assert outcome.refused is None, outcome.refused
         assert outcome.taps == LAYER_IDS  # the shards record the taps extraction was given
         assert outcome.lossless is True and outcome.tokens > 0
+    if page_version(committed()) != transformers.__version__:
+        pytest.skip(f"docs/architectures.md is from transformers {page_version(committed())}: its row is not compared")
     assert row(outcome, family) == parse(committed()).get(family.name), "run `python -m tests.archs --table`"
