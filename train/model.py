@@ -606,7 +606,8 @@ class TargetHead(nn.Module):
         rows = F.embedding(ids, self.embed_VD)
         if self.embed_scale == 1.0:
             return rows
-        return rows * torch.tensor(self.embed_scale, dtype=rows.dtype, device=rows.device)
+        # The scale rounded to the table's dtype first, as the module does; a Python number, so no device copy.
+        return rows * torch.tensor(self.embed_scale, dtype=rows.dtype).item()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits (for small inputs, evaluation and tests; training uses `train.loss`)."""
