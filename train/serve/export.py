@@ -109,7 +109,10 @@ def target_warnings(target_dir: str | None) -> list[str]:
     input embedding (Gemma) that vLLM's DFlash drafter does not apply (docs/serving.md, "Embedding and head")."""
     if not target_dir or not Path(target_dir, "config.json").is_file():
         return []
-    scale = check_architecture(target_dir).embed_scale
+    try:
+        scale = check_architecture(target_dir).embed_scale
+    except ValueError as exc:  # the export is written; say why its target was not checked
+        return [f"the target's architecture was not checked: {exc}"]
     if scale == 1.0:
         return []
     return [

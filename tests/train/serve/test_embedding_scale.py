@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
-from train.serve.export import export_drafter, load_exported
+from train.serve.export import export_drafter, load_exported, target_warnings
 from train.serve.spec_target import SpecTarget
 from train.serve.specdecode import DFlashProposer
 
@@ -76,3 +76,12 @@ def test_training_decoding_and_the_export_embed_a_gemma_block_alike(tmp_path):
     torch.testing.assert_close(zlab.float(), training, rtol=1e-4, atol=1e-4)
     assert torch.equal(ours.argmax(-1), training.argmax(-1))
     assert not torch.allclose(unscaled, training, rtol=1e-2, atol=1e-2)  # the scale matters: the test can fail
+
+
+def test_the_export_warns_that_vllm_feeds_a_scaled_embeddings_raw_rows(tmp_path):
+    small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    Gemma3ForCausalLM(Gemma3TextConfig(**small, head_dim=8)).save_pretrained(tmp_path / "gemma")
+    LlamaForCausalLM(LlamaConfig(**small)).save_pretrained(tmp_path / "llama")
+    (warning,) = target_warnings(str(tmp_path / "gemma"))
+    assert "5.65685" in warning and "vLLM" in warning
+    assert target_warnings(str(tmp_path / "llama")) == [] and target_warnings(None) == []
