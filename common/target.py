@@ -39,10 +39,9 @@ from torch import nn
 from common.config import fail
 from common.hashing import json_digest
 from common.hf_target import read_config
+from common.target_arch import FINAL_NORMS, find_attr, find_layers
 from common.target_identity import head_digest, weights_digest
 
-LAYER_CONTAINERS = ("layers", "h", "blocks", "block")
-FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 log = logging.getLogger(__name__)
@@ -293,21 +292,6 @@ def route_kernels_by_device(model: nn.Module) -> list[str]:
     if done:
         log.info("external kernels used for CUDA tensors only (torch implementation otherwise): %s", ", ".join(done))
     return done
-
-
-def find_attr(module: nn.Module, names, kind):
-    for name in names:
-        child = getattr(module, name, None)
-        if isinstance(child, kind):
-            return child
-    return None
-
-
-def find_layers(decoder: nn.Module) -> nn.ModuleList | None:
-    found = find_attr(decoder, LAYER_CONTAINERS, nn.ModuleList)
-    if found is None and isinstance(getattr(decoder, "decoder", None), nn.Module):  # OPT-style nesting
-        found = find_attr(decoder.decoder, LAYER_CONTAINERS, nn.ModuleList)
-    return found
 
 
 def final_logits_fn(text_config) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -40,9 +40,12 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from common.hf_target import INDEX_FILE, stored_name, tensor_names, text_config
-from common.target import FINAL_NORMS, find_attr, find_layers
 
-__all__ = ["TargetArch", "check_architecture"]
+__all__ = ["TargetArch", "check_architecture", "find_layers", "find_attr", "LAYER_CONTAINERS", "FINAL_NORMS"]
+
+# Where transformers' decoders keep their layer stack and their final norm (Llama `layers`, GPT-2 `h`, ...).
+LAYER_CONTAINERS = ("layers", "h", "blocks", "block")
+FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,3 +235,18 @@ def _embed_scale(embed: nn.Module, hidden: int) -> float | None:
     ratio = out.float() / rows
     scale = float(ratio[0, 0])
     return scale if torch.allclose(ratio, torch.full_like(ratio, scale), rtol=1e-5, atol=0) else None
+
+
+def find_attr(module: nn.Module, names, kind):
+    for name in names:
+        child = getattr(module, name, None)
+        if isinstance(child, kind):
+            return child
+    return None
+
+
+def find_layers(decoder: nn.Module) -> nn.ModuleList | None:
+    found = find_attr(decoder, LAYER_CONTAINERS, nn.ModuleList)
+    if found is None and isinstance(getattr(decoder, "decoder", None), nn.Module):  # OPT-style nesting
+        found = find_attr(decoder.decoder, LAYER_CONTAINERS, nn.ModuleList)
+    return found

@@ -19,6 +19,7 @@ import xxhash
 
 from common.hashing import json_digest
 from common.hf_target import EMBED, LM_HEAD, load_tensors, read_config
+from common.target_arch import check_architecture
 
 __all__ = ["target_identity", "weights_digest", "head_digest"]
 
@@ -42,20 +43,25 @@ def weights_digest(path: str | os.PathLike) -> str:
 
 
 def head_digest(target_dir: str | os.PathLike) -> str | None:
-    """xxh3-128 of the stored embedding and output head (dtype, shape, bytes; a tied head once);
-    None when the directory holds no safetensors weights to read them from."""
+    """xxh3-128 of the stored embedding and output head (dtype, shape, bytes; a tied head once), found
+    through the model's accessors whatever their stored names (`common.target_arch`) and labelled with
+    the causal-LM spellings, so a checkpoint's digest does not depend on how the tensors are found;
+    None when the directory holds no safetensors weights to read them from (or no usable target)."""
     try:
-        tensors = load_tensors(target_dir, [EMBED, LM_HEAD])
+        arch = check_architecture(target_dir)
+        if arch.embed_tensor is None:
+            return None
+        stored = load_tensors(target_dir, [arch.embed_tensor, arch.head_tensor])
     except ValueError:
         return None
     h = xxhash.xxh3_128()
-    embed = tensors[EMBED]
-    for name, tensor in tensors.items():
-        if name == LM_HEAD and tensor.data_ptr() == embed.data_ptr():
+    for label, name in ((EMBED, arch.embed_tensor), (LM_HEAD, arch.head_tensor)):
+        if label == LM_HEAD and arch.tied:
             h.update(b"lm_head tied to the embedding|")
             continue
+        tensor = stored[name]
         flat = tensor.detach().contiguous().reshape(-1)
-        h.update(f"{name}:{str(tensor.dtype).replace('torch.', '')}:{list(tensor.shape)}|".encode())
+        h.update(f"{label}:{str(tensor.dtype).replace('torch.', '')}:{list(tensor.shape)}|".encode())
         h.update(flat.view(torch.uint8).numpy())
     return h.hexdigest()
 

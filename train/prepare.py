@@ -36,9 +36,9 @@ from common.hashing import json_digest, tokenizer_digest
 from common.hf_target import text_config
 from common.io import atomic_write_json, exists, join, resolve
 from common.provenance import git_sha, tool_version
+from common.target_arch import check_architecture
 from common.target_check import OVERRIDE_KEY, check_target
 from common.target_identity import target_identity
-from common.target_arch import check_architecture
 from train.blocks import Blocks
 from train.buckets import RankSplit, split_summary
 from train.checkpoint import (

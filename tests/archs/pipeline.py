@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from common.config import load_config
 from common.target import load_target
-from common.target_arch import check_target
+from common.target_arch import check_architecture
 from extract import pipeline as extraction
 from extract.config import ExtractConfig
 from extract.ranks import Ranks
@@ -109,7 +109,7 @@ def run_stages(target: Path, work: Path, outcome: Outcome, attention: str = "sdp
     except ValueError as exc:
         outcome.refused = str(exc)
         return outcome
-    arch = check_target(target)
+    arch = check_architecture(target)
     outcome.model_class, outcome.embed_scale = arch.model_class, arch.embed_scale
     outcome.embed_tensor, outcome.head_tensor = arch.embed_tensor, arch.head_tensor
     corpus = write_chats(work / "chats.jsonl", TRAIN_PROMPTS, 0, answers=True)

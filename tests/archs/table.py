@@ -44,7 +44,7 @@ from what the matrix gives (under another transformers version it checks the pip
 Each family is a tiny random-weight target built from its transformers config inside the tests (hidden
 32, 3 layers, the project's chat tokenizer) and run through every stage at smoke scale: regeneration
 of {train_prompts} prompts (the first stage, which checks the target before generating:
-`common.target_arch.check_target`), extraction with taps {layer_ids} (the taps the shards record are
+`common.target_arch.check_architecture`), extraction with taps {layer_ids} (the taps the shards record are
 checked), {steps} training steps of a 1-layer drafter (block {block}), export, and speculative decoding of
 {heldout_prompts} held-out prompts ({new_tokens} tokens each) through `train.specdecode`'s loop and the
 export's own `spec_generate`, both compared with the target's greedy decoding. "end to end, lossless"

@@ -1,4 +1,4 @@
-"""common.target_arch.check_target: the embedding and head found through transformers' accessors
+"""common.target_arch.check_architecture: the embedding and head found through transformers' accessors
 whatever their stored names, the input embedding's scale, the one-line refusals; and the text
 config's canonical spellings (common.hf_target.text_config)."""
 
@@ -12,7 +12,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from common.hf_target import text_config
-from common.target_arch import check_target
+from common.target_arch import check_architecture
 from train.model import TargetHead
 
 V = 96
@@ -29,7 +29,7 @@ def saved(tmp_path, name: str, config) -> tuple[torch.nn.Module, str]:
 
 def test_gpt_neox_embed_in_and_embed_out_are_found_and_read(tmp_path):
     model, path = saved(tmp_path, "neox", transformers.GPTNeoXConfig(vocab_size=V, **SMALL, tie_word_embeddings=False))
-    arch = check_target(path)
+    arch = check_architecture(path)
     assert (arch.embed_tensor, arch.head_tensor, arch.tied) == ("gpt_neox.embed_in.weight", "embed_out.weight", False)
     head = TargetHead.from_pretrained(path)
     assert torch.equal(head.embed_VD, model.get_input_embeddings().weight)
@@ -39,7 +39,7 @@ def test_gpt_neox_embed_in_and_embed_out_are_found_and_read(tmp_path):
 def test_gpt2_tied_wte_and_its_n_embd_spelling(tmp_path):
     config = transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
     model, path = saved(tmp_path, "gpt2", config)
-    arch = check_target(path)
+    arch = check_architecture(path)
     assert (arch.embed_tensor, arch.tied, arch.embed_scale) == ("transformer.wte.weight", True, 1.0)
     head = TargetHead.from_pretrained(path)
     assert head.embed_VD.data_ptr() == head.lm_head_VD.data_ptr()  # one tensor, not two
@@ -53,7 +53,7 @@ def test_gpt2_tied_wte_and_its_n_embd_spelling(tmp_path):
 def test_gemma_embedding_scale_is_the_modules_and_the_head_embeds_as_it_does(tmp_path, config_class):
     config = getattr(transformers, config_class)(vocab_size=V, head_dim=8, num_key_value_heads=2, **SMALL)
     model, path = saved(tmp_path, config_class, config)
-    arch = check_target(path)
+    arch = check_architecture(path)
     assert arch.embed_scale == pytest.approx(32**0.5, rel=1e-6)
     ids = torch.tensor([[3, 7, 90, 0]])
     for dtype in (torch.float32, torch.bfloat16):
@@ -71,7 +71,7 @@ def test_multimodal_checkpoint_language_model_prefix(tmp_path):
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(config)
     model.save_pretrained(tmp_path / "vlm")
-    arch = check_target(tmp_path / "vlm")
+    arch = check_architecture(tmp_path / "vlm")
     assert arch.embed_tensor == "model.language_model.embed_tokens.weight"
     assert torch.equal(TargetHead.from_pretrained(str(tmp_path / "vlm")).embed_VD, model.get_input_embeddings().weight)
 
@@ -96,23 +96,23 @@ def test_a_family_that_cannot_work_is_refused_in_one_line_naming_why(tmp_path, n
     path = tmp_path / name
     build().save_pretrained(path)  # the config alone: the refusal needs no weights
     with pytest.raises(ValueError) as err:
-        check_target(path)
+        check_architecture(path)
     message = str(err.value)
     assert needle in message and str(path.resolve()) in message and "\n" not in message
 
 
 def test_a_directory_without_weights_is_checked_except_its_tensors(tmp_path):
     transformers.LlamaConfig(vocab_size=V, **SMALL).save_pretrained(tmp_path / "cfg")
-    arch = check_target(tmp_path / "cfg")
+    arch = check_architecture(tmp_path / "cfg")
     assert (arch.model_class, arch.embed_tensor, arch.head_tensor) == ("LlamaForCausalLM", None, None)
     with pytest.raises(ValueError, match="holds no safetensors weights"):
         TargetHead.from_pretrained(str(tmp_path / "cfg"))
     with pytest.raises(ValueError, match="no config.json"):
-        check_target(tmp_path / "nowhere")
+        check_architecture(tmp_path / "nowhere")
 
 
 def test_a_rewritten_checkpoint_is_checked_again(tmp_path):
     _, path = saved(tmp_path, "t", transformers.LlamaConfig(vocab_size=V, **SMALL, tie_word_embeddings=False))
-    assert not check_target(path).tied
+    assert not check_architecture(path).tied
     saved(tmp_path, "t", transformers.LlamaConfig(vocab_size=V, **SMALL, tie_word_embeddings=True))
-    assert check_target(path).tied
+    assert check_architecture(path).tied

@@ -43,8 +43,8 @@ import torch
 
 from common.config import ConfigError
 from common.io import replace_local_dir
-from common.target_check import OVERRIDE_KEY, check_target, recorded_identity
 from common.target_arch import check_architecture
+from common.target_check import OVERRIDE_KEY, check_target, recorded_identity
 from common.target_identity import target_identity
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
 from train.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig, rope_settings
@@ -505,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     check = json.loads((out / INFO_FILE).read_text())["target_check"]
     print(f"  target {check.get('target')}: {TARGET_CHECK_WORDS[check['status']]}")
-    target = args.target or _run_target(resolve_checkpoint(args.checkpoint))
-    for warning in serving_warnings(drafter_config_from_export(config)) + target_warnings(target):
+    for warning in serving_warnings(drafter_config_from_export(config)) + target_warnings(check.get("target")):
         print(f"  warning: {warning}")
     print(f"  load: AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return 0

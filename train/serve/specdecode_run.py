@@ -31,8 +31,8 @@ from common.chat_template import with_chat_template
 from common.config import ConfigError
 from common.hashing import template_digest
 from common.target import load_target
-from common.target_check import OVERRIDE_KEY, check_target
 from common.target_arch import check_architecture
+from common.target_check import OVERRIDE_KEY, check_target
 from common.target_identity import target_identity
 from train.serve.agreement import agreement, corpus_offline_tau
 from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args, usage_error
