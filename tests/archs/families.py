@@ -28,7 +28,6 @@ class Family:
     kwargs: dict
     refused: str | None = None  # the refusal's reason (a phrase of the one-line error), for REFUSED families
     seq2seq: bool = False  # built with AutoModelForSeq2SeqLM (an encoder-decoder, refused)
-    attention: str = "sdpa"  # attn_implementation every stage loads it with (Gemma2: eager only)
 
     @property
     def available(self) -> bool:
@@ -38,8 +37,8 @@ class Family:
         return getattr(transformers, self.config_class)(vocab_size=vocab_size, **token_ids, **self.kwargs)
 
 
-def _family(name: str, config_class: str, attention: str = "sdpa", **kwargs) -> Family:
-    return Family(name, config_class, kwargs, attention=attention)
+def _family(name: str, config_class: str, **kwargs) -> Family:
+    return Family(name, config_class, kwargs)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -56,7 +55,7 @@ FAMILIES: tuple[Family, ...] = (
         moe_intermediate_size=32,
     ),
     _family("Mistral (sliding window 8)", "MistralConfig", **WIDTH, **HEAD, sliding_window=8),
-    _family("Gemma2", "Gemma2Config", "eager", **WIDTH, **HEAD, sliding_window=8),
+    _family("Gemma2", "Gemma2Config", **WIDTH, **HEAD, sliding_window=8),
     _family("Gemma3", "Gemma3TextConfig", **WIDTH, **HEAD, sliding_window=8),
     _family(
         "Gemma4",
@@ -76,7 +75,6 @@ FAMILIES: tuple[Family, ...] = (
     _family(
         "gpt-oss",
         "GptOssConfig",
-        "eager",
         **WIDTH,
         **HEAD,
         num_local_experts=4,

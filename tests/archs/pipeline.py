@@ -57,6 +57,7 @@ class Outcome:
     head_tensor: str | None = None
     embed_scale: float | None = None
     drafter_rope: str | None = None
+    attention: str | None = None  # the implementation transformers chose for the target (recorded by extraction)
     lossless: bool | None = None
     tokens: int = 0  # generated in speculative decoding (held-out prompts)
 
@@ -93,19 +94,18 @@ def write_chats(path: Path, n: int, seed: int, answers: bool) -> Path:
 
 def run_family(family: Family, tokenizer, work: Path) -> Outcome:
     target = build_target(family, tokenizer, work / "target")
-    return run_stages(target, work, Outcome(family.name), family.attention)
+    return run_stages(target, work, Outcome(family.name))
 
 
-def run_stages(target: Path, work: Path, outcome: Outcome, attention: str = "sdpa") -> Outcome:
+def run_stages(target: Path, work: Path, outcome: Outcome) -> Outcome:
     """Every stage on `target`; a family the first stage refuses stops there with its one-line error
     (an error of any later stage is raised: it is a bug of the matrix or of the stages).
 
     Extraction reads written answers, not the regenerated ones: a random-weight target's answers
-    are random tokens, which regeneration rightly drops when they do not tokenize back to themselves."""
+    are random tokens, which regeneration rightly drops when they do not tokenize back to themselves.
+    Every stage that loads the target takes transformers' own attention choice for it (`auto`)."""
     try:
-        regenerate(
-            target, write_chats(work / "prompts.jsonl", TRAIN_PROMPTS, 0, answers=False), work / "regen", attention
-        )
+        regenerate(target, write_chats(work / "prompts.jsonl", TRAIN_PROMPTS, 0, answers=False), work / "regen")
     except ValueError as exc:
         outcome.refused = str(exc)
         return outcome
@@ -113,17 +113,18 @@ def run_stages(target: Path, work: Path, outcome: Outcome, attention: str = "sdp
     outcome.model_class, outcome.embed_scale = arch.model_class, arch.embed_scale
     outcome.embed_tensor, outcome.head_tensor = arch.embed_tensor, arch.head_tensor
     corpus = write_chats(work / "chats.jsonl", TRAIN_PROMPTS, 0, answers=True)
-    shards = extract(target, corpus, work / "shards", attention)
-    outcome.taps = ShardDataset(str(shards)).provenance["taps"]["layer_ids"]
+    shards = extract(target, corpus, work / "shards")
+    provenance = ShardDataset(str(shards)).provenance
+    outcome.taps, outcome.attention = provenance["taps"]["layer_ids"], provenance["target"]["attn_implementation"]
     run_dir = train_drafter(shards, target, work / "runs")
     exported = export_checkpoint(run_dir, work / "export", dtype="float32", target=str(target))
     outcome.drafter_rope = _rope(json.loads((exported / "config.json").read_text()))
     heldout = write_chats(work / "heldout.jsonl", HELDOUT_PROMPTS, 1, answers=False)
-    outcome.lossless, outcome.tokens = decode(target, exported, heldout, attention)
+    outcome.lossless, outcome.tokens = decode(target, exported, heldout)
     return outcome
 
 
-def regenerate(target: Path, prompts: Path, out: Path, attention: str) -> Path:
+def regenerate(target: Path, prompts: Path, out: Path) -> Path:
     cfg = load_config(
         RegenerateConfig,
         None,
@@ -135,14 +136,14 @@ def regenerate(target: Path, prompts: Path, out: Path, attention: str) -> Path:
             "dtype=float32",
             "device=cpu",
             "thinking=disable",
-            f"attn_implementation={attention}",
+            "attn_implementation=auto",
         ],
     )
     regeneration.run(cfg)
     return out / "data.jsonl"
 
 
-def extract(target: Path, corpus: Path, out: Path, attention: str) -> Path:
+def extract(target: Path, corpus: Path, out: Path) -> Path:
     cfg = load_config(
         ExtractConfig,
         None,
@@ -157,7 +158,7 @@ def extract(target: Path, corpus: Path, out: Path, attention: str) -> Path:
             "device=cpu",
             "progress=false",
             "writer_threads=1",
-            f"attn_implementation={attention}",
+            "attn_implementation=auto",
         ],
     )
     extraction.run(cfg, ranks=Ranks())
@@ -192,10 +193,10 @@ def train_drafter(shards: Path, target: Path, out: Path) -> Path:
     return out / "r"
 
 
-def decode(target: Path, exported: Path, prompts: Path, attention: str) -> tuple[bool, int]:
+def decode(target: Path, exported: Path, prompts: Path) -> tuple[bool, int]:
     """(lossless, tokens generated): on every prompt, our speculative decoding and the export's own
     `spec_generate` (z-lab's quick start, the exported dflash.py) equal the target's greedy decoding."""
-    loaded = load_target(str(target), dtype="float32", attn_implementation=attention, device="cpu")
+    loaded = load_target(str(target), dtype="float32", attn_implementation="auto", device="cpu")
     drafter = load_exported(exported, dtype=torch.float32)
     stops = stop_token_ids(loaded)
     spec = SpecTarget(loaded, drafter.target_layer_ids, stops)

@@ -55,8 +55,8 @@ Columns: the transformers class the checkpoint loads as; the stored tensors the 
 through `get_input_embeddings()` / `get_output_embeddings()` (one name: tied); what the target's
 input embedding module multiplies a row by, which the drafter's block embedding includes
 (docs/serving.md, "Embedding and head"); the drafter's rope as exported (the target's theta and static
-scaling; per-layer-type rope: the full-attention one; none: 1e6); the attention implementation the
-stages load the target with (Gemma2 and gpt-oss run in eager only, in this transformers).
+scaling; per-layer-type rope: the full-attention one; none: 1e6); the attention implementation
+transformers chose for the target (`attn_implementation=auto` in every stage; extraction records it).
 
 """
 
@@ -80,7 +80,7 @@ def row(outcome: Outcome, family: Family) -> str:
             f"`{tensors}`",
             f"{outcome.embed_scale:.4g}",
             outcome.drafter_rope,
-            family.attention,
+            outcome.attention,
         )
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
