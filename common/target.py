@@ -41,6 +41,7 @@ from common.hashing import json_digest
 from common.hf_target import read_config
 from common.target_arch import FINAL_NORMS, find_attr, find_layers
 from common.target_identity import head_digest, weights_digest
+from common.target_rules import auto_layer_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -109,7 +110,8 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
     if bad:
         fail(
             "layer_ids",
-            f"{bad} out of range: the target has {num_layers} decoder layers, so ids must lie in 0..{num_layers - 1}",
+            f"{bad} out of range: the target has {num_layers} decoder layers, so ids must lie in 0..{num_layers - 1}; "
+            f'layer_ids = "auto" picks {auto_layer_ids(num_layers)[0]} for it (docs/dflash.md, "Tap layers")',
         )
     if num_layers - 1 in layer_ids:
         warnings.warn(

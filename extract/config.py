@@ -2,12 +2,13 @@
 
 Loaded from the `[extract]` table of a TOML file plus `key=value` overrides (`common.config`) and
 validated before any model is loaded. `check` also settles every key that has a default chosen
-elsewhere: the storage settings left at none become the shard writer's defaults, and a storage
-tier's encoding its canonical name, so the saved config and the provenance name the settings
-actually used. Checks that need the target's config (layer ids below the layer count) run in
-`common.target.check_layer_ids` as soon as `config.json` is read, still before any weights are
-touched; the chat template variables of a regenerated corpus are settled with the corpus
-(`extract.checks.check_inputs`).
+elsewhere: `layer_ids = "auto"` (the default) the published taps for the target's depth, read from its
+config.json (`common.target_rules.auto_layer_ids`, logged with its reason), the storage settings left at
+none the shard writer's defaults, and a storage tier's encoding its canonical name, so the saved config
+and the provenance name the settings actually used. Checks that need the target's config (layer ids
+below the layer count) run in `common.target.check_layer_ids` as soon as `config.json` is read, still
+before any weights are touched; the chat template variables of a regenerated corpus are settled with
+the corpus (`extract.checks.check_inputs`).
 
 Keys split in two groups (see `DATASET_KEYS`): those that decide what the dataset holds (target,
 corpus, taps, k, lengths, dtype, encoding) and runtime knobs (batch size, devices, threads...).
@@ -18,17 +19,20 @@ A resumed run must match the stored dataset keys exactly; runtime knobs may chan
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 from common.chat_template import check_chat_template
 from common.config import ATTN_IMPLEMENTATIONS, fail, knob, set_resolved
+from common.target_rules import auto_layer_ids, config_depth
 from shards.projection import parse_projection_spec
 from shards.quant import canonical_encoding, parse_encoding
 from shards.schema import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 
-DEFAULT_LAYER_IDS = [1, 16, 31, 46]
+log = logging.getLogger("extract")
 HIDDEN_ENCODINGS = ("planes", "plain")  # the lossless ones; storage tiers: shards.quant.parse_encoding
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 ALLOWED_TEMPLATE_KWARG_TYPES = (bool, int, float, str)
@@ -88,10 +92,11 @@ class ExtractConfig:
     )
 
     # -- what is stored ------------------------------------------------------------------------
-    layer_ids: list[int] = knob(
-        factory=lambda: list(DEFAULT_LAYER_IDS),
-        help="tap layers: id i = output of decoder layer i (0-based) = HF output_hidden_states[i+1]",
-        min=0,
+    layer_ids: list[int] | Literal["auto"] = knob(
+        "auto",
+        help="tap layers: id i = output of decoder layer i (0-based) = HF output_hidden_states[i+1]; auto = the "
+        "published rule for the target's depth (5 taps from layer 1 to L-3, evenly; fewer under 10 layers: "
+        "common.target_rules)",
     )
     topk: int = knob(32, help="how many of the target's top final-logit entries to store per token", min=1, max=4096)
     max_len: int = knob(3072, help="longest sample in tokens (see length_policy)", min=2, max=1 << 20)
@@ -221,11 +226,9 @@ class ExtractConfig:
                     f"splits.{name[:40]}...",
                     f"a split name becomes a directory name: at most 128 bytes, got {len(name.encode('utf-8'))}",
                 )
-        if not self.layer_ids:
-            fail("layer_ids", "needs at least one tap layer")
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            dupes = sorted({i for i in self.layer_ids if self.layer_ids.count(i) > 1})
-            fail("layer_ids", f"ids must be unique; repeated: {dupes}")
+        self._resolve_layer_ids()
+        if isinstance(self.layer_ids, list):  # else auto, left for a target that is not there: refused by name
+            self._check_layer_ids()
         if self.tokens_per_batch < self.max_len:
             fail(
                 "tokens_per_batch",
@@ -281,6 +284,28 @@ class ExtractConfig:
         ):
             if getattr(self, key) is None:
                 set_resolved(self, key, default)
+
+    def _resolve_layer_ids(self) -> None:
+        """`layer_ids = "auto"`: the published taps for the target's depth, read from its config.json
+        (left as is where the target has none: the pipeline then refuses the target by name)."""
+        if self.layer_ids != "auto" or not os.path.isfile(os.path.join(self.target, "config.json")):
+            return
+        try:
+            num_layers = config_depth(self.target)
+        except ValueError as exc:
+            fail("layer_ids", f"auto: {exc}; give the tap ids as a list")
+        ids, reason = auto_layer_ids(num_layers)
+        log.info("layer_ids = auto: %s (%s)", ids, reason)
+        set_resolved(self, "layer_ids", ids)
+
+    def _check_layer_ids(self) -> None:
+        if not self.layer_ids:
+            fail("layer_ids", "needs at least one tap layer")
+        if min(self.layer_ids) < 0:
+            fail("layer_ids", f"{min(self.layer_ids)} is below the minimum 0")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            dupes = sorted({i for i in self.layer_ids if self.layer_ids.count(i) > 1})
+            fail("layer_ids", f"ids must be unique; repeated: {dupes}")
 
     def split_configs(self) -> dict[str | None, "ExtractConfig"]:
         """One single-corpus config per output dataset: {None: self} or {name: config for out_dir/name}."""

@@ -59,15 +59,16 @@ a training sample rendered whole matches what the target sees at inference with
 `</think>` are single added (non-special) tokens; `<|MASK|>` is the tokenizer's `mask_token`, an
 id the target never sees in training (DFlash fills draft positions with it).
 
-Modules, one job each: `config` (TinyConfig, tap ids), `chat` (tokenizer and chat template),
+Modules, one job each: `config` (TinyConfig), `chat` (tokenizer and chat template),
 `corpus` (the records), `target` (training and measuring the target), `regenerate` (the target's own
 answers, through `extract.regenerate`'s local backend), `build` (recipe digest, cached build),
 `__main__` (the command).
 """
 
+from common.target_rules import tap_layer_ids
 from recipes.tiny.build import BUILD_RECORD, REQUIRED_FILES, build_tiny, is_built, recipe, recipe_digest
 from recipes.tiny.chat import CHAT_TEMPLATE, EOS_TOKEN, IM_END, IM_START, MASK_TOKEN, build_chat_tokenizer
-from recipes.tiny.config import TinyConfig, tap_layer_ids
+from recipes.tiny.config import TinyConfig
 from recipes.tiny.corpus import build_corpus, read_jsonl, record_texts, write_jsonl
 from recipes.tiny.regenerate import REGEN_FILES, answer_prompt, regenerate_corpus, regenerate_records
 from recipes.tiny.target import build_tiny_target, generation_config

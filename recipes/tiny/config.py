@@ -1,10 +1,9 @@
 """`TinyConfig`: how `python -m recipes.tiny` builds the tiny default (the `[tiny]` table of a config
-file), and the tap layer ids it recommends for its target.
+file). The tap layer ids it recommends for its target follow `common.target_rules.tap_layer_ids`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -127,22 +126,6 @@ def training_knobs_off_default(values: Mapping[str, Any]) -> dict[str, tuple[Any
     `TRAINING_KNOBS` order (what target=shipped cannot honour, and what a build to ship must not have)."""
     defaults = {f.name: f.default for f in fields(TinyConfig)}
     return {k: (values[k], defaults[k]) for k in TRAINING_KNOBS if k in values and values[k] != defaults[k]}
-
-
-def tap_layer_ids(num_layers: int, n_taps: int) -> list[int]:
-    """Evenly spread tap ids, never the last layer: DFlash's rule, from layer 1 to layer L-3
-    (36 layers, 5 taps -> [1, 9, 17, 25, 33], the published Qwen3-8B drafter's; 8 layers, 4 taps ->
-    [1, 2, 4, 5]), widened towards layer 0 and L-2 only when the target is too shallow for that."""
-    if not 1 <= n_taps <= num_layers - 1:
-        raise ValueError(f"n_taps must be between 1 and {num_layers - 1} for {num_layers} layers, got {n_taps}")
-    first, last = 1, num_layers - 3
-    if last - first + 1 < n_taps:
-        first, last = (1, num_layers - 2) if num_layers - 2 >= n_taps else (0, num_layers - 2)
-    if n_taps == 1:
-        return [first]
-    ids = [first + math.floor(i * (last - first) / (n_taps - 1) + 0.5) for i in range(n_taps)]
-    assert len(set(ids)) == n_taps and max(ids) < num_layers - 1, ids
-    return ids
 
 
 def resolve_precision(precision: str, device_type: str = "cpu") -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from common.config import ConfigError, load_config
 from common.target import check_layer_ids, read_text_config
-from extract.config import DATASET_KEYS, ExtractConfig
+from extract.config import DATASET_KEYS, ExtractConfig, dataset_keys
 
 BASE = ["target=t", "corpus=c.jsonl", "out_dir=o"]
 
@@ -19,7 +19,9 @@ def make(*overrides):
 
 def test_defaults():
     cfg = make()
-    assert cfg.layer_ids == [1, 16, 31, 46] and cfg.topk == 32 and cfg.max_len == 3072
+    # auto, resolved from the target's config.json in the check; a target that is not there leaves it to the
+    # pipeline, which refuses that target by name
+    assert cfg.layer_ids == "auto" and cfg.topk == 32 and cfg.max_len == 3072
     assert cfg.length_policy == "truncate" and cfg.min_loss_tokens == 32 and cfg.on_error == "skip"
     assert cfg.dtype == "bfloat16" and cfg.attn_implementation == "sdpa" and cfg.trust_remote_code is False
     assert cfg.split_configs() == {None: cfg}
@@ -91,6 +93,19 @@ def test_layer_ids_checked_against_the_model(saved_target):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_layer_ids([2], 4)
+
+
+def test_auto_layer_ids_resolve_from_the_target_s_depth_and_a_bad_tap_suggests_them(saved_target, tmp_path):
+    cfg = load_config(ExtractConfig, None, [f"target={saved_target}", "corpus=c.jsonl", "out_dir=o"])
+    assert read_text_config(saved_target).num_hidden_layers == 4 and cfg.layer_ids == [1, 2]  # 2 taps for 4 layers
+    assert dataset_keys(cfg)["layer_ids"] == [1, 2]  # what the manifest records and a resume compares
+    explicit = load_config(ExtractConfig, None, [f"target={saved_target}", "corpus=c.jsonl", "out_dir=o", "layer_ids=[3]"])
+    assert explicit.layer_ids == [3]
+    with pytest.raises(ConfigError, match=r'\[9\] out of range.* layer_ids = "auto" picks \[1, 2\] for it'):
+        check_layer_ids([1, 9], 4)
+    (tmp_path / "config.json").write_text('{"model_type": "odd"}')
+    with pytest.raises(ConfigError, match="'layer_ids': auto: .*config.json names no layer count"):
+        load_config(ExtractConfig, None, [f"target={tmp_path}", "corpus=c.jsonl", "out_dir=o"])
 
 
 def test_shipped_configs_parse():
