@@ -12,6 +12,8 @@
 #   make bench-gpu suite=NAME [key=value ...]    one GPU benchmark suite (benchmarks/suites: real, real-data, tiers-real,
 #                                                shape27b, s3): one bare H200, at most 9 min, wheels carried in WHEELS
 #   make bench-render [ARGS=--check]             docs/benchmarks.md's "Today" and the README's results table from benchmarks/results
+#   make drafter target=DIR prompts=FILE [heldout=FILE] [out=DIR] [server=URL] [scale=smoke] [STAGE.key=value ...]
+#                                                a checked, exported drafter for your own target (docs/own-target.md)
 # key=value words on the make command line are passed through to the stage's config loader.
 
 PYTHON ?= python3
@@ -25,7 +27,7 @@ export PYTHONUNBUFFERED := 1
 # torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup test lint format test-gpu demo extract regenerate train eval export specdecode report tiny smollm2 tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train bench-gpu bench-render reliability clean
+.PHONY: setup test lint format test-gpu demo drafter extract regenerate train eval export specdecode report tiny smollm2 tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train bench-gpu bench-render reliability clean
 
 setup: $(VENV)/.installed
 
@@ -55,6 +57,9 @@ test-gpu: setup
 
 demo: setup
 	$(PY) -m recipes.demo $(OVERRIDES)
+
+drafter: setup
+	$(PY) -m recipes.drafter $(OVERRIDES)
 
 tiny: setup
 	$(PY) -m recipes.tiny $(OVERRIDES)

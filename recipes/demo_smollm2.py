@@ -22,6 +22,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from recipes.drafter.plan import Heldout, Job, plan_stages
+from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, read_json, timings_line
+
 ROOT = "artifacts/smollm2"
 CONFIG = "configs/smollm2-135m.toml"
 REGEN = {
@@ -57,134 +60,84 @@ SCALES = {
 }
 
 
-def smollm2_stages(
-    scale: Scale, run: str, device: str, seed_overrides: list[str], steps: int | None, eval_anchors: int = 16
-) -> list[list[tuple[str, list[str]]]]:
-    """Every step as (name, argv), in stages run in order; the steps of one stage need only what earlier
-    stages wrote, so on a GPU they run side by side (the offline evaluations and the export: three
-    launch-bound small-model processes). `eval_anchors` anchors per held-out sequence offline: every
-    position of HumanEval's answers (23 K blocks) took about 140 s on the H200; 16 per answer (2.6 K blocks)
-    took 69 s with the model's load and the DDTree budgets (2026-12-02)."""
-    run_dir = os.path.join("runs", run)
-    export_dir = os.path.join(run_dir, "export")
-    shards = f"{ROOT}/shards"
-    out = [
-        (
-            "target + prompts",
-            [
-                "-m",
-                "recipes.smollm2",
-                f"train_prompts={scale.train_prompts}",
-                f"chat_heldout_prompts={scale.chat_heldout_prompts}",
-                f"humaneval_prompts={scale.humaneval_prompts}",
-            ],
-        )
+def smollm2_prepare(scale: Scale) -> tuple[str, list[str]]:
+    """The builder's step: fetch, check and convert the target; write the prompt sets at the scale's sizes."""
+    sizes = [
+        f"train_prompts={scale.train_prompts}",
+        f"chat_heldout_prompts={scale.chat_heldout_prompts}",
+        f"humaneval_prompts={scale.humaneval_prompts}",
     ]
-    for split, corpus in REGEN.items():
-        out.append(
-            (
-                f"regeneration ({split})",
-                [
-                    "-m",
-                    "extract.regenerate",
-                    CONFIG,
-                    f"corpus={corpus}",
-                    f"out={ROOT}/regen/{split}",
-                    f"max_new_tokens={scale.max_new_tokens}",
-                    f"batch_size={scale.regen_batch}",
-                    f"device={device}",
-                ],
-            )
-        )
-    extract = ["-m", "extract", CONFIG, f"device={device}"]
-    if device == "cpu":
-        extract.append("tokens_per_batch=2048")  # two cores: small batches pad less (16,384 padded 55% here)
-    out.append(("extraction", extract))
-    train = ["-m", "train", CONFIG, f"run_name={run}", f"optim.max_steps={steps or scale.steps}"]
-    train += [f"model.num_layers={scale.num_layers}", f"data.token_budget={scale.token_budget}"]
-    train += [f"loss.num_anchors={scale.num_anchors}", f"device={device}", *seed_overrides]
+    return "target + prompts", ["-m", "recipes.smollm2", *sizes]
+
+
+def smollm2_job(
+    scale: Scale, run: str, device: str, seed_overrides: list[str], steps: int | None, eval_anchors: int = 16
+) -> Job:
+    """The drafter command's plan (recipes.drafter.plan) for this target at `scale`: its three prompt
+    sets answered by the target, HumanEval decoded online. `eval_anchors` anchors per held-out sequence
+    offline: every position of HumanEval's answers (23 K blocks) took about 140 s on the H200; 16 per
+    answer (2.6 K blocks) took 69 s with the model's load and the DDTree budgets (2026-12-02)."""
+    run_dir = os.path.join("runs", run)
+    train = [f"optim.max_steps={steps or scale.steps}", f"model.num_layers={scale.num_layers}"]
+    train += [f"data.token_budget={scale.token_budget}", f"loss.num_anchors={scale.num_anchors}", *seed_overrides]
+    evaluation = [f"max_anchors={eval_anchors}"]
+    extract = []
     if device == "cuda":
         # Not compile=true: with this drafter's small steps, compiling for each length bucket's shapes took
         # most of 5 minutes on the H200 (132 of 1,000 steps done, 2026-12-02); SDPA runs the mask uncompiled.
         train.append("model.attention=sdpa")
-    out.append(("drafter training", train))
-    stages = [[step] for step in out]
-    after_training = []
-    for split in ("humaneval", "chat_heldout"):
-        after_training.append(
-            (
-                f"offline evaluation ({split})",
-                [
-                    "-m",
-                    "train.eval",
-                    run_dir,
-                    "--data",
-                    f"{shards}/{split}",
-                    "--out",
-                    f"{run_dir}/eval_{split}.json",
-                    f"max_anchors={eval_anchors}",
-                    # As in training: flex attention compiles for every block shape, which costs this small
-                    # drafter more than the dense-mask SDPA it replaces saves.
-                    *(["attention=sdpa"] if device == "cuda" else []),
-                ],
-            )
-        )
-    after_training.append(("export", ["-m", "train.export", run_dir, export_dir]))
-    stages.append(after_training)
-    stages.append(
-        [
-            (
-                "speculative decoding (HumanEval)",
-                [
-                    "-m",
-                    "train.specdecode",
-                    "--target",
-                    f"{ROOT}/target",
-                    "--drafter",
-                    export_dir,
-                    "--prompts",
-                    REGEN["humaneval"],
-                    "--num-prompts",
-                    str(scale.online_prompts),
-                    "--max-new-tokens",
-                    str(scale.max_new_tokens),
-                    "--agreement",
-                    "--agreement-bf16",
-                    "--peer-baselines",
-                    "--peer-prompts",
-                    str(scale.peer_prompts),
-                    # Not generate_static: it compiles again for every prompt shape (49 s of 16 prompts, 2026-12-02);
-                    # benchmarks.small_decode times it at one shape.
-                    "--peers",
-                    "generate,prompt_lookup",
-                    "--dtype",
-                    "float32",
-                    "--device",
-                    device,
-                    "--out",
-                    f"{run_dir}/specdecode_humaneval.json",
-                ],
-            )
-        ]
+        # As in training: flex attention compiles for every block shape, which costs this small drafter more
+        # than the dense-mask SDPA it replaces saves.
+        evaluation.append("attention=sdpa")
+    else:
+        extract.append("tokens_per_batch=2048")  # two cores: small batches pad less (16,384 padded 55% here)
+    spec = [f"num_prompts={scale.online_prompts}", f"max_new_tokens={scale.max_new_tokens}", "agreement=true"]
+    spec += ["agreement_bf16=true", "peer_baselines=true", f"peer_prompts={scale.peer_prompts}"]
+    # Not generate_static: it compiles again for every prompt shape (49 s of 16 prompts, 2026-12-02);
+    # benchmarks.small_decode times it at one shape.
+    spec.append("peers=generate,prompt_lookup")
+    regen = [f"max_new_tokens={scale.max_new_tokens}", f"batch_size={scale.regen_batch}", f"device={device}"]
+    return Job(
+        target=f"{ROOT}/target",
+        train_prompts=REGEN["train"],
+        heldout=(Heldout("chat_heldout", REGEN["chat_heldout"]), Heldout("humaneval", REGEN["humaneval"], "HumanEval")),
+        online="humaneval",
+        shards_dir=f"{ROOT}/shards",
+        runs_dir="runs",
+        run_name=run,
+        export_dir=os.path.join(run_dir, "export"),
+        regen_dir=f"{ROOT}/regen",
+        config=CONFIG,
+        # The target runs in float32 in every stage (configs/smollm2-135m.toml says why).
+        defaults={"train": [f"device={device}"], "specdecode": [f"device={device}", "dtype=float32"]},
+        overrides={
+            "regenerate": regen,
+            "extract": [f"device={device}", *extract],
+            "train": train,
+            "eval": evaluation,
+            "specdecode": spec,
+        },
     )
-    stages.append([("report", ["-m", "train.report", run_dir])])
-    return stages
+
+
+def smollm2_stages(
+    scale: Scale, run: str, device: str, seed_overrides: list[str], steps: int | None, eval_anchors: int = 16
+) -> list[list[tuple[str, list[str]]]]:
+    """Every step as (name, argv), in groups run in order: the builder, then the drafter plan, whose
+    offline evaluations and export need only the checkpoint (side by side on a GPU: three launch-bound
+    small-model processes)."""
+    groups = plan_stages(smollm2_job(scale, run, device, seed_overrides, steps, eval_anchors))
+    return [[smollm2_prepare(scale)]] + [[(s.name, s.argv) for s in group] for group in groups]
 
 
 def smollm2_summary(run_dir: str, timings: dict[str, float], machine: dict, scale: Scale) -> dict:
-    from recipes.demo import _pick_eval, _pick_spec, _read_json
-
-    build = _read_json(f"{ROOT}/build.json")
-    spec_all = _read_json(f"{run_dir}/specdecode_humaneval.json")
+    build = read_json(f"{ROOT}/build.json")
+    spec_all = read_json(f"{run_dir}/specdecode_humaneval.json")
     evals = {}
     for split in ("humaneval", "chat_heldout"):
-        ev = _read_json(f"{run_dir}/eval_{split}.json")
-        checkpoints = ev.get("checkpoints") or [{}]
-        evals[split] = {
-            "drafter": _pick_eval(checkpoints[0].get("overall", {})),
-            "baseline": _pick_eval((ev.get("baseline") or {}).get("overall", {})),
-        }
-    spec = _pick_spec(spec_all)
+        drafter, baseline = eval_pair(f"{run_dir}/eval_{split}.json")
+        evals[split] = {"drafter": drafter, "baseline": baseline}
+    spec = pick_spec(spec_all)
     summary = spec_all.get("summary", {})
     spec["speedup_wall"] = summary.get("speedup_wall")
     spec["spec_wall_s"] = (summary.get("spec") or {}).get("wall_s")
@@ -208,9 +161,7 @@ def smollm2_summary(run_dir: str, timings: dict[str, float], machine: dict, scal
 
 
 def smollm2_summary_text(summary: dict) -> str:
-    from recipes.demo import DTYPE_NAMES, _num, machine_line
-
-    timings = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in summary["timings_s"].items())
+    timings = timings_line(summary["timings_s"])
     scale, spec, prompts = summary["scale"], summary["specdecode"], summary["prompts"]
     lines = [
         "=" * 78,
@@ -230,18 +181,18 @@ def smollm2_summary_text(summary: dict) -> str:
     rows += [(f"tau, DDTree-{b}", f"ddtree_tau_{b}") for b in (8, 16, 32, 64) if f"ddtree_tau_{b}" in he["drafter"]]
     for label, key in rows:
         lines.append(
-            f"  {label:<22}{_num(he['drafter'].get(key)):>12}{_num(chat['drafter'].get(key)):>10}"
-            f"{_num(he['baseline'].get(key)):>38}"
+            f"  {label:<22}{num(he['drafter'].get(key)):>12}{num(chat['drafter'].get(key)):>10}"
+            f"{num(he['baseline'].get(key)):>38}"
         )
     lines += [
         "",
         f"online on HumanEval: {spec.get('prompts')} prompts, up to {spec.get('max_new_tokens')} tokens each, "
         f"{str(spec.get('device') or 'cpu').upper()} {DTYPE_NAMES.get(spec.get('dtype'), spec.get('dtype'))}, batch 1:",
-        f"  tau {_num(spec.get('tau'))} (offline tau at the same round starts, bf16 features: "
-        f"{_num(spec.get('offline_tau_at_rounds_bf16'))}); identical to target-only greedy decoding: "
+        f"  tau {num(spec.get('tau'))} (offline tau at the same round starts, bf16 features: "
+        f"{num(spec.get('offline_tau_at_rounds_bf16'))}); identical to target-only greedy decoding: "
         f"{spec.get('lossless')}",
         f"  {'wall-clock speed-up against target-only greedy decoding':<58}{'speed-up':>9}{'lossless':>10}",
-        f"  {'DFlash speculative decoding (this drafter)':<58}{_num(spec.get('speedup_wall'), '.2f') + 'x':>9}"
+        f"  {'DFlash speculative decoding (this drafter)':<58}{num(spec.get('speedup_wall'), '.2f') + 'x':>9}"
         f"{str(spec.get('lossless')):>10}",
     ]
     names = {
@@ -250,12 +201,12 @@ def smollm2_summary_text(summary: dict) -> str:
         "generate_static": "transformers generate, static cache",
     }
     for name, peer in summary.get("peers", {}).items():
-        speedup = _num(peer.get("speedup_wall"), ".2f") + "x"
+        speedup = num(peer.get("speedup_wall"), ".2f") + "x"
         lines.append(f"  {names.get(name, name):<58}{speedup:>9}{str(peer.get('lossless')):>10}")
     for m in spec.get("mismatches", []):
         lines.append(
             f"  prompt {m['prompt']} differs from token {m['first_mismatch']}: the target's top-1/top-2 logit margin "
-            f"there {_num(m.get('margin'), '.3g')} (a near-tie if tiny)"
+            f"there {num(m.get('margin'), '.3g')} (a near-tie if tiny)"
         )
     if scale["name"] != "full":
         lines.append(

@@ -23,6 +23,7 @@ ENTRY_POINTS = {
     "train.specdecode": "dtype = 'float32'  ('float32' | 'bfloat16' | 'float16')",
     "train.report": "usage: python -m train.report RUN_DIR [RUN_DIR ...] [key=value | --key value ...]",
     "recipes.demo": "run = 'demo'  (str)",
+    "recipes.drafter": "scale = 'full'  ('full' | 'smoke')",
     "recipes.compare_tiers": "budget = 32",
     "shards": "python -m shards transcode SRC DST encoding=ENC",
     "shards transcode": "zstd_level = 1  (int)  range [1, 22]",

@@ -99,7 +99,9 @@ def test_auto_layer_ids_resolve_from_the_target_s_depth_and_a_bad_tap_suggests_t
     cfg = load_config(ExtractConfig, None, [f"target={saved_target}", "corpus=c.jsonl", "out_dir=o"])
     assert read_text_config(saved_target).num_hidden_layers == 4 and cfg.layer_ids == [1, 2]  # 2 taps for 4 layers
     assert dataset_keys(cfg)["layer_ids"] == [1, 2]  # what the manifest records and a resume compares
-    explicit = load_config(ExtractConfig, None, [f"target={saved_target}", "corpus=c.jsonl", "out_dir=o", "layer_ids=[3]"])
+    explicit = load_config(
+        ExtractConfig, None, [f"target={saved_target}", "corpus=c.jsonl", "out_dir=o", "layer_ids=[3]"]
+    )
     assert explicit.layer_ids == [3]
     with pytest.raises(ConfigError, match=r'\[9\] out of range.* layer_ids = "auto" picks \[1, 2\] for it'):
         check_layer_ids([1, 9], 4)

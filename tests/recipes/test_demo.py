@@ -1,6 +1,8 @@
 """`make demo` (recipes.demo): the steps it runs, in order, and its closing summary read from their outputs.
 
-The demo's steps themselves are each tested elsewhere; a whole demo takes minutes (`make demo`)."""
+The demo's steps themselves are each tested elsewhere; a whole demo takes minutes (`make demo`). The
+steps run through recipes.drafter.runner (the drafter command's orchestration), whose child processes
+these tests replace (`subprocess.run`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,15 @@ import pytest
 import torch
 
 from recipes import demo
+from tests.paths import REPO
+from train.eval.__main__ import parse_args as parse_eval_args
+from train.serve.cli import parse_specdecode_args
+
+
+@pytest.fixture(autouse=True)
+def _configs(tmp_path):
+    """The demo runs from the repository root, where its stages' config files are; the tests run it in tmp_path."""
+    (tmp_path / "configs").symlink_to(REPO / "configs")
 
 
 def fake_tiny_build(root):
@@ -79,7 +90,7 @@ def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeyp
             fake_outputs(tmp_path)
         return subprocess.CompletedProcess(args, 0)
 
-    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", fake_run)
     assert demo.main([]) == 0
     modules = [c[1] for c in calls]
     assert modules == [
@@ -94,14 +105,16 @@ def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeyp
     train_args, eval_args, spec_args = calls[2], calls[3], calls[5]
     assert "run_name=demo" in train_args and "optim.max_steps=800" in train_args
     assert not [a for a in train_args if "seed" in a]  # seed 0: the config's own
-    assert eval_args[2] == "runs/demo" and eval_args[eval_args.index("--data") + 1] == "artifacts/tiny/shards/heldout"
-    assert spec_args[spec_args.index("--drafter") + 1] == "runs/demo/export" == calls[4][3]
-    assert spec_args[spec_args.index("--device") + 1] == ("cuda" if torch.cuda.is_available() else "cpu")
+    checkpoints, evaluation = parse_eval_args(eval_args[2:])
+    assert checkpoints == ["runs/demo"] and evaluation.data == "artifacts/tiny/shards/heldout"
+    assert evaluation.max_anchors == 16 and evaluation.out == "runs/demo/eval_heldout.json"
+    spec = parse_specdecode_args(spec_args[2:])
+    assert spec.drafter == "runs/demo/export" == calls[4][3] and spec.target == "artifacts/tiny/target"
+    assert spec.device == ("cuda" if torch.cuda.is_available() else "cpu") and spec.dtype == "float32"
+    assert spec.prompts == "artifacts/tiny/corpus/heldout_regen.jsonl" and spec.max_new_tokens == 96
     # every held-out prompt, each response ending where it loops, by the rule the tiny build cut its answers with
-    assert (
-        spec_args[spec_args.index("--num-prompts") + 1] == "0"
-        and spec_args[spec_args.index("--stop-repeat") + 1] == "16"
-    )
+    assert spec.num_prompts == 0 and spec.stop_repeat == 16 and spec.agreement and spec.agreement_bf16
+    assert calls[1][2] == "configs/tiny.toml" and calls[2][2] == "configs/tiny.toml"  # extraction and training
 
     out = capsys.readouterr().out
     rows = {
@@ -150,7 +163,7 @@ def test_steps_run_with_this_interpreter_few_threads_and_the_gpu_when_there_is_o
         def poll(self):
             return 0
 
-    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", fake_run)
     monkeypatch.setattr("common.processes.subprocess.Popen", FakePopen)
     assert demo.main([]) == 0
     assert together == (["train.eval", "train.eval", "train.export"] if cuda else [])
@@ -159,7 +172,7 @@ def test_steps_run_with_this_interpreter_few_threads_and_the_gpu_when_there_is_o
     )  # not a venv path: `python3 -m recipes.demo` works anywhere
     assert {env["OMP_NUM_THREADS"] for _, env in calls} == {"4"}  # 16 cores, small models: 4 threads
     spec = next(args for args, _ in calls if "train.specdecode" in args)
-    assert spec[spec.index("--device") + 1] == ("cuda" if cuda else "cpu")
+    assert parse_specdecode_args(spec[3:]).device == ("cuda" if cuda else "cpu")
     summary = json.loads((tmp_path / "runs/demo/demo_summary.json").read_text())
     assert summary["machine"]["device"] == ("cuda" if cuda else "cpu") and summary["machine"]["threads"] == 4
     assert summary["machine"]["gpu"] == ("Fake GPU" if cuda else None)
@@ -171,7 +184,7 @@ def test_a_set_omp_num_threads_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     envs = []
     monkeypatch.setattr(
-        demo.subprocess, "run", lambda args, env=None, **kw: (envs.append(env), subprocess.CompletedProcess(args, 1))[1]
+        subprocess, "run", lambda args, env=None, **kw: (envs.append(env), subprocess.CompletedProcess(args, 1))[1]
     )
     with pytest.raises(SystemExit):
         demo.main([])
@@ -181,7 +194,7 @@ def test_a_set_omp_num_threads_is_kept(tmp_path, monkeypatch):
 def test_a_failing_step_stops_the_demo_and_names_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(
-        demo.subprocess, "run", lambda args, **kw: subprocess.CompletedProcess(args, 3 if args[2] == "extract" else 0)
+        subprocess, "run", lambda args, **kw: subprocess.CompletedProcess(args, 3 if args[2] == "extract" else 0)
     )
     with pytest.raises(SystemExit, match="step 'extraction' failed \\(exit 3\\)"):
         demo.main([])
@@ -209,7 +222,7 @@ def test_another_seed_reaches_the_drafter_s_init_and_data_order(tmp_path, monkey
             fake_outputs(tmp_path, run="s2")
         return subprocess.CompletedProcess(args, 0)
 
-    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", fake_run)
     assert demo.main(["run=s2", "seed=2", "steps=5"]) == 0
     train_args = next(c for c in calls if c[1] == "train")
     assert {"run_name=s2", "optim.max_steps=5", "seed=2", "data.seed=2"} <= set(train_args)

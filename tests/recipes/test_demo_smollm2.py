@@ -23,6 +23,7 @@ def test_every_step_parses_with_its_stage_config(scale, device):
         "train": (TrainConfig, "train"),
     }
     from train.eval.__main__ import parse_args as parse_eval_args
+    from train.serve.cli import parse_specdecode_args
 
     planned = smollm2_stages(SCALES[scale], "demo", device, ["seed=1", "data.seed=1"], None, eval_anchors=7)
     steps = [step for stage in planned for step in stage]
@@ -48,7 +49,14 @@ def test_every_step_parses_with_its_stage_config(scale, device):
                 assert not cfg.compile
             if argv[1] == "extract.regenerate":
                 assert cfg.max_new_tokens == SCALES[scale].max_new_tokens and cfg.dtype == "float32"
-    assert seen == set(stages) | {"train.eval"}
+                assert cfg.device == device and cfg.batch_size == SCALES[scale].regen_batch
+        if argv[1] == "train.specdecode":
+            spec = parse_specdecode_args(argv[2:])
+            assert spec.dtype == "float32" and spec.device == device and spec.peer_baselines
+            assert spec.prompts.endswith("humaneval.jsonl") and spec.out == "runs/demo/specdecode_humaneval.json"
+            assert spec.peer_names == ["generate", "prompt_lookup"] and spec.num_prompts == SCALES[scale].online_prompts
+            seen.add(argv[1])
+    assert seen == set(stages) | {"train.eval", "train.specdecode"}
     assert [n for n, _ in steps][-1] == "report"
 
 
@@ -61,7 +69,7 @@ def test_summary_of_a_run_with_nothing_written_says_n_a(tmp_path):
 def test_each_step_says_its_time_as_it_ends(capsys):
     """A demo cut short keeps the times of the steps it finished: each step prints its own on ending,
     and a failing step still records and prints its time before the demo stops."""
-    from recipes.demo import step
+    from recipes.drafter.runner import step
 
     timings: dict[str, float] = {}
     step(timings, "first", ["-c", "pass"])
@@ -76,7 +84,7 @@ def test_each_step_says_its_time_as_it_ends(capsys):
 def test_steps_side_by_side_record_one_time_and_stop_on_a_failure(tmp_path, capsys):
     """A stage's steps run at once: the stage's wall time is recorded once (so the demo's total is still
     the sum of its timings), and a failing step stops the demo naming its log, after the others end."""
-    from recipes.demo import steps_together
+    from recipes.drafter.runner import steps_together
 
     slow = "import time; time.sleep(0.5); print('slow done')"
     timings: dict[str, float] = {"before": 1.0}

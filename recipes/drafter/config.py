@@ -1,0 +1,142 @@
+"""`DrafterConfig`: every knob of `python -m recipes.drafter` (`make drafter`), the `[drafter]` table
+of a config file. Torch-free, so that `--help` and a bad key answer at once.
+
+A word `STAGE.key=value` on the command line (STAGE one of `STAGES`) is that stage's own setting,
+e.g. `train.optim.max_steps=200` or `specdecode.max_new_tokens=64`; it lands in `overrides.STAGE`
+and wins over everything else. A config file given as the first argument is read twice: its
+`[drafter]` table here, and its stage tables (`[regenerate]`, `[extract]`, `[train]`, `[eval]`) by the
+stages themselves, as their base settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from common.config import ConfigError, fail, knob, parse_cli
+
+# Every stage of the command, in order; the names of their `overrides` and of their config tables.
+STAGES = ("regenerate", "extract", "train", "eval", "export", "specdecode", "report")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    target: str = knob(help="the target: a local Hugging Face model directory (config.json, weights, tokenizer)")
+    prompts: str = knob(
+        help='your prompts: a JSONL file of chat records {"messages": [...]} (or {"text": ...}); the target answers '
+        "them itself, and those answers are what the drafter learns"
+    )
+    heldout: str = knob(
+        "",
+        help="held-out prompts (same format) for evaluation and speculative decoding; empty = carved from `prompts` "
+        "(heldout_prompts of them, by a seeded hash of each record)",
+    )
+    heldout_prompts: int = knob(
+        0,
+        help="with no `heldout` file: how many prompts to hold out; 0 = auto (10% of them, at least 2, at most 64)",
+        min=0,
+    )
+    out: str = knob("", help="output directory; empty = drafters/<the target directory's name>")
+    server: str = knob(
+        "",
+        help="regenerate through a running OpenAI-compatible server (vLLM, SGLang, transformers serve) at this "
+        "base URL, e.g. http://127.0.0.1:8000/v1, instead of loading the target here",
+    )
+    scale: Literal["full", "smoke"] = knob(
+        "full",
+        help="full: the stages' own defaults (the published recipe); smoke: a few prompts, short answers and a few "
+        "training steps, to check that your target goes through every stage (minutes on a CPU)",
+    )
+    regenerate: bool = knob(
+        True,
+        help="let the target answer the prompts itself (greedy); false = the prompts' assistant turns are already "
+        "the target's own answers (extraction reads them as they are)",
+    )
+    device: Literal["auto", "cpu", "cuda"] = knob(
+        "auto", help="where every stage runs; auto = cuda when torch sees one"
+    )
+    dtype: str = knob(
+        "auto",
+        help="the target's compute dtype in every stage that runs it (regeneration, extraction, speculative "
+        "decoding); auto = float32 on a CPU, bfloat16 on a GPU that has it (else float16)",
+        choices=DTYPES,
+    )
+    attn_implementation: str = knob(
+        "auto",
+        help="the target's attention kernel in every stage that runs it; auto = sdpa where the target's "
+        "transformers class supports it, else eager",
+        choices=ATTENTIONS,
+    )
+    config: str = knob(
+        "",
+        help="a TOML file whose [regenerate], [extract], [train] and [eval] tables are the stages' base settings "
+        "(a config file given as the first argument is this one too)",
+    )
+    seed: int = knob(0, help="seed of the held-out carve, the drafter's init and its data order", min=0)
+    in_process: bool = knob(
+        False,
+        help="run every stage in this process instead of one process each (faster to start: tests, the architecture "
+        "matrix); a stage's crash then ends the command",
+    )
+    overrides: dict[str, list[str]] = knob(
+        factory=dict,
+        help="each stage's own key=value settings, {stage = [...]}; on the command line STAGE.key=value (stages: "
+        + ", ".join(STAGES)
+        + ")",
+    )
+
+    def check(self) -> None:
+        if not self.target:
+            fail("target", "name the target model directory (target=DIR)")
+        if not self.prompts:
+            fail("prompts", "name your prompts file (prompts=FILE: JSONL of chat records)")
+        for stage, words in self.overrides.items():
+            if stage not in STAGES:
+                fail(f"overrides.{stage}", f"no such stage; stages: {', '.join(STAGES)}")
+            for word in words:
+                if "=" not in word or word.startswith("="):
+                    fail(f"overrides.{stage}", f"{word!r} is not key=value")
+        if self.server and not self.server.startswith(("http://", "https://")):
+            fail("server", f"expected an http(s) base URL such as http://127.0.0.1:8000/v1, got {self.server!r}")
+        if self.config and not os.path.isfile(self.config):
+            fail("config", f"{self.config} is not a file")
+        if self.server and not self.regenerate:
+            fail("server", "set, but regenerate = false: nothing is generated")
+
+    @property
+    def out_dir(self) -> str:
+        """Where everything goes: `out`, or drafters/<the target directory's name>."""
+        return self.out or os.path.join("drafters", os.path.basename(os.path.normpath(self.target)))
+
+
+def parse_drafter_args(argv: Sequence[str]) -> DrafterConfig:
+    """The command line: [CONFIG.toml] key=value ... STAGE.key=value ...; ConfigError naming the key."""
+    words, per_stage = [], {}
+    for word in argv:
+        stage, dot, _ = word.partition(".")
+        if dot and stage in STAGES and "=" in word.partition(".")[2]:
+            per_stage.setdefault(stage, []).append(word.partition(".")[2])
+        else:
+            words.append(word)
+    first = words[0] if words else ""
+    config = first if first.endswith(".toml") and os.path.isfile(first) else ""
+    if config and not has_table(config, "drafter"):
+        words = words[1:]  # only stage tables: the stages read them, this command has none of its own
+    cfg = parse_cli(DrafterConfig, words, section="drafter")
+    merged = {stage: list(cfg.overrides.get(stage, [])) + per_stage.get(stage, []) for stage in STAGES}
+    cfg = dataclasses.replace(cfg, config=cfg.config or config, overrides={s: w for s, w in merged.items() if w})
+    cfg.check()
+    return cfg
+
+
+def has_table(path: str, name: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return isinstance(tomllib.load(f).get(name), dict)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {exc}") from None

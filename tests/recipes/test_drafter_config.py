@@ -1,0 +1,97 @@
+"""recipes.drafter's command line (stage settings by prefix, errors naming the key), the held-out carve
+(deterministic, leak-free, recorded) and the precedence of derived defaults, a config file's tables and the
+user's stage settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.config import ConfigError
+from recipes.drafter.__main__ import main
+from recipes.drafter.config import parse_drafter_args
+from recipes.drafter.defaults import derive, stage_defaults
+from recipes.drafter.plan import Heldout, Job, plan_stages
+from recipes.drafter.prompts import split_prompts
+from recipes.tiny.shipped import SHIPPED_DIR
+
+TARGET = str(SHIPPED_DIR / "target")
+
+
+def test_stage_settings_go_to_their_stage_and_bad_keys_are_named(tmp_path, capsys):
+    cfg = parse_drafter_args(["target=t", "prompts=p.jsonl", "train.optim.max_steps=5", "specdecode.device=cpu"])
+    assert cfg.overrides == {"train": ["optim.max_steps=5"], "specdecode": ["device=cpu"]}
+    assert cfg.out_dir == "drafters/t" and cfg.scale == "full" and cfg.regenerate
+    config = tmp_path / "mine.toml"
+    config.write_text('[drafter]\ntarget = "m"\nprompts = "p.jsonl"\noverrides = {train = ["seed=1"]}\n[train]\n')
+    from_file = parse_drafter_args([str(config), "train.optim.max_steps=5"])
+    assert from_file.config == str(config) and from_file.overrides == {"train": ["seed=1", "optim.max_steps=5"]}
+    with pytest.raises(ConfigError, match="unknown config key 'scal'"):
+        parse_drafter_args(["target=t", "prompts=p", "scal=smoke"])
+    with pytest.raises(ConfigError, match="'prompts'"):
+        parse_drafter_args(["target=t"])
+    with pytest.raises(ConfigError, match="'overrides.training': no such stage"):
+        parse_drafter_args(["target=t", "prompts=p", 'overrides={training = ["x=1"]}'])
+    with pytest.raises(ConfigError, match="'server'"):
+        parse_drafter_args(["target=t", "prompts=p", "server=localhost:8000"])
+    assert main(["target=t", "prompts=p", "scale=big"]) == 2
+    assert "'scale'" in capsys.readouterr().err
+    assert main(["target=/nonexistent", "prompts=p"]) == 2
+    assert "'target'" in capsys.readouterr().err
+
+
+def write_prompts(path, n, duplicate=False):
+    records = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(n)]
+    lines = [json.dumps(r) for r in records] + ([json.dumps(records[0])] * 3 if duplicate else [])
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_the_held_out_carve_is_deterministic_leak_free_and_recorded(tmp_path):
+    write_prompts(tmp_path / "p.jsonl", 100, duplicate=True)
+    first = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "a"), asked=0, seed=0, smoke=False)
+    again = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "b"), asked=0, seed=0, smoke=False)
+    train, held = (open(p).read().splitlines() for p in (first.train, first.heldout))
+    assert open(again.heldout).read().splitlines() == held and len(set(held)) == 10  # 10% of 100 distinct records
+    assert not set(train) & set(held) and len(train) + len(held) == 103  # copies of a record stay on one side
+    assert first.record["source"] == "carved" and first.record["seed"] == 0 and "10%" in first.reason
+    other = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "c"), asked=3, seed=1, smoke=False)
+    assert (
+        len(open(other.heldout).read().splitlines()) >= 3 and open(other.heldout).read() != open(first.heldout).read()
+    )
+    smoke = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "d"), asked=0, seed=0, smoke=True)
+    assert smoke.record["train_records"] == 32 and smoke.record["heldout_records"] == 4
+    write_prompts(tmp_path / "two.jsonl", 2)
+    with pytest.raises(ValueError, match="'prompts'.* holds 2 records; carving 2 held-out prompts"):
+        split_prompts(str(tmp_path / "two.jsonl"), "", str(tmp_path / "e"), asked=0, seed=0, smoke=False)
+
+
+def test_derived_defaults_yield_to_a_config_table_and_to_stage_settings(tmp_path):
+    config = tmp_path / "base.toml"
+    config.write_text('[train.model]\nnum_layers = 3\n[extract]\ndtype = "bfloat16"\n')
+    cfg = parse_drafter_args(
+        [str(config), f"target={TARGET}", "prompts=p.jsonl", "specdecode.dtype=bfloat16", "device=cpu"]
+    )
+    derived = {d.what: d for d in derive(cfg)}
+    assert derived["drafter layers"].value == 2 and derived["taps (layer_ids)"].value == [1, 2, 4, 5]
+    assert derived["drafter layers"].yours == (f"[train] model.num_layers in {config}",)
+    assert derived["dtype"].value == "float32" and len(derived["dtype"].yours) == 2  # the table's and the user's
+    job = Job(
+        target=TARGET,
+        train_prompts="t.jsonl",
+        heldout=(Heldout("heldout", "h.jsonl"),),
+        online="heldout",
+        shards_dir="s",
+        runs_dir="r",
+        run_name="run",
+        export_dir="e",
+        regen_dir="g",
+        config=str(config),
+        defaults=stage_defaults(cfg, list(derived.values())),
+        overrides=cfg.overrides,
+    )
+    args = {s.module: list(s.args) for group in plan_stages(job) for s in group}
+    assert args["train"][0] == str(config) and not [a for a in args["train"] if a.startswith("model.num_layers")]
+    assert "dtype=float32" not in args["extract"] and "dtype=float32" in args["extract.regenerate"]
+    assert args["train.specdecode"].index("dtype=bfloat16") > args["train.specdecode"].index("dtype=float32")
+    assert "train.optim.max_steps" not in " ".join(args["train"]) and "data.holdout_fraction=0.0" in args["train"]
