@@ -63,7 +63,8 @@ class DrafterConfig:
     dtype: str = knob(
         "auto",
         help="the target's compute dtype in every stage that runs it (regeneration, extraction, speculative "
-        "decoding); auto = float32 on a CPU, bfloat16 on a GPU that has it (else float16)",
+        "decoding); auto = float32 on a CPU and for a target of at most 2 GB of weights on a GPU, else bfloat16 "
+        "(float16 on a GPU without it)",
         choices=DTYPES,
     )
     attn_implementation: str = knob(

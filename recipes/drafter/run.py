@@ -126,6 +126,11 @@ def shard_facts(job: Job) -> dict:
     }
 
 
+def step_seconds(runner: Runner, name: str) -> float:
+    """A step's time; steps run side by side share their group's (recorded as 'a + b + c')."""
+    return round(next((t for key, t in runner.timings.items() if name in key.split(" + ")), 0.0), 1)
+
+
 def drafter_summary(job: Job, runner: Runner, derived: list[Derived], prompts: PromptSplit) -> dict:
     drafter, baseline = eval_pair(job.eval_out(job.online))
     spec_all = read_json(job.spec_out)
@@ -136,8 +141,7 @@ def drafter_summary(job: Job, runner: Runner, derived: list[Derived], prompts: P
         "target": job.target,
         "out": os.path.dirname(job.run_dir),
         "steps": {
-            name: {"status": status, "seconds": round(runner.timings.get(name, 0.0), 1)}
-            for name, status in runner.status.items()
+            name: {"status": status, "seconds": step_seconds(runner, name)} for name, status in runner.status.items()
         },
         "total_s": round(sum(runner.timings.values()), 1),
         "defaults": [derived_record(d) for d in derived],
@@ -165,11 +169,15 @@ def summary_text(summary: dict) -> str:
     skipped = [n for n, s in steps.items() if s["status"] == "skipped"]
     ev, base, spec, mask = summary["eval"], summary["eval_baseline"], summary["specdecode"], summary["mask_token"]
     paths = summary["paths"]
+    done = (
+        f"done in {summary['total_s'] / 60:.1f} min: {len(ran)} of {len(steps)} steps ran ({timings_line(ran)})"
+        if ran
+        else "nothing to do"
+    )
     lines = [
         "=" * 78,
-        f"drafter for {summary['target']} done in {summary['total_s'] / 60:.1f} min: {len(ran)} steps ran"
-        + (f" ({timings_line(ran)})" if ran else "")
-        + (f", {len(skipped)} skipped (done before, same settings)" if skipped else ""),
+        f"drafter for {summary['target']} {done}"
+        + (f"; {len(skipped)} skipped (done before with the same settings)" if skipped else ""),
         f"taps {summary['taps']}, mask token {mask.get('token')!r} (id {mask.get('id')}, {mask.get('source')}), "
         f"drafter of {summary['drafter_layers']} layers",
         f"offline on the held-out prompts ({ev.get('n_blocks', 0)} blocks): τ {num(ev.get('tau'))} (chain of 15), "

@@ -11,7 +11,7 @@ import pytest
 from common.config import ConfigError
 from recipes.drafter.__main__ import main
 from recipes.drafter.config import parse_drafter_args
-from recipes.drafter.defaults import derive, stage_defaults
+from recipes.drafter.defaults import derive, resolve_attention, resolve_dtype, stage_defaults
 from recipes.drafter.plan import Heldout, Job, plan_stages
 from recipes.drafter.prompts import split_prompts
 from recipes.tiny.shipped import SHIPPED_DIR
@@ -95,3 +95,23 @@ def test_derived_defaults_yield_to_a_config_table_and_to_stage_settings(tmp_path
     assert "dtype=float32" not in args["extract"] and "dtype=float32" in args["extract.regenerate"]
     assert args["train.specdecode"].index("dtype=bfloat16") > args["train.specdecode"].index("dtype=float32")
     assert "train.optim.max_steps" not in " ".join(args["train"]) and "data.holdout_fraction=0.0" in args["train"]
+
+
+def test_dtype_and_attention_follow_the_device_and_the_target(tmp_path, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", "cpu", TARGET)[0] == "float32"
+    assert resolve_dtype("auto", "cuda", TARGET)[0] == "float32"  # 5 MB of weights: launch-bound
+    big = tmp_path / "big"
+    big.mkdir()
+    with open(big / "model.safetensors", "wb") as f:
+        f.truncate(3 * 10**9)  # sparse: a 3 GB file that takes no disk
+    assert resolve_dtype("auto", "cuda", str(big))[0] == "bfloat16"
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", "cuda", str(big))[0] == "float16"
+    assert resolve_dtype("float32", "cuda", str(big)) == ("float32", "your setting")
+    assert resolve_attention("auto", TARGET)[0] == "sdpa"
+    gemma2 = tmp_path / "gemma2"
+    gemma2.mkdir()
+    (gemma2 / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    attention, reason = resolve_attention("auto", str(gemma2))
+    assert attention == "eager" and "Gemma2ForCausalLM does not support SDPA" in reason
