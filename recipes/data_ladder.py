@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-from recipes.demo import _num
+from recipes.drafter.results import num
 
 
 def train_share(config: str, run: str, samples: int, steps: int | None, overrides: list[str]) -> None:
@@ -103,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     header = f"\n{'share':>6} {'samples':>8} {'steps':>6} {'epochs':>7} {'tokens seen':>12} "
     print(header + " ".join(f"{'tau ' + n:>22}" for n in names))
     for row in rows:
-        taus = " ".join(f"{_num((row[n] or {}).get('tau')):>22}" for n in names)
+        taus = " ".join(f"{num((row[n] or {}).get('tau')):>22}" for n in names)
         print(
-            f"{row['fraction']:>6g} {row['samples']:>8} {_num(row.get('total_steps'), 'd'):>6} "
-            f"{_num(row.get('epochs'), '.2f'):>7} {_num(row.get('tokens_seen'), ',d'):>12} {taus}"
+            f"{row['fraction']:>6g} {row['samples']:>8} {num(row.get('total_steps'), 'd'):>6} "
+            f"{num(row.get('epochs'), '.2f'):>7} {num(row.get('tokens_seen'), ',d'):>12} {taus}"
         )
     return 0
 

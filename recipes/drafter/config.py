@@ -16,12 +16,11 @@ import tomllib
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from common.config import ConfigError, fail, knob, parse_cli
+from common.config import ATTN_IMPLEMENTATIONS, ConfigError, fail, knob, parse_cli
 
 # Every stage of the command, in order; the names of their `overrides` and of their config tables.
 STAGES = ("regenerate", "extract", "train", "eval", "export", "specdecode", "report")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class DrafterConfig:
         help="with no `heldout` file: how many prompts to hold out; 0 = auto (10% of them, at least 2, at most 64)",
         min=0,
     )
-    out: str = knob("", help="output directory; empty = drafters/<the target directory's name>")
+    out: str = knob("", help="output directory; empty = runs/drafter-<the target directory's name>")
     server: str = knob(
         "",
         help="regenerate through a running OpenAI-compatible server (vLLM, SGLang, transformers serve) at this "
@@ -71,7 +70,12 @@ class DrafterConfig:
         "auto",
         help="the target's attention kernel in every stage that runs it; auto = sdpa where the target's "
         "transformers class supports it, else eager",
-        choices=ATTENTIONS,
+        choices=ATTN_IMPLEMENTATIONS,
+    )
+    chat_template: str = knob(
+        "",
+        help="a Jinja chat template file for a target without one (a base model), used wherever the target's "
+        "chat is rendered (regeneration, extraction, speculative decoding); empty = the tokenizer's own",
     )
     config: str = knob(
         "",
@@ -111,8 +115,8 @@ class DrafterConfig:
 
     @property
     def out_dir(self) -> str:
-        """Where everything goes: `out`, or drafters/<the target directory's name>."""
-        return self.out or os.path.join("drafters", os.path.basename(os.path.normpath(self.target)))
+        """Where everything goes: `out`, or runs/drafter-<the target directory's name>."""
+        return self.out or os.path.join("runs", "drafter-" + os.path.basename(os.path.normpath(self.target)))
 
 
 def parse_drafter_args(argv: Sequence[str]) -> DrafterConfig:

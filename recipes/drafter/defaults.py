@@ -30,10 +30,8 @@ from common.target_rules import auto_layer_ids, config_depth, drafter_layers
 from recipes.drafter.config import DrafterConfig
 from recipes.drafter.plan import config_keys, setting_key
 
-# The stages that run the target's forward, and so take its dtype and attention kernel.
-# TODO(specdecode): add "specdecode" to TARGET_ATTENTION_STAGES once its command takes attn_implementation.
-TARGET_DTYPE_STAGES = ("regenerate", "extract", "specdecode")
-TARGET_ATTENTION_STAGES = ("regenerate", "extract")
+# The stages that run the target's forward, and so take its dtype, attention kernel and chat template.
+TARGET_STAGES = ("regenerate", "extract", "specdecode")
 DEVICE_STAGES = ("regenerate", "extract", "train", "eval", "specdecode")
 # On a GPU, a target whose weights take at most this much (about 1 B parameters in bf16) runs in float32
 # (configs/smollm2-135m.toml: a 135 M target in float32 on an H200 cost little; bf16 verify passes differ
@@ -138,8 +136,8 @@ def derive(cfg: DrafterConfig) -> list[Derived]:
     layers, layers_why = drafter_layers(depth)
     items = [
         ("device", device, device_why, DEVICE_STAGES, "device"),
-        ("dtype", dtype, dtype_why, TARGET_DTYPE_STAGES, "dtype"),
-        ("attn_implementation", attention, attention_why, TARGET_ATTENTION_STAGES, "attn_implementation"),
+        ("dtype", dtype, dtype_why, TARGET_STAGES, "dtype"),
+        ("attn_implementation", attention, attention_why, TARGET_STAGES, "attn_implementation"),
         ("taps (layer_ids)", taps, taps_why, ("extract",), ""),  # extraction's own default: layer_ids = "auto"
         ("drafter layers", layers, layers_why, ("train",), "model.num_layers"),
     ]
@@ -154,8 +152,11 @@ def derive(cfg: DrafterConfig) -> list[Derived]:
 
 
 def stage_defaults(cfg: DrafterConfig, derived: list[Derived]) -> dict[str, list[str]]:
-    """{stage: key=value}: the scale's settings, then the derived defaults."""
+    """{stage: key=value}: the scale's settings, your chat template, then the derived defaults."""
     out = {stage: list(words) for stage, words in SCALE_DEFAULTS[cfg.scale].items()}
+    if cfg.chat_template:
+        for stage in TARGET_STAGES:
+            out.setdefault(stage, []).append(f"chat_template={cfg.chat_template}")
     for item in derived:
         for word in item.settings:
             stage, _, setting = word.partition(".")

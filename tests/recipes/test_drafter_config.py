@@ -22,7 +22,7 @@ TARGET = str(SHIPPED_DIR / "target")
 def test_stage_settings_go_to_their_stage_and_bad_keys_are_named(tmp_path, capsys):
     cfg = parse_drafter_args(["target=t", "prompts=p.jsonl", "train.optim.max_steps=5", "specdecode.device=cpu"])
     assert cfg.overrides == {"train": ["optim.max_steps=5"], "specdecode": ["device=cpu"]}
-    assert cfg.out_dir == "drafters/t" and cfg.scale == "full" and cfg.regenerate
+    assert cfg.out_dir == "runs/drafter-t" and cfg.scale == "full" and cfg.regenerate
     config = tmp_path / "mine.toml"
     config.write_text('[drafter]\ntarget = "m"\nprompts = "p.jsonl"\noverrides = {train = ["seed=1"]}\n[train]\n')
     from_file = parse_drafter_args([str(config), "train.optim.max_steps=5"])
