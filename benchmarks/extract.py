@@ -248,7 +248,7 @@ def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype, attn
 def kernel_report(model=None) -> dict:
     from transformers.utils import import_utils
 
-    from common.packing import fla_convolution_installed
+    from common.kernel_routing import fla_convolution_installed
 
     fla_spec = importlib.util.find_spec("fla")
     check = getattr(import_utils, "is_flash_linear_attention_available", None)
@@ -496,7 +496,7 @@ def main(argv=None) -> int:
             print(f"benchmarks.extract: --packing {str(refusal).removeprefix('packing: ')}", file=sys.stderr)
             return 2
     if args.reference_conv:
-        from common.packing import restore_reference_convolution
+        from common.kernel_routing import restore_reference_convolution
 
         print(f"reference convolution restored: {restore_reference_convolution(target.model)}", file=sys.stderr)
     sync(device)

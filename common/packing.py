@@ -6,13 +6,8 @@ mask for sdpa, eager and flex attention; the flash-attention path reads them too
 / `cu_seq_lens_k` (the Gated DeltaNet layers pass them to fla as `cu_seqlens`). The torch fallbacks
 of the Gated DeltaNet's convolution and delta rule accept those arguments and drop them, so a
 sample would silently read its neighbour's state: `packing_refusal` says why a target cannot be
-packed (None when it can), and the routed kernels raise instead of dropping boundaries.
-
-The convolution: transformers' `causal_conv1d_fn` falls back to its reference PyTorch code when the
-`causal-conv1d` package is missing (no wheel for these hosts), although fla, which the Gated DeltaNet
-already uses, has a Triton one that takes `cu_seqlens`. `install_fla_convolution` rebinds that one
-module function (nothing else of the model code) so CUDA tensors go to fla's kernel and every other
-tensor to the reference, as `common.target.route_kernels_by_device` does for the delta rule.
+packed (None when it can), and the kernels `common.kernel_routing` routes (fla's delta rule and
+convolution) raise instead of dropping boundaries.
 
 Checking the structure is not enough: some transformers decoders never hand the position ids to
 their mask builder (Qwen2-VL's text model expands them to three rows; gpt-oss leaves them out; ALiBi
@@ -23,22 +18,12 @@ in the one before it: where the samples are kept apart that last sample's output
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
-import logging
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-from common.target import _external_kernel, _unwrap_func_module, external_kernels, transformers_modules
+from common.kernel_routing import external_kernels, fla_convolution_installed
 
-log = logging.getLogger(__name__)
-
-CONV_NAME = "causal_conv1d_fn"
-# transformers' reference convolution: hidden_states [B, D, T], weight [D, W] (qwen3_5, 5.17 to 5.25).
-CONV_PARAMS = ("hidden_states", "weight", "bias", "activation")
 ATTENTION_KINDS = {"full_attention", "sliding_attention", "linear_attention"}
 PACKABLE_ATTENTION = (
     "sdpa",
@@ -48,103 +33,6 @@ PACKABLE_ATTENTION = (
     "flash_attention_2",
     "flash_attention_3",
 )
-
-
-def fla_causal_conv1d() -> Callable | None:
-    """fla's Triton `causal_conv1d` (x [B, T, D], weight [D, W], ... -> (y, final_state)), or None."""
-    for name in ("fla.modules.causal_conv1d", "fla.modules.convolution"):  # fla-core 0.6 / earlier releases
-        try:
-            fn = getattr(importlib.import_module(name), "causal_conv1d", None)
-        except Exception:  # noqa: BLE001 - fla missing, or its Triton import failing on this host
-            continue
-        if callable(fn):
-            return fn
-    return None
-
-
-def _kernel_takes(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cuda" and tensor.dtype != torch.float64
-
-
-def packed_boundaries(kwargs: dict) -> torch.Tensor | None:
-    """The cumulative sample lengths a packed forward passes down (None: not packed)."""
-    for key in ("cu_seq_lens_q", "cu_seqlens"):
-        if kwargs.get(key) is not None:
-            return kwargs[key]
-    return None
-
-
-FLA_ACTIVATIONS = (None, "silu", "swish")  # fla's kernel applies no other activation
-
-
-def conv_via_fla(reference: Callable, kernel: Callable) -> Callable:
-    """`reference` (transformers' causal_conv1d_fn) with CUDA tensors sent to fla's `kernel`, packed
-    boundaries included; other tensors go to `reference`, which refuses packed input."""
-
-    @functools.wraps(reference)
-    def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
-        cu_seqlens = packed_boundaries(kwargs)
-        if _kernel_takes(hidden_states) and activation in FLA_ACTIVATIONS:
-            x_BTD = hidden_states.transpose(1, 2).contiguous()
-            y_BTD, _ = kernel(x_BTD, weight, bias, activation=activation, cu_seqlens=cu_seqlens)
-            return y_BTD.transpose(1, 2)
-        if cu_seqlens is not None or kwargs.get("seq_idx") is not None:
-            raise ValueError(
-                f"{CONV_NAME}: packed sequences need fla's CUDA kernel; the torch implementation cannot keep them apart"
-            )
-        return reference(hidden_states, weight, bias, activation=activation)
-
-    conv._dflash_fla_conv = True
-    conv._dflash_reference = reference
-    return conv
-
-
-def _reference_conv(fn) -> Callable | None:
-    """The reference convolution behind transformers' `causal_conv1d_fn` when no external package is
-    bound to it (with `causal-conv1d` installed, transformers' own choice stays)."""
-    if not callable(fn) or getattr(fn, "_dflash_fla_conv", False):
-        return None
-    unwrapped = _unwrap_func_module(fn)
-    if _external_kernel(unwrapped) is not None:
-        return None
-    inner = getattr(unwrapped, "__wrapped__", unwrapped)
-    try:
-        params = tuple(inspect.signature(inner).parameters)
-    except (TypeError, ValueError):
-        return None
-    return fn if params[: len(CONV_PARAMS)] == CONV_PARAMS else None
-
-
-def install_fla_convolution(model: nn.Module, kernel: Callable | None = None) -> list[str]:
-    """Rebind the model's transformers `causal_conv1d_fn` to `conv_via_fla` where fla is importable
-    (or `kernel` is given) and no external convolution is bound; the module functions rebound now."""
-    kernel = kernel or fla_causal_conv1d()
-    if kernel is None:
-        return []
-    done = []
-    for module in transformers_modules(model):
-        reference = _reference_conv(getattr(module, CONV_NAME, None))
-        if reference is not None:
-            setattr(module, CONV_NAME, conv_via_fla(reference, kernel))
-            done.append(f"{module.__name__}.{CONV_NAME}")
-    if done:
-        log.info("fla's Triton causal_conv1d for CUDA tensors (reference convolution otherwise): %s", ", ".join(done))
-    return done
-
-
-def restore_reference_convolution(model: nn.Module) -> list[str]:
-    """Undo `install_fla_convolution` (a benchmark's baseline): the module functions restored."""
-    done = []
-    for module in transformers_modules(model):
-        fn = getattr(module, CONV_NAME, None)
-        if getattr(fn, "_dflash_fla_conv", False):
-            setattr(module, CONV_NAME, fn._dflash_reference)
-            done.append(f"{module.__name__}.{CONV_NAME}")
-    return done
-
-
-def fla_convolution_installed(model: nn.Module) -> bool:
-    return any(getattr(getattr(m, CONV_NAME, None), "_dflash_fla_conv", False) for m in transformers_modules(model))
 
 
 def packed_arguments(lengths, device) -> dict:

@@ -11,12 +11,9 @@ with `get_decoder()`.
 Taps: a forward hook on decoder layer `i` receives that layer's output, which is HF
 `output_hidden_states[i + 1]` (index 0 is the embeddings).
 
-Kernels: transformers binds functions such as the Gated DeltaNet's `chunk_gated_delta_rule` to the
-`fla` Triton kernels when `fla` is importable, whatever device the model later runs on; a CPU model
-on a host with `fla` installed then fails inside Triton. `route_kernels_by_device` (applied by
-`reach_text_parts`) sends CPU and float64 tensors to transformers' own torch implementation and
-keeps the fast kernels for CUDA tensors; `common.packing.install_fla_convolution` does the same for
-fla's convolution, which transformers does not try.
+Kernels: `reach_text_parts` routes the external kernels transformers binds (fla's delta rule) and
+fla's convolution to CUDA tensors only (`common.kernel_routing`), so a CPU model on a host with `fla`
+installed runs transformers' torch implementation.
 
 `read_text_config` + `check_layer_ids` run before any weights are loaded, so a bad tap list fails in
 a second, not after minutes of loading.
@@ -25,11 +22,7 @@ a second, not after minutes of loading.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-import logging
 import os
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -39,13 +32,12 @@ from torch import nn
 from common.config import fail
 from common.hashing import json_digest
 from common.hf_target import read_config
+from common.kernel_routing import install_fla_convolution, route_kernels_by_device
 from common.target_arch import FINAL_NORMS, find_attr, find_layers
 from common.target_identity import head_digest, weights_digest
 from common.target_rules import auto_layer_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -179,121 +171,10 @@ def reach_text_parts(model: nn.Module, tokenizer=None, path: str = "") -> Target
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     route_kernels_by_device(model)
-    from common.packing import install_fla_convolution
-
     install_fla_convolution(model)
     return Target(
         model, decoder, layers, final_norm, lm_head, text_config, tokenizer, path, final_logits_fn(text_config)
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# External kernels (fla, causal-conv1d) only for the tensors they take
-
-
-def _external_kernel(fn) -> tuple[Callable, Callable] | None:
-    """(kernel, torch implementation) if `fn` is a transformers function bound to an external
-    package's kernel (`use_kernel_func_from_hub_with_fallback` in transformers 5.17 to 5.24), else None."""
-    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
-    if code is None or not closure or not hasattr(fn, "__wrapped__"):
-        return None
-    cells = {}
-    for name, cell in zip(code.co_freevars, closure):
-        try:
-            cells[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-    kernel, reference = cells.get("implementation"), cells.get("torch_function", fn.__wrapped__)
-    if cells.get("is_new_implementation") is not True or not callable(kernel) or not callable(reference):
-        return None
-    return kernel, reference
-
-
-def _unwrap_func_module(fn):
-    """With the `kernels` package installed (a dependency of transformers 5.25), transformers wraps
-    such functions in a module whose forward calls the function it was made from: that function."""
-    forward = getattr(type(fn), "forward", None)
-    if isinstance(fn, nn.Module) and getattr(forward, "__closure__", None):
-        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__))
-        if "func" in cells and callable(cells["func"].cell_contents):
-            return cells["func"].cell_contents
-    return fn
-
-
-def _kernel_takes(tensor: torch.Tensor) -> bool:
-    """Whether the external Triton/CUDA kernels take this tensor: CUDA, 16- or 32-bit floats."""
-    return tensor.device.type == "cuda" and tensor.dtype != torch.float64
-
-
-def _routed(fn: Callable, reference: Callable) -> Callable:
-    params = inspect.signature(reference).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-    @functools.wraps(fn)
-    def routed(*args, **kwargs):
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if first is None or _kernel_takes(first):
-            return fn(*args, **kwargs)
-        if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
-            raise ValueError(
-                f"{fn.__name__}: packed sequences need the CUDA kernel; the torch implementation cannot keep them apart"
-            )
-        if not takes_any:
-            kwargs = {k: v for k, v in kwargs.items() if k in params}
-        return reference(*args, **kwargs)
-
-    routed._dflash_routed = True
-    return routed
-
-
-def transformers_modules(model: nn.Module):
-    """The transformers modules the model's layers come from (imported), in name order."""
-    for module_name in sorted({type(m).__module__ for m in model.modules()}):
-        module = sys.modules.get(module_name)
-        if module is not None and module_name.startswith("transformers."):
-            yield module
-
-
-def _module_functions(model: nn.Module):
-    """(module, name, function) of the transformers modules the model's layers come from."""
-    for module in transformers_modules(model):
-        for name, fn in list(vars(module).items()):
-            yield module, name, fn
-
-
-def external_kernels(model: nn.Module) -> dict[str, str]:
-    """{module.function: the external kernel it is bound to} for the model's transformers modules
-    (e.g. fla's `chunk_gated_delta_rule`), routed or not; empty when transformers uses no such kernel."""
-    found = {}
-    for module, name, fn in _module_functions(model):
-        fn = _unwrap_func_module(fn)
-        bound = _external_kernel(getattr(fn, "__wrapped__", None) if getattr(fn, "_dflash_routed", False) else fn)
-        if bound is not None:
-            kernel = bound[0]
-            found[f"{module.__name__}.{name}"] = (
-                f"{getattr(kernel, '__module__', '?')}.{getattr(kernel, '__qualname__', kernel)}"
-            )
-    return found
-
-
-def route_kernels_by_device(model: nn.Module) -> list[str]:
-    """Make the model's transformers modules call external kernels only for CUDA tensors.
-
-    transformers picks e.g. fla's `chunk_gated_delta_rule` when its modeling module is imported, for
-    every later call: CPU tensors then reach Triton ("Pointer argument ... cannot be accessed from
-    Triton (cpu tensor?)"). Each such module function is replaced, once, by one that passes CPU and
-    float64 tensors to transformers' own torch implementation (the one used without fla) and CUDA
-    tensors to the kernel. Returns the functions routed now (empty when there are none or when done before).
-    """
-    done = []
-    for module, name, fn in _module_functions(model):
-        found = None if getattr(fn, "_dflash_routed", False) else _external_kernel(fn)
-        if found is not None:
-            setattr(module, name, _routed(fn, found[1]))
-            done.append(f"{module.__name__}.{name}")
-    if done:
-        log.info("external kernels used for CUDA tensors only (torch implementation otherwise): %s", ", ".join(done))
-    return done
 
 
 def final_logits_fn(text_config) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -23,7 +23,7 @@ import textwrap
 
 import torch
 
-from common import target as target_module
+from common import kernel_routing
 from common.target import reach_text_parts
 from extract.capture import capture
 from tests.extract.conftest import build_model, qwen35_text_config
@@ -53,7 +53,8 @@ import torch
 
 torch.set_num_threads(1)
 import fla
-from common.target import external_kernels, reach_text_parts, route_kernels_by_device
+from common.kernel_routing import external_kernels, route_kernels_by_device
+from common.target import reach_text_parts
 from extract.capture import capture
 from tests.extract.conftest import build_model, qwen35_text_config
 
@@ -132,11 +133,11 @@ def test_routing_sends_cuda_tensors_to_the_kernel_and_the_rest_to_torch(monkeypa
         calls.append("torch")
         return q + k
 
-    routed = target_module._routed(kernel, reference)
+    routed = kernel_routing._routed(kernel, reference)
     x = torch.ones(2)
     assert torch.equal(routed(x, x, cu_seqlens=None), 2 * x) and calls == ["torch"]
-    monkeypatch.setattr(target_module, "_kernel_takes", lambda tensor: True)  # as a CUDA tensor
+    monkeypatch.setattr(kernel_routing, "_kernel_takes", lambda tensor: True)  # as a CUDA tensor
     assert torch.equal(routed(x, x), x) and calls == ["torch", "kernel"]
     monkeypatch.undo()
-    assert not target_module._kernel_takes(torch.ones(1, dtype=torch.float64))
-    assert target_module._external_kernel(routed) is None and routed._dflash_routed  # never wrapped twice
+    assert not kernel_routing._kernel_takes(torch.ones(1, dtype=torch.float64))
+    assert kernel_routing._external_kernel(routed) is None and routed._dflash_routed  # never wrapped twice

@@ -13,14 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.packing import (
-    conv_via_fla,
-    install_fla_convolution,
-    packed_arguments,
-    packing_probe,
-    packing_refusal,
-    restore_reference_convolution,
-)
+from common import kernel_routing
+from common.kernel_routing import conv_via_fla, install_fla_convolution, restore_reference_convolution
+from common.packing import packed_arguments, packing_probe, packing_refusal
 from common.target import reach_text_parts
 from extract.batching import HostBatch, collate_packed, plan_packed_micro_batches
 from extract.capture import Capturer, capture, sample_views
@@ -113,10 +108,8 @@ def stand_in_fla_conv(calls):
 def test_rebound_convolution_passes_layout_and_boundaries_to_the_kernel(monkeypatch, qwen35_model):
     """Through the rebound module function a packed row's convolution restarts at every boundary, in
     fla's layout, and an unpacked call equals transformers' reference convolution."""
-    import common.packing as packing
-
     calls: list = []
-    monkeypatch.setattr(packing, "_kernel_takes", lambda tensor: True)  # the CPU stands in for CUDA here
+    monkeypatch.setattr(kernel_routing, "_kernel_takes", lambda tensor: True)  # the CPU stands in for CUDA here
     module = __import__(type(qwen35_model.model.layers[0].linear_attn).__module__, fromlist=["x"])
     original = module.causal_conv1d_fn
     monkeypatch.setattr(module, "causal_conv1d_fn", original)  # restored after the test
