@@ -241,7 +241,8 @@ def _agreed_kernels(cfg: TrainConfig, drafter_cfg: DrafterConfig, dist: Dist) ->
 
 @dataclasses.dataclass
 class Run(OnKernels):
-    """Everything the loop needs, built by `prepare` (and restored from a checkpoint when resuming)."""
+    """Everything the loop needs (a step reads it as a `train.step.StepRun`), built by `prepare` (and
+    restored from a checkpoint when resuming)."""
 
     cfg: TrainConfig
     run_dir: Path

@@ -16,28 +16,60 @@ the same on every rank, so the ranks stay in step and identical. `StepResult` ho
 values reduced over ranks.
 
 `step_functions` builds what the step calls: the drafter (in DDP, compiled or not) and the loss
-chunk; `train.prepare.Run` holds them.
+chunk. A step reads its run through `StepRun` (what `train.prepare.Run` holds), so this module does
+not import the one that sets a run up.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from common.schedule import warmup_cosine
 from train.blocks import Blocks, anchor_candidates, anchors_per_row, make_blocks, step_generator
+from train.config import TrainConfig
 from train.data import Batch, Share
 from train.distributed import Dist
+from train.kernels import KernelPlan
 from train.loss import LossOutput, block_loss, chunk_loss_and_grad
+from train.model import DrafterConfig, TargetHead
 
-if TYPE_CHECKING:
-    from train.prepare import Run
+__all__ = [
+    "lr_at",
+    "train_step",
+    "step_functions",
+    "compile_step_functions",
+    "make_part_blocks",
+    "StepResult",
+    "StepRun",
+]
 
-__all__ = ["lr_at", "train_step", "step_functions", "compile_step_functions", "make_part_blocks", "StepResult"]
+
+class StepRun(Protocol):
+    """What a step reads from its run and updates (`train.prepare.Run` is one)."""
+
+    cfg: TrainConfig
+    drafter_cfg: DrafterConfig
+    drafter: torch.nn.Module
+    forward: torch.nn.Module  # the drafter, in DDP and/or compiled (`step_functions`)
+    chunk_fn: object  # the loss chunk, compiled or not (`step_functions`)
+    head: TargetHead
+    optimizer: torch.optim.Optimizer
+    kernels: KernelPlan
+    dist: Dist
+    total_steps: int
+    warmup_steps: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def placeholder(self) -> tuple[Batch, Blocks]:
+        """A part that adds exactly zero gradient (DDP needs every rank's backward)."""
+        ...
 
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, peak: float) -> float:
@@ -95,7 +127,7 @@ def step_functions(drafter: torch.nn.Module, dist: Dist, compile: bool, ddp_comp
     return compile_step_functions(module) if compile else (module, chunk_loss_and_grad)
 
 
-def train_step(run: Run, batch: Batch | Share, step: int, wait: float = 0.0) -> StepResult:
+def train_step(run: StepRun, batch: Batch | Share, step: int, wait: float = 0.0) -> StepResult:
     """One optimizer step on one global batch (or a skipped one); see the module docstring.
 
     `batch` is a whole batch (one process, no accumulation) or this rank's `Share` of the global
@@ -146,7 +178,7 @@ def train_step(run: Run, batch: Batch | Share, step: int, wait: float = 0.0) -> 
     return StepResult(loss_value, norm_value, lr, False, None, stats, blocks=ran, **sizes)
 
 
-def _share_blocks(run: Run, share: Share, step: int) -> list[Blocks | None]:
+def _share_blocks(run: StepRun, share: Share, step: int) -> list[Blocks | None]:
     """The blocks of each of this rank's parts (None for an empty part), as rows of the global batch.
 
     Keys and anchor quotas are drawn for the whole global batch from (seed, step) and each part
@@ -173,7 +205,7 @@ def _share_blocks(run: Run, share: Share, step: int) -> list[Blocks | None]:
     return out
 
 
-def make_part_blocks(run: Run, batch: Batch, **given) -> Blocks:
+def make_part_blocks(run: StepRun, batch: Batch, **given) -> Blocks:
     """`train.blocks.make_blocks` on one part with the run's settings; `given`: its keys and quotas."""
     cfg = run.cfg
     return make_blocks(
@@ -194,7 +226,7 @@ def make_part_blocks(run: Run, batch: Batch, **given) -> Blocks:
     )
 
 
-def _forward_backward(run: Run, batch: Batch, blocks: Blocks, weight_total: torch.Tensor | None) -> LossOutput:
+def _forward_backward(run: StepRun, batch: Batch, blocks: Blocks, weight_total: torch.Tensor | None) -> LossOutput:
     blocks = blocks.to(run.device, non_blocking=True)
     hidden_BSF = batch.hidden.to(run.device, non_blocking=True)
     cfg, K = run.cfg, run.drafter_cfg.block_size
@@ -239,12 +271,12 @@ def _sizes_from(rows_RN: np.ndarray) -> dict:
     }
 
 
-def _reduce_sizes(run: Run, share: Share, ran: list[Blocks], wait: float, whole: bool) -> dict:
+def _reduce_sizes(run: StepRun, share: Share, ran: list[Blocks], wait: float, whole: bool) -> dict:
     local = _local_sizes(share, ran, wait, run.drafter_cfg.block_size)
     return _sizes_from(np.asarray([local]) if whole else run.dist.gather(local))
 
 
-def _reduce_step(run: Run, share: Share, ran: list[Blocks], parts_stats: list[LossOutput], grad_norm, wait: float):
+def _reduce_step(run: StepRun, share: Share, ran: list[Blocks], parts_stats: list[LossOutput], grad_norm, wait: float):
     """(stats, loss, grad norm, sizes) of the global batch: one gather of every rank's sums."""
     K = run.drafter_cfg.block_size
     zeros_K = torch.zeros(K, dtype=torch.float64)
