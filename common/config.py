@@ -25,6 +25,8 @@ from dataclasses import MISSING, field
 from pathlib import Path
 from typing import Any, Literal
 
+from common.io import atomic_write_text
+
 __all__ = [
     "ConfigError",
     "knob",
@@ -506,8 +508,6 @@ def flatten_dotted(data: Any, prefix: str = "") -> dict[str, Any]:
 
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write the resolved config as JSON (loadable again with `load_config`), atomically."""
-    from common.io import atomic_write_text
-
     atomic_write_text(str(path), json.dumps(config_to_dict(cfg), indent=2, sort_keys=True) + "\n")
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from common import io, locks
+from common import io, locks, objstore
 from common.hashing import CHECKSUM_ALGO, bytes_digest, text_digest
 from common.provenance import git_sha, tool_version
 from shards.quant import parse_encoding
@@ -349,8 +349,6 @@ def lock_manifest(fs: pafs.FileSystem, root: str, manifest_name: str, *, wait_se
     )
     where = manifest_path(root, manifest_name)
     if not io.is_local(fs):
-        from common import objstore
-
         where = objstore.store_uri(fs, where)
     return locks.writer_lock(
         fs, io.join(root, f".{manifest_name}.lock"), what=where, hint=hint, wait_seconds=wait_seconds

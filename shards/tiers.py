@@ -2,12 +2,15 @@
 optional projection z = P·h, then the dataset's encoding of z (lossless bf16, or quantized), with
 the reconstruction error measured against h in the taps' space. Extraction does the same on the GPU,
 tap by tap (`extract/capture.py`), with the same `shards.quant` and `shards.projection` functions.
+torch is imported inside the function that uses it, as in `shards.quant`, so `python -m shards
+transcode --help` loads without it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from shards.projection import Projection
 from shards.quant import (
@@ -19,6 +22,9 @@ from shards.quant import (
     parse_encoding,
     scales_to_numpy,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 def encode_features(
@@ -37,6 +43,8 @@ def encode_features(
     `device` (default: where they are; `projection` must be there too). Lossless
     encodings give uint16 bf16 bits of z (bit-exact h when unprojected: no error is recorded);
     quantized ones a `QuantizedHidden` (ValueError on NaN/Inf, naming `what`)."""
+    import torch
+
     if isinstance(hidden_TF, np.ndarray):
         hidden_TF = torch.from_numpy(np.ascontiguousarray(hidden_TF)).view(torch.bfloat16)
     hidden_TF = hidden_TF.to(device) if device is not None else hidden_TF

@@ -48,6 +48,7 @@ from shards.projection import (
 from shards.quant import canonical_encoding, parse_encoding
 from shards.reader import ShardDataset
 from shards.schema import DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
+from shards.tiers import encode_features
 from shards.verify import verify_dataset
 from shards.writer import ShardWriter
 
@@ -171,8 +172,6 @@ def _projection(
 
 
 def _encode(ds: ShardDataset, i: int, cfg: TranscodeConfig, pieces: int, projection: Projection | None):
-    from shards.tiers import encode_features  # torch: loaded when there is work, not for --help
-
     sample = ds[i]
     stored, error = encode_features(
         sample.hidden,

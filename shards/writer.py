@@ -40,6 +40,7 @@ import xxhash
 
 from common import io
 from common.hashing import bytes_digest
+from common.objstore import abort_uploads
 from common.provenance import git_sha, tool_version
 from shards.manifest import (
     MANIFEST_NAME,
@@ -470,8 +471,6 @@ class ShardWriter:
     def _remove_leftovers(self) -> None:
         removed = io.remove_temp_files(self.fs, self.root, prefixes=(f"{self.shard_prefix}-", f"{self.manifest_name}."))
         if io.in_place(self.fs):  # a killed writer's half-done multipart uploads (invisible, but billed)
-            from common.objstore import abort_uploads
-
             removed += abort_uploads(self.fs, self.root, (f"{self.shard_prefix}-",))
         if removed:
             log.info("removed %d leftover temporary files from a killed writer: %s", len(removed), removed)

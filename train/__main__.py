@@ -22,6 +22,7 @@ import sys
 import time
 
 from common.config import config_to_dict, parse_cli
+from train.config import TrainConfig
 
 # After naming a lost rank, a surviving rank waits this long before exiting, so that torchrun
 # (which polls its workers every 0.1 s) sees the rank that really failed first and reports it as
@@ -41,8 +42,6 @@ def _setup_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
-    from train.config import TrainConfig
-
     is_main = int(os.environ.get("RANK", 0)) == 0
     try:  # before torch loads: --help and a bad key answer at once
         cfg = parse_cli(TrainConfig, sys.argv[1:] if argv is None else argv, section="train")

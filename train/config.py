@@ -19,8 +19,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import ConfigError, fail, flatten_dotted, knob, set_resolved
+from common.config import ConfigError, config_to_dict, fail, flatten_dotted, knob, set_resolved
 from train import buckets
+from train.layer_types import SLIDING_ATTENTION, resolve_layer_types
 
 __all__ = [
     "ModelConfig",
@@ -32,6 +33,8 @@ __all__ = [
     "TrainConfig",
     "RESUME_FREE_KEYS",
     "resume_conflicts",
+    "INIT_RULES",
+    "parse_init_rule",
 ]
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -134,6 +137,28 @@ class DataConfig:
             )
 
 
+INIT_RULES = ("first", "last", "spread")  # `model.init_from_target`'s named rules (train.target_init)
+
+
+def parse_init_rule(value: str | None) -> str | list[int] | None:
+    """None / "none" -> None; a rule name; or the comma-separated ids as ints (ValueError otherwise)."""
+    if value is None or str(value).strip().lower() in ("", "none"):
+        return None
+    text = str(value).strip().lower()
+    if text in INIT_RULES:
+        return text
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"config key 'model.init_from_target': {value!r} is neither none, one of {', '.join(INIT_RULES)}, nor "
+            "comma-separated layer ids"
+        ) from None
+    if any(i < 0 for i in ids):
+        raise ValueError(f"config key 'model.init_from_target': layer ids must be >= 0, got {ids}")
+    return ids
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The drafter's shape; widths default to the target's (docs/dflash.md "Drafter")."""
@@ -231,9 +256,6 @@ class ModelConfig:
     )
 
     def check(self) -> None:
-        from train.model import SLIDING_ATTENTION, resolve_layer_types
-        from train.target_init import parse_init_rule
-
         try:
             rule = parse_init_rule(self.init_from_target)
         except ValueError as exc:
@@ -439,8 +461,6 @@ def resume_conflicts(saved: dict, current: dict) -> list[str]:
     holds its default now, nor when it is a `model.` key: the drafter those build is compared with
     the checkpoint's own drafter_config.json on load (`train.prepare.Run.load`).
     """
-    from common.config import config_to_dict
-
     a, b = flatten_dotted(saved), flatten_dotted(current)
     defaults = flatten_dotted(config_to_dict(TrainConfig()))
     keys = sorted(set(a) | set(b))

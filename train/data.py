@@ -51,9 +51,13 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from common.io import is_local
+from shards import ShardDataset
+from shards.quant import QuantizedHidden
 from train import buckets
 from train.config import DataConfig  # noqa: F401 - the `data` table, re-exported for its users
 from train.samples import check_compatible, select_samples, selection_digest
+from train.tiers import collate_compact
 
 __all__ = [
     "DataConfig",
@@ -146,9 +150,6 @@ def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: i
     """Right-pad samples (dicts of `ShardDataset.torch`) into one `Batch`; padding is zero/False.
     Quantized hidden states (`QuantizedHidden`, from `ShardDataset.compact`) stay compact: the batch
     holds a `train.tiers.CompactHidden`, dequantized on the device by the step."""
-    from shards.quant import QuantizedHidden
-    from train.tiers import collate_compact
-
     assert samples, "a batch needs at least one sample"
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     B, S = len(samples), max(lengths)
@@ -200,15 +201,11 @@ def _fetch_threads(cfg: DataConfig, dataset) -> int:
     """`data.fetch_threads`, with auto (0) resolved: 16 on an object store, else 1."""
     if cfg.fetch_threads:
         return cfg.fetch_threads
-    from common.io import is_local
-
     fs = getattr(dataset, "fs", None)
     return 1 if fs is None or is_local(fs) else 16
 
 
 def _open_dataset(cfg: DataConfig):
-    from shards import ShardDataset
-
     return ShardDataset(
         cfg.shards, manifest_name=cfg.manifest, verify_checksums=cfg.verify_checksums, verify_samples=cfg.verify_samples
     )

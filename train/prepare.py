@@ -49,15 +49,17 @@ from train.checkpoint import (
     rng_state,
     take_snapshot,
 )
-from train.config import TrainConfig, resume_conflicts
+from train.config import TrainConfig, parse_init_rule, resume_conflicts
 from train.data import Batch, DataStream
 from train.distributed import Dist
 from train.kernels import TRAIN_KEYS, KernelPlan, OnKernels, choose_kernels
 from train.metrics import truncate_after
 from train.model import DFlashDrafter, DrafterConfig, TargetHead, target_rope
 from train.run_dir import claim_run_dir, release_run_dir
+from train.samples import check_compatible
 from train.step import make_part_blocks, step_functions
-from train.target_init import init_from_target, parse_init_rule
+from train.target_init import init_from_target
+from train.tiers import drafter_projection
 from train.warm_start import check_init_from, config_differences, warm_start
 
 __all__ = [
@@ -173,9 +175,6 @@ class Target:
 
 def resolve_target(cfg: TrainConfig, manifest: dict) -> Target:
     """Find the target, derive the drafter config, and refuse shards that do not fit it (naming the field)."""
-    from train.samples import check_compatible
-    from train.tiers import drafter_projection
-
     provenance = manifest.get("provenance") or {}
     path = cfg.model.target or (provenance.get("target") or {}).get("name_or_path")
     if not path or not Path(path, "config.json").is_file():

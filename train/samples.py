@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 
 from train.config import DataConfig
+from train.tiers import mixed_encoding_problems, projection_problems
 
 _HOLDOUT_SALT = b"dflash-holdout:"
 _SUBSET_SALT = b"dflash-subset:"
@@ -97,8 +98,6 @@ def check_compatible(manifest: dict, expected: dict) -> None:
     (hidden_width = n_taps x hidden_size). All problems are reported at once in one ValueError, each
     naming the manifest field and both values.
     """
-    from train.tiers import mixed_encoding_problems, projection_problems
-
     expected = dict(expected)
     projection = expected.pop("projection", _MISSING)  # the drafter's projection identity, or None
     unknown = sorted(set(expected) - set(EXPECTED_FIELDS))

@@ -29,11 +29,11 @@ import os
 import torch
 
 from common.hf_target import load_tensors, stored_name, tensor_names, text_config
+from train.config import INIT_RULES
 from train.model import DFlashDrafter
 
-__all__ = ["RULES", "parse_init_rule", "target_layer_choice", "init_from_target"]
+__all__ = ["target_layer_choice", "init_from_target"]
 
-RULES = ("first", "last", "spread")
 KEY = "model.init_from_target"
 # Drafter tensor suffix under layers.{i}. -> the same suffix under the target's model.layers.{j}.
 LAYER_TENSORS = (
@@ -59,24 +59,6 @@ OPTIONAL_LAYER_TENSORS = (
 FINAL_NORM = "model.norm.weight"
 
 
-def parse_init_rule(value: str | None) -> str | list[int] | None:
-    """None / "none" -> None; a rule name; or the comma-separated ids as ints (ValueError otherwise)."""
-    if value is None or str(value).strip().lower() in ("", "none"):
-        return None
-    text = str(value).strip().lower()
-    if text in RULES:
-        return text
-    try:
-        ids = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise ValueError(
-            f"config key '{KEY}': {value!r} is neither none, one of {', '.join(RULES)}, nor comma-separated layer ids"
-        ) from None
-    if any(i < 0 for i in ids):
-        raise ValueError(f"config key '{KEY}': layer ids must be >= 0, got {ids}")
-    return ids
-
-
 def target_layer_choice(rule: str | list[int], num_layers: int, num_target_layers: int) -> list[int]:
     """The target layer each of `num_layers` drafter layers starts from (see the module docstring)."""
     n, L = int(num_layers), int(num_target_layers)
@@ -91,7 +73,7 @@ def target_layer_choice(rule: str | list[int], num_layers: int, num_target_layer
     elif rule == "spread":
         ids = [0] if n == 1 else [int((i * (L - 1)) / (n - 1) + 0.5) for i in range(n)]
     else:
-        raise ValueError(f"config key '{KEY}': unknown rule {rule!r} (one of {', '.join(RULES)} or layer ids)")
+        raise ValueError(f"config key '{KEY}': unknown rule {rule!r} (one of {', '.join(INIT_RULES)} or layer ids)")
     if n > L and not isinstance(rule, list):
         raise ValueError(f"config key '{KEY}': a drafter of {n} layers from a target of {L}: use explicit ids")
     bad = [i for i in ids if not 0 <= i < L]

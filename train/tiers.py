@@ -17,6 +17,10 @@ import dataclasses
 import numpy as np
 import torch
 
+from common.hashing import bytes_digest
+from common.io import exists, join, resolve
+from shards.manifest import load_manifest
+from shards.projection import PROJECTION_FILE, load_projection, load_projection_file
 from shards.quant import QuantizedHidden, decode_pieces, parse_encoding, scales_to_torch
 
 PROJECTION_CHOICES_HELP = (
@@ -175,14 +179,8 @@ def fold_projection(state: dict[str, torch.Tensor], cfg, projection) -> tuple[di
 def projection_for_drafter(cfg, shards_root: str | None, override: str | None = None):
     """The `Projection` a projected drafter was trained with: the file `override`, else the
     projection of the dataset it trained on (`shards_root`); its checksum must be the drafter's."""
-    from common.io import exists, join, resolve
-    from shards.manifest import load_manifest
-    from shards.projection import PROJECTION_FILE, load_projection, load_projection_file
-
     want = cfg.projection["checksum"]
     if override:
-        from common.hashing import bytes_digest
-
         projection, data = load_projection_file(override)
         if bytes_digest(data) != want:
             raise ValueError(

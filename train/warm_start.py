@@ -22,7 +22,10 @@ from pathlib import Path
 
 import torch
 
+from common.hashing import file_checksum
+from common.io import resolve
 from train.model import DFlashDrafter, DrafterConfig
+from train.serve.export import check_weights, drafter_config_from_export
 
 __all__ = ["read_drafter_config", "read_drafter_dir", "config_differences", "check_init_from", "warm_start"]
 
@@ -98,8 +101,6 @@ def config_differences(found: DrafterConfig, expected: DrafterConfig, found_in: 
 
 def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
     """The drafter config of a DFlash drafter directory (config.json only; ValueError naming the file)."""
-    from train.serve.export import drafter_config_from_export
-
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise ValueError(
@@ -128,10 +129,6 @@ def check_init_from(path: str | os.PathLike, expected: DrafterConfig) -> Drafter
 
 def warm_start(drafter: DFlashDrafter, path: str | os.PathLike) -> dict:
     """Load DIR's weights into `drafter` (strictly, see the module docstring); returns a record for run.json."""
-    from common.hashing import file_checksum
-    from common.io import resolve
-    from train.serve.export import check_weights
-
     check_init_from(path, drafter.config)
     _, state = read_drafter_dir(path)
     try:

@@ -16,7 +16,8 @@ from extract.config import ExtractConfig
 from tests.train.test_model import QWEN36_TEXT, tiny_config
 from train.attention import build_dense_mask, build_layer_masks
 from train.config import TrainConfig
-from train.model import DFlashDrafter, DrafterConfig, RotaryEmbedding, resolve_layer_types
+from train.layer_types import resolve_layer_types
+from train.model import DFlashDrafter, DrafterConfig, RotaryEmbedding
 from train.prepare import build_drafter_config
 from train.serve.export import drafter_config_from_export, export_config
 from train.warm_start import config_differences

@@ -13,9 +13,10 @@ from safetensors.torch import load_file
 from common.config import ConfigError
 from tests.train.test_loop import config, tiny  # noqa: F401  (tiny is a fixture)
 from tests.train.test_model import tiny_config
+from train.config import parse_init_rule
 from train.model import DFlashDrafter
 from train.prepare import Run
-from train.target_init import init_from_target, parse_init_rule, target_layer_choice
+from train.target_init import init_from_target, target_layer_choice
 
 
 def test_rules_pick_the_layers_they_name():

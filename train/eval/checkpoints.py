@@ -14,6 +14,8 @@ from torch import nn
 
 from common.target_check import OVERRIDE_KEY, check_target
 from common.target_identity import target_identity
+from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
+from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
 
 @dataclasses.dataclass
@@ -46,8 +48,6 @@ class CheckpointInfo:
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
     """The checkpoint directory `path` names: itself, or the latest checkpoint of a run directory."""
-    from train.checkpoint import STATE_FILE, latest_checkpoint
-
     p = Path(path)
     if (p / STATE_FILE).is_file():
         return p
@@ -68,9 +68,6 @@ def _read_json_file(path: Path, what: str) -> Any:
 
 def read_checkpoint(path: str | Path) -> CheckpointInfo:
     """Metadata of a checkpoint (or of a run directory's latest one); ValueError naming the file."""
-    from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, verify_checkpoint
-    from train.model import DrafterConfig
-
     ckpt = resolve_checkpoint_dir(path)
     # Names a damaged file before anything is loaded; returns state.json, already parsed.
     state = verify_checkpoint(ckpt, files=(MODEL_FILE, DRAFTER_CONFIG_FILE))
@@ -151,9 +148,6 @@ class EvalModel:
 def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device, head_dtype: torch.dtype) -> EvalModel:
     """The drafter's weights (model.safetensors only, never the optimizer state) and the target head."""
     from safetensors.torch import load_file
-
-    from train.checkpoint import MODEL_FILE
-    from train.model import DFlashDrafter, TargetHead
 
     cfg = info.drafter_config
     drafter = DFlashDrafter(cfg)

@@ -16,6 +16,9 @@ import torch
 
 from common.config import config_to_dict
 from common.hashing import json_digest
+from common.io import atomic_write_text
+from common.provenance import git_sha, tool_version
+from shards import ShardDataset
 from train.eval.baseline import baseline_report
 from train.eval.checkpoints import CheckpointInfo, check_eval_target, load_eval_model, read_checkpoint, target_dir_for
 from train.eval.config import EvalConfig
@@ -29,6 +32,7 @@ from train.eval.selection import (
     choose_split,
     select_eval_data,
 )
+from train.tiers import for_data
 
 REPORT_KIND = "dflash-offline-eval"
 REPORT_VERSION = 1
@@ -72,10 +76,6 @@ def _notes(data: EvalData, n_draft: int, cfg: EvalConfig) -> list[str]:
 
 def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[dict, Path]:
     """Evaluate one or two checkpoints on `cfg.data`; returns (report, JSON path written)."""
-    from common.provenance import git_sha, tool_version
-    from shards import ShardDataset
-    from train.tiers import for_data
-
     started = time.time()
     if not 1 <= len(checkpoints) <= 2:
         raise ValueError(f"give one or two checkpoints, got {len(checkpoints)}")
@@ -170,7 +170,6 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
             "overall": metric_ratios(first["overall"], second["overall"]),
             "buckets": [metric_ratios(a, b) for a, b in zip(first["buckets"], second["buckets"])],
         }
-    from common.io import atomic_write_text
 
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(str(out), json.dumps(report, indent=1, sort_keys=False) + "\n")

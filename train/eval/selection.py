@@ -14,8 +14,11 @@ from typing import Any
 import numpy as np
 
 from common.hashing import json_digest
+from common.io import join, read_json, resolve
+from train.buckets import assign_buckets
 from train.eval.checkpoints import CheckpointInfo
 from train.eval.config import EvalConfig
+from train.samples import check_compatible, holdout_mask, spread_subset
 
 _SUBSET_SALT = b"dflash-eval-subset:"
 
@@ -44,8 +47,6 @@ def select_eval_data(
     dataset, root: str, *, split: str, holdout_fraction: float | None, max_samples: int | None, split_reason: str = ""
 ) -> EvalData:
     """The samples of `dataset` to evaluate: all, or its `is_holdout(id, holdout_fraction)` split."""
-    from train.samples import holdout_mask, spread_subset
-
     index = dataset.index
     all_ids = [str(s) for s in index.column("sample_id").to_pylist()]
     all_lengths = np.asarray(index.column("n_tokens").to_numpy(), dtype=np.int64)
@@ -157,8 +158,6 @@ def expected_manifest_fields(info: CheckpointInfo, train_manifest: dict | None) 
 
 def _training_manifest(info: CheckpointInfo, root: str, manifest: dict) -> dict | None:
     """The manifest of the dataset the run trained on (None if it cannot be read)."""
-    from common.io import join, read_json, resolve
-
     if trained_on(info, root, manifest):
         return manifest
     shards = info.train_value("data.shards")
@@ -173,8 +172,6 @@ def _training_manifest(info: CheckpointInfo, root: str, manifest: dict) -> dict 
 
 def check_data_fits(info: CheckpointInfo, root: str, manifest: dict) -> list[str]:
     """Refuse shards that do not fit the drafter (ValueError naming the fields); returns what was checked."""
-    from train.samples import check_compatible
-
     expected = expected_manifest_fields(info, _training_manifest(info, root, manifest))
     try:
         check_compatible(manifest, expected)
@@ -185,8 +182,6 @@ def check_data_fits(info: CheckpointInfo, root: str, manifest: dict) -> list[str
 
 def bucket_table(boundaries: Sequence[int], lengths: np.ndarray) -> tuple[list[dict], np.ndarray]:
     """(one descriptor per bucket, bucket id per sample) for inclusive upper edges `boundaries`."""
-    from train.buckets import assign_buckets
-
     edges = [int(b) for b in boundaries]
     bucket_of_sample = assign_buckets(lengths, edges) if edges else np.zeros(len(lengths), dtype=np.int64)
     counts = np.bincount(bucket_of_sample, minlength=len(edges) + 1)

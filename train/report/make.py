@@ -14,6 +14,7 @@ from train.report.compare import CommonPoint, ConfigDiff, compare_at_common, com
 from train.report.config import ReportConfig
 from train.report.load import load_run
 from train.report.markdown import render_markdown, render_summary
+from train.report.plots import render_plots
 
 __all__ = ["Report", "analyse", "make_report", "newest_run", "ReportConfig"]
 
@@ -59,8 +60,6 @@ def make_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     plots: dict[str, str] = {}
     if cfg.plots:
-        from train.report.plots import render_plots  # matplotlib only when drawing
-
         plots = render_plots(analyses, out_dir)
     markdown = render_markdown(analyses, diffs, points, alarms, cfg, plots, command)
     atomic_write_text(str(out_dir / "report.md"), markdown)

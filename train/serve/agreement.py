@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from train.alignment import block_input_ids, block_positions, draft_label_rows
+from train.attention import MaskRule, build_layer_masks
+from train.eval.acceptance import chain_blocks
 from train.serve.prompts import first_response
 from train.serve.results import mean_or_none
 from train.serve.spec_target import SpecTarget
@@ -44,8 +46,6 @@ def offline_block_drafts(
     """Drafts [N, B-1] at each anchor, computed as offline evaluation does: teacher-forced features,
     many blocks in one forward under the training mask (context strictly before each anchor, own
     block, no other block; each layer type with its own window and in-block causality)."""
-    from train.attention import MaskRule, build_layer_masks
-
     B = int(drafter.block_size)
     mask_id = int(drafter.mask_token_id)
     rules = {t: MaskRule(window=w, causal=c) for t, (w, c) in drafter.attention_rules.items()}
@@ -72,8 +72,6 @@ def offline_block_drafts(
 def _chain(drafts_ND: torch.Tensor, greedy_T: torch.Tensor, anchors: Sequence[int], end: int):
     """train.eval.acceptance chain blocks: y_k = the greedy token for a+k (= greedy_T[a+k-1], the
     label rows of `train.alignment`), valid length = the tokens left."""
-    from train.eval.acceptance import chain_blocks
-
     D = drafts_ND.shape[1]
     anchors_N = torch.tensor(list(anchors), dtype=torch.long)
     rows_ND = draft_label_rows(anchors_N, D + 1).clamp(max=len(greedy_T) - 1)

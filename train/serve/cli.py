@@ -13,6 +13,8 @@ from common.chat_template import check_chat_template
 from common.config import ATTN_IMPLEMENTATIONS, ConfigError, fail, knob, parse_command
 
 DEFAULT_PROMPTS = "artifacts/tiny/corpus/heldout.jsonl"
+# The peer baselines a run can decode beside ours (`train.serve.peers`), in the order they run.
+PEERS = ("generate", "prompt_lookup", "generate_static")
 
 EXPORT_USAGE = """usage: python -m train.export CHECKPOINT OUT_DIR [key=value | --key value ...]
 
@@ -165,8 +167,6 @@ class SpecDecodeConfig:
         check_chat_template(self.chat_template)
         check_positive_ints("tree_budgets", self.tree_budgets, "budget")
         check_positive_ints("verify_sweep", self.verify_sweep, "size")
-        from train.serve.peers import PEERS
-
         unknown = [name for name in self.peer_names if name not in PEERS]
         if unknown or not self.peer_names:
             fail("peers", f"{self.peers!r}: give one or more of {', '.join(PEERS)}")
@@ -174,8 +174,6 @@ class SpecDecodeConfig:
     @property
     def peer_names(self) -> list[str]:
         """The peer baselines `peers` names, in the order of `PEERS`."""
-        from train.serve.peers import PEERS
-
         asked = [name.strip() for name in self.peers.split(",") if name.strip()]
         return [name for name in PEERS if name in asked] + [name for name in asked if name not in PEERS]
 

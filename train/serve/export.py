@@ -42,13 +42,18 @@ from types import SimpleNamespace
 import torch
 
 from common.config import ConfigError
+from common.hf_target import text_config
 from common.io import replace_local_dir
+from common.provenance import git_sha, tool_version
 from common.target_arch import check_architecture
 from common.target_check import OVERRIDE_KEY, check_target, recorded_identity
 from common.target_identity import target_identity
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
-from train.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig, rope_settings
+from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
+from train.model import DFlashDrafter, DrafterConfig, rope_settings
 from train.serve.cli import parse_export_args, usage_error
+from train.serve.dflash_hf import DFlashDraftModel, layer_attention
+from train.tiers import fold_projection, projection_for_drafter
 
 __all__ = [
     "export_config",
@@ -236,8 +241,6 @@ def _attention_from_export(config: dict, nested: dict, n: int) -> tuple[list[str
     """(layer_types, sliding_window, sliding_in_block) as the export's dflash.py (and vLLM) read
     config.json; ValueError for a layout this project's model does not compute (e.g. causal
     full_attention layers) or a `dflash_config.layer_causal` that contradicts the rest."""
-    from train.serve.dflash_hf import layer_attention
-
     layer_types = list(config.get("layer_types") or [FULL_ATTENTION] * n)
     per_layer = layer_attention(SimpleNamespace(**{**config, "num_hidden_layers": n, "dflash_config": nested}))
     window = next((w for w, _ in per_layer if w is not None), None)
@@ -378,8 +381,6 @@ def export_target_check(checkpoint: Path, target: str | None, allowed: bool) -> 
 
 def target_token_ids(target_dir: str, cfg: DrafterConfig) -> dict:
     """bos/eos/pad ids from the target's config; ValueError if the target cannot host this drafter."""
-    from common.hf_target import text_config
-
     target = text_config(target_dir)
     if int(target["vocab_size"]) != cfg.vocab_size:
         raise ValueError(f"target '{target_dir}' has vocab_size {target['vocab_size']}, the drafter {cfg.vocab_size}")
@@ -407,9 +408,6 @@ def export_checkpoint(
     the run's training dataset, or from the file `projection`. A target other than the run's is
     refused unless `allow_target_mismatch` (common.target_identity); dflash_export.json records it."""
     from safetensors.torch import load_file
-
-    from common.provenance import git_sha, tool_version
-    from train.tiers import fold_projection, projection_for_drafter
 
     ckpt = resolve_checkpoint(checkpoint)
     step, train_config = None, {}
@@ -463,8 +461,6 @@ def load_exported(
 
         model = AutoModel.from_pretrained(str(export_dir), trust_remote_code=trust_remote_code, dtype=dtype)
     else:
-        from train.serve.dflash_hf import DFlashDraftModel
-
         model = DFlashDraftModel.from_pretrained(str(export_dir), dtype=dtype)
     if type(model).__name__ != ARCHITECTURE:
         raise ValueError(f"'{export_dir}' loaded as {type(model).__name__}, not {ARCHITECTURE} (is auto_map missing?)")

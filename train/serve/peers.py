@@ -14,9 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from train.serve.cli import PEERS
 from train.serve.specdecode import Generation
-
-PEERS = ("generate", "prompt_lookup", "generate_static")
 
 
 @torch.inference_mode()

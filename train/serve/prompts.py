@@ -11,6 +11,7 @@ import torch
 
 from common.chat_template import NO_TEMPLATE_HINT
 from common.target import Target
+from shards import ShardDataset
 
 
 def first_response(loss_mask_T: torch.Tensor) -> tuple[int, int]:
@@ -70,8 +71,6 @@ def _record_prompt(record, tokenizer, thinking: bool, where: str) -> list[int] |
 
 def prompts_from_shards(root: str, limit: int | None) -> tuple[list[list[int]], list[dict]]:
     """Prompts (the tokens before each sample's first response) and the samples themselves."""
-    from shards import ShardDataset
-
     dataset = ShardDataset(root)
     prompts, samples = [], []
     for i in range(len(dataset)):

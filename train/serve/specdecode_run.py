@@ -36,7 +36,7 @@ from common.target_check import OVERRIDE_KEY, check_target
 from common.target_identity import target_identity
 from train.serve.agreement import agreement, corpus_offline_tau
 from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args, usage_error
-from train.serve.export import INFO_FILE
+from train.serve.export import INFO_FILE, load_exported
 from train.serve.peers import peer_generate
 from train.serve.prompts import prompts_from_jsonl, prompts_from_shards, stop_token_ids
 from train.serve.results import generation_record, print_summary, summarize, summarize_peer
@@ -193,8 +193,6 @@ def _run(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    from train.serve.export import load_exported
-
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     try:
         target_check = check_drafter_target(args.drafter, args.target, args.allow_target_mismatch)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from train.eval.ddtree import build_ddtree, draft_topk
 from train.serve.spec_target import SpecTarget, cache_mode_for
 from train.serve.specdecode import DFlashProposer, Ending, Generation, Round, prompt_tensor
 
@@ -78,8 +79,6 @@ def ddtree_generate(
     τ of a round = 1 + the accepted depth within the tokens the round produced (as `walk_tree` with
     the valid length). Tokens equal `greedy_generate`'s. Needs a croppable (plain key/value) cache.
     """
-    from train.eval.ddtree import build_ddtree, draft_topk
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     started = time.perf_counter()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.train.serve.test_specdecode import LAYER_IDS, check_round_bookkeeping, random_prompts, tiny_qwen3
-from train.serve.peers import PEERS, peer_generate
+from train.serve.cli import PEERS
+from train.serve.peers import peer_generate
 from train.serve.results import compare_generations
 from train.serve.spec_target import SpecTarget, crop_cache
 from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
