@@ -64,7 +64,7 @@ from train.warm_start import check_init_from, config_differences, warm_start
 
 __all__ = [
     "Run",
-    "Target",
+    "ResolvedTarget",
     "resolve_target",
     "resolve_mask_token",
     "build_drafter_config",
@@ -162,8 +162,10 @@ def expected_fields(drafter_cfg: DrafterConfig, target_cfg: dict, tokenizer, top
 
 
 @dataclasses.dataclass
-class Target:
-    """The target checkpoint the drafter is trained for, and the drafter config derived from it."""
+class ResolvedTarget:
+    """The target as `resolve_target` found it: its checkpoint path, text config and identity, where
+    the mask token id came from, and the drafter config derived from them (the loaded model is
+    `common.target.Target`; training never loads more of it than the frozen head)."""
 
     path: str
     text_config: dict
@@ -173,7 +175,7 @@ class Target:
     check: dict  # how it compares with the shards' target (common.target_identity.check_target)
 
 
-def resolve_target(cfg: TrainConfig, manifest: dict) -> Target:
+def resolve_target(cfg: TrainConfig, manifest: dict) -> ResolvedTarget:
     """Find the target, derive the drafter config, and refuse shards that do not fit it (naming the field)."""
     provenance = manifest.get("provenance") or {}
     path = cfg.model.target or (provenance.get("target") or {}).get("name_or_path")
@@ -195,7 +197,7 @@ def resolve_target(cfg: TrainConfig, manifest: dict) -> Target:
     # Storage tiers: fc reads the dataset's projected features when it has them (train.tiers).
     drafter_cfg = dataclasses.replace(drafter_cfg, projection=drafter_projection(cfg.model.projection, manifest))
     check_compatible(manifest, expected_fields(drafter_cfg, target_cfg, tokenizer, topk_needed=1))
-    return Target(str(path), target_cfg, mask_source, drafter_cfg, identity, check)
+    return ResolvedTarget(str(path), target_cfg, mask_source, drafter_cfg, identity, check)
 
 
 def _open_stream(cfg: TrainConfig, split: RankSplit | None = None) -> DataStream:
@@ -449,7 +451,9 @@ class Run(OnKernels):
 
     # -- run files ----------------------------------------------------------------------------
 
-    def _write_run_files(self, target: Target, resumed_from: Path | None, init_from: dict | None = None) -> None:
+    def _write_run_files(
+        self, target: ResolvedTarget, resumed_from: Path | None, init_from: dict | None = None
+    ) -> None:
         if not self.dist.is_main:
             return
         save_config(self.cfg, self.run_dir / "config.json")

@@ -13,15 +13,12 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from common.config import config_to_dict
 from train.config import TrainConfig
 from train.data import Batch, Share
+from train.prepare import Run
 from train.step import StepResult
-
-if TYPE_CHECKING:
-    from train.prepare import Run
 
 __all__ = ["step_record", "wandb_run", "progress_bar", "show_progress"]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from train.report.config import ReportConfig
-from train.report.load import BucketPlan, Metrics, Run
+from train.report.load import BucketPlan, Metrics, RunRecord
 from train.report.stats import (
     Mixture,
     eta_squared,
@@ -231,7 +231,7 @@ def _share(values: list[float | None], i: int) -> float:
     return float(values[i] / sum(values))
 
 
-def composition(run: Run, window: np.ndarray) -> Composition:
+def composition(run: RunRecord, window: np.ndarray) -> Composition:
     m, plan = run.metrics, run.plan
     planned = {b.id: b for b in plan.buckets} if plan else {}
     seen = sorted(set(int(b) for b in m.bucket if b >= 0))
@@ -549,7 +549,7 @@ def _reset_context(m: Metrics, step: int, width: int) -> str:
 
 @dataclass
 class RunAnalysis:
-    run: Run
+    run: RunRecord
     window: np.ndarray
     smooth: int
     grad: GradReport
@@ -567,7 +567,7 @@ class RunAnalysis:
         return mean_of(values[self.window]) if self.window.size else math.nan
 
 
-def analyse_run(run: Run, cfg: ReportConfig) -> RunAnalysis:
+def analyse_run(run: RunRecord, cfg: ReportConfig) -> RunAnalysis:
     m = run.metrics
     window = latest_window(m, cfg)
     comp = composition(run, window)

@@ -12,7 +12,7 @@ import numpy as np
 from common.config import flatten_dotted
 from train.report.analysis import RunAnalysis, mean_of
 from train.report.config import ReportConfig
-from train.report.load import Run, matches_any
+from train.report.load import RunRecord, matches_any
 
 __all__ = ["ConfigDiff", "compare_configs", "CommonPoint", "compare_at_common"]
 
@@ -25,7 +25,7 @@ class ConfigDiff:
     note: str = ""
 
 
-def compare_configs(runs: list[Run], cfg: ReportConfig) -> list[ConfigDiff]:
+def compare_configs(runs: list[RunRecord], cfg: ReportConfig) -> list[ConfigDiff]:
     """Each compared run's config against the first run's."""
     base = runs[0]
     diffs = []
@@ -57,7 +57,7 @@ def compare_configs(runs: list[Run], cfg: ReportConfig) -> list[ConfigDiff]:
     return diffs
 
 
-def _comparable(run: Run) -> dict[str, object]:
+def _comparable(run: RunRecord) -> dict[str, object]:
     """The flattened config, plus the data provenance from run.json (other shards = another experiment)."""
     values = flatten_dotted(run.config)
     info = flatten_dotted(run.run_info or {}, "run.")

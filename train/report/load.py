@@ -25,7 +25,7 @@ __all__ = [
     "Metrics",
     "BucketPlan",
     "DataPlan",
-    "Run",
+    "RunRecord",
     "load_run",
     "resolve_run_dir",
     "parse_metrics_lines",
@@ -125,7 +125,9 @@ class DataPlan:
 
 
 @dataclass
-class Run:
+class RunRecord:
+    """What a run directory holds, as the report reads it back (not the live run: `train.prepare.Run`)."""
+
     name: str
     path: Path
     metrics: Metrics
@@ -152,7 +154,7 @@ def resolve_run_dir(word: str) -> Path:
     )
 
 
-def load_run(word: str) -> Run:
+def load_run(word: str) -> RunRecord:
     path = resolve_run_dir(word)
     metrics_path = path / "metrics.jsonl"
     if not metrics_path.is_file():
@@ -175,7 +177,7 @@ def load_run(word: str) -> Run:
             notes.append(
                 f"data_plan.json has no {', '.join(plan.not_found)}; the parts of the report that need them say so."
             )
-    return Run(
+    return RunRecord(
         name=path.name or str(path),
         path=path,
         metrics=metrics,
