@@ -28,7 +28,7 @@ import torch
 from common.hashing import sample_id as make_sample_id
 from shards import TAP_MEANING, Sample, ShardDataset, ShardWriter
 from train.data import DataConfig, DataStream
-from train.tiers import hidden_nbytes
+from train.stored_features import hidden_nbytes
 
 HIDDEN_SIZE_PER_TAP = 5120  # Qwen3.6-27B; --width 20480 = its 4 taps
 VOCAB = 248320

@@ -57,7 +57,7 @@ from shards.quant import QuantizedHidden
 from train import buckets
 from train.config import DataConfig  # noqa: F401 - the `data` table, re-exported for its users
 from train.samples import check_compatible, select_samples, selection_digest
-from train.tiers import collate_compact
+from train.stored_features import collate_compact
 
 __all__ = [
     "DataConfig",
@@ -88,7 +88,8 @@ class Batch:
 
     input_ids: torch.Tensor  # int64 [B, S] (padding: 0)
     loss_mask: torch.Tensor  # bool [B, S] (False on padding)
-    hidden: torch.Tensor  # bf16 [B, S, W]; quantized datasets: train.tiers.CompactHidden (.to(device) -> that tensor)
+    # bf16 [B, S, W]; quantized datasets: train.stored_features.CompactHidden (.to(device) -> that tensor)
+    hidden: torch.Tensor
     topk_ids: torch.Tensor  # int64 [B, S, k]
     topk_logprobs: torch.Tensor  # float32 [B, S, k]
     lengths: torch.Tensor  # int64 [B]
@@ -149,7 +150,7 @@ class DataLoadError(RuntimeError):
 def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: int, state: dict, pin: bool) -> Batch:
     """Right-pad samples (dicts of `ShardDataset.torch`) into one `Batch`; padding is zero/False.
     Quantized hidden states (`QuantizedHidden`, from `ShardDataset.compact`) stay compact: the batch
-    holds a `train.tiers.CompactHidden`, dequantized on the device by the step."""
+    holds a `train.stored_features.CompactHidden`, dequantized on the device by the step."""
     assert samples, "a batch needs at least one sample"
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     B, S = len(samples), max(lengths)

@@ -58,8 +58,8 @@ from train.model import DFlashDrafter, DrafterConfig, TargetHead, target_rope
 from train.run_dir import claim_run_dir, release_run_dir
 from train.samples import check_compatible
 from train.step import make_part_blocks, step_functions
+from train.stored_features import drafter_projection
 from train.target_init import init_from_target
-from train.tiers import drafter_projection
 from train.warm_start import check_init_from, config_differences, warm_start
 
 __all__ = [
@@ -194,7 +194,7 @@ def resolve_target(cfg: TrainConfig, manifest: dict) -> ResolvedTarget:
     tokenizer = _load_tokenizer(path)
     mask_token_id, mask_source = resolve_mask_token(provenance, tokenizer, cfg.model.mask_token_id)
     drafter_cfg = build_drafter_config(cfg, target_cfg, provenance, mask_token_id)
-    # Storage tiers: fc reads the dataset's projected features when it has them (train.tiers).
+    # Storage tiers: fc reads the dataset's projected features when it has them (train.stored_features).
     drafter_cfg = dataclasses.replace(drafter_cfg, projection=drafter_projection(cfg.model.projection, manifest))
     check_compatible(manifest, expected_fields(drafter_cfg, target_cfg, tokenizer, topk_needed=1))
     return ResolvedTarget(str(path), target_cfg, mask_source, drafter_cfg, identity, check)

@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from train.config import DataConfig
-from train.tiers import mixed_encoding_problems, projection_problems
+from train.stored_features import mixed_encoding_problems, projection_problems
 
 _HOLDOUT_SALT = b"dflash-holdout:"
 _SUBSET_SALT = b"dflash-subset:"
@@ -91,7 +91,7 @@ def check_compatible(manifest: dict, expected: dict) -> None:
 
     `expected` holds any of the keys of `EXPECTED_FIELDS` (an unknown key is an error, so a typo
     never silently skips a check), and may hold `projection`: the drafter's projection identity
-    ({checksum, in_width, out_width}) or None for full tap features (storage tiers, `train.tiers`).
+    ({checksum, in_width, out_width}) or None for full tap features (storage tiers, `train.stored_features`).
     Shards whose encodings differ from the dataset's are always refused. `topk` is a minimum (the
     loss needs at least that many entries); every other field must be equal. A field missing from
     the manifest is reported too. The manifest must also be complete and self-consistent

@@ -24,7 +24,7 @@ from tests.gpu.test_train_cuda import train_cli
 from tests.train.test_loop import config, make_tiny
 from train.data import DataStream
 from train.metrics import read_metrics
-from train.tiers import CompactHidden
+from train.stored_features import CompactHidden
 
 pytestmark = GPU
 

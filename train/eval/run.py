@@ -32,7 +32,7 @@ from train.eval.selection import (
     choose_split,
     select_eval_data,
 )
-from train.tiers import for_data
+from train.stored_features import for_data
 
 REPORT_KIND = "dflash-offline-eval"
 REPORT_VERSION = 1

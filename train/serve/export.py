@@ -53,7 +53,7 @@ from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
 from train.model import DFlashDrafter, DrafterConfig, rope_settings
 from train.serve.cli import parse_export_args, usage_error
 from train.serve.dflash_hf import DFlashDraftModel, layer_attention
-from train.tiers import fold_projection, projection_for_drafter
+from train.stored_features import fold_projection, projection_for_drafter
 
 __all__ = [
     "export_config",
@@ -134,7 +134,7 @@ def export_config(cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dic
     if cfg.projection is not None:  # a DFlash runtime feeds full tap features: fc must read them
         raise ValueError(
             f"the drafter reads projected features (projection {cfg.projection.get('checksum')}): "
-            "fold the projection into fc first (train.tiers.fold_projection; train.export does)"
+            "fold the projection into fc first (train.stored_features.fold_projection; train.export does)"
         )
     # Rope as trained, every part spelled out: vLLM reads rope_parameters (partial factor included),
     # older readers the top-level keys; the half-split (neox) rotation is what both engines default to.

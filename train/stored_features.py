@@ -1,4 +1,5 @@
-"""Storage tiers on the training side (shards/FORMAT.md, "Storage tiers"):
+"""How the drafter reads features stored in a tier (shards/FORMAT.md, "Storage tiers"; writing
+them is `shards.tiers`):
 
 - quantized datasets: the data stream collates the **compact** codes and scales (`CompactHidden`,
   pinned host memory) and the step dequantizes them on its device (`CompactHidden.to`), so the

@@ -34,7 +34,7 @@ from train.model import DFlashDrafter
 from train.serve.export import export_checkpoint, export_drafter, load_exported
 from train.serve.spec_target import SpecTarget
 from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
-from train.tiers import CompactHidden, fold_projection
+from train.stored_features import CompactHidden, fold_projection
 
 
 def tier(tiny, name: str, *words) -> str:  # noqa: F811
