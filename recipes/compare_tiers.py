@@ -47,7 +47,7 @@ TINY_CONFIG = "configs/tiny.toml"
 
 
 @dataclasses.dataclass(frozen=True)
-class ChooseTierConfig:
+class CompareTiersConfig:
     config: str = knob(
         TINY_CONFIG, help="the experiment's config file: its [extract] table (step 1) and [train] table (step 3)"
     )
@@ -137,7 +137,7 @@ def _run_all_of(phase: list[tuple[str, list[str], Callable[[], None] | None]], c
     failed = [e for e in ended if e.exit != 0]
     if failed:
         raise SystemExit(
-            "choose_tier: step failed: "
+            "compare_tiers: step failed: "
             + "; ".join(f"{e.command} (exit {e.exit}, log {e.log})" for e in failed)
             + (f"; {len(phase) - len(ended)} steps not started (rerun to resume)" if len(ended) < len(phase) else "")
         )
@@ -152,7 +152,7 @@ def _run(args: list[str], log: list) -> None:
         {"command": "python " + " ".join(args), "seconds": round(time.time() - started, 1), "exit": result.returncode}
     )
     if result.returncode != 0:
-        raise SystemExit(f"choose_tier: step failed (exit {result.returncode}): python {' '.join(args)}")
+        raise SystemExit(f"compare_tiers: step failed (exit {result.returncode}): python {' '.join(args)}")
 
 
 def _mark_done(run: Path) -> None:
@@ -179,7 +179,7 @@ def _latest_checkpoint(run: Path) -> bool:
     return any((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else False
 
 
-def run_all(cfg: ChooseTierConfig) -> dict:
+def run_all(cfg: CompareTiersConfig) -> dict:
     out = Path(cfg.out_dir)
     log: list = []
     if cfg.extract and not _complete(cfg.lossless):
@@ -197,7 +197,7 @@ def run_all(cfg: ChooseTierConfig) -> dict:
         )
     if not _complete(cfg.lossless):
         raise SystemExit(
-            f"choose_tier: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or "
+            f"compare_tiers: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or "
             "set extract=true)"
         )
     datasets = {"lossless": cfg.lossless}
@@ -319,13 +319,13 @@ def run_all(cfg: ChooseTierConfig) -> dict:
     return {"rows": table}
 
 
-def _extract_corpus(cfg: ChooseTierConfig) -> str:
+def _extract_corpus(cfg: CompareTiersConfig) -> str:
     import tomllib
 
     table = tomllib.loads(Path(cfg.config).read_text()).get("extract", {})
     corpus = table.get("corpus") or (table.get("splits") or {}).get("train")
     if not corpus:
-        raise SystemExit(f"choose_tier: {cfg.config} [extract] names no corpus (or splits.train) for step 1")
+        raise SystemExit(f"compare_tiers: {cfg.config} [extract] names no corpus (or splits.train) for step 1")
     return corpus
 
 
@@ -366,7 +366,7 @@ def named_sets(value: str | dict | None) -> dict[str, str]:
     return dict(value) if isinstance(value, dict) else {"": value}
 
 
-def eval_sets(cfg: ChooseTierConfig) -> dict[str, str | None]:
+def eval_sets(cfg: CompareTiersConfig) -> dict[str, str | None]:
     """The held-out sets by name; none = the held-out split of `lossless` (value None)."""
     return named_sets(cfg.heldout) or {"": None}
 
@@ -391,14 +391,14 @@ def _eval_metrics(overall: dict, budget: int, name: str) -> dict:
     }
 
 
-def metric_keys(cfg: ChooseTierConfig) -> list[str]:
+def metric_keys(cfg: CompareTiersConfig) -> list[str]:
     """The table's metric columns in order: per held-out set acc@1, chain τ, DDTree τ; then online τ
     per prompt set (when decoding runs)."""
     keys = [metric_key(m, name) for name in eval_sets(cfg) for m in ("acc1", "chain_tau", "ddtree_tau")]
     return keys + ([metric_key("online_tau", name) for name in named_sets(cfg.prompts)] if cfg.online else [])
 
 
-def collect(cfg: ChooseTierConfig, datasets: dict, runs: dict) -> list[dict]:
+def collect(cfg: CompareTiersConfig, datasets: dict, runs: dict) -> list[dict]:
     out = Path(cfg.out_dir)
     per_seed: dict = {tier: {} for tier in datasets}
     for name in eval_sets(cfg):
@@ -448,7 +448,7 @@ def _header(metric: str, budget: int) -> str:
     return f"{label} ({name})" if name else label
 
 
-def markdown(rows: list[dict], cfg: ChooseTierConfig) -> list[str]:
+def markdown(rows: list[dict], cfg: CompareTiersConfig) -> list[str]:
     metrics = metric_keys(cfg)
     lines = [
         "| tier | bytes/token | vs raw bf16 | rel. RMS per tap | variance kept per tap | worst channel | "
@@ -479,20 +479,20 @@ def main(argv: list[str] | None = None) -> int:
     experiment config of steps 1 and 3 unless `config=` says otherwise."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__ + "\nkeys:\n" + describe(ChooseTierConfig))
+        print(__doc__ + "\nkeys:\n" + describe(CompareTiersConfig))
         return 0
     run_all(config_from_argv(argv))
     return 0
 
 
-def config_from_argv(argv: list[str]) -> ChooseTierConfig:
+def config_from_argv(argv: list[str]) -> CompareTiersConfig:
     """CONFIG's [tiers] table (if any) and the overrides; CONFIG is also the experiment config."""
     import tomllib
 
     path = argv[0] if argv and "=" not in argv[0] else None
     table = tomllib.loads(Path(path).read_text()).get("tiers") if path and Path(path).is_file() else None
     # A config without a [tiers] table is only the experiment's config (steps 1 and 3).
-    cfg = parse_cli(ChooseTierConfig, argv if table is not None else argv[1:] if path else argv, section="tiers")
+    cfg = parse_cli(CompareTiersConfig, argv if table is not None else argv[1:] if path else argv, section="tiers")
     if path and "config" not in (table or {}) and not any(word.startswith("config=") for word in argv[1:]):
         cfg = dataclasses.replace(cfg, config=path)
     return cfg

@@ -171,7 +171,7 @@ def test_every_stage_config_is_frozen_after_validation():
 
     from extract.config import ExtractConfig
     from extract.regenerate.config import RegenerateConfig
-    from recipes.compare_tiers import ChooseTierConfig
+    from recipes.compare_tiers import CompareTiersConfig
     from recipes.demo import DemoConfig
     from recipes.tiny.config import TinyConfig
     from shards.transcode import TranscodeConfig
@@ -179,7 +179,7 @@ def test_every_stage_config_is_frozen_after_validation():
     from train.eval.config import EvalConfig
     from train.report.config import ReportConfig
 
-    classes = [ExtractConfig, RegenerateConfig, TinyConfig, TranscodeConfig, ChooseTierConfig, TrainConfig]
+    classes = [ExtractConfig, RegenerateConfig, TinyConfig, TranscodeConfig, CompareTiersConfig, TrainConfig]
     classes += [DemoConfig, EvalConfig, ReportConfig]
     import typing
 
@@ -251,7 +251,7 @@ def test_one_command_grammar_positional_key_value_and_flags(tmp_path, capsys):
 def _stage_configs() -> list[type]:
     from extract.config import ExtractConfig
     from extract.regenerate.config import RegenerateConfig
-    from recipes.compare_tiers import ChooseTierConfig
+    from recipes.compare_tiers import CompareTiersConfig
     from recipes.demo import DemoConfig
     from recipes.tiny.config import TinyConfig
     from shards.transcode import TranscodeConfig
@@ -259,7 +259,7 @@ def _stage_configs() -> list[type]:
     from train.eval.config import EvalConfig
     from train.report.config import ReportConfig
 
-    classes = [ExtractConfig, RegenerateConfig, TinyConfig, TranscodeConfig, ChooseTierConfig, TrainConfig]
+    classes = [ExtractConfig, RegenerateConfig, TinyConfig, TranscodeConfig, CompareTiersConfig, TrainConfig]
     return classes + [DemoConfig, EvalConfig, ReportConfig]
 
 

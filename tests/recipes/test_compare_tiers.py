@@ -9,7 +9,7 @@ import json
 import pytest
 
 from common.config import load_config
-from recipes.compare_tiers import ChooseTierConfig, collect, config_from_argv, markdown, tier_name
+from recipes.compare_tiers import CompareTiersConfig, collect, config_from_argv, markdown, tier_name
 from shards.transcode import TranscodeConfig, transcode
 from tests.paths import REPO
 from tests.shards.test_transcode import lossless
@@ -25,7 +25,7 @@ def eval_report(lossless_tau: float, tier_tau: float) -> dict:
 def test_table_has_lossless_first_means_over_seeds_and_changes(tmp_path):
     src = lossless(tmp_path / "src", 6)
     transcode(str(src), str(tmp_path / "fp8"), load_config(TranscodeConfig, None, ["encoding=fp8", "progress=false"]))
-    cfg = load_config(ChooseTierConfig, None, [f"out_dir={tmp_path / 'out'}", 'tiers=["fp8"]', "seeds=[0, 1]"])
+    cfg = load_config(CompareTiersConfig, None, [f"out_dir={tmp_path / 'out'}", 'tiers=["fp8"]', "seeds=[0, 1]"])
     (tmp_path / "out" / "eval").mkdir(parents=True)
     for seed, (a, b) in enumerate([(2.0, 1.9), (2.2, 2.2)]):
         (tmp_path / "out" / "eval" / f"fp8-s{seed}.json").write_text(json.dumps(eval_report(a, b)))
@@ -66,7 +66,7 @@ def test_several_heldout_and_prompt_sets_each_get_their_columns(tmp_path):
         load_config(TranscodeConfig, None, ["encoding=fp8", "projection=pca:rank=4", "progress=false"]),
     )
     cfg = load_config(
-        ChooseTierConfig,
+        CompareTiersConfig,
         None,
         [
             f"out_dir={tmp_path / 'out'}",
@@ -99,7 +99,7 @@ def test_several_heldout_and_prompt_sets_each_get_their_columns(tmp_path):
 
 def test_a_set_name_that_is_no_file_name_is_refused():
     with pytest.raises(ValueError, match="heldout.*plain file name"):
-        load_config(ChooseTierConfig, None, ["heldout={'a/b' = 'x'}"])
+        load_config(CompareTiersConfig, None, ["heldout={'a/b' = 'x'}"])
 
 
 @pytest.mark.parametrize("path", ["configs/smollm2-135m.toml", "configs/smollm2-135m-tiers-cpu.toml"])
@@ -133,7 +133,7 @@ def test_a_phase_marks_each_step_done_and_a_failure_stops_it_resumably(tmp_path,
     stops the tier comparison naming the command."""
     from recipes.compare_tiers import _run_all_of
 
-    cfg = ChooseTierConfig(out_dir=str(tmp_path), jobs=jobs)
+    cfg = CompareTiersConfig(out_dir=str(tmp_path), jobs=jobs)
     done: list[str] = []
     phase = [(f"ok {i}", ["-c", f"print({i})"], lambda i=i: done.append(f"ok {i}")) for i in range(3)]
     log: list = []
