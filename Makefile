@@ -83,10 +83,10 @@ eval: setup
 	$(PY) -m train.eval $(CKPT) --data $(DATA) $(OVERRIDES) $(ARGS)
 
 export: setup
-	$(PY) -m train.export $(CKPT) $(OUT)
+	$(PY) -m train.serve.export $(CKPT) $(OUT)
 
 specdecode: setup
-	$(PY) -m train.specdecode $(ARGS)
+	$(PY) -m train.serve.specdecode $(ARGS)
 
 report: setup
 	$(PY) -m train.report $(RUN) $(OVERRIDES) $(ARGS)

@@ -10,7 +10,7 @@ weights at SmolLM2-135M's shape (speed does not depend on the values), so it nee
 captured (train.serve.fusion), in its default mode and in max-autotune.
 
 Prints per variant: ms per 1-token step, ms per verify forward of each of `--verify-sizes` tokens (what
-`train.specdecode --verify-tokens` trades against tokens per round), and whether each greedy
+`train.serve.specdecode --verify-tokens` trades against tokens per round), and whether each greedy
 continuation equals the eager one.
 """
 
@@ -60,7 +60,7 @@ def sync(device) -> None:
 
 
 def time_steps(target, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    from train.serve.specdecode import greedy_generate
+    from train.serve.decoding import greedy_generate
 
     greedy_generate(target, prompt, 8)  # warm-up
     sync(target.device)
@@ -135,8 +135,8 @@ def time_proposals(target, prompt: list[int], cfg, *, static: bool, rounds: int 
     import tempfile
 
     from train.model import DFlashDrafter
-    from train.serve.export import export_drafter, load_exported
-    from train.serve.specdecode import DFlashProposer
+    from train.serve.decoding import DFlashProposer
+    from train.serve.export_format import export_drafter, load_exported
     from train.serve.static_drafter import StaticDFlashProposer
 
     dtype = target.embed_VD.dtype

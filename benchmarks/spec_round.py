@@ -18,11 +18,11 @@ five taps). Each time is a median after a warm-up, taken with `benchmarks.small_
 Two variants, each as our decoding runs it:
     graphed     the static cache with its 1- and Q-token forwards replayed as CUDA graphs
                 (`train.serve.static_target`) and the slot-cache drafter replayed as a graph
-                (`train.serve.static_drafter`): how `train.specdecode` runs a full-attention target. It does not
+                (`train.serve.static_drafter`): how `train.serve.specdecode` runs a full-attention target. It does not
                 run a hybrid target so (the recurrent state cannot be cut back by moving a count), so for this
                 shape these are the costs of the same kernels replayed: what a decoder that keeps per-token
                 recurrent states (as the serving engines do) pays. A round is propose + verify.
-    eager       the dynamic cache, as `train.specdecode` runs a hybrid target today: a round copies the cache
+    eager       the dynamic cache, as `train.serve.specdecode` runs a hybrid target today: a round copies the cache
                 (snapshot), verifies, and after a partial acceptance restores the copy and runs the accepted
                 tokens again (a forward of τ tokens). A round is propose + snapshot + verify + re-run(τ).
 

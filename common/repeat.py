@@ -1,6 +1,6 @@
 """Where a greedy answer starts looping: `RepeatWatch`, shared by the tiny build's regeneration
 (`recipes.tiny`, which cuts the target's answers there) and speculative decoding
-(`train.specdecode --stop-repeat`, which stops there), so that both end a response at the same token.
+(`train.serve.specdecode --stop-repeat`, which stops there), so that both end a response at the same token.
 
 A response loops once its last n tokens repeat the p tokens before them (token i equals token
 i - p for each of the last n) for some period p <= `REPEAT_MAX_PERIOD`, with n >= max(p,

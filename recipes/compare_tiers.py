@@ -14,7 +14,8 @@ Steps, each the project's own command (rerunning the command resumes: finished s
          python -m train.eval OUT/runs/lossless-sSEED OUT/runs/TIER-sSEED --data HELDOUT
   5. (optional, `online=true`) export each drafter and decode speculatively with the real target, on
      each prompt set of `prompts` (one file, or several by name)
-         python -m train.export RUN RUN/export ; python -m train.specdecode --target T --drafter RUN/export ...
+         python -m train.serve.export RUN RUN/export
+         python -m train.serve.specdecode --target T --drafter RUN/export ...
 and writes OUT/tiers.md and OUT/tiers.json: one row per tier (lossless first) with bytes/token and
 the ratio to raw bf16 of the full features, reconstruction error per tap (recorded at encode time),
 variance kept per tap (a projection's share of each tap's second moment), held-out acc@1 (block
@@ -273,7 +274,7 @@ def run_all(cfg: CompareTiersConfig) -> dict:
     if cfg.online:
         target = cfg.target or _provenance_target(cfg.lossless)
         exports = [
-            (f"export {run.name}", ["-m", "train.export", str(run), str(run / "export")], None)
+            (f"export {run.name}", ["-m", "train.serve.export", str(run), str(run / "export")], None)
             for run in runs.values()
             if not (run / "export" / "config.json").is_file()
         ]
@@ -289,7 +290,7 @@ def run_all(cfg: CompareTiersConfig) -> dict:
                         f"specdecode {name} {run.name}",
                         [
                             "-m",
-                            "train.specdecode",
+                            "train.serve.specdecode",
                             "--target",
                             target,
                             "--drafter",

@@ -13,7 +13,7 @@ each the project's own command (so the demo proves the CLIs users run):
   2. extract train + held-out shards (resumes if done)     python -m extract configs/tiny.toml ...
   3. train a drafter for a few minutes                     python -m train configs/tiny.toml ...
   4. evaluate it offline on the held-out shards            python -m train.eval RUN data=.../heldout
-  5. export it for serving and decode speculatively        python -m train.export / train.specdecode
+  5. export it for serving and decode speculatively        python -m train.serve.export / train.serve.specdecode
   6. write the training-health report                      python -m train.report RUN
 and prints where everything is, with the measured numbers. The steps run with the interpreter
 that runs the demo (`sys.executable`), so `python3 -m recipes.demo` works without the Makefile's

@@ -6,9 +6,9 @@ model, SmolLM2-135M-Instruct, each step the project's own command:
   3. extract train / chat_heldout / humaneval shards                 python -m extract configs/smollm2-135m.toml
   4. train a drafter                                                 python -m train configs/smollm2-135m.toml
   5. offline evaluation on HumanEval and the held-out chat split,    python -m train.eval (x2)
-     and the export, side by side on a GPU                           python -m train.export
+     and the export, side by side on a GPU                           python -m train.serve.export
   6. real speculative decoding on 64 HumanEval prompts beside target-only greedy decoding, transformers'
-     `generate` and prompt-lookup decoding (those two on 4)          python -m train.specdecode
+     `generate` and prompt-lookup decoding (those two on 4)          python -m train.serve.specdecode
   7. the training-health report                                      python -m train.report
 
 On a GPU it runs at full scale (`SCALES["full"]`); on a CPU at a reduced scale (`SCALES["reduced"]`:
@@ -52,7 +52,7 @@ class Scale:
 
 SCALES = {
     # 64 of HumanEval's 164 prompts online (all 164 took about 6 of the demo's 17-19 minutes on the H200,
-    # 2026-12-04; `train.specdecode --num-prompts 0` decodes them all), the peers on 4 (about 9.5 s each).
+    # 2026-12-04; `train.serve.specdecode --num-prompts 0` decodes them all), the peers on 4 (about 9.5 s each).
     "full": Scale("full", 0, 0, 0, 256, 1024, 1000, 5, 16384, 512, 64, 4),
     # Two CPU cores decode this model at ~7 tok/s (batch 1) to ~70 tok/s (batch 32), and train its 2-layer
     # drafter at 15-20 s per 4,096-token step (49,152-way loss): minutes per hundred answers or steps.

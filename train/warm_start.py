@@ -1,6 +1,6 @@
 """Warm start (`model.init_from=DIR`): a DFlash drafter directory's weights as the run's first weights.
 
-DIR holds `config.json` in the published DFlash format (what `train.export` writes and z-lab
+DIR holds `config.json` in the published DFlash format (what `train.serve.export` writes and z-lab
 publishes) and `model.safetensors`. Nothing from DIR is executed. The start is strict:
 
 - the drafter DIR describes must be the drafter this run builds from its config, the target and the
@@ -25,7 +25,7 @@ import torch
 from common.hashing import file_checksum
 from common.io import resolve
 from train.model import DFlashDrafter, DrafterConfig
-from train.serve.export import check_weights, drafter_config_from_export
+from train.serve.export_format import check_weights, drafter_config_from_export
 
 __all__ = ["read_drafter_config", "read_drafter_dir", "config_differences", "check_init_from", "warm_start"]
 

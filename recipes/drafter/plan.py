@@ -6,8 +6,8 @@ target and its prompt sets, where every stage writes, and each stage's settings.
     extraction          python -m extract, every set in one run (splits)
     drafter training    python -m train
     offline evaluation  python -m train.eval, per held-out set (the one decoded online first)
-    export              python -m train.export          (side by side with the evaluations on a GPU)
-    speculative decoding python -m train.specdecode on the online set's prompts
+    export              python -m train.serve.export          (side by side with the evaluations on a GPU)
+    speculative decoding python -m train.serve.specdecode on the online set's prompts
     report              python -m train.report
 
 A stage's settings come in three layers, the later winning: `Job.defaults` (derived from the target
@@ -184,7 +184,7 @@ def export_stage(job: Job) -> Stage:
     names = ("config.json", "model.safetensors", "dflash_export.json")
     return Stage(
         "export",
-        "train.export",
+        "train.serve.export",
         stage_args(job, "export", [job.run_dir, job.export_dir], []),
         records=tuple(os.path.join(job.export_dir, n) for n in names),
         clear=(job.export_dir,),
@@ -198,7 +198,7 @@ def decoding_stage(job: Job) -> Stage:
     paths = [f"target={job.target}", f"drafter={job.export_dir}", f"prompts={online.prompts}", f"out={job.spec_out}"]
     return Stage(
         "speculative decoding" + label,
-        "train.specdecode",
+        "train.serve.specdecode",
         stage_args(job, "specdecode", [], paths),
         records=(job.spec_out,),
         clear=(job.spec_out,),

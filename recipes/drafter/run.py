@@ -40,8 +40,8 @@ PARSERS = {
     "extract": lambda args: parse_cli(ExtractConfig, args, section="extract"),
     "train": lambda args: parse_cli(TrainConfig, args, section="train"),
     "train.eval": parse_eval_args,
-    "train.export": parse_export_args,
-    "train.specdecode": parse_specdecode_args,
+    "train.serve.export": parse_export_args,
+    "train.serve.specdecode": parse_specdecode_args,
     "train.report": parse_report_args,
 }
 

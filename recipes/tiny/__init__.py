@@ -27,7 +27,7 @@ Library use: `build_tiny(TinyConfig(...)) -> Path`, `build_corpus(seed, heldout_
 `regenerate_corpus(target_dir, train, heldout, cfg)`, `regenerate_records(model, tokenizer, records,
 max_new_tokens)`, `tap_layer_ids(num_layers, n_taps)`.
 
-Target-regenerated answers: each user turn is rendered as `train.specdecode` renders prompts
+Target-regenerated answers: each user turn is rendered as `train.serve.specdecode` renders prompts
 (`add_generation_prompt=True`, `enable_thinking=False`) and answered by the saved target (float32,
 as extraction and speculative decoding run it) with greedy decoding until `<|im_end|>`/EOS,
 `regen_max_new_tokens`, or the token where the answer starts looping (`regen_stop_repeat`,
@@ -36,7 +36,7 @@ in about half of its answers, and how often depends on the build: 345 to 732 of 
 to the 256-token cap in three builds that differ only in rounding. A drafter trained on the
 uncut answers learns mostly loops, and its τ went with how often the target looped (online τ
 1.35 to 3.35). Cut after the first repetition, the answers keep what the target says rather than
-how long it keeps repeating it (`train.specdecode --stop-repeat` ends online responses by the
+how long it keeps repeating it (`train.serve.specdecode --stop-repeat` ends online responses by the
 same rule). So the held-out first answers
 are exactly what target-only greedy decoding produces from the speculative-decoding prompts, and
 offline τ on them estimates online τ (docs/dflash.md "Acceptance length (τ)"). (An earlier answer

@@ -31,7 +31,7 @@ REGEN_FILES = {"train": "corpus/train_regen.jsonl", "heldout": "corpus/heldout_r
 
 def answer_prompt(tokenizer, messages: list[dict]) -> str:
     """The conversation so far as the target sees it before it answers: the chat template with the
-    generation prompt, non-thinking (train.specdecode's rendering of prompts)."""
+    generation prompt, non-thinking (train.serve.specdecode's rendering of prompts)."""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
 
 

@@ -89,8 +89,8 @@ def stage_configs():
         "extract": lambda a: parse_cli(ExtractConfig, a, section="extract"),
         "train": lambda a: parse_cli(TrainConfig, a, section="train"),
         "train.eval": lambda a: parse_eval(a)[1],
-        "train.export": parse_export_args,
-        "train.specdecode": parse_specdecode_args,
+        "train.serve.export": parse_export_args,
+        "train.serve.specdecode": parse_specdecode_args,
         "recipes.compare_tiers": config_from_argv,
         "train.report": lambda a: a,
     }
@@ -127,7 +127,7 @@ def check_real(parsed: dict, scale: str) -> None:
     trainings = {units: cfg for (part, _, units), (m, cfg) in parsed.items() if m == "train"}
     assert set(trainings) == ({300, 1000} if scale == "h200" else {5, 30})
     assert all(cfg.optim.max_steps == units for units, cfg in trainings.items())
-    decodings = {units: cfg for (part, _, units), (m, cfg) in parsed.items() if m == "train.specdecode"}
+    decodings = {units: cfg for (part, _, units), (m, cfg) in parsed.items() if m == "train.serve.specdecode"}
     assert {cfg.num_prompts for cfg in decodings.values()} == set(decodings)
 
 

@@ -1,4 +1,4 @@
-"""On CUDA: speculative decoding (`train.specdecode`) is lossless: its output is token for token the
+"""On CUDA: speculative decoding (`train.serve.specdecode`) is lossless: its output is token for token the
 target-only greedy decoding, with the DFlash drafter and with stub proposers that accept everything,
 up to a position, or nothing (so whole, partial and empty acceptances all occur).
 
@@ -30,10 +30,10 @@ from tests.train.serve.test_specdecode import (
     tiny_qwen35,
 )
 from train.model import DFlashDrafter
-from train.serve.export import export_drafter, load_exported
+from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
+from train.serve.export_format import export_drafter, load_exported
 from train.serve.spec_target import SpecTarget
-from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
-from train.serve.specdecode_run import main
+from train.serve.specdecode import main
 
 pytestmark = GPU
 

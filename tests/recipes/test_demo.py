@@ -98,8 +98,8 @@ def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeyp
         "extract",
         "train",
         "train.eval",
-        "train.export",
-        "train.specdecode",
+        "train.serve.export",
+        "train.serve.specdecode",
         "train.report",
     ]
     train_args, eval_args, spec_args = calls[2], calls[3], calls[5]
@@ -166,12 +166,12 @@ def test_steps_run_with_this_interpreter_few_threads_and_the_gpu_when_there_is_o
     monkeypatch.setattr(subprocess, "run", fake_run)
     monkeypatch.setattr("common.processes.subprocess.Popen", FakePopen)
     assert demo.main([]) == 0
-    assert together == (["train.eval", "train.eval", "train.export"] if cuda else [])
+    assert together == (["train.eval", "train.eval", "train.serve.export"] if cuda else [])
     assert all(
         args[0] == demo.sys.executable for args, _ in calls
     )  # not a venv path: `python3 -m recipes.demo` works anywhere
     assert {env["OMP_NUM_THREADS"] for _, env in calls} == {"4"}  # 16 cores, small models: 4 threads
-    spec = next(args for args, _ in calls if "train.specdecode" in args)
+    spec = next(args for args, _ in calls if "train.serve.specdecode" in args)
     assert parse_specdecode_args(spec[3:]).device == ("cuda" if cuda else "cpu")
     summary = json.loads((tmp_path / "runs/demo/demo_summary.json").read_text())
     assert summary["machine"]["device"] == ("cuda" if cuda else "cpu") and summary["machine"]["threads"] == 4

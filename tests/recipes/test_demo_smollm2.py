@@ -29,7 +29,7 @@ def test_every_step_parses_with_its_stage_config(scale, device):
     steps = [step for stage in planned for step in stage]
     # What runs side by side needs only what earlier stages wrote: the checkpoint, never each other's output.
     [together] = [stage for stage in planned if len(stage) > 1]
-    assert sorted(argv[1] for _, argv in together) == ["train.eval", "train.eval", "train.export"]
+    assert sorted(argv[1] for _, argv in together) == ["train.eval", "train.eval", "train.serve.export"]
     assert planned.index(together) == 1 + [n for n, _ in steps].index("drafter training")
     seen = set()
     for name, argv in steps:
@@ -50,13 +50,13 @@ def test_every_step_parses_with_its_stage_config(scale, device):
             if argv[1] == "extract.regenerate":
                 assert cfg.max_new_tokens == SCALES[scale].max_new_tokens and cfg.dtype == "float32"
                 assert cfg.device == device and cfg.batch_size == SCALES[scale].regen_batch
-        if argv[1] == "train.specdecode":
+        if argv[1] == "train.serve.specdecode":
             spec = parse_specdecode_args(argv[2:])
             assert spec.dtype == "float32" and spec.device == device and spec.peer_baselines
             assert spec.prompts.endswith("humaneval.jsonl") and spec.out == "runs/demo/specdecode_humaneval.json"
             assert spec.peer_names == ["generate", "prompt_lookup"] and spec.num_prompts == SCALES[scale].online_prompts
             seen.add(argv[1])
-    assert seen == set(stages) | {"train.eval", "train.specdecode"}
+    assert seen == set(stages) | {"train.eval", "train.serve.specdecode"}
     assert [n for n, _ in steps][-1] == "report"
 
 

@@ -93,7 +93,9 @@ def test_derived_defaults_yield_to_a_config_table_and_to_stage_settings(tmp_path
     args = {s.module: list(s.args) for group in plan_stages(job) for s in group}
     assert args["train"][0] == str(config) and not [a for a in args["train"] if a.startswith("model.num_layers")]
     assert "dtype=float32" not in args["extract"] and "dtype=float32" in args["extract.regenerate"]
-    assert args["train.specdecode"].index("dtype=bfloat16") > args["train.specdecode"].index("dtype=float32")
+    assert args["train.serve.specdecode"].index("dtype=bfloat16") > args["train.serve.specdecode"].index(
+        "dtype=float32"
+    )
     assert "train.optim.max_steps" not in " ".join(args["train"]) and "data.holdout_fraction=0.0" in args["train"]
 
 

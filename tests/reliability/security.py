@@ -301,7 +301,7 @@ def remote_code_target(world: World, work: Path, checks: Checks) -> None:
     )
 
     from train.loop import train
-    from train.serve.export import export_checkpoint, load_exported
+    from train.serve.export_format import export_checkpoint, load_exported
 
     runs = work / "sec-runs"
     train(world.train_cfg(runs, "export-src", "optim.max_steps=1", "checkpoint.every=1"))

@@ -19,7 +19,7 @@ from train.config import TrainConfig
 from train.layer_types import resolve_layer_types
 from train.model import DFlashDrafter, DrafterConfig, RotaryEmbedding
 from train.prepare import build_drafter_config
-from train.serve.export import drafter_config_from_export, export_config
+from train.serve.export_format import drafter_config_from_export, export_config
 from train.warm_start import config_differences
 
 ZLAB_TOML = "configs/qwen3.6-27b-zlab.toml"

@@ -31,9 +31,9 @@ from train.eval.config import EvalConfig
 from train.eval.run import evaluate_checkpoints
 from train.loop import train
 from train.model import DFlashDrafter
-from train.serve.export import export_checkpoint, export_drafter, load_exported
+from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
+from train.serve.export_format import export_checkpoint, export_drafter, load_exported
 from train.serve.spec_target import SpecTarget
-from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
 from train.stored_features import CompactHidden, fold_projection
 
 

@@ -21,7 +21,7 @@ from tests.recipes.smollm2.test_real_target import extracted  # noqa: F401  (the
 from train.config import TrainConfig
 from train.loop import train
 from train.model import DFlashDrafter, DrafterConfig
-from train.serve.export import export_checkpoint, load_exported
+from train.serve.export_format import export_checkpoint, load_exported
 
 
 def trained_on_tier(lossless_root: str, tmp_path, projection: str) -> tuple:

@@ -1,4 +1,4 @@
-"""Agreement of offline chain τ with online τ (`python -m train.specdecode --agreement`): the
+"""Agreement of offline chain τ with online τ (`python -m train.serve.specdecode --agreement`): the
 target's own greedy continuations run once teacher-forced, the drafter's blocks drafted at every
 response anchor as offline evaluation drafts them, and τ compared at the online round starts, over
 the online schedule replayed offline, and over all anchors.
@@ -13,7 +13,7 @@ online rounds started equals the online τ round by round (exactly, up to floati
 between the incremental and the one-pass forward); offline τ over all anchors is a different average
 (see `agreement`).
 
-It checks the generations `train.serve.specdecode` decoded (or decodes them itself); the decoding
+It checks the generations `train.serve.decoding` decoded (or decodes them itself); the decoding
 loop knows nothing of this check.
 """
 
@@ -27,10 +27,10 @@ from torch import nn
 from train.alignment import block_input_ids, block_positions, draft_label_rows
 from train.attention import MaskRule, build_layer_masks
 from train.eval.acceptance import chain_blocks
+from train.serve.decoding import DFlashProposer, Generation, speculative_generate
 from train.serve.prompts import first_response
 from train.serve.results import mean_or_none
 from train.serve.spec_target import SpecTarget
-from train.serve.specdecode import DFlashProposer, Generation, speculative_generate
 
 
 @torch.inference_mode()

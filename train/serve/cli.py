@@ -1,4 +1,4 @@
-"""The command lines of serving, `python -m train.export` and `python -m train.specdecode`, as
+"""The command lines of serving, `python -m train.serve.export` and `python -m train.serve.specdecode`, as
 configs read by the grammar every entry point shares (`common.config.parse_command`:
 positional values, `key=value`, or `--key value`). Built without torch, so that `--help` and a
 usage error answer before the heavy modules load.
@@ -16,11 +16,11 @@ DEFAULT_PROMPTS = "artifacts/tiny/corpus/heldout.jsonl"
 # The peer baselines a run can decode beside ours (`train.serve.peers`), in the order they run.
 PEERS = ("generate", "prompt_lookup", "generate_static")
 
-EXPORT_USAGE = """usage: python -m train.export CHECKPOINT OUT_DIR [key=value | --key value ...]
+EXPORT_USAGE = """usage: python -m train.serve.export CHECKPOINT OUT_DIR [key=value | --key value ...]
 
 Export a training checkpoint as a Hugging Face DFlash drafter directory (docs/dflash.md "Export format")."""
 
-SPECDECODE_USAGE = """usage: python -m train.specdecode --target DIR --drafter DIR [key=value | --key value ...]
+SPECDECODE_USAGE = """usage: python -m train.serve.specdecode --target DIR --drafter DIR [key=value | --key value ...]
 
 Real greedy speculative decoding with a target and an exported DFlash drafter, against target-only
 greedy decoding, and the agreement of offline chain τ with the online τ."""
@@ -28,7 +28,7 @@ greedy decoding, and the agreement of offline chain τ with the online τ."""
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """`python -m train.export CHECKPOINT OUT_DIR`."""
+    """`python -m train.serve.export CHECKPOINT OUT_DIR`."""
 
     checkpoint: str = knob(help="checkpoint directory (step-XXXXXXXX) or run directory (latest checkpoint)")
     out_dir: str = knob(help="directory to write the Hugging Face export into")
@@ -53,10 +53,10 @@ class ExportConfig:
 
 @dataclass(frozen=True)
 class SpecDecodeConfig:
-    """`python -m train.specdecode --target DIR --drafter DIR`."""
+    """`python -m train.serve.specdecode --target DIR --drafter DIR`."""
 
     target: str = knob(help="target checkpoint directory (Hugging Face layout)")
-    drafter: str = knob(help="exported drafter directory (python -m train.export)")
+    drafter: str = knob(help="exported drafter directory (python -m train.serve.export)")
     trust_remote_code: bool = knob(
         False,
         help="build the drafter with the dflash.py its directory ships (runs that code); default: this project's "

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from train.serve.cli import PEERS
-from train.serve.specdecode import Generation
+from train.serve.decoding import Generation
 
 
 @torch.inference_mode()
@@ -24,7 +24,7 @@ def hf_generate(
 ):
     """transformers' own greedy decoding of one prompt (prompt-lookup decoding with `prompt_lookup`
     draft tokens; with `static`, a static cache, which transformers compiles the forward for on CUDA),
-    as a `train.serve.specdecode.Generation` (tokens after the prompt, up to and with the first stop
+    as a `train.serve.decoding.Generation` (tokens after the prompt, up to and with the first stop
     token; its time all in `decode_s`)."""
     model = target.model
     ids_1T = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)

@@ -3,7 +3,7 @@ summaries (`summarize`, `summarize_peer`), the lossless check against target-onl
 (`compare_generations`, `against_baseline`), one record per prompt (`generation_record`) and the
 printed summary (`print_summary`, of the result dict the command writes).
 
-τ (docs/dflash.md "Acceptance length (τ)"; a round's τ: `train.serve.specdecode`): the reported τ
+τ (docs/dflash.md "Acceptance length (τ)"; a round's τ: `train.serve.decoding`): the reported τ
 is the mean over prompts of the per-prompt mean over rounds; the histogram counts rounds by
 τ = 1..B. (z-lab's benchmark counts a last round's committed tokens instead: the two differ only
 when a response's last round accepted every draft up to its end.) Speed: tokens/s over the decode
@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 
 from common.target_check import allowed_line
-from train.serve.specdecode import Generation
+from train.serve.decoding import Generation
 
 
 def compare_generations(spec: Generation, base: Generation) -> dict:
@@ -138,7 +138,7 @@ def summarize_peer(gens: Sequence[Generation], bases: Sequence[Generation] | Non
 
 
 def print_summary(result: dict) -> None:
-    """The printed summary of a run's result (`specdecode_run.main`'s dict: speculative, target-only,
+    """The printed summary of a run's result (`specdecode_run.run`'s dict: speculative, target-only,
     DDTree, peers, agreement)."""
     s = result["summary"]
     B = len(s["tau_histogram"])

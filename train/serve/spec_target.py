@@ -5,7 +5,7 @@ extraction stores them), and the cache helpers every decoding loop shares (`crop
 
 How the decoding loops cut the cache back after a partial acceptance (`crop_cache`), or, for the
 recurrent states of hybrid models that cannot be cut (`cache_mode_for` = "snapshot"), restore a copy:
-`train.serve.specdecode`. `train.serve.static_target` is the same target on a static cache with its
+`train.serve.decoding`. `train.serve.static_target` is the same target on a static cache with its
 forwards captured as CUDA graphs.
 
 Shape legend: T tokens, S context, Q block tokens, F tap feature width, V vocabulary.

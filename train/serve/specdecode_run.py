@@ -1,23 +1,15 @@
-"""The command `python -m train.specdecode` (options: `train.serve.cli`): load the target and the
-exported drafter, pick their implementations (`maybe_static`, `proposer_for`: the static-cache,
-CUDA-graph ones of `train.serve.static_target` / `train.serve.static_drafter` where they can work,
-else the dynamic-cache ones), decode every prompt speculatively and target-only, interleaved
+"""The work of `python -m train.serve.specdecode` (`run`, given the options `train.serve.cli` read):
+check the target against the one the drafter was exported for, load both, pick their
+implementations (`maybe_static`, `proposer_for`: the static-cache, CUDA-graph ones of
+`train.serve.static_target` / `train.serve.static_drafter` where they can work, else the
+dynamic-cache ones), decode every prompt speculatively and target-only, interleaved
 (`run_benchmark`; DDTree and the peer baselines too when asked), add the agreement of offline and
 online τ (`--agreement`, `train.serve.agreement`), print the summary and write the JSON.
-
-    python -m train.specdecode --target DIR --drafter EXPORT_DIR [--prompts FILE.jsonl | --data SHARDS]
-        [--max-new-tokens N] [--num-prompts N] [--out result.json] [--agreement [--agreement-bf16]]
-        [--tree-budgets 8,32] [--dtype float32] [--threads N] [--thinking] [--no-baseline] [--stop-repeat N]
-    make specdecode ARGS="--target artifacts/tiny/target --drafter exports/NAME --agreement"
-
-Prompts: the first user turn of each `{"messages": [...]}` record (default
-artifacts/tiny/corpus/heldout.jsonl), rendered with the chat template, add_generation_prompt=True and
-enable_thinking=False (non-thinking, as the published drafters); or, with --data, the tokens before
-each shard sample's first response.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -28,20 +20,19 @@ import torch
 from torch import nn
 
 from common.chat_template import with_chat_template
-from common.config import ConfigError
 from common.hashing import template_digest
-from common.target import load_target
+from common.target import Target, load_target
 from common.target_arch import check_architecture
 from common.target_check import OVERRIDE_KEY, check_target
 from common.target_identity import target_identity
 from train.serve.agreement import agreement, corpus_offline_tau
-from train.serve.cli import DEFAULT_PROMPTS, parse_specdecode_args, usage_error
-from train.serve.export import INFO_FILE, load_exported
+from train.serve.cli import DEFAULT_PROMPTS, SpecDecodeConfig
+from train.serve.decoding import DFlashProposer, Generation, Proposer, greedy_generate, speculative_generate
+from train.serve.export_format import INFO_FILE, load_exported
 from train.serve.peers import peer_generate
 from train.serve.prompts import prompts_from_jsonl, prompts_from_shards, stop_token_ids
 from train.serve.results import generation_record, print_summary, summarize, summarize_peer
 from train.serve.spec_target import SpecTarget
-from train.serve.specdecode import DFlashProposer, Generation, Proposer, greedy_generate, speculative_generate
 from train.serve.static_drafter import StaticDFlashProposer
 from train.serve.static_target import StaticSpecTarget, static_cache_length
 from train.serve.tree_decode import ddtree_generate
@@ -173,12 +164,9 @@ def check_drafter_target(drafter_dir: str, target_dir: str, allowed: bool) -> di
     return check_target(target_identity(target_dir), recorded, made=made, key=OVERRIDE_KEY, allowed=allowed)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m train.specdecode`: 0 done, 1 a decoding was not lossless, 2 a usage or input error."""
-    try:
-        args = parse_specdecode_args(sys.argv[1:] if argv is None else argv)
-    except ConfigError as exc:
-        return usage_error("train.specdecode", exc)
+def run(args: SpecDecodeConfig) -> int:
+    """The work of `python -m train.serve.specdecode` (which reads `args`): 0 done, 1 a decoding was
+    not lossless, 2 an input error."""
     if args.threads:
         torch.set_num_threads(args.threads)
     tf32_before = torch.backends.cuda.matmul.allow_tf32
@@ -189,50 +177,68 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = tf32_before
 
 
-def _run(args) -> int:
+@dataclasses.dataclass
+class Inputs:
+    """What a run decodes with."""
+
+    target_check: dict  # the target against the one the drafter was exported for
+    drafter: nn.Module
+    target_obj: Target  # the loaded target
+    target: SpecTarget  # its cached forwards (dynamic cache; `maybe_static` may replace it)
+    tokenizer: object  # the target's, with the chat template the prompts were rendered with
+    prompts: list
+    samples: list | None  # the shard samples the prompts come from (--data), else None
+
+
+def load_inputs(args: SpecDecodeConfig) -> Inputs:
+    """The drafter, the target and the prompts; ValueError on a bad input (naming it)."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    target_check = check_drafter_target(args.drafter, args.target, args.allow_target_mismatch)
+    drafter = load_exported(args.drafter, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+    check_architecture(args.target)
+    target_obj = load_target(
+        args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device
+    )
+    target = SpecTarget(target_obj, drafter.target_layer_ids, stop_token_ids(target_obj))
+    tokenizer = with_chat_template(target_obj.tokenizer, args.chat_template)
+    if target_obj.hidden_size != int(drafter.config.hidden_size):
+        raise ValueError(
+            f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size {target_obj.hidden_size}"
+        )
+    for name, n in [("verify_tokens", args.verify_tokens)] + [("verify_sweep", n) for n in args.sweep]:
+        if n > int(drafter.block_size):
+            raise ValueError(f"{name} {n} is more than the drafter's block size {drafter.block_size}")
+    samples = None
+    if args.data:
+        prompts, samples = prompts_from_shards(args.data, args.num_prompts or None)
+    else:
+        path = args.prompts or DEFAULT_PROMPTS
+        if not Path(path).is_file():
+            raise ValueError(f"prompts file '{path}' does not exist (give --prompts or --data)")
+        prompts = prompts_from_jsonl(path, tokenizer, args.num_prompts or None, thinking=args.thinking)
+    return Inputs(target_check, drafter, target_obj, target, tokenizer, prompts, samples)
+
+
+def _run(args: SpecDecodeConfig) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     try:
-        target_check = check_drafter_target(args.drafter, args.target, args.allow_target_mismatch)
-        drafter = load_exported(args.drafter, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
-        check_architecture(args.target)
-        target_obj = load_target(
-            args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device
-        )
-        target = SpecTarget(target_obj, drafter.target_layer_ids, stop_token_ids(target_obj))
-        tokenizer = with_chat_template(target_obj.tokenizer, args.chat_template)
-        static_note = None
-        if target_obj.hidden_size != int(drafter.config.hidden_size):
-            raise ValueError(
-                f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size {target_obj.hidden_size}"
-            )
-        for name, n in [("verify_tokens", args.verify_tokens)] + [("verify_sweep", n) for n in args.sweep]:
-            if n > int(drafter.block_size):
-                raise ValueError(f"{name} {n} is more than the drafter's block size {drafter.block_size}")
-        samples = None
-        if args.data:
-            prompts, samples = prompts_from_shards(args.data, args.num_prompts or None)
-        else:
-            path = args.prompts or DEFAULT_PROMPTS
-            if not Path(path).is_file():
-                raise ValueError(f"prompts file '{path}' does not exist (give --prompts or --data)")
-            prompts = prompts_from_jsonl(path, tokenizer, args.num_prompts or None, thinking=args.thinking)
-        target, static_note = maybe_static(args, target, prompts, int(drafter.block_size))
+        inputs = load_inputs(args)
+        target, static_note = maybe_static(args, inputs.target, inputs.prompts, int(inputs.drafter.block_size))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if static_note:
         print(f"target: static KV cache, CUDA graphs {static_note}")
-    proposer, drafter_note = proposer_for(drafter, target, not args.no_context_cache)
+    proposer, drafter_note = proposer_for(inputs.drafter, target, not args.no_context_cache)
     if drafter_note:
         print(f"drafter: slot cache, CUDA graph {drafter_note}")
     try:
         result = run_benchmark(
             target,
             proposer,
-            prompts,
+            inputs.prompts,
             args.max_new_tokens,
             baseline=not args.no_baseline,
             progress=True,
@@ -249,43 +255,61 @@ def _run(args) -> int:
         return 2
     generations = result.pop("generations")
     if args.agreement:  # on the very rounds the benchmark decoded, not a second decoding
-        started = time.perf_counter()
-        result["agreement"] = agreement(
-            target,
-            drafter,
-            prompts,
-            args.max_new_tokens,
-            feature_dtype=torch.bfloat16 if args.agreement_bf16 else None,
-            progress=True,
-            generations=generations,
-            stop_repeat=args.stop_repeat,
-        )
-        if samples is not None:
-            result["agreement"].update(corpus_offline_tau(drafter, target, samples))
-        result["agreement"]["seconds"] = time.perf_counter() - started  # what the check adds to a run
+        result["agreement"] = _agreement(args, target, inputs, generations)
+    result["config"] = _run_record(args, inputs, proposer.block_size, static_note, drafter_note)
+    result["target_check"] = inputs.target_check
+    print_summary(result)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"results: {args.out}")
+    return _lossless_status(result)
+
+
+def _agreement(args: SpecDecodeConfig, target: SpecTarget, inputs: Inputs, generations) -> dict:
+    """`train.serve.agreement` on the benchmark's own generations, with the seconds it adds to a run."""
+    started = time.perf_counter()
+    found = agreement(
+        target,
+        inputs.drafter,
+        inputs.prompts,
+        args.max_new_tokens,
+        feature_dtype=torch.bfloat16 if args.agreement_bf16 else None,
+        progress=True,
+        generations=generations,
+        stop_repeat=args.stop_repeat,
+    )
+    if inputs.samples is not None:
+        found.update(corpus_offline_tau(inputs.drafter, target, inputs.samples))
+    found["seconds"] = time.perf_counter() - started
+    return found
+
+
+def _run_record(args: SpecDecodeConfig, inputs: Inputs, block_size: int, static_note, drafter_note) -> dict:
+    """The result's `config`: what was decoded, and how."""
     import transformers
 
-    result["config"] = {
+    return {
         "target": str(args.target),
         "drafter": str(args.drafter),
         "prompts": args.prompts or (None if args.data else DEFAULT_PROMPTS),
         "chat_template": args.chat_template,
-        "chat_template_hash": template_digest(tokenizer),
+        "chat_template_hash": template_digest(inputs.tokenizer),
         "data": args.data,
-        "num_prompts": len(prompts),
+        "num_prompts": len(inputs.prompts),
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
         "attn_implementation": args.attn_implementation,
-        "attn_implementation_used": getattr(target_obj.model.config, "_attn_implementation", None),
+        "attn_implementation_used": getattr(inputs.target_obj.model.config, "_attn_implementation", None),
         "allow_target_mismatch": args.allow_target_mismatch,
         "tf32": args.tf32,
         "compile": args.compile_mode if static_note else None,  # only the static-cache target compiles
-        "verify_tokens": args.verify_tokens or proposer.block_size,
+        "verify_tokens": args.verify_tokens or block_size,
         "verify_sweep": args.sweep,
         "device": args.device,
         "threads": torch.get_num_threads(),
         "thinking": args.thinking,
-        "block_size": proposer.block_size,
+        "block_size": block_size,
         "context_cache": not args.no_context_cache,
         "tree_budgets": args.budgets,
         "stop_repeat": args.stop_repeat,
@@ -296,13 +320,11 @@ def _run(args) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    result["target_check"] = target_check
-    print_summary(result)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"results: {args.out}")
-    # Every decoding of ours must be lossless; the peers' own checks are reported only.
+
+
+def _lossless_status(result: dict) -> int:
+    """1 (and the reason on stderr) when a decoding of ours differed from target-only greedy decoding;
+    the peers' own checks are reported only."""
     ours = {"speculative": result["summary"]}
     ours.update({f"DDTree budget {b}": tree for b, tree in result.get("ddtree", {}).items()})
     ours.update({f"verify {n} tokens": run for n, run in result.get("verify_sweep", {}).items()})
@@ -314,7 +336,3 @@ def _run(args) -> int:
         )
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

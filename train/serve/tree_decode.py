@@ -2,7 +2,7 @@
 top-k per depth gives a best-first tree of `budget` nodes (`train.eval.ddtree.build_ddtree`); the
 target verifies [anchor | nodes] in one forward with an ancestor-only mask and positions anchor +
 depth, walks its greedy tokens down the tree, and the cache keeps the accepted path only
-(`ddtree_generate`, the tree counterpart of `train.serve.specdecode.speculative_generate`).
+(`ddtree_generate`, the tree counterpart of `train.serve.decoding.speculative_generate`).
 
 Shape legend: T tokens, M tree nodes, D draft depth, V vocabulary, K top-k.
 """
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from train.eval.ddtree import build_ddtree, draft_topk
+from train.serve.decoding import DFlashProposer, Ending, Generation, Round, prompt_tensor
 from train.serve.spec_target import SpecTarget, cache_mode_for
-from train.serve.specdecode import DFlashProposer, Ending, Generation, Round, prompt_tensor
 
 
 def compact_cache(cache, keep_T: torch.Tensor) -> None:

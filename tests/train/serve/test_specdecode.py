@@ -23,12 +23,12 @@ from train.attention import build_layer_masks
 from train.blocks import make_blocks
 from train.model import DFlashDrafter, DrafterConfig
 from train.serve.agreement import agreement, offline_block_drafts
-from train.serve.export import export_drafter, load_exported
+from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
+from train.serve.export_format import export_drafter, load_exported
 from train.serve.prompts import prompts_from_jsonl
 from train.serve.results import summarize
 from train.serve.spec_target import SpecTarget
-from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
-from train.serve.specdecode_run import main
+from train.serve.specdecode import main
 from train.serve.tree_decode import ddtree_generate, tree_attention_mask, walk_verified_tree
 
 V = 64
@@ -845,7 +845,7 @@ def test_quick_start_with_sliding_layers_and_a_hybrid_target(tmp_path):
     export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp_path / "d", dtype="float32")
     for model in (tiny_qwen3(), tiny_qwen35()):
         target = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[])
-        proposer = DFlashProposer(load_exported(tmp_path / "d"), target)  # train.specdecode's own loop too
+        proposer = DFlashProposer(load_exported(tmp_path / "d"), target)  # train.serve.specdecode's own loop too
         for prompt in random_prompts(2, lengths=(23, 9), seed=4):
             base = greedy_generate(target, prompt, 40)
             tokens, draft = quick_start(tmp_path / "d", model, prompt, 40, stop_token_ids=[])

@@ -16,8 +16,8 @@ from tests.train.serve.test_specdecode import (
     tiny_qwen3,
 )
 from train.model import DFlashDrafter
+from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
 from train.serve.spec_target import SpecTarget
-from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
 from train.serve.static_drafter import StaticDFlashProposer
 from train.serve.static_target import StaticSpecTarget
 

@@ -8,10 +8,10 @@ import torch
 
 from tests.train.serve.test_specdecode import LAYER_IDS, check_round_bookkeeping, random_prompts, tiny_qwen3
 from train.serve.cli import PEERS
+from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
 from train.serve.peers import peer_generate
 from train.serve.results import compare_generations
 from train.serve.spec_target import SpecTarget, crop_cache
-from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
 from train.serve.specdecode_run import run_benchmark
 from train.serve.static_target import StaticKV, StaticSpecTarget, static_cache_length
 
