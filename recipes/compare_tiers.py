@@ -43,6 +43,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.config import describe, fail, knob, parse_cli
+from common.processes import run_side_by_side
+from shards import ShardDataset
+from shards.describe import raw_bytes_per_token, reconstruction_by_tap
 
 TINY_CONFIG = "configs/tiny.toml"
 
@@ -124,7 +127,6 @@ def _run_all_of(phase: list[tuple[str, list[str], Callable[[], None] | None]], c
             if on_done is not None:
                 on_done()
         return
-    from common.processes import run_side_by_side
 
     done = {name: on_done for name, _, on_done in phase}
     ended = run_side_by_side(
@@ -341,9 +343,6 @@ def _provenance_target(root: str) -> str:
 
 def dataset_facts(root: str) -> dict:
     """bytes/token (shard files), ratio to raw bf16 of the full features, recorded error per tap."""
-    from shards import ShardDataset
-    from shards.describe import raw_bytes_per_token, reconstruction_by_tap
-
     ds = ShardDataset(root, verify_samples=False)
     tokens = ds.manifest["counts"]["tokens"]
     stored = sum(e["bytes"] + e["index_bytes"] for e in ds.shards)

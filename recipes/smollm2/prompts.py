@@ -37,6 +37,8 @@ from typing import Iterator
 
 import xxhash
 
+from recipes.tiny.shipped import SHIPPED_DIR
+
 SHIPPED = Path(__file__).resolve().parent / "shipped"
 POOL_FILES = {
     "train": "train_prompts.jsonl.gz",
@@ -183,8 +185,6 @@ def build_library_pool(site_packages: str, exclude: set[str], libraries=LIBRARIE
 
 def doc_prompts() -> list[dict]:
     """The first user turn of every record of the tiny default's shipped corpus (both of its splits)."""
-    from recipes.tiny.shipped import SHIPPED_DIR
-
     records = []
     for name in ("train.jsonl.gz", "heldout.jsonl.gz"):
         with gzip.open(SHIPPED_DIR / "corpus" / name, "rt", encoding="utf-8") as f:

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from common.config import config_to_dict
+from common.io import replace_local_dir
 from recipes.tiny.compute import log, resolve_build_device
 from recipes.tiny.config import TRAINING_KNOBS, TinyConfig, resolve_precision
 from recipes.tiny.corpus import build_corpus, read_jsonl, write_jsonl
 from recipes.tiny.regenerate import REGEN_FILES, regenerate_corpus
-from recipes.tiny.shipped import CORPUS_FILES, TARGET_FILES, manifest_digest, unpack_shipped
+from recipes.tiny.shipped import CORPUS_FILES, TARGET_FILES, shipped_digest, unpack_shipped
 from recipes.tiny.target import build_tiny_target
 
 BUILD_RECORD = "build.json"
@@ -63,7 +64,7 @@ def recipe(cfg: TinyConfig) -> dict[str, Any]:
     params["device"] = resolve_build_device(cfg.device)
     if trains:
         params["precision"] = resolve_precision(cfg.precision, params["device"])
-    source = {"python": sys.version.split()[0]} if trains else {"shipped": manifest_digest()}
+    source = {"python": sys.version.split()[0]} if trains else {"shipped": shipped_digest()}
     return {
         "params": params,
         "code": hashlib.sha256(b"".join(path.read_bytes() for path in RECIPE_CODE)).hexdigest()[:16],
@@ -110,8 +111,6 @@ def build_tiny(cfg: TinyConfig | None = None, *, progress: bool = True) -> Path:
         tmp = out.with_name(f"{out.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             build_into(tmp, cfg, digest, progress)
-            from common.io import replace_local_dir  # here: pyarrow need not load for a cached build
-
             replace_local_dir(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -26,6 +26,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from common.hashing import CHECKSUM_ALGO, file_checksum
+from common.io import replace_local_dir, temp_name
+from recipes.tiny.config import training_knobs_off_default
+
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 MANIFEST = "MANIFEST.json"
 TARGET_FILES = (
@@ -47,12 +51,11 @@ def file_entry(path: Path) -> dict[str, Any]:
     (`common.hashing.file_checksum`)."""
     import pyarrow.fs as pafs
 
-    from common.hashing import CHECKSUM_ALGO, file_checksum
-
     return {"bytes": path.stat().st_size, CHECKSUM_ALGO: file_checksum(pafs.LocalFileSystem(), str(path))}
 
 
-def stored_name(name: str) -> str:
+def shipped_name(name: str) -> str:
+    """A build file's name in the shipped folder (the corpus files are gzipped there)."""
     return f"{name}.gz" if name in CORPUS_FILES else name
 
 
@@ -67,7 +70,7 @@ def read_manifest(shipped_dir: Path | None = None) -> dict[str, Any]:
         ) from None
 
 
-def manifest_digest(shipped_dir: Path | None = None) -> str:
+def shipped_digest(shipped_dir: Path | None = None) -> str:
     """Short digest of the shipped build (its manifest lists every file's checksum)."""
     return hashlib.sha256(json.dumps(read_manifest(shipped_dir), sort_keys=True).encode()).hexdigest()[:16]
 
@@ -100,7 +103,7 @@ def unpack_shipped(dest: Path, shipped_dir: Path | None = None) -> dict[str, Any
         shutil.copyfile(shipped_dir / name, dest / name)
     for name in CORPUS_FILES:
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        with gzip.open(shipped_dir / stored_name(name), "rb") as src, open(dest / name, "wb") as out:
+        with gzip.open(shipped_dir / shipped_name(name), "rb") as src, open(dest / name, "wb") as out:
             shutil.copyfileobj(src, out)
     return manifest
 
@@ -110,8 +113,6 @@ def ship_build(build_dir: Path, shipped_dir: Path | None = None, *, check_defaul
     the default training knobs, which target=shipped stands for). The corpus is gzipped with a
     fixed timestamp, so the same build always ships the same bytes; the new copy is written beside
     the old one and swapped in whole."""
-    from common.io import replace_local_dir, temp_name
-
     build_dir, shipped_dir = Path(build_dir), Path(shipped_dir or SHIPPED_DIR)
     record = check_shippable(build_dir, check_defaults)
     tmp = Path(temp_name(str(shipped_dir)))
@@ -125,8 +126,6 @@ def ship_build(build_dir: Path, shipped_dir: Path | None = None, *, check_defaul
 
 def check_shippable(build_dir: Path, check_defaults: bool = True) -> dict[str, Any]:
     """The build record of `build_dir`; ValueError naming what makes it unfit to ship."""
-    from recipes.tiny.config import training_knobs_off_default
-
     missing = [name for name in ("build.json", *TARGET_FILES, *CORPUS_FILES) if not (build_dir / name).is_file()]
     if missing:
         raise ValueError(f"{build_dir} is not a finished tiny build: {', '.join(missing)} missing")
@@ -154,10 +153,10 @@ def write_shipped(build_dir: Path, record: dict[str, Any], dest: Path) -> dict[s
         report.pop(key, None)
     (dest / "target/tiny_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     for name in CORPUS_FILES:
-        with open(build_dir / name, "rb") as src, open(dest / stored_name(name), "wb") as raw:
+        with open(build_dir / name, "rb") as src, open(dest / shipped_name(name), "wb") as raw:
             with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as out:
                 shutil.copyfileobj(src, out)
-    files = {stored_name(name): file_entry(dest / stored_name(name)) for name in TARGET_FILES + CORPUS_FILES}
+    files = {shipped_name(name): file_entry(dest / shipped_name(name)) for name in TARGET_FILES + CORPUS_FILES}
     manifest = {"files": files, "reference_build": {k: record[k] for k in ("recipe", "built_on", "build_seconds")}}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_the_repository_s_shipped_build_is_whole_and_is_the_tiny_default_s_target():
     manifest = shipped.verify_shipped()
-    assert sorted(manifest["files"]) == sorted(map(shipped.stored_name, shipped.TARGET_FILES + shipped.CORPUS_FILES))
+    assert sorted(manifest["files"]) == sorted(map(shipped.shipped_name, shipped.TARGET_FILES + shipped.CORPUS_FILES))
     config = json.loads((shipped.SHIPPED_DIR / "target/config.json").read_text())
     report = json.loads((shipped.SHIPPED_DIR / "target/tiny_report.json").read_text())
     defaults = TinyConfig()
@@ -104,7 +104,7 @@ def test_a_shipped_build_takes_corpus_and_target_from_the_shipped_copy_and_regen
     for name in tiny_build.REGEN_FILES.values():
         assert read_jsonl(out / name) == read_jsonl(small_build / name), name
     record = json.loads((out / "build.json").read_text())
-    assert record["recipe"]["shipped"] == shipped.manifest_digest(tmp_path / "shipped")
+    assert record["recipe"]["shipped"] == shipped.shipped_digest(tmp_path / "shipped")
     assert "steps" not in record["recipe"]["params"] and "python" not in record["recipe"]
     report = json.loads((out / "target/tiny_report.json").read_text())
     assert report["regenerated_corpus"]["max_new_tokens"] == 4 and "shipped_from" in report
