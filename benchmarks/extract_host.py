@@ -225,17 +225,18 @@ def instrument_writer(clock: StageClock) -> None:
     """Time the shard writer's steps (the functions `ShardWriter.write` calls)."""
     import types
 
+    from shards import shard_file
     from shards import writer as W
 
     clock.wrap(W.ShardWriter, "write", "zstd + IPC framing")  # exclusive: what is left once the parts below are charged
     clock.wrap(W, "validate_sample", "validate")
     clock.wrap(W, "encode_sample", "encode (planes, Arrow arrays)")
-    clock.wrap(W._HashingStream, "write", "file write")
+    clock.wrap(shard_file.HashingStream, "write", "file write")
     clock.wrap(W.ShardWriter, "_commit_open_shard", COMMIT)
-    real = W.xxhash
+    real = shard_file.xxhash
     shim = types.SimpleNamespace(xxh3_128=lambda: _TimedHasher(clock, real.xxh3_128()))
-    W.xxhash = shim
-    clock._patched.append((W, "xxhash", real))
+    shard_file.xxhash = shim
+    clock._patched.append((shard_file, "xxhash", real))
 
 
 def open_writer(root: str, args, width: int, hidden_split: int = 1):

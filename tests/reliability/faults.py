@@ -227,9 +227,9 @@ def _hook_commits() -> None:
 
 
 def _hook_shard_stream() -> None:
-    from shards import writer
+    from shards import shard_file
 
-    real_write = writer._HashingStream.write
+    real_write = shard_file.HashingStream.write
 
     def write(self, data):
         if armed("shard_data"):
@@ -239,7 +239,7 @@ def _hook_shard_stream() -> None:
             fire("shard_data")
         return real_write(self, data)
 
-    _patch(writer._HashingStream, "write", write)
+    _patch(shard_file.HashingStream, "write", write)
 
 
 def _hook_rejects() -> None:

@@ -10,8 +10,7 @@ import json
 import pytest
 
 from common.io import resolve
-from shards import ShardDataset, ShardFormatError, ShardWriter, verify_dataset
-from shards import writer as writer_module
+from shards import ShardDataset, ShardFormatError, ShardWriter, shard_file, verify_dataset
 from shards.manifest import MANIFEST_CHECKSUM_KEY, read_index
 from tests.shards.synth import TOPK, WIDTH, make_sample, provenance
 
@@ -102,7 +101,7 @@ def test_a_failed_shard_write_names_the_temporary_file_and_keeps_the_committed_s
     def full_disk(self, data):
         raise OSError(errno.ENOSPC, "No space left on device")  # what pyarrow's writes raise: no file name
 
-    monkeypatch.setattr(writer_module._HashingStream, "write", full_disk)
+    monkeypatch.setattr(shard_file.HashingStream, "write", full_disk)
     with pytest.raises(OSError) as err:
         writer.write(make_sample(4))
     assert err.value.errno == errno.ENOSPC and err.value.filename and str(root) in err.value.filename

@@ -153,7 +153,7 @@ def test_ranges_tile_the_record_batch_region_and_decode_like_the_footer(tmp_path
 def test_the_writer_stream_finds_the_ranges_whatever_the_write_sizes(dataset):
     """pyarrow writes the file header with the first batch in pieces of its choosing: the writer's
     stream must find the same ranges and checksums when the same bytes come in any pieces."""
-    from shards.writer import _HashingStream
+    from shards.shard_file import HashingStream
 
     rng = random.Random(2)
     entry = manifest_of(dataset)["shards"][0]
@@ -161,7 +161,7 @@ def test_the_writer_stream_finds_the_ranges_whatever_the_write_sizes(dataset):
     index = index_of(dataset, entry)
     ends = [o + n for o, n in zip(index["offset"], index["length"])]
     for max_piece in (1, 5, 64, 100_000):
-        stream = _HashingStream(io.BytesIO())
+        stream = HashingStream(io.BytesIO())
         start = 0
         for row, end in enumerate(ends):
             stream.begin_sample()

@@ -134,7 +134,7 @@ def test_duplicate_sample_id_is_refused_across_shards_and_sessions(tmp_path):
 
 
 def test_local_shards_are_written_back_while_being_written(tmp_path, monkeypatch):
-    from shards import writer as writer_module
+    from shards import shard_file
 
     synced = []
     real_fdatasync = os.fdatasync
@@ -143,7 +143,7 @@ def test_local_shards_are_written_back_while_being_written(tmp_path, monkeypatch
         synced.append((os.readlink(f"/proc/self/fd/{fd}"), threading.current_thread()))
         real_fdatasync(fd)
 
-    monkeypatch.setattr(writer_module.os, "fdatasync", counting_fdatasync)
+    monkeypatch.setattr(shard_file.os, "fdatasync", counting_fdatasync)
     # One sync runs at a time (a slow disk is not asked again before the last one ends): on a loaded
     # machine a sync can outlast many writes, so the writes leave the sync thread time to run.
     samples = [make_sample(i) for i in range(40)]
@@ -168,12 +168,12 @@ def test_local_shards_are_written_back_while_being_written(tmp_path, monkeypatch
 
 def test_a_failed_early_write_back_fails_the_shard_not_just_a_log_line(tmp_path, monkeypatch):
     # Linux reports a write-back error to one fsync only: the commit's fsync would not see it again.
-    from shards import writer as writer_module
+    from shards import shard_file
 
     def failing_fdatasync(fd):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(writer_module.os, "fdatasync", failing_fdatasync)
+    monkeypatch.setattr(shard_file.os, "fdatasync", failing_fdatasync)
     w = open_writer(tmp_path / "ds", write_behind_bytes=1024)
     with pytest.raises(OSError, match="writing .*shard.* back to disk failed") as caught:
         for i in range(8):
@@ -186,7 +186,7 @@ def test_a_failed_early_write_back_fails_the_shard_not_just_a_log_line(tmp_path,
     def unsupported(fd):
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(writer_module.os, "fdatasync", unsupported)
+    monkeypatch.setattr(shard_file.os, "fdatasync", unsupported)
     with open_writer(tmp_path / "ds2", write_behind_bytes=1024) as w2:
         for i in range(8):
             w2.write(make_sample(i))
