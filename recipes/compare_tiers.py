@@ -117,7 +117,10 @@ class CompareTiersConfig:
                     fail(key, f"set name {name!r} must be a plain file name (letters, digits, '_', '-', '.')")
 
 
-def _run_all_of(phase: list[tuple[str, list[str], Callable[[], None] | None]], cfg, log: list) -> None:
+Step = tuple[str, list[str], Callable[[], None] | None]  # (name, python arguments, what marks it done)
+
+
+def _run_all_of(phase: list[Step], cfg, log: list) -> None:
     """Run a phase's commands, (name, args, on_done), none of which needs another's output: one after
     another, or `cfg.jobs` at a time with their logs in OUT/logs/. `on_done` marks a step finished (for
     a resumed run) as soon as it ends well."""
@@ -183,8 +186,30 @@ def _latest_checkpoint(run: Path) -> bool:
 
 
 def run_all(cfg: CompareTiersConfig) -> dict:
+    """Every step of the module docstring that is not done yet, phase by phase, then the table."""
     out = Path(cfg.out_dir)
     log: list = []
+    _ensure_lossless(cfg, log)
+    datasets, transcodes = _transcode_steps(cfg, out)
+    _run_all_of(transcodes, cfg, log)
+    runs, trainings = _training_steps(cfg, out, datasets)
+    _run_all_of(trainings, cfg, log)
+    _run_all_of(_evaluation_steps(cfg, out, runs), cfg, log)
+    if cfg.online:
+        _run_all_of(_export_steps(runs), cfg, log)
+        _run_all_of(_decoding_steps(cfg, runs), cfg, log)
+    table = collect(cfg, datasets, runs)
+    (out / "tiers.json").write_text(
+        json.dumps({"config": dataclasses.asdict(cfg), "rows": table, "steps": log}, indent=1) + "\n"
+    )
+    (out / "tiers.md").write_text("\n".join(markdown(table, cfg)) + "\n")
+    print("\n" + "\n".join(markdown(table, cfg)))
+    print(f"\nwrote {out / 'tiers.md'} and {out / 'tiers.json'}")
+    return {"rows": table}
+
+
+def _ensure_lossless(cfg: CompareTiersConfig, log: list) -> None:
+    """Step 1: the lossless dataset, extracted here with `extract=true`; refused when it is missing."""
     if cfg.extract and not _complete(cfg.lossless):
         _run(
             [
@@ -203,6 +228,10 @@ def run_all(cfg: CompareTiersConfig) -> dict:
             f"compare_tiers: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or "
             "set extract=true)"
         )
+
+
+def _transcode_steps(cfg: CompareTiersConfig, out: Path) -> tuple[dict[str, str], list[Step]]:
+    """({tier: dataset path}, lossless first; the transcodes still to run)."""
     datasets = {"lossless": cfg.lossless}
     transcodes = []
     for tier in cfg.tiers:
@@ -222,7 +251,11 @@ def run_all(cfg: CompareTiersConfig) -> dict:
             transcodes.append(
                 (f"transcode {tier_name(tier)}", args + ([f"projection={projection}"] if projection else []), None)
             )
-    _run_all_of(transcodes, cfg, log)
+    return datasets, transcodes
+
+
+def _training_steps(cfg: CompareTiersConfig, out: Path, datasets: dict[str, str]) -> tuple[dict, list[Step]]:
+    """({(tier, seed): run directory}; the trainings still to run, each marked done when it ends well)."""
     runs: dict = {}
     trainings = []
     for tier in datasets:
@@ -245,7 +278,11 @@ def run_all(cfg: CompareTiersConfig) -> dict:
                     *cfg.train_overrides,
                 ]
                 trainings.append((f"train {name}", args, functools.partial(_mark_done, run)))
-    _run_all_of(trainings, cfg, log)
+    return runs, trainings
+
+
+def _evaluation_steps(cfg: CompareTiersConfig, out: Path, runs: dict) -> list[Step]:
+    """Each tier's drafter against the lossless one of its seed, on every held-out set, not yet evaluated."""
     evaluations = []
     for name, data in eval_sets(cfg).items():
         for tier in cfg.tiers:
@@ -272,54 +309,51 @@ def run_all(cfg: CompareTiersConfig) -> dict:
                             None,
                         )
                     )
-    _run_all_of(evaluations, cfg, log)
-    if cfg.online:
-        target = cfg.target or _provenance_target(cfg.lossless)
-        exports = [
-            (f"export {run.name}", ["-m", "train.serve.export", str(run), str(run / "export")], None)
-            for run in runs.values()
-            if not (run / "export" / "config.json").is_file()
-        ]
-        _run_all_of(exports, cfg, log)
-        decodings = []
-        for run in runs.values():
-            for name, prompts in named_sets(cfg.prompts).items():
-                result = specdecode_path(run, name)
-                if result.is_file():
-                    continue
-                decodings.append(
-                    (
-                        f"specdecode {name} {run.name}",
-                        [
-                            "-m",
-                            "train.serve.specdecode",
-                            "--target",
-                            target,
-                            "--drafter",
-                            str(run / "export"),
-                            "--prompts",
-                            prompts,
-                            "--num-prompts",
-                            str(cfg.num_prompts),
-                            "--max-new-tokens",
-                            str(cfg.max_new_tokens),
-                            "--no-baseline",
-                            "--out",
-                            str(result),
-                            *cfg.specdecode_overrides,
-                        ],
-                        None,
-                    )
+    return evaluations
+
+
+def _export_steps(runs: dict) -> list[Step]:
+    return [
+        (f"export {run.name}", ["-m", "train.serve.export", str(run), str(run / "export")], None)
+        for run in runs.values()
+        if not (run / "export" / "config.json").is_file()
+    ]
+
+
+def _decoding_steps(cfg: CompareTiersConfig, runs: dict) -> list[Step]:
+    """Every exported drafter decoding every prompt set with the real target, not yet decoded."""
+    target = cfg.target or _provenance_target(cfg.lossless)
+    decodings = []
+    for run in runs.values():
+        for name, prompts in named_sets(cfg.prompts).items():
+            result = specdecode_path(run, name)
+            if result.is_file():
+                continue
+            decodings.append(
+                (
+                    f"specdecode {name} {run.name}",
+                    [
+                        "-m",
+                        "train.serve.specdecode",
+                        "--target",
+                        target,
+                        "--drafter",
+                        str(run / "export"),
+                        "--prompts",
+                        prompts,
+                        "--num-prompts",
+                        str(cfg.num_prompts),
+                        "--max-new-tokens",
+                        str(cfg.max_new_tokens),
+                        "--no-baseline",
+                        "--out",
+                        str(result),
+                        *cfg.specdecode_overrides,
+                    ],
+                    None,
                 )
-        _run_all_of(decodings, cfg, log)
-    table = collect(cfg, datasets, runs)
-    (out / "tiers.json").write_text(
-        json.dumps({"config": dataclasses.asdict(cfg), "rows": table, "steps": log}, indent=1) + "\n"
-    )
-    (out / "tiers.md").write_text("\n".join(markdown(table, cfg)) + "\n")
-    print("\n" + "\n".join(markdown(table, cfg)))
-    print(f"\nwrote {out / 'tiers.md'} and {out / 'tiers.json'}")
-    return {"rows": table}
+            )
+    return decodings
 
 
 def _extract_corpus(cfg: CompareTiersConfig) -> str:
