@@ -337,6 +337,14 @@ def in_fresh_cwd(work: Path, name: str):
 
 
 def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None:
+    _name_checks(work, checks, examples)
+    _extract_paths(world, work, checks)
+    _train_paths(world, work, checks)
+    _merge_and_export_paths(world, work, checks)
+
+
+def _name_checks(work: Path, checks: Checks, examples: int) -> None:
+    """Generated split and run names: each refused, or a child of out_dir."""
     from common.config import ConfigError, load_config
     from extract.config import ExtractConfig
     from train.config import TrainConfig
@@ -392,7 +400,9 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
         str(bad_names[:5]),
     )
 
-    # extract: only out_dir gets files
+
+def _extract_paths(world: World, work: Path, checks: Checks) -> None:
+    """extract: only out_dir gets files."""
     cwd = in_fresh_cwd(work, "cwd-extract")
     before_target, before_corpus = snapshot(world.target_dir), world.corpus.stat().st_mtime_ns
     out = cwd / "out"
@@ -418,11 +428,14 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
         snapshot(world.target_dir) == before_target and world.corpus.stat().st_mtime_ns == before_corpus,
     )
 
-    # train: only out_dir/run_name; the shards and a run it resumes from stay untouched
+
+def _train_paths(world: World, work: Path, checks: Checks) -> None:
+    """train: only out_dir/run_name; the shards and a run it resumes from stay untouched."""
     from train.__main__ import main as train_main
 
     cwd = in_fresh_cwd(work, "cwd-train")
     shards_before = snapshot(world.baseline)
+    old = os.getcwd()
     os.chdir(cwd)
     try:
         status, err = call_main(
@@ -459,7 +472,9 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
         f"exit {status}: {err[-300:]}",
     )
 
-    # shards merge: --out must be a plain name
+
+def _merge_and_export_paths(world: World, work: Path, checks: Checks) -> None:
+    """shards merge: --out must be a plain name; export: refuses to replace an unrelated non-empty directory."""
     from shards.__main__ import main as shards_main
 
     root = work / "merge-ds"
@@ -471,7 +486,6 @@ def path_checks(world: World, work: Path, checks: Checks, examples: int) -> None
         f"exit {status}: {err[-200:]}",
     )
 
-    # export: refuses to replace an unrelated non-empty directory
     from train.serve.export import main as export_main
 
     victim = work / "not-an-export"

@@ -332,21 +332,11 @@ def test_bf16_autocast_path_runs_on_cpu(tiny, tmp_path):
     assert all(t.dtype == torch.float32 for t in ckpt["model"].values())  # master weights stay fp32
 
 
-def test_drafter_learns_to_read_the_context(tmp_path):
-    """Sequences with x[t+1] = x[t-1] + 1: block position 1 (token a+1) is predictable only from
-    x[a-1], which the drafter sees only through the target features of position a-1 (the features
-    of position t encode x[t]). Trained end to end, position 1 is learned; with the context
-    features zeroed it falls to chance. Proves the context really flows in, strictly before the anchor.
-    On the CPU in fp32, where the thresholds were set (bf16 autocast on CUDA follows another trajectory)."""
+def _write_skip_one_dataset(tmp_path, vocab: int) -> None:
+    """A target checkpoint and 64 samples with x[t] = x[t-2] + 1, whose tap features of position t
+    encode x[t] (one fixed random vector per token)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from train.attention import build_dense_mask
-    from train.blocks import make_blocks, step_generator
-    from train.data import DataConfig, DataStream
-    from train.loss import block_loss
-    from train.model import DFlashDrafter, DrafterConfig, TargetHead
-
-    vocab, steps = 64, 200
     Qwen3ForCausalLM(
         Qwen3Config(
             vocab_size=vocab,
@@ -388,30 +378,16 @@ def test_drafter_learns_to_read_the_context(tmp_path):
             )
             logprobs = -np.sort(rng.exponential(1.0, (T, TOPK)).astype(np.float32), 1)
             writer.write(Sample(sample_id(x, lm), x, lm, hidden, topk, logprobs))
-    cfg = load_config(
-        TrainConfig,
-        None,
-        [
-            f"out_dir={tmp_path / 'runs'}",
-            "run_name=ctx",
-            f"data.shards={tmp_path / 'shards'}",
-            "data.token_budget=256",
-            "data.num_buckets=2",
-            "data.holdout_fraction=0",
-            "model.num_layers=1",
-            "loss.num_anchors=8",
-            f"optim.max_steps={steps}",
-            "optim.lr=3e-3",
-            f"checkpoint.every={steps}",
-            "log.progress=false",
-            "device=cpu",
-        ],
-    )
-    train(cfg)
-    ckpt = load_checkpoint(tmp_path / "runs" / "ctx" / "checkpoints" / f"step-{steps:08d}")
-    model = DFlashDrafter(DrafterConfig.from_dict(ckpt["drafter_config"]))
-    model.load_state_dict(ckpt["model"])
-    head = TargetHead.from_pretrained(str(tmp_path / "target"))
+
+
+def _position_one_accuracy(tmp_path, model, head, vocab: int) -> dict[str, float]:
+    """Block position 1's accuracy over one epoch of the dataset: with the context features, and with
+    them zeroed."""
+    from train.attention import build_dense_mask
+    from train.blocks import make_blocks, step_generator
+    from train.data import DataConfig, DataStream
+    from train.loss import block_loss
+
     stream = DataStream(DataConfig(shards=str(tmp_path / "shards"), token_budget=512, holdout_fraction=0.0))
     accuracy = {}
     with torch.no_grad():
@@ -443,6 +419,44 @@ def test_drafter_learns_to_read_the_context(tmp_path):
                 hits, count = hits + float(out.correct_K[1]), count + float(out.counted_K[1])
             accuracy[name] = hits / count
     stream.close()
+    return accuracy
+
+
+def test_drafter_learns_to_read_the_context(tmp_path):
+    """Sequences with x[t+1] = x[t-1] + 1: block position 1 (token a+1) is predictable only from
+    x[a-1], which the drafter sees only through the target features of position a-1 (the features
+    of position t encode x[t]). Trained end to end, position 1 is learned; with the context
+    features zeroed it falls to chance. Proves the context really flows in, strictly before the anchor.
+    On the CPU in fp32, where the thresholds were set (bf16 autocast on CUDA follows another trajectory)."""
+    from train.model import DFlashDrafter, DrafterConfig, TargetHead
+
+    vocab, steps = 64, 200
+    _write_skip_one_dataset(tmp_path, vocab)
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f"out_dir={tmp_path / 'runs'}",
+            "run_name=ctx",
+            f"data.shards={tmp_path / 'shards'}",
+            "data.token_budget=256",
+            "data.num_buckets=2",
+            "data.holdout_fraction=0",
+            "model.num_layers=1",
+            "loss.num_anchors=8",
+            f"optim.max_steps={steps}",
+            "optim.lr=3e-3",
+            f"checkpoint.every={steps}",
+            "log.progress=false",
+            "device=cpu",
+        ],
+    )
+    train(cfg)
+    ckpt = load_checkpoint(tmp_path / "runs" / "ctx" / "checkpoints" / f"step-{steps:08d}")
+    model = DFlashDrafter(DrafterConfig.from_dict(ckpt["drafter_config"]))
+    model.load_state_dict(ckpt["model"])
+    head = TargetHead.from_pretrained(str(tmp_path / "target"))
+    accuracy = _position_one_accuracy(tmp_path, model, head, vocab)
     assert accuracy["context"] > 0.5, accuracy
     assert accuracy["zeroed"] < 0.15, accuracy
 
