@@ -35,81 +35,27 @@ import types
 import typing
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+from tests.reliability import corpus_files, corpus_inputs, writers
 from tests.reliability.cli import call_main
 from tests.reliability.cli import message as cli_message
+from tests.reliability.families import (
+    ROLES,
+    TEXT,
+    WRONG,
+    WRONG_NOT_NONE,
+    Tally,
+    hypothesis_settings,
+    message,
+    valid_chat,
+)
 from tests.reliability.outcome import Outcome
 from tests.reliability.world import World
 
 POLICY_REASONS = ("too_long", "too_few_loss_tokens", "empty_sample")
-
-
-@dataclasses.dataclass
-class Tally:
-    tried: int = 0
-    clear: int = 0
-    failures: list = dataclasses.field(default_factory=list)
-    kinds: dict = dataclasses.field(default_factory=dict)
-
-    def add(self, kind: str, ok: bool, what: str) -> None:
-        self.tried += 1
-        self.clear += ok
-        tried, clear = self.kinds.get(kind, (0, 0))
-        self.kinds[kind] = (tried + 1, clear + ok)
-        if not ok:
-            self.failures.append(f"{kind}: {what}")
-
-
-def hypothesis_settings(examples: int, seed: int | None):
-    """No example database (nothing written to the checkout); derandomized unless a seed is given."""
-    return settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        derandomize=seed is None,
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Corpus records
-
-TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
-ODD_TEXT = st.one_of(
-    TEXT,
-    st.text(st.characters(min_codepoint=0, max_codepoint=0x1F), min_size=1, max_size=20),  # control characters
-    st.sampled_from(
-        ["", " ", "\n\n", "<|im_end|>", "<|im_start|>assistant\n", "\u2028\u2029", "\x00", "\ufeff", "\ue000\ue001"]
-    ),
-    st.integers(1000, 60000).map(lambda n: "word " * n),  # huge: far beyond max_len
-)
-WRONG = st.one_of(
-    st.integers(),
-    st.floats(allow_nan=False),
-    st.booleans(),
-    st.none(),
-    st.lists(st.integers(), max_size=3),
-    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
-)
-WRONG_NOT_NONE = WRONG.filter(lambda v: v is not None)
-ROLES = ("system", "user", "assistant", "tool")
-
-
-def message(role, content) -> dict:
-    return {"role": role, "content": content}
-
-
-@st.composite
-def valid_chat(draw):
-    turns = [message(draw(st.sampled_from(("system", "user"))), draw(ODD_TEXT))]
-    for _ in range(draw(st.integers(0, 2))):
-        turns.append(message(draw(st.sampled_from(ROLES)), draw(ODD_TEXT)))
-    turns.append(message("assistant", draw(ODD_TEXT)))
-    return {"messages": turns}
 
 
 @st.composite
@@ -559,11 +505,7 @@ def run(
     fuzz_records(world, tally, record_examples, seed, lines)
     random.Random(seed).shuffle(lines)
     fuzzed_corpus_runs(world, tally, lines[:300], work)
-    from tests.reliability import corpus_inputs, writers  # they build on this module's strategies
-
     corpus_inputs.run_all(world, tally, examples=record_examples // 3, seed=seed, lines=lines, work=work)
-    from tests.reliability import corpus_files
-
     corpus_files.run_all(world, tally, examples=record_examples // 3, seed=seed, work=work / "corpus-files")
     writers_line = writers.concurrent_writers(
         world, tally, work, extraction_pairs=writer_pairs, training_pairs=max(1, writer_pairs - 1)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import zstandard
 
-from tests.reliability.bad_inputs import Tally
+from tests.reliability.families import Tally
 from tests.reliability.world import World
 
 

@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from tests.reliability.bad_inputs import TEXT, Tally, hypothesis_settings, message, valid_chat
+from tests.reliability.families import TEXT, Tally, hypothesis_settings, message, valid_chat
 from tests.reliability.world import World
 
 SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}

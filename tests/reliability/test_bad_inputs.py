@@ -4,10 +4,11 @@ semantic config errors through the CLIs, and mismatched shards all get a clear a
 from __future__ import annotations
 
 from tests.reliability import bad_inputs
+from tests.reliability.families import Tally
 
 
 def test_fuzzed_records_get_a_reason_or_become_samples(world, tmp_path):
-    tally, lines = bad_inputs.Tally(), []
+    tally, lines = Tally(), []
     bad_inputs.fuzz_records(world, tally, examples=80, seed=None, keep=lines)
     bad_inputs.fuzzed_corpus_runs(world, tally, lines[:80], tmp_path)
     assert not tally.failures, tally.failures[:10]
@@ -15,14 +16,14 @@ def test_fuzzed_records_get_a_reason_or_become_samples(world, tmp_path):
 
 
 def test_every_bad_config_value_is_refused_naming_its_key(world, tmp_path):
-    tally = bad_inputs.Tally()
+    tally = Tally()
     bad_inputs.fuzz_configs(world, tally, examples=30, seed=None, work=tmp_path)
     assert not tally.failures, tally.failures[:10]
     assert tally.tried > 300
 
 
 def test_semantic_errors_and_mismatched_shards_stop_with_one_clear_line(world, tmp_path):
-    tally = bad_inputs.Tally()
+    tally = Tally()
     bad_inputs.semantic_config_cases(world, tally, tmp_path)
     bad_inputs.mismatched_shards(world, tally, tmp_path)
     assert not tally.failures, tally.failures[:10]
@@ -47,7 +48,7 @@ def test_the_judge_catches_a_silent_pass(world):
 def test_formats_encodings_tool_calls_and_control_tokens_get_a_clear_answer(world, tmp_path):
     from tests.reliability import corpus_inputs
 
-    tally, lines = bad_inputs.Tally(), []
+    tally, lines = Tally(), []
     bad_inputs.fuzz_records(world, tally, examples=40, seed=None, keep=lines)
     corpus_inputs.run_all(world, tally, examples=30, seed=None, lines=lines, work=tmp_path)
     assert not tally.failures, tally.failures[:10]
@@ -60,7 +61,7 @@ def test_corpus_files_prompts_and_type_confusions_get_a_clear_answer(world, tmp_
     over-long regeneration prompts, booleans as token ids and per-turn weights."""
     from tests.reliability import corpus_files
 
-    tally = bad_inputs.Tally()
+    tally = Tally()
     corpus_files.run_all(world, tally, examples=60, seed=None, work=tmp_path)
     assert not tally.failures, tally.failures[:10]
     families = {kind.split(":")[0] for kind in tally.kinds}
@@ -76,7 +77,7 @@ def test_the_compressed_judge_catches_a_silent_truncation(world, tmp_path, monke
 
     monkeypatch.setattr(streams, "_damaged", lambda path, err, lines, raw: StopIteration())
     monkeypatch.setattr(streams, "_decode_errors", lambda: (ValueError,))  # swallow nothing: the error escapes
-    tally = bad_inputs.Tally()
+    tally = Tally()
     corpus_files.compressed(tally, random.Random(1), 12, tmp_path)
     assert tally.failures
 
@@ -84,7 +85,7 @@ def test_the_compressed_judge_catches_a_silent_truncation(world, tmp_path, monke
 def test_concurrent_writers_never_both_write(world, tmp_path):
     from tests.reliability import writers
 
-    tally = bad_inputs.Tally()
+    tally = Tally()
     line = writers.concurrent_writers(world, tally, tmp_path, extraction_pairs=1, training_pairs=0)
     assert not tally.failures, tally.failures
     assert tally.kinds.keys() == {"writers:two_extractions", "writers:crashed_holder"} and "1 extraction pairs" in line

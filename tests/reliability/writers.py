@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.reliability.bad_inputs import Tally
+from tests.reliability.families import Tally
 from tests.reliability.world import REPO, World, child_env
 
 LOCKED = "is being written by another process"
