@@ -4,7 +4,8 @@ drafter driven as a proposer (`DFlashProposer`) and what a decoding returns (`Ge
 This module knows nothing of how its results are checked or reported: the agreement of offline and
 online τ (`train.serve.agreement`), DDTree verification (`train.serve.tree_decode`), the CUDA-graph
 target and drafter (`train.serve.static_target`, `train.serve.static_drafter`), the summaries
-(`train.serve.results`) and the command (`train.serve.specdecode_run`) build on it.
+(`train.serve.results`) and the command (`train.serve.specdecode`, its work in
+`train.serve.specdecode_run`) build on it.
 
 One round (docs/dflash.md "Inference round"), anchored at position a (the last verified token x_a, whose target
 features do not exist yet):
