@@ -24,7 +24,7 @@ from tests.train.serve.test_specdecode import tiny_qwen3, word_tokenizer
 from train.__main__ import main as train_main
 from train.eval.__main__ import main as eval_main
 from train.serve.export import main as export_main
-from train.serve.specdecode_run import main as specdecode_main
+from train.serve.specdecode import main as specdecode_main
 
 TRAIN_ARGS = [
     "data.token_budget=200",
