@@ -32,10 +32,10 @@ from shards import ShardDataset
 from tests.archs.families import Family
 from train.config import TrainConfig
 from train.loop import train
-from train.serve.export import export_checkpoint, load_exported
+from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
+from train.serve.export_format import export_checkpoint, load_exported
 from train.serve.prompts import prompts_from_jsonl, stop_token_ids
 from train.serve.spec_target import SpecTarget
-from train.serve.specdecode import DFlashProposer, greedy_generate, speculative_generate
 
 WORDS = "the quick brown fox jumps over a lazy dog while birds sing in the tall green forest".split()
 LAYER_IDS = [0, 1]  # taps of the 3-layer targets: every layer but the last

@@ -46,7 +46,7 @@ Each family is a tiny random-weight target built from its transformers config in
 of {train_prompts} prompts (the first stage, which checks the target before generating:
 `common.target_arch.check_architecture`), extraction with taps {layer_ids} (the taps the shards record are
 checked), {steps} training steps of a 1-layer drafter (block {block}), export, and speculative decoding of
-{heldout_prompts} held-out prompts ({new_tokens} tokens each) through `train.specdecode`'s loop and the
+{heldout_prompts} held-out prompts ({new_tokens} tokens each) through `train.serve.specdecode`'s loop and the
 export's own `spec_generate`, both compared with the target's greedy decoding. "end to end, lossless"
 means all of that held; a family that cannot be a DFlash target is refused by the first stage, before
 any forward pass, with the one line shown.

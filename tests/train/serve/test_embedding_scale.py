@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
-from train.serve.export import export_drafter, load_exported, target_warnings
+from train.serve.decoding import DFlashProposer
+from train.serve.export_format import export_drafter, load_exported, target_warnings
 from train.serve.spec_target import SpecTarget
-from train.serve.specdecode import DFlashProposer
 
 V, B, MASK, LAYER_IDS = 64, 8, 63, [0, 1]
 
