@@ -42,7 +42,7 @@ from recipes.demo_smollm2 import (
     write_summary,
 )
 from recipes.drafter.plan import Heldout, Job, plan_stages
-from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, read_json, timings_line
+from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, read_record, timings_line
 from recipes.drafter.runner import Ledger, Runner, step
 
 TINY = "artifacts/tiny"
@@ -181,7 +181,7 @@ def run_smollm2(cfg: DemoConfig, run_dir: str, machine: dict, runner: Runner) ->
 def tiny_stop_repeat() -> int:
     """The loop rule the tiny build cut its answers by, so that online decoding ends responses where
     the training and held-out answers end (recipes.tiny `regen_stop_repeat`)."""
-    regen = read_json(f"{TINY}/target/tiny_report.json").get("regenerated_corpus", {})
+    regen = read_record(f"{TINY}/target/tiny_report.json").get("regenerated_corpus", {})
     return int(regen.get("stop_repeat", 0))
 
 
@@ -192,7 +192,7 @@ def seed_overrides(seed: int) -> list[str]:
 
 def summarize(run_dir: str, timings: dict[str, float], machine: dict | None = None) -> dict:
     """The numbers the demo prints, read back from the files the steps wrote."""
-    report = read_json(f"{TINY}/target/tiny_report.json")
+    report = read_record(f"{TINY}/target/tiny_report.json")
     target_keys = (
         "heldout_next_token_accuracy",
         "most_frequent_token_accuracy",
@@ -212,7 +212,7 @@ def summarize(run_dir: str, timings: dict[str, float], machine: dict | None = No
         "target": {k: report[k] for k in target_keys if k in report},
         "eval": drafter,
         "eval_baseline": baseline,
-        "specdecode": pick_spec(read_json(f"{run_dir}/specdecode.json")),
+        "specdecode": pick_spec(read_record(f"{run_dir}/specdecode.json")),
     }
 
 

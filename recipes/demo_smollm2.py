@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 
 from recipes.drafter.plan import Heldout, Job, plan_stages
-from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, read_json, timings_line
+from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, read_record, timings_line
 
 ROOT = "artifacts/smollm2"
 CONFIG = "configs/smollm2-135m.toml"
@@ -131,8 +131,8 @@ def smollm2_stages(
 
 
 def smollm2_summary(run_dir: str, timings: dict[str, float], machine: dict, scale: Scale) -> dict:
-    build = read_json(f"{ROOT}/build.json")
-    spec_all = read_json(f"{run_dir}/specdecode_humaneval.json")
+    build = read_record(f"{ROOT}/build.json")
+    spec_all = read_record(f"{run_dir}/specdecode_humaneval.json")
     evals = {}
     for split in ("humaneval", "chat_heldout"):
         drafter, baseline = eval_pair(f"{run_dir}/eval_{split}.json")

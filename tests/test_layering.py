@@ -36,7 +36,7 @@ LATE_IMPORTS_ALLOWED = {
     # it is a command, and its --help answers before torch loads)
     "train/serve/export.py": f"the command `python -m train.serve.export`: {_TORCH_AT_HELP}",
     "train/serve/specdecode.py": f"the command `python -m train.serve.specdecode`: {_TORCH_AT_HELP}",
-    "recipes/demo.py": f"the command `python -m recipes.demo`: {_TORCH_AT_HELP} (common.device loads it)",
+    "recipes/demo.py": f"the command `python -m recipes.demo`: {_TORCH_AT_HELP} (recipes.drafter.machine loads it)",
     "recipes/tiny/build.py": f"{_TINY_HELP}; common.device loads torch",
     "recipes/tiny/compute.py": f"{_TINY_HELP}; common.device loads torch",
     "recipes/tiny/regenerate.py": f"{_TINY_HELP}; common.target loads torch",

@@ -1,7 +1,7 @@
 """`make drafter target=DIR prompts=FILE` (`python -m recipes.drafter`): from a model directory and a
 prompt file to a checked, exported DFlash drafter, in one command (docs/own-target.md).
 
-Modules, one job each: `config` (DrafterConfig, the command line), `prompts` (the training and
+Modules, one job each: `config` (DrafterRecipeConfig, the command line), `prompts` (the training and
 held-out prompt sets), `defaults` (defaults derived from the target and the machine, with reasons;
 each scale's settings), `plan` (the steps as the stages' own command lines), `runner` (the one
 orchestration: ledger, skip/resume, progress, side by side), `results` (the numbers a summary quotes),

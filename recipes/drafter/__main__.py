@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from common.config import ConfigError, describe
-from recipes.drafter.config import STAGES, DrafterConfig, parse_drafter_args
+from recipes.drafter.config import STAGES, DrafterRecipeConfig, parse_drafter_args
 
 USAGE = f"""usage: python -m recipes.drafter [CONFIG.toml] target=DIR prompts=FILE [key=value ...] [STAGE.key=value ...]
 
@@ -22,7 +22,7 @@ its output is there and was made with the same settings. STAGE.key=value sets a 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(word in ("-h", "--help") for word in argv):
-        print(USAGE + "\n\nkeys:\n" + describe(DrafterConfig))
+        print(USAGE + "\n\nkeys:\n" + describe(DrafterRecipeConfig))
         return 0
     try:
         cfg = parse_drafter_args(argv)

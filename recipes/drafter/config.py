@@ -1,4 +1,4 @@
-"""`DrafterConfig`: every knob of `python -m recipes.drafter` (`make drafter`), the `[drafter]` table
+"""`DrafterRecipeConfig`: every knob of `python -m recipes.drafter` (`make drafter`), the `[drafter]` table
 of a config file. Torch-free, so that `--help` and a bad key answer at once.
 
 A word `STAGE.key=value` on the command line (STAGE one of `STAGES`) is that stage's own setting,
@@ -24,7 +24,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
+class DrafterRecipeConfig:
     target: str = knob(help="the target: a local Hugging Face model directory (config.json, weights, tokenizer)")
     prompts: str = knob(
         help='your prompts: a JSONL file of chat records {"messages": [...]} (or {"text": ...}); the target answers '
@@ -119,7 +119,7 @@ class DrafterConfig:
         return self.out or os.path.join("runs", "drafter-" + os.path.basename(os.path.normpath(self.target)))
 
 
-def parse_drafter_args(argv: Sequence[str]) -> DrafterConfig:
+def parse_drafter_args(argv: Sequence[str]) -> DrafterRecipeConfig:
     """The command line: [CONFIG.toml] key=value ... STAGE.key=value ...; ConfigError naming the key."""
     words, per_stage = [], {}
     for word in argv:
@@ -132,7 +132,7 @@ def parse_drafter_args(argv: Sequence[str]) -> DrafterConfig:
     config = first if first.endswith(".toml") and os.path.isfile(first) else ""
     if config and not has_table(config, "drafter"):
         words = words[1:]  # only stage tables: the stages read them, this command has none of its own
-    cfg = parse_cli(DrafterConfig, words, section="drafter")
+    cfg = parse_cli(DrafterRecipeConfig, words, section="drafter")
     merged = {stage: list(cfg.overrides.get(stage, [])) + per_stage.get(stage, []) for stage in STAGES}
     cfg = dataclasses.replace(cfg, config=cfg.config or config, overrides={s: w for s, w in merged.items() if w})
     cfg.check()

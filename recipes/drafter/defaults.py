@@ -27,7 +27,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from common.target_rules import auto_layer_ids, config_depth, drafter_layers
-from recipes.drafter.config import DrafterConfig
+from recipes.drafter.config import DrafterRecipeConfig
 from recipes.drafter.plan import config_keys, setting_key
 
 # The stages that run the target's forward, and so take its dtype, attention kernel and chat template.
@@ -68,7 +68,8 @@ class Derived:
         return f"  {self.what:<20}{self.value!s:<22}{self.reason}{stands}"
 
 
-def resolve_device(asked: str) -> tuple[str, str]:
+def device_with_reason(asked: str) -> tuple[str, str]:
+    """(the device name `device` resolves to, why); `common.device.resolve_device` makes the torch device."""
     if asked != "auto":
         return asked, "your setting"
     if torch.cuda.is_available():
@@ -118,7 +119,7 @@ def resolve_attention(asked: str, target: str) -> tuple[str, str]:
     return "eager", f"{cls.__name__} does not support SDPA (transformers says so)"
 
 
-def set_by_user(cfg: DrafterConfig, stage: str, key: str) -> list[str]:
+def set_by_user(cfg: DrafterRecipeConfig, stage: str, key: str) -> list[str]:
     """The user's STAGE.key=value or the config table's value of `key` for `stage`, as words."""
     words = [f"{stage}.{w}" for w in cfg.overrides.get(stage, []) if setting_key(w) == key]
     if key in (config_keys(cfg.config, stage) or set()):
@@ -126,10 +127,10 @@ def set_by_user(cfg: DrafterConfig, stage: str, key: str) -> list[str]:
     return words
 
 
-def derive(cfg: DrafterConfig) -> list[Derived]:
+def derive(cfg: DrafterRecipeConfig) -> list[Derived]:
     """Every derived default of `cfg`'s target on this machine."""
     depth = config_depth(cfg.target)
-    device, device_why = resolve_device(cfg.device)
+    device, device_why = device_with_reason(cfg.device)
     dtype, dtype_why = resolve_dtype(cfg.dtype, device, cfg.target)
     attention, attention_why = resolve_attention(cfg.attn_implementation, cfg.target)
     taps, taps_why = auto_layer_ids(depth)
@@ -151,7 +152,7 @@ def derive(cfg: DrafterConfig) -> list[Derived]:
     return out
 
 
-def stage_defaults(cfg: DrafterConfig, derived: list[Derived]) -> dict[str, list[str]]:
+def stage_defaults(cfg: DrafterRecipeConfig, derived: list[Derived]) -> dict[str, list[str]]:
     """{stage: key=value}: the scale's settings, your chat template, then the derived defaults."""
     out = {stage: list(words) for stage, words in SCALE_DEFAULTS[cfg.scale].items()}
     if cfg.chat_template:

@@ -11,7 +11,8 @@ DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", None: "
 EVAL_KEYS = ("n_blocks", "tau", "all_accepted", "ddtree_tau_8", "ddtree_tau_16", "ddtree_tau_32", "ddtree_tau_64")
 
 
-def read_json(path: str) -> dict:
+def read_record(path: str) -> dict:
+    """A JSON record a step wrote, or {} when it is missing or unreadable."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -34,7 +35,7 @@ def pick_eval(overall: dict) -> dict:
 
 def eval_pair(path: str) -> tuple[dict, dict]:
     """(drafter, most-frequent-label baseline) headline numbers of an offline evaluation's JSON."""
-    evaluation = read_json(path)
+    evaluation = read_record(path)
     checkpoints = evaluation.get("checkpoints") or [{}]
     return pick_eval(checkpoints[0].get("overall", {})), pick_eval(
         (evaluation.get("baseline") or {}).get("overall", {})

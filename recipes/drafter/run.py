@@ -2,7 +2,7 @@
 recipes.drafter` and a test's in-process run do): the prompt sets, the derived defaults, the steps
 (validated with each stage's own config before any runs), the run, and the summary.
 
-Layout of OUT (`DrafterConfig.out_dir`):
+Layout of OUT (`DrafterRecipeConfig.out_dir`):
 
     drafter.json          the config, the derived defaults with their reasons, how the prompt sets were made
     stages.json           the ledger of the steps (recipes.drafter.runner)
@@ -24,11 +24,11 @@ from common.config import ConfigError, config_to_dict, parse_cli
 from common.io import atomic_write_text
 from extract.config import ExtractConfig
 from extract.regenerate.config import RegenerateConfig
-from recipes.drafter.config import DrafterConfig
+from recipes.drafter.config import DrafterRecipeConfig
 from recipes.drafter.defaults import Derived, derive, stage_defaults
 from recipes.drafter.plan import Heldout, Job, plan_stages
 from recipes.drafter.prompts import PromptSplit, split_prompts
-from recipes.drafter.results import DTYPE_NAMES, eval_pair, num, pick_spec, read_json, timings_line
+from recipes.drafter.results import DTYPE_NAMES, eval_pair, num, pick_spec, read_record, timings_line
 from recipes.drafter.runner import Ledger, Runner, Stage
 from train.config import TrainConfig
 from train.eval.__main__ import parse_args as parse_eval_args
@@ -46,7 +46,7 @@ PARSERS = {
 }
 
 
-def build_job(cfg: DrafterConfig, prompts: PromptSplit, derived: list[Derived]) -> Job:
+def build_job(cfg: DrafterRecipeConfig, prompts: PromptSplit, derived: list[Derived]) -> Job:
     out = cfg.out_dir
     defaults = stage_defaults(cfg, derived)
     defaults.setdefault("train", []).extend([f"seed={cfg.seed}", f"data.seed={cfg.seed}"])
@@ -77,7 +77,7 @@ def check_steps(groups: list[list[Stage]]) -> None:
             raise ValueError(f"step '{stage.name}': {exc}") from None
 
 
-def run_drafter(cfg: DrafterConfig) -> dict:
+def run_drafter(cfg: DrafterRecipeConfig) -> dict:
     """Run (or resume) every step for `cfg`; the summary (also in OUT/summary.json). ValueError for a
     user error (naming the key), SystemExit naming a failing step."""
     if not os.path.isdir(cfg.target):
@@ -117,7 +117,7 @@ def derived_record(item: Derived) -> dict:
 
 def shard_facts(job: Job) -> dict:
     """The taps and the mask token the training shards record (extraction's provenance)."""
-    provenance = read_json(os.path.join(job.shards_dir, "train", "manifest.json")).get("provenance", {})
+    provenance = read_record(os.path.join(job.shards_dir, "train", "manifest.json")).get("provenance", {})
     tokenizer = provenance.get("tokenizer", {})
     mask = tokenizer.get("mask_token") or {}
     return {
@@ -133,10 +133,10 @@ def step_seconds(runner: Runner, name: str) -> float:
 
 def drafter_summary(job: Job, runner: Runner, derived: list[Derived], prompts: PromptSplit) -> dict:
     drafter, baseline = eval_pair(job.eval_out(job.online))
-    spec_all = read_json(job.spec_out)
+    spec_all = read_record(job.spec_out)
     spec = pick_spec(spec_all)
     spec["speedup_wall"] = spec_all.get("summary", {}).get("speedup_wall")
-    export_config = read_json(os.path.join(job.export_dir, "config.json"))
+    export_config = read_record(os.path.join(job.export_dir, "config.json"))
     return {
         "target": job.target,
         "out": os.path.dirname(job.run_dir),

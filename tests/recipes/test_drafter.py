@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.target_rules import auto_layer_ids
-from recipes.drafter.config import DrafterConfig
+from recipes.drafter.config import DrafterRecipeConfig
 from recipes.drafter.run import run_drafter
 from recipes.tiny.shipped import unpack_shipped
 
@@ -34,7 +34,7 @@ def smoke(tmp_path_factory):
     unpack_shipped(root / "tiny")
     lines = (root / "tiny/corpus/train.jsonl").read_text().splitlines()[:40]
     (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    cfg = DrafterConfig(
+    cfg = DrafterRecipeConfig(
         target=str(root / "tiny/target"),
         prompts=str(root / "prompts.jsonl"),
         out=str(root / "out"),
@@ -80,7 +80,7 @@ def test_a_rerun_skips_every_step_and_a_changed_setting_reruns_only_what_it_affe
     assert again["specdecode"] == first["specdecode"]
     assert "done with the same command and inputs, skipped" in capsys.readouterr().out
 
-    changed = DrafterConfig(**{**cfg.__dict__, "overrides": {"specdecode": ["max_new_tokens=16"]}})
+    changed = DrafterRecipeConfig(**{**cfg.__dict__, "overrides": {"specdecode": ["max_new_tokens=16"]}})
     summary = run_drafter(changed)
     ran = [name for name, step in summary["steps"].items() if step["status"] != "skipped"]
     assert ran == ["speculative decoding"] and summary["steps"]["speculative decoding"]["status"] == "redone"
@@ -91,7 +91,7 @@ def test_a_rerun_skips_every_step_and_a_changed_setting_reruns_only_what_it_affe
 def test_a_bad_stage_setting_fails_before_any_step_runs_naming_the_step_and_key(smoke, tmp_path):
     cfg, _ = smoke
     out = tmp_path / "bad"
-    bad = DrafterConfig(**{**cfg.__dict__, "out": str(out), "overrides": {"train": ["optim.max_stepz=3"]}})
+    bad = DrafterRecipeConfig(**{**cfg.__dict__, "out": str(out), "overrides": {"train": ["optim.max_stepz=3"]}})
     with pytest.raises(ValueError, match=r"step 'drafter training': unknown config key 'optim.max_stepz'"):
         run_drafter(bad)
     assert not (out / "stages.json").exists()
