@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 
 from common.config import fail
 from common.io import resolve
-from common.objstore import check_location
+from common.locations import check_problem
 from extract import corpus as C
 from extract.config import ExtractConfig
 from extract.provenance import with_regeneration
@@ -66,28 +65,10 @@ def check_no_other_writer(out_dir: str, ranks: Ranks) -> None:
 
 def check_out_dir(out_dir: str, key: str) -> None:
     """ConfigError unless `out_dir` is (or can become) a writable local directory, or is on an
-    object store whose bucket this process can reach (docs/object-storage.md)."""
-    if "://" in out_dir:
-        try:
-            check_location(out_dir, write=True)
-        except ValueError as err:
-            fail(key, str(err))
-        return
-    root = local_dir(out_dir)
-    existing = root
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        where = "is a file" if existing == root else f"lies under '{existing}', which is a file"
-        fail(key, f"'{root}' {where}, not a directory; choose another out_dir")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        fail(key, f"'{existing}' is not writable by this user")
-    # os.access answers yes for root, and on file systems where nothing can be made (/proc, /sys,
-    # a read-only mount): make (and remove) a directory there to know.
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".dflash-probe-", dir=existing))
-    except OSError as err:
-        fail(key, f"cannot create anything under '{existing}' ({err.strerror or err}); choose another out_dir")
+    object store whose bucket this process can reach (`common.locations`, docs/object-storage.md)."""
+    problem = check_problem(out_dir, "data_out")
+    if problem:
+        fail(key, problem)
 
 
 def check_topk(topk: int, vocab_size: int | None) -> None:

@@ -49,10 +49,14 @@ TINY_CONFIG = "configs/tiny.toml"
 @dataclasses.dataclass(frozen=True)
 class ChooseTierConfig:
     config: str = knob(
-        TINY_CONFIG, help="the experiment's config file: its [extract] table (step 1) and [train] table (step 3)"
+        TINY_CONFIG,
+        help="the experiment's config file: its [extract] table (step 1) and [train] table (step 3)",
+        path="local_in",
     )
     out_dir: str = knob(
-        "runs/tiers", help="where tier datasets (data/), runs (runs/) and the comparison (tiers.md, tiers.json) go"
+        "runs/tiers",
+        help="where tier datasets (data/), runs (runs/) and the comparison (tiers.md, tiers.json) go",
+        path="dir_out",
     )
     tiers: list[str] = knob(
         factory=lambda: ["fp8", "nf4-g64", "fp8@pca:rank=32"],
@@ -60,13 +64,16 @@ class ChooseTierConfig:
     )
     seeds: list[int] = knob(factory=lambda: [0, 1], help="training seeds per tier (the spread shows the noise)")
     lossless: str = knob(
-        "artifacts/tiny/shards/train", help="the lossless training subset (written by step 1 with extract=true)"
+        "artifacts/tiny/shards/train",
+        help="the lossless training subset (written by step 1 with extract=true)",
+        path="data_in",
     )
     heldout: str | dict[str, str] | None = knob(
         "artifacts/tiny/shards/heldout",
         help="lossless held-out dataset every drafter is evaluated on, or several by name ({humaneval = DIR, "
         "chat = DIR}); none = the held-out split (holdout_fraction) of `lossless`, which the training runs "
         "then leave out",
+        path="data_in",
     )
     holdout_fraction: float = knob(
         0.02,
@@ -85,11 +92,12 @@ class ChooseTierConfig:
     )
     online: bool = knob(True, help="step 5: export and run real speculative decoding (needs the target checkpoint)")
     target: str | None = knob(
-        None, help="target checkpoint for step 5; none = the lossless dataset's provenance target"
+        None, help="target checkpoint for step 5; none = the lossless dataset's provenance target", path="local_in"
     )
     prompts: str | dict[str, str] = knob(
         "artifacts/tiny/corpus/heldout_regen.jsonl",
         help="step 5: JSONL prompts ({'messages': [...]}), or several sets by name ({humaneval = FILE, ...})",
+        path="local_in",
     )
     num_prompts: int = knob(8, help="step 5: prompts decoded per drafter", min=1)
     max_new_tokens: int = knob(96, help="step 5: tokens generated per prompt", min=1)

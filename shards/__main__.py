@@ -38,7 +38,7 @@ from shards.verify import verify_dataset
 class InspectConfig:
     """`python -m shards inspect DIR`: provenance, counts, length histogram, bytes per token."""
 
-    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)")
+    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)", path="data_in")
     manifest: str = knob(MANIFEST_NAME, help="manifest file name inside DIR")
 
 
@@ -46,7 +46,7 @@ class InspectConfig:
 class VerifyConfig:
     """`python -m shards verify DIR`: check checksums, schema, every sample, counts; exit 1 on any problem."""
 
-    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)")
+    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)", path="data_in")
     manifest: str = knob(MANIFEST_NAME, help="manifest file name inside DIR")
     no_checksums: bool = knob(False, help="skip hashing whole files (faster; samples are still checked)")
     no_progress: bool = knob(False, help="no progress bar")
@@ -56,10 +56,10 @@ class VerifyConfig:
 class ShowConfig:
     """`python -m shards show DIR SAMPLE`: one sample: tokens, top-k of the first positions, per-tap statistics."""
 
-    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)")
+    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)", path="data_in")
     sample: str = knob(help="position in the dataset (negative from the end) or a sample id")
     manifest: str = knob(MANIFEST_NAME, help="manifest file name inside DIR")
-    tokenizer: str | None = knob(None, help="local tokenizer directory to decode tokens (no download)")
+    tokenizer: str | None = knob(None, help="local tokenizer directory to decode tokens (no download)", path="local_in")
     positions: int = knob(8, help="how many positions of top-k to print", min=0)
 
 
@@ -67,7 +67,7 @@ class ShowConfig:
 class MergeConfig:
     """`python -m shards merge DIR NAME...`: combine per-rank manifests into one."""
 
-    dir: str = knob(help="dataset root holding the rank manifests")
+    dir: str = knob(help="dataset root holding the rank manifests", path="data_out")
     out: str = knob(MANIFEST_NAME, help="name of the merged manifest inside DIR")
 
 
