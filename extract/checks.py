@@ -1,8 +1,8 @@
 """The checks an extraction makes before it loads anything (the target's weights take minutes for a
 27B): every corpus found and readable as its format (each file fingerprinted, which reads every
 byte once, so a damaged compressed file is named now), every `out_dir` a directory that something
-can be created in, no other process writing this rank's part of the dataset, and `topk` within the
-target's vocabulary. Each failure is a ValueError (or ConfigError) naming the key.
+can be created in, no other process writing this rank's part of the dataset, and `topk` and the
+mask token within the target's vocabulary. Each failure is a ValueError (or ConfigError) naming the key.
 
 `check_inputs` also settles the one part of a split's config that depends on its corpus rather than
 on the config alone (`ExtractConfig.check` settles the rest): a regenerated corpus's chat template
@@ -75,6 +75,17 @@ def check_topk(topk: int, vocab_size: int | None) -> None:
     """ConfigError naming `topk` if the target's vocabulary has fewer entries (torch.topk would fail mid-run)."""
     if vocab_size is not None and topk > int(vocab_size):
         fail("topk", f"{topk} exceeds the target's vocabulary of {vocab_size} tokens")
+
+
+def check_mask_token_id(token_id: int | None, vocab_size: int | None, source: str = "config") -> None:
+    """ValueError naming the setting if the mask token lies outside the target's vocabulary (the
+    drafter embeds it with the target's embedding; training would refuse the dataset)."""
+    if token_id is None or vocab_size is None or 0 <= int(token_id) < int(vocab_size):
+        return
+    message = f"{token_id} lies outside the target's vocabulary (ids 0..{int(vocab_size) - 1})"
+    if source == "config":
+        fail("mask_token_id", message)
+    raise ValueError(f"the tokenizer's mask_token = {message}; set mask_token_id to a special token of the vocabulary")
 
 
 def local_dir(out_dir: str) -> str:

@@ -38,10 +38,12 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
-from common.config import describe, fail, knob, parse_cli
+from common.config import ConfigError, describe, fail, knob, load_config, parse_cli
+from train.config import TrainConfig
 
 TINY_CONFIG = "configs/tiny.toml"
 
@@ -145,7 +147,7 @@ def _run_all_of(phase: list[tuple[str, list[str], Callable[[], None] | None]], c
     failed = [e for e in ended if e.exit != 0]
     if failed:
         raise SystemExit(
-            "choose_tier: step failed: "
+            "tiers: step failed: "
             + "; ".join(f"{e.command} (exit {e.exit}, log {e.log})" for e in failed)
             + (f"; {len(phase) - len(ended)} steps not started (rerun to resume)" if len(ended) < len(phase) else "")
         )
@@ -160,7 +162,7 @@ def _run(args: list[str], log: list) -> None:
         {"command": "python " + " ".join(args), "seconds": round(time.time() - started, 1), "exit": result.returncode}
     )
     if result.returncode != 0:
-        raise SystemExit(f"choose_tier: step failed (exit {result.returncode}): python {' '.join(args)}")
+        raise SystemExit(f"tiers: step failed (exit {result.returncode}): python {' '.join(args)}")
 
 
 def _mark_done(run: Path) -> None:
@@ -205,7 +207,7 @@ def run_all(cfg: ChooseTierConfig) -> dict:
         )
     if not _complete(cfg.lossless):
         raise SystemExit(
-            f"choose_tier: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or "
+            f"tiers: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or "
             "set extract=true)"
         )
     datasets = {"lossless": cfg.lossless}
@@ -333,7 +335,7 @@ def _extract_corpus(cfg: ChooseTierConfig) -> str:
     table = tomllib.loads(Path(cfg.config).read_text()).get("extract", {})
     corpus = table.get("corpus") or (table.get("splits") or {}).get("train")
     if not corpus:
-        raise SystemExit(f"choose_tier: {cfg.config} [extract] names no corpus (or splits.train) for step 1")
+        raise SystemExit(f"tiers: {cfg.config} [extract] names no corpus (or splits.train) for step 1")
     return corpus
 
 
@@ -489,20 +491,35 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__ + "\nkeys:\n" + describe(ChooseTierConfig))
         return 0
-    run_all(config_from_argv(argv))
+    try:
+        cfg = config_from_argv(argv)
+    except ValueError as err:
+        print(f"tiers: {err}", file=sys.stderr)
+        return 2
+    run_all(cfg)
     return 0
 
 
 def config_from_argv(argv: list[str]) -> ChooseTierConfig:
-    """CONFIG's [tiers] table (if any) and the overrides; CONFIG is also the experiment config."""
-    import tomllib
-
+    """CONFIG's [tiers] table (if any) and the overrides; CONFIG is also the experiment config. The
+    experiment config's [train] table is checked too, before any step runs (ConfigError naming the key)."""
     path = argv[0] if argv and "=" not in argv[0] else None
-    table = tomllib.loads(Path(path).read_text()).get("tiers") if path and Path(path).is_file() else None
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        table = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("tiers") if path else None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
     # A config without a [tiers] table is only the experiment's config (steps 1 and 3).
     cfg = parse_cli(ChooseTierConfig, argv if table is not None else argv[1:] if path else argv, section="tiers")
     if path and "config" not in (table or {}) and not any(word.startswith("config=") for word in argv[1:]):
         cfg = dataclasses.replace(cfg, config=path)
+    if not Path(cfg.config).is_file():
+        fail("config", f"the experiment's config file '{cfg.config}' does not exist")
+    try:  # what step 3 trains with, checked before steps 1 and 2 spend minutes
+        load_config(TrainConfig, cfg.config, cfg.train_overrides, section="train")
+    except ConfigError as err:
+        raise ConfigError(f"{cfg.config} [train] with train_overrides: {err}") from None
     return cfg
 
 

@@ -56,7 +56,9 @@ class DataConfig:
     """The `data` table of the train config."""
 
     shards: str = knob(
-        "artifacts/tiny/shards/train", help="shards dataset root (local path or pyarrow.fs URI)", path="data_in"
+        "artifacts/tiny/shards/train",
+        help="shards dataset root (a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX)",
+        path="data_in",
     )
     manifest: str = knob("manifest.json", help="manifest file name inside the shards root")
     verify_samples: bool = knob(
