@@ -49,6 +49,9 @@ def parse_problem(text: str, kind: str) -> str | None:
     if spelled:
         return f"{text!r} is a TOML {spelled}, not a path"
     if not is_uri(text):
+        scheme, one_slash, _ = text.partition(":/")
+        if one_slash and scheme.lower() in objstore.STORE_SCHEMES:
+            return f"{text!r} looks like a {scheme}:// URI with one slash (a path joined by a tool?); write {scheme}://"
         return None
     if kind not in STORE_KINDS:
         return f"{text!r} is an object-store URI, but {_LOCAL_ONLY[kind]}; see docs/object-storage.md"

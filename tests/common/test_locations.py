@@ -25,6 +25,7 @@ from train.config import TrainConfig
         ("file:///tmp/x", "data_out", "the scheme 'file://' is not served here"),
         ("s3://?endpoint_override=h:1", "data_in", "no bucket in the URI; write s3://BUCKET/PREFIX"),
         ("s3:///prefix", "data_out", "no bucket in the URI"),
+        ("s3:/bucket/runs", "dir_out", "looks like a s3:// URI with one slash"),
     ],
 )
 def test_a_path_setting_that_cannot_work_is_refused_on_its_face(text, kind, said):
