@@ -91,6 +91,7 @@ class ExtractConfig:
         None,
         help="a Jinja chat template file that renders chat records instead of the tokenizer's own (a target without "
         "one: a base model); hashed into the provenance as the tokenizer's chat_template_hash",
+        path="local_in",
     )
     chat_template_kwargs: dict = knob(
         factory=dict, help="extra variables for the chat template, e.g. {enable_thinking = false}"

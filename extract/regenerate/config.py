@@ -80,6 +80,7 @@ class RegenerateConfig:
         None,
         help="a Jinja chat template file that renders the prompts and checks the answers instead of the tokenizer's "
         "own (a target without one: a base model); extraction of the corpus must be given the same file",
+        path="local_in",
     )
     max_context: int | None = knob(
         None,
