@@ -3,7 +3,7 @@ give a silent result, and the real-target build's failure modes.
 
 - command_config: each entry point (extract, extract.regenerate, extract.merge, train, train.eval,
   train.export, train.specdecode, train.report, every `shards` command, recipes.tiny, recipes.smollm2,
-  recipes.compare_tiers, recipes.data_ladder) given an unknown key, a wrong type, a missing config
+  recipes.compare_tiers, recipes.data_ladder, recipes.drafter) given an unknown key, a wrong type, a missing config
   file, a TOML table as a path, an object-store URI where a local path is written: exit 2, one line
   naming the key or file, no traceback, nothing created (the commands run in an empty directory).
 - silent: what once passed without a word: training into `out_dir=s3://...`, a mask token the
@@ -90,6 +90,8 @@ def command_cases(world: World, work: Path) -> list[tuple[str, str, list[str], s
         ("recipes.compare_tiers", "recipes.compare_tiers", ["zz_unknown=1"], "zz_unknown"),
         ("recipes.compare_tiers", "recipes.compare_tiers", [missing], missing),
         ("recipes.compare_tiers", "recipes.compare_tiers", ["seeds=abc"], "seeds"),
+        ("recipes.drafter", "recipes.drafter.__main__", ["target=t", "prompts=p", "zz_unknown=1"], "zz_unknown"),
+        ("recipes.drafter", "recipes.drafter.__main__", ["target=t", "prompts=p", f"out={ON_A_STORE}"], "out"),
         ("recipes.data_ladder", "recipes.data_ladder", [missing, "--eval", base], missing),
         ("recipes.data_ladder", "recipes.data_ladder", [cfg, "--eval", "no-such-set"], "--eval"),
         ("recipes.data_ladder", "recipes.data_ladder", [cfg, "--eval", base, "--fractions", "abc"], "--fractions"),
