@@ -25,6 +25,7 @@ from dataclasses import MISSING, field
 from pathlib import Path
 from typing import Any, Literal
 
+from common import locations
 from common.io import atomic_write_text
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "config_digest",
     "describe",
     "fail",
+    "check_paths",
 ]
 
 
@@ -87,9 +89,12 @@ def knob(
     max: float | None = None,
     choices: typing.Sequence[Any] | None = None,
     factory: typing.Callable[[], Any] | None = None,
+    path: str | None = None,
 ) -> Any:
-    """Declare a config field with its help text and allowed values (checked by `load_config`)."""
-    metadata = {"help": help, "min": min, "max": max, "choices": tuple(choices) if choices else None}
+    """Declare a config field with its help text and allowed values (checked by `load_config`);
+    `path` makes it a path setting of that kind (`common.locations`: parsed at load, checked when a
+    command line is read)."""
+    metadata = {"help": help, "min": min, "max": max, "choices": tuple(choices) if choices else None, "path": path}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     if default is MISSING:
@@ -193,6 +198,7 @@ def parse_command(
             + ("" if positional else " (only the first argument may be a config file)")
         )
     cfg = load_config(cls, path, overrides, section=section, values=values)
+    check_paths(cfg)
     return (cfg, left) if rest else cfg
 
 
@@ -373,6 +379,11 @@ def config_from_dict(cls: type, data: dict[str, Any], *, prefix: str = "") -> An
 
 def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping[str, Any]) -> Any:
     value = _coerce(key, value, hint)
+    if meta.get("path"):
+        for where, text in _path_values(key, value):
+            problem = locations.parse_problem(text, meta["path"])
+            if problem:
+                fail(where, problem)
     choices = meta.get("choices")
     if choices is not None and value is not None:
         items = value if isinstance(value, list) else [value]
@@ -392,6 +403,27 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping[str, Any]
                     key, f"{item!r} is above the maximum {hi}" + (f" (allowed: {lo} to {hi})" if lo is not None else "")
                 )
     return value
+
+
+def _path_values(key: str, value: Any) -> list[tuple[str, str]]:
+    """(key, text) of each non-empty path in a path setting's value (a text, or a table of them)."""
+    items = value.items() if isinstance(value, dict) else [(None, value)]
+    return [(key if name is None else f"{key}.{name}", text) for name, text in items if isinstance(text, str) and text]
+
+
+def check_paths(cfg: Any, prefix: str = "") -> None:
+    """ConfigError naming the key for the first path setting of `cfg` that cannot be used as its
+    kind says (`common.locations.check_problem`: a store reached, a local output writable)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            check_paths(value, f"{prefix}{f.name}.")
+            continue
+        kind = f.metadata.get("path")
+        for where, text in _path_values(prefix + f.name, value) if kind else ():
+            problem = locations.check_problem(text, kind)
+            if problem:
+                fail(where, problem)
 
 
 def _type_name(hint: Any) -> str:

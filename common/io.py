@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from typing import Any
 
 import pyarrow.fs as pafs
+
+from common import objstore
 
 TMP_SUFFIX = ".tmp"
 
@@ -23,9 +26,7 @@ def resolve(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) for a local path or a URI such as `s3://bucket/dir`."""
     text = str(uri_or_path)
     if "://" in text:
-        from common.objstore import resolve_store
-
-        return resolve_store(text)
+        return objstore.resolve_store(text)
     return pafs.LocalFileSystem(), os.path.abspath(text)
 
 
@@ -35,9 +36,7 @@ def is_local(fs: pafs.FileSystem) -> bool:
 
 def in_place(fs: pafs.FileSystem) -> bool:
     """Whether files are written under their final name (an object store: a PUT is atomic, a rename is a copy)."""
-    from common.objstore import is_object_store
-
-    return is_object_store(fs)
+    return objstore.is_object_store(fs)
 
 
 def join(*parts: str) -> str:
@@ -101,8 +100,6 @@ def commit(fs: pafs.FileSystem, tmp_path: str, final_path: str) -> None:
 def replace_local_dir(new: str | os.PathLike, final: str | os.PathLike) -> None:
     """Put the finished local directory `new` at `final`: an old `final` is renamed aside first
     (to a temporary name) and deleted after, so `final` is never a mix of the two."""
-    import shutil
-
     old = None
     if os.path.exists(final):
         old = temp_name(f"{os.fspath(final)}.old")

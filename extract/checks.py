@@ -1,8 +1,8 @@
 """The checks an extraction makes before it loads anything (the target's weights take minutes for a
 27B): every corpus found and readable as its format (each file fingerprinted, which reads every
 byte once, so a damaged compressed file is named now), every `out_dir` a directory that something
-can be created in, no other process writing this rank's part of the dataset, and `topk` within the
-target's vocabulary. Each failure is a ValueError (or ConfigError) naming the key.
+can be created in, no other process writing this rank's part of the dataset, and `topk` and the
+mask token within the target's vocabulary. Each failure is a ValueError (or ConfigError) naming the key.
 
 `check_inputs` also settles the one part of a split's config that depends on its corpus rather than
 on the config alone (`ExtractConfig.check` settles the rest): a regenerated corpus's chat template
@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 
 from common.config import fail
 from common.io import resolve
-from common.objstore import check_location
+from common.locations import check_problem
 from extract import corpus as C
 from extract.config import ExtractConfig
 from extract.provenance import with_regeneration
@@ -66,34 +65,27 @@ def check_no_other_writer(out_dir: str, ranks: Ranks) -> None:
 
 def check_out_dir(out_dir: str, key: str) -> None:
     """ConfigError unless `out_dir` is (or can become) a writable local directory, or is on an
-    object store whose bucket this process can reach (docs/object-storage.md)."""
-    if "://" in out_dir:
-        try:
-            check_location(out_dir, write=True)
-        except ValueError as err:
-            fail(key, str(err))
-        return
-    root = local_dir(out_dir)
-    existing = root
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        where = "is a file" if existing == root else f"lies under '{existing}', which is a file"
-        fail(key, f"'{root}' {where}, not a directory; choose another out_dir")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        fail(key, f"'{existing}' is not writable by this user")
-    # os.access answers yes for root, and on file systems where nothing can be made (/proc, /sys,
-    # a read-only mount): make (and remove) a directory there to know.
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".dflash-probe-", dir=existing))
-    except OSError as err:
-        fail(key, f"cannot create anything under '{existing}' ({err.strerror or err}); choose another out_dir")
+    object store whose bucket this process can reach (`common.locations`, docs/object-storage.md)."""
+    problem = check_problem(out_dir, "data_out")
+    if problem:
+        fail(key, problem)
 
 
 def check_topk(topk: int, vocab_size: int | None) -> None:
     """ConfigError naming `topk` if the target's vocabulary has fewer entries (torch.topk would fail mid-run)."""
     if vocab_size is not None and topk > int(vocab_size):
         fail("topk", f"{topk} exceeds the target's vocabulary of {vocab_size} tokens")
+
+
+def check_mask_token_id(token_id: int | None, vocab_size: int | None, source: str = "config") -> None:
+    """ValueError naming the setting if the mask token lies outside the target's vocabulary (the
+    drafter embeds it with the target's embedding; training would refuse the dataset)."""
+    if token_id is None or vocab_size is None or 0 <= int(token_id) < int(vocab_size):
+        return
+    message = f"{token_id} lies outside the target's vocabulary (ids 0..{int(vocab_size) - 1})"
+    if source == "config":
+        fail("mask_token_id", message)
+    raise ValueError(f"the tokenizer's mask_token = {message}; set mask_token_id to a special token of the vocabulary")
 
 
 def local_dir(out_dir: str) -> str:

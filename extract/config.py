@@ -42,11 +42,13 @@ ALLOWED_TEMPLATE_KWARG_TYPES = (bool, int, float, str)
 class ExtractConfig:
     # -- target ------------------------------------------------------------------------------
     target: str = knob(
-        help="local directory of the target checkpoint (Hugging Face layout: config.json, weights, tokenizer)"
+        help="local directory of the target checkpoint (Hugging Face layout: config.json, weights, tokenizer)",
+        path="local_in",
     )
     out_dir: str = knob(
         help="output directory, a local or mounted path (shared by all nodes); with `splits`, each split goes to "
-        "out_dir/NAME"
+        "out_dir/NAME",
+        path="data_out",
     )
     trust_remote_code: bool = knob(
         False, help="allow code shipped with the checkpoint to run (only for checkpoints you trust)"
@@ -66,12 +68,15 @@ class ExtractConfig:
 
     # -- corpus ------------------------------------------------------------------------------
     corpus: str = knob(
-        "", help="corpus: a .jsonl/.parquet file, a directory of them, a glob, or a saved `datasets` directory"
+        "",
+        help="corpus: a .jsonl/.parquet file, a directory of them, a glob, or a saved `datasets` directory",
+        path="local_in",
     )
     splits: dict[str, str] = knob(
         factory=dict,
         help="several corpora in one run, {name = corpus path}; split NAME is written to out_dir/NAME (leave "
         "`corpus` empty)",
+        path="local_in",
     )
     corpus_format: Literal["auto", "jsonl", "parquet", "datasets"] = knob(
         "auto",
@@ -86,6 +91,7 @@ class ExtractConfig:
         None,
         help="a Jinja chat template file that renders chat records instead of the tokenizer's own (a target without "
         "one: a base model); hashed into the provenance as the tokenizer's chat_template_hash",
+        path="local_in",
     )
     chat_template_kwargs: dict = knob(
         factory=dict, help="extra variables for the chat template, e.g. {enable_thinking = false}"

@@ -30,7 +30,7 @@ log = logging.getLogger("extract")
 class MergeConfig:
     """`python -m extract.merge OUT_DIR`."""
 
-    out_dir: str = knob(help="the extraction's output directory (one split)")
+    out_dir: str = knob(help="the extraction's output directory (one split)", path="data_out")
     world: int | None = knob(None, help="number of ranks (default: read from the rank manifests)", min=1)
 
 

@@ -51,7 +51,7 @@ from extract.batching import (
 )
 from extract.calibrate import ensure_projection
 from extract.capture import Capturer, tier_for
-from extract.checks import SplitInputs, check_inputs, check_topk, local_dir
+from extract.checks import SplitInputs, check_inputs, check_mask_token_id, check_topk, local_dir
 from extract.config import DATASET_KEYS, ExtractConfig
 from extract.corpus import windows
 from extract.corpus.files import describe_skipped
@@ -86,10 +86,12 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
     else:
         check_layer_ids(cfg.layer_ids, target.num_layers)
     check_topk(cfg.topk, target.vocab_size)
+    check_mask_token_id(cfg.mask_token_id, target.vocab_size)
     # chat_template=FILE: the file's template renders the chats and is the one the provenance hashes.
     target = dataclasses.replace(target, tokenizer=with_chat_template(target.tokenizer, cfg.chat_template))
     restore_attention = prepare_packing(target) if cfg.packing else None
     mask = choose_mask_token(target.tokenizer, cfg.mask_token_id, [inputs.corpus for inputs in prepared.values()])
+    check_mask_token_id(mask.token_id, target.vocab_size, mask.source)
     log.info("%s", mask.describe())
     summaries = {}
     python_interval = sys.getswitchinterval()
@@ -131,6 +133,7 @@ def _load_checked_target(cfg: ExtractConfig, ranks: Ranks) -> Target:
     check_architecture(cfg.target, cfg.trust_remote_code)  # a family DFlash cannot serve, in one line
     check_layer_ids(cfg.layer_ids, int(text_config.num_hidden_layers))  # before any weights move
     check_topk(cfg.topk, getattr(text_config, "vocab_size", None))
+    check_mask_token_id(cfg.mask_token_id, getattr(text_config, "vocab_size", None))
     devices = resolve_devices(cfg, ranks)
     t0 = time.perf_counter()
     target = load_target(

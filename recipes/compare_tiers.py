@@ -39,13 +39,15 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
-from common.config import describe, fail, knob, parse_cli
+from common.config import ConfigError, describe, fail, knob, load_config, parse_cli
 from common.processes import run_side_by_side
 from shards import ShardDataset
 from shards.describe import raw_bytes_per_token, reconstruction_by_tap
+from train.config import TrainConfig
 
 TINY_CONFIG = "configs/tiny.toml"
 
@@ -53,10 +55,14 @@ TINY_CONFIG = "configs/tiny.toml"
 @dataclasses.dataclass(frozen=True)
 class CompareTiersConfig:
     config: str = knob(
-        TINY_CONFIG, help="the experiment's config file: its [extract] table (step 1) and [train] table (step 3)"
+        TINY_CONFIG,
+        help="the experiment's config file: its [extract] table (step 1) and [train] table (step 3)",
+        path="local_in",
     )
     out_dir: str = knob(
-        "runs/tiers", help="where tier datasets (data/), runs (runs/) and the comparison (tiers.md, tiers.json) go"
+        "runs/tiers",
+        help="where tier datasets (data/), runs (runs/) and the comparison (tiers.md, tiers.json) go",
+        path="dir_out",
     )
     tiers: list[str] = knob(
         factory=lambda: ["fp8", "nf4-g64", "fp8@pca:rank=32"],
@@ -64,13 +70,16 @@ class CompareTiersConfig:
     )
     seeds: list[int] = knob(factory=lambda: [0, 1], help="training seeds per tier (the spread shows the noise)")
     lossless: str = knob(
-        "artifacts/tiny/shards/train", help="the lossless training subset (written by step 1 with extract=true)"
+        "artifacts/tiny/shards/train",
+        help="the lossless training subset (written by step 1 with extract=true)",
+        path="data_in",
     )
     heldout: str | dict[str, str] | None = knob(
         "artifacts/tiny/shards/heldout",
         help="lossless held-out dataset every drafter is evaluated on, or several by name ({humaneval = DIR, "
         "chat = DIR}); none = the held-out split (holdout_fraction) of `lossless`, which the training runs "
         "then leave out",
+        path="data_in",
     )
     holdout_fraction: float = knob(
         0.02,
@@ -89,11 +98,12 @@ class CompareTiersConfig:
     )
     online: bool = knob(True, help="step 5: export and run real speculative decoding (needs the target checkpoint)")
     target: str | None = knob(
-        None, help="target checkpoint for step 5; none = the lossless dataset's provenance target"
+        None, help="target checkpoint for step 5; none = the lossless dataset's provenance target", path="local_in"
     )
     prompts: str | dict[str, str] = knob(
         "artifacts/tiny/corpus/heldout_regen.jsonl",
         help="step 5: JSONL prompts ({'messages': [...]}), or several sets by name ({humaneval = FILE, ...})",
+        path="local_in",
     )
     num_prompts: int = knob(8, help="step 5: prompts decoded per drafter", min=1)
     max_new_tokens: int = knob(96, help="step 5: tokens generated per prompt", min=1)
@@ -357,8 +367,6 @@ def _decoding_steps(cfg: CompareTiersConfig, runs: dict) -> list[Step]:
 
 
 def _extract_corpus(cfg: CompareTiersConfig) -> str:
-    import tomllib
-
     table = tomllib.loads(Path(cfg.config).read_text()).get("extract", {})
     corpus = table.get("corpus") or (table.get("splits") or {}).get("train")
     if not corpus:
@@ -515,20 +523,35 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__ + "\nkeys:\n" + describe(CompareTiersConfig))
         return 0
-    run_all(config_from_argv(argv))
+    try:
+        cfg = config_from_argv(argv)
+    except ValueError as err:
+        print(f"compare_tiers: {err}", file=sys.stderr)
+        return 2
+    run_all(cfg)
     return 0
 
 
 def config_from_argv(argv: list[str]) -> CompareTiersConfig:
-    """CONFIG's [tiers] table (if any) and the overrides; CONFIG is also the experiment config."""
-    import tomllib
-
+    """CONFIG's [tiers] table (if any) and the overrides; CONFIG is also the experiment config. The
+    experiment config's [train] table is checked too, before any step runs (ConfigError naming the key)."""
     path = argv[0] if argv and "=" not in argv[0] else None
-    table = tomllib.loads(Path(path).read_text()).get("tiers") if path and Path(path).is_file() else None
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        table = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("tiers") if path else None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
     # A config without a [tiers] table is only the experiment's config (steps 1 and 3).
     cfg = parse_cli(CompareTiersConfig, argv if table is not None else argv[1:] if path else argv, section="tiers")
     if path and "config" not in (table or {}) and not any(word.startswith("config=") for word in argv[1:]):
         cfg = dataclasses.replace(cfg, config=path)
+    if not Path(cfg.config).is_file():
+        fail("config", f"the experiment's config file '{cfg.config}' does not exist")
+    try:  # what step 3 trains with, checked before steps 1 and 2 spend minutes
+        load_config(TrainConfig, cfg.config, cfg.train_overrides, section="train")
+    except ConfigError as err:
+        raise ConfigError(f"{cfg.config} [train] with train_overrides: {err}") from None
     return cfg
 
 

@@ -11,7 +11,7 @@
                                                  derive a storage tier (quantized and/or projected) from SRC;
                                                  resumable; verified at the end (`... transcode --help`: every key)
 
-DIR is a local path or any URI pyarrow.fs resolves (s3://..., gs://..., hdfs://...).
+DIR is a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (docs/object-storage.md).
 
 Exit status: 0 done; 1 verify (or transcode's final verify) found problems; 2 a user error (one
 line: a bad argument, a dataset that cannot be read); 4 an I/O error such as a full disk (one line
@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from common.config import ConfigError, knob, parse_command
+from common.locations import check_problem
 from shards.describe import inspect_lines, show_lines, unchecked_shards
 from shards.manifest import MANIFEST_NAME, merge_manifests
 from shards.reader import ShardDataset
@@ -38,7 +39,7 @@ from shards.verify import verify_dataset
 class InspectConfig:
     """`python -m shards inspect DIR`: provenance, counts, length histogram, bytes per token."""
 
-    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)")
+    dir: str = knob(help="dataset root (a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX)", path="data_in")
     manifest: str = knob(MANIFEST_NAME, help="manifest file name inside DIR")
 
 
@@ -46,7 +47,7 @@ class InspectConfig:
 class VerifyConfig:
     """`python -m shards verify DIR`: check checksums, schema, every sample, counts; exit 1 on any problem."""
 
-    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)")
+    dir: str = knob(help="dataset root (a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX)", path="data_in")
     manifest: str = knob(MANIFEST_NAME, help="manifest file name inside DIR")
     no_checksums: bool = knob(False, help="skip hashing whole files (faster; samples are still checked)")
     no_progress: bool = knob(False, help="no progress bar")
@@ -56,10 +57,10 @@ class VerifyConfig:
 class ShowConfig:
     """`python -m shards show DIR SAMPLE`: one sample: tokens, top-k of the first positions, per-tap statistics."""
 
-    dir: str = knob(help="dataset root (local path or pyarrow.fs URI)")
+    dir: str = knob(help="dataset root (a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX)", path="data_in")
     sample: str = knob(help="position in the dataset (negative from the end) or a sample id")
     manifest: str = knob(MANIFEST_NAME, help="manifest file name inside DIR")
-    tokenizer: str | None = knob(None, help="local tokenizer directory to decode tokens (no download)")
+    tokenizer: str | None = knob(None, help="local tokenizer directory to decode tokens (no download)", path="local_in")
     positions: int = knob(8, help="how many positions of top-k to print", min=0)
 
 
@@ -67,7 +68,7 @@ class ShowConfig:
 class MergeConfig:
     """`python -m shards merge DIR NAME...`: combine per-rank manifests into one."""
 
-    dir: str = knob(help="dataset root holding the rank manifests")
+    dir: str = knob(help="dataset root holding the rank manifests", path="data_out")
     out: str = knob(MANIFEST_NAME, help="name of the merged manifest inside DIR")
 
 
@@ -101,6 +102,10 @@ def parse_args(argv: list[str]) -> tuple[str, object, list[str]]:
         raise ConfigError("merge needs the names of the manifests to combine (python -m shards merge DIR NAME...)")
     if command == "transcode" and len(left) != 2:
         raise ConfigError(f"transcode needs SRC and DST, got {left}")
+    for name, word, kind in zip(("SRC", "DST"), left, ("data_in", "data_out")) if command == "transcode" else ():
+        problem = check_problem(word, kind)
+        if problem:
+            raise ConfigError(f"{name}: {problem}")
     return command, cfg, left
 
 

@@ -279,8 +279,8 @@ def read_index(fs: pafs.FileSystem, root: str, entry: dict, *, check_checksum: b
     the whole file is read anyway). The table has the per-sample checksum columns when the entry's
     `sample_checksum_algo` says so (format version 2), and lacks them for older shards."""
     path = io.join(root, entry["index_file"])
-    if not io.exists(fs, path):
-        raise FileNotFoundError(f"{path}: index file listed in the manifest is missing")
+    if not objstore.retrying(lambda: io.exists(fs, path), where=objstore.store_uri(fs, path)):
+        raise ShardFormatError(f"{path}: index file listed in the manifest is missing")
     algo = entry.get(SAMPLE_CHECKSUM_ALGO_KEY)
     if algo is not None and algo not in SAMPLE_CHECKSUM_ALGOS:
         raise ShardFormatError(
@@ -288,8 +288,9 @@ def read_index(fs: pafs.FileSystem, root: str, entry: dict, *, check_checksum: b
             f"{list(SAMPLE_CHECKSUM_ALGOS)})"
         )
     try:
-        with fs.open_input_file(path) as f:
-            data = f.read()
+        data = objstore.retrying(lambda: io.read_bytes(fs, path), where=objstore.store_uri(fs, path))
+    except objstore.StoreUnreachable:
+        raise
     except OSError as err:
         raise ShardFormatError(f"{path}: unreadable index file ({err})") from None
     if check_checksum and bytes_digest(data) != entry["index_checksum"]:
@@ -341,7 +342,7 @@ def _refuse_duplicates(fs, root, names, manifests) -> None:
 def lock_manifest(fs: pafs.FileSystem, root: str, manifest_name: str, *, wait_seconds: float = 0.0):
     """The exclusive lock every writer of manifest `manifest_name` in `root` holds: a second writer
     stops at once, naming the first. A local directory: `flock` on `.<name>.lock`; S3: the lock
-    object `.<name>.lock` (`common.objstore.ObjectLock`, conditional writes); another object store
+    object `.<name>.lock` (`common.locks.ObjectLock`, conditional writes); another object store
     is refused unless DFLASH_UNLOCKED_WRITES=1; other file systems are not locked."""
     hint = (
         "Two writers of one dataset would corrupt it: wait for the other to finish (or stop it), or write to "

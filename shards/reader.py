@@ -11,6 +11,10 @@ naming the file, the sample and its row. Shards written before format version 2 
 per-sample checksums: their samples are read unchecked, with one warning per dataset.
 `verify_checksums=True` also hashes each whole shard file on its first open (slow on big shards).
 
+On an object store a request that fails because the store does not answer (after pyarrow's own
+retries) is retried again with backoff for a while (`common.objstore.retrying`), then raises
+`StoreUnreachable`: a store that is gone is not reported as a damaged shard.
+
 Thread safety: each thread keeps its own open readers (a small LRU per thread), so background
 prefetch threads decode in parallel without locks; Arrow releases the GIL while decompressing.
 """
@@ -30,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from common import io
+from common import io, objstore
 from common.hashing import file_checksum
 from shards.manifest import (
     MANIFEST_NAME,
@@ -253,6 +257,35 @@ class ShardDataset:
             "topk_logprobs": _tensor(sample.topk_logprobs),
         }
 
+    def samples_holding(self, token_id: int, limit: int = 3) -> list[str]:
+        """Ids of the first `limit` samples whose input_ids hold `token_id`, in dataset order. Reads
+        only the input_ids column of each shard (Arrow's IPC reader fetches the buffers of the selected
+        column alone: about 4 bytes a token, a small share of the file)."""
+        found: list[str] = []
+        for shard, entry in enumerate(self.shards):
+            path = io.join(self.root, entry["file"])
+            rows = objstore.retrying(lambda: self._rows_holding(path, token_id), where=self._uri(path))
+            ids = self.index.column("sample_id")
+            found += [str(ids[self._starts[shard] + row]) for row in rows[: limit - len(found)]]
+            if len(found) >= limit:
+                break
+        return found
+
+    def _rows_holding(self, path: str, token_id: int) -> list[int]:
+        options = pa.ipc.IpcReadOptions(included_fields=[self._schema.get_field_index("input_ids")])
+        try:
+            source = pa.memory_map(path, "r") if io.is_local(self.fs) else self.fs.open_input_file(path)
+            with source, pa.ipc.open_file(source, options=options) as reader:
+                return [
+                    row
+                    for row in range(reader.num_record_batches)
+                    if bool((reader.get_batch(row).column(0).values.to_numpy() == token_id).any())
+                ]
+        except (pa.ArrowException, OSError) as err:
+            if objstore.error_kind(err) == "transient":
+                raise
+            raise ShardFormatError(f"{path}: not a readable Arrow IPC file ({err})") from None
+
     # ------------------------------------------------------------------ shard files
 
     def _read(self, shard: int, row: int, hidden_out: np.ndarray | None = None, compact: bool = False) -> Sample:
@@ -263,11 +296,15 @@ class ShardDataset:
             if ranges is None:
                 batch = opened.reader.get_batch(row)
             else:
-                remote = not io.is_local(self.fs)  # a remote handle may be shared by threads: no seek
-                data = ranges.read_at(opened.source, row, path) if remote else ranges.read(opened.source, row, path)
+                if io.is_local(self.fs):
+                    data = ranges.read(opened.source, row, path)
+                else:  # a remote handle may be shared by threads: no seek
+                    data = objstore.retrying(lambda: ranges.read_at(opened.source, row, path), where=self._uri(path))
                 ranges.check(data, row, path)  # ShardFormatError naming file, sample and row
                 batch = decode_message(data, self._schema)
             batch.validate(full=True)  # damaged offsets would otherwise crash or mislead the decoding
+        except objstore.StoreUnreachable:
+            raise
         except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged zstd data
             raise ShardFormatError(f"{path}: row {row} cannot be read: {err}") from None
         try:
@@ -314,7 +351,7 @@ class ShardDataset:
                 # Remote, checked reads: the file was checked once (by any thread) and every thread reads
                 # its samples' ranges with `read_at` through one handle: no further HEAD or footer reads.
                 return _OpenShardFile(shared, None)
-        info = self.fs.get_file_info(path)
+        info = objstore.retrying(lambda: self.fs.get_file_info(path), where=self._uri(path))
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"{path}: shard file listed in the manifest is missing")
         if info.size != entry["bytes"]:
@@ -326,8 +363,9 @@ class ShardDataset:
                 self._check_checksum(entry["file"], entry["checksum"])
                 self._checked_shards.add(shard)
         try:
-            source = pa.memory_map(path, "r") if io.is_local(self.fs) else self.fs.open_input_file(path)
-            reader = pa.ipc.open_file(source)
+            source, reader = objstore.retrying(lambda: self._open_ipc(path), where=self._uri(path))
+        except objstore.StoreUnreachable:
+            raise
         except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged data too
             raise ShardFormatError(f"{path}: not a readable Arrow IPC file ({err})") from None
         if not shard_schema_matches(reader.schema, self.encoding, self.hidden_width, self.topk, self.hidden_split):
@@ -344,6 +382,13 @@ class ShardDataset:
                 if len(self._shared_sources) > 4096:
                     self._shared_sources.popitem(last=False)
         return _OpenShardFile(source, reader)
+
+    def _open_ipc(self, path: str) -> tuple[pa.NativeFile, pa.ipc.RecordBatchFileReader]:
+        source = pa.memory_map(path, "r") if io.is_local(self.fs) else self.fs.open_input_file(path)
+        return source, pa.ipc.open_file(source)
+
+    def _uri(self, path: str) -> str:
+        return objstore.store_uri(self.fs, path)
 
     def _check_checksum(self, file: str, expected: str) -> None:
         path = io.join(self.root, file)

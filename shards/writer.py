@@ -441,7 +441,12 @@ class ShardWriter:
             self.close(complete=False)
         except Exception as err:  # noqa: BLE001 - the original error is what the user must see
             # One line, no traceback: on a full disk this second failure is the first one again.
-            log.warning("%s: the open shard was not committed after the error (%s); a rerun writes it", self.root, err)
+            log.warning(
+                "%s: the manifest was not updated after the error (%s); it lists every committed shard, and a rerun "
+                "resumes",
+                self.root,
+                err,
+            )
         finally:
             self._lock.release()
 
@@ -472,11 +477,13 @@ class ShardWriter:
             return
         self._ids.difference_update(shard.sample_ids)
         log.error("dropping uncommitted shard %s (%d samples) after a failed write", shard.file, len(shard.sample_ids))
-        try:
+        with contextlib.suppress(Exception):  # on a full disk the close's flush fails too: the file goes anyway
             shard.stream.close(check=False)
-            self.fs.delete_file(shard.tmp_path)
-        except Exception:
-            log.exception("could not delete %s; the next writer will", shard.tmp_path)
+        try:
+            if io.exists(self.fs, shard.tmp_path):
+                self.fs.delete_file(shard.tmp_path)
+        except OSError as err:
+            log.warning("could not delete %s (%s); the next writer will", shard.tmp_path, err)
 
     def _write_index(self, shard: OpenShard) -> tuple[str, int, str]:
         sink = pa.BufferOutputStream()

@@ -58,7 +58,11 @@ def default_gamma(block_size: int) -> float:
 class DataConfig:
     """The `data` table of the train config."""
 
-    shards: str = knob("artifacts/tiny/shards/train", help="shards dataset root (local path or pyarrow.fs URI)")
+    shards: str = knob(
+        "artifacts/tiny/shards/train",
+        help="shards dataset root (a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX)",
+        path="data_in",
+    )
     manifest: str = knob("manifest.json", help="manifest file name inside the shards root")
     verify_samples: bool = knob(
         True,
@@ -167,6 +171,7 @@ class ModelConfig:
         None,
         help="target checkpoint directory (HF layout) for widths, rope, embedding and lm_head; none = the shards' "
         "provenance target.name_or_path",
+        path="local_in",
     )
     allow_target_mismatch: bool = knob(
         False,
@@ -245,6 +250,7 @@ class ModelConfig:
         "or an export) "
         "whose weights start the run; it must match this run's drafter exactly (taps, mask id, block, layer "
         "types, widths, rope)",
+        path="local_in",
     )
 
     init_from_target: str = knob(
@@ -390,7 +396,7 @@ class TrainConfig:
     run_name: str | None = knob(
         None, help="run directory name under out_dir (a plain name); none = run-YYYYmmdd-HHMMSS"
     )
-    out_dir: str = knob("runs", help="directory that holds the run directories")
+    out_dir: str = knob("runs", help="directory that holds the run directories", path="dir_out")
     seed: int = knob(0, help="seed of the drafter init and of the anchor sampling", min=0)
     device: Literal["auto", "cpu", "cuda"] = knob("auto", help="auto = cuda when available")
     precision: Literal["auto", "bf16", "fp32"] = knob(

@@ -33,9 +33,11 @@ fetched ahead.
 
 Errors in the loader threads reach the consumer in `next()`. Unreadable or inconsistent data
 (OSError, ValueError, Arrow errors) follows `on_corrupt`: "fail" raises `DataLoadError` naming the
-sample id and shard file; "skip" drops the sample, records it in `corrupt_samples` and logs the
-file (a batch left empty is skipped whole). Any other exception is re-raised with a note naming the
-sample and shard.
+sample id and shard file and pointing at `python -m shards verify`; "skip" drops the sample, records
+it in `corrupt_samples` and logs the file (a batch left empty is skipped whole). A damaged index is
+a `DataLoadError` at start. An object store that stops answering is not damage: the reader waits for
+it (`common.objstore.retrying`), then `StoreUnreachable` stops the run (rerunning resumes). Any
+other exception is re-raised with a note naming the sample and shard.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ import pyarrow as pa
 import torch
 
 from common.io import is_local
+from common.objstore import StoreUnreachable
 from shards import ShardDataset
 from shards.quant import QuantizedHidden
+from shards.schema import ShardFormatError
 from train import buckets
 from train.config import DataConfig  # noqa: F401 - the `data` table, re-exported for its users
 from train.samples import check_compatible, select_samples, selection_digest
@@ -139,8 +143,13 @@ class Share:
         )
 
 
-class DataLoadError(RuntimeError):
-    """A sample could not be read or did not match the index; names the sample id and shard file."""
+class DataLoadError(ValueError):
+    """The dataset is damaged: a sample could not be read or did not match the index (names the sample
+    id and shard file), or an index file is (points at `python -m shards verify`)."""
+
+
+def verify_hint(root: str) -> str:
+    return f"`python -m shards verify {root}` checks every file of the dataset"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,7 +232,10 @@ class DataStream:
         self.dataset = dataset if dataset is not None else _open_dataset(cfg)
         if expected is not None:
             check_compatible(self.dataset.manifest, expected)
-        index = self.dataset.index
+        try:
+            index = self.dataset.index
+        except ShardFormatError as exc:
+            raise DataLoadError(f"{exc}; {verify_hint(cfg.shards)}") from None
         all_ids = [str(s) for s in index.column("sample_id").to_pylist()]
         all_lengths = np.asarray(index.column("n_tokens").to_numpy(), dtype=np.int64)
         self._shard_of = index.column("shard").to_pylist()
@@ -463,6 +475,8 @@ class DataStream:
             if T != n_tokens:
                 raise ValueError(f"sample has {T} tokens but the index says {n_tokens}")
             return sample
+        except StoreUnreachable:
+            raise  # not damage: the store is gone for longer than the reader waits
         except (OSError, ValueError, pa.ArrowException) as exc:  # what unreadable or inconsistent data raises
             return self._on_corrupt(i, sample_id, exc)
         except Exception as exc:
@@ -485,8 +499,9 @@ class DataStream:
         if self.cfg.on_corrupt == "fail":
             raise DataLoadError(
                 f"cannot read sample {sample_id} (dataset index {i}) from shard '{shard}' in '{self.cfg.shards}': "
-                f"{type(exc).__name__}: {exc} (set data.on_corrupt='skip' to skip unreadable samples)"
-            ) from exc
+                f"{type(exc).__name__}: {exc}; {verify_hint(self.cfg.shards)} (data.on_corrupt='skip' trains "
+                "without the unreadable samples)"
+            ) from None
         with self._corrupt_lock:
             skipped = self.corrupt_samples.setdefault(shard, set())
             skipped.add(sample_id)

@@ -67,6 +67,7 @@ __all__ = [
     "ResolvedTarget",
     "resolve_target",
     "resolve_mask_token",
+    "check_mask_token_absent",
     "build_drafter_config",
     "expected_fields",
     "choose_run_kernels",
@@ -107,6 +108,25 @@ def resolve_mask_token(provenance: dict, tokenizer, configured: int | None) -> t
     if configured is not None and configured != found[0]:
         raise ValueError(f"config key 'model.mask_token_id' = {configured} contradicts the {found[1]} = {found[0]}")
     return found
+
+
+def check_mask_token_absent(dataset, mask_token_id: int, source: str) -> None:
+    """ValueError naming the setting if a sample holds the mask token (the drafter would read it both
+    as a real token and as the mask). The shards' own mask token is absent by construction: extraction
+    rejects every sample that holds it. Any other id is looked for in the input_ids of every shard."""
+    if source.startswith("shards provenance"):
+        return
+    log.info("mask token id %d (%s): checking that no sample of the shards holds it", mask_token_id, source)
+    held = dataset.samples_holding(mask_token_id)
+    if held:
+        where = (
+            "config key 'model.mask_token_id'" if source.startswith("config") else "the target tokenizer's mask_token"
+        )
+        raise ValueError(
+            f"{where} = {mask_token_id} occurs in the shards' input_ids (samples {', '.join(held)}); the mask "
+            "token must never occur in the data: set model.mask_token_id to an id the data does not hold, or extract "
+            "again (extraction chooses one and records it in the provenance)"
+        )
 
 
 def build_drafter_config(cfg: TrainConfig, target_cfg: dict, provenance: dict, mask_token_id: int) -> DrafterConfig:
@@ -282,6 +302,7 @@ class Run(OnKernels):
     def _prepare_claimed(cls, cfg: TrainConfig, stream: DataStream | None, dist: Dist, run_dir: Path, lock) -> "Run":
         stream = stream if stream is not None else _open_stream(cfg, dist.split)
         target = resolve_target(cfg, stream.dataset.manifest)  # refuses incompatible shards
+        check_mask_token_absent(stream.dataset, target.drafter_cfg.mask_token_id, target.mask_source)
         kernels = _agreed_kernels(
             cfg, target.drafter_cfg, dist
         )  # refuses a kernel that cannot work, before anything runs

@@ -27,11 +27,13 @@ class RegenerateConfig:
         help="local directory of the target checkpoint: its tokenizer and chat template render the prompts and "
         "check the "
         "answers (both backends); the local backend also loads its weights",
+        path="local_in",
     )
     corpus: str = knob(
         "",
         help="corpus to answer again: a .jsonl/.parquet file, a directory or glob of them, or a saved `datasets` "
         "directory",
+        path="local_in",
     )
     corpus_format: Literal["auto", "jsonl", "parquet", "datasets"] = knob(
         "auto", help="how to read the corpus (as extraction reads it)"
@@ -42,6 +44,7 @@ class RegenerateConfig:
         "",
         help="output directory (or s3://bucket/prefix, docs/object-storage.md): data.jsonl (the regenerated corpus), "
         "rejects.jsonl, regenerate.json (provenance), summary.json",
+        path="data_out",
     )
     backend: Literal["local", "server"] = knob(
         "local",
@@ -77,6 +80,7 @@ class RegenerateConfig:
         None,
         help="a Jinja chat template file that renders the prompts and checks the answers instead of the tokenizer's "
         "own (a target without one: a base model); extraction of the corpus must be given the same file",
+        path="local_in",
     )
     max_context: int | None = knob(
         None,

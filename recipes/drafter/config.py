@@ -25,22 +25,26 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 @dataclass(frozen=True)
 class DrafterRecipeConfig:
-    target: str = knob(help="the target: a local Hugging Face model directory (config.json, weights, tokenizer)")
+    target: str = knob(
+        help="the target: a local Hugging Face model directory (config.json, weights, tokenizer)", path="local_in"
+    )
     prompts: str = knob(
         help='your prompts: a JSONL file of chat records {"messages": [...]} (or {"text": ...}); the target answers '
-        "them itself, and those answers are what the drafter learns"
+        "them itself, and those answers are what the drafter learns",
+        path="local_in",
     )
     heldout: str = knob(
         "",
         help="held-out prompts (same format) for evaluation and speculative decoding; empty = carved from `prompts` "
         "(heldout_prompts of them, by a seeded hash of each record)",
+        path="local_in",
     )
     heldout_prompts: int = knob(
         0,
         help="with no `heldout` file: how many prompts to hold out; 0 = auto (10% of them, at least 2, at most 64)",
         min=0,
     )
-    out: str = knob("", help="output directory; empty = runs/drafter-<the target directory's name>")
+    out: str = knob("", help="output directory; empty = runs/drafter-<the target directory's name>", path="dir_out")
     server: str = knob(
         "",
         help="regenerate through a running OpenAI-compatible server (vLLM, SGLang, transformers serve) at this "
@@ -76,11 +80,13 @@ class DrafterRecipeConfig:
         "",
         help="a Jinja chat template file for a target without one (a base model), used wherever the target's "
         "chat is rendered (regeneration, extraction, speculative decoding); empty = the tokenizer's own",
+        path="local_in",
     )
     config: str = knob(
         "",
         help="a TOML file whose [regenerate], [extract], [train] and [eval] tables are the stages' base settings "
         "(a config file given as the first argument is this one too)",
+        path="local_in",
     )
     seed: int = knob(0, help="seed of the held-out carve, the drafter's init and its data order", min=0)
     in_process: bool = knob(

@@ -1,5 +1,6 @@
 """`python -m recipes.smollm2 [key=value ...]` (`make smollm2`): fetch, check and convert the real target,
-and write its prompt sets, unless they are built already."""
+and write its prompt sets, unless they are built already. Exit status: 0 built (or found built), 2 a
+setting or a download that cannot work (one line naming it), 4 an I/O error (one line; rerun)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import sys
 from common.config import ConfigError, parse_cli
 from recipes.smollm2.build import build_smollm2, log
 from recipes.smollm2.config import SmolConfig
-from recipes.smollm2.pins import FetchError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,9 +19,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         out = build_smollm2(cfg)
-    except FetchError as exc:
+    except ValueError as exc:  # FetchError included: a download, a pinned file, a setting
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a full disk, a folder that changed under the build: rerunning resumes
+        print(f"error: I/O error, stopping: {exc}; rerunning the same command finishes the build", file=sys.stderr)
+        return 4
     log(f"target:  {out / 'target'}")
     log(f"prompts: {out / 'prompts'} (train.jsonl, chat_heldout.jsonl, humaneval.jsonl)")
     return 0

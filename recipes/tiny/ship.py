@@ -18,8 +18,10 @@ from recipes.tiny.shipped import SHIPPED_DIR, ship_build
 class ShipConfig:
     """`python -m recipes.tiny.ship [key=value ...]`: ship a finished build as the tiny default."""
 
-    source: str = knob("artifacts/tiny", help="a finished `python -m recipes.tiny target=train` build")
-    dest: str = knob("", help="where the shipped build goes; empty = the repository's recipes/tiny/shipped/")
+    source: str = knob("artifacts/tiny", help="a finished `python -m recipes.tiny target=train` build", path="local_in")
+    dest: str = knob(
+        "", help="where the shipped build goes; empty = the repository's recipes/tiny/shipped/", path="dir_out"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

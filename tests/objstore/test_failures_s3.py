@@ -86,3 +86,51 @@ def test_a_server_gone_mid_run_fails_and_a_rerun_resumes_with_nothing_lost(s3_ur
         ids = [s.sample_id for s in ShardDataset(uri)]
         assert sorted(ids) == sorted(make_sample(i).sample_id for i in range(40))
         assert verify_dataset(uri) == []
+
+
+def test_setup_errors_of_every_command_are_one_line_before_any_work(s3_uri, moto_server, tmp_path, capsys):
+    from common.config import parse_cli
+    from shards.__main__ import main as shards_main
+    from train.config import TrainConfig
+
+    with open_writer(s3_uri) as w:
+        w.write(make_sample(0))
+    missing = moto_server.uri("no-such-bucket/data")
+    with pytest.raises(ConfigError, match="config key 'data.shards': .*bucket 'no-such-bucket' does not exist"):
+        parse_cli(TrainConfig, [f"data.shards={missing}"])
+    with pytest.raises(ConfigError, match="config key 'out_dir': .* takes a local directory"):
+        parse_cli(TrainConfig, [f"data.shards={s3_uri}", f"out_dir={moto_server.uri('runs')}"])
+    for dst, said in ((missing, "bucket 'no-such-bucket' does not exist"), ("hdfs://nn/x", "is not served here")):
+        assert shards_main(["transcode", s3_uri, dst, "encoding=fp8", "progress=false"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and "DST" in err and "\n" not in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # nothing was written anywhere
+
+
+def test_a_store_gone_for_a_while_is_waited_for_and_one_gone_for_good_is_named_unreachable(
+    s3_uri, moto_server, monkeypatch, caplog
+):
+    import logging
+    import threading
+
+    from benchmarks.s3_server import DelayProxy
+    from common.objstore import StoreUnreachable
+
+    with open_writer(s3_uri) as w:
+        for i in range(12):
+            w.write(make_sample(i))
+    monkeypatch.setenv("DFLASH_S3_RETRIES", "1")
+    bucket_path = s3_uri.split("://", 1)[1].split("?", 1)[0]
+    with DelayProxy(moto_server.port) as proxy:
+        ds = ShardDataset(proxy.uri(bucket_path))
+        assert ds[0].sample_id == make_sample(0).sample_id  # the shard checked and its handle kept
+        proxy.down()
+        threading.Timer(2.0, proxy.up).start()
+        caplog.set_level(logging.WARNING, logger="common.objstore")
+        assert ds[len(ds) - 1].sample_id == make_sample(11).sample_id  # waited for the store, then read
+        assert "the store does not answer" in caplog.text
+        monkeypatch.setenv("DFLASH_S3_OUTAGE_S", "1.5")
+        proxy.down()
+        with pytest.raises(StoreUnreachable, match="the store is unreachable") as err:
+            ds[1]
+        assert "\n" not in str(err.value) and "DFLASH_S3_OUTAGE_S" in str(err.value)

@@ -74,7 +74,7 @@ def test_second_writer_is_refused_and_the_first_keeps_writing(s3_uri):
         import json
         import socket
 
-        from common.objstore import ObjectLock
+        from common.locks import ObjectLock
 
         lock = ObjectLock._held.copy()
         assert len(lock) == 1

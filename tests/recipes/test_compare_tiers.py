@@ -145,3 +145,24 @@ def test_a_phase_marks_each_step_done_and_a_failure_stops_it_resumably(tmp_path,
     with pytest.raises(SystemExit, match=r"step failed.*exit 5"):
         _run_all_of(failing, cfg, log)
     assert "bad" not in done
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["no-such.toml"], "config file 'no-such.toml' does not exist"),
+        (["zz=1"], "unknown config key 'zz'"),
+        (["seeds=abc"], "config key 'seeds': expected a list"),
+        (["config=no-such.toml"], "config key 'config': the experiment's config file 'no-such.toml' does not exist"),
+        (["train_overrides=['optim.lr=abc']"], "[train] with train_overrides: config key 'optim.lr'"),
+    ],
+)
+def test_config_errors_are_one_line_before_any_step(argv, said, capsys, monkeypatch):
+    """Issue 45: a ConfigError traceback; a missing config file noticed after three transcodes."""
+    from recipes import compare_tiers
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(compare_tiers, "run_all", lambda cfg: pytest.fail("a step ran"))
+    assert compare_tiers.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("compare_tiers: ") and said in err and "\n" not in err

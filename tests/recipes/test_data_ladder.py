@@ -26,3 +26,30 @@ def test_ladder_trains_each_share_and_evaluates_it(tmp_path, monkeypatch):
     for row in rows:
         assert row["total_steps"] == 2 and row["epochs"] > 0 and row["tokens_seen"] > 0
         assert row["shards"]["tau"] >= 1.0 and row["shards"]["n_blocks"] > 0
+
+
+def test_bad_arguments_and_eval_sets_are_one_line_before_any_training(tmp_path, monkeypatch, capsys):
+    """Issue 45: tracebacks for bad arguments, and `--eval` checked only after a run had trained."""
+    import pytest
+
+    from recipes import data_ladder
+
+    tiny = make_tiny(tmp_path / "tiny")
+    config = tmp_path / "ladder.toml"
+    config.write_text("[train]\n")
+    monkeypatch.setattr(data_ladder, "train_share", lambda *a: pytest.fail("a run was trained"))
+    shards = str(tiny / "shards")
+    capsys.readouterr()  # what building the tiny target printed
+    cases = [
+        ([str(config), "--eval", str(tmp_path / "missing")], "--eval: no shards dataset at"),
+        ([str(config), "--eval", "s3://?x=1"], "--eval: 's3://?x=1': no bucket in the URI"),
+        ([str(config), "--eval", shards, "--fractions", "abc"], "--fractions: expected comma-separated shares"),
+        ([str(config), "--eval", shards, "--fractions", "0,2"], "--fractions: expected comma-separated shares"),
+        ([str(config), "--eval", shards, "--steps", "0"], "--steps: expected a positive number"),
+        ([str(tmp_path / "no.toml"), "--eval", shards], "config file"),
+        ([str(config), "--eval", shards, "optim.lr=abc"], "config key 'optim.lr'"),
+    ]
+    for argv, said in cases:
+        assert data_ladder.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("data_ladder: ") and said in err and "\n" not in err, err

@@ -22,6 +22,10 @@ inside, never a silent pass.
 - The corpus-input families: corpus formats (ShareGPT, content parts), text encodings (BOM, UTF-16/32),
   tool calls, control tokens planted in record text (`tests/reliability/corpus_inputs.py`), and
   concurrent writers of one dataset or run (`tests/reliability/writers.py`).
+- The families of issue 45: object-store setup errors, a store gone for a while or for good, damaged
+  datasets at training (`tests/reliability/store_cases.py`, against moto_server where installed);
+  every command's config errors, path settings that once gave a silent result, and the real-target
+  build's failure modes (`tests/reliability/command_cases.py`).
 Figure: cases tried, cases with a clear answer.
 """
 
@@ -39,7 +43,8 @@ from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from tests.reliability import corpus_files, corpus_inputs, writers
+from benchmarks.s3_server import MotoServer, moto_server_command
+from tests.reliability import command_cases, corpus_files, corpus_inputs, store_cases, writers
 from tests.reliability.cli import call_main
 from tests.reliability.cli import message as cli_message
 from tests.reliability.families import (
@@ -495,6 +500,15 @@ def mismatched_shards(world: World, tally: Tally, work: Path) -> None:
         tally.add("shards:eval", ok, f"{change}: exit {code}: {line[:400] or err[-400:]}")
 
 
+def issue45_families(world: World, tally: Tally, work: Path, full: bool = True) -> list[str]:
+    """The object-store, damaged-data, command and build families; lines for the report."""
+    lines = [command_cases.run_all(world, tally, work / "commands", full=full)]
+    if moto_server_command() is None:
+        return lines + [store_cases.run_all(world, tally, work / "stores", None)]
+    with store_cases.environment(**MotoServer.env()), MotoServer() as server:
+        return lines + [store_cases.run_all(world, tally, work / "stores", server)]
+
+
 def run(
     world: World, *, record_examples: int, config_examples: int, seed: int | None, work: Path, writer_pairs: int = 3
 ) -> Outcome:
@@ -513,6 +527,7 @@ def run(
     fuzz_configs(world, tally, config_examples, seed, work)
     semantic_config_cases(world, tally, work)
     mismatched_shards(world, tally, work)
+    stores_line = issue45_families(world, tally, work / "issue45")
     outcome.failures += tally.failures
     groups: dict = {}
     for kind, (tried, clear) in tally.kinds.items():
@@ -521,7 +536,9 @@ def run(
         groups[group] = (t + tried, c + clear)
     outcome.details.append("by family: " + ", ".join(f"{g} {c}/{t}" for g, (t, c) in sorted(groups.items())))
     families = ("record", "format", "encoding", "tool_call", "control_token", "writers", "directory", "changing")
-    for family in families + ("compressed", "prompt_length", "type_confusion"):
+    families += ("compressed", "prompt_length", "type_confusion")
+    families += ("store_setup", "store_gone", "train_damage", "command_config", "silent", "build")
+    for family in families:
         outcome.details.append(
             f"{family} kinds tried: "
             + ", ".join(
@@ -529,5 +546,6 @@ def run(
             )
         )
     outcome.details.append(writers_line)
+    outcome.details += stores_line
     outcome.seconds = time.perf_counter() - start
     return outcome.finish(f"{tally.tried} cases tried, {tally.clear} with a clear answer")

@@ -28,3 +28,19 @@ def message(stderr: str, prefix: str) -> str:
     lines = stderr.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith(prefix)]
     return " ".join(lines[starts[-1] :]) if starts else ""
+
+
+def one_line_problems(
+    code, stderr: str, *, exit_code: int, says: tuple[str, ...] = (), never: tuple[str, ...] = ()
+) -> tuple[list[str], str]:
+    """(what keeps a command's answer from being one clear line, that line): the exit status, a
+    traceback anywhere on stderr, what the last line must say and what it must not (a hint that
+    cannot help, such as "rerun to resume" for a setup error or damage)."""
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    problems = [] if code == exit_code else [f"exit {code}, not {exit_code}"]
+    if "Traceback (most recent call last)" in stderr:
+        problems.append(f"a traceback reached the user: ...{stderr.strip()[-300:]}")
+    problems += [f"the line does not say {word!r}: {last[:300]}" for word in says if word not in last]
+    problems += [f"the line says {word!r}, which cannot help: {last[:300]}" for word in never if word in last.lower()]
+    return problems, last

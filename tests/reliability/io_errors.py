@@ -10,9 +10,11 @@ this process with the fault armed, and passes when:
 - rerunning the same command without the fault finishes with exactly the uninterrupted result.
 The same holds for `shards transcode` and `extract.regenerate` (injected ENOSPC / EIO in a shard
 write, a journal line, data.jsonl's commit), and, where the test can make a small file system
-(`small_disk`: a tmpfs in a user namespace), for all four stages on a real full disk: the first run
-exits 4 with one line naming the file and "No space left on device", leaves no temporary file, and
-the same command after the disk has grown ends identical to a clean run.
+(`small_disk`: a tmpfs in a user namespace), for all four stages on a real full disk (transcode twice:
+also with one shard far larger than the writer's 1 MB buffer, so that the disk fills inside the shard
+and the buffered close fails too): the first run exits 4 with one line naming the file and "No space
+left on device", leaves no temporary file, and the same command after the disk has grown ends
+identical to a clean run.
 Figure: scenarios passed.
 """
 
@@ -55,7 +57,7 @@ REGENERATE_CASES = (
     ("enospc", "journal_line", 5),
     ("enospc", "regen_data_written", 1),
 )
-SMALL_DISK_STAGES = ("extract", "transcode", "regenerate", "train")
+SMALL_DISK_STAGES = ("extract", "transcode", "transcode_wide", "regenerate", "train")
 STEPS, EVERY = 8, 2
 REGEN_SETTINGS = ["backend=local", "max_new_tokens=6", "batch_size=4", "window_records=8", "dtype=float32"]
 REGEN_SETTINGS += ["device=cpu", "progress=false", "fsync_every_s=0"]
@@ -147,20 +149,37 @@ def training_case(world: World, work: Path, action: str, point: str, nth: int) -
     return problems, said
 
 
-def transcode_args(world: World, dst: Path) -> list[str]:
+def transcode_args(world: World, dst: Path, wide: Path | None = None) -> list[str]:
+    if wide is not None:  # one shard, far past the writer's 1 MB buffer: the disk fills inside it
+        return ["transcode", str(wide), str(dst), "encoding=planes", "progress=false"]
     return ["transcode", str(world.baseline), str(dst), "encoding=fp8", "shard_bytes=20000", "progress=false"]
+
+
+def wide_dataset(work: Path) -> Path:
+    """60 synthetic samples of 40 tokens x 2048 features (7 MB): shards larger than a write buffer."""
+    from shards import ShardWriter
+    from tests.shards.synth import TOPK, make_sample, provenance
+
+    root = work / "wide-source"
+    if not (root / "manifest.json").exists():
+        prov = provenance()
+        prov["target"]["hidden_size"] = 1024
+        with ShardWriter(str(root), provenance=prov, hidden_width=2048, topk=TOPK) as writer:
+            for i in range(60):
+                writer.write(make_sample(i, n_tokens=40, width=2048))
+    return root
 
 
 def regenerate_args(world: World, out: Path) -> list[str]:
     return [f"target={world.target_dir}", f"corpus={world.corpus}", f"out={out}", *REGEN_SETTINGS]
 
 
-def reference_transcode(world: World, work: Path) -> Path:
+def reference_transcode(world: World, work: Path, wide: Path | None = None) -> Path:
     from shards.__main__ import main
 
-    out = work / "transcode-reference"
+    out = work / ("transcode-reference" if wide is None else "transcode-wide-reference")
     if not (out / "manifest.json").exists():
-        code, stderr = call_main(main, transcode_args(world, out))
+        code, stderr = call_main(main, transcode_args(world, out, wide))
         assert code == 0, stderr[-600:]
     return out
 
@@ -242,6 +261,9 @@ def small_disk_case(world: World, work: Path, stage: str) -> tuple[list[str], st
     elif stage == "transcode":
         reference = reference_transcode(world, work)
         args, output = transcode_args(world, disk / "out"), "out"
+    elif stage == "transcode_wide":
+        reference = reference_transcode(world, work, wide_dataset(work))
+        args, output = transcode_args(world, disk / "out", wide_dataset(work)), "out"
     elif stage == "regenerate":
         reference = reference_regeneration(world, work)
         args, output = regenerate_args(world, disk / "out"), "out"
@@ -254,6 +276,7 @@ def small_disk_case(world: World, work: Path, stage: str) -> tuple[list[str], st
         return [report["error"]], ""
     (code, stderr), left, (again, again_err) = report["first"], report["left"], report["second"]
     prefix = {"extract": "extract", "transcode": "shards transcode", "regenerate": "regenerate", "train": "train"}
+    prefix["transcode_wide"] = prefix["transcode"]
     problems = judge_message(prefix[stage], code, stderr, "No space left on device")
     if code != 4:
         problems.append(f"exit status {code}, not 4 (on a {size_kb} kB disk)")
@@ -265,7 +288,7 @@ def small_disk_case(world: World, work: Path, stage: str) -> tuple[list[str], st
         problems += [
             f"after the rerun: {p}" for p in check_final(keep, world.baseline, dict(sample_bytes(reference)))[0]
         ]
-    elif stage == "transcode":
+    elif stage in ("transcode", "transcode_wide"):
         problems += [f"after the rerun: {p}" for p in same_transcode(keep, reference)]
     elif stage == "regenerate":
         problems += [f"after the rerun: {p}" for p in same_regeneration(keep, reference)]

@@ -67,7 +67,9 @@ bit-identical between processes.
    output on a tmpfs of half the clean run's size (`tests/reliability/small_disk.py`, where the kernel
    allows it; the report says when it does not): exit 4 with one line naming the file and "No space
    left on device" (also for torch's and safetensors' own writers), no temporary file left on the full
-   disk, and the same command after the tmpfs has grown ends identical to a clean run.
+   disk, and the same command after the tmpfs has grown ends identical to a clean run. Transcode runs
+   twice: also from a dataset of 7 MB into one shard, so that the disk fills inside a shard larger
+   than the writer's 1 MB buffer (the buffered close fails too).
 5. **Bad inputs.** Hypothesis-generated corpus records through the extraction's own reading and
    tokenizing path, one fuzzed corpus through the whole extraction (also with `on_error=fail`),
    every wrong type / range / choice of every config key plus generated unknown keys, semantic
@@ -89,6 +91,24 @@ bit-identical between processes.
    records and rejects; a truncation always named), regeneration prompts around the context limit
    (`prompt_too_long` exactly when no room is left, else an answer budget inside the context), and
    type confusions (booleans among token ids, per-turn weight / train switches of every type).
+   And the families of issue 45, each judged by its exit status, no traceback anywhere on stderr,
+   and what its last line must and must not say (`cli.one_line_problems`): object-store setup
+   errors against moto_server (a missing bucket, no bucket in the URI, `hdfs://`, no credentials, a
+   bad DFLASH_LOCK_LEASE_S / DFLASH_S3_OUTAGE_S, an S3 run directory) through train, extract,
+   regenerate, transcode and verify (exit 2 naming the key or setting, no "rerun" hint, nothing
+   written); training through a proxy whose store goes away after step 3 for 3 s (the uninterrupted
+   run's losses, step for step) or for good (exit 4, "the store is unreachable", not "corrupt"; the
+   rerun ends with the uninterrupted run's losses and weights); damaged datasets at training, local
+   and on S3 (a flipped byte, every index gone, a shard gone: exit 2 naming the object and `python
+   -m shards verify`, no "rerun" hint; verify exits 1); each entry point given an unknown key, a
+   wrong type, a missing config file, a TOML table as a path, a store URI where a local path is
+   written (exit 2 naming it, nothing created in the working directory); what once passed without a
+   word (a run directory on S3, a mask token the shards hold, an extraction mask token outside the
+   vocabulary); and the real-target build (`recipes.smollm2`): a downloads path that is a file, an
+   out_dir under a file, on a store, a TOML table; and, with the pinned wheels in artifacts/downloads,
+   a build SIGKILLed in its conversion, then two builds at once sharing the downloads folder, one
+   into the killed build's out_dir: both finish, its temporaries are gone, both targets have the
+   same conversion checksum and an ordinary output's permissions.
 6. **Security.** An AST scan of common/, shards/, extract/, train/ for every load site; a
    checkpoint whose optimizer.pt is a code-running pickle (with a matching checksum); a shard whose
    schema carries a pickled Arrow extension type; targets and exported drafters that ship Python
@@ -108,14 +128,18 @@ merge windows; kills in a half-written checkpoint file, after a checkpoint renam
 of pruning; 5 damaged dataset files and 5 damaged checkpoint files plus the three `on_corrupt=skip`
 runs; ENOSPC in shard data and in a manifest update, in a checkpoint file and EIO in a checkpoint
 fsync, in a transcode shard and a regeneration journal, and real full disks for extraction,
-transcode and training; 80 generated records, one fuzzed corpus, every bad value of every config
-key, the semantic and mismatched-shard cases, 30 generated cases of each corpus-input family, 60 of
-the corpus-file families, one pair of concurrent extractions and a crashed lock holder; every
-security check; one default-threads kill. The fixes the suite led to have their own regression
+transcode (both sizes) and training; 80 generated records, one fuzzed corpus, every bad value of every
+config key, the semantic and mismatched-shard cases, 30 generated cases of each corpus-input family,
+60 of the corpus-file families, one pair of concurrent extractions and a crashed lock holder, every
+case of issue 45's families but the build's kill and concurrent builds; every security check; one
+default-threads kill. The fixes the suite led to have their own regression
 tests next to the component (tests/shards/test_integrity.py, tests/extract/test_failures.py,
 tests/train/test_checkpoint_integrity.py, tests/train/serve/test_remote_code.py; for the holes of
 issue 28: tests/extract/test_outside_holes.py, tests/extract/test_regenerate_context.py,
-tests/train/serve/test_zlab_loop.py, tests/test_interrupts.py).
+tests/train/serve/test_zlab_loop.py, tests/test_interrupts.py; for issue 45:
+tests/common/test_locations.py, tests/objstore/test_failures_s3.py, tests/train/test_data.py,
+tests/extract/test_mask_token_vocab.py, tests/shards/test_writer.py, tests/recipes/smollm2/test_build.py,
+tests/recipes/test_compare_tiers.py, tests/recipes/test_data_ladder.py).
 """
 
 

@@ -28,6 +28,7 @@ from tests.reliability.world import REPO, child_env
 MAINS = {
     "extract": "extract.__main__",
     "transcode": "shards.__main__",
+    "transcode_wide": "shards.__main__",
     "regenerate": "extract.regenerate.__main__",
     "train": "train.__main__",
 }

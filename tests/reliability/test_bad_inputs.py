@@ -118,3 +118,39 @@ def test_the_tool_call_judge_catches_a_wrong_mask(world):
     finally:
         rendering.loss_mask_from_spans = real
     assert not ok and "loss mask differs" in what
+
+
+def test_every_commands_config_errors_silent_results_and_the_build_get_one_line(world, tmp_path):
+    """Issue 45: ConfigError tracebacks, a run directory written locally for out_dir=s3://, a mask
+    token the data holds, a TOML table taken as a folder name."""
+    from tests.reliability import command_cases
+
+    tally = bad_inputs.Tally()
+    command_cases.run_all(world, tally, tmp_path, full=False)
+    assert not tally.failures, tally.failures[:10]
+    families = {kind.split(":")[0] for kind in tally.kinds}
+    assert families == {"command_config", "silent", "build"} and tally.tried >= 50
+
+
+def test_store_setup_errors_a_store_gone_and_damage_at_training_get_one_line(world, tmp_path, moto_server):
+    """Issue 45: setup errors as raw pyarrow text plus "rerun to resume"; a store gone for 25 s called
+    a corrupt shard; damage at training as two tracebacks; no index objects left, "rerunning resumes"."""
+    from tests.reliability import store_cases
+
+    tally = bad_inputs.Tally()
+    with store_cases.environment(**moto_server.env()):
+        store_cases.run_all(world, tally, tmp_path, moto_server)
+    assert not tally.failures, tally.failures[:10]
+    assert {kind.split(":")[0] for kind in tally.kinds} == {"store_setup", "store_gone", "train_damage"}
+    assert tally.kinds["store_gone:for a while"] == (1, 1) and tally.kinds["store_gone:for good"] == (1, 1)
+
+
+def test_the_one_line_judge_fails_a_traceback_and_a_hint_that_cannot_help():
+    from tests.reliability.cli import one_line_problems
+
+    traceback = "Traceback (most recent call last):\n  ...\nValueError: x\ntrain: config key 'data.shards': x\n"
+    assert one_line_problems(2, traceback, exit_code=2, says=("data.shards",))[0]
+    hint = "train: I/O error, stopping: bucket gone. Rerunning the same command resumes.\n"
+    problems, line = one_line_problems(4, hint, exit_code=2, says=("data.shards",), never=("rerun", "resum"))
+    assert len(problems) == 4 and line == hint.strip()
+    assert one_line_problems(2, "train: config key 'out_dir': x\n", exit_code=2, says=("out_dir",))[0] == []

@@ -428,3 +428,30 @@ def test_a_prefix_used_by_another_manifest_is_refused(tmp_path):
     with open_writer(tmp_path, manifest_name="other.json", shard_prefix="other") as w:
         w.write(make_sample(5))
     assert verify_dataset(str(tmp_path)) == [] and verify_dataset(str(tmp_path), "other.json") == []
+
+
+def test_a_disk_that_fills_inside_a_shard_leaves_no_temporary_and_no_traceback(tmp_path, monkeypatch, caplog):
+    """The write fails with ENOSPC and so does the close's flush of the buffered bytes (issue 45):
+    the shard's temporary file still goes, with one log line and no traceback."""
+    from shards import writer as W
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "Error writing bytes to file")
+
+    w = open_writer(tmp_path, shard_bytes=1 << 30)
+    for i in range(3):
+        w.write(make_sample(i))
+    w.flush()
+    w.write(make_sample(3))  # a new shard is open, with a temporary file
+    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    monkeypatch.setattr(W._HashingStream, "write", full)
+    monkeypatch.setattr(W._HashingStream, "close", full)
+    caplog.set_level("DEBUG", logger="shards")
+    with pytest.raises(OSError, match="No space left on device") as err:
+        w.write(make_sample(4))
+    assert str(tmp_path) in str(err.value)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    monkeypatch.undo()
+    w.close(complete=False)
+    assert [s.sample_id for s in ShardDataset(str(tmp_path))] == [make_sample(i).sample_id for i in range(3)]

@@ -332,6 +332,17 @@ def test_a_corrupt_shard_fails_naming_sample_and_file(corrupt_root):
             take(stream, stream.steps_per_epoch)
     message = str(err.value)
     assert shard_file in message and any(s in message for s in bad_ids)
+    # Damage is a data error (the commands' one line, exit 2) that says how to see all of it.
+    assert isinstance(err.value, ValueError) and f"python -m shards verify {root}" in message
+    assert "\n" not in message and err.value.__cause__ is None
+
+
+def test_missing_index_files_are_damage_named_at_start(shards_root, tmp_path):
+    shutil.copytree(shards_root, tmp_path, dirs_exist_ok=True)
+    for index in tmp_path.glob("*.index.arrow"):
+        index.unlink()
+    with pytest.raises(DataLoadError, match="index file listed in the manifest is missing; `python -m shards verify"):
+        DataStream(config(str(tmp_path)))
 
 
 def test_a_corrupt_shard_is_skipped_counted_and_logged(corrupt_root, caplog):
@@ -445,3 +456,23 @@ def test_data_config_as_a_nested_table():
         load_config(Train, None, ["data.prefetch_threads=8", "data.prefetch_depth=2"])
     with pytest.raises(ConfigError, match="data.on_corrupt"):
         load_config(Train, None, ["data.on_corrupt=ignore"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The mask token never occurs in the data
+
+
+def test_a_mask_token_the_shards_hold_is_refused_unless_their_provenance_vouches_for_it(shards_root):
+    from train.prepare import check_mask_token_absent
+
+    ds = ShardDataset(shards_root)
+    held = int(ds[3].input_ids[1])
+    with pytest.raises(ValueError, match=f"config key 'model.mask_token_id' = {held} occurs in the shards") as err:
+        check_mask_token_absent(ds, held, "config model.mask_token_id")
+    assert ds[3].sample_id in str(err.value)
+    with pytest.raises(ValueError, match="the target tokenizer's mask_token"):
+        check_mask_token_absent(ds, held, "target tokenizer mask_token")
+    check_mask_token_absent(ds, VOCAB + 5, "config model.mask_token_id")  # no sample holds it
+    check_mask_token_absent(ds, held, "shards provenance tokenizer.mask_token_id")  # extraction rejected holders
+    everyone = [ds[i].sample_id for i in range(len(ds)) if (ds[i].input_ids == held).any()]
+    assert ds.samples_holding(held, limit=len(ds)) == everyone  # exact, in dataset order

@@ -12,10 +12,12 @@ from common.config import fail, knob
 class EvalConfig:
     """Every knob of `python -m train.eval` (the `[eval]` table of a config file)."""
 
-    data: str | None = knob(None, help="shards dataset root to evaluate on (also --data)")
+    data: str | None = knob(None, help="shards dataset root to evaluate on (also --data)", path="data_in")
     manifest: str = knob("manifest.json", help="manifest file name inside the shards root")
     out: str | None = knob(
-        None, help="JSON output path (also --out); none = eval_<data-name>.json inside the first checkpoint directory"
+        None,
+        help="JSON output path (also --out); none = eval_<data-name>.json inside the first checkpoint directory",
+        path="file_out",
     )
     split: Literal["auto", "holdout", "all"] = knob(
         "auto",
@@ -63,6 +65,7 @@ class EvalConfig:
         None,
         help="target checkpoint directory for the frozen embedding and lm_head; none = the one the run was "
         "trained with",
+        path="local_in",
     )
     allow_target_mismatch: bool = knob(
         False,
@@ -74,6 +77,7 @@ class EvalConfig:
         None,
         help="a drafter trained on projected features, evaluated on full ones: the projection file to fold into "
         "fc; none = its training dataset's",
+        path="local_in",
     )
     device: Literal["auto", "cpu", "cuda"] = knob("auto", help="auto = cuda when available")
     precision: Literal["auto", "bf16", "fp32"] = knob(

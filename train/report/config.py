@@ -153,7 +153,9 @@ class ReportConfig:
         "steps)",
     )
     # --- output
-    out: str | None = knob(None, help="directory for report.md and the plots; default: the first run directory")
+    out: str | None = knob(
+        None, help="directory for report.md and the plots; default: the first run directory", path="dir_out"
+    )
     plots: bool = knob(True, help="write PNG plots (false: report.md and the summary only)")
 
 

@@ -30,18 +30,21 @@ greedy decoding, and the agreement of offline chain τ with the online τ."""
 class ExportConfig:
     """`python -m train.serve.export CHECKPOINT OUT_DIR`."""
 
-    checkpoint: str = knob(help="checkpoint directory (step-XXXXXXXX) or run directory (latest checkpoint)")
-    out_dir: str = knob(help="directory to write the Hugging Face export into")
+    checkpoint: str = knob(
+        help="checkpoint directory (step-XXXXXXXX) or run directory (latest checkpoint)", path="local_in"
+    )
+    out_dir: str = knob(help="directory to write the Hugging Face export into", path="dir_out")
     dtype: Literal["bfloat16", "float16", "float32"] = knob(
         "bfloat16", help="weight dtype in model.safetensors (published: bfloat16)"
     )
     target: str | None = knob(
-        None, help="target checkpoint directory for bos/eos ids and a shape check (default: the run's)"
+        None, help="target checkpoint directory for bos/eos ids and a shape check (default: the run's)", path="local_in"
     )
     projection: str | None = knob(
         None,
         help="drafters trained on projected features: the projection file to fold into fc (default: the training "
         "dataset's)",
+        path="local_in",
     )
     allow_target_mismatch: bool = knob(
         False,
@@ -55,8 +58,8 @@ class ExportConfig:
 class SpecDecodeConfig:
     """`python -m train.serve.specdecode --target DIR --drafter DIR`."""
 
-    target: str = knob(help="target checkpoint directory (Hugging Face layout)")
-    drafter: str = knob(help="exported drafter directory (python -m train.serve.export)")
+    target: str = knob(help="target checkpoint directory (Hugging Face layout)", path="local_in")
+    drafter: str = knob(help="exported drafter directory (python -m train.serve.export)", path="local_in")
     trust_remote_code: bool = knob(
         False,
         help="build the drafter with the dflash.py its directory ships (runs that code); default: this project's "
@@ -66,16 +69,20 @@ class SpecDecodeConfig:
         None,
         help=f'JSONL of {{"messages": [...]}} records, rendered with the chat template, or {{"text": ...}} records, '
         f"tokenized as given (base models) (default: {DEFAULT_PROMPTS})",
+        path="local_in",
     )
     chat_template: str | None = knob(
         None,
         help="a Jinja chat template file that renders the prompts instead of the tokenizer's own (a target without "
         "one: a base model); its hash is recorded with the result",
+        path="local_in",
     )
-    data: str | None = knob(None, help="shard dataset: prompts = the tokens before each sample's first response")
+    data: str | None = knob(
+        None, help="shard dataset: prompts = the tokens before each sample's first response", path="data_in"
+    )
     max_new_tokens: int = knob(256, help="tokens generated per prompt", min=1)
     num_prompts: int = knob(16, help="use the first N prompts; 0 = all", min=0)
-    out: str | None = knob(None, help="write the results as JSON here")
+    out: str | None = knob(None, help="write the results as JSON here", path="file_out")
     agreement: bool = knob(False, help="also compare offline chain τ with the online τ")
     agreement_bf16: bool = knob(False, help="round the offline features to bf16, as shards store them")
     no_baseline: bool = knob(False, help="skip target-only decoding (no speed-up, no lossless check)")

