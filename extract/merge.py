@@ -27,7 +27,7 @@ log = logging.getLogger("extract")
 
 
 @dataclass(frozen=True)
-class MergeConfig:
+class RankMergeConfig:
     """`python -m extract.merge OUT_DIR`."""
 
     out_dir: str = knob(help="the extraction's output directory (one split)", path="data_out")
@@ -124,7 +124,9 @@ def infer_world(root: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     usage = "usage: " + __doc__.split("\n\n")[0]
     try:
-        args = parse_command(MergeConfig, sys.argv[1:] if argv is None else argv, positional=["out_dir"], usage=usage)
+        args = parse_command(
+            RankMergeConfig, sys.argv[1:] if argv is None else argv, positional=["out_dir"], usage=usage
+        )
     except ConfigError as err:
         print(f"extract.merge: {err} (--help lists the keys)", file=sys.stderr)
         return 2

@@ -174,7 +174,7 @@ def check_manifest(manifest: Any, where: str) -> dict:
     return manifest
 
 
-def manifest_digest(manifest: dict) -> str:
+def manifest_checksum(manifest: dict) -> str:
     """xxh3-128 of the manifest's content (canonical JSON, without its `manifest_checksum`)."""
     content = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM_KEY}
     return text_digest(json.dumps(content, sort_keys=True))
@@ -182,7 +182,7 @@ def manifest_digest(manifest: dict) -> str:
 
 def seal(manifest: dict) -> dict:
     """Set `manifest_checksum` to the digest of the content (done by every save)."""
-    manifest[MANIFEST_CHECKSUM_KEY] = manifest_digest(manifest)
+    manifest[MANIFEST_CHECKSUM_KEY] = manifest_checksum(manifest)
     return manifest
 
 
@@ -202,7 +202,7 @@ def load_manifest(fs: pafs.FileSystem, root: str, name: str = MANIFEST_NAME) -> 
     if (
         isinstance(manifest, dict)
         and MANIFEST_CHECKSUM_KEY in manifest
-        and manifest[MANIFEST_CHECKSUM_KEY] != manifest_digest(manifest)
+        and manifest[MANIFEST_CHECKSUM_KEY] != manifest_checksum(manifest)
     ):
         raise ShardFormatError(
             f"{path}: manifest content does not match its manifest_checksum (corrupted, or edited by hand)"

@@ -116,7 +116,7 @@ def _open_binary(path: str):
 @dataclasses.dataclass
 class JournalScan:
     """What one pass over a journal found: its header, the byte length of its complete lines, the
-    finished records (id -> `Finished`, without the stored records), and its run lines."""
+    finished records (id -> `FinishedRecord`, without the stored records), and its run lines."""
 
     header: dict | None = None
     complete_bytes: int = 0
@@ -126,7 +126,7 @@ class JournalScan:
 
 
 @dataclasses.dataclass
-class Finished:
+class FinishedRecord:
     position: int
     status: str  # ok | rejected
     file: str
@@ -161,7 +161,7 @@ def scan_journal(path: str) -> JournalScan:
                 if item["id"] in scan.finished:
                     scan.duplicates += 1
                 else:
-                    scan.finished[item["id"]] = Finished(
+                    scan.finished[item["id"]] = FinishedRecord(
                         item["position"],
                         item["status"],
                         path,
@@ -307,10 +307,10 @@ def header_problems(stored: dict | None, fresh: dict) -> list[str]:
     return problems
 
 
-def finished_records(out: str) -> tuple[dict[str, Finished], int]:
+def finished_records(out: str) -> tuple[dict[str, FinishedRecord], int]:
     """Every finished record in every journal of `out` (the first entry of an id wins), and how many
     entries repeated an id (none under the lock)."""
-    finished: dict[str, Finished] = {}
+    finished: dict[str, FinishedRecord] = {}
     duplicates = 0
     for scan in scan_all(out).values():
         duplicates += scan.duplicates
@@ -379,7 +379,7 @@ def commit_corpus(out: str, expected_records: int, provenance: dict, lock: Lock 
     return counts
 
 
-def _write_corpus_files(fs, root: str, entries: list[Finished], lock: Lock) -> None:
+def _write_corpus_files(fs, root: str, entries: list[FinishedRecord], lock: Lock) -> None:
     """data.jsonl and rejects.jsonl from the journal lines `entries` name: on a local disk through
     temporary files renamed into place; on an object store in place (visible once complete)."""
     in_place = io.in_place(fs)
@@ -417,7 +417,7 @@ def _write_corpus_files(fs, root: str, entries: list[Finished], lock: Lock) -> N
             journal.close()
 
 
-def count_entries(entries: list[Finished]) -> dict:
+def count_entries(entries: list[FinishedRecord]) -> dict:
     """Records stored and rejected (by reason), answers, tokens, answers at the cap or cut."""
     counts = {
         "records": len(entries),
