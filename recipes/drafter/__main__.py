@@ -6,6 +6,7 @@ its output above); rerunning the same command resumes."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from common.config import ConfigError, describe
@@ -21,6 +22,10 @@ its output is there and was made with the same settings. STAGE.key=value sets a 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # As `make drafter` sets it (read when torch loads, here and in every step): busy-waiting OpenMP
+    # threads starve each other on a few shared cores (2 busy cores: the tiny target's smoke-scale
+    # decoding took 6 to 28 s with them, 6 s without; docs/own-target.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if any(word in ("-h", "--help") for word in argv):
         print(USAGE + "\n\nkeys:\n" + describe(DrafterRecipeConfig))
         return 0

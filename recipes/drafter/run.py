@@ -1,6 +1,8 @@
 """`run_drafter(cfg) -> summary`: the drafter command as a library call (what `python -m
-recipes.drafter` and a test's in-process run do): the prompt sets, the derived defaults, the steps
-(validated with each stage's own config before any runs), the run, and the summary.
+recipes.drafter` and a test's in-process run do): the target's architecture checked (a family no
+DFlash drafter can serve is refused in one line, before anything is written), the prompt sets, the
+derived defaults, the steps (validated with each stage's own config before any runs), the run, and
+the summary.
 
 Layout of OUT (`DrafterRecipeConfig.out_dir`):
 
@@ -22,6 +24,7 @@ import os
 
 from common.config import ConfigError, config_to_dict, parse_cli
 from common.io import atomic_write_text
+from common.target_arch import check_architecture
 from extract.config import ExtractConfig
 from extract.regenerate.config import RegenerateConfig
 from recipes.drafter.config import DrafterRecipeConfig
@@ -79,9 +82,11 @@ def check_steps(groups: list[list[Stage]]) -> None:
 
 def run_drafter(cfg: DrafterRecipeConfig) -> dict:
     """Run (or resume) every step for `cfg`; the summary (also in OUT/summary.json). ValueError for a
-    user error (naming the key), SystemExit naming a failing step."""
+    user error (naming the key) and for a target no DFlash drafter can serve (one line, before anything
+    is written), SystemExit naming a failing step."""
     if not os.path.isdir(cfg.target):
         raise ValueError(f"config key 'target': {cfg.target} is not a directory (a local Hugging Face model)")
+    check_architecture(cfg.target)  # a family DFlash cannot serve: one line, before anything is written or run
     out = cfg.out_dir
     os.makedirs(out, exist_ok=True)
     prompts = split_prompts(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from tests.archs.families import ALL, by_name
 from tests.archs.table import PAGE, render, run_matrix
 
@@ -23,4 +25,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # as in the tests: the targets are tiny, and threads only wait on each other
     raise SystemExit(main(sys.argv[1:]))

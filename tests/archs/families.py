@@ -1,12 +1,13 @@
 """The architecture matrix's families: tiny random targets built from transformers configs (no downloads).
 
-Each `Family` builds a config of one decoder-only family at smoke scale (hidden 32, 3 layers, 4
-heads) with the family's own features kept: Mistral's sliding window, Gemma's scaled embedding and
-per-layer-type rope, GPT-2's `n_embd` spellings and tied `transformer.wte`, GPT-NeoX's
-`embed_in` / `embed_out` and partial rotary, gpt-oss's sinks and experts, the Gated DeltaNet layers
-of Qwen3-Next and Qwen3.5, DeepSeek-V3's MLA, Cohere's logit scale, Granite's multipliers,
-SmolLM3's NoPE layers. Families the installed transformers lacks are skipped by name; `REFUSED`
-families cannot be DFlash targets and must be refused at the first stage, in one line.
+Each `Family` builds a config of one decoder-only family at smoke scale (hidden 32, 4 layers: two
+taps by the derived rule; 4 heads) with the family's own features kept: Mistral's sliding window,
+Gemma's scaled embedding and per-layer-type rope, GPT-2's `n_embd` spellings and tied
+`transformer.wte`, GPT-NeoX's `embed_in` / `embed_out` and partial rotary, gpt-oss's sinks and
+experts, the Gated DeltaNet layers of Qwen3-Next and Qwen3.5, DeepSeek-V3's MLA, Cohere's logit
+scale, Granite's multipliers, SmolLM3's NoPE layers. Families the installed transformers lacks are
+skipped by name; `REFUSED` families cannot be DFlash targets and must be refused by the drafter
+command before it writes or runs anything, in one line.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 
 import transformers
 
-WIDTH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+WIDTH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 HEAD = dict(head_dim=8)
 
 
@@ -63,7 +64,7 @@ FAMILIES: tuple[Family, ...] = (
         **WIDTH,
         **HEAD,
         sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
         hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=0,
         num_kv_shared_layers=0,
@@ -71,7 +72,7 @@ FAMILIES: tuple[Family, ...] = (
     _family("Phi3", "Phi3Config", **WIDTH),
     _family("OLMo2", "Olmo2Config", **WIDTH),
     _family("GPT-NeoX", "GPTNeoXConfig", **{k: v for k, v in WIDTH.items() if k != "num_key_value_heads"}),
-    _family("GPT-2", "GPT2Config", n_embd=32, n_layer=3, n_head=4, n_positions=256),
+    _family("GPT-2", "GPT2Config", n_embd=32, n_layer=4, n_head=4, n_positions=256),
     _family(
         "gpt-oss",
         "GptOssConfig",
@@ -94,7 +95,7 @@ FAMILIES: tuple[Family, ...] = (
         linear_num_value_heads=4,
         linear_key_head_dim=8,
         linear_value_head_dim=8,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
     ),
     _family(
         "Qwen3.5",
@@ -105,7 +106,7 @@ FAMILIES: tuple[Family, ...] = (
         linear_num_value_heads=4,
         linear_key_head_dim=8,
         linear_value_head_dim=8,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
     ),
     _family(
         "DeepSeek-V3 (MLA)",

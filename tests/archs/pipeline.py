@@ -1,13 +1,17 @@
-"""The pipeline at smoke scale on one family's tiny target: regeneration, extraction, a few training
-steps, export, speculative decoding, each through its stage's library function.
+"""The architecture matrix's driver: the drafter command (`python -m recipes.drafter`, `make drafter`)
+at the smoke scale on one family's tiny random target, in this process, with every default the command
+derives (taps, drafter depth, mask token, the held-out prompts carved, dtype and attention kernel).
 
-`run_family` returns an `Outcome`: either the one-line refusal of the first stage (regeneration,
-which checks the target before anything is generated), or what every stage recorded (taps, the
-embedding and head tensors found, the embedding scale, the drafter's rope) and whether speculative
-decoding of the held-out prompts equals the target's own greedy decoding.
+`run_family` returns an `Outcome`: the command's one-line refusal (it checks the target's architecture
+before it writes or runs anything), or what the command chose and recorded (its derived defaults in
+OUT/drafter.json, the taps, kernel and dtype in the shards, the export's taps, mask token and rope) and
+whether decoding the held-out prompts was lossless twice over: the command's own check (its
+speculative decoding step against the target's greedy decoding) and the export's own `spec_generate`
+(z-lab's quick start, the exported dflash.py) against the same greedy decoding.
 
-The stages are called one by one here; `recipes/drafter.py` (the one command, `make drafter`) will
-run the same chain, and `run_stages` is the function to replace by it.
+The prompts come with written answers and `regenerate=false`: a random-weight target's answers are
+random tokens, which do not survive the decode/re-encode round trip and which regeneration therefore
+rightly drops.
 """
 
 from __future__ import annotations
@@ -20,46 +24,51 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from common.config import load_config
 from common.target import load_target
 from common.target_arch import check_architecture
-from extract import pipeline as extraction
-from extract.config import ExtractConfig
-from extract.ranks import Ranks
-from extract.regenerate import run as regeneration
-from extract.regenerate.config import RegenerateConfig
+from recipes.drafter.config import parse_drafter_args
+from recipes.drafter.run import run_drafter
 from shards import ShardDataset
 from tests.archs.families import Family
-from train.config import TrainConfig
-from train.loop import train
-from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
-from train.serve.export_format import export_checkpoint, load_exported
+from train.serve.decoding import greedy_generate
+from train.serve.export_format import load_exported
 from train.serve.prompts import prompts_from_jsonl, stop_token_ids
 from train.serve.spec_target import SpecTarget
 
 WORDS = "the quick brown fox jumps over a lazy dog while birds sing in the tall green forest".split()
-LAYER_IDS = [0, 1]  # taps of the 3-layer targets: every layer but the last
-TRAIN_PROMPTS, HELDOUT_PROMPTS = 6, 2
-NEW_TOKENS = 12  # per answer (regeneration) and per held-out prompt (speculative decoding)
-BLOCK = 8  # the smallest block size with a published loss gamma
-STEPS = 2
+PROMPTS = 8  # written chats; the command carves the held-out ones from them (10%, at least 2)
+ANSWER_WORDS = (36, 48)  # a word is a token of the chat tokenizer: extraction keeps answers of >= 32 tokens
+# The command line of every family. device=cpu: a CPU matrix, the same rows on a GPU host (fp32 kernels
+# of other shapes could flip a random target's near-ties there). report.plots=false: the plots cost
+# most of a family's time and depend on no architecture (the report itself is still written).
+SETTINGS = ("scale=smoke", "regenerate=false", "device=cpu", "in_process=true", "report.plots=false")
 
 
 @dataclasses.dataclass
 class Outcome:
-    """What the pipeline did with one family (`row` is its line in docs/architectures.md)."""
+    """What the command did with one family (`table.row` is its line in docs/architectures.md)."""
 
     family: str
-    model_class: str = ""
-    refused: str | None = None  # the first stage's one-line error
-    taps: list[int] | None = None
+    refused: str | None = None  # the command's one-line refusal
+    derived: dict = dataclasses.field(default_factory=dict)  # {what: value}, the command's derived defaults
+    model_class: str = ""  # the class extraction loaded the target as (recorded in the shards)
+    taps: list[int] | None = None  # recorded in the shards
+    attention: str | None = None  # the kernel extraction ran the target with (recorded in the shards)
+    dtype: str | None = None  # the target's compute dtype in extraction (recorded in the shards)
+    mask_token_id: int | None = None  # recorded in the shards
+    export: dict = dataclasses.field(default_factory=dict)  # the export's config.json
     embed_tensor: str | None = None
     head_tensor: str | None = None
     embed_scale: float | None = None
-    drafter_rope: str | None = None
-    attention: str | None = None  # the implementation transformers chose for the target (recorded by extraction)
-    lossless: bool | None = None
-    tokens: int = 0  # generated in speculative decoding (held-out prompts)
+    lossless: bool | None = None  # the command's speculative decoding step
+    quick_start_lossless: bool | None = None  # the export's own spec_generate
+    tokens: int = 0  # generated in the command's speculative decoding (held-out prompts)
+
+    @property
+    def drafter_rope(self) -> str:
+        params = self.export.get("rope_parameters") or {}
+        kind = params.get("rope_type", "default")
+        return f"theta {params.get('rope_theta'):g}" + ("" if kind == "default" else f", {kind}")
 
 
 def build_target(family: Family, tokenizer, out: Path) -> Path:
@@ -75,145 +84,79 @@ def build_target(family: Family, tokenizer, out: Path) -> Path:
     return out
 
 
-def write_chats(path: Path, n: int, seed: int, answers: bool) -> Path:
-    """`n` chat records of random words: user turns only (prompts), or with an assistant answer each."""
+def write_chats(path: Path, n: int, seed: int) -> Path:
+    """`n` chat records of random words, each a user turn and a written assistant answer."""
     rng = random.Random(seed)
 
     def words(low: int, high: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
 
-    lines = []
-    for _ in range(n):
-        messages = [{"role": "user", "content": words(4, 10)}]
-        if answers:
-            messages.append({"role": "assistant", "content": words(12, 24)})
-        lines.append(json.dumps({"messages": messages}))
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": words(4, 10)},
+                    {"role": "assistant", "content": words(*ANSWER_WORDS)},
+                ]
+            }
+        )
+        for _ in range(n)
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def run_family(family: Family, tokenizer, work: Path) -> Outcome:
+    """The command on the family's target (OUT = work/out); a ValueError it raises is the refusal
+    (an error of any step is raised: it is a bug of the matrix or of the stages)."""
     target = build_target(family, tokenizer, work / "target")
-    return run_stages(target, work, Outcome(family.name))
-
-
-def run_stages(target: Path, work: Path, outcome: Outcome) -> Outcome:
-    """Every stage on `target`; a family the first stage refuses stops there with its one-line error
-    (an error of any later stage is raised: it is a bug of the matrix or of the stages).
-
-    Extraction reads written answers, not the regenerated ones: a random-weight target's answers
-    are random tokens, which regeneration rightly drops when they do not tokenize back to themselves.
-    Every stage that loads the target takes transformers' own attention choice for it (`auto`)."""
+    prompts = write_chats(work / "prompts.jsonl", PROMPTS, 0)
+    outcome = Outcome(family.name)
     try:
-        regenerate(target, write_chats(work / "prompts.jsonl", TRAIN_PROMPTS, 0, answers=False), work / "regen")
+        summary = run_drafter(
+            parse_drafter_args([f"target={target}", f"prompts={prompts}", f"out={work / 'out'}", *SETTINGS])
+        )
     except ValueError as exc:
         outcome.refused = str(exc)
         return outcome
+    return recorded(outcome, target, summary)
+
+
+def recorded(outcome: Outcome, target: Path, summary: dict) -> Outcome:
+    """What the command chose (drafter.json), what its steps recorded, and both lossless checks."""
+    paths = summary["paths"]
+    record = json.loads(Path(summary["out"], "drafter.json").read_text())
+    outcome.derived = {d["what"]: d["value"] for d in record["derived"]}
+    provenance = ShardDataset(str(Path(paths["shards"], "train"))).provenance
+    outcome.model_class, outcome.taps = provenance["target"]["loaded_as"], provenance["taps"]["layer_ids"]
+    outcome.attention, outcome.dtype = provenance["target"]["attn_implementation"], provenance["compute_dtype"]
+    outcome.mask_token_id = summary["mask_token"]["id"]
+    outcome.export = json.loads(Path(paths["export"], "config.json").read_text())
     arch = check_architecture(target)
-    outcome.model_class, outcome.embed_scale = arch.model_class, arch.embed_scale
-    outcome.embed_tensor, outcome.head_tensor = arch.embed_tensor, arch.head_tensor
-    corpus = write_chats(work / "chats.jsonl", TRAIN_PROMPTS, 0, answers=True)
-    shards = extract(target, corpus, work / "shards")
-    provenance = ShardDataset(str(shards)).provenance
-    outcome.taps, outcome.attention = provenance["taps"]["layer_ids"], provenance["target"]["attn_implementation"]
-    run_dir = train_drafter(shards, target, work / "runs")
-    exported = export_checkpoint(run_dir, work / "export", dtype="float32", target=str(target))
-    outcome.drafter_rope = _rope(json.loads((exported / "config.json").read_text()))
-    heldout = write_chats(work / "heldout.jsonl", HELDOUT_PROMPTS, 1, answers=False)
-    outcome.lossless, outcome.tokens = decode(target, exported, heldout)
+    outcome.embed_tensor, outcome.head_tensor, outcome.embed_scale = (
+        arch.embed_tensor,
+        arch.head_tensor,
+        arch.embed_scale,
+    )
+    outcome.lossless = summary["specdecode"]["lossless"]
+    outcome.tokens = json.loads(Path(paths["specdecode"]).read_text())["summary"]["new_tokens"]
+    heldout, new_tokens = summary["prompts"]["files"]["heldout"], summary["specdecode"]["max_new_tokens"]
+    outcome.quick_start_lossless = quick_start(target, Path(paths["export"]), heldout, new_tokens, outcome)
     return outcome
 
 
-def regenerate(target: Path, prompts: Path, out: Path) -> Path:
-    cfg = load_config(
-        RegenerateConfig,
-        None,
-        [
-            f"target={target}",
-            f"corpus={prompts}",
-            f"out={out}",
-            f"max_new_tokens={NEW_TOKENS}",
-            "dtype=float32",
-            "device=cpu",
-            "thinking=disable",
-            "attn_implementation=auto",
-        ],
-    )
-    regeneration.run(cfg)
-    return out / "data.jsonl"
-
-
-def extract(target: Path, corpus: Path, out: Path) -> Path:
-    cfg = load_config(
-        ExtractConfig,
-        None,
-        [
-            f"target={target}",
-            f"corpus={corpus}",
-            f"out_dir={out}",
-            f"layer_ids={LAYER_IDS}",
-            "topk=4",
-            "min_loss_tokens=2",
-            "dtype=float32",
-            "device=cpu",
-            "progress=false",
-            "writer_threads=1",
-            "attn_implementation=auto",
-        ],
-    )
-    extraction.run(cfg, ranks=Ranks())
-    return out
-
-
-def train_drafter(shards: Path, target: Path, out: Path) -> Path:
-    cfg = load_config(
-        TrainConfig,
-        None,
-        [
-            f"out_dir={out}",
-            "run_name=r",
-            f"data.shards={shards}",
-            f"model.target={target}",
-            "data.holdout_fraction=0",
-            "data.num_buckets=1",
-            "data.token_budget=256",
-            "data.prefetch_threads=1",
-            "data.min_loss_tokens=2",
-            "model.num_layers=1",
-            f"model.block_size={BLOCK}",
-            "loss.num_anchors=4",
-            f"optim.max_steps={STEPS}",
-            "device=cpu",
-            "precision=fp32",
-            "compile=false",
-            "log.progress=false",
-        ],
-    )
-    train(cfg)
-    return out / "r"
-
-
-def decode(target: Path, exported: Path, prompts: Path) -> tuple[bool, int]:
-    """(lossless, tokens generated): on every prompt, our speculative decoding and the export's own
-    `spec_generate` (z-lab's quick start, the exported dflash.py) equal the target's greedy decoding."""
-    loaded = load_target(str(target), dtype="float32", attn_implementation="auto", device="cpu")
-    drafter = load_exported(exported, dtype=torch.float32)
+def quick_start(target: Path, exported: Path, prompts: str, new_tokens: int, outcome: Outcome) -> bool:
+    """Whether the export's own `spec_generate` (z-lab's quick start) equals the target's greedy
+    decoding on every prompt, the target run as the command ran it (its dtype and kernel)."""
+    loaded = load_target(str(target), dtype=outcome.dtype, attn_implementation=outcome.attention, device="cpu")
+    drafter = load_exported(exported, dtype=getattr(torch, outcome.dtype))
     stops = stop_token_ids(loaded)
     spec = SpecTarget(loaded, drafter.target_layer_ids, stops)
-    proposer = DFlashProposer(drafter, spec, context_cache=True)
-    lossless, tokens = True, 0
+    lossless = True
     for prompt in prompts_from_jsonl(prompts, loaded.tokenizer, None):
-        greedy = greedy_generate(spec, prompt, NEW_TOKENS).tokens
-        drafted = speculative_generate(spec, proposer, prompt, NEW_TOKENS).tokens
+        greedy = greedy_generate(spec, prompt, new_tokens).tokens
         quick = drafter.spec_generate(
-            target=loaded.model, input_ids=torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, stop_token_ids=stops
+            target=loaded.model, input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, stop_token_ids=stops
         )
-        lossless &= drafted == greedy and quick[0, len(prompt) :].tolist() == greedy
-        tokens += len(drafted)
-    return lossless, tokens
-
-
-def _rope(config: dict) -> str:
-    params = config.get("rope_parameters") or {}
-    kind = params.get("rope_type", "default")
-    return f"theta {params.get('rope_theta'):g}" + ("" if kind == "default" else f", {kind}")
+        lossless &= quick[0, len(prompt) :].tolist() == greedy
+    return lossless

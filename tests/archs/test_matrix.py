@@ -1,14 +1,18 @@
-"""The architecture matrix: every family in `tests.archs.families` through the whole pipeline at
-smoke scale (tests/archs/pipeline.py), each either end to end and lossless with the taps recorded,
-or refused by the first stage in one line; its row must be the one docs/architectures.md commits."""
+"""The architecture matrix: the drafter command (`recipes.drafter`) at the smoke scale on every family in
+`tests.archs.families` (tests/archs/pipeline.py), each either end to end and lossless with the taps it
+derived recorded in the shards and the export, or refused by the command in one line before it writes
+anything; its row must be the one docs/architectures.md commits."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import transformers
 
+from common.target_rules import auto_layer_ids, config_depth, drafter_layers
 from tests.archs.families import ALL, FAMILIES, REFUSED
-from tests.archs.pipeline import LAYER_IDS, run_family
+from tests.archs.pipeline import PROMPTS, run_family
 from tests.archs.table import chat_tokenizer, committed, page_version, parse, render, row
 
 AVAILABLE = [f for f in ALL if f.available]
@@ -32,11 +36,24 @@ def test_family_runs_end_to_end_or_is_refused_in_one_line(family, tmp_path):
     if family.refused is not None:
         assert outcome.refused is not None and family.refused in outcome.refused, outcome.refused
         assert "\n" not in outcome.refused and "cannot be a DFlash target" in outcome.refused
-        assert not (tmp_path / "regen" / "data.jsonl").exists()  # refused before anything was generated
+        assert not (tmp_path / "out").exists()  # refused before the command wrote (or ran) anything
     else:
         assert outcome.refused is None, outcome.refused
-        assert outcome.taps == LAYER_IDS  # the shards record the taps extraction was given
-        assert outcome.lossless is True and outcome.tokens > 0
+        assert_the_command_chose_and_recorded_its_defaults(outcome, tmp_path)
+        assert outcome.lossless is True and outcome.quick_start_lossless is True and outcome.tokens > 0
     if page_version(committed()) != transformers.__version__:
         pytest.skip(f"docs/architectures.md is from transformers {page_version(committed())}: its row is not compared")
     assert row(outcome, family) == parse(committed()).get(family.name), "run `python -m tests.archs --table`"
+
+
+def assert_the_command_chose_and_recorded_its_defaults(outcome, work):
+    depth = config_depth(str(work / "target"))
+    derived, export = outcome.derived, outcome.export
+    taps = auto_layer_ids(depth)[0]
+    assert len(taps) >= 2  # the families are deep enough for taps of several layers
+    assert derived["taps (layer_ids)"] == taps == outcome.taps == export["dflash_config"]["target_layer_ids"]
+    assert derived["drafter layers"] == drafter_layers(depth)[0] == export["num_hidden_layers"]
+    assert outcome.mask_token_id is not None and export["dflash_config"]["mask_token_id"] == outcome.mask_token_id
+    assert derived["attn_implementation"] == outcome.attention and derived["dtype"] == outcome.dtype
+    prompts = json.loads((work / "out" / "drafter.json").read_text())["prompts"]
+    assert prompts["source"] == "carved" and prompts["train_records"] + prompts["heldout_records"] == PROMPTS
