@@ -70,7 +70,10 @@ def auto_layer_ids(num_layers: int) -> tuple[list[int], str]:
         return [0], "a one-layer target: its only layer"
     n = auto_tap_count(num_layers)
     ids = tap_layer_ids(num_layers, n)
-    why = "five taps, as the published drafters" if n == PUBLISHED_TAPS else f"{n} taps, one per two layers"
+    if n == PUBLISHED_TAPS:
+        why = "five taps, as the published drafters"
+    else:
+        why = f"{n} tap{'s' if n > 1 else ''}, one per two layers"
     return ids, f"{why}, spread evenly from layer 1 to layer L-3 of {num_layers} (z-lab's build_target_layer_ids)"
 
 
