@@ -22,10 +22,10 @@ is left to the command, which knows what it expected there.
 from __future__ import annotations
 
 import os
-import tempfile
 import tomllib
 
 from common import objstore
+from common.local_dirs import writable_dir_problem
 
 KINDS = ("dir_out", "file_out", "local_in", "data_in", "data_out")
 STORE_KINDS = ("data_in", "data_out")
@@ -74,25 +74,6 @@ def check_problem(text: str, kind: str) -> str | None:
         return writable_dir_problem(os.path.abspath(text))
     if kind == "file_out":
         return writable_dir_problem(os.path.dirname(os.path.abspath(text)))
-    return None
-
-
-def writable_dir_problem(root: str) -> str | None:
-    """None if the local directory `root` exists or can be created, and something can be written in it."""
-    existing = root
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        where = "is a file" if existing == root else f"lies under '{existing}', which is a file"
-        return f"'{root}' {where}, not a directory; choose another path"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"'{existing}' is not writable by this user; choose another path"
-    # os.access answers yes for root, and on file systems where nothing can be made (/proc, /sys,
-    # a read-only mount): make (and remove) a directory there to know.
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".dflash-probe-", dir=existing))
-    except OSError as err:
-        return f"cannot create anything under '{existing}' ({err.strerror or err}); choose another path"
     return None
 
 

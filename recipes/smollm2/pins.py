@@ -21,7 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from common.locations import writable_dir_problem
+from common.local_dirs import writable_dir_problem
 
 
 class FetchError(ValueError):

@@ -10,6 +10,7 @@ import pytest
 
 from common import locations, objstore
 from common.config import ConfigError, load_config, parse_cli
+from common.local_dirs import writable_dir_problem
 from train.config import TrainConfig
 
 
@@ -57,9 +58,9 @@ def test_config_keys_that_take_paths_are_parsed_at_load_and_name_the_key(tmp_pat
 
 def test_a_local_output_must_be_a_directory_that_can_be_made(tmp_path):
     (tmp_path / "file").write_text("")
-    assert locations.writable_dir_problem(str(tmp_path / "new" / "deeper")) is None
-    assert "is a file" in locations.writable_dir_problem(str(tmp_path / "file"))
-    assert "cannot create anything under '/proc'" in locations.writable_dir_problem("/proc/dflash-x")
+    assert writable_dir_problem(str(tmp_path / "new" / "deeper")) is None
+    assert "is a file" in writable_dir_problem(str(tmp_path / "file"))
+    assert "cannot create anything under '/proc'" in writable_dir_problem("/proc/dflash-x")
     assert locations.check_problem(str(tmp_path / "file" / "x.json"), "file_out") is not None
     assert locations.check_problem(str(tmp_path / "missing-input"), "local_in") is None  # the command says
 

@@ -433,7 +433,7 @@ def test_a_prefix_used_by_another_manifest_is_refused(tmp_path):
 def test_a_disk_that_fills_inside_a_shard_leaves_no_temporary_and_no_traceback(tmp_path, monkeypatch, caplog):
     """The write fails with ENOSPC and so does the close's flush of the buffered bytes (issue 45):
     the shard's temporary file still goes, with one log line and no traceback."""
-    from shards import writer as W
+    from shards import shard_file
 
     def full(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, "Error writing bytes to file")
@@ -444,8 +444,8 @@ def test_a_disk_that_fills_inside_a_shard_leaves_no_temporary_and_no_traceback(t
     w.flush()
     w.write(make_sample(3))  # a new shard is open, with a temporary file
     assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
-    monkeypatch.setattr(W._HashingStream, "write", full)
-    monkeypatch.setattr(W._HashingStream, "close", full)
+    monkeypatch.setattr(shard_file.HashingStream, "write", full)
+    monkeypatch.setattr(shard_file.HashingStream, "close", full)
     caplog.set_level("DEBUG", logger="shards")
     with pytest.raises(OSError, match="No space left on device") as err:
         w.write(make_sample(4))
