@@ -32,7 +32,7 @@ import shutil
 import sys
 from typing import Literal
 
-from common.config import knob, parse_cli
+from common.config import ConfigError, fail, knob, parse_cli
 from recipes.demo_smollm2 import (
     SCALES,
     print_smollm2_summary,
@@ -97,9 +97,13 @@ class DemoConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(DemoConfig, sys.argv[1:] if argv is None else argv)
-    if "/" in cfg.run or cfg.run in ("", ".", ".."):
-        raise SystemExit(f"config key 'run': {cfg.run!r} must be a plain name")
+    try:
+        cfg = parse_cli(DemoConfig, sys.argv[1:] if argv is None else argv)
+        if "/" in cfg.run or cfg.run in ("", ".", ".."):
+            fail("run", f"{cfg.run!r} must be a plain name")
+    except ConfigError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     run_dir = os.path.join("runs", cfg.run)
     if cfg.fresh and os.path.isdir(run_dir):
         shutil.rmtree(run_dir)
