@@ -60,10 +60,9 @@ class DemoConfig:
     run: str = knob("demo", help="run name under runs/ (a plain name)")
     steps: int | None = knob(
         None,
-        help="drafter training steps (about 190 s on 2 cores). 400 left the drafter short of trained: chain τ "
-        "5.08-5.60 and online τ 3.95-4.51 over three seeds, against 6.94-7.21 and 5.66-5.97 at 800 (2-core VM, "
-        "2026-12-01). A step count, not epochs: what the drafter learns should not depend on how long the "
-        "regenerated answers are. Unset: 800 for the tiny target, the scale's for smollm2",
+        help="drafter training steps. A step count, not epochs: what the drafter learns should not depend on how "
+        "long the regenerated answers are. Unset: 800 for the tiny target (fewer leave its drafter short of "
+        "trained: docs/benchmarks.md, 'Demo'), the scale's for smollm2",
         min=1,
         max=100_000,
     )
