@@ -194,7 +194,7 @@ class ResolvedTarget:
     mask_source: str
     drafter_cfg: DrafterConfig
     identity: dict  # common.target_identity.target_identity of `path`
-    check: dict  # how it compares with the shards' target (common.target_identity.check_target)
+    check: dict  # how it compares with the shards' target (common.target_check.check_target)
 
 
 def resolve_target(cfg: TrainConfig, manifest: dict) -> ResolvedTarget:
