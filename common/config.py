@@ -8,6 +8,17 @@ own table, so one file can describe a whole experiment.
 
     cfg = parse_cli(TrainConfig, ["configs/tiny.toml", "loss.gamma=5", "run_name=abl"], section="train")
     save_config(cfg, run_dir / "config.json")
+
+Every entry point reads its command line with `parse_command` (the one grammar, `[CONFIG] [VALUE
+...] key=value | --key value | --flag`; `python -m shards` adds a command word first) and answers
+`--help` with `describe`: every key's type, allowed values or range, default and help, before torch
+loads. How an override's text is read depends on the key's type (`CommandLineValue`).
+
+A stage config is a frozen dataclass. Cross-field checks go in its `check(self)` method, which
+raises through `fail(key, msg)` and may store resolved values with `set_resolved`; after that
+nothing changes it (`dataclasses.replace` makes a changed copy). A key that takes a floating-point
+type accepts both spellings (`bf16` / `bfloat16`, ...; `DTYPE_SYNONYMS`) and stores its own, so
+saved configs and manifests keep their bytes.
 """
 
 from __future__ import annotations

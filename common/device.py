@@ -16,11 +16,9 @@ import torch
 # drafter). Their ops last tens to hundreds of microseconds, so extra threads add fork-join and
 # wake-up time (OMP_WAIT_POLICY=PASSIVE: sleeping threads are woken per parallel region) and remove
 # little work: torch splits an elementwise op into grains of 32K elements, and a 1,024-token batch
-# of width 128 has 128K, so threads past 4 get nothing to do there. Measured on the idle 2-core VM
-# (2026-12-01, `python -m benchmarks.tiny_threads`): the tiny target's training step took 0.13 s on
-# 1 thread and 0.15 s on 2, batched greedy decoding 0.46 s and 0.54 s; the drafter's steps
-# (4,096-token batches) gained at most 1.3x from a second thread. On the 16-core H200 host the tiny
-# target trained more slowly with torch's default of 8 threads than on this VM with 2.
+# of width 128 has 128K, so threads past 4 get nothing to do there. A second thread barely helps
+# these models and torch's default thread count on a many-core host makes them slower
+# (`python -m benchmarks.tiny_threads`; docs/benchmarks.md, "Demo: the tiny default end to end").
 # Hence: the usable cores, at most 4 (a user's OMP_NUM_THREADS wins).
 SMALL_MODEL_MAX_THREADS = 4
 

@@ -14,6 +14,9 @@ their mask builder (Qwen2-VL's text model expands them to three rows; gpt-oss le
 models read none), and their attention then mixes packed samples with no error. So
 `packing_probe` also runs the loaded target on two packed rows that share a last sample but differ
 in the one before it: where the samples are kept apart that last sample's output is the same bits.
+
+`use_packed_sdpa` runs transformers' SDPA once per sample of a packed row (causal and maskless:
+SDPA's flash case) instead of over the row's dense N x N document mask.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The modules, in the order data flows through a run (each module's docstring is its reference):
 
-    __main__.py    `python -m extract`: the command, its exit statuses
+    __main__.py    `python -m extract`: the command
     config.py      `ExtractConfig` (`[extract]`), settled once by its `check`
     checks.py      what is checked before the target loads; each split's `SplitInputs`
     corpus/        the corpus side, which regeneration reads through too: files, records, rendering

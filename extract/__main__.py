@@ -5,15 +5,11 @@
     torchrun --nproc-per-node 8 -m extract configs/qwen3.6-27b.toml
     python -m extract --help                                    # every key with its help
 
-Reads the `[extract]` table of CONFIG; see extract/config.py. Exit status:
-  0  done (or already complete);
-  2  a user error, one line naming the problem: bad config, a corpus or output path that cannot
-     work (found before the target is loaded), a resume with changed settings, another process
-     already writing the same dataset, on_error = fail;
-  3  the dataset holds 0 samples (every record rejected, or no records): the reason is printed;
-  4  an I/O error (full disk, EIO), one line: every shard committed before it stays in the
-     dataset, and rerunning the same command resumes (said only when something was committed);
-130 interrupted (Ctrl-C), one line; rerunning the same command resumes.
+Reads the `[extract]` table of CONFIG; see extract/config.py. A user error (a bad config, a corpus
+or output path that cannot work, a resume with changed settings, another process writing the same
+dataset) stops it before the target loads, in one line. After an I/O error or Ctrl-C every shard
+committed stays in the dataset, and rerunning the same command resumes (said only when something
+was committed). Exit statuses: docs/ARCHITECTURE.md, "Exit status".
 """
 
 from __future__ import annotations

@@ -1,7 +1,13 @@
 """Recipes: commands that drive several stages as a whole, on the floor above them.
 
 The stages (`extract/`, `train/`, `shards/`, `common/`) never import this package; a recipe runs
-the stages' own commands or calls their library functions. Here live the built-in targets'
-builders (`recipes.tiny`, `recipes.smollm2`), the demos (`recipes.demo`), the storage-tier
-comparison (`recipes.compare_tiers`) and the data ladder (`recipes.data_ladder`).
+the stages' own commands or calls their library functions. Each module's docstring is its reference:
+
+    drafter/            `make drafter`: your own target to a checked, exported drafter (drafter/__init__.py)
+    demo.py             `make demo`: the drafter command's plan and runner on a built-in target
+    demo_smollm2.py     the real target's plan, scales and summary for the demo
+    tiny/               `python -m recipes.tiny`: the tiny default target and its corpus
+    smollm2/            `python -m recipes.smollm2`: the real target SmolLM2-135M-Instruct and its prompts
+    compare_tiers.py    `make tiers`: storage tiers compared on τ, bytes and speed
+    data_ladder.py      τ against the amount of training data
 """

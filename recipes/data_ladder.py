@@ -9,8 +9,9 @@ uniformly spread subset each: `data.max_samples`), each evaluated offline on the
 Every size trains the same number of steps (`--steps`, or the config's), so a smaller share is seen for
 more epochs; the table prints both, with the loss tokens each run trained on, so the reader sees
 whether a point is short of data or short of steps. Runs go to runs/PREFIX-fFRACTION. Bad arguments,
-a config that does not load and `--eval` sets that cannot be read are refused (one line, exit 2)
-before the first run trains; a run that fails stops the ladder (exit 1) after its own message.
+a config that does not load and `--eval` sets that cannot be read are refused in one line before the
+first run trains; a run that fails stops the ladder after its own message. Exit statuses:
+docs/ARCHITECTURE.md, "Exit status".
 """
 
 from __future__ import annotations

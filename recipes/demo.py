@@ -32,7 +32,7 @@ import shutil
 import sys
 from typing import Literal
 
-from common.config import knob, parse_cli
+from common.config import ConfigError, fail, knob, parse_cli
 from recipes.demo_smollm2 import (
     SCALES,
     print_smollm2_summary,
@@ -60,10 +60,9 @@ class DemoConfig:
     run: str = knob("demo", help="run name under runs/ (a plain name)")
     steps: int | None = knob(
         None,
-        help="drafter training steps (about 190 s on 2 cores). 400 left the drafter short of trained: chain τ "
-        "5.08-5.60 and online τ 3.95-4.51 over three seeds, against 6.94-7.21 and 5.66-5.97 at 800 (2-core VM, "
-        "2026-12-01). A step count, not epochs: what the drafter learns should not depend on how long the "
-        "regenerated answers are. Unset: 800 for the tiny target, the scale's for smollm2",
+        help="drafter training steps. A step count, not epochs: what the drafter learns should not depend on how "
+        "long the regenerated answers are. Unset: 800 for the tiny target (fewer leave its drafter short of "
+        "trained: docs/benchmarks.md, 'Demo'), the scale's for smollm2",
         min=1,
         max=100_000,
     )
@@ -97,9 +96,13 @@ class DemoConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(DemoConfig, sys.argv[1:] if argv is None else argv)
-    if "/" in cfg.run or cfg.run in ("", ".", ".."):
-        raise SystemExit(f"config key 'run': {cfg.run!r} must be a plain name")
+    try:
+        cfg = parse_cli(DemoConfig, sys.argv[1:] if argv is None else argv)
+        if "/" in cfg.run or cfg.run in ("", ".", ".."):
+            fail("run", f"{cfg.run!r} must be a plain name")
+    except ConfigError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     run_dir = os.path.join("runs", cfg.run)
     if cfg.fresh and os.path.isdir(run_dir):
         shutil.rmtree(run_dir)

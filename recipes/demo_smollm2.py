@@ -51,11 +51,12 @@ class Scale:
 
 
 SCALES = {
-    # 64 of HumanEval's 164 prompts online (all 164 took about 6 of the demo's 17-19 minutes on the H200,
-    # 2026-12-04; `train.serve.specdecode --num-prompts 0` decodes them all), the peers on 4 (about 9.5 s each).
+    # 64 of HumanEval's 164 prompts online: all of them make online decoding the largest part of the demo
+    # (docs/benchmarks.md, "Real target"; `train.serve.specdecode --num-prompts 0` decodes them all). The peers,
+    # whose eager `generate` is slow, on 4.
     "full": Scale("full", 0, 0, 0, 256, 1024, 1000, 5, 16384, 512, 64, 4),
-    # Two CPU cores decode this model at ~7 tok/s (batch 1) to ~70 tok/s (batch 32), and train its 2-layer
-    # drafter at 15-20 s per 4,096-token step (49,152-way loss): minutes per hundred answers or steps.
+    # Two CPU cores take minutes per hundred answers or training steps of this model (a 49,152-way loss):
+    # short answers, a 2-layer drafter, few steps (docs/benchmarks.md, "Real target", the reduced scale).
     "reduced": Scale("reduced", 64, 8, 4, 64, 32, 30, 2, 2048, 32, 4, 4),
 }
 
@@ -75,26 +76,25 @@ def smollm2_job(
 ) -> Job:
     """The drafter command's plan (recipes.drafter.plan) for this target at `scale`: its three prompt
     sets answered by the target, HumanEval decoded online. `eval_anchors` anchors per held-out sequence
-    offline: every position of HumanEval's answers (23 K blocks) took about 140 s on the H200; 16 per
-    answer (2.6 K blocks) took 69 s with the model's load and the DDTree budgets (2026-12-02)."""
+    offline: every position of HumanEval's answers makes the offline evaluation a large part of the
+    demo's time (docs/benchmarks.md, "Real target"); 16 per answer keep it short."""
     run_dir = os.path.join("runs", run)
     train = [f"optim.max_steps={steps or scale.steps}", f"model.num_layers={scale.num_layers}"]
     train += [f"data.token_budget={scale.token_budget}", f"loss.num_anchors={scale.num_anchors}", *seed_overrides]
     evaluation = [f"max_anchors={eval_anchors}"]
     extract = []
     if device == "cuda":
-        # Not compile=true: with this drafter's small steps, compiling for each length bucket's shapes took
-        # most of 5 minutes on the H200 (132 of 1,000 steps done, 2026-12-02); SDPA runs the mask uncompiled.
+        # Not compile=true: this small drafter's steps are too short for compilation to pay, and it compiles
+        # again for each length bucket's shapes (docs/benchmarks.md, "Real target"); SDPA runs the mask uncompiled.
         train.append("model.attention=sdpa")
         # As in training: flex attention compiles for every block shape, which costs this small drafter more
         # than the dense-mask SDPA it replaces saves.
         evaluation.append("attention=sdpa")
     else:
-        extract.append("tokens_per_batch=2048")  # two cores: small batches pad less (16,384 padded 55% here)
+        extract.append("tokens_per_batch=2048")  # two cores: small batches pad less
     spec = [f"num_prompts={scale.online_prompts}", f"max_new_tokens={scale.max_new_tokens}", "agreement=true"]
     spec += ["agreement_bf16=true", "peer_baselines=true", f"peer_prompts={scale.peer_prompts}"]
-    # Not generate_static: it compiles again for every prompt shape (49 s of 16 prompts, 2026-12-02);
-    # benchmarks.small_decode times it at one shape.
+    # Not generate_static: it compiles again for every prompt shape; benchmarks.small_decode times it at one shape.
     spec.append("peers=generate,prompt_lookup")
     regen = [f"max_new_tokens={scale.max_new_tokens}", f"batch_size={scale.regen_batch}", f"device={device}"]
     return Job(

@@ -1,4 +1,4 @@
-"""How the packages import each other (docs/ARCHITECTURE.md, "Layout"), over the whole tree:
+"""How the packages import each other (docs/ARCHITECTURE.md, "Layout and dependency rules"), over the whole tree:
 
 - no import circle, not even one closed by an import inside a function;
 - no upward import between floors: common < shards < {extract, train} < recipes < benchmarks, where

@@ -5,12 +5,8 @@
     python -m train --help                            # every key with its default and allowed values
     torchrun --nproc-per-node 8 -m train CONFIG ...   # data parallel over 8 GPUs (docs/guide.md)
 
-Exit status: 0 done, 2 a config or data error (the message names the key or field), 3 aborted
-(too many non-finite steps in a row), 4 an I/O error such as a full disk (the message names the
-file; checkpoints already written stay intact, and rerunning the same command resumes), 5 another
-rank of a data-parallel run died, hung or became unreachable (the message names it; rerunning the
-same command resumes from the last checkpoint), 130 interrupted (Ctrl-C; one line, and rerunning resumes
-from the last complete checkpoint).
+After an I/O error, a lost rank or Ctrl-C, checkpoints already written stay intact and rerunning the
+same command resumes from the last complete one. Exit statuses: docs/ARCHITECTURE.md, "Exit status".
 """
 
 from __future__ import annotations

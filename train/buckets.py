@@ -20,6 +20,10 @@ Conventions
   `DataConfig.oversize`).
 - Randomness comes only from `(seed, epoch)` through numpy's PCG64; an epoch plan is a pure
   function of (lengths, layout, seed, epoch).
+
+Data parallel: one global batch of that plan is dealt by tokens into world_size x accumulation
+parts (`RankSplit`, `split_by_tokens`, `split_summary`), so the plan itself never depends on the
+world size.
 """
 
 from __future__ import annotations

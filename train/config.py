@@ -257,8 +257,8 @@ class ModelConfig:
         "none",
         help="ablation: start each drafter layer from a target decoder layer: none (fresh, the published recipe), "
         "first, last, spread (first to last, evenly) or comma-separated target layer ids, one per drafter layer "
-        "(train/target_init.py); the final norm comes from the target too. Measured on SmolLM2-135M (2026-12-03, "
-        "1,000 steps): every rule lost to none (HumanEval chain tau 2.07 fresh, 1.94 last, 1.91 spread, 1.61 first)",
+        "(train/target_init.py); the final norm comes from the target too. On the real target every rule did worse "
+        "than none (docs/benchmarks.md, 'Real target')",
     )
 
     def check(self) -> None:

@@ -14,15 +14,19 @@ dealt by tokens into `world_size x accumulation` parts (`buckets.RankSplit`,
 normalized by the global batch's loss weight, so the parts' gradients add up to the gradient of
 the global batch: DDP's all-reduce must sum, not average (`_allreduce_sum`).
 
-Why DDP and not FSDP2: the 27B drafter's trainable state (1.81 B parameters: fp32 weights 7.2 GB,
-gradients 7.2 GB, AdamW moments 14.5 GB) plus the frozen embedding and lm_head (2 x 2.5 GB bf16) and
-the activations of one 6,144-token micro-batch peaked at 58.8 GiB on one H200, so every rank fits a
-full replica on a 96 GB GPU with room to spare; FSDP2 would shard the ~29 GB of model state but adds
-an all-gather of every layer's weights before its forward and again before its backward (three
-collectives instead of one, two of them in the way of compute) and sharded checkpoints, for memory
-the run does not need. DDP overlaps its one all-reduce per step with the backward (bucketed,
-gradients as bucket views: no second copy, though the 7.2 GB of buckets stay allocated between
-steps where the plain trainer frees its gradients).
+Why DDP and not FSDP2: the 27B drafter's trainable state is 1.81 B parameters x 16 bytes (fp32
+weights 7.2 GB, gradients 7.2 GB, AdamW moments 14.5 GB: ~29 GB); with the frozen embedding and
+lm_head (2 x 2.5 GB bf16) and the activations of one 6,144-token micro-batch, every rank fits a full
+replica on a 96 GB GPU with room to spare (the measured peaks, the plain trainer's and DDP's:
+docs/benchmarks.md, "Training" and "Training on several GPUs"). DDP keeps the single-GPU step as it
+is: gradients are views into its 250 MiB buckets (no second copy, though the 7.2 GB of buckets stay
+allocated between steps where the plain trainer frees its gradients), and it moves 2 x 4 bytes per
+parameter per step in one all-reduce overlapped with the backward (`distributed.ddp_compile =
+outer`: Dynamo cuts the compiled graph at the buckets). FSDP2 would shard the ~29 GB of model state
+but adds an all-gather of every layer's weights before its forward and again before its backward
+(three collectives instead of one, two of them in the way of compute), sharded checkpoints and
+optimizer state, for memory the run does not need. If a wider drafter stops fitting, FSDP2 is the
+next step.
 
 Faults: every collective has a timeout (`distributed.timeout_s`); a collective that fails (a peer
 died: gloo sees the connection drop at once; or the timeout) becomes `PeerLost`, whose message

@@ -7,7 +7,9 @@
 2. The data stream is opened and the target found, refused unless it is the one the shards were
    extracted from (`common.target_identity`; `model.allow_target_mismatch`); the drafter config is
    derived from the target and the shards' provenance (`resolve_target`: taps, mask token, a
-   storage tier's projection), and shards that do not fit it are refused, naming the field.
+   storage tier's projection), and shards that do not fit it are refused, naming the field. A mask
+   token the shards' provenance does not vouch for is looked for in every sample's input_ids
+   (`check_mask_token_absent`, reading only that column).
 3. The kernel plan (device, autocast, attention, compile) is chosen, one for every rank (refused on
    all if one rank cannot run it), and `model.init_from` is checked against the drafter config.
 4. The drafter (seeded), the target's frozen embedding and lm_head, AdamW and the step functions
@@ -192,7 +194,7 @@ class ResolvedTarget:
     mask_source: str
     drafter_cfg: DrafterConfig
     identity: dict  # common.target_identity.target_identity of `path`
-    check: dict  # how it compares with the shards' target (common.target_identity.check_target)
+    check: dict  # how it compares with the shards' target (common.target_check.check_target)
 
 
 def resolve_target(cfg: TrainConfig, manifest: dict) -> ResolvedTarget:

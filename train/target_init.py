@@ -8,11 +8,10 @@ counterpart for stays at the fresh initialization and is named in the run's reco
 projection `fc`, `hidden_norm`, and the per-head q/k norms of a target without them (Llama).
 
 The published drafters start fresh (`docs/dflash.md`, "Training recipe": SpecForge copies nothing;
-how z-lab initialized is not public). Measured against that on the real target (SmolLM2-135M-Instruct,
-one H200, 2026-12-03, the demo's shards and drafter, 1,000 steps, one seed; docs/benchmarks.md), every
-rule lost: offline chain tau on HumanEval / held-out chat, fresh 2.07 / 2.76, "last" 1.94 / 2.47,
-"spread" 1.91 / 2.37, "first" 1.61 / 1.74. The fresh start stays the default; this stays as the
-ablation that shows it (for another target, another data size or longer training it may differ).
+how z-lab initialized is not public). Against that, on the real target (SmolLM2-135M-Instruct, the
+demo's shards and drafter), every rule did worse in offline chain τ (docs/benchmarks.md, "Real
+target"). The fresh start stays the default; this stays as the ablation that shows it (for another
+target, another data size or longer training it may differ).
 
 Rules for choosing the target layers, for n drafter layers of an L-layer target:
   "first"  0 .. n-1            "last"  L-n .. L-1

@@ -7,15 +7,10 @@
     python -m extract.regenerate --help                              # every key with its help
 
 Reads the `[regenerate]` table of CONFIG (extract/regenerate/config.py). Rerunning the same command
-resumes: finished records are skipped. Exit status:
-  0  done: out/data.jsonl committed (or it already was);
-  2  a user error, one line: bad config, a corpus or target that cannot be read, another process
-     writing the same output, a resume with changed settings;
-  3  done, but no record could be stored (every record rejected): the reasons are printed;
-  4  not finished: an I/O error, a server that refused every request or went away (401/403/404,
-     or `max_consecutive_failures` records in a row), or records that failed every retry. What
-     was finished stays in the journal; rerun the same command to finish the rest;
-130 interrupted (Ctrl-C), one line; rerunning the same command resumes.
+resumes: finished records are skipped. A run that stops unfinished (an I/O error, a server that
+refused every request or went away: 401/403/404, or `max_consecutive_failures` records in a row;
+records that failed every retry; Ctrl-C) keeps what was finished in the journal; rerun the same
+command to finish the rest. Exit statuses: docs/ARCHITECTURE.md, "Exit status".
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ every attention kernel reads it); position ids count each row's real tokens, as 
 captured again for the smaller batch.
 
 Attention: transformers' SDPA path repeats the 3 key-value heads to the 9 query heads over every slot
-and runs a memory-efficient kernel that tiles 64 queries for the one a step has (at batch 1,024 in
-float32 on an H200: 20 ms of a 40 ms step in attention, 10 ms in the copies). `grouped_decode_attention`
-takes one-query forwards instead: each key-value head's query heads as the rows of one small matrix
-product over the slots, no copies; every other forward goes to transformers' SDPA as before.
+and runs a memory-efficient kernel that tiles 64 queries for the one a step has: at large batches
+attention and those copies take most of a step (the profile: docs/benchmarks.md, "Real target").
+`grouped_decode_attention` takes one-query forwards instead: each key-value head's query heads as the
+rows of one small matrix product over the slots, no copies; every other forward goes to
+transformers' SDPA as before.
 
 Only for caches whose every layer is plain full attention (`common.static_cache.full_attention_only`):
 a sliding window or a recurrent state (Gated DeltaNet) cannot live in these slots. Off CUDA the same

@@ -8,7 +8,7 @@ stated once in docs/dflash.md, "Defaults derived from the target".
     attn_implementation  sdpa where the target's transformers class supports it, else eager
     taps                 extraction's layer_ids = "auto" (common.target_rules.auto_layer_ids)
     drafter depth        train's model.num_layers (common.target_rules.drafter_layers)
-    mask token           extraction's automatic choice (extract.mask_token), recorded in the shards
+    mask token           extraction's automatic choice (extract.corpus.mask_token), recorded in the shards
 
 A derived default is passed to a stage only where neither the config file's table nor the user's
 `STAGE.key=value` sets that key; the record says whose value stands.

@@ -1,6 +1,6 @@
 """`python -m recipes.smollm2 [key=value ...]` (`make smollm2`): fetch, check and convert the real target,
-and write its prompt sets, unless they are built already. Exit status: 0 built (or found built), 2 a
-setting or a download that cannot work (one line naming it), 4 an I/O error (one line; rerun)."""
+and write its prompt sets, unless they are built already; after an I/O error, rerunning the same
+command finishes the build. Exit statuses: docs/ARCHITECTURE.md, "Exit status"."""
 
 from __future__ import annotations
 

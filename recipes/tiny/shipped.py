@@ -5,10 +5,11 @@ target and the same prompts.
 Why: a build trains the target for 1,000 steps, and another CPU type, thread count, precision or a
 GPU rounds differently, which after 1,000 steps is a different (equally accurate) target that loops
 in a different share of its answers; the corpus itself is text shipped with Python, so another
-Python version is another corpus. Measured on the same commit, the demo's chain τ was 5.33 on one
-machine and 3.06 on another, almost all of it from the target. What still runs on each machine is
-what the demo exists to show: regeneration of the answers by the target, extraction, drafter
-training, evaluation and speculative decoding.
+Python version is another corpus. Built on two machines from the same commit, the demo's chain τ
+differed by nearly half, almost all of it from the target (docs/benchmarks.md, "Demo: the tiny
+default end to end"). What still runs on each machine is what the demo exists to show:
+regeneration of the answers by the target, extraction, drafter training, evaluation and
+speculative decoding.
 
 Layout of `shipped/`: `target/` (the Hugging Face directory as the build wrote it), `corpus/` (the
 real-text records, gzipped), `MANIFEST.json` (checksum and size of every file, and the build record

@@ -206,10 +206,13 @@ def test_missing_outputs_read_as_not_available(tmp_path, monkeypatch):
     assert "n/a" in text and "tau, chain of 15" in text
 
 
-def test_bad_run_name_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("argv, key", [(["run=../elsewhere"], "'run'"), (["steps=abc"], "'steps'")])
+def test_a_config_error_is_one_line_and_status_2(tmp_path, monkeypatch, capsys, argv, key):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match="run"):
-        demo.main(["run=../elsewhere"])
+    assert demo.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("demo: config key " + key) and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
 
 
 def test_another_seed_reaches_the_drafter_s_init_and_data_order(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], EvalConfig]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 done, 2 a usage, config or data error (the message names the key, file or field)."""
+    """Evaluate; returns the exit status (docs/ARCHITECTURE.md, "Exit status")."""
     try:
         checkpoints, cfg = parse_args(sys.argv[1:] if argv is None else argv)
         from train.eval.run import evaluate_checkpoints  # torch loads here, after --help and the checks

@@ -9,5 +9,6 @@ the fields of `ReportConfig` (`python -m train.report --help` lists them).
 
 Modules: `config` (ReportConfig, thresholds), `load` (tolerant reading), `analysis` (measurements),
 `stats` (numpy), `compare` (runs side by side), `alarms` (judging), `markdown` (report.md, summary),
-`plots` (PNGs), `make` (the whole report), `__main__` (the command).
+`plots` (PNGs), `make` (the whole report), `__main__` (the command). It imports nothing from the
+trainer: it reads the run directory's files (docs/ARCHITECTURE.md, "Run directory").
 """

@@ -97,8 +97,8 @@ class SpecDecodeConfig:
         "auto",
         help="with the static cache on CUDA: compile the target's decoder layers (inductor, this mode) while its CUDA "
         "graphs are captured, so replays run fused kernels (train.serve.fusion). The target-only reference replays "
-        "the same graphs, so the speed-up is against the fastest baseline we have; auto = default (on SmolLM2-135M, "
-        "one H200: 4.2 instead of 5.5 ms per token, about 50 s to compile; max-autotune 10% faster again for 3 min)",
+        "the same graphs, so the speed-up is against the fastest baseline we have; auto = default; max-autotune "
+        "tunes longer for faster kernels (what each costs and gains: docs/benchmarks.md, 'Real target')",
     )
     verify_tokens: int = knob(
         0,

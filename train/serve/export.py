@@ -6,7 +6,7 @@ checkpoint as a Hugging Face DFlash drafter directory (the format: `train.serve.
     make export CKPT=runs/NAME OUT=exports/NAME
 
 The options are read before torch loads (`train.serve.cli`), so `--help` and a usage error answer at
-once. Exit status: 0 done, 2 a usage or input error (one line naming the key or the file).
+once. Exit statuses: docs/ARCHITECTURE.md, "Exit status".
 """
 
 from __future__ import annotations

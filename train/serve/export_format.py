@@ -26,6 +26,10 @@ or a run directory (its latest checkpoint is used). OUT_DIR receives:
 `model_type` is "qwen3" as in the published checkpoints: transformers builds a `Qwen3Config` from
 the file (keeping the extra DFlash keys), and with trust_remote_code the `auto_map` entry wins over
 the built-in Qwen3Model. The directory is written under a temporary name and renamed into place.
+
+A drafter trained on projected features (a storage tier, shards/FORMAT.md) is exported with the
+projection folded into fc (fc = fc'·P, P from its training dataset or `--projection FILE`), so the
+export reads full features like any other.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ enable_thinking=False (non-thinking, as the published drafters); or, with --data
 each shard sample's first response.
 
 The options are read before torch loads (`train.serve.cli`), so `--help` and a usage error answer at
-once. Exit status: 0 done, 1 a decoding was not lossless, 2 a usage or input error.
+once. Exit statuses: docs/ARCHITECTURE.md, "Exit status".
 """
 
 from __future__ import annotations

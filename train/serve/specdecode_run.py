@@ -59,7 +59,7 @@ def run_benchmark(
     `tree_budgets`, DDTree verification at each budget too (`ddtree`: one summary per budget); with
     `peers`, transformers' own decoding too (`train.serve.peers`; `peers`: one summary each, its
     lossless check and its wall-clock speed-up against target-only greedy decoding).
-    `stop_repeat` > 0 ends every response where it starts looping (`specdecode.Ending`);
+    `stop_repeat` > 0 ends every response where it starts looping (`train.serve.decoding.Ending`);
     `verify_tokens` > 0 verifies only that many block positions per round (`speculative_generate`);
     `verify_sweep` decodes every prompt again at each of these verify sizes (`verify_sweep`: one summary
     each, checked against the same target-only decoding), so one run prices several sizes."""
@@ -165,8 +165,8 @@ def check_drafter_target(drafter_dir: str, target_dir: str, allowed: bool) -> di
 
 
 def run(args: SpecDecodeConfig) -> int:
-    """The work of `python -m train.serve.specdecode` (which reads `args`): 0 done, 1 a decoding was
-    not lossless, 2 an input error."""
+    """The work of `python -m train.serve.specdecode` (which reads `args`); returns its exit status
+    (docs/ARCHITECTURE.md, "Exit status")."""
     if args.threads:
         torch.set_num_threads(args.threads)
     tf32_before = torch.backends.cuda.matmul.allow_tf32

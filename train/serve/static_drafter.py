@@ -2,7 +2,7 @@
 the drafter-side half of making a small target's speculative decoding fast where kernel launches,
 not arithmetic, set the pace (a 5-layer drafter of a 135 M target costs ~8 ms eagerly, mostly launches).
 
-`StaticDFlashProposer` proposes exactly what `specdecode.DFlashProposer` proposes (the same exported
+`StaticDFlashProposer` proposes exactly what `train.serve.decoding.DFlashProposer` proposes (the same exported
 model's `forward`, unchanged), with two differences in how it is driven:
 
 - Its cache (`SlotCache`) holds every layer's K/V in fixed buffers indexed by absolute position: a
