@@ -431,5 +431,18 @@ README = Figures(
             suite("s3"),
         ),
         Fig("tiny default (`make demo`), 2-core VM: chain τ", "demo.vm.tau", "{:.2f}", measured_by="make demo"),
+        Fig(
+            "`make drafter scale=smoke` on the tiny target, 2-core CPU: wall time",
+            "drafter.smoke.tiny.wall_s",
+            "{:.0f} s",
+            "<= 180 s",
+            "make drafter target=artifacts/tiny/target prompts=artifacts/tiny/corpus/train.jsonl scale=smoke",
+        ),
+        Fig(
+            "SmolLM2-135M end to end on one H200: time to its decoding step",
+            "real.to_decoding_s",
+            "{:.0f} s",
+            measured_by=suite("real"),
+        ),
     ),
 )

@@ -1,8 +1,7 @@
 """`python -m recipes.drafter target=DIR prompts=FILE [key=value ...] [STAGE.key=value ...]`
 (`make drafter`): a checked, exported drafter for your own target (recipes.drafter).
 
-Exit status: 0 done, 2 a user error (one line naming the key or file), 1 a step failed (named, with
-its output above); rerunning the same command resumes."""
+Exit statuses: docs/ARCHITECTURE.md, "Exit status"; rerunning the same command resumes."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ its output is there and was made with the same settings. STAGE.key=value sets a 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # As `make drafter` sets it (read when torch loads, here and in every step): busy-waiting OpenMP
-    # threads starve each other on a few shared cores (2 busy cores: the tiny target's smoke-scale
-    # decoding took 6 to 28 s with them, 6 s without; docs/own-target.md).
+    # threads starve each other on a few shared cores (docs/benchmarks.md, "make drafter").
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if any(word in ("-h", "--help") for word in argv):
         print(USAGE + "\n\nkeys:\n" + describe(DrafterRecipeConfig))
