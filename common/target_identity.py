@@ -8,10 +8,14 @@ stage compares (`common.target_check`):
   head_digest     every byte of the stored embedding and output head, with their dtype and shape:
                   the two tensors a drafter shares with its target (a 27B's are 2 x 2.5 GB, read
                   once per stage; the other 50 GB are not read); None without safetensors weights
+
+`read_stored_head` reads those two tensors as stored; a stage that also keeps them (training's and
+evaluation's `train.model.TargetHead`) reads them once and hands them to `target_identity`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -19,9 +23,17 @@ import xxhash
 
 from common.hashing import json_digest
 from common.hf_target import EMBED, LM_HEAD, load_tensors, read_config
-from common.target_arch import check_architecture
+from common.target_arch import TargetArch, check_architecture
 
-__all__ = ["target_identity", "weights_digest", "head_digest"]
+__all__ = [
+    "StoredHead",
+    "read_stored_head",
+    "target_identity",
+    "weights_digest",
+    "head_digest",
+    "stored_head_digest",
+    "stored_head_or_none",
+]
 
 _DIGEST_SAMPLE_BYTES = 1 << 20
 
@@ -42,36 +54,64 @@ def weights_digest(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def head_digest(target_dir: str | os.PathLike) -> str | None:
-    """xxh3-128 of the stored embedding and output head (dtype, shape, bytes; a tied head once), found
-    through the model's accessors whatever their stored names (`common.target_arch`) and labelled with
-    the causal-LM spellings, so a checkpoint's digest does not depend on how the tensors are found;
-    None when the directory holds no safetensors weights to read them from (or no usable target)."""
+@dataclasses.dataclass(frozen=True)
+class StoredHead:
+    """The target's embedding and output head in their stored dtype, and where the model keeps them."""
+
+    arch: TargetArch
+    embed_VD: torch.Tensor
+    lm_head_VD: torch.Tensor  # the embedding's own tensor when tied
+
+
+def read_stored_head(target_dir: str | os.PathLike, trust_remote_code: bool = False) -> StoredHead | None:
+    """The stored embedding and output head, found through the model's accessors whatever their stored
+    names (`common.target_arch`); None when the directory holds no safetensors weights, ValueError
+    (one line) for a target the drafter cannot serve."""
+    arch = check_architecture(target_dir, trust_remote_code)
+    if arch.embed_tensor is None:
+        return None
+    stored = load_tensors(target_dir, [arch.embed_tensor, arch.head_tensor])
+    return StoredHead(arch, stored[arch.embed_tensor], stored[arch.head_tensor])
+
+
+def stored_head_or_none(target_dir: str | os.PathLike) -> StoredHead | None:
+    """`read_stored_head`, or None where the tensors cannot be read (no safetensors weights, or no
+    usable target: the stage that needs them says why when it asks `read_stored_head`)."""
     try:
-        arch = check_architecture(target_dir)
-        if arch.embed_tensor is None:
-            return None
-        stored = load_tensors(target_dir, [arch.embed_tensor, arch.head_tensor])
+        return read_stored_head(target_dir)
     except ValueError:
         return None
+
+
+def head_digest(target_dir: str | os.PathLike) -> str | None:
+    """`stored_head_digest` of the directory's embedding and head; None when it holds no safetensors
+    weights to read them from (or no usable target)."""
+    stored = stored_head_or_none(target_dir)
+    return None if stored is None else stored_head_digest(stored)
+
+
+def stored_head_digest(stored: StoredHead) -> str:
+    """xxh3-128 of the stored embedding and output head (dtype, shape, bytes; a tied head once),
+    labelled with the causal-LM spellings, so a checkpoint's digest does not depend on how the
+    tensors are found."""
     h = xxhash.xxh3_128()
-    for label, name in ((EMBED, arch.embed_tensor), (LM_HEAD, arch.head_tensor)):
-        if label == LM_HEAD and arch.tied:
+    for label, tensor in ((EMBED, stored.embed_VD), (LM_HEAD, stored.lm_head_VD)):
+        if label == LM_HEAD and stored.arch.tied:
             h.update(b"lm_head tied to the embedding|")
             continue
-        tensor = stored[name]
         flat = tensor.detach().contiguous().reshape(-1)
         h.update(f"{label}:{str(tensor.dtype).replace('torch.', '')}:{list(tensor.shape)}|".encode())
         h.update(flat.view(torch.uint8).numpy())
     return h.hexdigest()
 
 
-def target_identity(target_dir: str | os.PathLike) -> dict:
-    """{name_or_path, config_hash, weights_digest, head_digest} of a checkpoint directory."""
+def target_identity(target_dir: str | os.PathLike, stored: StoredHead | None = None) -> dict:
+    """{name_or_path, config_hash, weights_digest, head_digest} of a checkpoint directory; `stored`:
+    its embedding and head already read (`read_stored_head`), hashed instead of read again."""
     path = os.path.abspath(target_dir)
     return {
         "name_or_path": path,
         "config_hash": json_digest(read_config(path)),
         "weights_digest": weights_digest(path),
-        "head_digest": head_digest(path),
+        "head_digest": stored_head_digest(stored) if stored is not None else head_digest(path),
     }

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.hf_target import load_tensors
-from common.target_arch import check_architecture
+from common.target_identity import StoredHead, read_stored_head
 from train.attention import MaskRule, attend, position_mask
 from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_IN_BLOCK, resolve_layer_types
 
@@ -543,18 +542,22 @@ class TargetHead(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, target_dir: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+        cls,
+        target_dir: str,
+        dtype: torch.dtype = torch.float32,
+        trust_remote_code: bool = False,
+        stored: StoredHead | None = None,
     ) -> "TargetHead":
-        """The two tensors the target's accessors reach, read without building the model."""
-        arch = check_architecture(target_dir, trust_remote_code)
-        if arch.embed_tensor is None:
+        """The two tensors the target's accessors reach, read without building the model; `stored`:
+        those already read (`common.target_identity.read_stored_head`), not read again."""
+        stored = stored or read_stored_head(target_dir, trust_remote_code)
+        if stored is None:
             raise ValueError(
                 f"target '{target_dir}' holds no safetensors weights: the embedding and head are read from them"
             )
-        tensors = load_tensors(target_dir, [arch.embed_tensor, arch.head_tensor])
-        embed = tensors[arch.embed_tensor].to(dtype)
-        head = embed if arch.tied else tensors[arch.head_tensor].to(dtype)
-        return cls(embed, head, arch.embed_scale)
+        embed = stored.embed_VD.to(dtype)
+        head = embed if stored.arch.tied else stored.lm_head_VD.to(dtype)
+        return cls(embed, head, stored.arch.embed_scale)
 
     @property
     def vocab_size(self) -> int:

@@ -38,9 +38,8 @@ from common.hashing import json_digest, tokenizer_digest
 from common.hf_target import text_config
 from common.io import atomic_write_json, exists, join, resolve
 from common.provenance import git_sha, tool_version
-from common.target_arch import check_architecture
 from common.target_check import OVERRIDE_KEY, check_target
-from common.target_identity import target_identity
+from common.target_identity import StoredHead, read_stored_head, target_identity
 from train.blocks import Blocks
 from train.buckets import RankSplit, split_summary
 from train.checkpoint import (
@@ -195,6 +194,7 @@ class ResolvedTarget:
     drafter_cfg: DrafterConfig
     identity: dict  # common.target_identity.target_identity of `path`
     check: dict  # how it compares with the shards' target (common.target_check.check_target)
+    stored_head: StoredHead | None  # the embedding and head the identity hashed, for TargetHead (None: no weights)
 
 
 def resolve_target(cfg: TrainConfig, manifest: dict) -> ResolvedTarget:
@@ -203,8 +203,10 @@ def resolve_target(cfg: TrainConfig, manifest: dict) -> ResolvedTarget:
     path = cfg.model.target or (provenance.get("target") or {}).get("name_or_path")
     if not path or not Path(path, "config.json").is_file():
         raise ValueError(f"config key 'model.target': no target checkpoint directory at {path!r} (set model.target)")
-    check_architecture(path)  # a family the drafter cannot share its embedding and head with, in one line
-    identity = target_identity(path)
+    # A family the drafter cannot share its embedding and head with is refused here, in one line; the two
+    # tensors are read once, for the identity and the frozen head.
+    stored_head = read_stored_head(path)
+    identity = target_identity(path, stored_head)
     check = check_target(
         identity,
         provenance.get("target"),
@@ -219,7 +221,7 @@ def resolve_target(cfg: TrainConfig, manifest: dict) -> ResolvedTarget:
     # Storage tiers: fc reads the dataset's projected features when it has them (train.stored_features).
     drafter_cfg = dataclasses.replace(drafter_cfg, projection=drafter_projection(cfg.model.projection, manifest))
     check_compatible(manifest, expected_fields(drafter_cfg, target_cfg, tokenizer, topk_needed=1))
-    return ResolvedTarget(str(path), target_cfg, mask_source, drafter_cfg, identity, check)
+    return ResolvedTarget(str(path), target_cfg, mask_source, drafter_cfg, identity, check, stored_head)
 
 
 def _open_stream(cfg: TrainConfig, split: RankSplit | None = None) -> DataStream:
@@ -314,7 +316,9 @@ class Run(OnKernels):
         torch.manual_seed(cfg.seed)
         with torch.device(device):  # initialize in place: a 27B-width drafter is 7 GB of fp32 on the host otherwise
             drafter = DFlashDrafter(target.drafter_cfg)
-        head = TargetHead.from_pretrained(target.path, dtype=autocast_dtype or torch.float32).to(device)
+        head = TargetHead.from_pretrained(
+            target.path, dtype=autocast_dtype or torch.float32, stored=target.stored_head
+        ).to(device)
         if head.hidden_size != target.drafter_cfg.hidden_size:
             raise ValueError(
                 f"config key 'model.hidden_size': the drafter width {target.drafter_cfg.hidden_size} must equal "

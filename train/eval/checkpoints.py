@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from common.target_check import OVERRIDE_KEY, check_target
-from common.target_identity import target_identity
+from common.target_identity import StoredHead, target_identity
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
@@ -109,10 +109,13 @@ def target_dir_for(info: CheckpointInfo, override: str | None, manifest: dict) -
     raise ValueError("no target directory known for the frozen embedding / lm_head; set target=DIR")
 
 
-def check_eval_target(info: CheckpointInfo, target_dir: str, data: str, manifest: dict, allowed: bool) -> dict:
+def check_eval_target(
+    info: CheckpointInfo, target_dir: str, data: str, manifest: dict, allowed: bool, stored: StoredHead | None = None
+) -> dict:
     """The target's identity checked against the run's (run.json) and the evaluated shards' (their
-    manifest): ValueError naming both unless the same or `allowed` (common.target_identity)."""
-    identity = target_identity(target_dir)
+    manifest): ValueError naming both unless the same or `allowed` (common.target_identity); `stored`:
+    its embedding and head already read, hashed instead of read again."""
+    identity = target_identity(target_dir, stored)
     run = info.run_dir or info.path
     shards_target = (manifest.get("provenance") or {}).get("target")
     return {
@@ -145,8 +148,15 @@ class EvalModel:
     mask_rules: dict | None = None  # {layer type: train.attention.MaskRule}; None = all full_attention
 
 
-def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device, head_dtype: torch.dtype) -> EvalModel:
-    """The drafter's weights (model.safetensors only, never the optimizer state) and the target head."""
+def load_eval_model(
+    info: CheckpointInfo,
+    target_dir: str,
+    device: torch.device,
+    head_dtype: torch.dtype,
+    stored: StoredHead | None = None,
+) -> EvalModel:
+    """The drafter's weights (model.safetensors only, never the optimizer state) and the target head
+    (from `stored` when the caller has read it: `common.target_identity.read_stored_head`)."""
     from safetensors.torch import load_file
 
     cfg = info.drafter_config
@@ -158,7 +168,7 @@ def load_eval_model(info: CheckpointInfo, target_dir: str, device: torch.device,
         drafter.load_state_dict(state)
     except RuntimeError as exc:
         raise ValueError(f"'{info.path / MODEL_FILE}' does not match its drafter_config.json: {exc}") from None
-    head = TargetHead.from_pretrained(target_dir, dtype=head_dtype)
+    head = TargetHead.from_pretrained(target_dir, dtype=head_dtype, stored=stored)
     if head.hidden_size != cfg.hidden_size or head.vocab_size != cfg.vocab_size:
         raise ValueError(
             f"target '{target_dir}' has embedding [{head.vocab_size}, {head.hidden_size}] but the drafter of "

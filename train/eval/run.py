@@ -18,6 +18,7 @@ from common.config import config_to_dict
 from common.hashing import json_digest
 from common.io import atomic_write_text
 from common.provenance import git_sha, tool_version
+from common.target_identity import stored_head_or_none
 from shards import ShardDataset
 from train.eval.baseline import baseline_report
 from train.eval.checkpoints import CheckpointInfo, check_eval_target, load_eval_model, read_checkpoint, target_dir_for
@@ -104,11 +105,16 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
     runtime = Runtime.from_config(cfg, [info.drafter_config.head_dim for info in infos])
     cfg = resolved_config(cfg, runtime, split, fraction, boundaries)
     targets = [target_dir_for(info, cfg.target, manifest) for info in infos]
+    # Each target's embedding and head are read once: hashed for every check, kept for every model.
+    stored = {target: stored_head_or_none(target) for target in dict.fromkeys(targets)}
     target_checks = [
-        check_eval_target(info, target, cfg.data, manifest, cfg.allow_target_mismatch)
+        check_eval_target(info, target, cfg.data, manifest, cfg.allow_target_mismatch, stored[target])
         for info, target in zip(infos, targets)
     ]
-    models = [load_eval_model(info, target, runtime.device, runtime.head_dtype) for info, target in zip(infos, targets)]
+    models = [
+        load_eval_model(info, target, runtime.device, runtime.head_dtype, stored[target])
+        for info, target in zip(infos, targets)
+    ]
     eval_start = time.perf_counter()
     table, scores = run_blocks(models, data, cfg, runtime, bucket_of_sample)
     seconds = time.perf_counter() - eval_start
