@@ -34,7 +34,7 @@ from common.hashing import json_digest
 from common.hf_target import read_config
 from common.kernel_routing import install_fla_convolution, route_kernels_by_device
 from common.target_arch import FINAL_NORMS, find_attr, find_layers
-from common.target_identity import head_digest, weights_digest
+from common.target_identity import target_identity
 from common.target_rules import auto_layer_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -204,16 +204,23 @@ def final_logits_fn(text_config) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def target_provenance(target: Target) -> dict:
+    """The shards' `provenance.target`: the checkpoint's identity (`common.target_identity`, which later
+    stages compare) and how it was loaded; a model without a directory has only its config's hash."""
     top = read_config(target.path) if target.path else target.model.config.to_dict()
+    identity = (
+        target_identity(target.path)
+        if target.path
+        else {"config_hash": json_digest(top), "weights_digest": None, "head_digest": None}
+    )
     architectures = (
         top.get("architectures") or getattr(target.model.config, "architectures", None) or [type(target.model).__name__]
     )
     return {
-        "name_or_path": target.path,
+        "name_or_path": target.path,  # as given (the identity's is absolute)
         "revision": getattr(target.model.config, "_commit_hash", None),
-        "config_hash": json_digest(top),
-        "weights_digest": weights_digest(target.path) if target.path else None,
-        "head_digest": head_digest(target.path) if target.path else None,
+        "config_hash": identity["config_hash"],
+        "weights_digest": identity["weights_digest"],
+        "head_digest": identity["head_digest"],
         "architecture": architectures[0],
         "loaded_as": type(target.model).__name__,
         "attn_implementation": getattr(target.model.config, "_attn_implementation", None),
