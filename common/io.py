@@ -82,6 +82,16 @@ def read_json(fs: pafs.FileSystem, path: str) -> Any:
     return json.loads(read_bytes(fs, path))
 
 
+def read_record(path: str | os.PathLike) -> dict:
+    """A JSON record a step wrote to a local file, or {} when it is missing or unreadable (the
+    caller treats it as absent: the step runs again, its numbers print as n/a)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):  # ValueError: not JSON, or bytes that are not UTF-8
+        return {}
+
+
 def temp_name(path: str) -> str:
     """A unique temporary sibling of `path`, ignored by readers until it is renamed."""
     return f"{path}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"

@@ -33,6 +33,7 @@ import sys
 from typing import Literal
 
 from common.config import ConfigError, fail, knob, parse_cli
+from common.io import read_record
 from recipes.demo_smollm2 import (
     SCALES,
     print_smollm2_summary,
@@ -42,7 +43,7 @@ from recipes.demo_smollm2 import (
     write_summary,
 )
 from recipes.drafter.plan import Heldout, Job, plan_stages
-from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, read_record, timings_line
+from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, timings_line
 from recipes.drafter.runner import Ledger, Runner, step
 
 TINY = "artifacts/tiny"

@@ -22,8 +22,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from common.io import read_record
 from recipes.drafter.plan import Heldout, Job, plan_stages
-from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, read_record, timings_line
+from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, timings_line
 
 ROOT = "artifacts/smollm2"
 CONFIG = "configs/smollm2-135m.toml"

@@ -5,19 +5,10 @@ that is missing or unreadable reads as {}: its numbers print as n/a.
 
 from __future__ import annotations
 
-import json
+from common.io import read_record
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", None: "fp32"}
 EVAL_KEYS = ("n_blocks", "tau", "all_accepted", "ddtree_tau_8", "ddtree_tau_16", "ddtree_tau_32", "ddtree_tau_64")
-
-
-def read_record(path: str) -> dict:
-    """A JSON record a step wrote, or {} when it is missing or unreadable."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def num(value, spec: str = ".3f") -> str:

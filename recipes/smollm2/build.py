@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from common.config import config_to_dict
+from common.io import read_record
 from recipes.smollm2.config import SmolConfig
 from recipes.smollm2.convert import (
     CONVERSION_RECORD,
@@ -159,14 +160,6 @@ def prompts_are_whole(out: Path) -> bool:
 
 def _first(records: list[dict], n: int) -> list[dict]:
     return records[:n] if n else records
-
-
-def read_record(path: Path) -> dict:
-    """A JSON record the build wrote, or {} when it is missing or unreadable (then the step runs again)."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def _transformers_version() -> str:

@@ -44,7 +44,7 @@ from types import SimpleNamespace
 import torch
 
 from common.hf_target import text_config
-from common.io import replace_local_dir
+from common.io import read_record, replace_local_dir
 from common.provenance import git_sha, tool_version
 from common.target_arch import check_architecture
 from common.target_check import OVERRIDE_KEY, check_target, recorded_identity
@@ -354,11 +354,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def _run_info(checkpoint: Path) -> dict:
     """The run's run.json (runs/NAME/checkpoints/step-X -> runs/NAME/run.json); {} when absent."""
-    run_json = checkpoint.parent.parent / "run.json"
-    try:
-        return json.loads(run_json.read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_record(checkpoint.parent.parent / "run.json")
 
 
 def export_target_check(checkpoint: Path, target: str | None, allowed: bool) -> tuple[dict, dict]:
