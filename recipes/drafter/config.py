@@ -20,7 +20,7 @@ from common.config import ATTN_IMPLEMENTATIONS, ConfigError, fail, knob, parse_c
 
 # Every stage of the command, in order; the names of their `overrides` and of their config tables.
 STAGES = ("regenerate", "extract", "train", "eval", "export", "specdecode", "report")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class DrafterRecipeConfig:
         help="the target's compute dtype in every stage that runs it (regeneration, extraction, speculative "
         "decoding); auto = float32 on a CPU and for a target of at most 2 GB of weights on a GPU, else bfloat16 "
         "(float16 on a GPU without it)",
-        choices=DTYPES,
+        choices=DTYPE_CHOICES,
     )
     attn_implementation: str = knob(
         "auto",

@@ -28,6 +28,7 @@ from transformers.models.auto.modeling_auto import (
 
 from common.target_rules import auto_layer_ids, config_depth, drafter_layers
 from recipes.drafter.config import DrafterRecipeConfig
+from recipes.drafter.machine import device_with_reason
 from recipes.drafter.plan import config_keys, setting_key
 
 # The stages that run the target's forward, and so take its dtype, attention kernel and chat template.
@@ -66,15 +67,6 @@ class Derived:
     def line(self) -> str:
         stands = f"  [yours stands: {', '.join(self.yours)}]" if self.yours else ""
         return f"  {self.what:<20}{self.value!s:<22}{self.reason}{stands}"
-
-
-def device_with_reason(asked: str) -> tuple[str, str]:
-    """(the device name `device` resolves to, why); `common.device.resolve_device` makes the torch device."""
-    if asked != "auto":
-        return asked, "your setting"
-    if torch.cuda.is_available():
-        return "cuda", f"torch sees a GPU ({torch.cuda.get_device_name(0)})"
-    return "cpu", "torch sees no GPU"
 
 
 def weight_bytes(target: str) -> int:

@@ -8,10 +8,19 @@ import torch
 from common.device import describe_machine, small_model_threads
 
 
+def device_with_reason(asked: str) -> tuple[str, str]:
+    """(the device name `device` resolves to, why); `common.device.resolve_device` makes the torch device."""
+    if asked != "auto":
+        return asked, "your setting"
+    if torch.cuda.is_available():
+        return "cuda", f"torch sees a GPU ({torch.cuda.get_device_name(0)})"
+    return "cpu", "torch sees no GPU"
+
+
 def this_machine() -> dict:
     """{"device": cuda when torch sees a GPU else cpu, "threads": small_model_threads(), CPU, cores, GPU, torch}."""
     return {
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "device": device_with_reason("auto")[0],
         "threads": small_model_threads(),
         **describe_machine(),
     }

@@ -46,6 +46,7 @@ import torch
 from common.hf_target import text_config
 from common.io import read_record, replace_local_dir
 from common.provenance import git_sha, tool_version
+from common.target import DTYPES
 from common.target_arch import check_architecture
 from common.target_check import OVERRIDE_KEY, check_target, recorded_identity
 from common.target_identity import target_identity
@@ -70,7 +71,6 @@ CODE_FILE = "dflash.py"
 CONFIG_FILE = "config.json"
 INFO_FILE = "dflash_export.json"
 ARCHITECTURE = "DFlashDraftModel"
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def attention_semantics(cfg: DrafterConfig) -> dict:

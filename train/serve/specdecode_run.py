@@ -21,7 +21,7 @@ from torch import nn
 
 from common.chat_template import with_chat_template
 from common.hashing import template_digest
-from common.target import Target, load_target
+from common.target import DTYPES, Target, load_target
 from common.target_arch import check_architecture
 from common.target_check import OVERRIDE_KEY, check_target
 from common.target_identity import target_identity
@@ -192,7 +192,7 @@ class Inputs:
 
 def load_inputs(args: SpecDecodeConfig) -> Inputs:
     """The drafter, the target and the prompts; ValueError on a bad input (naming it)."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     target_check = check_drafter_target(args.drafter, args.target, args.allow_target_mismatch)
     drafter = load_exported(args.drafter, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
     check_architecture(args.target)
