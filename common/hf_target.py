@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from safetensors import safe_open
 from transformers import CONFIG_MAPPING
 
 __all__ = [
@@ -107,8 +108,6 @@ def tensor_names(target_dir: str | os.PathLike) -> dict[str, str]:
         raise ValueError(
             f"target directory '{target_dir}' holds no safetensors weights ({_SINGLE_FILE} or {INDEX_FILE})"
         )
-    from safetensors import safe_open
-
     names: dict[str, str] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
@@ -143,8 +142,6 @@ def load_tensors(target_dir: str | os.PathLike, names: Iterable[str]) -> dict[st
     Returns a dict keyed by the names as asked. `lm_head.weight` of a tied model is the embedding.
     ValueError names the tensor when it cannot be found, and the head when untied but missing.
     """
-    from safetensors import safe_open
-
     root = Path(target_dir)
     stored = tensor_names(root)
     wanted = list(dict.fromkeys(names))

@@ -11,6 +11,7 @@ import safetensors
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
+from common import hf_target
 from common.hf_target import EMBED, LM_HEAD, load_tensors, tensor_names, text_config
 
 V, H = 96, 32
@@ -64,7 +65,7 @@ def test_untied_single_file_reads_exactly_the_two_tensors(tmp_path, monkeypatch)
         def __exit__(self, *exc):
             return self._inner.__exit__(*exc)
 
-    monkeypatch.setattr(safetensors, "safe_open", Spy)
+    monkeypatch.setattr(hf_target, "safe_open", Spy)  # the name load_tensors opens files with
     tensors = load_tensors(path, [EMBED, LM_HEAD])
     assert sorted(read) == sorted([EMBED, LM_HEAD])
     assert torch.equal(tensors[EMBED], model.model.embed_tokens.weight)
