@@ -319,6 +319,7 @@ class Run(OnKernels):
         head = TargetHead.from_pretrained(
             target.path, dtype=autocast_dtype or torch.float32, stored=target.stored_head
         ).to(device)
+        target.stored_head = None  # the host copy goes once the head is on its device (about 5 GB for a 27B)
         if head.hidden_size != target.drafter_cfg.hidden_size:
             raise ValueError(
                 f"config key 'model.hidden_size': the drafter width {target.drafter_cfg.hidden_size} must equal "
