@@ -27,6 +27,8 @@ import torch
 from safetensors import safe_open
 from transformers import CONFIG_MAPPING
 
+from common.target_rules import nested_text_config
+
 __all__ = [
     "read_config",
     "text_config",
@@ -56,14 +58,15 @@ def read_config(target_dir: str | os.PathLike) -> dict:
 
 
 def text_config(target_dir: str | os.PathLike) -> dict:
-    """The text decoder's config: the nested `text_config` of a multimodal checkpoint, else the top level.
+    """The text decoder's config: the nested table of a multimodal or wrapper checkpoint (`text_config`,
+    `llm_config`, `language_config`: `common.target_rules.nested_text_config`), else the top level.
 
     Keys the nested table lacks but the top level has (`tie_word_embeddings`, token ids) are
     carried over, because multimodal configs keep some of them only at the top.
     """
     top = read_config(target_dir)
-    nested = top.get("text_config")
-    if not isinstance(nested, dict):
+    nested = nested_text_config(top)
+    if nested is None:
         return with_canonical_keys(dict(top))
     merged = dict(nested)
     for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):

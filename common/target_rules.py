@@ -3,6 +3,7 @@ stated, with their sources, in docs/dflash.md "Defaults derived from the target"
 config check reads the depth from config.json before any model code loads.
 
     config_depth(target_dir)        the text decoder's layer count, read from config.json
+    nested_text_config(config)      the text decoder's table in a multimodal or wrapper config, or None
     auto_layer_ids(num_layers)      (tap ids, reason): the published spread with auto_tap_count taps
     tap_layer_ids(num_layers, n)    n taps from layer 1 to layer L-3, evenly (z-lab's rule)
     auto_tap_count(num_layers)      5 (the published drafters'); one per two layers below 10 layers
@@ -30,14 +31,21 @@ def config_depth(target_dir: str) -> int:
             config = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read the target's depth from {path}: {exc}") from None
-    for key in TEXT_CONFIG_KEYS:
-        if isinstance(config.get(key), dict):
-            config = config[key]
-            break
+    config = nested_text_config(config) or config
     for key in DEPTH_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
             return config[key]
     raise ValueError(f"{path} names no layer count (none of {', '.join(DEPTH_KEYS)})")
+
+
+def nested_text_config(config: dict) -> dict | None:
+    """The text decoder's own config table inside a multimodal or wrapper checkpoint's config.json
+    (the first of TEXT_CONFIG_KEYS that holds one), or None when the top level is the decoder's.
+    The one rule `common.hf_target.text_config` and `config_depth` both read the layout by."""
+    for key in TEXT_CONFIG_KEYS:
+        if isinstance(config.get(key), dict):
+            return config[key]
+    return None
 
 
 def auto_tap_count(num_layers: int) -> int:

@@ -13,6 +13,7 @@ from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3Co
 
 from common import hf_target
 from common.hf_target import EMBED, LM_HEAD, load_tensors, tensor_names, text_config
+from common.target_rules import config_depth
 
 V, H = 96, 32
 
@@ -145,3 +146,21 @@ def test_errors_name_what_is_missing(tmp_path):
         load_tensors(path, [LM_HEAD])
     with pytest.raises(ValueError, match="no config.json"):
         text_config(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("key", ["text_config", "llm_config", "language_config"])
+def test_the_widths_and_the_depth_come_from_the_same_nested_table(tmp_path, key):
+    """A wrapper checkpoint keeps its decoder's config under one of several keys: the widths
+    (text_config) and the tap rule's depth (config_depth) must read the same table."""
+    decoder = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4}
+    top = {
+        "model_type": "wrapper",
+        "hidden_size": 999,
+        "num_hidden_layers": 99,
+        key: decoder,
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(top))
+    cfg = text_config(tmp_path)
+    assert cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == config_depth(str(tmp_path)) == 6
+    assert cfg["tie_word_embeddings"] is True
