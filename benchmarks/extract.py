@@ -232,8 +232,8 @@ def write_token_corpus(path: str, lengths: list[int], vocab_size: int, seed: int
 def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
-    from common.target import reach_text_parts
     from recipes.tiny import build_chat_tokenizer
+    from target.load import reach_text_parts
 
     config = Qwen3_5TextConfig(**text_kwargs)
     torch.manual_seed(0)
@@ -248,7 +248,7 @@ def build_random_target(text_kwargs: dict, device: str, dtype: torch.dtype, attn
 def kernel_report(model=None) -> dict:
     from transformers.utils import import_utils
 
-    from common.kernel_routing import fla_convolution_installed
+    from target.kernel_routing import fla_convolution_installed
 
     fla_spec = importlib.util.find_spec("fla")
     check = getattr(import_utils, "is_flash_linear_attention_available", None)
@@ -496,7 +496,7 @@ def main(argv=None) -> int:
             print(f"benchmarks.extract: --packing {str(refusal).removeprefix('packing: ')}", file=sys.stderr)
             return 2
     if args.reference_conv:
-        from common.kernel_routing import restore_reference_convolution
+        from target.kernel_routing import restore_reference_convolution
 
         print(f"reference convolution restored: {restore_reference_convolution(target.model)}", file=sys.stderr)
     sync(device)

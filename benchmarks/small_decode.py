@@ -45,7 +45,7 @@ TAPS = [1, 8, 14, 21, 27]
 def random_target(dtype: torch.dtype, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.target import reach_text_parts
+    from target.load import reach_text_parts
 
     torch.manual_seed(0)
     config = LlamaConfig(**SMOLLM2_SHAPE)
@@ -134,9 +134,9 @@ def time_proposals(target, prompt: list[int], cfg, *, static: bool, rounds: int 
     dynamic cache, or `static` (train.serve.static_drafter: slot cache, CUDA graph)."""
     import tempfile
 
+    from train.export_format.layout import export_drafter, load_exported
     from train.model import DFlashDrafter
     from train.serve.decoding import DFlashProposer
-    from train.serve.export_format import export_drafter, load_exported
     from train.serve.static_drafter import StaticDFlashProposer
 
     dtype = target.embed_VD.dtype

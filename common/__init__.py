@@ -14,17 +14,6 @@ the project). Each module's docstring is its reference:
     schedule.py         the learning-rate schedule (the trainer's and the tiny target's)
     processes.py        the project's own commands as child processes, side by side
     repeat.py           where a greedy answer starts looping (`RepeatWatch`)
-    chat_template.py    `chat_template = FILE`: a Jinja template in place of the tokenizer's
-    target_rules.py     defaults derived from the target's depth (taps, drafter depth), torch-free
-    hf_target.py        a target checkpoint read without building the model (config, chosen tensors)
-    target_arch.py      can a checkpoint be a DFlash target; where its embedding and head are
-    target_identity.py  a target's identity (config hash, weights digest, head digest)
-    target_check.py     a stage refuses a target other than the one its input was made for
-    target.py           loading a target for forward passes and capturing its taps (`TapHooks`)
-    kernel_routing.py   external kernels (fla, causal-conv1d) only for the tensors they take
-    packing.py          whether a target's layers keep packed samples apart
-    static_cache.py     a transformers `StaticCache` written at chosen positions (CUDA graphs)
 
-Inside common, imports point one way: `objstore` < `io` < `locks`, and `kernel_routing` <
-{`target`, `packing`}.
+Inside common, imports point one way: `objstore` < `io` < `locks`.
 """

@@ -71,7 +71,7 @@ DTYPE_SYNONYMS = {
 
 # transformers' attention implementations a stage that loads the target takes (`attn_implementation`):
 # some targets have no sdpa one (Gemma2, gpt-oss: eager). "auto" leaves the choice to transformers
-# (sdpa where the model supports it, else eager; `common.target.load_target`).
+# (sdpa where the model supports it, else eager; `target.load.load_target`).
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "auto")
 
 

@@ -7,7 +7,7 @@ zero padded positions and run left to right, so pads after the last real token c
 Padded positions are dropped when results are unpacked; they never reach the shards.
 
 Packed micro-batches (`packing = true`) are one row of several samples and no padding, planned by
-tokens; `common.packing` says which targets can keep the samples of a row apart.
+tokens; `target.packing` says which targets can keep the samples of a row apart.
 """
 
 from __future__ import annotations

@@ -30,8 +30,6 @@ from collections.abc import Sequence
 
 import torch
 
-from common.packing import packed_arguments
-from common.target import TapHooks
 from extract.batching import HostBatch, attention_mask_for
 from shards import HiddenPlanes
 from shards.projection import load_projection
@@ -44,6 +42,8 @@ from shards.quant import (
     parse_encoding,
     scales_to_numpy,
 )
+from target.load import TapHooks
+from target.packing import packed_arguments
 
 STORE_DTYPE = torch.bfloat16
 # Byte planes are cut from a byte view of the bf16 values: (low, high) per value in memory.
@@ -54,7 +54,7 @@ def forward_with_taps(
     target, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, layer_ids, on_tap, packed=None
 ) -> torch.Tensor:
     """Run the base model once; return its final-normed last hidden state [B, T, H]. `packed`: the
-    boundaries of a packed row (`common.packing.packed_arguments`), passed to the decoder."""
+    boundaries of a packed row (`target.packing.packed_arguments`), passed to the decoder."""
     with torch.inference_mode(), TapHooks(target.layers, layer_ids, on_tap):
         out = target.decoder(
             input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False, **(packed or {})

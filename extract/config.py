@@ -3,10 +3,10 @@
 Loaded from the `[extract]` table of a TOML file plus `key=value` overrides (`common.config`) and
 validated before any model is loaded. `check` also settles every key that has a default chosen
 elsewhere: `layer_ids = "auto"` (the default) the published taps for the target's depth, read from its
-config.json (`common.target_rules.auto_layer_ids`, logged with its reason), the storage settings left at
+config.json (`target.rules.auto_layer_ids`, logged with its reason), the storage settings left at
 none the shard writer's defaults, and a storage tier's encoding its canonical name, so the saved config
 and the provenance name the settings actually used. Checks that need the target's config (layer ids
-below the layer count) run in `common.target.check_layer_ids` as soon as `config.json` is read, still
+below the layer count) run in `target.load.check_layer_ids` as soon as `config.json` is read, still
 before any weights are touched; the chat template variables of a regenerated corpus are settled with
 the corpus (`extract.checks.check_inputs`).
 
@@ -25,12 +25,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from common.chat_template import check_chat_template
 from common.config import ATTN_IMPLEMENTATIONS, fail, knob, set_resolved
-from common.target_rules import auto_layer_ids, config_depth
 from shards.projection import parse_projection_spec
 from shards.quant import canonical_encoding, parse_encoding
 from shards.schema import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
+from target.chat_template import check_chat_template
+from target.rules import auto_layer_ids, config_depth
 
 log = logging.getLogger("extract")
 HIDDEN_ENCODINGS = ("planes", "plain")  # the lossless ones; storage tiers: shards.quant.parse_encoding
@@ -102,7 +102,7 @@ class ExtractConfig:
         "auto",
         help="tap layers: id i = output of decoder layer i (0-based) = HF output_hidden_states[i+1]; auto = the "
         "published rule for the target's depth (5 taps from layer 1 to L-3, evenly; fewer under 10 layers: "
-        "common.target_rules)",
+        "target.rules)",
     )
     topk: int = knob(32, help="how many of the target's top final-logit entries to store per token", min=1, max=4096)
     max_len: int = knob(3072, help="longest sample in tokens (see length_policy)", min=2, max=1 << 20)

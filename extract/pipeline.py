@@ -34,13 +34,9 @@ from collections.abc import Callable
 import pyarrow as pa
 import torch
 
-from common.chat_template import with_chat_template
 from common.config import config_to_dict, save_config
 from common.hashing import json_digest
 from common.io import exists_at, join_uri, remove_at, resolve
-from common.packing import packing_probe, packing_refusal, use_packed_sdpa
-from common.target import Target, check_layer_ids, load_target, read_text_config
-from common.target_arch import check_architecture
 from extract import corpus as C
 from extract.batching import (
     BufferPool,
@@ -70,6 +66,10 @@ from extract.sink import Progress, RejectLog, open_reject_log
 from extract.summary import check_coverage, log_run, summarize_dataset, write_summary
 from shards import ShardWriter, load_manifest
 from shards.manifest import MERGE_WAIT_SECONDS, lock_manifest
+from target.arch import check_architecture
+from target.chat_template import with_chat_template
+from target.load import Target, check_layer_ids, load_target, read_text_config
+from target.packing import packing_probe, packing_refusal, use_packed_sdpa
 
 log = logging.getLogger("extract")
 

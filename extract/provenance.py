@@ -19,7 +19,6 @@ from common.config import config_to_dict, fail
 from common.hashing import template_digest, tokenizer_digest
 from common.io import exists_at, join_uri, list_names, remove_at, resolve
 from common.provenance import provenance as tool_provenance
-from common.target import Target, target_provenance
 from extract import corpus as C
 from extract.config import DATASET_KEYS, ExtractConfig
 from extract.corpus.mask_token import MaskChoice
@@ -27,6 +26,7 @@ from extract.corpus.regenerated import provenance_for_manifest, regeneration_of
 from extract.ranks import FINAL_MANIFEST, Ranks
 from shards import TAP_MEANING, load_manifest
 from shards.manifest import hidden_split_of
+from target.load import Target, target_provenance
 
 log = logging.getLogger("extract")
 

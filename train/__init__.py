@@ -26,6 +26,8 @@ The modules, roughly in the order a run uses them (each module's docstring is it
     loop.py             `train(cfg)`: the loop, checkpoints, stopping on non-finite steps
     checkpoint.py       atomic background checkpoints, the last K kept
     metrics.py          `metrics.jsonl`, one line per step
+    export_format/      the Hugging Face layout of a drafter, written by the export, read by warm
+                        starts and decoding (export_format/__init__.py)
     eval/               `python -m train.eval`: offline evaluation (eval/__init__.py)
     serve/              export and speculative decoding (serve/__init__.py)
     report/             `python -m train.report`: the training-health report (report/__init__.py)

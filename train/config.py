@@ -177,7 +177,7 @@ class ModelConfig:
         False,
         help="train although model.target is not the target the shards were extracted from (its config hash, "
         "weights digest or embedding and head digest differ): for a deliberate copy, such as the same weights "
-        "re-saved in another dtype; run.json records what differed (common.target_identity)",
+        "re-saved in another dtype; run.json records what differed (target.identity)",
     )
     num_layers: int = knob(5, help="drafter decoder layers", min=1, max=64)
     block_size: int = knob(16, help="tokens per block: the anchor plus block_size-1 drafted tokens", min=2, max=128)

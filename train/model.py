@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.target_identity import StoredHead, read_stored_head
+from target.identity import StoredHead, read_stored_head
 from train.attention import MaskRule, attend, position_mask
 from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_IN_BLOCK, resolve_layer_types
 
@@ -269,7 +269,7 @@ class DrafterConfig:
         published Qwen3.6 drafter rotates all of them too (docs/serving.md, "Rope"). The MLP is
         SiLU whatever the target's activation: the drafter is a Qwen3 stack of its own, and SGLang's
         DFlash model refuses any other (docs/serving.md). `target_cfg` has the canonical key
-        spellings (`common.hf_target.text_config`); a target without `intermediate_size` (GPT-2)
+        spellings (`target.checkpoint.text_config`); a target without `intermediate_size` (GPT-2)
         gets 4 x hidden.
         """
         theta, scaling, _ = target_rope(target_cfg)
@@ -549,7 +549,7 @@ class TargetHead(nn.Module):
         stored: StoredHead | None = None,
     ) -> "TargetHead":
         """The two tensors the target's accessors reach, read without building the model; `stored`:
-        those already read (`common.target_identity.read_stored_head`), not read again."""
+        those already read (`target.identity.read_stored_head`), not read again."""
         stored = stored or read_stored_head(target_dir, trust_remote_code)
         if stored is None:
             raise ValueError(

@@ -5,7 +5,7 @@
 
 1. The run directory is claimed (`train.run_dir`: one training per directory).
 2. The data stream is opened and the target found, refused unless it is the one the shards were
-   extracted from (`common.target_identity`; `model.allow_target_mismatch`); the drafter config is
+   extracted from (`target.identity`; `model.allow_target_mismatch`); the drafter config is
    derived from the target and the shards' provenance (`resolve_target`: taps, mask token, a
    storage tier's projection), and shards that do not fit it are refused, naming the field. A mask
    token the shards' provenance does not vouch for is looked for in every sample's input_ids
@@ -35,11 +35,11 @@ import torch
 from common.config import config_digest, config_to_dict, save_config
 from common.device import resolve_device
 from common.hashing import json_digest, tokenizer_digest
-from common.hf_target import text_config
 from common.io import atomic_write_json, exists, join, resolve
 from common.provenance import git_sha, tool_version
-from common.target_check import OVERRIDE_KEY, check_target
-from common.target_identity import StoredHead, read_stored_head, target_identity
+from target.checkpoint import text_config
+from target.identity import StoredHead, read_stored_head, target_identity
+from target.identity_check import OVERRIDE_KEY, check_target
 from train.blocks import Blocks
 from train.buckets import RankSplit, split_summary
 from train.checkpoint import (
@@ -186,14 +186,14 @@ def expected_fields(drafter_cfg: DrafterConfig, target_cfg: dict, tokenizer, top
 class ResolvedTarget:
     """The target as `resolve_target` found it: its checkpoint path, text config and identity, where
     the mask token id came from, and the drafter config derived from them (the loaded model is
-    `common.target.Target`; training never loads more of it than the frozen head)."""
+    `target.load.Target`; training never loads more of it than the frozen head)."""
 
     path: str
     text_config: dict
     mask_source: str
     drafter_cfg: DrafterConfig
-    identity: dict  # common.target_identity.target_identity of `path`
-    check: dict  # how it compares with the shards' target (common.target_check.check_target)
+    identity: dict  # target.identity.target_identity of `path`
+    check: dict  # how it compares with the shards' target (target.identity_check.check_target)
     stored_head: StoredHead | None  # the embedding and head the identity hashed, for TargetHead (None: no weights)
 
 

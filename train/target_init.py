@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from common.hf_target import load_tensors, stored_name, tensor_names, text_config
+from target.checkpoint import load_tensors, stored_name, tensor_names, text_config
 from train.config import INIT_RULES
 from train.model import DFlashDrafter
 

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from common.chat_template import NO_TEMPLATE_HINT
 from common.hashing import sample_id as hash_sample
 from extract.corpus.reading import RawRecord
 from extract.corpus.records import (
@@ -42,6 +41,7 @@ from extract.corpus.records import (
     parse_record,
 )
 from extract.corpus.streams import CorpusError
+from target.chat_template import NO_TEMPLATE_HINT
 
 CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
 HOLDS_MASK_TOKEN = "holds_mask_token"

@@ -17,7 +17,7 @@ import json
 import logging
 from pathlib import Path
 
-from common.hf_target import text_config
+from target.checkpoint import text_config
 
 log = logging.getLogger(__name__)
 

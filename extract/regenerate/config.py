@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from common.chat_template import check_chat_template
 from common.config import fail, knob
+from target.chat_template import check_chat_template
 
 THINKING_MODES = ("disable", "keep", "strip")
 ALLOWED_TEMPLATE_KWARG_TYPES = (bool, int, float, str)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from common.repeat import RepeatWatch
-from common.static_cache import cache_kwarg
 from extract.regenerate.conversation import Conversation, Generated
+from target.static_cache import cache_kwarg
 
 if TYPE_CHECKING:
     import torch

@@ -17,15 +17,10 @@ from collections.abc import Iterator
 
 import torch
 
-from common.chat_template import with_chat_template
 from common.config import config_to_dict, fail
 from common.hashing import json_digest, template_digest, tokenizer_digest
-from common.hf_target import read_config, text_config
 from common.io import atomic_write_json, join_uri
 from common.provenance import provenance as tool_provenance
-from common.target import load_target
-from common.target_arch import check_architecture
-from common.target_identity import weights_digest
 from extract.checks import check_out_dir
 from extract.corpus.files import CorpusFiles, describe_skipped, find_corpus
 from extract.corpus.reading import corpus_fingerprint, iter_records
@@ -42,6 +37,11 @@ from extract.regenerate.config import RegenerateConfig, dataset_keys
 from extract.regenerate.conversation import Conversation, Renderer
 from extract.regenerate.local import LocalGenerator, Sampling, answer_window
 from extract.regenerate.server import ServerBackend, ServerStop
+from target.arch import check_architecture
+from target.chat_template import with_chat_template
+from target.checkpoint import read_config, text_config
+from target.identity import weights_digest
+from target.load import load_target
 
 log = logging.getLogger(__name__)
 

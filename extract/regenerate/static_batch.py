@@ -17,7 +17,7 @@ attention and those copies take most of a step (the profile: docs/benchmarks.md,
 rows of one small matrix product over the slots, no copies; every other forward goes to
 transformers' SDPA as before.
 
-Only for caches whose every layer is plain full attention (`common.static_cache.full_attention_only`):
+Only for caches whose every layer is plain full attention (`target.static_cache.full_attention_only`):
 a sliding window or a recurrent state (Gated DeltaNet) cannot live in these slots. Off CUDA the same
 forwards run eagerly (the tests compare them with the dynamic path).
 """
@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from common.static_cache import CachePlacement, cache_kwarg, full_attention_only
+from target.static_cache import CachePlacement, cache_kwarg, full_attention_only
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ stated once in docs/dflash.md, "Defaults derived from the target".
     dtype                float32 on a CPU and for a small target (<= 2 GB of weights) on a GPU; else bfloat16
                          (float16 on a GPU without it)
     attn_implementation  sdpa where the target's transformers class supports it, else eager
-    taps                 extraction's layer_ids = "auto" (common.target_rules.auto_layer_ids)
-    drafter depth        train's model.num_layers (common.target_rules.drafter_layers)
+    taps                 extraction's layer_ids = "auto" (target.rules.auto_layer_ids)
+    drafter depth        train's model.num_layers (target.rules.drafter_layers)
     mask token           extraction's automatic choice (extract.corpus.mask_token), recorded in the shards
 
 A derived default is passed to a stage only where neither the config file's table nor the user's
@@ -26,10 +26,10 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
 )
 
-from common.target_rules import auto_layer_ids, config_depth, drafter_layers
 from recipes.drafter.config import DrafterRecipeConfig
 from recipes.drafter.machine import device_with_reason
 from recipes.drafter.plan import config_keys, setting_key
+from target.rules import auto_layer_ids, config_depth, drafter_layers
 
 # The stages that run the target's forward, and so take its dtype, attention kernel and chat template.
 TARGET_STAGES = ("regenerate", "extract", "specdecode")

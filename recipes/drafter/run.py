@@ -24,7 +24,6 @@ import os
 
 from common.config import ConfigError, config_to_dict, parse_cli
 from common.io import atomic_write_text, read_record
-from common.target_arch import check_architecture
 from extract.config import ExtractConfig
 from extract.regenerate.config import RegenerateConfig
 from recipes.drafter.config import DrafterRecipeConfig
@@ -33,6 +32,7 @@ from recipes.drafter.plan import Heldout, Job, plan_stages
 from recipes.drafter.prompts import PromptSplit, split_prompts
 from recipes.drafter.results import DTYPE_NAMES, eval_pair, num, pick_spec, timings_line
 from recipes.drafter.runner import Ledger, Runner, Stage
+from target.arch import check_architecture
 from train.config import TrainConfig
 from train.eval.__main__ import parse_args as parse_eval_args
 from train.report.config import parse_report_args

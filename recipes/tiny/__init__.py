@@ -65,13 +65,13 @@ answers, through `extract.regenerate`'s local backend), `build` (recipe digest, 
 `__main__` (the command).
 """
 
-from common.target_rules import tap_layer_ids
 from recipes.tiny.build import BUILD_RECORD, REQUIRED_FILES, build_tiny, is_built, recipe, recipe_digest
 from recipes.tiny.chat import CHAT_TEMPLATE, EOS_TOKEN, IM_END, IM_START, MASK_TOKEN, build_chat_tokenizer
 from recipes.tiny.config import TinyConfig
 from recipes.tiny.corpus import build_corpus, read_jsonl, record_texts, write_jsonl
 from recipes.tiny.regenerate import REGEN_FILES, answer_prompt, regenerate_corpus, regenerate_records
 from recipes.tiny.target import build_tiny_target, generation_config
+from target.rules import tap_layer_ids
 
 __all__ = [
     "BUILD_RECORD",

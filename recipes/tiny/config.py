@@ -1,5 +1,5 @@
 """`TinyConfig`: how `python -m recipes.tiny` builds the tiny default (the `[tiny]` table of a config
-file). The tap layer ids it recommends for its target follow `common.target_rules.tap_layer_ids`.
+file). The tap layer ids it recommends for its target follow `target.rules.tap_layer_ids`.
 """
 
 from __future__ import annotations

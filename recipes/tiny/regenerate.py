@@ -131,7 +131,7 @@ def regenerate_corpus(
     target's greedy continuation; the misses are the `<|im_end|>` closing answers cut at the cap
     or where they start repeating).
     """
-    from common.target import load_target
+    from target.load import load_target
 
     cfg = cfg or TinyConfig()
     with build_compute(cfg) as compute:

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from common.schedule import warmup_cosine
-from common.target_rules import tap_layer_ids
 from recipes.tiny.chat import EOS_TOKEN, IM_END, MASK_TOKEN, MODEL_MAX_LENGTH, build_chat_tokenizer
 from recipes.tiny.compute import Compute, build_compute
 from recipes.tiny.config import TinyConfig, resolve_precision
 from recipes.tiny.corpus import record_texts
+from target.rules import tap_layer_ids
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions: importing this module does no work
     import torch

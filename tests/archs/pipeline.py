@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from common.target import load_target
-from common.target_arch import check_architecture
 from recipes.drafter.config import parse_drafter_args
 from recipes.drafter.run import run_drafter
 from shards import ShardDataset
+from target.arch import check_architecture
+from target.load import load_target
 from tests.archs.families import Family
+from train.export_format.layout import load_exported
 from train.serve.decoding import greedy_generate
-from train.serve.export_format import load_exported
 from train.serve.prompts import prompts_from_jsonl, stop_token_ids
 from train.serve.spec_target import SpecTarget
 

@@ -50,7 +50,7 @@ drafter's depth, the mask token, the {heldout} held-out prompts it carves, the d
 kernel. The prompts come with written answers (`regenerate=false`): a random-weight target's answers are
 random tokens that do not survive the round trip through its tokenizer, so regeneration would drop them
 and the matrix does not run it. The command first checks the target's architecture
-(`common.target_arch.check_architecture`), then extracts, trains, evaluates, exports, decodes the
+(`target.arch.check_architecture`), then extracts, trains, evaluates, exports, decodes the
 held-out prompts speculatively and writes the training-health report (without plots); the matrix also
 decodes them with the export's own `spec_generate` (z-lab's quick start, the exported dflash.py).
 "end to end, lossless" means both decodings equal the target's greedy decoding token for token, and the

@@ -10,7 +10,7 @@ import json
 import pytest
 import transformers
 
-from common.target_rules import auto_layer_ids, config_depth, drafter_layers
+from target.rules import auto_layer_ids, config_depth, drafter_layers
 from tests.archs.families import ALL, FAMILIES, REFUSED
 from tests.archs.pipeline import PROMPTS, run_family
 from tests.archs.table import chat_tokenizer, committed, page_version, parse, render, row

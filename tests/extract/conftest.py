@@ -99,7 +99,7 @@ def saved_target(tmp_path_factory, chat_tokenizer, qwen3_model):
 
 @pytest.fixture(scope="session")
 def loaded_target(saved_target):
-    from common.target import load_target
+    from target.load import load_target
 
     return load_target(saved_target, dtype="float32", device="cpu")
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.target import final_logits_fn, reach_text_parts
 from extract.batching import HostBatch
 from extract.capture import Capturer, capture, final_topk, sample_views
+from target.load import final_logits_fn, reach_text_parts
 from tests.extract.conftest import build_model, qwen35_text_config
 
 MODELS = ["qwen3_model", "qwen35_model"]

@@ -1,4 +1,4 @@
-"""`chat_template = FILE` (common.chat_template) for a target without a chat template (a base model):
+"""`chat_template = FILE` (target.chat_template) for a target without a chat template (a base model):
 regeneration and extraction render with the file's template, record its hash as the tokenizer's
 `chat_template_hash`, and refuse to mix templates; a missing or broken file is a config error that
 names the key. (Speculative decoding's prompts: tests/train/serve/test_specdecode.py.)"""
@@ -13,7 +13,6 @@ import pytest
 
 from common.config import ConfigError, load_config
 from common.hashing import text_digest
-from common.target import load_target
 from extract import pipeline
 from extract.config import ExtractConfig
 from extract.ranks import Ranks
@@ -21,6 +20,7 @@ from extract.regenerate import run as R
 from extract.regenerate import store
 from extract.regenerate.config import RegenerateConfig
 from shards import ShardDataset
+from target.load import load_target
 from tests.extract.regen_fixtures import chat_corpus, save_target, word_model
 
 

@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 from common.config import ConfigError, load_config
-from common.target import check_layer_ids, read_text_config
 from extract.config import DATASET_KEYS, ExtractConfig, dataset_keys
+from target.load import check_layer_ids, read_text_config
 
 BASE = ["target=t", "corpus=c.jsonl", "out_dir=o"]
 

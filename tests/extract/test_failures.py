@@ -16,11 +16,11 @@ import pytest
 
 from common import io as common_io
 from common.config import ConfigError, load_config
-from common.target import read_text_config
 from extract import corpus as C
 from extract import pipeline, sink
 from extract.config import ExtractConfig
 from extract.ranks import Ranks
+from target.load import read_text_config
 from tests.extract.conftest import mixed_corpus
 from tests.reliability.faults import ModuleProxy
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from common.hashing import sample_id
-from common.target import reach_text_parts
 from extract import corpus as C
 from extract.batching import BufferPool, collate_right_padded, plan_micro_batches
 from extract.capture import InFlight, capture
@@ -24,6 +23,7 @@ from extract.host_path import HostPath
 from extract.ranks import Ranks
 from extract.sink import Progress, RejectLog
 from shards import HiddenPlanes, ShardDataset, ShardWriter, verify_dataset
+from target.load import reach_text_parts
 from tests.extract.conftest import build_model, mixed_corpus, write_lines
 from tests.extract.test_pipeline import make_config, run
 

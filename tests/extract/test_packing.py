@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import kernel_routing
-from common.kernel_routing import conv_via_fla, install_fla_convolution, restore_reference_convolution
-from common.packing import packed_arguments, packing_probe, packing_refusal
-from common.target import reach_text_parts
 from extract.batching import HostBatch, collate_packed, plan_packed_micro_batches
 from extract.capture import Capturer, capture, sample_views
+from target import kernel_routing
+from target.kernel_routing import conv_via_fla, install_fla_convolution, restore_reference_convolution
+from target.load import reach_text_parts
+from target.packing import packed_arguments, packing_probe, packing_refusal
 
 
 def test_packed_rows_hold_every_sample_once_within_the_budget():
@@ -206,7 +206,7 @@ def test_packed_sdpa_runs_each_sample_causally_and_equals_it_alone(qwen3_model, 
     """With `use_packed_sdpa` a packed row's attention is SDPA once per sample, causal and maskless
     (the flash kernel's case), never over the row's dense N x N mask; the stored values still equal
     each sample's own extraction, and an unpacked forward is transformers' SDPA unchanged."""
-    from common.packing import PACKED_SDPA, use_packed_sdpa
+    from target.packing import PACKED_SDPA, use_packed_sdpa
 
     target = reach_text_parts(qwen3_model)
     seqs = [torch.randint(0, qwen3_model.config.vocab_size, (n,)) for n in (23, 40, 5)]
@@ -246,7 +246,7 @@ def test_packed_sdpa_keeps_sliding_windows(family):
     module): packed per-sample SDPA still applies the window, so each sample equals its own extraction."""
     from transformers import MistralConfig, Qwen2Config
 
-    from common.packing import use_packed_sdpa
+    from target.packing import use_packed_sdpa
     from tests.extract.conftest import build_model
 
     common = dict(

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from common.config import load_config
-from common.target import reach_text_parts
 from extract import pipeline
 from extract.capture import capture
 from extract.config import ExtractConfig
 from extract.ranks import Ranks
 from extract.summary import format_summary
 from shards import ShardDataset, verify_dataset
+from target.load import reach_text_parts
 from tests.extract.conftest import build_model, chat_record, mixed_corpus, write_lines
 
 LAYERS = [0, 1, 2]

@@ -422,11 +422,11 @@ def test_an_answer_the_tokenizer_would_merge_is_cut_to_what_survives(chat_tokeni
 def test_a_regenerated_corpus_extracts_with_the_loss_on_exactly_the_generated_tokens(
     tmp_path, local_run, word_target, chat_tokenizer
 ):
-    from common.target import load_target
     from extract import pipeline
     from extract.config import ExtractConfig
     from extract.ranks import Ranks
     from shards import ShardDataset
+    from target.load import load_target
 
     target_dir, model = word_target
     target = load_target(target_dir, dtype="float32")

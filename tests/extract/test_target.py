@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
-from common.target import load_target, reach_text_parts, read_text_config, target_provenance
-from common.target_check import IDENTITY_FIELDS
-from common.target_identity import target_identity, weights_digest
 from extract.capture import capture
+from target.identity import target_identity, weights_digest
+from target.identity_check import IDENTITY_FIELDS
+from target.load import load_target, reach_text_parts, read_text_config, target_provenance
 from tests.extract.conftest import qwen35_text_config
 
 
@@ -59,7 +59,7 @@ def test_multimodal_checkpoint_loads_as_text_decoder_with_the_same_weights(saved
     prov = target_provenance(target)
     assert prov["architecture"] == "Qwen3_5ForConditionalGeneration" and prov["loaded_as"] == "Qwen3_5ForCausalLM"
     assert prov["num_layers"] == 4 and prov["hidden_size"] == 64 and prov["vocab_size"] == target.vocab_size
-    # The manifest records the identity the later stages compute from the directory (common.target_identity).
+    # The manifest records the identity the later stages compute from the directory (target.identity).
     identity = target_identity(path)
     assert prov["head_digest"] and all(prov[f] == identity[f] for f in IDENTITY_FIELDS)
     assert prov["attn_implementation"] == "sdpa"  # the implementation the target was loaded with

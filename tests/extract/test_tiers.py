@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.target import reach_text_parts
 from shards import ShardDataset, verify_dataset
 from shards.projection import load_projection
 from shards.quant import decode_pieces, parse_encoding, quantize_bf16_bits
+from target.load import reach_text_parts
 from tests.extract.conftest import build_model, chat_record, mixed_corpus, write_lines
 from tests.extract.test_pipeline import LAYERS, make_config, run
 

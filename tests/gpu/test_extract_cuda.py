@@ -1,7 +1,7 @@
 """On CUDA with the `fla` kernels: the whole extraction (`extract.pipeline`, target loaded by the
 pipeline itself on cuda) of a tiny hybrid Qwen3.5-style target (Gated DeltaNet + attention layers)
 stores what the reference path stores for the same weights and corpus: the CPU in float32, where the
-Gated DeltaNet runs transformers' torch implementation (common.kernel_routing routes CPU tensors there even
+Gated DeltaNet runs transformers' torch implementation (target.kernel_routing routes CPU tensors there even
 with fla installed).
 
 Tolerances, stated per extraction dtype on CUDA (float32 | bfloat16):
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.kernel_routing import external_kernels, route_kernels_by_device
+from target.kernel_routing import external_kernels, route_kernels_by_device
 from tests.extract.conftest import build_model, mixed_corpus, qwen35_text_config
 from tests.extract.test_pipeline import make_config, run, samples_by_id
 from tests.gpu import GPU
@@ -116,8 +116,8 @@ def test_cuda_extraction_with_fla_matches_the_reference(hybrid, tmp_path, dtype,
 def test_one_model_class_serves_both_devices(hybrid, chat_tokenizer):
     """In one process the same transformers module functions reach fla for CUDA tensors and the torch
     implementation for CPU tensors; the two captures of one model agree (float32, tolerance above)."""
-    from common.target import reach_text_parts
     from extract.capture import capture
+    from target.load import reach_text_parts
 
     config = qwen35_text_config(
         len(chat_tokenizer),
@@ -141,12 +141,12 @@ def test_one_model_class_serves_both_devices(hybrid, chat_tokenizer):
 
 
 def test_fla_convolution_equals_the_reference_with_and_without_packing():
-    """fla's Triton causal_conv1d, as `common.kernel_routing` rebinds it, against transformers' reference
+    """fla's Triton causal_conv1d, as `target.kernel_routing` rebinds it, against transformers' reference
     convolution on random CUDA inputs (float32, SiLU): whole rows, and a packed row whose samples
     must each equal their own convolution (nothing carried across a boundary)."""
     import torch.nn.functional as F
 
-    from common.kernel_routing import conv_via_fla, fla_causal_conv1d
+    from target.kernel_routing import conv_via_fla, fla_causal_conv1d
 
     kernel = fla_causal_conv1d()
     if kernel is None:

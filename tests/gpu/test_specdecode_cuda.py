@@ -29,9 +29,9 @@ from tests.train.serve.test_specdecode import (
     tiny_qwen3,
     tiny_qwen35,
 )
+from train.export_format.layout import export_drafter, load_exported
 from train.model import DFlashDrafter
 from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
-from train.serve.export_format import export_drafter, load_exported
 from train.serve.spec_target import SpecTarget
 from train.serve.specdecode import main
 

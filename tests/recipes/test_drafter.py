@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from common.target_rules import auto_layer_ids
 from recipes.drafter.config import DrafterRecipeConfig
 from recipes.drafter.run import run_drafter
 from recipes.tiny.shipped import unpack_shipped
+from target.rules import auto_layer_ids
 
 STEPS = [
     "regeneration (train)",

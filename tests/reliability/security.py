@@ -37,7 +37,7 @@ from tests.reliability.cli import call_main
 from tests.reliability.outcome import Outcome
 from tests.reliability.world import REPO, World
 
-PACKAGES = ("common", "shards", "extract", "train", "benchmarks")
+PACKAGES = ("common", "shards", "target", "extract", "train", "recipes", "benchmarks")
 # Files allowed to leave trust_remote_code unset, and why (they only read what they just wrote).
 UNSET_ALLOWED: dict[str, str] = {}  # files allowed to leave trust_remote_code unset, with the reason
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "joblib", "marshal", "shelve", "cloudpickle"}
@@ -300,8 +300,8 @@ def remote_code_target(world: World, work: Path, checks: Checks) -> None:
         "train: reading the target's tokenizer runs no remote code", not marker.exists(), "marker file created"
     )
 
+    from train.export_format.layout import export_checkpoint, load_exported
     from train.loop import train
-    from train.serve.export_format import export_checkpoint, load_exported
 
     runs = work / "sec-runs"
     train(world.train_cfg(runs, "export-src", "optim.max_steps=1", "checkpoint.every=1"))

@@ -107,7 +107,7 @@ class World:
     @functools.cached_property
     def target(self):
         """The target loaded in this process (for in-process and forked extractions)."""
-        from common.target import load_target
+        from target.load import load_target
 
         single_thread()
         return load_target(str(self.target_dir), dtype="float32", device="cpu")

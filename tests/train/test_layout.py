@@ -16,10 +16,10 @@ from extract.config import ExtractConfig
 from tests.train.test_model import QWEN36_TEXT, tiny_config
 from train.attention import build_dense_mask, build_layer_masks
 from train.config import TrainConfig
+from train.export_format.layout import drafter_config_from_export, export_config
 from train.layer_types import resolve_layer_types
 from train.model import DFlashDrafter, DrafterConfig, RotaryEmbedding
 from train.prepare import build_drafter_config
-from train.serve.export_format import drafter_config_from_export, export_config
 from train.warm_start import config_differences
 
 ZLAB_TOML = "configs/qwen3.6-27b-zlab.toml"
@@ -190,7 +190,7 @@ def test_exported_rope_of_the_27b_drafter_is_what_training_applied(tmp_path):
     from transformers import AutoConfig, Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from train.serve.dflash_hf import DFlashRotaryEmbedding
+    from train.export_format.dflash_hf import DFlashRotaryEmbedding
 
     cfg = zlab_drafter_config()
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.partial_rotary_factor, cfg.head_dim) == (1e7, None, 1.0, 128)

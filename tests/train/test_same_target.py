@@ -1,4 +1,4 @@
-"""The same target at every stage (common.target_identity): training, offline evaluation, export and
+"""The same target at every stage (target.identity): training, offline evaluation, export and
 speculative decoding each refuse a target other than the one their input was made for, with one line
 naming both directories and the differing fields; `allow_target_mismatch` lets it through and the
 output records what differed.
@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from common.hashing import tokenizer_digest
-from common.target_check import check_target
-from common.target_identity import head_digest, target_identity
+from target.identity import head_digest, target_identity
+from target.identity_check import check_target
 from tests.train.eval.test_eval import write_shards
 from tests.train.serve.test_specdecode import tiny_qwen3, word_tokenizer
 from train.__main__ import main as train_main

@@ -29,10 +29,10 @@ from tests.train.test_loop import config, tiny  # noqa: F401  (the fixture)
 from train.data import DataStream
 from train.eval.config import EvalConfig
 from train.eval.run import evaluate_checkpoints
+from train.export_format.layout import export_checkpoint, export_drafter, load_exported
 from train.loop import train
 from train.model import DFlashDrafter
 from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
-from train.serve.export_format import export_checkpoint, export_drafter, load_exported
 from train.serve.spec_target import SpecTarget
 from train.stored_features import CompactHidden, fold_projection
 

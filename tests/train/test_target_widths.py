@@ -1,13 +1,13 @@
 """The drafter's width, heads, MLP and rope derived from a target config in any of transformers'
 layouts (`DrafterConfig.from_target`, `train.model.target_rope`), read as the stages read it
-(`common.hf_target.with_canonical_keys` of the config's own dict)."""
+(`target.checkpoint.with_canonical_keys` of the config's own dict)."""
 
 from __future__ import annotations
 
 import pytest
 import transformers
 
-from common.hf_target import with_canonical_keys
+from target.checkpoint import with_canonical_keys
 from train.model import DEFAULT_ROPE_THETA, DrafterConfig, target_rope
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4)

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.train.test_loop import config, tiny  # noqa: F401  (tiny is a fixture)
+from train.export_format.layout import drafter_config_from_export, export_checkpoint, load_exported
 from train.loop import train
 from train.model import DFlashDrafter
 from train.prepare import Run
-from train.serve.export_format import drafter_config_from_export, export_checkpoint, load_exported
 from train.warm_start import warm_start
 
 LAYOUT = ["model.num_layers=3", "model.layer_types=sliding_then_full", "model.sliding_window=8"]

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.target_check import OVERRIDE_KEY, check_target
-from common.target_identity import StoredHead, target_identity
+from target.identity import StoredHead, target_identity
+from target.identity_check import OVERRIDE_KEY, check_target
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 
@@ -113,7 +113,7 @@ def check_eval_target(
     info: CheckpointInfo, target_dir: str, data: str, manifest: dict, allowed: bool, stored: StoredHead | None = None
 ) -> dict:
     """The target's identity checked against the run's (run.json) and the evaluated shards' (their
-    manifest): ValueError naming both unless the same or `allowed` (common.target_identity); `stored`:
+    manifest): ValueError naming both unless the same or `allowed` (target.identity); `stored`:
     its embedding and head already read, hashed instead of read again."""
     identity = target_identity(target_dir, stored)
     run = info.run_dir or info.path
@@ -156,7 +156,7 @@ def load_eval_model(
     stored: StoredHead | None = None,
 ) -> EvalModel:
     """The drafter's weights (model.safetensors only, never the optimizer state) and the target head
-    (from `stored` when the caller has read it: `common.target_identity.read_stored_head`)."""
+    (from `stored` when the caller has read it: `target.identity.read_stored_head`)."""
     from safetensors.torch import load_file
 
     cfg = info.drafter_config

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from common.target_check import allowed_line
+from target.identity_check import allowed_line
 
 BASELINE_NAME = "most-frequent-label baseline"
 

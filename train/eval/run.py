@@ -18,8 +18,8 @@ from common.config import config_to_dict
 from common.hashing import json_digest
 from common.io import atomic_write_text
 from common.provenance import git_sha, tool_version
-from common.target_identity import stored_head_or_none
 from shards import ShardDataset
+from target.identity import stored_head_or_none
 from train.eval.baseline import baseline_report
 from train.eval.checkpoints import CheckpointInfo, check_eval_target, load_eval_model, read_checkpoint, target_dir_for
 from train.eval.config import EvalConfig

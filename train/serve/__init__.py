@@ -1,14 +1,11 @@
-"""Serving a trained drafter: the Hugging Face export and real speculative decoding against a target.
+"""Serving a trained drafter: the Hugging Face export command and real speculative decoding against a
+target (the export's layout itself is `train.export_format`).
 
 The modules, in the order data flows (each module's docstring is its reference); each imports only
 modules above it in this list, so the decoding loop knows nothing of the agreement check, the
 CUDA-graph versions or the peers (tests/test_layering.py holds the loop to that):
 
     cli.py              the command lines of both commands, built without torch
-    dflash_hf.py        the exported model code (copied into every export as `dflash.py`): torch and
-                        transformers only; it repeats `train.model`'s math on purpose, and a test
-                        holds the two to the same outputs
-    export_format.py    a checkpoint written as a Hugging Face DFlash directory, and read back
     export.py           `python -m train.serve.export`: the command
     prompts.py          prompts from chat JSONL or shards; a target's stop tokens
     spec_target.py      `SpecTarget`: the target's cached forwards that also return the taps

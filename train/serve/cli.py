@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from common.chat_template import check_chat_template
 from common.config import ATTN_IMPLEMENTATIONS, ConfigError, fail, knob, parse_command
+from target.chat_template import check_chat_template
 
 DEFAULT_PROMPTS = "artifacts/tiny/corpus/heldout.jsonl"
 # The peer baselines a run can decode beside ours (`train.serve.peers`), in the order they run.

@@ -1,5 +1,5 @@
 """`python -m train.serve.export CHECKPOINT OUT_DIR [key=value | --key value ...]`: export a training
-checkpoint as a Hugging Face DFlash drafter directory (the format: `train.serve.export_format`).
+checkpoint as a Hugging Face DFlash drafter directory (the format: `train.export_format.layout`).
 
     python -m train.serve.export runs/NAME exports/NAME              # the run's latest checkpoint
     python -m train.serve.export runs/NAME/checkpoints/step-00001000 exports/NAME dtype=float32
@@ -37,7 +37,7 @@ def export(args: ExportConfig) -> int:
     """Write the export and print what it holds, which target it is for, and how to load it."""
     from transformers.utils import logging as hf_logging
 
-    from train.serve.export_format import (
+    from train.export_format.layout import (
         CONFIG_FILE,
         INFO_FILE,
         drafter_config_from_export,

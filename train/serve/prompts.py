@@ -9,9 +9,9 @@ import os
 
 import torch
 
-from common.chat_template import NO_TEMPLATE_HINT
-from common.target import Target
 from shards import ShardDataset
+from target.chat_template import NO_TEMPLATE_HINT
+from target.load import Target
 
 
 def first_response(loss_mask_T: torch.Tensor) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from common.target_check import allowed_line
+from target.identity_check import allowed_line
 from train.serve.decoding import Generation
 
 

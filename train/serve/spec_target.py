@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from common.static_cache import cache_kwarg
-from common.target import TapHooks, Target, check_layer_ids, reach_text_parts
+from target.load import TapHooks, Target, check_layer_ids, reach_text_parts
+from target.static_cache import cache_kwarg
 
 
 def crop_cache(cache, length: int) -> None:

@@ -19,16 +19,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.chat_template import with_chat_template
 from common.hashing import template_digest
-from common.target import DTYPES, Target, load_target
-from common.target_arch import check_architecture
-from common.target_check import OVERRIDE_KEY, check_target
-from common.target_identity import target_identity
+from target.arch import check_architecture
+from target.chat_template import with_chat_template
+from target.identity import target_identity
+from target.identity_check import OVERRIDE_KEY, check_target
+from target.load import DTYPES, Target, load_target
+from train.export_format.layout import INFO_FILE, load_exported
 from train.serve.agreement import agreement, corpus_offline_tau
 from train.serve.cli import DEFAULT_PROMPTS, SpecDecodeConfig
 from train.serve.decoding import DFlashProposer, Generation, Proposer, greedy_generate, speculative_generate
-from train.serve.export_format import INFO_FILE, load_exported
 from train.serve.peers import peer_generate
 from train.serve.prompts import prompts_from_jsonl, prompts_from_shards, stop_token_ids
 from train.serve.results import generation_record, print_summary, summarize, summarize_peer
@@ -154,7 +154,7 @@ def proposer_for(drafter: nn.Module, target: SpecTarget, context_cache: bool) ->
 
 def check_drafter_target(drafter_dir: str, target_dir: str, allowed: bool) -> dict:
     """The target checked against the one the drafter was exported for (its dflash_export.json;
-    common.target_identity): ValueError naming both unless the same or `allowed`."""
+    target.identity): ValueError naming both unless the same or `allowed`."""
     info_file = Path(drafter_dir) / INFO_FILE
     try:
         recorded = json.loads(info_file.read_text()).get("target_identity") if info_file.is_file() else None

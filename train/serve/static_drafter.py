@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from train.alignment import block_input_ids
+from train.export_format.dflash_hf import position_mask
 from train.serve.decoding import DFlashProposer
-from train.serve.dflash_hf import position_mask
 from train.serve.spec_target import SpecTarget
 
 

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from common.static_cache import CachePlacement
-from common.target import Target
+from target.load import Target
+from target.static_cache import CachePlacement
 from train.serve.fusion import compiled_layers
 from train.serve.spec_target import SpecTarget
 

@@ -38,7 +38,7 @@ def chat(user: str, answer: str) -> dict:
 
 @pytest.fixture(scope="module")
 def extracted(smollm2_dir, tmp_path_factory):
-    from common.target import load_target
+    from target.load import load_target
 
     tmp = tmp_path_factory.mktemp("smol")
     corpus = write_jsonl(tmp / "chat.jsonl", [chat(u, a) for u, a in CHATS])

@@ -148,7 +148,7 @@ def test_round_trip_keeps_the_longest_prefix_that_survives(small_tokenizer):
 def test_regenerated_answers_are_the_targets_greedy_decoding(tmp_path, corpus):
     """Against transformers' own `generate` (greedy), one prompt at a time; the batched, left-padded
     decoding must not change a token, and the saved text must tokenize back to the generated ids."""
-    from common.target import load_target
+    from target.load import load_target
 
     train, heldout = corpus
     # Trained a little, so its greedy answers round-trip through the tokenizer (a near-random model's do not).

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
+from train.export_format.layout import export_drafter, load_exported, target_warnings
 from train.model import DFlashDrafter, DrafterConfig, TargetHead
 from train.serve.decoding import DFlashProposer
-from train.serve.export_format import export_drafter, load_exported, target_warnings
 from train.serve.spec_target import SpecTarget
 
 V, B, MASK, LAYER_IDS = 64, 8, 63, [0, 1]

@@ -17,15 +17,15 @@ from safetensors import safe_open
 from tests.train.test_model import tiny_config as model_tiny_config
 from train import checkpoint as ck
 from train.attention import build_dense_mask
-from train.model import DFlashDrafter, DrafterConfig, TargetHead
-from train.serve.export import main
-from train.serve.export_format import (
+from train.export_format.layout import (
     drafter_config_from_export,
     export_checkpoint,
     export_config,
     export_drafter,
     load_exported,
 )
+from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.serve.export import main
 
 # The keys of the published Qwen3-8B-DFlash-b16 config.json (docs/dflash.md "Export format").
 PUBLISHED_KEYS = {
@@ -418,7 +418,7 @@ def test_config_states_the_attention_semantics(tmp_path):
 
 
 def test_serving_warning_for_bidirectional_sliding_layers(tmp_path, capsys):
-    from train.serve.export_format import serving_warnings
+    from train.export_format.layout import serving_warnings
 
     assert serving_warnings(tiny_config(**MIXED)) == []
     assert serving_warnings(tiny_config()) == []

@@ -10,7 +10,7 @@ import json
 import torch
 
 from tests.train.serve.test_export import random_drafter, tiny_config
-from train.serve.export_format import export_drafter, load_exported
+from train.export_format.layout import export_drafter, load_exported
 
 
 def test_an_exported_drafter_runs_no_code_from_its_directory_unless_asked(tmp_path):

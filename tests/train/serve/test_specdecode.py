@@ -21,10 +21,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from tests.common.test_repeat import first_loop_reference
 from train.attention import build_layer_masks
 from train.blocks import make_blocks
+from train.export_format.layout import export_drafter, load_exported
 from train.model import DFlashDrafter, DrafterConfig
 from train.serve.agreement import agreement, offline_block_drafts
 from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
-from train.serve.export_format import export_drafter, load_exported
 from train.serve.prompts import prompts_from_jsonl
 from train.serve.results import summarize
 from train.serve.spec_target import SpecTarget

@@ -30,7 +30,7 @@ from tests.train.serve.test_specdecode import (
     tiny_qwen3,
     train_drafter,
 )
-from train.serve.export_format import export_drafter
+from train.export_format.layout import export_drafter
 from train.serve.spec_target import SpecTarget
 
 

@@ -1,6 +1,6 @@
-"""common.target_arch.check_architecture: the embedding and head found through transformers' accessors
+"""target.arch.check_architecture: the embedding and head found through transformers' accessors
 whatever their stored names, the input embedding's scale, the one-line refusals; and the text
-config's canonical spellings (common.hf_target.text_config)."""
+config's canonical spellings (target.checkpoint.text_config)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from common.hf_target import text_config
-from common.target_arch import check_architecture
+from target.arch import check_architecture
+from target.checkpoint import text_config
 from train.model import TargetHead
 
 V = 96

@@ -1,6 +1,6 @@
 """A target's identity: three digests of its checkpoint directory, each computed without building
 the model (`target_identity`), which extraction records in the shards' manifest and every later
-stage compares (`common.target_check`):
+stage compares (`target.identity_check`):
 
   config_hash     xxh3-128 of config.json as parsed: another architecture, size or setting
   weights_digest  the weight files' names and sizes and 1 MiB of each from its start, middle and
@@ -22,8 +22,8 @@ import torch
 import xxhash
 
 from common.hashing import json_digest
-from common.hf_target import EMBED, LM_HEAD, load_tensors, read_config
-from common.target_arch import TargetArch, check_architecture
+from target.arch import TargetArch, check_architecture
+from target.checkpoint import EMBED, LM_HEAD, load_tensors, read_config
 
 __all__ = [
     "StoredHead",
@@ -65,7 +65,7 @@ class StoredHead:
 
 def read_stored_head(target_dir: str | os.PathLike, trust_remote_code: bool = False) -> StoredHead | None:
     """The stored embedding and output head, found through the model's accessors whatever their stored
-    names (`common.target_arch`); None when the directory holds no safetensors weights, ValueError
+    names (`target.arch`); None when the directory holds no safetensors weights, ValueError
     (one line) for a target the drafter cannot serve."""
     arch = check_architecture(target_dir, trust_remote_code)
     if arch.embed_tensor is None:

@@ -41,7 +41,7 @@ def config_depth(target_dir: str) -> int:
 def nested_text_config(config: dict) -> dict | None:
     """The text decoder's own config table inside a multimodal or wrapper checkpoint's config.json
     (the first of TEXT_CONFIG_KEYS that holds one), or None when the top level is the decoder's.
-    The one rule `common.hf_target.text_config` and `config_depth` both read the layout by."""
+    The one rule `target.checkpoint.text_config` and `config_depth` both read the layout by."""
     for key in TEXT_CONFIG_KEYS:
         if isinstance(config.get(key), dict):
             return config[key]

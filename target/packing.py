@@ -6,7 +6,7 @@ mask for sdpa, eager and flex attention; the flash-attention path reads them too
 / `cu_seq_lens_k` (the Gated DeltaNet layers pass them to fla as `cu_seqlens`). The torch fallbacks
 of the Gated DeltaNet's convolution and delta rule accept those arguments and drop them, so a
 sample would silently read its neighbour's state: `packing_refusal` says why a target cannot be
-packed (None when it can), and the kernels `common.kernel_routing` routes (fla's delta rule and
+packed (None when it can), and the kernels `target.kernel_routing` routes (fla's delta rule and
 convolution) raise instead of dropping boundaries.
 
 Checking the structure is not enough: some transformers decoders never hand the position ids to
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.kernel_routing import external_kernels, fla_convolution_installed
+from target.kernel_routing import external_kernels, fla_convolution_installed
 
 ATTENTION_KINDS = {"full_attention", "sliding_attention", "linear_attention"}
 PACKABLE_ATTENTION = (

@@ -17,10 +17,10 @@ or a run directory (its latest checkpoint is used). OUT_DIR receives:
                        torch_dtype, its transformers 4 name)
     model.safetensors  fc.weight, hidden_norm.weight, layers.N...., norm.weight (no `model.`
                        prefix, no embedding, no lm_head: those are the target's)
-    dflash.py          the model code (a copy of train/serve/dflash_hf.py), so that
+    dflash.py          the model code (a copy of train/export_format/dflash_hf.py), so that
                        AutoModel.from_pretrained(OUT_DIR, trust_remote_code=True) builds the drafter
     dflash_export.json where it came from (checkpoint, step, git sha) and the target it is for
-                       (`target_identity`, `target_check`: common.target_check; speculative
+                       (`target_identity`, `target_check`: target.identity_check; speculative
                        decoding compares its target with it), not read by any loader
 
 `model_type` is "qwen3" as in the published checkpoints: transformers builds a `Qwen3Config` from
@@ -43,17 +43,17 @@ from types import SimpleNamespace
 
 import torch
 
-from common.hf_target import text_config
 from common.io import read_record, replace_local_dir
 from common.provenance import git_sha, tool_version
-from common.target import DTYPES
-from common.target_arch import check_architecture
-from common.target_check import OVERRIDE_KEY, check_target, recorded_identity
-from common.target_identity import target_identity
+from target.arch import check_architecture
+from target.checkpoint import text_config
+from target.identity import target_identity
+from target.identity_check import OVERRIDE_KEY, check_target, recorded_identity
+from target.load import DTYPES
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
+from train.export_format.dflash_hf import DFlashDraftModel, layer_attention
 from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
 from train.model import DFlashDrafter, DrafterConfig, rope_settings
-from train.serve.dflash_hf import DFlashDraftModel, layer_attention
 from train.stored_features import fold_projection, projection_for_drafter
 
 __all__ = [
@@ -359,7 +359,7 @@ def _run_info(checkpoint: Path) -> dict:
 
 def export_target_check(checkpoint: Path, target: str | None, allowed: bool) -> tuple[dict, dict]:
     """(the identity the export records, the check record): the target's, checked against the
-    identity the run recorded (common.target_identity); without a target directory, the run's as recorded."""
+    identity the run recorded (target.identity); without a target directory, the run's as recorded."""
     recorded = _run_info(checkpoint).get("target_identity")
     if not target or not Path(target, "config.json").is_file():
         note = {"status": "unchecked", "target": target, "reason": "no target directory given or found"}
@@ -396,7 +396,7 @@ def export_checkpoint(
     A drafter trained on projected features (a storage tier) is exported with P folded into fc
     (fc = fc'·P, in float32), so it reads full tap features like any DFlash drafter; P comes from
     the run's training dataset, or from the file `projection`. A target other than the run's is
-    refused unless `allow_target_mismatch` (common.target_identity); dflash_export.json records it."""
+    refused unless `allow_target_mismatch` (target.identity); dflash_export.json records it."""
     from safetensors.torch import load_file
 
     ckpt = resolve_checkpoint(checkpoint)
@@ -441,7 +441,7 @@ def load_exported(
 ):
     """An exported drafter, in eval mode.
 
-    By default it is built by this project's own model code (`train/serve/dflash_hf.py`, the file every
+    By default it is built by this project's own model code (`train/export_format/dflash_hf.py`, the file every
     export ships as dflash.py): nothing from the directory but config.json and the weights is used,
     so a drafter directory from elsewhere runs no code. `trust_remote_code=True` goes through
     transformers' remote-code path instead (what serving code does: the directory's dflash.py runs).

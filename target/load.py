@@ -12,7 +12,7 @@ Taps: a forward hook on decoder layer `i` receives that layer's output, which is
 `output_hidden_states[i + 1]` (index 0 is the embeddings).
 
 Kernels: `reach_text_parts` routes the external kernels transformers binds (fla's delta rule) and
-fla's convolution to CUDA tensors only (`common.kernel_routing`), so a CPU model on a host with `fla`
+fla's convolution to CUDA tensors only (`target.kernel_routing`), so a CPU model on a host with `fla`
 installed runs transformers' torch implementation.
 
 `read_text_config` + `check_layer_ids` run before any weights are loaded, so a bad tap list fails in
@@ -31,11 +31,11 @@ from torch import nn
 
 from common.config import fail
 from common.hashing import json_digest
-from common.hf_target import read_config
-from common.kernel_routing import install_fla_convolution, route_kernels_by_device
-from common.target_arch import FINAL_NORMS, find_attr, find_layers
-from common.target_identity import target_identity
-from common.target_rules import auto_layer_ids
+from target.arch import FINAL_NORMS, find_attr, find_layers
+from target.checkpoint import read_config
+from target.identity import target_identity
+from target.kernel_routing import install_fla_convolution, route_kernels_by_device
+from target.rules import auto_layer_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -204,7 +204,7 @@ def final_logits_fn(text_config) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def target_provenance(target: Target) -> dict:
-    """The shards' `provenance.target`: the checkpoint's identity (`common.target_identity`, which later
+    """The shards' `provenance.target`: the checkpoint's identity (`target.identity`, which later
     stages compare) and how it was loaded; a model without a directory has only its config's hash."""
     top = read_config(target.path) if target.path else target.model.config.to_dict()
     identity = (

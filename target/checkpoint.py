@@ -9,7 +9,7 @@ Names are asked for in the plain causal-LM spelling (`model.embed_tokens.weight`
 under `model.language_model.` and are found too. `lm_head.weight` falls back to the embedding
 when the config ties the two (or when the checkpoint has no head and does not say it is untied).
 Where a family stores them under other names (GPT-2's `transformer.wte`, GPT-NeoX's `embed_in`),
-`common.target_arch.check_architecture` finds the stored names through the model's own accessors.
+`target.arch.check_architecture` finds the stored names through the model's own accessors.
 
 `text_config` also carries the canonical spellings transformers' config class gives a checkpoint
 (`hidden_size` for GPT-2's `n_embd`, by the class's attribute map; `rope_parameters` built from
@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from transformers import CONFIG_MAPPING
 
-from common.target_rules import nested_text_config
+from target.rules import nested_text_config
 
 __all__ = [
     "read_config",
@@ -59,7 +59,7 @@ def read_config(target_dir: str | os.PathLike) -> dict:
 
 def text_config(target_dir: str | os.PathLike) -> dict:
     """The text decoder's config: the nested table of a multimodal or wrapper checkpoint (`text_config`,
-    `llm_config`, `language_config`: `common.target_rules.nested_text_config`), else the top level.
+    `llm_config`, `language_config`: `target.rules.nested_text_config`), else the top level.
 
     Keys the nested table lacks but the top level has (`tie_word_embeddings`, token ids) are
     carried over, because multimodal configs keep some of them only at the top.

@@ -1,4 +1,4 @@
-"""common.target_identity: the head digest of tensors a stage has already read equals the one read
+"""target.identity: the head digest of tensors a stage has already read equals the one read
 from the directory (tied and untied heads), so training and evaluation read the two tensors once; and the digest's
 bytes are those every dataset extracted from the shipped tiny target records."""
 
@@ -9,8 +9,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from common.target_identity import head_digest, read_stored_head, stored_head_or_none, target_identity
 from recipes.tiny.shipped import SHIPPED_DIR
+from target.identity import head_digest, read_stored_head, stored_head_or_none, target_identity
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 

@@ -1,6 +1,6 @@
 """External kernels (fla, causal-conv1d) only for the tensors they take, on the modules a loaded
-target's layers come from. `common.target.reach_text_parts` applies both routings to every target
-it loads; `common.packing` reads what they bound to decide whether a target can be packed.
+target's layers come from. `target.load.reach_text_parts` applies both routings to every target
+it loads; `target.packing` reads what they bound to decide whether a target can be packed.
 
 The delta rule: transformers binds functions such as the Gated DeltaNet's `chunk_gated_delta_rule`
 to the `fla` Triton kernels when `fla` is importable, whatever device the model later runs on; a CPU

@@ -23,9 +23,9 @@ import textwrap
 
 import torch
 
-from common import kernel_routing
-from common.target import reach_text_parts
 from extract.capture import capture
+from target import kernel_routing
+from target.load import reach_text_parts
 from tests.extract.conftest import build_model, qwen35_text_config
 from tests.paths import REPO, child_pythonpath
 
@@ -53,8 +53,8 @@ import torch
 
 torch.set_num_threads(1)
 import fla
-from common.kernel_routing import external_kernels, route_kernels_by_device
-from common.target import reach_text_parts
+from target.kernel_routing import external_kernels, route_kernels_by_device
+from target.load import reach_text_parts
 from extract.capture import capture
 from tests.extract.conftest import build_model, qwen35_text_config
 

@@ -1,4 +1,4 @@
-"""common.hf_target: the text config of plain and multimodal checkpoints, and reading only the
+"""target.checkpoint: the text config of plain and multimodal checkpoints, and reading only the
 embedding / lm_head tensors from single-file, sharded, tied and multimodal checkpoints that
 transformers itself saved."""
 
@@ -11,9 +11,9 @@ import safetensors
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
-from common import hf_target
-from common.hf_target import EMBED, LM_HEAD, load_tensors, tensor_names, text_config
-from common.target_rules import config_depth
+from target import checkpoint
+from target.checkpoint import EMBED, LM_HEAD, load_tensors, tensor_names, text_config
+from target.rules import config_depth
 
 V, H = 96, 32
 
@@ -66,7 +66,7 @@ def test_untied_single_file_reads_exactly_the_two_tensors(tmp_path, monkeypatch)
         def __exit__(self, *exc):
             return self._inner.__exit__(*exc)
 
-    monkeypatch.setattr(hf_target, "safe_open", Spy)  # the name load_tensors opens files with
+    monkeypatch.setattr(checkpoint, "safe_open", Spy)  # the name load_tensors opens files with
     tensors = load_tensors(path, [EMBED, LM_HEAD])
     assert sorted(read) == sorted([EMBED, LM_HEAD])
     assert torch.equal(tensors[EMBED], model.model.embed_tokens.weight)

@@ -1,6 +1,6 @@
 """Whether a stage loads the target its input was made for (`check_target`), torch-free.
 
-Extraction records the target's identity (`common.target_identity`: config hash, weights digest,
+Extraction records the target's identity (`target.identity`: config hash, weights digest,
 embedding and head digest) in the shards' manifest (`provenance.target`). Training, offline
 evaluation, export and speculative decoding compute it for the target they are given and compare it
 with what their input records: training with the shards' manifest, evaluation with the run's

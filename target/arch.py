@@ -17,7 +17,7 @@ model's skeleton with empty weights from the config), whether a checkpoint offer
 - an input embedding module that is a table lookup times a constant: Gemma's multiplies the row
   by sqrt(hidden_size) (`embed_scale`), and the drafter's block embedding is what that module returns,
   as z-lab's code, SGLang and vLLM's Gemma-4 support compute it (docs/serving.md, "Embedding and head");
-- decoder layers and a final norm that `common.target.reach_text_parts` finds.
+- decoder layers and a final norm that `target.load.reach_text_parts` finds.
 
 The stages that load a target call it first: regeneration and extraction (so an unusable target is
 refused at the first stage, before any forward pass), training and evaluation (`TargetHead` reads
@@ -39,7 +39,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from common.hf_target import INDEX_FILE, stored_name, tensor_names, text_config
+from target.checkpoint import INDEX_FILE, stored_name, tensor_names, text_config
 
 __all__ = ["TargetArch", "check_architecture", "find_layers", "find_attr", "LAYER_CONTAINERS", "FINAL_NORMS"]
 

@@ -1,4 +1,4 @@
-"""`common.target_rules`: the defaults derived from the target's depth (golden values from the
+"""`target.rules`: the defaults derived from the target's depth (golden values from the
 published drafters, docs/dflash.md "Defaults derived from the target") and the depth read from any
 config.json layout."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from common.target_rules import auto_layer_ids, auto_tap_count, config_depth, drafter_layers, tap_layer_ids
+from target.rules import auto_layer_ids, auto_tap_count, config_depth, drafter_layers, tap_layer_ids
 
 
 def test_tap_ids_follow_the_published_rule():
