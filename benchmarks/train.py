@@ -82,7 +82,8 @@ from train.blocks import Blocks
 from train.config import DistributedConfig, TrainConfig
 from train.data import Share
 from train.distributed import Dist
-from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.drafter_config import DrafterConfig
+from train.model import DFlashDrafter, TargetHead
 from train.prepare import Run, choose_run_kernels
 from train.step import step_functions, train_step
 

@@ -7,7 +7,8 @@ context positions). The context never enters the residual stream and is never a 
 is `full_attention` or `sliding_attention` (`DrafterConfig.layer_types`); the attention rule of
 each type is a `train.attention.MaskRule` (`DrafterConfig.mask_rules`).
 Parameter names are the published ones (`fc`, `hidden_norm`, `layers.N.…`, `norm`), so a state
-dict saves as a z-lab compatible `model.safetensors` with no renaming.
+dict saves as a z-lab compatible `model.safetensors` with no renaming. The drafter's shape is a
+`train.drafter_config.DrafterConfig`; DFlash2 (`train.dflash2`) builds on these classes.
 
 Shape legend (suffixes of tensor names):
     B batch (sequences)          S context length (tokens of the sequence)
@@ -19,295 +20,15 @@ Shape legend (suffixes of tensor names):
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from target.identity import StoredHead, read_stored_head
 from train.attention import MaskRule, attend, position_mask
-from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_IN_BLOCK, resolve_layer_types
+from train.drafter_config import DrafterConfig
 
-__all__ = [
-    "DrafterConfig",
-    "DFlashDrafter",
-    "TargetHead",
-    "RotaryEmbedding",
-    "apply_rotary",
-    "rope_settings",
-    "target_rope",
-]
-
-# rope types whose frequencies depend only on the config (not on the running sequence length).
-_STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
-
-
-def rope_settings(target_cfg: dict) -> tuple[float, dict | None, float]:
-    """(rope_theta, rope_scaling or None, partial_rotary_factor) from a config with one rope (a drafter's).
-
-    Reads both spellings: transformers 5 `rope_parameters` and the older top-level `rope_theta` /
-    `rope_scaling` / `partial_rotary_factor`. Qwen3.6's M-RoPE (`mrope_section`) is ordinary 1-D
-    RoPE for text, where the three position streams are equal, so its M-RoPE keys are dropped.
-    A target's rope, in any of transformers' layouts, is read by `target_rope`.
-    """
-    params = target_cfg.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        params = {}
-    theta = target_cfg.get("rope_theta", params.get("rope_theta"))
-    if theta is None:
-        raise ValueError("config has no rope_theta (neither top level nor rope_parameters)")
-    factor = target_cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-    scaling = target_cfg.get("rope_scaling")
-    if scaling is None:
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            drop = {"rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
-            scaling = {k: v for k, v in params.items() if k not in drop}
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return float(theta), (dict(scaling) if scaling else None), float(factor if factor is not None else 1.0)
-
-
-# The drafter's rope theta for a target without rotary embeddings (GPT-2): vLLM's DFlash model sets
-# the same when a draft config has none (`set_default_rope_theta(config, default_theta=1000000)`).
-DEFAULT_ROPE_THETA = 1e6
-
-
-def target_rope(target_cfg: dict) -> tuple[float, dict | None, str | None]:
-    """(theta, static scaling or None, why it departs from the target or None) for a drafter of this target.
-
-    Every layout transformers writes: top-level `rope_theta` / `rope_scaling`, `rope_parameters`,
-    per-layer-type parameters ({"full_attention": {...}, "sliding_attention": {...}}, Gemma 3: the
-    full-attention layers' rope, the global one, is taken), scaling types. A scaling that depends on
-    the running length (dynamic, longrope) is dropped: the drafter's rope must be a fixed function of
-    position. A target without rope gets `DEFAULT_ROPE_THETA`.
-    """
-    params = target_cfg.get("rope_parameters")
-    why = None
-    if isinstance(params, dict) and all(isinstance(v, dict) for v in params.values()) and params:
-        kind = "full_attention" if "full_attention" in params else sorted(params)[0]
-        why = f"the target's rope is per layer type ({', '.join(sorted(params))}): the drafter takes the {kind} one"
-        target_cfg = {"rope_parameters": params[kind]}
-    if target_cfg.get("rope_theta") is None and (target_cfg.get("rope_parameters") or {}).get("rope_theta") is None:
-        return DEFAULT_ROPE_THETA, None, f"the target has no rope theta: the drafter uses {DEFAULT_ROPE_THETA:g}"
-    theta, scaling, _ = rope_settings(target_cfg)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind not in _STATIC_ROPE_TYPES:
-        return (
-            theta,
-            None,
-            f"the target's rope scaling {kind!r} depends on the running length: the drafter's is unscaled",
-        )
-    return theta, scaling, why
-
-
-@dataclasses.dataclass
-class DrafterConfig:
-    """The published DFlash config fields (docs/dflash.md "Export format") that define the drafter's shape."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    target_layer_ids: list[int]
-    num_target_layers: int
-    mask_token_id: int
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
-    rope_scaling: dict | None = None
-    partial_rotary_factor: float = 1.0
-    max_position_embeddings: int = 40960
-    attention_bias: bool = False
-    hidden_act: str = "silu"
-    initializer_range: float = 0.02
-    target_hidden_size: int | None = None  # None = hidden_size (the published drafters)
-    layer_types: list[str] | None = None  # one per layer; None = all full_attention
-    sliding_window: int | None = None  # keys a sliding_attention query sees, its own position included
-    sliding_in_block: str = "causal"  # a sliding layer inside its block: "causal" or "bidirectional"
-    # Storage tier: fc reads projected features P·h ({checksum, in_width, out_width} of the dataset's
-    # projection, shards/projection.py); the export folds P into fc. None = the taps themselves.
-    projection: dict | None = None
-
-    def __post_init__(self) -> None:
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        self.layer_types = resolve_layer_types(self.layer_types, int(self.num_hidden_layers))
-        if self.sliding_window is not None:
-            self.sliding_window = int(self.sliding_window)
-        self.check()
-
-    def check(self) -> None:
-        """ValueError naming the field for a shape that cannot work."""
-        positive = (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "vocab_size",
-            "num_target_layers",
-            "block_size",
-        )
-        for name in positive:
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"drafter config '{name}' must be >= 1, got {getattr(self, name)}")
-        if self.block_size < 2:
-            raise ValueError(f"drafter config 'block_size' must be >= 2, got {self.block_size}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"drafter config 'num_attention_heads' ({self.num_attention_heads}) must be a multiple of "
-                f"'num_key_value_heads' ({self.num_key_value_heads})"
-            )
-        if not self.target_layer_ids:
-            raise ValueError("drafter config 'target_layer_ids' is empty")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            raise ValueError(f"drafter config 'target_layer_ids' has duplicates: {self.target_layer_ids}")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(f"drafter config 'target_layer_ids' {bad} outside 0..{self.num_target_layers - 1}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"drafter config 'mask_token_id' {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}"
-            )
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise ValueError(
-                f"drafter config 'partial_rotary_factor' must be in (0, 1], got {self.partial_rotary_factor}"
-            )
-        if self.rotary_dim % 2 or self.rotary_dim < 2:
-            raise ValueError(
-                f"drafter config: rotary dims head_dim*partial_rotary_factor = {self.rotary_dim} must be even and >= 2"
-            )
-        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        if kind not in _STATIC_ROPE_TYPES:
-            raise ValueError(
-                f"drafter config 'rope_scaling': rope_type {kind!r} is not supported (supported: "
-                f"{', '.join(_STATIC_ROPE_TYPES)})"
-            )
-        if self.projection is not None:
-            full = self.n_taps * (self.target_hidden_size or self.hidden_size)
-            if (
-                not isinstance(self.projection, dict)
-                or self.projection.get("in_width") != full
-                or not self.projection.get("out_width")
-            ):
-                raise ValueError(
-                    f"drafter config 'projection' must map the {full} tap features (n_taps x target hidden), got "
-                    f"{self.projection!r}"
-                )
-        if self.hidden_act != "silu":
-            raise ValueError(f"drafter config 'hidden_act' must be 'silu' (Qwen3 MLP), got {self.hidden_act!r}")
-        if self.sliding_in_block not in SLIDING_IN_BLOCK:
-            raise ValueError(
-                f"drafter config 'sliding_in_block' must be one of {SLIDING_IN_BLOCK}, got {self.sliding_in_block!r}"
-            )
-        if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
-            raise ValueError(
-                f"drafter config 'sliding_window' must be >= 1 with sliding_attention layers, got {self.sliding_window}"
-            )
-        if SLIDING_ATTENTION not in self.layer_types and self.sliding_window is not None:
-            raise ValueError(
-                "drafter config 'sliding_window' is set but no layer is sliding_attention (set layer_types)"
-            )
-
-    @property
-    def n_taps(self) -> int:
-        return len(self.target_layer_ids)
-
-    @property
-    def mask_rules(self) -> dict[str, MaskRule]:
-        """{layer type: the attention rule of that type's layers} for the types this drafter has."""
-        rules = {FULL_ATTENTION: MaskRule()}
-        rules[SLIDING_ATTENTION] = MaskRule(window=self.sliding_window, causal=self.sliding_in_block == "causal")
-        return {t: rules[t] for t in dict.fromkeys(self.layer_types)}
-
-    @property
-    def layer_causal(self) -> list[bool]:
-        """Per layer: is the layer causal inside its block (what serving engines call `causal`)."""
-        rules = self.mask_rules
-        return [rules[t].causal for t in self.layer_types]
-
-    @property
-    def feature_width(self) -> int:
-        """F: the width of one token's stored tap features (of the projected ones, with a projection)."""
-        if self.projection is not None:
-            return int(self.projection["out_width"])
-        return self.n_taps * (self.target_hidden_size or self.hidden_size)
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @classmethod
-    def from_target(
-        cls,
-        target_cfg: dict,
-        layer_ids: list[int],
-        *,
-        num_layers: int = 5,
-        block_size: int = 16,
-        mask_token_id: int,
-        **widths: Any,
-    ) -> "DrafterConfig":
-        """A drafter for a target text config: the target's widths and rope unless `widths` override them.
-
-        `widths` may set hidden_size, intermediate_size, num_attention_heads, num_key_value_heads,
-        head_dim, initializer_range, layer_types (a list or a preset name), sliding_window,
-        sliding_in_block, rope_theta, rope_scaling, partial_rotary_factor (None values are
-        ignored). A hidden size other than the target's is allowed: `fc` then maps n_taps x target
-        hidden -> drafter hidden, but the frozen embedding and lm_head are the target's, so they
-        must match the drafter's width.
-
-        Rope: the target's theta and (static) scaling (`target_rope`), but rotary over the whole head
-        (partial_rotary_factor 1.0) unless `widths` says otherwise: the drafter's heads are its
-        own, SGLang rotates every head dim of a DFlash drafter whatever its config says, and the
-        published Qwen3.6 drafter rotates all of them too (docs/serving.md, "Rope"). The MLP is
-        SiLU whatever the target's activation: the drafter is a Qwen3 stack of its own, and SGLang's
-        DFlash model refuses any other (docs/serving.md). `target_cfg` has the canonical key
-        spellings (`target.checkpoint.text_config`); a target without `intermediate_size` (GPT-2)
-        gets 4 x hidden.
-        """
-        theta, scaling, _ = target_rope(target_cfg)
-        hidden = int(target_cfg["hidden_size"])
-        heads = int(target_cfg["num_attention_heads"])
-        values = dict(
-            hidden_size=hidden,
-            intermediate_size=int(target_cfg.get("intermediate_size") or 4 * hidden),
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(target_cfg.get("num_key_value_heads") or heads),
-            head_dim=int(target_cfg.get("head_dim") or hidden // heads),
-            vocab_size=int(target_cfg["vocab_size"]),
-            target_layer_ids=list(layer_ids),
-            num_target_layers=int(target_cfg["num_hidden_layers"]),
-            mask_token_id=int(mask_token_id),
-            block_size=block_size,
-            rms_norm_eps=float(target_cfg.get("rms_norm_eps") or 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            partial_rotary_factor=1.0,
-            max_position_embeddings=int(target_cfg.get("max_position_embeddings") or 40960),
-            hidden_act="silu",
-            initializer_range=float(target_cfg.get("initializer_range") or 0.02),
-        )
-        values.update({k: v for k, v in widths.items() if v is not None})
-        if values["hidden_size"] != hidden:
-            values["target_hidden_size"] = hidden
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "DrafterConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
-
+__all__ = ["DFlashDrafter", "TargetHead", "RotaryEmbedding", "apply_rotary"]
 
 # ----------------------------------------------------------------------------------------------
 # RoPE
@@ -455,12 +176,14 @@ class DFlashDrafter(nn.Module):
     state; logits are the target's `lm_head` of it (`TargetHead.logits`).
     """
 
+    layer_class = DecoderLayer
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.config = cfg
         self.fc = nn.Linear(cfg.feature_width, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
         self._mask_rules = cfg.mask_rules

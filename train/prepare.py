@@ -53,9 +53,10 @@ from train.checkpoint import (
 from train.config import TrainConfig, parse_init_rule, resume_conflicts
 from train.data import Batch, DataStream
 from train.distributed import Dist
+from train.drafter_config import DrafterConfig, target_rope
 from train.kernels import TRAIN_KEYS, KernelPlan, OnKernels, choose_kernels
 from train.metrics import truncate_after
-from train.model import DFlashDrafter, DrafterConfig, TargetHead, target_rope
+from train.model import DFlashDrafter, TargetHead
 from train.run_dir import claim_run_dir, release_run_dir
 from train.samples import check_compatible
 from train.step import make_part_blocks, step_functions

@@ -34,9 +34,10 @@ from train.blocks import Blocks, anchor_candidates, anchors_per_row, make_blocks
 from train.config import TrainConfig
 from train.data import Batch, Share
 from train.distributed import Dist
+from train.drafter_config import DrafterConfig
 from train.kernels import KernelPlan
 from train.loss import LossOutput, block_loss, chunk_loss_and_grad
-from train.model import DrafterConfig, TargetHead
+from train.model import TargetHead
 
 __all__ = [
     "lr_at",

@@ -24,8 +24,9 @@ import torch
 
 from common.hashing import file_checksum
 from common.io import resolve
+from train.drafter_config import DrafterConfig
 from train.export_format.layout import check_weights, drafter_config_from_export
-from train.model import DFlashDrafter, DrafterConfig
+from train.model import DFlashDrafter
 
 __all__ = ["read_drafter_config", "read_drafter_dir", "config_differences", "check_init_from", "warm_start"]
 

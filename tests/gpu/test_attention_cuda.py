@@ -19,8 +19,8 @@ from recipes.tiny import TinyConfig
 from tests.gpu import GPU
 from tests.train.test_model import QWEN36_TEXT
 from train.attention import attend
+from train.drafter_config import DrafterConfig
 from train.kernels import TRAIN_KEYS, KernelPlan, choose_kernels, flex_problem
-from train.model import DrafterConfig
 
 pytestmark = GPU
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from train import checkpoint as ck
-from train.model import DFlashDrafter, DrafterConfig
+from train.drafter_config import DrafterConfig
+from train.model import DFlashDrafter
 
 
 def tiny_model():

@@ -16,9 +16,10 @@ from extract.config import ExtractConfig
 from tests.train.test_model import QWEN36_TEXT, tiny_config
 from train.attention import build_dense_mask, build_layer_masks
 from train.config import TrainConfig
+from train.drafter_config import DrafterConfig
 from train.export_format.layout import drafter_config_from_export, export_config
 from train.layer_types import resolve_layer_types
-from train.model import DFlashDrafter, DrafterConfig, RotaryEmbedding
+from train.model import DFlashDrafter, RotaryEmbedding
 from train.prepare import build_drafter_config
 from train.warm_start import config_differences
 

@@ -13,15 +13,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from train.attention import build_dense_mask
-from train.model import (
-    DecoderLayer,
-    DFlashDrafter,
-    DrafterConfig,
-    RotaryEmbedding,
-    TargetHead,
-    apply_rotary,
-    rope_settings,
-)
+from train.drafter_config import DrafterConfig, rope_settings
+from train.model import DecoderLayer, DFlashDrafter, RotaryEmbedding, TargetHead, apply_rotary
 
 # The Qwen3.6-27B text config , trimmed to what the drafter reads.
 QWEN36_TEXT = {

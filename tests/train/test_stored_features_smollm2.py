@@ -19,9 +19,10 @@ from tests.paths import REPO
 from tests.recipes.smollm2.conftest import smollm2_dir  # noqa: F401  (the fixture)
 from tests.recipes.smollm2.test_real_target import extracted  # noqa: F401  (the fixture)
 from train.config import TrainConfig
+from train.drafter_config import DrafterConfig
 from train.export_format.layout import export_checkpoint, load_exported
 from train.loop import train
-from train.model import DFlashDrafter, DrafterConfig
+from train.model import DFlashDrafter
 
 
 def trained_on_tier(lossless_root: str, tmp_path, projection: str) -> tuple:

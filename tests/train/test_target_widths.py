@@ -1,5 +1,5 @@
 """The drafter's width, heads, MLP and rope derived from a target config in any of transformers'
-layouts (`DrafterConfig.from_target`, `train.model.target_rope`), read as the stages read it
+layouts (`DrafterConfig.from_target`, `train.drafter_config.target_rope`), read as the stages read it
 (`target.checkpoint.with_canonical_keys` of the config's own dict)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import transformers
 
 from target.checkpoint import with_canonical_keys
-from train.model import DEFAULT_ROPE_THETA, DrafterConfig, target_rope
+from train.drafter_config import DEFAULT_ROPE_THETA, DrafterConfig, target_rope
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4)
 

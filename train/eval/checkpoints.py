@@ -15,7 +15,8 @@ from torch import nn
 from target.identity import StoredHead, target_identity
 from target.identity_check import OVERRIDE_KEY, check_target
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
-from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.drafter_config import DrafterConfig
+from train.model import DFlashDrafter, TargetHead
 
 
 @dataclasses.dataclass
@@ -26,7 +27,7 @@ class CheckpointInfo:
     run_dir: Path | None
     step: int
     train_config: dict  # the resolved TrainConfig as saved in state.json
-    drafter_config: Any  # train.model.DrafterConfig
+    drafter_config: Any  # train.drafter_config.DrafterConfig
     run_info: dict  # run.json ({} if absent)
     data_plan: dict | None  # data_plan.json
     fold: Any = None  # shards.projection.Projection folded into fc at load (projected drafter, full-feature data)

@@ -51,9 +51,10 @@ from target.identity import target_identity
 from target.identity_check import OVERRIDE_KEY, check_target, recorded_identity
 from target.load import DTYPES
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
+from train.drafter_config import DrafterConfig, rope_settings
 from train.export_format.dflash_hf import DFlashDraftModel, layer_attention
 from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
-from train.model import DFlashDrafter, DrafterConfig, rope_settings
+from train.model import DFlashDrafter
 from train.stored_features import fold_projection, projection_for_drafter
 
 __all__ = [

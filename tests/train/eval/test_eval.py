@@ -23,6 +23,7 @@ from torch import nn
 from common.config import config_from_dict, load_config
 from common.hashing import json_digest, sample_id
 from shards import Sample, ShardDataset, ShardWriter
+from train.drafter_config import DrafterConfig
 from train.eval.__main__ import main
 from train.eval.anchors import block_anchors, block_targets, response_run_lengths
 from train.eval.baseline import label_baseline, label_frequency_topk
@@ -35,7 +36,7 @@ from train.eval.run import metric_ratios
 from train.eval.scoring import run_blocks, summarize_model
 from train.eval.selection import bucket_table, select_eval_data
 from train.kernels import KernelPlan
-from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.model import DFlashDrafter, TargetHead
 from train.samples import holdout_mask
 
 V, H, LAYERS, TAPS, TOPK = 64, 32, 4, [0, 2], 4

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
+from train.drafter_config import DrafterConfig
 from train.export_format.layout import export_drafter, load_exported, target_warnings
-from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.model import DFlashDrafter, TargetHead
 from train.serve.decoding import DFlashProposer
 from train.serve.spec_target import SpecTarget
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from tests.train.test_model import tiny_config as model_tiny_config
 from train import checkpoint as ck
 from train.attention import build_dense_mask
+from train.drafter_config import DrafterConfig
 from train.export_format.layout import (
     drafter_config_from_export,
     export_checkpoint,
@@ -24,7 +25,7 @@ from train.export_format.layout import (
     export_drafter,
     load_exported,
 )
-from train.model import DFlashDrafter, DrafterConfig, TargetHead
+from train.model import DFlashDrafter, TargetHead
 from train.serve.export import main
 
 # The keys of the published Qwen3-8B-DFlash-b16 config.json (docs/dflash.md "Export format").

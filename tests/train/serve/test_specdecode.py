@@ -21,8 +21,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from tests.common.test_repeat import first_loop_reference
 from train.attention import build_layer_masks
 from train.blocks import make_blocks
+from train.drafter_config import DrafterConfig
 from train.export_format.layout import export_drafter, load_exported
-from train.model import DFlashDrafter, DrafterConfig
+from train.model import DFlashDrafter
 from train.serve.agreement import agreement, offline_block_drafts
 from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
 from train.serve.prompts import prompts_from_jsonl
