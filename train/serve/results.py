@@ -149,6 +149,12 @@ def print_summary(result: dict) -> None:
         f"prompts {s['prompts']}, rounds {s['rounds']}, new tokens {s['new_tokens']}, target cache: "
         f"{result['cache_mode']}"
     )
+    stopped = result.get("stopped")
+    if stopped:
+        print(
+            f"stopped at the time limit: decoded {stopped['decoded']} of {stopped['of']} prompts; every figure below "
+            "is over those"
+        )
     print(
         f"τ (mean over prompts of per-prompt means, bonus included) = {s['tau']:.3f}   pooled over rounds "
         f"{s['tau_pooled']:.3f}"
