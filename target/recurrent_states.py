@@ -84,6 +84,9 @@ def delta_rule_per_token(step, query, key, value, *, g, beta, initial_state, **k
     token at a time through `step` (transformers' one-token function), each state feeding the next."""
     kwargs.pop("chunk_size", None)
     kwargs["output_final_state"] = True
+    # One copy of each input here, not one per token: a kernel that wants contiguous inputs (fla's)
+    # would copy a strided slice at every call, and a slice along T of a contiguous [1, T, ...] is contiguous.
+    query, key, value, g, beta = (x.contiguous() for x in (query, key, value, g, beta))
     outputs, states, state = [], [], initial_state
     for t in range(query.shape[1]):
         one = slice(t, t + 1)
