@@ -100,7 +100,7 @@ def delta_rule_per_token(step, query, key, value, *, g, beta, initial_state, **k
 def _per_token_chunk(chunk, home):
     """`chunk` (a modeling module's chunked delta rule), run per token inside a recorded forward."""
 
-    @functools.wraps(chunk)
+    @functools.wraps(chunk, updated=())  # (a module-like kernel wrapper's __dict__ stays its own)
     def chunk_or_per_token(*args, **kwargs):
         caller, _calling[0] = _calling[0], None
         if caller is None:
@@ -114,6 +114,7 @@ def _per_token_chunk(chunk, home):
         return out, states[-1]
 
     chunk_or_per_token._dflash_per_token = True
+    chunk_or_per_token._dflash_inner = chunk  # what `target.kernel_routing.external_kernels` looks through to
     return chunk_or_per_token
 
 

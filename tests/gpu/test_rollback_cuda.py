@@ -5,8 +5,8 @@ Qwen3-Next.
 - float64 (transformers' torch delta rule, as fla has no float64 kernels; no rounding can flip an
   argmax): the graphed verify, its captured rollback copies and the graphed slot-cache drafter decode
   token for token what the dynamic cache's target-only greedy decoding does, at every acceptance
-  length, with one target forward per round; so do the layers compiled part by part around the Gated
-  DeltaNet modules.
+  length, with one target forward per round; so do Qwen3.5's layers compiled part by part around
+  their Gated DeltaNet modules (as `train.serve.specdecode` compiles them by default).
 - float32 with fla (skipped where fla is not importable): the verify's states, recorded through fla's
   fused recurrent kernel one token at a time, equal the states one-token steps reach, and the graphed
   decoding equals target-only greedy decoding wherever the target's top-1 is not a near-tie.
@@ -40,8 +40,11 @@ def graphed(dynamic: SpecTarget, **kwargs) -> StaticSpecTarget:
     return StaticSpecTarget(dynamic.target, LAYER_IDS, [], max_len=512, **kwargs)
 
 
-@pytest.mark.parametrize("compile_mode", [None, "default"], ids=["eager-layers", "compiled-parts"])
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize(
+    "name, compile_mode",
+    [("Qwen3.5", None), ("Qwen3-Next", None), ("Qwen3.5", "default")],
+    ids=["qwen3.5", "qwen3-next", "qwen3.5-compiled-parts"],
+)
 def test_graphed_rollback_decodes_what_target_only_greedy_does(name, compile_mode, tmp_path):
     from tests.gpu.test_specdecode_cuda import cuda_drafter
     from train.serve.static_drafter import StaticDFlashProposer

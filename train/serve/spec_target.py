@@ -113,8 +113,11 @@ class SpecTarget:
             ids_12 = torch.zeros((1, 2), dtype=torch.long)
             _, _, cache = SpecTarget.forward(self, ids_12, None, taps=False)
             SpecTarget.forward(self, ids_12, cache, taps=False)
-        except RuntimeError as exc:
-            self.per_token, self.rollback_note = None, str(exc).splitlines()[0]
+        except Exception as exc:  # noqa: BLE001 - any failure of the recorded forward means: fall back, saying why
+            self.per_token = None
+            self.rollback_note = (
+                f"per-token states failed a probe ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})"
+            )
         self.recorded = None
 
     def mode_for(self, cache) -> str:

@@ -113,6 +113,16 @@ def test_an_unknown_recurrent_layer_kind_falls_back_and_says_why():
     assert spec.target_forwards > len(spec.rounds)  # the accepted tokens were run again
 
 
+def test_a_release_whose_layers_leave_no_record_falls_back_at_the_probe(monkeypatch):
+    """A transformers release that calls its Gated DeltaNet another way (here: no convolution window
+    reaches the record) is caught before decoding by the probe forward, and named in one line."""
+    model = tiny_hybrid("Qwen3.5", seed=2)
+    monkeypatch.setattr(PerTokenStates, "watch", lambda self, cache: None)
+    target = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[])
+    assert target.per_token is None and target.mode_for(None) == "snapshot"
+    assert target.rollback_note.startswith("per-token states failed a probe (RuntimeError: per-token states: Gated")
+
+
 def test_layer_kinds_it_knows_and_those_it_does_not():
     class Parts:
         def __init__(self, layer_types):
@@ -150,3 +160,25 @@ def test_the_static_cache_and_slot_drafter_decode_hybrids_losslessly(hybrid, tmp
         assert spec.tokens == base.tokens, (name, type(proposer).__name__)
         assert spec.target_forwards == len(spec.rounds)
     assert static.cache_mode == "rollback" and decoding_path(static) == "eager, with rollback"
+
+
+def test_kernel_lookups_see_through_the_per_token_wrapper(monkeypatch):
+    """Packing asks `external_kernels` whether fla's chunked kernel is bound (target.packing): the
+    per-token wrapper installed in its place must not hide it."""
+    import types
+
+    from target import kernel_routing
+    from target.recurrent_states import CHUNK_NAME, _per_token_chunk
+
+    def chunk_gated_delta_rule(*args, **kwargs):  # stands for the kernel transformers bound
+        return "chunked"
+
+    home = types.SimpleNamespace(__name__="transformers.models.fake")
+    wrapper = _per_token_chunk(chunk_gated_delta_rule, home)
+    assert wrapper(1, 2) == "chunked"  # outside a recorded forward: the bound function, unchanged
+    monkeypatch.setattr(kernel_routing, "_module_functions", lambda model: [(home, CHUNK_NAME, wrapper)])
+    monkeypatch.setattr(
+        kernel_routing, "_external_kernel", lambda fn: (fn, fn) if fn is chunk_gated_delta_rule else None
+    )
+    found = kernel_routing.external_kernels(None)
+    assert list(found) == [f"transformers.models.fake.{CHUNK_NAME}"] and found[list(found)[0]].endswith("rule")
