@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     build_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(512, shape["text"]["vocab_size"], (args.prompt_len,), generator=gen).tolist()
+    kernels = external_kernels(target.model)
+    print(f"{device_name(args.device)}, {args.dtype}; external kernels transformers binds: {kernels or 'none'}")
     variants, projections = {}, {}
     for variant in args.variants:
         variants[variant] = measure_variant(variant, target, drafter_cfg, prompt, args)
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.spec_round " + " ".join(sys.argv[1:] if argv is None else argv),
         "shape": args.shape,
         "device": device_name(args.device),
-        "delta_rule_kernels": external_kernels(target.model),
+        "delta_rule_kernels": kernels,
         "dtype": args.dtype,
         "parameters": n_params,
         "drafter": {
