@@ -108,12 +108,15 @@ class StaticSpecTarget(SpecTarget):
         self._eager(torch.zeros((1, 1), dtype=torch.long, device=self.device), 0, taps=True, last_only=False)
 
     def _fusable(self) -> list:
-        """What `compile_mode` compiles: every decoder layer, or a hybrid target's layers part by part
-        without their Gated DeltaNet modules."""
-        mixers = set(map(id, recurrent_mixers(self.target)[0].values()))
+        """What `compile_mode` compiles: every decoder layer, or a hybrid target's layers part by part:
+        all but their Gated DeltaNet modules, of which only the gated norms (a dozen elementwise kernels
+        each, one fused)."""
+        mixers = recurrent_mixers(self.target)[0]
         if not mixers:
             return list(self.target.layers)
-        return [part for layer in self.target.layers for part in layer.children() if id(part) not in mixers]
+        skip = set(map(id, mixers.values()))
+        parts = [part for layer in self.target.layers for part in layer.children() if id(part) not in skip]
+        return parts + [m for mixer in mixers.values() for m in mixer.children() if "Norm" in type(m).__name__]
 
     def _capture_all(self, sizes: list[int], compile_mode: str | None) -> str:
         if self.device.type != "cuda":

@@ -160,6 +160,11 @@ def test_the_static_cache_and_slot_drafter_decode_hybrids_losslessly(hybrid, tmp
         assert spec.tokens == base.tokens, (name, type(proposer).__name__)
         assert spec.target_forwards == len(spec.rounds)
     assert static.cache_mode == "rollback" and decoding_path(static) == "eager, with rollback"
+    # What `compile_mode` compiles on a GPU: every part of every layer but the Gated DeltaNet modules,
+    # of which only their gated norms.
+    parts = {type(part).__name__ for part in static._fusable()}
+    assert not any(n.endswith("GatedDeltaNet") for n in parts) and any(n.endswith("RMSNormGated") for n in parts)
+    assert any(n.endswith("Attention") for n in parts) and any("MLP" in n or "Moe" in n for n in parts)
 
 
 def test_kernel_lookups_see_through_the_per_token_wrapper(monkeypatch):
