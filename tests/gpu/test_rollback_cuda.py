@@ -9,12 +9,14 @@ Qwen3-Next.
   their Gated DeltaNet modules (as `train.serve.specdecode` compiles them by default).
 - float32 with fla (skipped where fla is not importable): the verify's states, recorded through fla's
   fused recurrent kernel one token at a time, equal the states one-token steps reach, and the graphed
-  decoding equals target-only greedy decoding wherever the target's top-1 is not a near-tie.
+  decoding equals target-only greedy decoding wherever the target's top-1 is not a near-tie; so does
+  the specdecode command, which names the path it took ("graphed, with rollback").
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -101,3 +103,25 @@ def test_fla_graphed_rollback_is_lossless_but_for_near_ties(name):
         found = compare_generations(spec, base)
         # a mismatch only where the target's top-1 and top-2 are within float32 rounding of each other
         assert found["identical"] or min(found["margin"], found["other_margin"]) < 1e-4, found
+
+
+@fla
+def test_the_specdecode_cli_runs_a_hybrid_target_graphed_with_rollback(tmp_path, capsys):
+    from tests.train.serve.test_specdecode import cli_inputs
+    from train.serve.specdecode import main
+
+    prompts = cli_inputs(tmp_path, n_prompts=3, model=tiny_hybrid("Qwen3.5", seed=4))
+    out = tmp_path / "result.json"
+    args = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts)]
+    code = main([*args, "--max-new-tokens", "40", "--out", str(out), "--device", "cuda"])
+    printed = capsys.readouterr()
+    result = json.loads(out.read_text())
+    assert result["decoding_path"] == "graphed, with rollback", result["decoding_path"]
+    assert "decoding path: graphed, with rollback" in printed.out
+    assert "per-token states of" in result["config"]["static_cache"] and result["config"]["static_drafter"].startswith(
+        "on"
+    )
+    summary = result["summary"]
+    assert summary["spec"]["target_forwards"] == summary["rounds"]  # no re-run
+    near_ties = all(min(m.get("margin", 1), m.get("other_margin", 1)) < 1e-4 for m in summary["mismatches"])
+    assert (code == 0 and summary["lossless"]) or near_ties, summary["mismatches"]

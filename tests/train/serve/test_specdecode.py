@@ -543,12 +543,13 @@ def test_prompts_are_first_user_turns_with_the_generation_prompt_or_texts(tmp_pa
     assert len(prompts_from_jsonl(path, tokenizer, limit=1)) == 1
 
 
-def cli_inputs(tmp_path, n_prompts: int = 3):
-    """A saved tiny target with a tokenizer, an exported random drafter and a prompts file, as the CLI takes them."""
+def cli_inputs(tmp_path, n_prompts: int = 3, model=None):
+    """A saved tiny target (`model`, default a Qwen3) with a tokenizer, an exported random drafter and a
+    prompts file, as the CLI takes them."""
     from transformers import GenerationConfig
 
     tokenizer = word_tokenizer()
-    model = tiny_qwen3(seed=4, dtype=torch.float32)
+    model = tiny_qwen3(seed=4, dtype=torch.float32) if model is None else model
     model.generation_config = GenerationConfig(eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
     model.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
