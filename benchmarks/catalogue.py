@@ -138,6 +138,14 @@ TIERS_REAL = Series(
     ),
 )
 
+# The one-token step's layer kinds (benchmarks.step_profile.KINDS), as the round's figures key them.
+STEP_KINDS = (
+    ("Gated DeltaNet", "gated_deltanet"),
+    ("attention", "attention"),
+    ("MLP", "mlp"),
+    ("output head (248,320 rows)", "head"),
+    ("other", "other"),
+)
 ANCHOR = (
     "Published anchor, measured end to end (not projected): DFlash paper (arXiv 2602.06036), Table 1, Qwen3-8B "
     "on one H200, Transformers backend, HumanEval: τ 6.50, 5.14x."
@@ -159,7 +167,36 @@ ROUND = Figures(
         Fig("graphed: proposal / step", "shape27b.round.graphed.propose_over_step", X, "<= 0.15x"),
         Fig("graphed: break-even τ (projected)", "shape27b.round.graphed.break_even_tau", "{:.2f}"),
         Fig("graphed: speed-up at τ 6.5 (projected)", "shape27b.round.graphed.speedup_at_anchor_tau", X, ">= 5x"),
-        Fig("eager, as our decoding runs a hybrid target: how", "shape27b.round.eager.how", "{}"),
+        Fig("graphed, with rollback (how decoding runs a hybrid target): how", "shape27b.round.rollback.how", "{}"),
+        Fig("graphed, with rollback: one-token step", "shape27b.round.rollback.step_ms", MS),
+        Fig("graphed, with rollback: weight-streaming bound of the step", "shape27b.round.rollback.bound_ms", MS),
+        Fig("graphed, with rollback: step / bound", "shape27b.round.rollback.step_over_bound", X, "<= 1.3x"),
+        Fig(
+            "graphed, with rollback: 16-token verify (per-token states kept)", "shape27b.round.rollback.verify16_ms", MS
+        ),
+        Fig(
+            "graphed, with rollback: rollback (the accepted length's states)", "shape27b.round.rollback.rollback_ms", MS
+        ),
+        Fig(
+            "graphed, with rollback: (verify + rollback) / step",
+            "shape27b.round.rollback.verify_rollback_over_step",
+            X,
+            "<= 1.2x",
+        ),
+        Fig("graphed, with rollback: proposal", "shape27b.round.rollback.propose_ms", MS),
+        Fig("graphed, with rollback: break-even τ (projected)", "shape27b.round.rollback.break_even_tau", "{:.2f}"),
+        Fig(
+            "graphed, with rollback: speed-up at τ 6.5 (projected)",
+            "shape27b.round.rollback.speedup_at_anchor_tau",
+            X,
+            ">= 4.5x",
+        ),
+        *(
+            Fig(f"one-token step: {what} kernels", f"shape27b.round.rollback.step_kernels.{key}_ms", MS)
+            for what, key in STEP_KINDS
+        ),
+        Fig("one-token step: launches and idle in the graph", "shape27b.round.rollback.launches_idle_ms", MS),
+        Fig("eager fallback (cache copy + re-run; before: every hybrid target): how", "shape27b.round.eager.how", "{}"),
         Fig("eager: one-token step", "shape27b.round.eager.step_ms", MS),
         Fig("eager: 16-token verify", "shape27b.round.eager.verify16_ms", MS),
         Fig("eager: cache snapshot before the verify", "shape27b.round.eager.snapshot_ms", MS),
@@ -181,6 +218,8 @@ PROJECTION = Series(
         ("τ", "tau", "{}"),
         ("graphed: round", "graphed_round_ms", MS),
         ("graphed: speed-up (projected)", "graphed_speedup", X),
+        ("graphed, with rollback: round", "rollback_round_ms", MS),
+        ("graphed, with rollback: speed-up (projected)", "rollback_speedup", X),
         ("eager: round", "eager_round_ms", MS),
         ("eager: speed-up (projected)", "eager_speedup", X),
     ),

@@ -4,8 +4,10 @@ Parts, most important first (the plan cuts from the end when time is short; `onl
 second command):
 
     round              the speculative round (`benchmarks.spec_round`): the target's one-token step, the 16-token
-                       verify, the drafter's proposal, graphed as our decoding graphs them and eager as it runs a
-                       hybrid target today; the projected speed-up for τ = 2..10 and the break-even τ
+                       verify, the drafter's proposal, graphed without state rollback (the same kernels replayed),
+                       "graphed, with rollback" (per-token Gated DeltaNet states: how our decoding runs a hybrid
+                       target) and eager with a cache copy (the fallback); the projected speed-up for τ = 2..10, the
+                       break-even τ, and where the one-token step goes per layer kind beside its weight-streaming bound
     extract-packed5    extraction, packed rows, five taps (`benchmarks.extract --packing`): full against bare,
                        TFLOP/s, the untimed cold first pass
     train-stream       drafter training, the stream phase at the 27B widths (`benchmarks.train --phases stream`)
@@ -48,6 +50,7 @@ def _round(ctx, units: int):
     argv = ["-m", "benchmarks.spec_round", "--out", ctx.path("round.json")]
     if ctx.scale == "smoke":
         argv += ["--shape", "tiny", "--sizes", "1,16", "--tokens", "2", "--repeats", "1", "--rounds", "1"]
+        argv += ["--profile-steps", "1"]
         argv += ["--prompt-len", "16"]
     return [[("speculative round", argv)]]
 
@@ -96,15 +99,16 @@ def parts(scale: str, options: dict) -> list[Part]:
     out = [
         Part(
             "round",
-            "the speculative round's costs, graphed and eager, and the projected speed-up",
-            8 if smoke else 110,
+            "the speculative round's costs (graphed, graphed with rollback, eager) and the projected speed-up",
+            20 if smoke else 260,
             0,
             "run",
             1,
             1,
             0,
-            "estimate: model build 18 s (2026-12-01), an eager 27B step 140-185 ms (regeneration, 2026-12-01), "
-            "graph capture 93 s on a bare H100 (2026-12-05); fla's Triton compilation on a bare machine ~40 s",
+            "2026-12-05 (H100, 62b06fc): the graphed and eager rows 168 s, graph capture 93 s of it; the rollback "
+            "row (five more graphs with per-token states) and the step profile estimated at 90 s more, not measured "
+            "yet; fla's Triton compilation on a bare machine ~40 s",
             _round,
             _collect_round,
             cold_s=0 if smoke else 40,

@@ -61,6 +61,7 @@ class Outcome:
     head_tensor: str | None = None
     embed_scale: float | None = None
     lossless: bool | None = None  # the command's speculative decoding step
+    decoding_path: str | None = None  # the path that step named (train.serve.spec_target.decoding_path)
     quick_start_lossless: bool | None = None  # the export's own spec_generate
     tokens: int = 0  # generated in the command's speculative decoding (held-out prompts)
 
@@ -138,7 +139,7 @@ def recorded(outcome: Outcome, target: Path, summary: dict) -> Outcome:
         arch.head_tensor,
         arch.embed_scale,
     )
-    outcome.lossless = summary["specdecode"]["lossless"]
+    outcome.lossless, outcome.decoding_path = summary["specdecode"]["lossless"], summary["specdecode"]["decoding_path"]
     outcome.tokens = json.loads(Path(paths["specdecode"]).read_text())["summary"]["new_tokens"]
     heldout, new_tokens = summary["prompts"]["files"]["heldout"], summary["specdecode"]["max_new_tokens"]
     outcome.quick_start_lossless = quick_start(target, Path(paths["export"]), heldout, new_tokens, outcome)

@@ -132,7 +132,7 @@ def test_a_series_shows_the_rows_of_the_newest_record_or_what_measures_it():
     rows = [{"tau": 2, "graphed_speedup": 1.5}, {"tau": 3, "graphed_speedup": None}]
     rec = {**record("2026-12-05T00:00:00Z", {}), "status": "imported", "figures": {"shape27b.round.projection": rows}}
     lines = render.render_series(C.PROJECTION, index(("p", rec)), Path("/r"))
-    assert lines[4] == "| 2 | — | 1.50x | — | — |" and lines[5] == "| 3 | — | — | — | — |"
+    assert lines[4] == "| 2 | — | 1.50x | — | — | — | — |" and lines[5] == "| 3 | — | — | — | — | — | — |"
     assert lines[6] == "\nRecord: [2026-12-05, H200, abc1234, log](p.json); —: not measured in it."
     empty = render.render_series(C.PROJECTION, index(), Path("/r"))
     assert empty[4].startswith("| not yet measured (`make bench-gpu suite=shape27b`) |")

@@ -37,11 +37,17 @@ def test_shape27b_smoke_measures_the_round_and_records_and_renders_it(tmp_path):
     assert code == 0 and files == ["shape27b.json", "shape27b.log"]  # the device host returns at most 8 files
     check_record(record, "smoke record")
     assert record["status"] == "complete" and record["parts"]["round"]["status"] == "ok"
-    assert record["plan"]["runs"] == [{"part": "round", "units": 1, "of": 1, "unit": "run", "est_s": 8}]
+    assert record["plan"]["runs"] == [{"part": "round", "units": 1, "of": 1, "unit": "run", "est_s": 20}]
     figures = record["figures"]
-    for variant in ("graphed", "eager"):
+    for variant in ("graphed", "rollback", "eager"):
         assert figures[f"shape27b.round.{variant}.step_ms"] > 0 and figures[f"shape27b.round.{variant}.verify16_ms"] > 0
     assert figures["shape27b.round.eager.snapshot_ms"] >= 0 and "CUDA graphs" in figures["shape27b.round.graphed.how"]
+    assert (
+        figures["shape27b.round.rollback.rollback_ms"] > 0
+        and "rollback_speedup" in figures["shape27b.round.projection"][0]
+    )
+    kinds = record["raw"]["round"]["variants"]["rollback"]["breakdown"]["kinds"]  # CPU range times on a CPU
+    assert kinds["Gated DeltaNet"]["ms"] > 0 and kinds["MLP"]["ms"] > 0 and kinds["head"]["ms"] > 0
     assert [r["tau"] for r in figures["shape27b.round.projection"]] == list(range(2, 11))
     assert record["raw"]["round"]["shape"] == "tiny" and record["packages"]["torch"]
     lines = render.render_figures(C.ROUND, as_gpu(record, tmp_path), tmp_path)

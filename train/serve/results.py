@@ -147,7 +147,7 @@ def print_summary(result: dict) -> None:
         print(allowed)
     print(
         f"prompts {s['prompts']}, rounds {s['rounds']}, new tokens {s['new_tokens']}, target cache: "
-        f"{result['cache_mode']}"
+        f"{result['cache_mode']}, decoding path: {result.get('decoding_path', 'n/a')}"
     )
     stopped = result.get("stopped")
     if stopped:

@@ -32,7 +32,7 @@ from train.serve.decoding import DFlashProposer, Generation, Proposer, greedy_ge
 from train.serve.peers import peer_generate
 from train.serve.prompts import prompts_from_jsonl, prompts_from_shards, stop_token_ids
 from train.serve.results import generation_record, print_summary, summarize, summarize_peer
-from train.serve.spec_target import SpecTarget
+from train.serve.spec_target import FALLBACK, SpecTarget, decoding_path
 from train.serve.static_drafter import StaticDFlashProposer
 from train.serve.static_target import StaticSpecTarget, static_cache_length
 from train.serve.tree_decode import ddtree_generate
@@ -112,6 +112,7 @@ def run_benchmark(
         "summary": summarize(specs, bases if baseline else None, proposer.block_size),
         "prompts": records,
         "cache_mode": target.cache_mode,
+        "decoding_path": decoding_path(target),
         "generations": specs,
     }
     if len(specs) < len(prompts):
@@ -139,14 +140,19 @@ def another_fits(stop_at: float, took: Sequence[float], reserve_share: float) ->
 
 def maybe_static(args, target: SpecTarget, prompts, block_size: int) -> tuple[SpecTarget, str | None]:
     """The target on a static cache with CUDA graphs (train.serve.static_target) where `static_cache`
-    asks for it and it can work; else the target as given (note None)."""
+    asks for it and it can work (a hybrid target: where its per-token states can be kept); else the
+    target as given (note None)."""
     wanted = args.static_cache == "on" or (args.static_cache == "auto" and target.device.type == "cuda")
     if not wanted:
         return target, None
     layer_types = getattr(target.target.text_config, "layer_types", None) or []
-    if args.budgets or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+    recurrent = any(t not in ("full_attention", "sliding_attention") for t in layer_types)
+    if args.budgets or (recurrent and target.per_token is None):
         if args.static_cache == "on":
-            raise ValueError("static_cache=on: not with DDTree budgets or a target with recurrent layers")
+            raise ValueError(
+                "static_cache=on: not with DDTree budgets or a target whose recurrent layers keep no "
+                f"per-token states ({target.rollback_note})"
+            )
         return target, None
     limit = int(getattr(target.target.text_config, "max_position_embeddings", 1 << 20))
     length = static_cache_length(prompts, args.max_new_tokens, block_size, limit)
@@ -252,6 +258,8 @@ def _run(args: SpecDecodeConfig, started: float) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if target.rollback_note:
+        print(f"target: {FALLBACK}: {target.rollback_note}", file=sys.stderr)
     if static_note:
         print(f"target: static KV cache, CUDA graphs {static_note}")
     proposer, drafter_note = proposer_for(inputs.drafter, target, not args.no_context_cache)
