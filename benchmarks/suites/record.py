@@ -52,13 +52,14 @@ def utc_now() -> str:
 
 
 def commit(repo: Path = REPO, wheels: Path | None = None) -> str:
-    """The tree's commit, else what `benchmarks.carry pack` wrote beside the wheels (a device host gets the tree
-    without its .git), else 'unknown'."""
+    """The tree's commit: git's where it names a clean tree; else what `benchmarks.carry stamp`/`pack` wrote beside
+    the wheels (a device host gets the tree without its .git, or with a .git of an older commit, which git then
+    reports as that commit '+changes': seen on 2026-12-05); else git's answer, else 'unknown'."""
     found = git_commit(repo)
-    if found:
-        return found
     written = (wheels or repo / ".whl") / "COMMIT"
-    return written.read_text().strip() if written.is_file() else "unknown"
+    if (not found or found.endswith("+changes")) and written.is_file():
+        return written.read_text().strip()
+    return found or "unknown"
 
 
 def machine() -> dict:
