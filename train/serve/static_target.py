@@ -135,7 +135,13 @@ class StaticSpecTarget(SpecTarget):
         try:
             self._capture_sizes(sizes)
         except Exception as exc:  # noqa: BLE001 - a model whose forward cannot be captured runs eagerly
-            return f"off: capture failed ({_first_line(exc)}){fusion}"
+            if not batched_experts(self.model):
+                return f"off: capture failed ({_first_line(exc)}){fusion}"
+            try:  # a mixture of experts whose grouped matmuls could not be captured: batched ones can
+                self._capture_sizes(sizes)
+            except Exception as again:  # noqa: BLE001 - as above
+                return f"off: capture failed ({_first_line(again)}){fusion}"
+            fusion += f", experts as batched matmuls (grouped ones: {_first_line(exc)})"
         return f"on for {sizes} new tokens{kept}{fusion}"
 
     def _capture_sizes(self, sizes: list[int]) -> None:
@@ -258,6 +264,20 @@ class StaticSpecTarget(SpecTarget):
         else:
             PerTokenStates.keep(self.cache.layers, record, tokens, kept)
         self.recorded = None
+
+
+def batched_experts(model) -> bool:
+    """Switch a mixture-of-experts model from transformers' grouped expert matmuls (`grouped_mm`, the default on
+    CUDA: no float64, and on transformers 5.17 not capturable in a CUDA graph, seen on an H200 with Qwen3-Next on
+    2026-12-05) to batched ones (`batched_mm`: one gather of each routed token's expert weights, no host sync).
+    False where the model has no such setting or already uses another implementation."""
+    if getattr(model.config, "_experts_implementation", None) != "grouped_mm":
+        return False
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("batched_mm")
+    else:
+        model.config._experts_implementation = "batched_mm"
+    return True
 
 
 def _first_line(exc: BaseException) -> str:
