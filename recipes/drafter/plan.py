@@ -24,7 +24,7 @@ import os
 import tomllib
 
 from common.config import flatten_dotted
-from recipes.drafter.runner import Stage
+from recipes.runner import Stage
 
 TABLE_STAGES = ("regenerate", "extract", "train", "eval")  # the stages that read a config file's table
 

@@ -7,7 +7,7 @@ the summary.
 Layout of OUT (`DrafterRecipeConfig.out_dir`):
 
     drafter.json          the config, the derived defaults with their reasons, how the prompt sets were made
-    stages.json           the ledger of the steps (recipes.drafter.runner)
+    stages.json           the ledger of the steps (recipes.runner)
     prompts/              train.jsonl, heldout.jsonl: the prompt sets the steps read
     regen/{train,heldout} the target's own answers (python -m extract.regenerate)
     shards/{train,heldout} hidden states of the taps and the target's top-k (python -m extract)
@@ -31,7 +31,7 @@ from recipes.drafter.defaults import Derived, derive, stage_defaults
 from recipes.drafter.plan import Heldout, Job, plan_stages
 from recipes.drafter.prompts import PromptSplit, split_prompts
 from recipes.drafter.results import DTYPE_NAMES, eval_pair, num, pick_spec, timings_line
-from recipes.drafter.runner import Ledger, Runner, Stage
+from recipes.runner import Ledger, Runner, Stage
 from target.arch import check_architecture
 from train.config import TrainConfig
 from train.eval.__main__ import parse_args as parse_eval_args

@@ -1,4 +1,4 @@
-"""recipes.drafter.runner, the orchestration of the drafter command and the demos, on stand-in steps (a
+"""recipes.runner, the orchestration of the drafter command and the demos, on stand-in steps (a
 module that writes its output from its input): what is skipped, resumed, redone or run, and what a
 changed setting or input reruns."""
 
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from recipes.drafter.runner import Ledger, Runner, Stage, final_checkpoint
+from recipes.runner import Ledger, Runner, Stage, final_checkpoint
 
 FAKE = """
 import json, os, sys
