@@ -22,31 +22,16 @@ from __future__ import annotations
 import json
 import os
 
-from common.config import ConfigError, config_to_dict, parse_cli
+from common.config import config_to_dict
 from common.io import atomic_write_text, read_record
-from extract.config import ExtractConfig
-from extract.regenerate.config import RegenerateConfig
 from recipes.drafter.config import DrafterRecipeConfig
 from recipes.drafter.defaults import Derived, derive, stage_defaults
 from recipes.drafter.plan import Heldout, Job, plan_stages
 from recipes.drafter.prompts import PromptSplit, split_prompts
 from recipes.drafter.results import DTYPE_NAMES, eval_pair, num, pick_spec, timings_line
-from recipes.runner import Ledger, Runner, Stage
+from recipes.runner import Ledger, Runner
+from recipes.step_check import check_steps
 from target.arch import check_architecture
-from train.config import TrainConfig
-from train.eval.__main__ import parse_args as parse_eval_args
-from train.report.config import parse_report_args
-from train.serve.cli import parse_export_args, parse_specdecode_args
-
-PARSERS = {
-    "extract.regenerate": lambda args: parse_cli(RegenerateConfig, args, section="regenerate"),
-    "extract": lambda args: parse_cli(ExtractConfig, args, section="extract"),
-    "train": lambda args: parse_cli(TrainConfig, args, section="train"),
-    "train.eval": parse_eval_args,
-    "train.serve.export": parse_export_args,
-    "train.serve.specdecode": parse_specdecode_args,
-    "train.report": parse_report_args,
-}
 
 
 def build_job(cfg: DrafterRecipeConfig, prompts: PromptSplit, derived: list[Derived]) -> Job:
@@ -68,16 +53,6 @@ def build_job(cfg: DrafterRecipeConfig, prompts: PromptSplit, derived: list[Deri
         defaults=defaults,
         overrides=cfg.overrides,
     )
-
-
-def check_steps(groups: list[list[Stage]]) -> None:
-    """Every step's command line through its stage's own parser, before anything runs: a bad
-    STAGE.key=value fails here, naming the stage and the key."""
-    for stage in (s for group in groups for s in group):
-        try:
-            PARSERS[stage.module](list(stage.args))
-        except (ConfigError, ValueError) as exc:
-            raise ValueError(f"step '{stage.name}': {exc}") from None
 
 
 def run_drafter(cfg: DrafterRecipeConfig) -> dict:
@@ -131,11 +106,6 @@ def shard_facts(job: Job) -> dict:
     }
 
 
-def step_seconds(runner: Runner, name: str) -> float:
-    """A step's time; steps run side by side share their group's (recorded as 'a + b + c')."""
-    return round(next((t for key, t in runner.timings.items() if name in key.split(" + ")), 0.0), 1)
-
-
 def drafter_summary(job: Job, runner: Runner, derived: list[Derived], prompts: PromptSplit) -> dict:
     drafter, baseline = eval_pair(job.eval_out(job.online))
     spec_all = read_record(job.spec_out)
@@ -145,9 +115,7 @@ def drafter_summary(job: Job, runner: Runner, derived: list[Derived], prompts: P
     return {
         "target": job.target,
         "out": os.path.dirname(job.run_dir),
-        "steps": {
-            name: {"status": status, "seconds": step_seconds(runner, name)} for name, status in runner.status.items()
-        },
+        "steps": runner.summary(),
         "total_s": round(sum(runner.timings.values()), 1),
         "defaults": [derived_record(d) for d in derived],
         "prompts": prompts.record,
