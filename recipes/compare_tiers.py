@@ -49,6 +49,7 @@ from recipes.step_check import check_steps
 from shards import ShardDataset
 from shards.describe import raw_bytes_per_token, reconstruction_by_tap
 from shards.manifest import MANIFEST_NAME
+from shards.provenance import provenance_of
 from train.config import TrainConfig
 
 TINY_CONFIG = "configs/tiny.toml"
@@ -305,8 +306,10 @@ def _extract_corpus(cfg: CompareTiersConfig) -> str:
 
 
 def _provenance_target(root: str) -> str:
-    manifest = json.loads(Path(root, "manifest.json").read_text())
-    return manifest["provenance"]["target"]["name_or_path"]
+    target = provenance_of(json.loads(Path(root, MANIFEST_NAME).read_text())).target.name_or_path
+    if not target:
+        raise ValueError(f"config key 'target': the provenance of {root} names no target; set target=DIR for step 5")
+    return target
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from recipes.drafter.prompts import PromptSplit, split_prompts
 from recipes.drafter.results import DTYPE_NAMES, eval_pair, num, pick_spec, timings_line
 from recipes.runner import Ledger, Runner
 from recipes.step_check import check_steps
+from shards.provenance import provenance_of
 from target.arch import check_architecture
 
 
@@ -97,12 +98,11 @@ def derived_record(item: Derived) -> dict:
 
 def shard_facts(job: Job) -> dict:
     """The taps and the mask token the training shards record (extraction's provenance)."""
-    provenance = read_record(os.path.join(job.shards_dir, "train", "manifest.json")).get("provenance", {})
-    tokenizer = provenance.get("tokenizer", {})
-    mask = tokenizer.get("mask_token") or {}
+    provenance = provenance_of(read_record(os.path.join(job.shards_dir, "train", "manifest.json")))
+    taps, tokenizer = provenance.taps.layer_ids, provenance.tokenizer
     return {
-        "taps": (provenance.get("taps") or {}).get("layer_ids"),
-        "mask_token": {"id": tokenizer.get("mask_token_id"), **mask},
+        "taps": None if taps is None else list(taps),
+        "mask_token": {"id": tokenizer.mask_token_id, **tokenizer.mask_token.to_dict()},
     }
 
 
