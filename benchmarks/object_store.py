@@ -38,7 +38,7 @@ def write_dataset(root: str, *, samples: int, width: int, topk: int, max_len: in
     write_synthetic(staging, samples=2, width=width, topk=topk, max_len=64, seed=0)  # for the provenance only
     from shards import ShardDataset
 
-    provenance = ShardDataset(staging).provenance
+    provenance = ShardDataset(staging).manifest["provenance"]  # the record as stored
     rng = np.random.default_rng(0)
     start = time.perf_counter()
     with ShardWriter(root, provenance=provenance, hidden_width=width, topk=topk, shard_bytes=shard_bytes) as writer:

@@ -173,7 +173,7 @@ def load_dataset_samples(path: str, limit: int | None):
     if ds.quant is not None or ds.projection is not None:
         raise SystemExit(f"--dataset {path}: needs a lossless, unprojected dataset (it is {ds.encoding})")
     n = len(ds) if limit is None else min(limit, len(ds))
-    taps = (ds.provenance.get("taps") or {}).get("layer_ids") or [0]
+    taps = ds.provenance.taps.layer_ids or [0]
     return [ds[i] for i in range(n)], len(taps), ds.hidden_width // len(taps), ds.topk
 
 

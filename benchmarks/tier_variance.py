@@ -87,7 +87,7 @@ def dataset_features(path: str, max_tokens: int) -> tuple[Features, dict]:
     ds = ShardDataset(path)
     if ds.quant is not None or ds.projection is not None:
         raise SystemExit(f"--dataset {path}: needs a lossless, unprojected dataset")
-    layer_ids = (ds.provenance.get("taps") or {}).get("layer_ids") or [0]
+    layer_ids = list(ds.provenance.taps.layer_ids or [0])
     n_taps = len(layer_ids)
     feats = Features(n_taps, ds.hidden_width // n_taps, concat=True)
     tokens = 0
@@ -97,8 +97,8 @@ def dataset_features(path: str, max_tokens: int) -> tuple[Features, dict]:
         h = ds.torch(i)["hidden"]
         feats.add(i, h)
         tokens += h.shape[0]
-    target = ds.provenance.get("target", {})
-    return feats, {"source": path, "target": target.get("name_or_path"), "layer_ids": layer_ids, "tokens": tokens}
+    target = ds.provenance.target.name_or_path
+    return feats, {"source": path, "target": target, "layer_ids": layer_ids, "tokens": tokens}
 
 
 def synthetic_features(n_taps: int, hidden: int, tokens: int) -> tuple[Features, dict]:

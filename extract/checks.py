@@ -22,6 +22,7 @@ from extract.config import ExtractConfig
 from extract.provenance import with_regeneration
 from extract.ranks import Ranks
 from shards.manifest import check_manifest_unlocked
+from shards.provenance import MaskSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +78,13 @@ def check_topk(topk: int, vocab_size: int | None) -> None:
         fail("topk", f"{topk} exceeds the target's vocabulary of {vocab_size} tokens")
 
 
-def check_mask_token_id(token_id: int | None, vocab_size: int | None, source: str = "config") -> None:
+def check_mask_token_id(token_id: int | None, vocab_size: int | None, source: MaskSource = MaskSource.CONFIG) -> None:
     """ValueError naming the setting if the mask token lies outside the target's vocabulary (the
     drafter embeds it with the target's embedding; training would refuse the dataset)."""
     if token_id is None or vocab_size is None or 0 <= int(token_id) < int(vocab_size):
         return
     message = f"{token_id} lies outside the target's vocabulary (ids 0..{int(vocab_size) - 1})"
-    if source == "config":
+    if source is MaskSource.CONFIG:
         fail("mask_token_id", message)
     raise ValueError(f"the tokenizer's mask_token = {message}; set mask_token_id to a special token of the vocabulary")
 

@@ -66,6 +66,7 @@ from extract.sink import Progress, RejectLog, open_reject_log
 from extract.summary import check_coverage, log_run, summarize_dataset, write_summary
 from shards import ShardWriter, load_manifest
 from shards.manifest import MERGE_WAIT_SECONDS, lock_manifest
+from shards.provenance import Provenance, provenance_of
 from target.arch import check_architecture
 from target.chat_template import with_chat_template
 from target.load import Target, check_layer_ids, load_target, read_text_config
@@ -187,7 +188,7 @@ class SplitRun:
     label: str | None  # the split's name (the progress bar's); None for a single corpus
     corpus: C.CorpusFiles
     fingerprint: dict  # `corpus_fingerprint`: file checksums and the record count
-    fresh: dict  # this run's provenance (`build_provenance`); a resumed dataset keeps its own
+    fresh: Provenance  # this run's provenance (`build_provenance`); a resumed dataset keeps its own
     root: str  # the dataset root: an absolute local path, or the URI of an object store
     entered: float  # perf_counter when the split started: the summary's startup_seconds count from here
     created: list[str]  # what a start that commits nothing removes again (grows as files are made)
@@ -439,7 +440,7 @@ def _forward_loop(split: SplitRun, writer: ShardWriter, rejects: RejectLog) -> F
         cfg.min_loss_tokens,
         cfg.chat_template_kwargs,
         target.vocab_size,
-        writer.manifest["provenance"]["tokenizer"].get("mask_token_id"),
+        provenance_of(writer.manifest).tokenizer.mask_token_id,
     )
     builder = C.SampleBuilder(tokenizer, policy)
     committed, done_positions = writer.committed_ids(), set(rejects.positions)

@@ -1,12 +1,13 @@
 """What a dataset records about how it was made, and the rules of resuming it.
 
-`build_provenance` is the manifest's `provenance` (target, tokenizer, taps, corpus fingerprint,
-the regeneration a corpus came from, the resolved config). A rerun of the same command resumes:
-`resume_point` reopens the dataset's rank manifest, whose provenance must agree with this run's on
-every dataset setting, the target, the tokenizer and the corpus content (`resume_problems` says
-what changed; runtime knobs such as batch size, devices and threads may change). A rank manifest
-that holds nothing (left by a start that committed nothing) never blocks a run with other settings,
-and a finished dataset made with other settings is refused (`already_complete`).
+`build_provenance` is the manifest's `provenance` (`shards.provenance.Provenance`: target,
+tokenizer, taps, corpus fingerprint, the regeneration a corpus came from, the resolved config). A
+rerun of the same command resumes: `resume_point` reopens the dataset's rank manifest, whose
+provenance must agree with this run's on every dataset setting, the target, the tokenizer and the
+corpus content (`resume_problems` says what changed; runtime knobs such as batch size, devices and
+threads may change). A rank manifest that holds nothing (left by a start that committed nothing)
+never blocks a run with other settings, and a finished dataset made with other settings is refused
+(`already_complete`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from extract.corpus.regenerated import provenance_for_manifest, regeneration_of
 from extract.ranks import FINAL_MANIFEST, Ranks
 from shards import TAP_MEANING, load_manifest
 from shards.manifest import hidden_split_of
+from shards.provenance import Corpus, Provenance, Taps, TargetRecord, TokenizerRecord, provenance_of
 from target.load import Target, target_provenance
 
 log = logging.getLogger("extract")
@@ -35,16 +37,16 @@ log = logging.getLogger("extract")
 # Provenance
 
 
-def tokenizer_provenance(tokenizer, mask: MaskChoice, template_kwargs: dict) -> dict:
-    return {
-        "hash": tokenizer_digest(tokenizer),
-        "chat_template_hash": template_digest(tokenizer),
-        "chat_template_kwargs": dict(template_kwargs),
-        "mask_token_id": mask.token_id,
-        "mask_token": mask.provenance(),
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
+def tokenizer_provenance(tokenizer, mask: MaskChoice, template_kwargs: dict) -> TokenizerRecord:
+    return TokenizerRecord(
+        hash=tokenizer_digest(tokenizer),
+        chat_template_hash=template_digest(tokenizer),
+        chat_template_kwargs=dict(template_kwargs),
+        mask_token_id=mask.token_id,
+        mask_token=mask.record(),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def with_regeneration(cfg: ExtractConfig) -> tuple[ExtractConfig, dict | None]:
@@ -67,14 +69,16 @@ def with_regeneration(cfg: ExtractConfig) -> tuple[ExtractConfig, dict | None]:
     return dataclasses.replace(cfg, chat_template_kwargs=kwargs), provenance_for_manifest(provenance)
 
 
-def check_regeneration_target(regeneration: dict | None, target: dict, tokenizer: dict | None = None) -> None:
+def check_regeneration_target(
+    regeneration: dict | None, target: TargetRecord, tokenizer: TokenizerRecord | None = None
+) -> None:
     """Warn when the corpus was answered by another target than the one extracted (a drafter learns
     what the answering model says); refuse it when it was answered through another chat template
     (`tokenizer`: this run's tokenizer provenance; its answers fit the regeneration's prompts)."""
     if regeneration is None:
         return
     answered_with = regeneration.get("target", {}).get("chat_template_hash")
-    renders_with = (tokenizer or {}).get("chat_template_hash")
+    renders_with = tokenizer.chat_template_hash if tokenizer is not None else None
     if answered_with and renders_with and answered_with != renders_with:
         file = regeneration.get("chat_template_file")
         source = f"'{file}'" if file else "the tokenizer's own"
@@ -85,14 +89,15 @@ def check_regeneration_target(regeneration: dict | None, target: dict, tokenizer
         )
     answered_by = regeneration.get("target", {})
     for key in ("config_hash", "weights_digest"):
-        if answered_by.get(key) and target.get(key) and answered_by[key] != target[key]:
+        ours = getattr(target, key)
+        if answered_by.get(key) and ours and answered_by[key] != ours:
             log.warning(
                 "the regenerated corpus was answered by %s (%s %s), not by the target extracted now (%s %s)",
                 answered_by.get("name_or_path"),
                 key,
                 answered_by[key],
                 key,
-                target[key],
+                ours,
             )
             return
 
@@ -104,38 +109,38 @@ def build_provenance(
     fingerprint: dict,
     regeneration: dict | None,
     mask: MaskChoice,
-) -> dict:
+) -> Provenance:
     if mask.token_id is None:
         log.warning(
             "no mask token: the tokenizer has no special token to spare and mask_token_id is not set; the "
             "trainer will need one (model.mask_token_id)"
         )
-    target_info = target_provenance(target)
+    target_info = TargetRecord.from_dict(target_provenance(target))
     tokenizer_info = tokenizer_provenance(target.tokenizer, mask, cfg.chat_template_kwargs)
     check_regeneration_target(regeneration, target_info, tokenizer_info)
-    corpus_info = {
-        "source": cfg.corpus,
-        "format": corpus.format,
-        "hash": fingerprint["hash"],
-        "files": fingerprint["files"],
-        "records": fingerprint["records"],
-    }
-    if fingerprint.get("skipped"):
-        corpus_info["skipped"] = fingerprint["skipped"]
-    if regeneration is not None:
-        corpus_info["regeneration"] = regeneration
-    return {
-        "target": target_info,
-        "tokenizer": tokenizer_info,
-        "taps": {"layer_ids": list(cfg.layer_ids), "meaning": TAP_MEANING},
-        "dtype": "bfloat16",  # of the stored hidden states
-        "compute_dtype": cfg.dtype,
-        "topk": cfg.topk,
-        "max_len": cfg.max_len,
-        "corpus": corpus_info,
-        "extract_config": config_to_dict(cfg),
-        **tool_provenance(),
-    }
+    corpus_info = Corpus(
+        source=cfg.corpus,
+        format=corpus.format,
+        hash=fingerprint["hash"],
+        files=tuple(fingerprint["files"]),
+        records=fingerprint["records"],
+        skipped=tuple(fingerprint["skipped"]) if fingerprint.get("skipped") else None,
+        regeneration=regeneration,
+    )
+    tool = tool_provenance()
+    return Provenance(
+        target=target_info,
+        tokenizer=tokenizer_info,
+        taps=Taps(tuple(cfg.layer_ids), TAP_MEANING),
+        dtype="bfloat16",  # of the stored hidden states
+        compute_dtype=cfg.dtype,
+        topk=cfg.topk,
+        max_len=cfg.max_len,
+        corpus=corpus_info,
+        extract_config=config_to_dict(cfg),
+        tool_version=tool["tool_version"],
+        git_sha=tool["git_sha"],
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,20 +151,20 @@ def build_provenance(
 class ResumePoint:
     """Where this rank's run starts in its dataset."""
 
-    provenance: dict  # what the writer records: the dataset's first run's, or this run's for a new dataset
+    provenance: dict  # what the writer records: the dataset's first run's as stored, or this run's for a new dataset
     stage_state: dict  # this rank's own from its manifest (runs so far, rejects_bytes), else empty
     hidden_split: list | None  # the dataset's column layout when it exists, else None (the writer's default)
     new: bool  # no rank manifest to continue from: this run creates this rank's manifest and rejects file
 
 
-def resume_point(fs, fs_root: str, root: str, fresh: dict, ranks: Ranks) -> ResumePoint:
+def resume_point(fs, fs_root: str, root: str, fresh: Provenance, ranks: Ranks) -> ResumePoint:
     """This rank's rank manifest if it exists, else another rank's (whose provenance and layout this
     rank adopts); ValueError if it was made with other settings (`refuse_changed`)."""
     names = ranks.names
     existing = _existing_rank_manifest(root, names["manifest"])
     if existing is not None:
         stored = load_manifest(fs, fs_root, existing)
-        if holds_nothing(stored) and resume_problems(stored["provenance"], fresh):
+        if holds_nothing(stored) and resume_problems(provenance_of(stored), fresh):
             # Left by a start that committed nothing (killed, or refused before its first commit):
             # nothing to resume, so it must not block a corrected run.
             log.info("%s: %s holds nothing yet and was made with other settings; starting afresh", root, existing)
@@ -167,7 +172,7 @@ def resume_point(fs, fs_root: str, root: str, fresh: dict, ranks: Ranks) -> Resu
                 _remove_stub(root, names)
             existing = None
     if existing is None:
-        return ResumePoint(fresh, {}, None, new=True)
+        return ResumePoint(fresh.to_dict(), {}, None, new=True)
     # A rank that starts after others (or resumes) writes the dataset's layout, never its own default.
     hidden_split = hidden_split_of(stored)
     refuse_changed(root, stored, fresh, ranks)
@@ -190,25 +195,25 @@ RESUME_COMPARED = {
 }
 
 
-def resume_problems(stored: dict, fresh: dict) -> list[str]:
+def resume_problems(stored: Provenance, fresh: Provenance) -> list[str]:
     """What differs between a dataset's provenance and this run's, in words (empty: may resume)."""
     problems = []
-    old_cfg, new_cfg = stored.get("extract_config", {}), fresh["extract_config"]
+    old_cfg, new_cfg = stored.extract_config, fresh.extract_config
     for key in DATASET_KEYS:
         if old_cfg.get(key) != new_cfg.get(key):
             problems.append(f"config key '{key}' is {old_cfg.get(key)!r} in the dataset but {new_cfg.get(key)!r} now")
     for part, keys in RESUME_COMPARED.items():
         for key in keys:
-            old, new = stored.get(part, {}).get(key), fresh[part].get(key)
+            old, new = getattr(getattr(stored, part), key), getattr(getattr(fresh, part), key)
             if old != new:
                 problems.append(
                     f"{part} {key} changed: {old!r} in the dataset, {new!r} now "
-                    f"({fresh[part].get('name_or_path', '')})".replace(" ()", "")
+                    f"({getattr(getattr(fresh, part), 'name_or_path', '')})".replace(" ()", "")
                 )
-    old_corpus, new_corpus = stored.get("corpus", {}), fresh["corpus"]
-    if old_corpus.get("hash") != new_corpus["hash"]:
-        old_files = {f["name"]: f for f in old_corpus.get("files", [])}
-        new_files = {f["name"]: f for f in new_corpus["files"]}
+    old_corpus, new_corpus = stored.corpus, fresh.corpus
+    if old_corpus.hash != new_corpus.hash:
+        old_files = {f["name"]: f for f in old_corpus.files}
+        new_files = {f["name"]: f for f in new_corpus.files}
         what = [f"{n} added" for n in new_files.keys() - old_files.keys()] + [
             f"{n} removed" for n in old_files.keys() - new_files.keys()
         ]
@@ -221,10 +226,11 @@ def resume_problems(stored: dict, fresh: dict) -> list[str]:
     return problems
 
 
-def refuse_changed(root: str, stored_manifest: dict, fresh: dict, ranks: Ranks) -> None:
+def refuse_changed(root: str, stored_manifest: dict, fresh: Provenance, ranks: Ranks) -> None:
     """ValueError naming every change that forbids resuming (a dataset setting, the target, the tokenizer, the
     corpus, the world size); the runtime settings that changed are logged."""
-    problems = resume_problems(stored_manifest["provenance"], fresh)
+    stored = provenance_of(stored_manifest)
+    problems = resume_problems(stored, fresh)
     world = stored_manifest.get("stage_state", {}).get("world_size")
     if world is not None and world != ranks.world:
         problems.append(
@@ -238,9 +244,9 @@ def refuse_changed(root: str, stored_manifest: dict, fresh: dict, ranks: Ranks) 
             + ". Use the dataset's settings, or write to a new out_dir."
         )
     changed = {
-        k: (v, fresh["extract_config"][k])
-        for k, v in stored_manifest["provenance"].get("extract_config", {}).items()
-        if k not in DATASET_KEYS and fresh["extract_config"].get(k) != v
+        k: (v, fresh.extract_config[k])
+        for k, v in stored.extract_config.items()
+        if k not in DATASET_KEYS and fresh.extract_config.get(k) != v
     }
     if changed:
         log.info(
@@ -249,14 +255,14 @@ def refuse_changed(root: str, stored_manifest: dict, fresh: dict, ranks: Ranks) 
         )
 
 
-def already_complete(fs, root: str, fresh: dict) -> dict | None:
+def already_complete(fs, root: str, fresh: Provenance) -> dict | None:
     """The merged manifest if `root` holds a finished dataset of these settings; ValueError if of others."""
     if not exists_at(join_uri(root, FINAL_MANIFEST)):
         return None
     manifest = load_manifest(fs, resolve(root)[1], FINAL_MANIFEST)
     if not manifest.get("complete"):
         return None
-    problems = resume_problems(manifest["provenance"], fresh)
+    problems = resume_problems(provenance_of(manifest), fresh)
     if problems:
         raise ValueError(
             f"{root}: holds a finished dataset made with other settings: "

@@ -10,6 +10,7 @@ import logging
 from common.io import atomic_write_json, join_uri
 from extract.corpus.files import describe_skipped
 from extract.ranks import FINAL_REJECTS, SUMMARY_FILE, Ranks
+from shards.provenance import provenance_of
 
 log = logging.getLogger("extract")
 
@@ -67,11 +68,11 @@ def summarize_dataset(root: str, manifest: dict, *, this_run: dict | None, parti
         "duplicates": counts.get("duplicates", 0),
         "rejects": dict(sorted(rejects.items(), key=lambda kv: -kv[1])),
         "records": counts["samples"] + sum(rejects.values()) + counts.get("duplicates", 0),
-        "input_lines": None if partial else manifest["provenance"].get("corpus", {}).get("records"),
+        "input_lines": None if partial else provenance_of(manifest).corpus.records,
         "shards": len(manifest["shards"]),
         "bytes": nbytes,
         "bytes_per_token": nbytes / counts["tokens"] if counts["tokens"] else None,
-        "skipped_files": list(manifest["provenance"].get("corpus", {}).get("skipped", [])),
+        "skipped_files": list(provenance_of(manifest).corpus.skipped or []),
     }
     if this_run is not None:
         keys = (

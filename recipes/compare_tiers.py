@@ -1,7 +1,9 @@
 """`make tiers` / `python -m recipes.compare_tiers [CONFIG] [key=value ...]`: choose a storage tier for
 your own model by measuring what each one costs, side by side with lossless.
 
-Steps, each the project's own command (rerunning the command resumes: finished steps are skipped):
+Steps, each the project's own command, run by the recipes' step runner (`recipes.runner`; its ledger
+OUT/stages.json): rerunning the command skips a step done with the same command and inputs, resumes
+one cut short (a training is done only at its final checkpoint) and redoes one whose settings changed:
   1. (optional, `extract=true`) extract a small lossless subset of your corpus
          python -m extract CONFIG out_dir=OUT/data/lossless max_records=N      (CONFIG's [extract] table)
   2. derive every tier from it, without the target
@@ -32,21 +34,22 @@ for a CPU); docs/benchmarks.md, "Storage tiers on the real target".
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
 import statistics
-import subprocess
 import sys
-import time
 import tomllib
-from collections.abc import Callable
 from pathlib import Path
 
-from common.config import ConfigError, describe, fail, knob, load_config, parse_cli
-from common.processes import run_side_by_side
+from common.config import ConfigError, describe, fail, knob, load_config
+from recipes.drafter.plan import EXPORT_FILES
+from recipes.experiment import experiment_config
+from recipes.runner import Ledger, Runner, Stage
+from recipes.step_check import check_steps
 from shards import ShardDataset
 from shards.describe import raw_bytes_per_token, reconstruction_by_tap
+from shards.manifest import MANIFEST_NAME
+from shards.provenance import provenance_of
 from train.config import TrainConfig
 
 TINY_CONFIG = "configs/tiny.toml"
@@ -127,54 +130,6 @@ class CompareTiersConfig:
                     fail(key, f"set name {name!r} must be a plain file name (letters, digits, '_', '-', '.')")
 
 
-Step = tuple[str, list[str], Callable[[], None] | None]  # (name, python arguments, what marks it done)
-
-
-def _run_all_of(phase: list[Step], cfg, log: list) -> None:
-    """Run a phase's commands, (name, args, on_done), none of which needs another's output: one after
-    another, or `cfg.jobs` at a time with their logs in OUT/logs/. `on_done` marks a step finished (for
-    a resumed run) as soon as it ends well."""
-    if cfg.jobs == 1 or len(phase) == 1:
-        for _, args, on_done in phase:
-            _run(args, log)
-            if on_done is not None:
-                on_done()
-        return
-
-    done = {name: on_done for name, _, on_done in phase}
-    ended = run_side_by_side(
-        [(name, args) for name, args, _ in phase],
-        str(Path(cfg.out_dir) / "logs"),
-        max_running=cfg.jobs,
-        on_success=lambda name: done[name]() if done[name] is not None else None,
-        show_tail=0,
-    )
-    log.extend({"command": e.command, "seconds": e.seconds, "exit": e.exit, "log": e.log} for e in ended)
-    failed = [e for e in ended if e.exit != 0]
-    if failed:
-        raise SystemExit(
-            "compare_tiers: step failed: "
-            + "; ".join(f"{e.command} (exit {e.exit}, log {e.log})" for e in failed)
-            + (f"; {len(phase) - len(ended)} steps not started (rerun to resume)" if len(ended) < len(phase) else "")
-        )
-
-
-def _run(args: list[str], log: list) -> None:
-    """Run one step's command; stop with its exit status if it fails."""
-    print(f"\n=== python {' '.join(args)}", flush=True)
-    started = time.time()
-    result = subprocess.run([sys.executable, *args])
-    log.append(
-        {"command": "python " + " ".join(args), "seconds": round(time.time() - started, 1), "exit": result.returncode}
-    )
-    if result.returncode != 0:
-        raise SystemExit(f"compare_tiers: step failed (exit {result.returncode}): python {' '.join(args)}")
-
-
-def _mark_done(run: Path) -> None:
-    (run / "done.json").write_text(json.dumps({"finished": time.time()}) + "\n")
-
-
 def tier_name(tier: str) -> str:
     """A directory name for a tier: fp8@pca:rank=32 -> fp8-pca-rank32, fp8@pca:rank=32,keep=4 ->
     fp8-pca-rank32-keep4."""
@@ -187,30 +142,33 @@ def tier_name(tier: str) -> str:
 
 
 def _complete(root: str) -> bool:
-    path = Path(root, "manifest.json")
+    path = Path(root, MANIFEST_NAME)
     return path.is_file() and bool(json.loads(path.read_text()).get("complete"))
 
 
-def _latest_checkpoint(run: Path) -> bool:
-    return any((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else False
+def _manifest(root: str) -> str:
+    return str(Path(root, MANIFEST_NAME))
 
 
 def run_all(cfg: CompareTiersConfig) -> dict:
-    """Every step of the module docstring that is not done yet, phase by phase, then the table."""
+    """Every step of the module docstring through the recipes' step runner (OUT/stages.json: a step
+    done with the same command and inputs is skipped, one cut short resumes), then the table."""
     out = Path(cfg.out_dir)
-    log: list = []
-    _ensure_lossless(cfg, log)
-    datasets, transcodes = _transcode_steps(cfg, out)
-    _run_all_of(transcodes, cfg, log)
-    runs, trainings = _training_steps(cfg, out, datasets)
-    _run_all_of(trainings, cfg, log)
-    _run_all_of(_evaluation_steps(cfg, out, runs), cfg, log)
-    if cfg.online:
-        _run_all_of(_export_steps(runs), cfg, log)
-        _run_all_of(_decoding_steps(cfg, runs), cfg, log)
+    runner = Runner(
+        Ledger(str(out / "stages.json")),
+        label="compare_tiers",
+        side_by_side=cfg.jobs > 1,
+        log_dir=str(out / "logs"),
+        max_running=cfg.jobs,
+        show_tail=0,
+    )
+    _ensure_lossless(cfg, runner)
+    datasets, runs, groups = plan(cfg, cfg.target or _provenance_target(cfg.lossless) if cfg.online else "")
+    check_steps(groups)
+    runner.run(groups)
     table = collect(cfg, datasets, runs)
     (out / "tiers.json").write_text(
-        json.dumps({"config": dataclasses.asdict(cfg), "rows": table, "steps": log}, indent=1) + "\n"
+        json.dumps({"config": dataclasses.asdict(cfg), "rows": table, "steps": runner.summary()}, indent=1) + "\n"
     )
     (out / "tiers.md").write_text("\n".join(markdown(table, cfg)) + "\n")
     print("\n" + "\n".join(markdown(table, cfg)))
@@ -218,21 +176,16 @@ def run_all(cfg: CompareTiersConfig) -> dict:
     return {"rows": table}
 
 
-def _ensure_lossless(cfg: CompareTiersConfig, log: list) -> None:
-    """Step 1: the lossless dataset, extracted here with `extract=true`; refused when it is missing."""
+def _ensure_lossless(cfg: CompareTiersConfig, runner: Runner) -> None:
+    """Step 1: the lossless dataset, extracted here with `extract=true` unless it is complete already
+    (never removed: it may be the user's own); refused when it is missing."""
     if cfg.extract and not _complete(cfg.lossless):
-        _run(
-            [
-                "-m",
-                "extract",
-                cfg.config,
-                f"out_dir={cfg.lossless}",
-                f"max_records={cfg.max_records}",
-                "splits={}",
-                "corpus=" + _extract_corpus(cfg),
-            ],
-            log,
+        args = (cfg.config, f"out_dir={cfg.lossless}", f"max_records={cfg.max_records}", "splits={}")
+        extraction = Stage(
+            "extraction", "extract", (*args, "corpus=" + _extract_corpus(cfg)), records=(_manifest(cfg.lossless),)
         )
+        check_steps([[extraction]])
+        runner.run([[extraction]])
     if not _complete(cfg.lossless):
         raise SystemExit(
             f"compare_tiers: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or "
@@ -240,130 +193,108 @@ def _ensure_lossless(cfg: CompareTiersConfig, log: list) -> None:
         )
 
 
-def _transcode_steps(cfg: CompareTiersConfig, out: Path) -> tuple[dict[str, str], list[Step]]:
-    """({tier: dataset path}, lossless first; the transcodes still to run)."""
-    datasets = {"lossless": cfg.lossless}
-    transcodes = []
-    for tier in cfg.tiers:
-        encoding, _, projection = tier.partition("@")
-        path = str(out / "data" / tier_name(tier))
-        datasets[tier] = path
-        if not _complete(path):
-            args = [
-                "-m",
-                "shards",
-                "transcode",
-                cfg.lossless,
-                path,
-                f"encoding={encoding}",
-                f"calibration_samples={cfg.calibration_samples}",
-            ]
-            transcodes.append(
-                (f"transcode {tier_name(tier)}", args + ([f"projection={projection}"] if projection else []), None)
-            )
-    return datasets, transcodes
+def plan(cfg: CompareTiersConfig, target: str) -> tuple[dict[str, str], dict, list[list[Stage]]]:
+    """({tier: dataset}, lossless first; {(tier, seed): run directory}; steps 2-5 as groups of steps,
+    each group needing only what earlier ones wrote). `target` decodes in step 5."""
+    out = Path(cfg.out_dir)
+    datasets = {"lossless": cfg.lossless, **{tier: str(out / "data" / tier_name(tier)) for tier in cfg.tiers}}
+    runs = {(tier, seed): out / "runs" / f"{tier_name(tier)}-s{seed}" for tier in datasets for seed in cfg.seeds}
+    groups = [
+        [_transcode_stage(cfg, tier, datasets[tier]) for tier in cfg.tiers],
+        [_training_stage(cfg, tier, seed, datasets[tier], run) for (tier, seed), run in runs.items()],
+        _evaluation_stages(cfg, out, runs),
+    ]
+    if cfg.online:
+        groups.append([_export_stage(run) for run in runs.values()])
+        groups.append(
+            [_decoding_stage(cfg, target, run, name, p) for run in runs.values() for name, p in _prompts(cfg)]
+        )
+    return datasets, runs, [group for group in groups if group]
 
 
-def _training_steps(cfg: CompareTiersConfig, out: Path, datasets: dict[str, str]) -> tuple[dict, list[Step]]:
-    """({(tier, seed): run directory}; the trainings still to run, each marked done when it ends well)."""
-    runs: dict = {}
-    trainings = []
-    for tier in datasets:
-        for seed in cfg.seeds:
-            name = f"{tier_name(tier)}-s{seed}"
-            run = out / "runs" / name
-            runs[(tier, seed)] = run
-            if not (run / "done.json").is_file():
-                holdout = [] if cfg.heldout else [f"data.holdout_fraction={cfg.holdout_fraction}"]
-                args = [
-                    "-m",
-                    "train",
-                    cfg.config,
-                    f"data.shards={datasets[tier]}",
-                    f"run_name={name}",
-                    f"seed={seed}",
-                    f"out_dir={out / 'runs'}",
-                    "log.progress=false",
-                    *holdout,
-                    *cfg.train_overrides,
-                ]
-                trainings.append((f"train {name}", args, functools.partial(_mark_done, run)))
-    return runs, trainings
+def _prompts(cfg: CompareTiersConfig) -> list[tuple[str, str]]:
+    return list(named_sets(cfg.prompts).items())
 
 
-def _evaluation_steps(cfg: CompareTiersConfig, out: Path, runs: dict) -> list[Step]:
-    """Each tier's drafter against the lossless one of its seed, on every held-out set, not yet evaluated."""
-    evaluations = []
+def _transcode_stage(cfg: CompareTiersConfig, tier: str, path: str) -> Stage:
+    encoding, _, projection = tier.partition("@")
+    args = ("transcode", cfg.lossless, path, f"encoding={encoding}", f"calibration_samples={cfg.calibration_samples}")
+    return Stage(
+        f"transcode {tier_name(tier)}",
+        "shards",
+        args + ((f"projection={projection}",) if projection else ()),
+        records=(_manifest(path),),
+        clear=(path,),
+        reads=(_manifest(cfg.lossless),),
+    )
+
+
+def _training_stage(cfg: CompareTiersConfig, tier: str, seed: int, data: str, run: Path) -> Stage:
+    """Done only at the run's final checkpoint (`Stage.training_run`): a run cut short resumes."""
+    holdout = [] if cfg.heldout else [f"data.holdout_fraction={cfg.holdout_fraction}"]
+    args = (cfg.config, f"data.shards={data}", f"run_name={run.name}", f"seed={seed}", f"out_dir={run.parent}")
+    lossless = tier == "lossless"
+    return Stage(
+        f"train {run.name}",
+        "train",
+        (*args, "log.progress=false", *holdout, *cfg.train_overrides),
+        clear=(str(run),),
+        needs=() if lossless else (f"transcode {tier_name(tier)}",),
+        reads=(_manifest(data),) if lossless else (),
+        training_run=str(run),
+    )
+
+
+def _evaluation_stages(cfg: CompareTiersConfig, out: Path, runs: dict) -> list[Stage]:
+    """Each tier's drafter against the lossless one of its seed, on every held-out set."""
+    stages = []
     for name, data in eval_sets(cfg).items():
+        split = ["split=all"] if data else ["split=holdout", f"holdout_fraction={cfg.holdout_fraction}"]
         for tier in cfg.tiers:
             for seed in cfg.seeds:
-                report = eval_report_path(out, name, tier, seed)
-                if not report.is_file():
-                    split = ["split=all"] if data else ["split=holdout", f"holdout_fraction={cfg.holdout_fraction}"]
-                    evaluations.append(
-                        (
-                            f"eval {name} {tier_name(tier)}-s{seed}",
-                            [
-                                "-m",
-                                "train.eval",
-                                str(runs[("lossless", seed)]),
-                                str(runs[(tier, seed)]),
-                                "--data",
-                                data or cfg.lossless,
-                                "--out",
-                                str(report),
-                                "progress=false",
-                                *split,
-                                *cfg.eval_overrides,
-                            ],
-                            None,
-                        )
+                report = str(eval_report_path(out, name, tier, seed))
+                pair = (runs[("lossless", seed)], runs[(tier, seed)])
+                stages.append(
+                    Stage(
+                        f"eval {tier_name(tier)}-s{seed}" + (f" ({name})" if name else ""),
+                        "train.eval",
+                        (*map(str, pair), "--data", data or cfg.lossless, "--out", report, "progress=false")
+                        + (*split, *cfg.eval_overrides),
+                        records=(report,),
+                        clear=(report,),
+                        needs=tuple(f"train {run.name}" for run in pair),
+                        reads=(_manifest(data or cfg.lossless),),
                     )
-    return evaluations
-
-
-def _export_steps(runs: dict) -> list[Step]:
-    return [
-        (f"export {run.name}", ["-m", "train.serve.export", str(run), str(run / "export")], None)
-        for run in runs.values()
-        if not (run / "export" / "config.json").is_file()
-    ]
-
-
-def _decoding_steps(cfg: CompareTiersConfig, runs: dict) -> list[Step]:
-    """Every exported drafter decoding every prompt set with the real target, not yet decoded."""
-    target = cfg.target or _provenance_target(cfg.lossless)
-    decodings = []
-    for run in runs.values():
-        for name, prompts in named_sets(cfg.prompts).items():
-            result = specdecode_path(run, name)
-            if result.is_file():
-                continue
-            decodings.append(
-                (
-                    f"specdecode {name} {run.name}",
-                    [
-                        "-m",
-                        "train.serve.specdecode",
-                        "--target",
-                        target,
-                        "--drafter",
-                        str(run / "export"),
-                        "--prompts",
-                        prompts,
-                        "--num-prompts",
-                        str(cfg.num_prompts),
-                        "--max-new-tokens",
-                        str(cfg.max_new_tokens),
-                        "--no-baseline",
-                        "--out",
-                        str(result),
-                        *cfg.specdecode_overrides,
-                    ],
-                    None,
                 )
-            )
-    return decodings
+    return stages
+
+
+def _export_stage(run: Path) -> Stage:
+    export = run / "export"
+    return Stage(
+        f"export {run.name}",
+        "train.serve.export",
+        (str(run), str(export)),
+        records=tuple(str(export / name) for name in EXPORT_FILES),
+        clear=(str(export),),
+        needs=(f"train {run.name}",),
+    )
+
+
+def _decoding_stage(cfg: CompareTiersConfig, target: str, run: Path, name: str, prompts: str) -> Stage:
+    """An exported drafter decoding one prompt set with the real target."""
+    result = str(specdecode_path(run, name))
+    sizes = ("--num-prompts", str(cfg.num_prompts), "--max-new-tokens", str(cfg.max_new_tokens))
+    return Stage(
+        f"specdecode {run.name}" + (f" ({name})" if name else ""),
+        "train.serve.specdecode",
+        ("--target", target, "--drafter", str(run / "export"), "--prompts", prompts, *sizes, "--no-baseline")
+        + ("--out", result, *cfg.specdecode_overrides),
+        records=(result,),
+        clear=(result,),
+        needs=(f"export {run.name}",),
+        reads=(prompts,),
+    )
 
 
 def _extract_corpus(cfg: CompareTiersConfig) -> str:
@@ -375,8 +306,10 @@ def _extract_corpus(cfg: CompareTiersConfig) -> str:
 
 
 def _provenance_target(root: str) -> str:
-    manifest = json.loads(Path(root, "manifest.json").read_text())
-    return manifest["provenance"]["target"]["name_or_path"]
+    target = provenance_of(json.loads(Path(root, MANIFEST_NAME).read_text())).target.name_or_path
+    if not target:
+        raise ValueError(f"config key 'target': the provenance of {root} names no target; set target=DIR for step 5")
+    return target
 
 
 # ----------------------------------------------------------------------------------------------
@@ -524,30 +457,17 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__ + "\nkeys:\n" + describe(CompareTiersConfig))
         return 0
     try:
-        cfg = config_from_argv(argv)
+        run_all(config_from_argv(argv))  # every step's command line is checked before any runs (ValueError)
     except ValueError as err:
         print(f"compare_tiers: {err}", file=sys.stderr)
         return 2
-    run_all(cfg)
     return 0
 
 
 def config_from_argv(argv: list[str]) -> CompareTiersConfig:
     """CONFIG's [tiers] table (if any) and the overrides; CONFIG is also the experiment config. The
     experiment config's [train] table is checked too, before any step runs (ConfigError naming the key)."""
-    path = argv[0] if argv and "=" not in argv[0] else None
-    if path is not None and not Path(path).is_file():
-        raise ConfigError(f"config file '{path}' does not exist")
-    try:
-        table = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("tiers") if path else None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
-    # A config without a [tiers] table is only the experiment's config (steps 1 and 3).
-    cfg = parse_cli(CompareTiersConfig, argv if table is not None else argv[1:] if path else argv, section="tiers")
-    if path and "config" not in (table or {}) and not any(word.startswith("config=") for word in argv[1:]):
-        cfg = dataclasses.replace(cfg, config=path)
-    if not Path(cfg.config).is_file():
-        fail("config", f"the experiment's config file '{cfg.config}' does not exist")
+    cfg = experiment_config(CompareTiersConfig, argv, "tiers")
     try:  # what step 3 trains with, checked before steps 1 and 2 spend minutes
         load_config(TrainConfig, cfg.config, cfg.train_overrides, section="train")
     except ConfigError as err:

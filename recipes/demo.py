@@ -4,7 +4,7 @@ torch sees one (every step), else on the CPU.
     python -m recipes.demo [run=demo] [steps=800] [seed=0] [prompts=0 (all)] [new_tokens=96]
 
 The demo is the drafter command (`make drafter`, recipes.drafter) applied to a built-in target: its
-builder, then the same plan (recipes.drafter.plan) run by the same runner (recipes.drafter.runner),
+builder, then the same plan (recipes.drafter.plan) run by the same runner (recipes.runner),
 with the settings of configs/tiny.toml (or configs/smollm2-135m.toml, recipes.demo_smollm2). Steps,
 each the project's own command (so the demo proves the CLIs users run):
   1. unpack the shipped tiny target and corpus, and       python -m recipes.tiny
@@ -44,7 +44,7 @@ from recipes.demo_smollm2 import (
 )
 from recipes.drafter.plan import Heldout, Job, plan_stages
 from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, timings_line
-from recipes.drafter.runner import Ledger, Runner, step
+from recipes.runner import Ledger, Runner, step
 
 TINY = "artifacts/tiny"
 CONFIG = "configs/tiny.toml"

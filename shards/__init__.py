@@ -4,6 +4,7 @@ from shards import Sample, ShardWriter, ShardDataset, merge_manifests, verify_da
 """
 
 from shards.manifest import MANIFEST_NAME, load_manifest, merge_manifests
+from shards.provenance import MaskSource, Provenance, provenance_of
 from shards.reader import ShardDataset
 from shards.schema import (
     DEFAULT_ENCODING,
@@ -28,14 +29,17 @@ __all__ = [
     "FORMAT_VERSION",
     "HiddenPlanes",
     "MANIFEST_NAME",
+    "MaskSource",
     "TAP_MEANING",
     "Problem",
+    "Provenance",
     "Sample",
     "ShardDataset",
     "ShardFormatError",
     "ShardWriter",
     "load_manifest",
     "merge_manifests",
+    "provenance_of",
     "sample_from_torch",
     "verify_dataset",
 ]

@@ -87,7 +87,7 @@ def inspect_lines(ds: ShardDataset) -> list[str]:
         f"written by {m['writer'].get('tool_version')} at {m['writer'].get('git_sha')}, updated "
         f"{m['writer'].get('updated')}",
         "provenance",
-        *("  " + line for line in json.dumps(ds.provenance, indent=2, sort_keys=True).splitlines()),
+        *("  " + line for line in json.dumps(ds.manifest["provenance"], indent=2, sort_keys=True).splitlines()),
         f"counts     {counts['samples']} samples, {tokens} tokens, {counts['loss_tokens']} loss tokens"
         + (f" ({counts['loss_tokens'] / tokens:.1%})" if tokens else ""),
     ]
@@ -166,7 +166,7 @@ def tier_lines(ds: ShardDataset) -> list[str]:
             else "error      (no shards: nothing recorded)"
         )
         return lines
-    layer_ids = (ds.provenance.get("taps") or {}).get("layer_ids") or []
+    layer_ids = ds.provenance.taps.layer_ids or []
     lines.append(
         f"error      reconstruction error recorded at encode time over {tokens} tokens"
         + (f" ({missing} shards without a record)" if missing else "")
@@ -207,7 +207,7 @@ def _token_text(tokenizer, token_id: int) -> str:
     return repr(tokenizer.decode([int(token_id)])) if tokenizer is not None else ""
 
 
-def tap_statistics(sample: Sample, layer_ids: list | None) -> list[str]:
+def tap_statistics(sample: Sample, layer_ids: tuple[int, ...] | list | None) -> list[str]:
     """mean / std / absmax per tap of the hidden states, from the exact bf16 values."""
     width = sample.hidden.shape[1]
     n_taps = len(layer_ids) if layer_ids else 1
@@ -268,7 +268,7 @@ def show_lines(ds: ShardDataset, key: str, tokenizer=None, positions: int = 8, t
             f"  t={t:<4} loss={int(sample.loss_mask[t])} "
             f"in={int(sample.input_ids[t])}{_token_text(tokenizer, sample.input_ids[t])} next={nxt}  |  {entries}"
         )
-    layer_ids = (ds.provenance.get("taps") or {}).get("layer_ids")
+    layer_ids = ds.provenance.taps.layer_ids
     lines.append(f"hidden     [{sample.n_tokens}, {sample.hidden.shape[1]}] bf16, per tap:")
     lines += tap_statistics(sample, layer_ids)
     return lines

@@ -20,6 +20,7 @@ import pyarrow.fs as pafs
 from common import io, locks, objstore
 from common.hashing import CHECKSUM_ALGO, bytes_digest, text_digest
 from common.provenance import git_sha, tool_version
+from shards.provenance import comparable_provenance
 from shards.quant import parse_encoding
 from shards.sample_checksums import SAMPLE_CHECKSUM_ALGOS
 from shards.schema import (
@@ -55,9 +56,6 @@ SHARD_ENTRY_KEYS = (
 # Optional: the projection of a projected dataset (format version 4, `shards/projection.py`).
 PROJECTION_KEY = "projection"
 PROJECTION_ENTRY_KEYS = ("file", "bytes", "checksum", "in_width", "out_width")
-# These change whenever the code does; a resumed or merged dataset keeps the first writer's values
-# in `provenance` and records every writer's in `writer` / per shard.
-PROVENANCE_KEYS_NOT_COMPARED = ("tool_version", "git_sha")
 
 
 def now_iso() -> str:
@@ -226,10 +224,6 @@ def first_difference(expected: Any, actual: Any, path: str) -> str | None:
                 return diff
         return None
     return None if expected == actual else f"{path}: {expected!r} vs {actual!r}"
-
-
-def comparable_provenance(provenance: dict) -> dict:
-    return {k: v for k, v in provenance.items() if k not in PROVENANCE_KEYS_NOT_COMPARED}
 
 
 def _projection_identity(projection: dict | None) -> dict | None:

@@ -44,6 +44,7 @@ from shards.manifest import (
     projection_of,
     read_index,
 )
+from shards.provenance import Provenance, provenance_of
 from shards.quant import parse_encoding
 from shards.sample_checksums import SampleRanges, decode_message
 from shards.schema import Sample, ShardFormatError, decode_sample, shard_schema, shard_schema_matches
@@ -74,7 +75,7 @@ class ShardDataset:
         self.fs, self.root = io.resolve(root)
         self.manifest_name = manifest_name
         self.manifest: dict = load_manifest(self.fs, self.root, manifest_name)
-        self.provenance: dict = self.manifest["provenance"]
+        self.provenance: Provenance = provenance_of(self.manifest)
         self.encoding: str = self.manifest["encoding"]
         self.hidden_width: int = self.manifest["hidden_width"]
         self.topk: int = self.manifest["topk"]

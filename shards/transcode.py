@@ -241,9 +241,9 @@ def _remove_if_nothing_written(fs, root: str) -> None:
 def _transcode_locked(src: str, dst: str, ds: ShardDataset, cfg: TranscodeConfig) -> tuple[dict | None, int]:
     """Settle DST's projection and write the samples it lacks (under DST's manifest lock); returns
     (DST's projection entry, samples DST already held)."""
-    provenance = dict(ds.provenance)
-    taps = (provenance.get("taps") or {}).get("layer_ids") or []
-    n_taps = len(taps) if taps and ds.hidden_width % len(taps) == 0 else ds.hidden_split
+    provenance = dict(ds.manifest["provenance"])  # the source's record as stored, with the transform added
+    taps = ds.provenance.n_taps
+    n_taps = taps if taps and ds.hidden_width % taps == 0 else ds.hidden_split
     projection, entry = _projection(cfg, ds, dst, n_taps)
     provenance[TRANSFORM_KEY] = {
         "source": _source_record(src, ds),

@@ -36,6 +36,7 @@ from shards.manifest import (
     read_index,
 )
 from shards.projection import load_projection
+from shards.provenance import provenance_of
 from shards.sample_checksums import SampleRanges, decode_message
 from shards.schema import ShardFormatError, count_nonfinite_bf16, decode_sample, shard_schema, shard_schema_matches
 
@@ -66,17 +67,16 @@ def _check_manifest_counts(manifest: dict, path: str) -> list[Problem]:
             problems.append(
                 Problem(path, f"counts.{key} is {manifest['counts'].get(key)} but the shard entries add up to {listed}")
             )
-    prov = manifest["provenance"]
-    taps = (prov.get("taps") or {}).get("layer_ids")
-    hidden_size = (prov.get("target") or {}).get("hidden_size")
+    prov = provenance_of(manifest)
+    taps, hidden_size = prov.taps.layer_ids, prov.target.hidden_size
     projection = projection_of(manifest)
     width, what = (
         (projection["in_width"], "projection in_width") if projection else (manifest["hidden_width"], "hidden_width")
     )
     if taps is not None and hidden_size is not None and len(taps) * hidden_size != width:
         problems.append(Problem(path, f"{what} {width} != {len(taps)} taps x hidden_size {hidden_size}"))
-    if "topk" in prov and prov["topk"] != manifest["topk"]:
-        problems.append(Problem(path, f"topk {manifest['topk']} != provenance topk {prov['topk']}"))
+    if prov.topk is not None and prov.topk != manifest["topk"]:
+        problems.append(Problem(path, f"topk {manifest['topk']} != provenance topk {prov.topk}"))
     for entry in manifest["shards"]:
         if entry.get("encoding", manifest["encoding"]) != manifest["encoding"]:
             problems.append(

@@ -54,6 +54,7 @@ from shards.manifest import (
     read_index,
     save_manifest,
 )
+from shards.provenance import Provenance
 from shards.quant import (
     ErrorSums,
     QuantizedHidden,
@@ -88,18 +89,15 @@ from shards.validate import validate_sample
 log = logging.getLogger(__name__)
 
 
-def _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level, projection=None) -> None:
-    if not isinstance(provenance, dict):
-        raise ValueError(f"provenance: expected a dict, got {type(provenance).__name__}")
+def _check_layout_args(provenance: Provenance, hidden_width, topk, shard_bytes, zstd_level, projection=None) -> None:
     for name, value in (("hidden_width", hidden_width), ("topk", topk), ("shard_bytes", shard_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     if not isinstance(zstd_level, int) or not 1 <= zstd_level <= 22:
         raise ValueError(f"zstd_level: expected an integer in 1..22, got {zstd_level!r}")
-    if "topk" in provenance and provenance["topk"] != topk:
-        raise ValueError(f"topk: {topk} but provenance says topk={provenance['topk']}")
-    taps = (provenance.get("taps") or {}).get("layer_ids")
-    hidden_size = (provenance.get("target") or {}).get("hidden_size")
+    if provenance.topk is not None and provenance.topk != topk:
+        raise ValueError(f"topk: {topk} but provenance says topk={provenance.topk}")
+    taps, hidden_size = provenance.taps.layer_ids, provenance.target.hidden_size
     feature_width = hidden_width
     if projection is not None:
         if projection.get("out_width") != hidden_width:
@@ -115,13 +113,23 @@ def _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level, 
         )
 
 
-def default_hidden_split(provenance: dict, hidden_width: int) -> int:
+def default_hidden_split(provenance: Provenance, hidden_width: int) -> int:
     """One piece per tap when the provenance names the taps (their statistics differ with depth, so
     per-tap zstd frames are smaller, and pyarrow compresses the pieces in parallel), else 1."""
-    taps = (provenance.get("taps") or {}).get("layer_ids")
-    if taps and hidden_width % len(taps) == 0:
-        return len(taps)
+    taps = provenance.n_taps
+    if taps and hidden_width % taps == 0:
+        return taps
     return 1
+
+
+def provenance_record(provenance: Provenance | dict) -> dict:
+    """The record a manifest stores: a `Provenance` in today's layout, a dict (a stored record passed
+    through, a test's or benchmark's own) as given; ValueError for anything else."""
+    if isinstance(provenance, Provenance):
+        return provenance.to_dict()
+    if not isinstance(provenance, dict):
+        raise ValueError(f"provenance: expected a Provenance or a dict, got {type(provenance).__name__}")
+    return provenance
 
 
 class ShardWriter:
@@ -142,7 +150,7 @@ class ShardWriter:
         self,
         root: str,
         *,
-        provenance: dict,
+        provenance: Provenance | dict,
         hidden_width: int,
         topk: int,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -156,17 +164,19 @@ class ShardWriter:
         hidden_split: int | None = None,
         projection: dict | None = None,
     ):
-        _check_layout_args(provenance, hidden_width, topk, shard_bytes, zstd_level, projection)
+        record = provenance_record(provenance)
+        typed = Provenance.from_dict(record)
+        _check_layout_args(typed, hidden_width, topk, shard_bytes, zstd_level, projection)
         if hidden_split is not None:
             check_hidden_split(hidden_split, hidden_width)
         self.encoding = check_encoding(canonical_encoding(hidden_encoding))
         self.quant = parse_encoding(self.encoding)
         self.projection = projection
         self.format_version = format_version_for(self.encoding, projection is not None)
-        taps = (provenance.get("taps") or {}).get("layer_ids")
+        taps = typed.n_taps
         feature_width = projection["in_width"] if projection is not None else hidden_width
         # Reconstruction errors are summarized per tap (or per column piece when the taps are unknown).
-        self._error_groups = len(taps) if taps and feature_width % len(taps) == 0 else None
+        self._error_groups = taps if taps and feature_width % taps == 0 else None
         self.hidden_width, self.topk = hidden_width, topk
         self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
         if write_behind_bytes is not None and (
@@ -178,7 +188,7 @@ class ShardWriter:
         self.manifest_name = check_prefix(manifest_name, "manifest_name")
         self.shard_prefix = check_prefix(shard_prefix, "shard_prefix")
         self.fs, self.root = io.resolve(root)
-        self._vocab_size = (provenance.get("target") or {}).get("vocab_size")
+        self._vocab_size = typed.target.vocab_size
         self.hidden_split = hidden_split  # settled by _open_dataset
         self._ipc_options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", zstd_level), use_threads=use_threads)
         self._open_shard: OpenShard | None = None
@@ -195,7 +205,7 @@ class ShardWriter:
         self._lock = lock_manifest(self.fs, self.root, self.manifest_name)
         try:
             is_new = not io.exists(self.fs, manifest_path(self.root, self.manifest_name))
-            self._manifest, self._committed_ids = self._open_dataset(provenance, is_new)
+            self._manifest, self._committed_ids = self._open_dataset(record, typed, is_new)
             if self.quant is not None:
                 self.quant.check_piece_width(hidden_width // self.hidden_split)
             self._schema = shard_schema(self.encoding, hidden_width, topk, self.format_version, self.hidden_split)
@@ -216,13 +226,13 @@ class ShardWriter:
 
     # ------------------------------------------------------------------ opening / resuming
 
-    def _open_dataset(self, provenance: dict, is_new: bool) -> tuple[dict, set[str]]:
+    def _open_dataset(self, provenance: dict, typed: Provenance, is_new: bool) -> tuple[dict, set[str]]:
         """The existing manifest (checked against the given settings) and its sample ids, or a new
         manifest (saved by the caller once the other checks pass). Settles `hidden_split`: the
         dataset's when resuming one and none was given, else one piece per tap (`default_hidden_split`)."""
         if is_new:
             if self.hidden_split is None:
-                self.hidden_split = default_hidden_split(provenance, self.hidden_width)
+                self.hidden_split = default_hidden_split(typed, self.hidden_width)
             layout = dict(
                 encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk, hidden_split=self.hidden_split
             )

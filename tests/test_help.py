@@ -25,6 +25,7 @@ ENTRY_POINTS = {
     "recipes.demo": "run = 'demo'  (str)",
     "recipes.drafter": "scale = 'full'  ('full' | 'smoke')",
     "recipes.compare_tiers": "budget = 32",
+    "recipes.data_ladder": "prefix = 'ladder'  (str)",
     "shards": "python -m shards transcode SRC DST encoding=ENC",
     "shards transcode": "zstd_level = 1  (int)  range [1, 22]",
 }

@@ -37,6 +37,7 @@ from common.device import resolve_device
 from common.hashing import json_digest, tokenizer_digest
 from common.io import atomic_write_json, exists, join, resolve
 from common.provenance import git_sha, tool_version
+from shards.provenance import Provenance, provenance_of
 from target.checkpoint import text_config
 from target.identity import StoredHead, read_stored_head, target_identity
 from target.identity_check import OVERRIDE_KEY, check_target
@@ -55,6 +56,7 @@ from train.data import Batch, DataStream
 from train.distributed import Dist
 from train.drafter_config import DrafterConfig, target_rope
 from train.kernels import TRAIN_KEYS, KernelPlan, OnKernels, choose_kernels
+from train.mask_token import MaskTokenChoice, check_mask_token_absent, resolve_mask_token
 from train.metrics import truncate_after
 from train.model import DFlashDrafter, TargetHead
 from train.run_dir import claim_run_dir, release_run_dir
@@ -88,52 +90,11 @@ def _load_tokenizer(target_dir: str):
     return AutoTokenizer.from_pretrained(target_dir, trust_remote_code=False)
 
 
-def resolve_mask_token(provenance: dict, tokenizer, configured: int | None) -> tuple[int, str]:
-    """(mask token id, where it came from): the shards' provenance, else the target tokenizer's
-    mask token, else the config. A configured id that contradicts the chosen source is refused:
-    the drafter must be trained with the id the serving side will put into its blocks.
-    """
-    prov_id = (provenance.get("tokenizer") or {}).get("mask_token_id")
-    tok_id = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
-    if prov_id is not None:
-        how = ((provenance.get("tokenizer") or {}).get("mask_token") or {}).get("source")
-        found = (int(prov_id), "shards provenance tokenizer.mask_token_id" + (f" ({how})" if how else ""))
-    elif tok_id is not None:
-        found = (int(tok_id), "target tokenizer mask_token")
-    elif configured is not None:
-        return configured, "config model.mask_token_id"
-    else:
-        raise ValueError(
-            "no mask token id: the shards' provenance has no tokenizer.mask_token_id, the target tokenizer defines no "
-            "mask_token, and config key 'model.mask_token_id' is not set"
-        )
-    if configured is not None and configured != found[0]:
-        raise ValueError(f"config key 'model.mask_token_id' = {configured} contradicts the {found[1]} = {found[0]}")
-    return found
-
-
-def check_mask_token_absent(dataset, mask_token_id: int, source: str) -> None:
-    """ValueError naming the setting if a sample holds the mask token (the drafter would read it both
-    as a real token and as the mask). The shards' own mask token is absent by construction: extraction
-    rejects every sample that holds it. Any other id is looked for in the input_ids of every shard."""
-    if source.startswith("shards provenance"):
-        return
-    log.info("mask token id %d (%s): checking that no sample of the shards holds it", mask_token_id, source)
-    held = dataset.samples_holding(mask_token_id)
-    if held:
-        where = (
-            "config key 'model.mask_token_id'" if source.startswith("config") else "the target tokenizer's mask_token"
-        )
-        raise ValueError(
-            f"{where} = {mask_token_id} occurs in the shards' input_ids (samples {', '.join(held)}); the mask "
-            "token must never occur in the data: set model.mask_token_id to an id the data does not hold, or extract "
-            "again (extraction chooses one and records it in the provenance)"
-        )
-
-
-def build_drafter_config(cfg: TrainConfig, target_cfg: dict, provenance: dict, mask_token_id: int) -> DrafterConfig:
+def build_drafter_config(
+    cfg: TrainConfig, target_cfg: dict, provenance: Provenance, mask_token_id: int
+) -> DrafterConfig:
     """The drafter's config from the target's text config, the shards' taps and the model table."""
-    taps = (provenance.get("taps") or {}).get("layer_ids")
+    taps = None if provenance.taps.layer_ids is None else list(provenance.taps.layer_ids)
     layer_ids = cfg.model.target_layer_ids if cfg.model.target_layer_ids is not None else taps
     if layer_ids is None:
         raise ValueError(
@@ -191,7 +152,7 @@ class ResolvedTarget:
 
     path: str
     text_config: dict
-    mask_source: str
+    mask: MaskTokenChoice
     drafter_cfg: DrafterConfig
     identity: dict  # target.identity.target_identity of `path`
     check: dict  # how it compares with the shards' target (target.identity_check.check_target)
@@ -200,8 +161,8 @@ class ResolvedTarget:
 
 def resolve_target(cfg: TrainConfig, manifest: dict) -> ResolvedTarget:
     """Find the target, derive the drafter config, and refuse shards that do not fit it (naming the field)."""
-    provenance = manifest.get("provenance") or {}
-    path = cfg.model.target or (provenance.get("target") or {}).get("name_or_path")
+    provenance = provenance_of(manifest)
+    path = cfg.model.target or provenance.target.name_or_path
     if not path or not Path(path, "config.json").is_file():
         raise ValueError(f"config key 'model.target': no target checkpoint directory at {path!r} (set model.target)")
     # A family the drafter cannot share its embedding and head with is refused here, in one line; the two
@@ -210,19 +171,19 @@ def resolve_target(cfg: TrainConfig, manifest: dict) -> ResolvedTarget:
     identity = target_identity(path, stored_head)
     check = check_target(
         identity,
-        provenance.get("target"),
+        provenance.target.identity(),
         made=f"the shards at '{cfg.data.shards}' were extracted from",
         key=f"model.{OVERRIDE_KEY}",
         allowed=cfg.model.allow_target_mismatch,
     )
     target_cfg = text_config(path)
     tokenizer = _load_tokenizer(path)
-    mask_token_id, mask_source = resolve_mask_token(provenance, tokenizer, cfg.model.mask_token_id)
-    drafter_cfg = build_drafter_config(cfg, target_cfg, provenance, mask_token_id)
+    mask = resolve_mask_token(provenance, tokenizer, cfg.model.mask_token_id)
+    drafter_cfg = build_drafter_config(cfg, target_cfg, provenance, mask.token_id)
     # Storage tiers: fc reads the dataset's projected features when it has them (train.stored_features).
     drafter_cfg = dataclasses.replace(drafter_cfg, projection=drafter_projection(cfg.model.projection, manifest))
     check_compatible(manifest, expected_fields(drafter_cfg, target_cfg, tokenizer, topk_needed=1))
-    return ResolvedTarget(str(path), target_cfg, mask_source, drafter_cfg, identity, check, stored_head)
+    return ResolvedTarget(str(path), target_cfg, mask, drafter_cfg, identity, check, stored_head)
 
 
 def _open_stream(cfg: TrainConfig, split: RankSplit | None = None) -> DataStream:
@@ -307,7 +268,7 @@ class Run(OnKernels):
     def _prepare_claimed(cls, cfg: TrainConfig, stream: DataStream | None, dist: Dist, run_dir: Path, lock) -> "Run":
         stream = stream if stream is not None else _open_stream(cfg, dist.split)
         target = resolve_target(cfg, stream.dataset.manifest)  # refuses incompatible shards
-        check_mask_token_absent(stream.dataset, target.drafter_cfg.mask_token_id, target.mask_source)
+        check_mask_token_absent(stream.dataset, target.mask)
         kernels = _agreed_kernels(
             cfg, target.drafter_cfg, dist
         )  # refuses a kernel that cannot work, before anything runs
@@ -498,7 +459,7 @@ class Run(OnKernels):
                 "target": target.path,
                 "target_identity": target.identity,
                 "target_check": target.check,
-                "mask_token_source": target.mask_source,
+                "mask_token_source": target.mask.describe(),
                 "drafter_config": self.drafter_cfg.to_dict(),
                 "drafter_parameters": self.drafter.num_parameters(),
                 "total_steps": self.total_steps,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from shards.provenance import Provenance, provenance_of
 from train.config import DataConfig
 from train.stored_features import mixed_encoding_problems, projection_problems
 
@@ -57,27 +58,33 @@ def holdout_mask(sample_ids: list[str], fraction: float) -> np.ndarray:
     return np.fromiter((is_holdout(s, fraction) for s in sample_ids), dtype=bool, count=len(sample_ids))
 
 
-# expected key -> (path in the manifest, how it must relate to the expected value)
-EXPECTED_FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
-    "layer_ids": (("provenance", "taps", "layer_ids"), "equal"),
-    "hidden_width": (("hidden_width",), "equal"),
-    "hidden_size": (("provenance", "target", "hidden_size"), "equal"),
-    "vocab_size": (("provenance", "target", "vocab_size"), "equal"),
-    "tokenizer_hash": (("provenance", "tokenizer", "hash"), "equal"),
-    "topk": (("topk",), "at_least"),
-    "target_name": (("provenance", "target", "name_or_path"), "equal"),
-    "target_config_hash": (("provenance", "target", "config_hash"), "equal"),
+# expected key -> (the manifest field, how it must relate to the expected value)
+EXPECTED_FIELDS: dict[str, tuple[str, str]] = {
+    "layer_ids": ("provenance.taps.layer_ids", "equal"),
+    "hidden_width": ("hidden_width", "equal"),
+    "hidden_size": ("provenance.target.hidden_size", "equal"),
+    "vocab_size": ("provenance.target.vocab_size", "equal"),
+    "tokenizer_hash": ("provenance.tokenizer.hash", "equal"),
+    "topk": ("topk", "at_least"),
+    "target_name": ("provenance.target.name_or_path", "equal"),
+    "target_config_hash": ("provenance.target.config_hash", "equal"),
 }
 _MISSING = object()
 
 
-def _lookup(manifest: dict, path: tuple[str, ...]) -> Any:
-    node: Any = manifest
-    for part in path:
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
+def _recorded(manifest: dict, provenance: Provenance) -> dict[str, Any]:
+    """{field of EXPECTED_FIELDS: what the manifest records} (_MISSING where it records nothing)."""
+    values = {
+        "provenance.taps.layer_ids": None if provenance.taps.layer_ids is None else list(provenance.taps.layer_ids),
+        "hidden_width": manifest.get("hidden_width"),
+        "provenance.target.hidden_size": provenance.target.hidden_size,
+        "provenance.target.vocab_size": provenance.target.vocab_size,
+        "provenance.tokenizer.hash": provenance.tokenizer.hash,
+        "topk": manifest.get("topk"),
+        "provenance.target.name_or_path": provenance.target.name_or_path,
+        "provenance.target.config_hash": provenance.target.config_hash,
+    }
+    return {field: _MISSING if value is None else value for field, value in values.items()}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -111,19 +118,19 @@ def check_compatible(manifest: dict, expected: dict) -> None:
     problems += mixed_encoding_problems(manifest)
     if projection is not _MISSING:
         problems += projection_problems(manifest, projection)
+    recorded = _recorded(manifest, provenance_of(manifest))
     for key, want in expected.items():
-        path, rule = EXPECTED_FIELDS[key]
-        where = ".".join(path)
-        have = _lookup(manifest, path)
+        where, rule = EXPECTED_FIELDS[key]
+        have = recorded[where]
         if have is _MISSING:
             problems.append(f"manifest field '{where}' is missing; the drafter config expects {key}={want!r}")
         elif rule == "at_least" and not have >= want:
             problems.append(f"manifest field '{where}' = {have!r} but the drafter config needs {key} >= {want!r}")
         elif rule == "equal" and not _same(have, want):
             problems.append(f"manifest field '{where}' = {have!r} but the drafter config expects {key}={want!r}")
-    layer_ids = _lookup(manifest, EXPECTED_FIELDS["layer_ids"][0])
-    hidden_size = _lookup(manifest, EXPECTED_FIELDS["hidden_size"][0])
-    width = _lookup(manifest, EXPECTED_FIELDS["hidden_width"][0])
+    layer_ids, hidden_size, width = (
+        recorded[EXPECTED_FIELDS[key][0]] for key in ("layer_ids", "hidden_size", "hidden_width")
+    )
     if isinstance(manifest.get("projection"), dict):
         width = manifest["projection"].get("in_width", _MISSING)  # the projection reads the taps' features
     if _MISSING not in (layer_ids, hidden_size, width) and width != len(layer_ids) * hidden_size:

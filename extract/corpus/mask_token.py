@@ -31,6 +31,7 @@ import numpy as np
 from extract.corpus.files import CorpusFiles
 from extract.corpus.reading import token_id_lists
 from extract.corpus.rendering import control_token_ids
+from shards.provenance import MaskSource, MaskToken
 
 log = logging.getLogger(__name__)
 
@@ -47,23 +48,21 @@ _PROBE = [
 class MaskChoice:
     token_id: int | None
     token: str | None
-    source: str  # "config" | "tokenizer" | "auto" | "none"
+    source: MaskSource
     passed_over: tuple[int, ...] = ()  # auto: candidates skipped because the corpus holds them
 
-    def provenance(self) -> dict:
+    def record(self) -> MaskToken:
         """What the shards' provenance records besides `tokenizer.mask_token_id`."""
-        out = {"token": self.token, "source": self.source}
-        if self.passed_over:
-            out["passed_over"] = list(self.passed_over)
-        return out
+        return MaskToken(self.token, self.source, self.passed_over)
 
     def describe(self) -> str:
         if self.token_id is None:
             return "no mask token (the tokenizer has none and none could be chosen)"
         why = {
-            "config": "set by mask_token_id",
-            "tokenizer": "the tokenizer's mask_token",
-            "auto": "chosen automatically: a special token that neither the chat template nor the corpus holds",
+            MaskSource.CONFIG: "set by mask_token_id",
+            MaskSource.TOKENIZER: "the tokenizer's mask_token",
+            MaskSource.AUTO: "chosen automatically: a special token that neither the chat template nor the corpus "
+            "holds",
         }[self.source]
         skipped = f"; skipped {list(self.passed_over)}, which the corpus holds" if self.passed_over else ""
         return f"mask token {self.token!r} = id {self.token_id} ({why}{skipped})"
@@ -116,12 +115,12 @@ def choose_mask_token(tokenizer, configured: int | None, corpora: list[CorpusFil
     when a configured or tokenizer mask token could occur in the data."""
     special = control_token_ids(tokenizer)
     if configured is not None:
-        given = (configured, "config")
+        given = (configured, MaskSource.CONFIG)
     else:
-        given = (getattr(tokenizer, "mask_token_id", None), "tokenizer")
+        given = (getattr(tokenizer, "mask_token_id", None), MaskSource.TOKENIZER)
     if given[0] is not None:
         token_id, source = int(given[0]), given[1]
-        where = "config key 'mask_token_id'" if source == "config" else "the tokenizer's mask_token"
+        where = "config key 'mask_token_id'" if source is MaskSource.CONFIG else "the tokenizer's mask_token"
         if token_id not in special:
             log.warning(
                 "%s = %d (%r) is not a special token: record text can produce it, and each sample that holds it "
@@ -141,8 +140,8 @@ def choose_mask_token(tokenizer, configured: int | None, corpora: list[CorpusFil
     for token_id in candidates:
         if token_id not in held:
             passed = tuple(i for i in candidates if i < token_id)
-            return MaskChoice(token_id, _text(tokenizer, token_id), "auto", passed)
-    return MaskChoice(None, None, "none", tuple(candidates))
+            return MaskChoice(token_id, _text(tokenizer, token_id), MaskSource.AUTO, passed)
+    return MaskChoice(None, None, MaskSource.NONE, tuple(candidates))
 
 
 def _text(tokenizer, token_id: int) -> str:

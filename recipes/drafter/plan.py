@@ -24,9 +24,10 @@ import os
 import tomllib
 
 from common.config import flatten_dotted
-from recipes.drafter.runner import Stage
+from recipes.runner import Stage
 
 TABLE_STAGES = ("regenerate", "extract", "train", "eval")  # the stages that read a config file's table
+EXPORT_FILES = ("config.json", "model.safetensors", "dflash_export.json")  # an export's records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,12 +182,11 @@ def evaluation_stages(job: Job) -> list[Stage]:
 
 
 def export_stage(job: Job) -> Stage:
-    names = ("config.json", "model.safetensors", "dflash_export.json")
     return Stage(
         "export",
         "train.serve.export",
         stage_args(job, "export", [job.run_dir, job.export_dir], []),
-        records=tuple(os.path.join(job.export_dir, n) for n in names),
+        records=tuple(os.path.join(job.export_dir, n) for n in EXPORT_FILES),
         clear=(job.export_dir,),
         needs=("drafter training",),
     )

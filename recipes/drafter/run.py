@@ -7,7 +7,7 @@ the summary.
 Layout of OUT (`DrafterRecipeConfig.out_dir`):
 
     drafter.json          the config, the derived defaults with their reasons, how the prompt sets were made
-    stages.json           the ledger of the steps (recipes.drafter.runner)
+    stages.json           the ledger of the steps (recipes.runner)
     prompts/              train.jsonl, heldout.jsonl: the prompt sets the steps read
     regen/{train,heldout} the target's own answers (python -m extract.regenerate)
     shards/{train,heldout} hidden states of the taps and the target's top-k (python -m extract)
@@ -22,31 +22,17 @@ from __future__ import annotations
 import json
 import os
 
-from common.config import ConfigError, config_to_dict, parse_cli
+from common.config import config_to_dict
 from common.io import atomic_write_text, read_record
-from extract.config import ExtractConfig
-from extract.regenerate.config import RegenerateConfig
 from recipes.drafter.config import DrafterRecipeConfig
 from recipes.drafter.defaults import Derived, derive, stage_defaults
 from recipes.drafter.plan import Heldout, Job, plan_stages
 from recipes.drafter.prompts import PromptSplit, split_prompts
 from recipes.drafter.results import DTYPE_NAMES, eval_pair, num, pick_spec, timings_line
-from recipes.drafter.runner import Ledger, Runner, Stage
+from recipes.runner import Ledger, Runner
+from recipes.step_check import check_steps
+from shards.provenance import provenance_of
 from target.arch import check_architecture
-from train.config import TrainConfig
-from train.eval.__main__ import parse_args as parse_eval_args
-from train.report.config import parse_report_args
-from train.serve.cli import parse_export_args, parse_specdecode_args
-
-PARSERS = {
-    "extract.regenerate": lambda args: parse_cli(RegenerateConfig, args, section="regenerate"),
-    "extract": lambda args: parse_cli(ExtractConfig, args, section="extract"),
-    "train": lambda args: parse_cli(TrainConfig, args, section="train"),
-    "train.eval": parse_eval_args,
-    "train.serve.export": parse_export_args,
-    "train.serve.specdecode": parse_specdecode_args,
-    "train.report": parse_report_args,
-}
 
 
 def build_job(cfg: DrafterRecipeConfig, prompts: PromptSplit, derived: list[Derived]) -> Job:
@@ -68,16 +54,6 @@ def build_job(cfg: DrafterRecipeConfig, prompts: PromptSplit, derived: list[Deri
         defaults=defaults,
         overrides=cfg.overrides,
     )
-
-
-def check_steps(groups: list[list[Stage]]) -> None:
-    """Every step's command line through its stage's own parser, before anything runs: a bad
-    STAGE.key=value fails here, naming the stage and the key."""
-    for stage in (s for group in groups for s in group):
-        try:
-            PARSERS[stage.module](list(stage.args))
-        except (ConfigError, ValueError) as exc:
-            raise ValueError(f"step '{stage.name}': {exc}") from None
 
 
 def run_drafter(cfg: DrafterRecipeConfig) -> dict:
@@ -122,18 +98,12 @@ def derived_record(item: Derived) -> dict:
 
 def shard_facts(job: Job) -> dict:
     """The taps and the mask token the training shards record (extraction's provenance)."""
-    provenance = read_record(os.path.join(job.shards_dir, "train", "manifest.json")).get("provenance", {})
-    tokenizer = provenance.get("tokenizer", {})
-    mask = tokenizer.get("mask_token") or {}
+    provenance = provenance_of(read_record(os.path.join(job.shards_dir, "train", "manifest.json")))
+    taps, tokenizer = provenance.taps.layer_ids, provenance.tokenizer
     return {
-        "taps": (provenance.get("taps") or {}).get("layer_ids"),
-        "mask_token": {"id": tokenizer.get("mask_token_id"), **mask},
+        "taps": None if taps is None else list(taps),
+        "mask_token": {"id": tokenizer.mask_token_id, **tokenizer.mask_token.to_dict()},
     }
-
-
-def step_seconds(runner: Runner, name: str) -> float:
-    """A step's time; steps run side by side share their group's (recorded as 'a + b + c')."""
-    return round(next((t for key, t in runner.timings.items() if name in key.split(" + ")), 0.0), 1)
 
 
 def drafter_summary(job: Job, runner: Runner, derived: list[Derived], prompts: PromptSplit) -> dict:
@@ -145,9 +115,7 @@ def drafter_summary(job: Job, runner: Runner, derived: list[Derived], prompts: P
     return {
         "target": job.target,
         "out": os.path.dirname(job.run_dir),
-        "steps": {
-            name: {"status": status, "seconds": step_seconds(runner, name)} for name, status in runner.status.items()
-        },
+        "steps": runner.summary(),
         "total_s": round(sum(runner.timings.values()), 1),
         "defaults": [derived_record(d) for d in derived],
         "prompts": prompts.record,

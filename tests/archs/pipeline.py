@@ -129,8 +129,8 @@ def recorded(outcome: Outcome, target: Path, summary: dict) -> Outcome:
     record = json.loads(Path(summary["out"], "drafter.json").read_text())
     outcome.derived = {d["what"]: d["value"] for d in record["derived"]}
     provenance = ShardDataset(str(Path(paths["shards"], "train"))).provenance
-    outcome.model_class, outcome.taps = provenance["target"]["loaded_as"], provenance["taps"]["layer_ids"]
-    outcome.attention, outcome.dtype = provenance["target"]["attn_implementation"], provenance["compute_dtype"]
+    outcome.model_class, outcome.taps = provenance.target.loaded_as, list(provenance.taps.layer_ids)
+    outcome.attention, outcome.dtype = provenance.target.attn_implementation, provenance.compute_dtype
     outcome.mask_token_id = summary["mask_token"]["id"]
     outcome.export = json.loads(Path(paths["export"], "config.json").read_text())
     arch = check_architecture(target)

@@ -70,9 +70,9 @@ def test_a_base_target_regenerates_and_extracts_with_a_template_file(base_target
     words = extract_words(target, tmp_path / "regen", tmp_path / "shards", f"chat_template={template}")
     done = pipeline.run(load_config(ExtractConfig, None, words), target=loaded, ranks=Ranks())[None]
     assert done["samples"] == 4 and loaded.tokenizer.chat_template is None  # the caller's tokenizer is untouched
-    manifest = ShardDataset(str(tmp_path / "shards")).provenance
-    assert manifest["tokenizer"]["chat_template_hash"] == digest
-    assert manifest["extract_config"]["chat_template"] == template
+    provenance = ShardDataset(str(tmp_path / "shards")).provenance
+    assert provenance.tokenizer.chat_template_hash == digest
+    assert provenance.extract_config["chat_template"] == template
 
     other = tmp_path / "other.jinja"
     other.write_text(open(template, encoding="utf-8").read().replace("<|im_start|>", "<|im_start|> "))

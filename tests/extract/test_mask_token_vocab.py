@@ -13,6 +13,7 @@ import pytest
 
 from common.config import ConfigError
 from extract.checks import check_mask_token_id
+from shards.provenance import MaskSource
 from tests.extract.conftest import mixed_corpus
 
 
@@ -22,7 +23,7 @@ def test_an_id_outside_the_vocabulary_is_refused_naming_the_setting():
     with pytest.raises(ConfigError, match=r"config key 'mask_token_id': 400 lies outside .* \(ids 0\.\.399\)"):
         check_mask_token_id(400, 400)
     with pytest.raises(ValueError, match="the tokenizer's mask_token = 512 lies outside"):
-        check_mask_token_id(512, 400, "tokenizer")
+        check_mask_token_id(512, 400, MaskSource.TOKENIZER)
 
 
 def test_extraction_refuses_it_in_one_line_before_loading_the_target(tmp_path, saved_target, monkeypatch):

@@ -102,11 +102,35 @@ def test_dataset_is_valid_and_accounts_for_every_record(baseline):
     for reason in baseline["expected"]:
         assert reason in text
     prov = ds.provenance
-    assert (
-        prov["taps"]["layer_ids"] == LAYERS and "hidden_states[i+1]" in prov["taps"]["meaning"] and prov["topk"] == TOPK
-    )
-    assert prov["target"]["num_layers"] == 4 and prov["extract_config"]["topk"] == TOPK
+    assert prov.taps.layer_ids == tuple(LAYERS) and "hidden_states[i+1]" in prov.taps.meaning and prov.topk == TOPK
+    assert prov.target.num_layers == 4 and prov.extract_config["topk"] == TOPK
     assert json.load(open(os.path.join(root, "extract_config.json")))["layer_ids"] == LAYERS
+
+
+# What the run and the library versions change (paths, the code's version, digests of files that
+# record the transformers version or a torch-seeded initialization): masked before comparing.
+VOLATILE = {("target", "config_hash"), ("target", "weights_digest"), ("target", "head_digest"), ("tokenizer", "hash")}
+VOLATILE |= {(None, "git_sha"), (None, "tool_version")}
+
+
+def _masked(record, tmp: str, target: str, part: str | None = None):
+    if isinstance(record, dict):
+        return {
+            k: "<volatile>" if (part, k) in VOLATILE and v is not None else _masked(v, tmp, target, part or k)
+            for k, v in record.items()
+        }
+    if isinstance(record, list):
+        return [_masked(v, tmp, target, part) for v in record]
+    return record.replace(target, "<target>").replace(tmp, "<tmp>") if isinstance(record, str) else record
+
+
+def test_the_written_provenance_is_what_extraction_wrote_before_the_type(baseline, loaded_target):
+    """Issue 53: the manifest's provenance built through `shards.provenance.Provenance` is, key for
+    key, what extraction wrote before (tests/extract/golden/provenance.json, written by the code of
+    1258ce9 from this very fixture)."""
+    stored = json.load(open(os.path.join(baseline["root"], "manifest.json")))["provenance"]
+    golden = json.load(open(os.path.join(os.path.dirname(__file__), "golden", "provenance.json")))
+    assert _masked(stored, os.path.dirname(baseline["root"]), loaded_target.path) == golden
 
 
 def test_stored_values_equal_an_unbatched_capture(baseline, loaded_target):

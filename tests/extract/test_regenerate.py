@@ -448,12 +448,10 @@ def test_a_regenerated_corpus_extracts_with_the_loss_on_exactly_the_generated_to
     assert summary["samples"] == 13 and not summary["rejects"]
     ds = ShardDataset(str(tmp_path / "shards"))
     provenance = ds.provenance
-    assert provenance["tokenizer"]["chat_template_kwargs"] == {"enable_thinking": False}
-    assert provenance["corpus"]["regeneration"]["sampling"]["max_new_tokens"] == 10
-    assert (
-        provenance["corpus"]["regeneration"]["backend"]["kind"] == "local"
-        and "config" not in provenance["corpus"]["regeneration"]
-    )
+    assert provenance.tokenizer.chat_template_kwargs == {"enable_thinking": False}
+    regeneration = provenance.corpus.regeneration
+    assert regeneration["sampling"]["max_new_tokens"] == 10
+    assert regeneration["backend"]["kind"] == "local" and "config" not in regeneration
 
     stop = answer_stop_ids(model, chat_tokenizer)
     im_end = chat_tokenizer.convert_tokens_to_ids("<|im_end|>")

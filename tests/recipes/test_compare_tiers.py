@@ -126,25 +126,31 @@ def test_real_target_tier_configs_give_every_stage_a_valid_command(path):
             assert rank is None or spec is None or not spec.four_bit or rank % spec.group_size == 0, tier
 
 
-@pytest.mark.parametrize("jobs", [1, 3])
-def test_a_phase_marks_each_step_done_and_a_failure_stops_it_resumably(tmp_path, jobs):
-    """Steps 2-5 run their commands one after another or `jobs` at a time: either way each successful
-    step is marked done for the resumed run as it ends, the log records every command, and a failure
-    stops the tier comparison naming the command."""
-    from recipes.compare_tiers import _run_all_of
+def test_the_plan_ties_each_step_to_what_it_reads(tmp_path):
+    """Steps 2-5 as the runner's steps: a training is done only at its final checkpoint and redone
+    when its transcode is; an evaluation needs both runs it compares; a decoding its export."""
+    from recipes.compare_tiers import plan
 
-    cfg = CompareTiersConfig(out_dir=str(tmp_path), jobs=jobs)
-    done: list[str] = []
-    phase = [(f"ok {i}", ["-c", f"print({i})"], lambda i=i: done.append(f"ok {i}")) for i in range(3)]
-    log: list = []
-    _run_all_of(phase, cfg, log)
-    assert sorted(done) == ["ok 0", "ok 1", "ok 2"] and [entry["exit"] for entry in log] == [0, 0, 0]
-    if jobs > 1:
-        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["ok_0.log", "ok_1.log", "ok_2.log"]
-    failing = [("bad", ["-c", "raise SystemExit(5)"], lambda: done.append("bad")), *phase[:1]]
-    with pytest.raises(SystemExit, match=r"step failed.*exit 5"):
-        _run_all_of(failing, cfg, log)
-    assert "bad" not in done
+    cfg = load_config(
+        CompareTiersConfig, None, [f"out_dir={tmp_path}", 'tiers=["fp8"]', "seeds=[0]", "prompts={a = 'a.jsonl'}"]
+    )
+    datasets, runs, groups = plan(cfg, "TARGET")
+    names = [[s.name for s in group] for group in groups]
+    assert names == [
+        ["transcode fp8"],
+        ["train lossless-s0", "train fp8-s0"],
+        ["eval fp8-s0"],
+        ["export lossless-s0", "export fp8-s0"],
+        ["specdecode lossless-s0 (a)", "specdecode fp8-s0 (a)"],
+    ]
+    by_name = {s.name: s for group in groups for s in group}
+    fp8 = by_name["train fp8-s0"]
+    assert fp8.training_run == str(runs[("fp8", 0)]) and fp8.needs == ("transcode fp8",) and not fp8.records
+    assert f"data.shards={datasets['fp8']}" in fp8.args
+    assert by_name["eval fp8-s0"].needs == ("train lossless-s0", "train fp8-s0")
+    decoding = by_name["specdecode fp8-s0 (a)"]
+    assert decoding.needs == ("export fp8-s0",) and decoding.args[:2] == ("--target", "TARGET")
+    assert decoding.records == (str(runs[("fp8", 0)] / "specdecode-a.json"),)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """`make demo` (recipes.demo): the steps it runs, in order, and its closing summary read from their outputs.
 
 The demo's steps themselves are each tested elsewhere; a whole demo takes minutes (`make demo`). The
-steps run through recipes.drafter.runner (the drafter command's orchestration), whose child processes
+steps run through recipes.runner (the drafter command's orchestration), whose child processes
 these tests replace (`subprocess.run`)."""
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def test_summary_of_a_run_with_nothing_written_says_n_a(tmp_path):
 def test_each_step_says_its_time_as_it_ends(capsys):
     """A demo cut short keeps the times of the steps it finished: each step prints its own on ending,
     and a failing step still records and prints its time before the demo stops."""
-    from recipes.drafter.runner import step
+    from recipes.runner import step
 
     timings: dict[str, float] = {}
     step(timings, "first", ["-c", "pass"])
@@ -84,7 +84,7 @@ def test_each_step_says_its_time_as_it_ends(capsys):
 def test_steps_side_by_side_record_one_time_and_stop_on_a_failure(tmp_path, capsys):
     """A stage's steps run at once: the stage's wall time is recorded once (so the demo's total is still
     the sum of its timings), and a failing step stops the demo naming its log, after the others end."""
-    from recipes.drafter.runner import steps_together
+    from recipes.runner import steps_together
 
     slow = "import time; time.sleep(0.5); print('slow done')"
     timings: dict[str, float] = {"before": 1.0}

@@ -92,9 +92,10 @@ def command_cases(world: World, work: Path) -> list[tuple[str, str, list[str], s
         ("recipes.compare_tiers", "recipes.compare_tiers", ["seeds=abc"], "seeds"),
         ("recipes.drafter", "recipes.drafter.__main__", ["target=t", "prompts=p", "zz_unknown=1"], "zz_unknown"),
         ("recipes.drafter", "recipes.drafter.__main__", ["target=t", "prompts=p", f"out={ON_A_STORE}"], "out"),
-        ("recipes.data_ladder", "recipes.data_ladder", [missing, "--eval", base], missing),
-        ("recipes.data_ladder", "recipes.data_ladder", [cfg, "--eval", "no-such-set"], "--eval"),
-        ("recipes.data_ladder", "recipes.data_ladder", [cfg, "--eval", base, "--fractions", "abc"], "--fractions"),
+        ("recipes.data_ladder", "recipes.data_ladder", [missing, f"heldout=['{base}']"], missing),
+        ("recipes.data_ladder", "recipes.data_ladder", [cfg, "heldout=['no-such-set']"], "heldout"),
+        ("recipes.data_ladder", "recipes.data_ladder", [cfg, f"heldout=['{base}']", "fractions=abc"], "fractions"),
+        ("recipes.data_ladder", "recipes.data_ladder", [cfg, "--eval", base], "--eval"),
     ]
     return cases
 

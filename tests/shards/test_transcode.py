@@ -55,10 +55,11 @@ def test_fp8_transcode_holds_every_sample_quantized_and_names_its_source(tmp_pat
         assert np.array_equal(out[i].topk_ids, source[i].topk_ids) and np.array_equal(
             out[i].input_ids, source[i].input_ids
         )
-    transform = out.provenance["transform"]
+    transform = out.provenance.transform
     assert transform["encoding"] == "fp8" and transform["projection"] is None
     assert transform["source"]["path"] == str(src) and transform["source"]["samples"] == 12
-    assert out.provenance["target"] == source.provenance["target"]
+    assert out.provenance.target == source.provenance.target
+    assert {**source.manifest["provenance"], "transform": transform} == out.manifest["provenance"]  # as stored
     assert all("reconstruction" in e for e in out.shards)
 
 

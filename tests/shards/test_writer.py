@@ -335,7 +335,7 @@ def test_code_version_changes_do_not_block_resume(tmp_path):
         w.write(make_sample(0))
     with open_writer(tmp_path / "ds", provenance=provenance(git_sha="bbb", tool_version="0.2")) as w:
         w.write(make_sample(1))
-    assert ShardDataset(str(tmp_path / "ds")).provenance["git_sha"] == "aaa"
+    assert ShardDataset(str(tmp_path / "ds")).provenance.git_sha == "aaa"
 
 
 def test_leftovers_of_a_killed_writer_are_ignored_then_cleaned(tmp_path):

@@ -463,16 +463,16 @@ def test_data_config_as_a_nested_table():
 
 
 def test_a_mask_token_the_shards_hold_is_refused_unless_their_provenance_vouches_for_it(shards_root):
-    from train.prepare import check_mask_token_absent
+    from train.mask_token import MaskOrigin, MaskTokenChoice, check_mask_token_absent
 
     ds = ShardDataset(shards_root)
     held = int(ds[3].input_ids[1])
     with pytest.raises(ValueError, match=f"config key 'model.mask_token_id' = {held} occurs in the shards") as err:
-        check_mask_token_absent(ds, held, "config model.mask_token_id")
+        check_mask_token_absent(ds, MaskTokenChoice(held, MaskOrigin.CONFIG))
     assert ds[3].sample_id in str(err.value)
     with pytest.raises(ValueError, match="the target tokenizer's mask_token"):
-        check_mask_token_absent(ds, held, "target tokenizer mask_token")
-    check_mask_token_absent(ds, VOCAB + 5, "config model.mask_token_id")  # no sample holds it
-    check_mask_token_absent(ds, held, "shards provenance tokenizer.mask_token_id")  # extraction rejected holders
+        check_mask_token_absent(ds, MaskTokenChoice(held, MaskOrigin.TOKENIZER))
+    check_mask_token_absent(ds, MaskTokenChoice(VOCAB + 5, MaskOrigin.CONFIG))  # no sample holds it
+    check_mask_token_absent(ds, MaskTokenChoice(held, MaskOrigin.SHARDS))  # extraction rejected holders
     everyone = [ds[i].sample_id for i in range(len(ds)) if (ds[i].input_ids == held).any()]
     assert ds.samples_holding(held, limit=len(ds)) == everyone  # exact, in dataset order

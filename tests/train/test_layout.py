@@ -13,6 +13,7 @@ import torch
 
 from common.config import ConfigError, load_config
 from extract.config import ExtractConfig
+from shards.provenance import Provenance
 from tests.train.test_model import QWEN36_TEXT, tiny_config
 from train.attention import build_dense_mask, build_layer_masks
 from train.config import TrainConfig
@@ -61,7 +62,7 @@ ZLAB_QWEN36_DFLASH = {
 def zlab_drafter_config() -> DrafterConfig:
     """What `python -m train configs/qwen3.6-27b-zlab.toml` builds for the Qwen3.6-27B target and 5-tap shards."""
     cfg = load_config(TrainConfig, ZLAB_TOML, section="train")
-    provenance = {"taps": {"layer_ids": [1, 16, 31, 46, 61]}}
+    provenance = Provenance.from_dict({"taps": {"layer_ids": [1, 16, 31, 46, 61]}})
     return build_drafter_config(cfg, QWEN36_TEXT, provenance, mask_token_id=248070)
 
 

@@ -26,11 +26,12 @@ import torch
 from common.config import load_config
 from common.hashing import sample_id, tokenizer_digest
 from shards import Sample, ShardWriter
+from shards.provenance import Provenance
 from train.checkpoint import list_checkpoints, load_checkpoint
 from train.config import TrainConfig
 from train.loop import TrainingAborted, train
+from train.mask_token import MaskOrigin, resolve_mask_token
 from train.metrics import SKIP_KEYS, STEP_KEYS, read_metrics
-from train.prepare import resolve_mask_token
 from train.step import lr_at
 
 V, H, LAYERS, TAPS, TOPK = 64, 32, 4, [0, 2], 4
@@ -289,17 +290,21 @@ def test_mask_token_resolution():
     class Tok:
         mask_token_id = 7
 
-    assert resolve_mask_token({"tokenizer": {"mask_token_id": 7}}, None, None) == (
-        7,
-        "shards provenance tokenizer.mask_token_id",
-    )
-    assert resolve_mask_token({}, Tok(), None) == (7, "target tokenizer mask_token")
-    assert resolve_mask_token({"tokenizer": {"mask_token_id": 3}}, Tok(), None)[0] == 3  # provenance first
-    assert resolve_mask_token({}, None, 5) == (5, "config model.mask_token_id")
+    def resolve(provenance: dict, tokenizer, configured):
+        choice = resolve_mask_token(Provenance.from_dict(provenance), tokenizer, configured)
+        return choice.token_id, choice.describe()
+
+    assert resolve({"tokenizer": {"mask_token_id": 7}}, None, None) == (7, "shards provenance tokenizer.mask_token_id")
+    recorded = {"mask_token_id": 7, "mask_token": {"token": "<m>", "source": "auto"}}
+    assert resolve({"tokenizer": recorded}, None, None) == (7, "shards provenance tokenizer.mask_token_id (auto)")
+    assert resolve_mask_token(Provenance.from_dict({"tokenizer": recorded}), None, None).origin is MaskOrigin.SHARDS
+    assert resolve({}, Tok(), None) == (7, "target tokenizer mask_token")
+    assert resolve({"tokenizer": {"mask_token_id": 3}}, Tok(), None)[0] == 3  # provenance first
+    assert resolve({}, None, 5) == (5, "config model.mask_token_id")
     with pytest.raises(ValueError, match="model.mask_token_id' = 5 contradicts"):
-        resolve_mask_token({"tokenizer": {"mask_token_id": 7}}, None, 5)
+        resolve({"tokenizer": {"mask_token_id": 7}}, None, 5)
     with pytest.raises(ValueError, match="no mask token id"):
-        resolve_mask_token({"tokenizer": {}}, None, None)
+        resolve({"tokenizer": {}}, None, None)
 
 
 def test_cli_entry_point(tiny, tmp_path, capsys):

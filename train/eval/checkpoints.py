@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shards.provenance import provenance_of
 from target.identity import StoredHead, target_identity
 from target.identity_check import OVERRIDE_KEY, check_target
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
@@ -99,7 +100,7 @@ def target_dir_for(info: CheckpointInfo, override: str | None, manifest: dict) -
         (f"run.json 'target' of '{info.run_dir}'", info.run_info.get("target")),
         (
             "the eval shards' provenance target.name_or_path",
-            ((manifest.get("provenance") or {}).get("target") or {}).get("name_or_path"),
+            provenance_of(manifest).target.name_or_path,
         ),
     )
     for source, value in candidates:
@@ -118,7 +119,7 @@ def check_eval_target(
     its embedding and head already read, hashed instead of read again."""
     identity = target_identity(target_dir, stored)
     run = info.run_dir or info.path
-    shards_target = (manifest.get("provenance") or {}).get("target")
+    shards_target = provenance_of(manifest).target.identity()
     return {
         "identity": identity,
         "run": check_target(

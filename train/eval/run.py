@@ -104,17 +104,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
 
     runtime = Runtime.from_config(cfg, [info.drafter_config.head_dim for info in infos])
     cfg = resolved_config(cfg, runtime, split, fraction, boundaries)
-    targets = [target_dir_for(info, cfg.target, manifest) for info in infos]
-    # Each target's embedding and head are read once: hashed for every check, kept for every model.
-    stored = {target: stored_head_or_none(target) for target in dict.fromkeys(targets)}
-    target_checks = [
-        check_eval_target(info, target, cfg.data, manifest, cfg.allow_target_mismatch, stored[target])
-        for info, target in zip(infos, targets)
-    ]
-    models = [
-        load_eval_model(info, target, runtime.device, runtime.head_dtype, stored[target])
-        for info, target in zip(infos, targets)
-    ]
+    targets, target_checks, models = _checked_models(infos, cfg, manifest, runtime)
     eval_start = time.perf_counter()
     table, scores = run_blocks(models, data, cfg, runtime, bucket_of_sample)
     seconds = time.perf_counter() - eval_start
@@ -171,15 +161,37 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
         "tool_version": tool_version(),
     }
     if len(infos) == 2:
-        first, second = report["checkpoints"]
-        report["ratio"] = {
-            "overall": metric_ratios(first["overall"], second["overall"]),
-            "buckets": [metric_ratios(a, b) for a, b in zip(first["buckets"], second["buckets"])],
-        }
+        report["ratio"] = _ratios(*report["checkpoints"])
 
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(str(out), json.dumps(report, indent=1, sort_keys=False) + "\n")
     return report, out
+
+
+def _checked_models(
+    infos: list[CheckpointInfo], cfg: EvalConfig, manifest: dict, runtime: Runtime
+) -> tuple[list[str], list[dict], list]:
+    """(each checkpoint's target directory, its target check, its model loaded for scoring)."""
+    targets = [target_dir_for(info, cfg.target, manifest) for info in infos]
+    # Each target's embedding and head are read once: hashed for every check, kept for every model.
+    stored = {target: stored_head_or_none(target) for target in dict.fromkeys(targets)}
+    target_checks = [
+        check_eval_target(info, target, cfg.data, manifest, cfg.allow_target_mismatch, stored[target])
+        for info, target in zip(infos, targets)
+    ]
+    models = [
+        load_eval_model(info, target, runtime.device, runtime.head_dtype, stored[target])
+        for info, target in zip(infos, targets)
+    ]
+    return targets, target_checks, models
+
+
+def _ratios(first: dict, second: dict) -> dict:
+    """The second checkpoint's metrics over the first's, overall and per bucket."""
+    return {
+        "overall": metric_ratios(first["overall"], second["overall"]),
+        "buckets": [metric_ratios(a, b) for a, b in zip(first["buckets"], second["buckets"])],
+    }
 
 
 def resolved_config(

@@ -15,6 +15,7 @@ import numpy as np
 
 from common.hashing import json_digest
 from common.io import join, read_json, resolve
+from shards.provenance import provenance_of
 from train.buckets import assign_buckets
 from train.eval.checkpoints import CheckpointInfo
 from train.eval.config import EvalConfig
@@ -146,9 +147,8 @@ def expected_manifest_fields(info: CheckpointInfo, train_manifest: dict | None) 
         "topk": 1,
         "projection": cfg.projection,
     }
-    provenance = (train_manifest or {}).get("provenance") or {}
-    tokenizer_hash = (provenance.get("tokenizer") or {}).get("hash")
-    config_hash = (provenance.get("target") or {}).get("config_hash")
+    provenance = provenance_of(train_manifest or {})
+    tokenizer_hash, config_hash = provenance.tokenizer.hash, provenance.target.config_hash
     if tokenizer_hash is not None:
         expected["tokenizer_hash"] = tokenizer_hash
     if config_hash is not None:

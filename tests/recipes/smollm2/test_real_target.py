@@ -18,6 +18,7 @@ from extract.config import ExtractConfig
 from extract.corpus.mask_token import choose_mask_token, mask_token_candidates
 from extract.ranks import Ranks
 from shards import ShardDataset
+from shards.provenance import MaskSource, MaskToken
 
 TAPS = [1, 8, 14, 21, 27]  # configs/smollm2-135m.toml
 CHATS = [
@@ -83,9 +84,10 @@ def test_taps_and_topk_equal_transformers_on_the_same_inputs(extracted):
 
 def test_the_mask_token_is_chosen_and_recorded(extracted):
     target, ds = extracted
-    tokenizer = ds.provenance["tokenizer"]
-    assert tokenizer["mask_token_id"] == 3
-    assert tokenizer["mask_token"] == {"token": "<repo_name>", "source": "auto"}
+    tokenizer = ds.provenance.tokenizer
+    assert tokenizer.mask_token_id == 3
+    assert tokenizer.mask_token == MaskToken("<repo_name>", MaskSource.AUTO)
+    assert ds.manifest["provenance"]["tokenizer"]["mask_token"] == {"token": "<repo_name>", "source": "auto"}
     for i in range(len(ds)):
         assert 3 not in ds[i].input_ids
 

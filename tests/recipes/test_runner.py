@@ -1,4 +1,4 @@
-"""recipes.drafter.runner, the orchestration of the drafter command and the demos, on stand-in steps (a
+"""recipes.runner, the orchestration of the drafter command and the demos, on stand-in steps (a
 module that writes its output from its input): what is skipped, resumed, redone or run, and what a
 changed setting or input reruns."""
 
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from recipes.drafter.runner import Ledger, Runner, Stage, final_checkpoint
+from recipes.runner import Ledger, Runner, Stage, final_checkpoint
 
 FAKE = """
 import json, os, sys
@@ -28,6 +28,10 @@ def main(argv):
     with open(out, "w") as f:
         json.dump({"value": args.get("value"), "input": source, "resumed": resumed, "complete": True}, f)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -94,3 +98,21 @@ def test_a_training_run_is_done_at_its_final_checkpoint(tmp_path):
     (tmp_path / "checkpoints/step-00000020").mkdir()
     (tmp_path / "checkpoints/step-00000020/state.json").write_text("{}")
     assert final_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoints/step-00000020/state.json")
+
+
+def test_side_by_side_runs_a_group_a_few_at_a_time_and_a_failure_names_its_step(tmp_path, steps):
+    """A group of independent steps as processes, `max_running` at a time, each with its own log; each
+    is recorded done as it ends, so a failure of another keeps it."""
+    from tests.paths import child_pythonpath
+
+    a, _, c = steps()
+    (tmp_path / "fail").write_text("")
+    d = str(tmp_path / "d" / "out.json")
+    bad = Stage("D", "fake_step", (f"out={d}", f"fail_once={tmp_path / 'fail'}"), records=(d,))
+    env = {"PYTHONPATH": child_pythonpath(str(tmp_path))}
+    runner = Runner(Ledger(str(tmp_path / "stages.json")), env=env, side_by_side=True, max_running=2, show_tail=0)
+    runner.log_dir = str(tmp_path / "logs")
+    with pytest.raises(SystemExit, match="step 'D'"):
+        runner.run([[a[0], c[0], bad]])
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["A.log", "C.log", "D.log"]
+    assert run(tmp_path, [[a[0], c[0]]]) == {"A": "skipped", "C": "skipped"}

@@ -1,7 +1,8 @@
-"""The one orchestration of the multi-stage commands (`make drafter`, `make demo`): every step is a
-stage's own command (`python -m extract ...`), run with this interpreter as a child process (or in
-this process, `in_process`), in order, with its time printed as it ends; a failing step stops the
-command naming it.
+"""The one step runner of every recipe (`make drafter`, `make demo`, `make tiers`, the data ladder):
+every step is a stage's own command (`python -m extract ...`), run with this interpreter as a child
+process (or in this process, `in_process`), in order, with its time printed as it ends; a failing
+step stops the command naming it. A recipe plans its steps as groups of `Stage`s (each group needs
+only what earlier groups wrote) and hands them to a `Runner`.
 
 Resumable: a ledger (`stages.json` beside the outputs) records each step's command, the digests of
 what it read (its input files, the records of the steps it needs) and, once it succeeded, the
@@ -54,7 +55,7 @@ class Stage:
     clear: tuple[str, ...] = ()  # removed before it is redone with other settings
     needs: tuple[str, ...] = ()  # steps whose output it reads
     reads: tuple[str, ...] = ()  # files it reads besides those
-    training_run: str = ""  # a training run directory: done when its final checkpoint is there
+    training_run: str = ""  # a training run directory: done when its final checkpoint is there (never before)
 
     @property
     def argv(self) -> list[str]:
@@ -71,7 +72,8 @@ def file_digest(path: str) -> str:
 
 
 def final_checkpoint(run_dir: str) -> str | None:
-    """The state.json of a training run's final checkpoint (step = the run's total_steps), or None."""
+    """The state.json of a training run's final checkpoint (step = the run's total_steps, run.json),
+    or None: the trainer writes it last, so a run killed after an earlier checkpoint is not done."""
     try:
         with open(os.path.join(run_dir, "run.json")) as f:
             total = int(json.load(f)["total_steps"])
@@ -191,15 +193,19 @@ def steps_together(
     *,
     label: str = "demo",
     on_success: Callable[[str], None] | None = None,
+    max_running: int = 0,
+    show_tail: int = 60,
 ) -> None:
-    """The steps of `group` as processes side by side, each writing to its own log in `log_dir` (their
-    progress bars would interleave), its end printed as it ends (`on_success(name)` as soon as a step
-    ends well). The group's wall time is recorded under the steps' names joined by ' + ', so the
-    command's total stays the sum of its timings."""
+    """The steps of `group` as processes side by side (`max_running` at a time, 0: all), each writing
+    to its own log in `log_dir` (their progress bars would interleave), its end printed as it ends with
+    its log's last `show_tail` lines (`on_success(name)` as soon as a step ends well). The group's wall
+    time is recorded under the steps' names joined by ' + ', so the command's total stays the sum of
+    its timings."""
     name = " + ".join(n for n, _ in group)
     print(f"\n=== {name}, side by side (logs in {log_dir}/)", flush=True)
     start = time.time()
-    ended = run_side_by_side(group, log_dir, max_running=len(group), env=env, on_success=on_success)
+    at_once = max_running or len(group)
+    ended = run_side_by_side(group, log_dir, max_running=at_once, env=env, on_success=on_success, show_tail=show_tail)
     timings[name] = time.time() - start
     print(f"=== {name}: {timings[name]:.1f} s ({label} so far {sum(timings.values()):.1f} s)", flush=True)
     failed = [f"'{e.name}' (exit {e.exit}, log {e.log})" for e in ended if e.exit != 0]
@@ -210,7 +216,8 @@ def steps_together(
 @dataclasses.dataclass
 class Runner:
     """Runs groups of steps in order against a ledger. A group of several steps runs side by side
-    when `side_by_side` (a GPU: small launch-bound processes share it), else one after another."""
+    when `side_by_side` (a GPU: small launch-bound processes share it; `max_running` at a time, 0:
+    the whole group, each ending with its log's last `show_tail` lines), else one after another."""
 
     ledger: Ledger
     env: dict[str, str] | None = None
@@ -218,6 +225,8 @@ class Runner:
     in_process: bool = False
     side_by_side: bool = False
     log_dir: str = "logs"
+    max_running: int = 0
+    show_tail: int = 60
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     status: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -234,7 +243,10 @@ class Runner:
                 by_name = {s.name: s for s, _ in todo}
                 steps = [(s.name, s.argv) for s, _ in todo]
                 finished = lambda name: self._finished(by_name[name])  # noqa: E731
-                steps_together(self.timings, steps, self.env, self.log_dir, label=self.label, on_success=finished)
+                at_once = {"max_running": self.max_running, "show_tail": self.show_tail}
+                steps_together(
+                    self.timings, steps, self.env, self.log_dir, label=self.label, on_success=finished, **at_once
+                )
             else:
                 for s, position in todo:
                     kwargs = {"label": self.label, "in_process": self.in_process, "position": position}
@@ -243,6 +255,14 @@ class Runner:
             if stop_after and group[-1].name == stop_after:
                 return False
         return True
+
+    def seconds(self, name: str) -> float:
+        """A step's time; steps run side by side share their group's (recorded as 'a + b + c')."""
+        return round(next((t for key, t in self.timings.items() if name in key.split(" + ")), 0.0), 1)
+
+    def summary(self) -> dict[str, dict]:
+        """{step: {"status": ran | skipped | resumed | redone, "seconds": s}}, in the order they came."""
+        return {name: {"status": status, "seconds": self.seconds(name)} for name, status in self.status.items()}
 
     def _prepare(self, stage: Stage, position: str) -> bool:
         """Decide the step; say a skip, resume or redo; clear what a redo replaces. True when it must run."""
