@@ -5,8 +5,11 @@
   (output_hidden_states would keep all 65 of Qwen3.6 alive).
 - Final logits: the base (text) model is called with `use_cache=False`; its `last_hidden_state`
   is the output of the last layer after the model's own final norm, from the same forward. The
-  model's own `lm_head` (and the model's own post-scaling, `Target.logits_fn`) is applied to it
-  in chunks of `logits_chunk` real positions, so full-vocabulary logits never exist for a batch.
+  causal LM's own output path (`Target.logits_fn`, `target.head.OwnHead`: its own forward from the
+  decoder's output on, so its head, multipliers and soft-capping) turns it into logits in chunks
+  of `logits_chunk` real positions, so full-vocabulary logits never exist for a batch.
+- Whole prefills: every sample goes through the decoder in one forward, never split into chunks of
+  its length (a hybrid target's recurrent layers give other values for a split prefill).
   Log-probs are `logit - logsumexp(logits)` in float32 (= log_softmax), top-k sorted descending,
   equal values by ascending id (so the stored top-1 is exactly `logits.argmax(-1)`).
 - Padding: only real positions reach lm_head; per-sample NaN/Inf flags cover real positions only.
@@ -73,7 +76,7 @@ def final_topk(target, hidden_NH: torch.Tensor, k: int, chunk: int) -> tuple[tor
     finite_N = torch.empty(N, dtype=torch.bool, device=device)
     for start in range(0, N, chunk):
         end = min(N, start + chunk)
-        logits_CV = target.logits_fn(target.lm_head(hidden_NH[start:end])).float()
+        logits_CV = target.logits_fn(hidden_NH[start:end]).float()
         lse_C = torch.logsumexp(logits_CV, dim=-1)
         values_CK, ids_CK = ties_lowest_id_first(*torch.topk(logits_CV, k, dim=-1, sorted=True))
         ids_NK[start:end] = ids_CK.to(torch.int32)

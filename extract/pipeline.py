@@ -2,7 +2,8 @@
 
     check       `checks.check_inputs`: corpora, output paths and a second writer, before the target loads;
                 each split's `checks.SplitInputs` (its config settled with its corpus)
-    load        the target on this rank's devices (`resolve_devices`), its layer ids and vocabulary checked
+    load        the target on this rank's devices (`resolve_devices`), its layer ids and vocabulary checked,
+                and its self-check without the cache (`target.self_check`: the stored logits are the model's own)
     plan        per split: the provenance (`provenance.build_provenance`) and the `SplitRun` that carries
                 what the split needs; this rank's manifest lock, the resume point
                 (`provenance.resume_point`), the storage tier's projection, the shard writer
@@ -71,6 +72,7 @@ from target.arch import check_architecture
 from target.chat_template import with_chat_template
 from target.load import Target, check_layer_ids, load_target, read_text_config
 from target.packing import packing_probe, packing_refusal, use_packed_sdpa
+from target.self_check import self_check
 
 log = logging.getLogger("extract")
 
@@ -88,6 +90,7 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
         check_layer_ids(cfg.layer_ids, target.num_layers)
     check_topk(cfg.topk, target.vocab_size)
     check_mask_token_id(cfg.mask_token_id, target.vocab_size)
+    check_stored_logits(target)
     # chat_template=FILE: the file's template renders the chats and is the one the provenance hashes.
     target = dataclasses.replace(target, tokenizer=with_chat_template(target.tokenizer, cfg.chat_template))
     restore_attention = prepare_packing(target) if cfg.packing else None
@@ -106,6 +109,17 @@ def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None
         if restore_attention is not None:  # a target the caller passed in stays as it came
             restore_attention()
     return summaries
+
+
+def check_stored_logits(target: Target) -> None:
+    """The self-check's parts that extraction's output rests on (`target.self_check`, without the cache):
+    every layer returns one hidden state per token and the log-probabilities it stores are the model's
+    own; ValueError (one line with the numbers) otherwise."""
+    checked = self_check(target, cache=False)
+    refusal = checked.refusal()
+    if refusal is not None:
+        raise refusal
+    log.info("self-check (%.1f s): %s", checked.seconds, next(c.line for c in checked.checks if c.name == "logits"))
 
 
 def prepare_packing(target: Target):

@@ -5,7 +5,8 @@ step stops the command naming it. A recipe plans its steps as groups of `Stage`s
 only what earlier groups wrote) and hands them to a `Runner`.
 
 Resumable: a ledger (`stages.json` beside the outputs) records each step's command, the digests of
-what it read (its input files, the records of the steps it needs) and, once it succeeded, the
+what it read (its input files by content, the records of the steps it needs, the target directory's
+`target.identity.directory_digest`, its table of the config file) and, once it succeeded, the
 digests of its records (the files it writes last: `regenerate.json`, `manifest.json`, the final
 checkpoint's `state.json`, the export's files, the result JSON). A step is then
 
@@ -55,6 +56,7 @@ class Stage:
     clear: tuple[str, ...] = ()  # removed before it is redone with other settings
     needs: tuple[str, ...] = ()  # steps whose output it reads
     reads: tuple[str, ...] = ()  # files it reads besides those
+    digests: tuple[tuple[str, str], ...] = ()  # (what, digest) of other inputs: the target directory, a config table
     training_run: str = ""  # a training run directory: done when its final checkpoint is there (never before)
 
     @property
@@ -125,14 +127,17 @@ class Ledger:
     def inputs(self, stage: Stage) -> dict:
         ups = {name: (self.entries.get(name) or {}).get("records") for name in stage.needs}
         files = {p: file_digest(p) if os.path.isfile(p) else None for p in stage.reads}
-        return {"steps": ups, "files": files}
+        return {"steps": ups, "files": files, "digests": dict(stage.digests)}
 
     def decide(self, stage: Stage) -> tuple[str, dict | None]:
         """('skip' | 'resume' | 'redo' | 'run', the records when complete)."""
         entry, records = self.entries.get(stage.name), done_records(stage)
         if entry is None:
             return "run", records
-        same = entry.get("args") == stage.argv and entry.get("inputs") == self.inputs(stage)
+        now, recorded = self.inputs(stage), entry.get("inputs") or {}
+        if "digests" not in recorded:  # a ledger written before the digests existed: compared without them
+            now.pop("digests")
+        same = entry.get("args") == stage.argv and recorded == now
         if same and records is not None and entry.get("state") == "done" and entry.get("records") == records:
             return "skip", records
         if same and records is None:

@@ -26,11 +26,14 @@ PARSERS = {
 }
 
 
-def check_steps(groups: list[list[Stage]]) -> None:
+def check_steps(groups: list[list[Stage]]) -> dict:
     """Every step's command line through its stage's own parser, before anything runs: a bad
-    STAGE.key=value fails here, naming the step and the key (ValueError)."""
+    STAGE.key=value fails here, naming the step and the key (ValueError). Returns {module: its parsed
+    config} (the last step's where several run one module), for checks across steps."""
+    parsed = {}
     for stage in (s for group in groups for s in group):
         try:
-            PARSERS[stage.module](list(stage.args))
+            parsed[stage.module] = PARSERS[stage.module](list(stage.args))
         except (ConfigError, ValueError) as exc:
             raise ValueError(f"step '{stage.name}': {exc}") from None
+    return parsed

@@ -17,7 +17,16 @@ model's skeleton with empty weights from the config), whether a checkpoint offer
 - an input embedding module that is a table lookup times a constant: Gemma's multiplies the row
   by sqrt(hidden_size) (`embed_scale`), and the drafter's block embedding is what that module returns,
   as z-lab's code, SGLang and vLLM's Gemma-4 support compute it (docs/serving.md, "Embedding and head");
-- decoder layers and a final norm that `target.load.reach_text_parts` finds.
+- decoder layers and a final norm that `target.load.reach_text_parts` finds: the decoder is what
+  transformers' `get_decoder()` returns, or, where that is the causal LM itself (Llama-4 text), its
+  shallowest submodule holding the layer stack (`find_decoder`); the final norm goes by the names
+  transformers' decoders give it (`FINAL_NORMS`: `norm`, `final_layernorm`, RecurrentGemma's
+  `final_norm`, LFM2's `embedding_norm`, XGLM's `layer_norm`, ...);
+- attention layers: a recurrent-only model (Mamba, Mamba-2: no `num_attention_heads`) is refused, as
+  the drafter's attention takes its heads, head width and rope from the target's;
+- one hidden state per token out of each decoder layer: Gemma-3n's layers carry stacked streams
+  (AltUp, `altup_num_inputs`), which a tap cannot store; the self-check (`target.self_check`) checks
+  the shape of every layer's output on a real forward for any other family.
 
 The stages that load a target call it first: regeneration and extraction (so an unusable target is
 refused at the first stage, before any forward pass), training and evaluation (`TargetHead` reads
@@ -41,11 +50,22 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from target.checkpoint import INDEX_FILE, stored_name, tensor_names, text_config
 
-__all__ = ["TargetArch", "check_architecture", "find_layers", "find_attr", "LAYER_CONTAINERS", "FINAL_NORMS"]
+__all__ = [
+    "TargetArch",
+    "check_architecture",
+    "find_decoder",
+    "find_final_norm",
+    "find_layers",
+    "find_attr",
+    "LAYER_CONTAINERS",
+    "FINAL_NORMS",
+]
 
-# Where transformers' decoders keep their layer stack and their final norm (Llama `layers`, GPT-2 `h`, ...).
+# Where transformers' decoders keep their layer stack and their final norm (Llama `layers`, GPT-2 `h`,
+# RecurrentGemma `final_norm`, LFM2 `embedding_norm` (applied after the last layer), XGLM `layer_norm`).
 LAYER_CONTAINERS = ("layers", "h", "blocks", "block")
-FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
+FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm", "embedding_norm")
+FINAL_NORMS_LAST = ("layer_norm",)  # a common name of per-layer norms too: only on a decoder without the others
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +107,7 @@ def _checked(path: str, trust_remote_code: bool, stamp: tuple) -> TargetArch:
 
     embed, head = _accessed(model.get_input_embeddings), _accessed(model.get_output_embeddings)
     hidden = int(model.config.get_text_config().hidden_size)
-    problem = _parts_problem(model, embed, head, hidden)
+    problem = _kind_problem(model.config) or _parts_problem(model, embed, head, hidden)
     if problem:
         raise refuse(problem)
     embed_tensor = head_tensor = None
@@ -162,9 +182,27 @@ def _parts_problem(model: nn.Module, embed, head, hidden: int) -> str | None:
         )
     if getattr(head, "bias", None) is not None:
         return "its output head has a bias (the drafter's logits are the head's weight times its hidden state)"
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    if find_layers(decoder) is None or find_attr(decoder, FINAL_NORMS, nn.Module) is None:
-        return f"cannot find the decoder layers and final norm of {type(decoder).__name__}"
+    decoder = find_decoder(model)
+    if decoder is None:
+        return f"cannot find its decoder layers (no submodule of {type(model).__name__} holds a layer stack)"
+    if find_final_norm(decoder) is None:
+        return f"cannot find the final norm of {type(decoder).__name__} (looked for {', '.join(FINAL_NORMS)})"
+    return None
+
+
+def _kind_problem(config) -> str | None:
+    """Why a family whose parts are all there still cannot work (None: it can)."""
+    text = config.get_text_config()
+    if getattr(text, "altup_num_inputs", None):
+        return (
+            f"its decoder layers carry {text.altup_num_inputs} stacked streams (AltUp) instead of one hidden state "
+            "per token, which a tap cannot store"
+        )
+    if not getattr(text, "num_attention_heads", None):
+        return (
+            "it has no attention layers (a recurrent-only model: no num_attention_heads); the drafter's attention "
+            "takes its heads, head width and rope from the target's"
+        )
     return None
 
 
@@ -243,6 +281,22 @@ def find_attr(module: nn.Module, names, kind):
         if isinstance(child, kind):
             return child
     return None
+
+
+def find_decoder(model: nn.Module) -> nn.Module | None:
+    """The text decoder: what transformers' `get_decoder()` returns when it holds the layer stack, else
+    (`get_decoder()` giving the causal LM itself, as Llama-4 text's does) the shallowest submodule that
+    holds one; None when no module does."""
+    first = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if find_layers(first) is not None:
+        return first
+    by_depth = sorted(first.named_modules(), key=lambda item: item[0].count(".") if item[0] else -1)
+    return next((m for _, m in by_depth if find_layers(m) is not None), None)
+
+
+def find_final_norm(decoder: nn.Module) -> nn.Module | None:
+    """The decoder's final norm, by the names transformers gives it (`FINAL_NORMS`)."""
+    return find_attr(decoder, FINAL_NORMS, nn.Module) or find_attr(decoder, FINAL_NORMS_LAST, nn.Module)
 
 
 def find_layers(decoder: nn.Module) -> nn.ModuleList | None:

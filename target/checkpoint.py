@@ -25,7 +25,7 @@ from typing import Iterable
 
 import torch
 from safetensors import safe_open
-from transformers import CONFIG_MAPPING
+from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from target.rules import nested_text_config
 
@@ -38,6 +38,8 @@ __all__ = [
     "EMBED",
     "LM_HEAD",
     "INDEX_FILE",
+    "weight_files",
+    "check_weight_files",
 ]
 
 EMBED = "model.embed_tokens.weight"
@@ -47,14 +49,21 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_config(target_dir: str | os.PathLike) -> dict:
-    """The checkpoint's `config.json` as a dict (ValueError if missing or not JSON)."""
+    """The checkpoint's `config.json` as a dict, read as transformers reads it (ValueError if missing
+    or not JSON): `PretrainedConfig.get_config_dict`, which turns the `{"__float__": "Infinity"}`
+    objects transformers writes for non-finite floats (Mamba-2's `time_step_limit`) back into floats."""
     path = Path(target_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"target directory '{target_dir}' has no config.json")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"'{path}' is not valid JSON: {exc}") from None
+        config, _ = PretrainedConfig.get_config_dict(str(Path(target_dir)))
+    except (json.JSONDecodeError, OSError, EnvironmentError) as exc:
+        raise ValueError(f"'{path}' is not valid JSON: {_first_line(exc)}") from None
+    return config
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def text_config(target_dir: str | os.PathLike) -> dict:
@@ -117,6 +126,49 @@ def tensor_names(target_dir: str | os.PathLike) -> dict[str, str]:
             for name in handle.keys():
                 names[name] = file.name
     return names
+
+
+def weight_files(target_dir: str | os.PathLike) -> list[str]:
+    """The safetensors files the checkpoint's weights are in (the index's, else every one there), by name."""
+    root = Path(target_dir)
+    index = root / INDEX_FILE
+    if index.is_file():
+        return sorted(set(tensor_names(root).values()))
+    return sorted(p.name for p in root.glob("*.safetensors"))
+
+
+def check_weight_files(target_dir: str | os.PathLike) -> None:
+    """ValueError (one line naming the file) when a safetensors weight file is missing, truncated or
+    damaged: its header does not parse, or describes more tensor bytes than the file holds. Reads the
+    headers only (a truncated file otherwise ends the loader in a traceback)."""
+    root = Path(target_dir)
+    for name in weight_files(root):
+        path = root / name
+        if not path.is_file():
+            raise ValueError(f"target '{target_dir}': {name}, named by {INDEX_FILE}, is missing")
+        problem = _safetensors_problem(path)
+        if problem:
+            raise ValueError(f"target '{target_dir}': {name} is damaged or truncated ({problem}); copy it again")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, less than a header"
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            return f"its header says {length} bytes of header, the file holds {size}"
+        try:
+            header = json.loads(f.read(length))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return "its header is not a safetensors header"
+    expected = 8 + length + max(ends, default=0)
+    if size < expected:
+        return f"its header describes {expected} bytes, the file holds {size}"
+    return None
 
 
 def _candidates(name: str) -> list[str]:

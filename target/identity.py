@@ -1,13 +1,20 @@
-"""A target's identity: three digests of its checkpoint directory, each computed without building
-the model (`target_identity`), which extraction records in the shards' manifest and every later
-stage compares (`target.identity_check`):
+"""A target's identity: digests of its checkpoint directory, each computed without building the
+model (`target_identity`), which extraction records in the shards' manifest and every later stage
+compares (`target.identity_check`):
 
-  config_hash     xxh3-128 of config.json as parsed: another architecture, size or setting
-  weights_digest  the weight files' names and sizes and 1 MiB of each from its start, middle and
-                  end: another checkpoint differs there
-  head_digest     every byte of the stored embedding and output head, with their dtype and shape:
-                  the two tensors a drafter shares with its target (a 27B's are 2 x 2.5 GB, read
-                  once per stage; the other 50 GB are not read); None without safetensors weights
+  config_hash             xxh3-128 of config.json as parsed: another architecture, size or setting
+  weights_digest          the weight files' names and sizes and 1 MiB of each from its start, middle
+                          and end (a quick fingerprint, kept so that records made before the next
+                          field existed still compare)
+  weights_content_digest  every byte of every weight file (`target.file_digests`: hashed once per
+                          file and cached by the file's identity): a weight changed anywhere in any
+                          file is another target
+  head_digest             every byte of the stored embedding and output head, with their dtype and
+                          shape, labelled the same whatever the stored names: the two tensors a
+                          drafter shares with its target; None without safetensors weights
+
+`directory_digest` is what the drafter command's ledger keys its steps by: the weights' content
+digest and every other file of the directory (config, tokenizer, chat template, generation config).
 
 `read_stored_head` reads those two tensors as stored; a stage that also keeps them (training's and
 evaluation's `train.model.TargetHead`) reads them once and hands them to `target_identity`.
@@ -23,19 +30,23 @@ import xxhash
 
 from common.hashing import json_digest
 from target.arch import TargetArch, check_architecture
-from target.checkpoint import EMBED, LM_HEAD, load_tensors, read_config
+from target.checkpoint import EMBED, LM_HEAD, load_tensors, read_config, weight_files
+from target.file_digests import file_digest
 
 __all__ = [
     "StoredHead",
     "read_stored_head",
     "target_identity",
     "weights_digest",
+    "weights_content_digest",
+    "directory_digest",
     "head_digest",
     "stored_head_digest",
     "stored_head_or_none",
 ]
 
 _DIGEST_SAMPLE_BYTES = 1 << 20
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
 
 
 def weights_digest(path: str | os.PathLike) -> str:
@@ -51,6 +62,41 @@ def weights_digest(path: str | os.PathLike) -> str:
             for at in sorted({0, max(0, size // 2 - _DIGEST_SAMPLE_BYTES // 2), max(0, size - _DIGEST_SAMPLE_BYTES)}):
                 f.seek(at)
                 h.update(f.read(_DIGEST_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def loaded_weight_files(path: str | os.PathLike) -> list[str]:
+    """The weight files transformers loads from the directory: its safetensors (the index's, else every
+    one), else its PyTorch `.bin` files; names, sorted."""
+    names = weight_files(path)
+    if names:
+        return names
+    return sorted(f for f in os.listdir(path) if f.endswith(".bin") and os.path.isfile(os.path.join(path, f)))
+
+
+def weights_content_digest(path: str | os.PathLike) -> str | None:
+    """xxh3-128 over every weight file's name, size and content digest (`target.file_digests`: every
+    byte, hashed once per file); None for a directory without weights."""
+    names = loaded_weight_files(path)
+    if not names:
+        return None
+    h = xxhash.xxh3_128()
+    for name in names:
+        full = os.path.join(path, name)
+        h.update(f"{name}:{os.path.getsize(full)}:{file_digest(full)}|".encode())
+    return h.hexdigest()
+
+
+def directory_digest(path: str | os.PathLike) -> str:
+    """Everything a stage reads from a target directory: the weights' content digest and every other
+    top-level file (config, tokenizer, chat template, generation config, remote code), by content;
+    weight files of other formats that transformers does not load here are left out."""
+    h = xxhash.xxh3_128()
+    h.update(f"weights:{weights_content_digest(path)}|".encode())
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isfile(full) and not name.endswith(WEIGHT_SUFFIXES):
+            h.update(f"{name}:{file_digest(full)}|".encode())
     return h.hexdigest()
 
 
@@ -106,12 +152,14 @@ def stored_head_digest(stored: StoredHead) -> str:
 
 
 def target_identity(target_dir: str | os.PathLike, stored: StoredHead | None = None) -> dict:
-    """{name_or_path, config_hash, weights_digest, head_digest} of a checkpoint directory; `stored`:
-    its embedding and head already read (`read_stored_head`), hashed instead of read again."""
+    """{name_or_path, config_hash, weights_digest, weights_content_digest, head_digest} of a checkpoint
+    directory; `stored`: its embedding and head already read (`read_stored_head`), hashed instead of
+    read again."""
     path = os.path.abspath(target_dir)
     return {
         "name_or_path": path,
         "config_hash": json_digest(read_config(path)),
         "weights_digest": weights_digest(path),
+        "weights_content_digest": weights_content_digest(path),
         "head_digest": stored_head_digest(stored) if stored is not None else head_digest(path),
     }

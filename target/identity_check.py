@@ -1,6 +1,6 @@
 """Whether a stage loads the target its input was made for (`check_target`), torch-free.
 
-Extraction records the target's identity (`target.identity`: config hash, weights digest,
+Extraction records the target's identity (`target.identity`: config hash, weights digests,
 embedding and head digest) in the shards' manifest (`provenance.target`). Training, offline
 evaluation, export and speculative decoding compute it for the target they are given and compare it
 with what their input records: training with the shards' manifest, evaluation with the run's
@@ -19,7 +19,7 @@ import logging
 
 __all__ = ["IDENTITY_FIELDS", "OVERRIDE_KEY", "recorded_identity", "check_target", "allowed_line"]
 
-IDENTITY_FIELDS = ("config_hash", "weights_digest", "head_digest")
+IDENTITY_FIELDS = ("config_hash", "weights_digest", "weights_content_digest", "head_digest")
 OVERRIDE_KEY = "allow_target_mismatch"
 
 log = logging.getLogger(__name__)

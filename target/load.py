@@ -2,7 +2,11 @@
 speculative decoding (`train/serve/spec_target.py`), so both read the same features the same way.
 
 Any Hugging Face causal LM from a local directory is reduced to what these need: the text
-decoder's layers, its final norm and `lm_head`. Multimodal checkpoints such as Qwen3.6-27B
+decoder's layers, its final norm, `lm_head` and the model's own output path from the decoder's last
+hidden state to its final logits (`target.head.OwnHead`). Loading refuses, in one line, a truncated or
+damaged safetensors file and a checkpoint that lacks a tensor the model expects (transformers' loading
+info: it would initialise the tensor randomly, differently in every process); `Target.loading` keeps
+that info for the self-check (`target.self_check`). Multimodal checkpoints such as Qwen3.6-27B
 (`Qwen3_5ForConditionalGeneration`) are loaded through `AutoModelForCausalLM`, which gives the
 text-only class (`Qwen3_5ForCausalLM`: no vision tower, layers at `model.model.layers`); if a
 checkpoint has no causal-LM mapping, the image-text class is loaded and its text decoder reached
@@ -31,8 +35,9 @@ from torch import nn
 
 from common.config import fail
 from common.hashing import json_digest
-from target.arch import FINAL_NORMS, find_attr, find_layers
-from target.checkpoint import read_config
+from target.arch import find_decoder, find_final_norm, find_layers
+from target.checkpoint import check_weight_files, read_config
+from target.head import OwnHead
 from target.identity import target_identity
 from target.kernel_routing import install_fla_convolution, route_kernels_by_device
 from target.rules import auto_layer_ids
@@ -54,7 +59,8 @@ class Target:
     text_config: object
     tokenizer: object
     path: str
-    logits_fn: Callable[[torch.Tensor], torch.Tensor]  # lm_head output -> the model's final logits
+    logits_fn: Callable[[torch.Tensor], torch.Tensor]  # final-normed hidden [N, H] -> the model's logits [N, V]
+    loading: dict = dataclasses.field(default_factory=dict)  # transformers' loading info (`load_target`)
 
     @property
     def num_layers(self) -> int:
@@ -139,24 +145,49 @@ def load_target(
         kwargs.update(device_map=device_map, max_memory=max_memory)
     else:
         kwargs.update(device_map={"": str(device)})
+    check_weight_files(path)  # a truncated or damaged file: one line naming it, not a traceback from the loader
+    kwargs.update(output_loading_info=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except ValueError as err:
         if "Unrecognized configuration class" not in str(err):
             raise
         from transformers import AutoModelForImageTextToText
 
-        model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+        model, info = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    loading = check_loading_info(path, info)
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return reach_text_parts(model, tokenizer, path)
+    return dataclasses.replace(reach_text_parts(model, tokenizer, path), loading=loading)
+
+
+def check_loading_info(path: str, info: dict) -> dict:
+    """transformers' loading info as lists; ValueError (one line) when a tensor the model expects was
+    not in the weight files (transformers initialises it randomly, differently in every process that
+    loads the target) or had another shape. Unexpected tensors (stored, not used: e.g. a multi-token
+    prediction head) are recorded, not refused."""
+    loading = {key: sorted(str(k) for k in (info.get(key) or ())) for key in ("missing_keys", "mismatched_keys")}
+    loading["unexpected_keys"] = sorted(str(k) for k in (info.get("unexpected_keys") or ()))
+    loading["error_msgs"] = [str(m) for m in (info.get("error_msgs") or ())]
+    problems = {
+        "missing_keys": "tensor(s) the model expects are not in its weight files",
+        "mismatched_keys": "stored tensor(s) have another shape than the model's",
+        "error_msgs": "error(s) from transformers loading its weights",
+    }
+    for key, what in problems.items():
+        if loading[key]:
+            raise ValueError(
+                f"target '{path}': {len(loading[key])} {what} (first: {loading[key][0]}); transformers would "
+                "initialise them randomly, differently in every process that loads it: give the complete checkpoint"
+            )
+    return loading
 
 
 def reach_text_parts(model: nn.Module, tokenizer=None, path: str = "") -> Target:
     """Find the text decoder, its layers, final norm and lm_head in a loaded model (any wrapper)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = find_decoder(model) or model
     layers = find_layers(decoder)
-    final_norm = find_attr(decoder, FINAL_NORMS, nn.Module)
+    final_norm = find_final_norm(decoder)
     lm_head = model.get_output_embeddings()
     if layers is None or final_norm is None or lm_head is None:
         missing = [
@@ -172,31 +203,8 @@ def reach_text_parts(model: nn.Module, tokenizer=None, path: str = "") -> Target
         model.config.use_cache = False
     route_kernels_by_device(model)
     install_fla_convolution(model)
-    return Target(
-        model, decoder, layers, final_norm, lm_head, text_config, tokenizer, path, final_logits_fn(text_config)
-    )
-
-
-def final_logits_fn(text_config) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What the causal LM does to `lm_head`'s output before returning logits (most models: nothing).
-
-    Covers the scalings transformers models apply after lm_head: Gemma-2/3 soft-capping, Cohere's
-    `logit_scale`, Granite's `logits_scaling`.
-    """
-    softcap = getattr(text_config, "final_logit_softcapping", None)
-    scale = getattr(text_config, "logit_scale", None)
-    divide = getattr(text_config, "logits_scaling", None)
-
-    def apply(logits: torch.Tensor) -> torch.Tensor:
-        if scale is not None and getattr(text_config, "model_type", "").startswith("cohere"):
-            logits = logits * scale
-        if divide is not None:
-            logits = logits / divide
-        if softcap is not None:
-            logits = torch.tanh(logits.float() / softcap) * softcap
-        return logits
-
-    return apply
+    head = OwnHead(model, decoder, lm_head, text_config)
+    return Target(model, decoder, layers, final_norm, lm_head, text_config, tokenizer, path, head)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,7 +218,12 @@ def target_provenance(target: Target) -> dict:
     identity = (
         target_identity(target.path)
         if target.path
-        else {"config_hash": json_digest(top), "weights_digest": None, "head_digest": None}
+        else {
+            "config_hash": json_digest(top),
+            "weights_digest": None,
+            "weights_content_digest": None,
+            "head_digest": None,
+        }
     )
     architectures = (
         top.get("architectures") or getattr(target.model.config, "architectures", None) or [type(target.model).__name__]
@@ -220,6 +233,7 @@ def target_provenance(target: Target) -> dict:
         "revision": getattr(target.model.config, "_commit_hash", None),
         "config_hash": identity["config_hash"],
         "weights_digest": identity["weights_digest"],
+        "weights_content_digest": identity["weights_content_digest"],
         "head_digest": identity["head_digest"],
         "architecture": architectures[0],
         "loaded_as": type(target.model).__name__,

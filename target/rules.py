@@ -8,6 +8,11 @@ config check reads the depth from config.json before any model code loads.
     tap_layer_ids(num_layers, n)    n taps from layer 1 to layer L-3, evenly (z-lab's rule)
     auto_tap_count(num_layers)      5 (the published drafters'); one per two layers below 10 layers
     drafter_layers(num_layers)      (drafter depth, reason): 5 (published); L // 4 (at least 1) below 20 layers
+    recurrent_layer_kinds(config)   the kinds of layer that carry a recurrent state (a hybrid target), or []
+
+config.json is read with the standard library here (its `{"__float__": "Infinity"}` objects, which
+transformers writes for non-finite floats, are kept as they are: no layer count or layer kind is one);
+`target.checkpoint.read_config` reads it as transformers does, for everything else.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ PUBLISHED_DRAFTER_LAYERS = 5
 # Where multimodal and wrapper checkpoints keep the text decoder's own config.
 TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config")
 DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+# Layer kinds that are attention (a cache of keys and values that a verify pass can cut back).
+ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+LAYER_KIND_KEYS = ("layer_types", "layers_block_type", "block_types")
 
 
 def config_depth(target_dir: str) -> int:
@@ -96,3 +104,17 @@ def drafter_layers(num_layers: int) -> tuple[int, str]:
         depth,
         f"a quarter of the target's {num_layers} layers (under 20: the published 5 would cost a round too much)",
     )
+
+
+def recurrent_layer_kinds(config: dict) -> list[str]:
+    """The kinds of the text decoder's layers that carry a recurrent state, sorted: Gated DeltaNet or
+    lightning `linear_attention`, `mamba`, LFM2's `conv`, RecurrentGemma's `recurrent`, read from
+    `layer_types` (or the other names families give that list); a config with `mamba_*` settings and
+    no such list (Falcon-H1, Jamba: every layer or every other one has a Mamba mixer) is `["mamba"]`.
+    Empty for a target of attention layers only."""
+    config = nested_text_config(config) or config
+    kinds = next((config[key] for key in LAYER_KIND_KEYS if isinstance(config.get(key), list)), [])
+    found = sorted({k for k in kinds if isinstance(k, str) and k not in ATTENTION_LAYER_KINDS})
+    if not found and any(key.startswith("mamba_") for key in config):
+        found = ["mamba"]
+    return found

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The weight-digest cache (target.file_digests) of the tests' own targets: not the user's ~/.cache.
+os.environ.setdefault("DFLASH_CACHE_DIR", tempfile.mkdtemp(prefix="dflash-test-cache-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

@@ -36,7 +36,7 @@ from extract.regenerate.answer_checks import (
 from extract.regenerate.config import RegenerateConfig, dataset_keys
 from extract.regenerate.conversation import Conversation, Renderer
 from extract.regenerate.local import LocalGenerator, Sampling, answer_window
-from extract.regenerate.server import ServerBackend, ServerStop
+from extract.regenerate.server import ServerBackend, ServerStop, chunked_prefill_advice
 from target.arch import check_architecture
 from target.chat_template import with_chat_template
 from target.checkpoint import read_config, text_config
@@ -149,6 +149,9 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
         os.makedirs(out, exist_ok=True)
     backend = None
     if cfg.backend == "server":
+        advice = chunked_prefill_advice(cfg.target)
+        if advice:
+            log.warning("%s", advice)
         backend = ServerBackend(cfg, renderer)
         backend.open()
         try:

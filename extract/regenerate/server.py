@@ -22,6 +22,12 @@ Failures:
   - after that, a 400/422 (or other 4xx) on a record refuses that record (reject `refused`, with the
     message: for example a prompt longer than the server's context);
   - `max_consecutive_failures` records in a row that failed or were refused stop the run.
+
+Hybrid targets (`chunked_prefill_advice`): a serving engine splits a long prompt's prefill into chunks
+by default; for a target with recurrent layers (Gated DeltaNet, Mamba) a split prefill is another
+computation than a whole one (z-lab measured the next-token argmax move at about 7% of positions on
+Qwen3.5-9B), so the answers would not be the target's own greedy continuations. The run warns, naming
+the engines' switches; extraction and speculative decoding prefill every prompt whole themselves.
 """
 
 from __future__ import annotations
@@ -36,12 +42,27 @@ from collections.abc import Callable, Iterable
 
 from extract.regenerate.conversation import Conversation, Generated
 from extract.regenerate.local import answer_seed
+from target.checkpoint import read_config
+from target.rules import recurrent_layer_kinds
 
 log = logging.getLogger(__name__)
 
 TRANSIENT_STATUS = {408, 409, 429}
 FATAL_STATUS = {401, 403, 404}
 MAX_BACKOFF_S = 60.0
+
+
+def chunked_prefill_advice(target_dir: str) -> str | None:
+    """The warning for answering through a serving engine with a hybrid target (None: attention only)."""
+    kinds = recurrent_layer_kinds(read_config(target_dir))
+    if not kinds:
+        return None
+    return (
+        f"target '{target_dir}' has recurrent layers ({', '.join(kinds)}): a prefill the server splits into chunks "
+        "gives other answers than the target's own; start the server with chunked prefill off: vLLM "
+        "--no-enable-chunked-prefill (with --max-num-batched-tokens at least --max-model-len), SGLang "
+        '--chunked-prefill-size -1 (docs/regenerate.md, "Hybrid targets")'
+    )
 
 
 class ServerStop(Exception):

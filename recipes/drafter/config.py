@@ -16,6 +16,8 @@ import tomllib
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+import xxhash
+
 from common.config import ATTN_IMPLEMENTATIONS, ConfigError, fail, knob, parse_cli
 
 # Every stage of the command, in order; the names of their `overrides` and of their config tables.
@@ -44,7 +46,13 @@ class DrafterRecipeConfig:
         help="with no `heldout` file: how many prompts to hold out; 0 = auto (10% of them, at least 2, at most 64)",
         min=0,
     )
-    out: str = knob("", help="output directory; empty = runs/drafter-<the target directory's name>", path="dir_out")
+    out: str = knob(
+        "",
+        help="output directory; empty = runs/drafter-<the target directory's name>-<8 hex digits of its resolved "
+        "path> (two targets in folders of one name get two folders); a folder that holds another target's drafter is "
+        "refused",
+        path="dir_out",
+    )
     server: str = knob(
         "",
         help="regenerate through a running OpenAI-compatible server (vLLM, SGLang, transformers serve) at this "
@@ -89,6 +97,12 @@ class DrafterRecipeConfig:
         path="local_in",
     )
     seed: int = knob(0, help="seed of the held-out carve, the drafter's init and its data order", min=0)
+    allow_cache_mismatch: bool = knob(
+        False,
+        help="accept a target whose forward through its cache differs from its full recompute beyond the self-check's "
+        'tolerance (docs/own-target.md, "The self-check"): the drafter is trained on the true outputs, but '
+        "speculative decoding through that cache is not exactly the target's greedy decoding; recorded in drafter.json",
+    )
     in_process: bool = knob(
         False,
         help="run every stage in this process instead of one process each (faster to start: tests, the architecture "
@@ -121,8 +135,21 @@ class DrafterRecipeConfig:
 
     @property
     def out_dir(self) -> str:
-        """Where everything goes: `out`, or runs/drafter-<the target directory's name>."""
-        return self.out or os.path.join("runs", "drafter-" + os.path.basename(os.path.normpath(self.target)))
+        """Where everything goes: `out`, or `default_out(target)`."""
+        return self.out or default_out(self.target)
+
+
+def default_out(target: str) -> str:
+    """runs/drafter-<the target directory's name>-<xxh3-64 of its resolved path, 8 hex digits>: `/A/target`
+    and `/B/target` get two folders, the same directory (however it is spelt) one."""
+    name = os.path.basename(os.path.normpath(target))
+    return os.path.join("runs", f"drafter-{name}-{xxhash.xxh3_64_hexdigest(os.path.realpath(target).encode())[:8]}")
+
+
+def legacy_out(target: str) -> str:
+    """The default folder before the digest was part of its name (runs/drafter-<name>): still used for a
+    target whose drafter is there, so that a rerun continues it."""
+    return os.path.join("runs", "drafter-" + os.path.basename(os.path.normpath(target)))
 
 
 def parse_drafter_args(argv: Sequence[str]) -> DrafterRecipeConfig:

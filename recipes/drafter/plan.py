@@ -24,9 +24,11 @@ import os
 import tomllib
 
 from common.config import flatten_dotted
+from common.hashing import json_digest
 from recipes.runner import Stage
 
 TABLE_STAGES = ("regenerate", "extract", "train", "eval")  # the stages that read a config file's table
+TEMPLATE_STAGES = ("regenerate", "extract", "specdecode")  # the stages that render chats with the target's template
 EXPORT_FILES = ("config.json", "model.safetensors", "dflash_export.json")  # an export's records
 
 
@@ -56,6 +58,8 @@ class Job:
     defaults: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     overrides: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     prepare: Stage | None = None
+    target_digest: str = ""  # `target.identity.directory_digest`: every step that reads the target is keyed by it
+    chat_template: str = ""  # a chat template file the target's steps read
 
     @property
     def run_dir(self) -> str:
@@ -92,6 +96,28 @@ def setting_key(word: str) -> str:
     return word.partition("=")[0].strip()
 
 
+def table_digest(config: str, stage: str) -> str | None:
+    """A digest of the config file's table for `stage` (None: no file or no such table)."""
+    if not config or stage not in TABLE_STAGES:
+        return None
+    with open(config, "rb") as f:
+        table = tomllib.load(f).get(stage)
+    return json_digest(table) if isinstance(table, dict) else None
+
+
+def inputs_of(job: Job, stage: str, *, target: bool = True) -> dict:
+    """A step's inputs besides its command line and the steps it needs: the target directory's content
+    (`target`), its config table's, and the chat template file of the steps that run the target."""
+    digests = []
+    if target and job.target_digest:
+        digests.append(("target directory", job.target_digest))
+    table = table_digest(job.config, stage)
+    if table:
+        digests.append((f"config table [{stage}]", table))
+    reads = (job.chat_template,) if job.chat_template and stage in TEMPLATE_STAGES else ()
+    return {"digests": tuple(digests), "reads": reads}
+
+
 def stage_args(job: Job, stage: str, positional: list[str], paths: list[str]) -> tuple[str, ...]:
     """[config file] POSITIONAL defaults-the-table-does-not-set PATHS overrides."""
     table = config_keys(job.config, stage)
@@ -122,7 +148,8 @@ def regeneration_stages(job: Job) -> list[list[Stage]]:
                 ),
                 records=(os.path.join(job.corpus(split), "regenerate.json"),),
                 clear=(job.corpus(split),),
-                reads=(prompts,),
+                reads=(prompts, *inputs_of(job, "regenerate")["reads"]),
+                digests=inputs_of(job, "regenerate")["digests"],
             )
         ]
         for split, prompts in job.sets.items()
@@ -139,7 +166,8 @@ def extraction_stage(job: Job) -> Stage:
         records=tuple(os.path.join(job.shards_dir, split, "manifest.json") for split in splits),
         clear=tuple(os.path.join(job.shards_dir, split) for split in splits),
         needs=tuple(f"regeneration ({split})" for split in splits) if job.regen_dir else (),
-        reads=() if job.regen_dir else tuple(splits.values()),
+        reads=(() if job.regen_dir else tuple(splits.values())) + inputs_of(job, "extract")["reads"],
+        digests=inputs_of(job, "extract")["digests"],
     )
 
 
@@ -156,6 +184,7 @@ def training_stage(job: Job) -> Stage:
         stage_args(job, "train", [], paths),
         clear=(job.run_dir,),
         needs=("extraction",),
+        digests=inputs_of(job, "train")["digests"],
         training_run=job.run_dir,
     )
 
@@ -176,6 +205,7 @@ def evaluation_stages(job: Job) -> list[Stage]:
             records=(job.eval_out(h.name),),
             clear=(job.eval_out(h.name),),
             needs=("drafter training", "extraction"),
+            digests=inputs_of(job, "eval")["digests"],
         )
         for h in order
     ]
@@ -189,6 +219,7 @@ def export_stage(job: Job) -> Stage:
         records=tuple(os.path.join(job.export_dir, n) for n in EXPORT_FILES),
         clear=(job.export_dir,),
         needs=("drafter training",),
+        digests=inputs_of(job, "export")["digests"],
     )
 
 
@@ -203,7 +234,8 @@ def decoding_stage(job: Job) -> Stage:
         records=(job.spec_out,),
         clear=(job.spec_out,),
         needs=("export",),
-        reads=(online.prompts,),
+        reads=(online.prompts, *inputs_of(job, "specdecode")["reads"]),
+        digests=inputs_of(job, "specdecode")["digests"],
     )
 
 
@@ -216,6 +248,7 @@ def report_stage(job: Job) -> Stage:
         records=(out,),
         clear=(out,),
         needs=("drafter training",),
+        digests=inputs_of(job, "report", target=False)["digests"],
     )
 
 

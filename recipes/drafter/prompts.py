@@ -1,16 +1,24 @@
-"""The drafter command's prompt sets: the training prompts and the held-out ones, written to
-OUT/prompts/{train,heldout}.jsonl (`split_prompts`).
+"""The drafter command's prompt sets: the training prompts and the held-out ones (`split_prompts`),
+written to OUT/prompts/{train,heldout}.jsonl once every check of step 1 has passed (`PromptSplit.write`).
 
 With no held-out file, the held-out set is carved from the prompts: the records whose xxh3-64 of
 (seed, the record's line) are the smallest, `heldout_count` of them (10%, at least 2, at most 64;
 copies of one record fall on the same side, so none is both trained on and held out). The rule
 depends only on each record's own text, so reordering or adding prompts moves few records. The
 smoke scale keeps the first `SMOKE_TRAIN` training and `SMOKE_HELDOUT` held-out records.
+
+Overlap: a training record whose prompt (every turn but the assistant's, which regeneration replaces)
+is also a held-out record's is left out of training, and the count is printed and recorded: τ is
+then measured on prompts the drafter never saw. Deduplicated rather than refused, because the held-out
+set is the user's deliberate choice of evaluation prompts and the overlap (two files sampled from one
+source, a prompt asked twice with other answers) costs training a few records; refused only when no
+training record would remain.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import xxhash
@@ -27,6 +35,13 @@ class PromptSplit:
     heldout: str
     record: dict  # how the sets were made (recorded in drafter.json)
     reason: str  # one line: printed with the other derived defaults
+    lines: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # {train, heldout: records}
+
+    def write(self) -> None:
+        """OUT/prompts/{train,heldout}.jsonl, the files the steps read."""
+        for name, path in (("train", self.train), ("heldout", self.heldout)):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write_text(path, "".join(line + "\n" for line in self.lines[name]))
 
 
 def read_records(path: str, key: str) -> list[str]:
@@ -49,6 +64,27 @@ def carve(lines: list[str], count: int, seed: int) -> tuple[list[str], list[str]
     return [x for x, h in zip(lines, hashes) if h not in chosen], [x for x, h in zip(lines, hashes) if h in chosen]
 
 
+def prompt_key(line: str) -> str:
+    """What makes a record the same prompt: every message but the assistant's (regeneration answers
+    anew), or the record as written when it is not a chat record."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list):
+        return line
+    turns = [m for m in messages if not (isinstance(m, dict) and m.get("role") == "assistant")]
+    return json.dumps(turns, sort_keys=True)
+
+
+def without_overlap(train: list[str], held: list[str]) -> tuple[list[str], int]:
+    """(the training records whose prompt no held-out record has, how many were left out)."""
+    seen = {prompt_key(line) for line in held}
+    kept = [line for line in train if prompt_key(line) not in seen]
+    return kept, len(train) - len(kept)
+
+
 def split_prompts(prompts: str, heldout: str, out_dir: str, *, asked: int, seed: int, smoke: bool) -> PromptSplit:
     lines = read_records(prompts, "prompts")
     if heldout:
@@ -69,15 +105,25 @@ def split_prompts(prompts: str, heldout: str, out_dir: str, *, asked: int, seed:
             + (f"heldout_prompts={asked}" if asked else "10%, at least 2, at most 64")
             + f"; the records of the smallest seeded hashes, seed {seed})"
         )
+    train, overlap = without_overlap(train, held)
+    if overlap:
+        reason += f"; {overlap} training prompts also held out: left out of training"
+        if not train:
+            raise ValueError(
+                f"config key 'heldout': every training prompt of {prompts} is also a held-out prompt; give held-out "
+                "prompts the training set does not hold"
+            )
     if smoke:
         train, held = train[:SMOKE_TRAIN], held[:SMOKE_HELDOUT]
         reason += f"; smoke scale: the first {len(train)} training and {len(held)} held-out prompts"
     if not train or not held:
         raise ValueError(f"config key '{'prompts' if not train else 'heldout'}': no records to use")
-    paths = {}
-    for name, records in (("train", train), ("heldout", held)):
-        paths[name] = os.path.join(out_dir, "prompts", f"{name}.jsonl")
-        os.makedirs(os.path.dirname(paths[name]), exist_ok=True)
-        atomic_write_text(paths[name], "".join(line + "\n" for line in records))
-    record = {**how, "train_records": len(train), "heldout_records": len(held), "files": paths}
-    return PromptSplit(paths["train"], paths["heldout"], record, reason)
+    paths = {name: os.path.join(out_dir, "prompts", f"{name}.jsonl") for name in ("train", "heldout")}
+    record = {
+        **how,
+        "train_records": len(train),
+        "heldout_records": len(held),
+        "overlap_left_out": overlap,
+        "files": paths,
+    }
+    return PromptSplit(paths["train"], paths["heldout"], record, reason, {"train": train, "heldout": held})

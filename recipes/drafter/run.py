@@ -1,12 +1,15 @@
 """`run_drafter(cfg) -> summary`: the drafter command as a library call (what `python -m
-recipes.drafter` and a test's in-process run do): the target's architecture checked (a family no
-DFlash drafter can serve is refused in one line, before anything is written), the prompt sets, the
-derived defaults, the steps (validated with each stage's own config before any runs), the run, and
-the summary.
+recipes.drafter` and a test's in-process run do). Before anything is written: the target's
+architecture (a family no DFlash drafter can serve is refused in one line), the output folder (one
+folder, one target), the prompt sets (held-out prompts left out of training), the derived defaults,
+the steps (each validated with its stage's own config), the checks a later step would make and the
+target's self-check (`recipes.drafter.checks`), all printed; then drafter.json and the prompt sets are
+written, the steps run, and the summary closes.
 
 Layout of OUT (`DrafterRecipeConfig.out_dir`):
 
-    drafter.json          the config, the derived defaults with their reasons, how the prompt sets were made
+    drafter.json          the config, the target (resolved path, content digest), the derived defaults with
+                          their reasons, the self-check's numbers, how the prompt sets were made
     stages.json           the ledger of the steps (recipes.runner)
     prompts/              train.jsonl, heldout.jsonl: the prompt sets the steps read
     regen/{train,heldout} the target's own answers (python -m extract.regenerate)
@@ -22,10 +25,24 @@ from __future__ import annotations
 import json
 import os
 
+from transformers import AutoTokenizer
+
 from common.config import config_to_dict
 from common.io import atomic_write_text, read_record
-from recipes.drafter.config import DrafterRecipeConfig
-from recipes.drafter.defaults import Derived, derive, stage_defaults
+from extract.regenerate.server import chunked_prefill_advice
+from recipes.drafter.checks import (
+    RECORD,
+    accepted_line,
+    check_drafter_shape,
+    check_key,
+    check_owner,
+    check_rendering,
+    mask_token,
+    recorded_owner,
+    target_self_check,
+)
+from recipes.drafter.config import DrafterRecipeConfig, legacy_out
+from recipes.drafter.defaults import Derived, derive, stage_defaults, value_of
 from recipes.drafter.plan import Heldout, Job, plan_stages
 from recipes.drafter.prompts import PromptSplit, split_prompts
 from recipes.drafter.results import DTYPE_NAMES, eval_pair, num, pick_spec, timings_line
@@ -33,10 +50,11 @@ from recipes.runner import Ledger, Runner
 from recipes.step_check import check_steps
 from shards.provenance import provenance_of
 from target.arch import check_architecture
+from target.identity import directory_digest
+from target.self_check import SelfCheck
 
 
-def build_job(cfg: DrafterRecipeConfig, prompts: PromptSplit, derived: list[Derived]) -> Job:
-    out = cfg.out_dir
+def build_job(cfg: DrafterRecipeConfig, out: str, prompts: PromptSplit, derived: list[Derived], digest: str) -> Job:
     defaults = stage_defaults(cfg, derived)
     defaults.setdefault("train", []).extend([f"seed={cfg.seed}", f"data.seed={cfg.seed}"])
     return Job(
@@ -53,32 +71,67 @@ def build_job(cfg: DrafterRecipeConfig, prompts: PromptSplit, derived: list[Deri
         server=cfg.server,
         defaults=defaults,
         overrides=cfg.overrides,
+        target_digest=digest,
+        chat_template=cfg.chat_template,
     )
+
+
+def output_folder(cfg: DrafterRecipeConfig) -> str:
+    """`cfg.out_dir`; with no `out`, the folder of the old default name when it holds this target's drafter
+    (a rerun then continues it) and the new one is not there yet."""
+    out = cfg.out_dir
+    old = legacy_out(cfg.target)
+    if cfg.out or os.path.isdir(out) or not os.path.isdir(old):
+        return out
+    owner = recorded_owner(old)
+    return old if owner is not None and owner["path"] == os.path.realpath(cfg.target) else out
 
 
 def run_drafter(cfg: DrafterRecipeConfig) -> dict:
     """Run (or resume) every step for `cfg`; the summary (also in OUT/summary.json). ValueError for a
-    user error (naming the key) and for a target no DFlash drafter can serve (one line, before anything
-    is written), SystemExit naming a failing step."""
+    user error (naming the key), for a target no DFlash drafter can serve and for one that fails its
+    self-check (one line, before anything is written), SystemExit naming a failing step."""
     if not os.path.isdir(cfg.target):
         raise ValueError(f"config key 'target': {cfg.target} is not a directory (a local Hugging Face model)")
     check_architecture(cfg.target)  # a family DFlash cannot serve: one line, before anything is written or run
-    out = cfg.out_dir
-    os.makedirs(out, exist_ok=True)
+    out = output_folder(cfg)
+    digest = directory_digest(cfg.target)
+    check_owner(out, cfg.target, digest)
     prompts = split_prompts(
         cfg.prompts, cfg.heldout, out, asked=cfg.heldout_prompts, seed=cfg.seed, smoke=cfg.scale == "smoke"
     )
     derived = derive(cfg)
-    job = build_job(cfg, prompts, derived)
+    job = build_job(cfg, out, prompts, derived, digest)
     groups = plan_stages(job)
-    check_steps(groups)
+    parsed = check_steps(groups)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    extract_cfg, train_cfg = parsed["extract"], parsed["train"]
+    check_rendering(cfg, tokenizer, extract_cfg, prompts.lines["train"] + prompts.lines["heldout"])
+    mask = mask_token(cfg, tokenizer, extract_cfg, train_cfg)
+    check_drafter_shape(cfg.target, train_cfg, list(extract_cfg.layer_ids), mask.value)
+    key = check_key(digest, *(value_of(derived, what) for what in ("dtype", "device", "attn_implementation")))
+    checked, reused = target_self_check(cfg, out, key)
+    derived = [mask if d.what == "mask token" else d for d in derived]  # extraction's own choice, now named
     print(f"drafter: {cfg.target} -> {out} ({cfg.scale} scale)\ndefaults derived from the target and this machine:")
     for item in derived:
         print(item.line())
-    print(f"  {'held-out prompts':<20}{prompts.record['heldout_records']!s:<22}{prompts.reason}", flush=True)
-    record = {"config": config_to_dict(cfg), "derived": [derived_record(d) for d in derived]}
-    atomic_write_text(os.path.join(out, "drafter.json"), json.dumps({**record, "prompts": prompts.record}, indent=2))
-    device = next(d.value for d in derived if d.what == "device")
+    print(f"  {'held-out prompts':<20}{prompts.record['heldout_records']!s:<22}{prompts.reason}")
+    again = " (checked before: the same target, dtype, device and kernel)" if reused else ""
+    print(f"target self-check ({checked['dtype']}, {checked['device']}, {checked['seconds']:.1f} s){again}:")
+    print("\n".join(SelfCheck.from_record(checked).lines()), flush=True)
+    for warning in (accepted_line(checked), chunked_prefill_advice(cfg.target) if cfg.server else None):
+        if warning:
+            print(f"drafter: warning: {warning}", flush=True)
+    os.makedirs(out, exist_ok=True)
+    prompts.write()
+    record = {
+        "config": config_to_dict(cfg),
+        "target": {"path": os.path.realpath(cfg.target), "digest": digest},
+        "derived": [derived_record(d) for d in derived],
+        "self_check": checked,
+    }
+    atomic_write_text(os.path.join(out, RECORD), json.dumps({**record, "prompts": prompts.record}, indent=2))
+    device = value_of(derived, "device")
     runner = Runner(
         Ledger(os.path.join(out, "stages.json")),
         in_process=cfg.in_process,

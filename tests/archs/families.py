@@ -5,9 +5,13 @@ taps by the derived rule; 4 heads) with the family's own features kept: Mistral'
 Gemma's scaled embedding and per-layer-type rope, GPT-2's `n_embd` spellings and tied
 `transformer.wte`, GPT-NeoX's `embed_in` / `embed_out` and partial rotary, gpt-oss's sinks and
 experts, the Gated DeltaNet layers of Qwen3-Next and Qwen3.5, DeepSeek-V3's MLA, Cohere's logit
-scale, Granite's multipliers, SmolLM3's NoPE layers. Families the installed transformers lacks are
-skipped by name; `REFUSED` families cannot be DFlash targets and must be refused by the drafter
-command before it writes or runs anything, in one line.
+scale, Granite's multipliers, SmolLM3's NoPE layers, Falcon-H1's `lm_head_multiplier` and Mamba-2
+mixers, Llama-4 text's decoder reached below `get_decoder()`, LFM2's and XGLM's final norms by their
+names. Families the installed transformers lacks are skipped by name; `REFUSED` families cannot be
+DFlash targets and must be refused by the drafter command before it writes or runs anything, in one
+line: by the architecture check (encoder-decoder, widths, a head bias, no attention, stacked streams)
+or by the target's self-check (a forward through the cache that differs from the full recompute, or
+fails).
 """
 
 from __future__ import annotations
@@ -129,6 +133,55 @@ FAMILIES: tuple[Family, ...] = (
     _family("Granite", "GraniteConfig", **WIDTH, embedding_multiplier=12.0, logits_scaling=8.0),
     _family("Cohere", "CohereConfig", **WIDTH, logit_scale=0.25),
     _family("SmolLM3", "SmolLM3Config", **WIDTH, no_rope_layer_interval=3),
+    _family(
+        "Falcon-H1 (Mamba-2 + attention, lm_head_multiplier)",
+        "FalconH1Config",
+        **WIDTH,
+        **HEAD,
+        mamba_d_ssm=32,
+        mamba_n_heads=4,
+        mamba_d_head=8,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_chunk_size=8,
+        lm_head_multiplier=0.5,
+    ),
+    _family(
+        "GraniteMoeHybrid (Mamba-2 layers)",
+        "GraniteMoeHybridConfig",
+        **WIDTH,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        shared_intermediate_size=32,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_chunk_size=8,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+    ),
+    _family(
+        "Llama-4 text (get_decoder() is the causal LM)",
+        "Llama4TextConfig",
+        **WIDTH,
+        **HEAD,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=64,
+        interleave_moe_layer_step=2,
+        no_rope_layers=[1, 1, 1, 0],
+        attention_chunk_size=8,
+    ),
+    _family("LFM2 (final norm `embedding_norm`)", "Lfm2Config", **WIDTH, layer_types=["conv", "full_attention"] * 2),
+    _family(
+        "XGLM (final norm `layer_norm`)",
+        "XGLMConfig",
+        d_model=32,
+        ffn_dim=64,
+        num_layers=4,
+        attention_heads=4,
+        max_position_embeddings=1024,
+    ),
 )
 
 REFUSED: tuple[Family, ...] = (
@@ -150,6 +203,87 @@ REFUSED: tuple[Family, ...] = (
         "PhiConfig",
         dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
         refused="output head has a bias",
+    ),
+    Family(
+        "Mamba-2 (recurrent only)",
+        "Mamba2Config",
+        dict(hidden_size=32, num_hidden_layers=4, num_heads=4, head_dim=16, state_size=8, n_groups=1, chunk_size=8),
+        refused="no attention layers",
+    ),
+    Family(
+        "Gemma-3n (stacked streams)",
+        "Gemma3nTextConfig",
+        dict(
+            **WIDTH,
+            **HEAD,
+            sliding_window=8,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=512,
+            laurel_rank=4,
+            num_kv_shared_layers=0,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            activation_sparsity_pattern=[0.0] * 4,
+        ),
+        refused="stacked streams",
+    ),
+    Family(
+        "Jamba (cache differs from the full forward)",
+        "JambaConfig",
+        dict(
+            **WIDTH,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            mamba_d_state=8,
+            mamba_dt_rank=4,
+            initializer_range=0.05,  # activations nearer a trained model's: the cache's error is 2e-2, not 6e-5
+        ),
+        refused="block through its cache differs",
+    ),
+    Family(
+        "MiniMax (cache differs from the full forward)",
+        "MiniMaxConfig",
+        dict(
+            **WIDTH,
+            **HEAD,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            block_size=8,
+        ),
+        refused="block through its cache differs",
+    ),
+    Family(
+        "Bamba (cache differs from the full forward)",
+        "BambaConfig",
+        dict(
+            **WIDTH,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+            attn_layer_indices=[1, 3],
+        ),
+        refused="block through its cache differs",
+    ),
+    Family(
+        "RecurrentGemma (no cache to verify through)",
+        "RecurrentGemmaConfig",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+            lru_width=32,
+            attention_window_size=8,
+            block_types=["recurrent", "recurrent", "attention"],
+        ),
+        refused="forward through a cache fails",
     ),
 )
 

@@ -35,6 +35,7 @@ from train.serve.decoding import greedy_generate
 from train.serve.prompts import prompts_from_jsonl, stop_token_ids
 from train.serve.spec_target import SpecTarget
 
+REFUSAL = "cannot be a DFlash target: "  # what the architecture check's refusals say before the reason
 WORDS = "the quick brown fox jumps over a lazy dog while birds sing in the tall green forest".split()
 PROMPTS = 8  # written chats; the command carves the held-out ones from them (10%, at least 2)
 ANSWER_WORDS = (36, 48)  # a word is a token of the chat tokenizer: extraction keeps answers of >= 32 tokens
@@ -50,6 +51,7 @@ class Outcome:
 
     family: str
     refused: str | None = None  # the command's one-line refusal
+    refused_why: str | None = None  # its reason, without paths or numbers (the refused table's)
     derived: dict = dataclasses.field(default_factory=dict)  # {what: value}, the command's derived defaults
     model_class: str = ""  # the class extraction loaded the target as (recorded in the shards)
     taps: list[int] | None = None  # recorded in the shards
@@ -119,6 +121,7 @@ def run_family(family: Family, tokenizer, work: Path) -> Outcome:
         )
     except ValueError as exc:
         outcome.refused = str(exc)
+        outcome.refused_why = getattr(exc, "reason", None) or str(exc).split(REFUSAL, 1)[-1]
         return outcome
     return recorded(outcome, target, summary)
 

@@ -1,6 +1,7 @@
 """docs/architectures.md, the supported-architecture table, as the matrix produces it.
 
-`render` writes the page from the matrix's outcomes (one row per family, in `families.ALL` order);
+`render` writes the page from the matrix's outcomes (a table of the families that go through, in
+`families.FAMILIES` order, then one of the refused families and why, in `families.REFUSED` order);
 `parse` reads the committed page back into {family: row}. The matrix's tests compare each family's
 row with the committed one and the page's frame with `render`'s, so the page cannot drift from
 what the command does; `python -m tests.archs --table` runs the matrix and rewrites the page.
@@ -18,7 +19,7 @@ import transformers
 
 from recipes.drafter.prompts import heldout_count
 from recipes.tiny import build_chat_tokenizer
-from tests.archs.families import ALL, Family
+from tests.archs.families import FAMILIES, REFUSED, Family
 from tests.archs.pipeline import PROMPTS, SETTINGS, WORDS, Outcome, run_family
 from tests.paths import REPO
 
@@ -34,7 +35,7 @@ COLUMNS = (
     "dtype",
     "attention",
 )
-REFUSAL = "cannot be a DFlash target: "
+REFUSED_COLUMNS = ("family", "config", "refused", "why")
 
 HEAD = """# Supported target architectures
 
@@ -50,12 +51,15 @@ drafter's depth, the mask token, the {heldout} held-out prompts it carves, the d
 kernel. The prompts come with written answers (`regenerate=false`): a random-weight target's answers are
 random tokens that do not survive the round trip through its tokenizer, so regeneration would drop them
 and the matrix does not run it. The command first checks the target's architecture
-(`target.arch.check_architecture`), then extracts, trains, evaluates, exports, decodes the
-held-out prompts speculatively and writes the training-health report (without plots); the matrix also
-decodes them with the export's own `spec_generate` (z-lab's quick start, the exported dflash.py).
+(`target.arch.check_architecture`) and runs the target's self-check, then extracts, trains, evaluates,
+exports, decodes the held-out prompts speculatively and writes the training-health report (without
+plots); the matrix also decodes them with the export's own `spec_generate` (z-lab's quick start, the
+exported dflash.py).
 "end to end, lossless" means both decodings equal the target's greedy decoding token for token, and the
-taps the command derived are those the shards and the export record; a family that cannot be a DFlash
-target is refused by the command before it writes or runs anything, with the one line shown.
+taps the command derived are those the shards and the export record. A family that cannot be a DFlash
+target is refused by the command before it writes anything (second table): by its architecture check
+before any step, or at step 1 by the target's self-check (docs/own-target.md, "The self-check"), in
+one line whose reason is shown here without its numbers.
 
 Columns: the transformers class extraction loaded the target as; the stored tensors the drafter shares,
 found through `get_input_embeddings()` / `get_output_embeddings()` (one name: tied); what the target's
@@ -68,11 +72,25 @@ as extraction recorded them in the shards (the same: the matrix checks it).
 """
 
 
+REFUSED_HEAD = """
+## Refused families
+
+Each is a tiny random target of the family given to the command as above; the command refuses it in
+one line before it writes anything, for the reason shown (`allow_cache_mismatch=true` lets a target
+whose cache differs through, with the risk recorded).
+
+"""
+
+
 def row(outcome: Outcome, family: Family) -> str:
-    """The family's table row (deterministic: no timings, no paths)."""
+    """The family's table row (deterministic: no timings, paths or measured numbers)."""
     if outcome.refused is not None:
-        why = outcome.refused.split(REFUSAL, 1)[-1]
-        cells = (family.name, "", f"refused before any step: {why}", *[""] * (len(COLUMNS) - 3))
+        by = (
+            "at step 1, by the self-check"
+            if "self-check" in outcome.refused
+            else "before any step, by the architecture"
+        )
+        cells = (family.name, family.config_class, by, outcome.refused_why)
     else:
         tensors = (
             outcome.embed_tensor
@@ -94,12 +112,26 @@ def row(outcome: Outcome, family: Family) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def _header(columns: tuple[str, ...]) -> str:
+    return "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+
+
 def render(rows: dict[str, str], version: str = transformers.__version__) -> str:
+    """The page: the families that go through (FAMILIES), then the refused ones (REFUSED) and why."""
     settings = " ".join(word for word in SETTINGS if not word.startswith("in_process"))
     head = HEAD.format(version=version, prompts=PROMPTS, settings=settings, heldout=heldout_count(PROMPTS, 0))
-    header = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
-    ordered = [rows[f.name] for f in ALL if f.name in rows]
-    return head + header + "\n".join(ordered) + "\n"
+    supported = [rows[f.name] for f in FAMILIES if f.name in rows]
+    refused = [rows[f.name] for f in REFUSED if f.name in rows]
+    return (
+        head
+        + _header(COLUMNS)
+        + "\n".join(supported)
+        + "\n"
+        + REFUSED_HEAD
+        + _header(REFUSED_COLUMNS)
+        + "\n".join(refused)
+        + "\n"
+    )
 
 
 def page_version(text: str) -> str | None:
@@ -110,8 +142,8 @@ def page_version(text: str) -> str | None:
 
 def parse(text: str) -> dict[str, str]:
     """{family: its row} of a rendered page (the header row and rule excluded)."""
-    lines = [line for line in text.splitlines() if line.startswith("| ")]
-    return {line.split(" | ")[0][2:]: line for line in lines[1:]}
+    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| family |")]
+    return {line.split(" | ")[0][2:]: line for line in lines}
 
 
 def committed() -> str:

@@ -10,7 +10,8 @@ import torch
 
 from extract.batching import HostBatch
 from extract.capture import Capturer, capture, final_topk, sample_views
-from target.load import final_logits_fn, reach_text_parts
+from target.head import known_scalings
+from target.load import reach_text_parts
 from tests.extract.conftest import build_model, qwen35_text_config
 
 MODELS = ["qwen3_model", "qwen35_model"]
@@ -152,18 +153,18 @@ def test_nonfinite_flags_are_per_sample(qwen3_model):
     assert sample_views(inflight, 0, 0)[3:] == (True, False)
 
 
-def test_final_logits_follow_the_models_own_scaling():
+def test_the_fallback_head_applies_the_known_scalings():
     class Cfg:
         final_logit_softcapping = 30.0
         model_type = "gemma2"
 
     logits = torch.tensor([[100.0, -100.0, 3.0]])
-    assert torch.allclose(final_logits_fn(Cfg())(logits), torch.tanh(logits / 30.0) * 30.0)
+    assert torch.allclose(known_scalings(Cfg())(logits), torch.tanh(logits / 30.0) * 30.0)
 
     class Plain:
         model_type = "qwen3"
 
-    assert torch.equal(final_logits_fn(Plain())(logits), logits)
+    assert torch.equal(known_scalings(Plain())(logits), logits)
 
 
 def test_qwen35_multimodal_wrapper_reaches_the_text_decoder(chat_tokenizer):
@@ -213,7 +214,9 @@ def test_masked_vocabulary_is_fine_unless_it_reaches_the_top_k(qwen3_model):
     target = reach_text_parts(model)
     hidden = torch.randn(4, 64)
     original = target.logits_fn
-    target.logits_fn = lambda logits: logits.masked_fill(torch.arange(logits.shape[-1]) >= 10, float("-inf"))
+    target.logits_fn = lambda hidden: original(hidden).masked_fill(
+        torch.arange(model.config.vocab_size) >= 10, float("-inf")
+    )
     try:
         _, logprobs, finite = final_topk(target, hidden, 5, 8)  # 10 finite logits >= k: fine
         assert bool(finite.all()) and torch.isfinite(logprobs).all()

@@ -341,3 +341,36 @@ def test_splits_and_cli(tmp_path, saved_target, capsys):
     assert main([str(config), "layer_ids=[1,7]"]) == 2
     assert "'layer_ids': [7] out of range: the target has 4 decoder layers" in capsys.readouterr().err
     assert main([str(config), "topk=zero"]) == 2
+
+
+def test_every_prefill_of_a_hybrid_target_runs_whole(tmp_path, qwen35_model, chat_tokenizer, monkeypatch):
+    """A hybrid target's recurrent layers give other values for a prefill split into chunks (the argmax
+    moves at ~7% of positions on Qwen3.5-9B): every sample goes through the decoder in one forward,
+    as one row of its micro-batch, however long it is against the token budget."""
+    rng = random.Random(3)
+    corpus = write_lines(tmp_path / "corpus.jsonl", [chat_record(rng, 8, rng.randint(20, 90)) for _ in range(12)])
+    target = reach_text_parts(qwen35_model, chat_tokenizer)
+    rows: list[int] = []
+    checking = []
+    self_check = pipeline.check_stored_logits
+    monkeypatch.setattr(
+        pipeline, "check_stored_logits", lambda t: checking.append(1) or self_check(t) or checking.pop()
+    )
+
+    def record_rows(module, args, kwargs):
+        if checking or "forward" in vars(
+            module
+        ):  # the self-check's probe; the head's call (target.head: no layer runs)
+            return
+        ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
+        rows.extend(int(n) for n in mask.sum(-1)) if mask is not None else rows.extend([ids.shape[1]] * ids.shape[0])
+
+    hook = target.decoder.register_forward_pre_hook(record_rows, with_kwargs=True)
+    try:
+        cfg = make_config(tmp_path / "out", corpus, layer_ids=[0, 1], max_len=128, tokens_per_batch=128)
+        run(cfg, target)
+    finally:
+        hook.remove()
+    stored = sorted(len(s.input_ids) for s in ShardDataset(str(tmp_path / "out")))
+    assert len(stored) >= 10 and max(stored) > 64  # some samples longer than half the token budget
+    assert sorted(rows) == stored  # one row per sample, each as long as the sample

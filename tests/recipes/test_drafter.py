@@ -68,6 +68,16 @@ def test_one_command_gives_a_checked_exported_drafter_with_the_derived_defaults(
     assert derived["device"]["value"] == "cpu" and derived["dtype"]["value"] == "float32"
     assert derived["attn_implementation"]["value"] == "sdpa" and record["config"]["scale"] == "smoke"
     assert record["prompts"]["source"] == "carved" and record["prompts"]["heldout_records"] == 4
+    checked = record["self_check"]  # the target's self-check at step 1, with its numbers
+    assert checked["passed"] and [c["name"] for c in checked["checks"]] == [
+        "parts",
+        "weights",
+        "layers",
+        "logits",
+        "cache",
+    ]
+    assert checked["key"]["dtype"] == "float32" and all(c["ok"] for c in checked["checks"])
+    assert record["target"]["digest"] and derived["mask token"]["value"] == 4093  # named at step 1, as extraction chose
     regen = json.loads((out / "regen/train/regenerate.json").read_text())
     assert regen["complete"] and json.loads((out / "run/config.json").read_text())["model"]["num_layers"] == 2
 
@@ -78,7 +88,9 @@ def test_a_rerun_skips_every_step_and_a_changed_setting_reruns_only_what_it_affe
     again = run_drafter(cfg)
     assert {step["status"] for step in again["steps"].values()} == {"skipped"}
     assert again["specdecode"] == first["specdecode"]
-    assert "done with the same command and inputs, skipped" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "done with the same command and inputs, skipped" in printed
+    assert "checked before: the same target, dtype, device and kernel" in printed  # not loaded again
 
     changed = DrafterRecipeConfig(**{**cfg.__dict__, "overrides": {"specdecode": ["max_new_tokens=16"]}})
     summary = run_drafter(changed)

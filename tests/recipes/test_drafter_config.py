@@ -10,7 +10,7 @@ import pytest
 
 from common.config import ConfigError
 from recipes.drafter.__main__ import main
-from recipes.drafter.config import parse_drafter_args
+from recipes.drafter.config import default_out, parse_drafter_args
 from recipes.drafter.defaults import derive, resolve_attention, resolve_dtype, stage_defaults
 from recipes.drafter.plan import Heldout, Job, plan_stages
 from recipes.drafter.prompts import split_prompts
@@ -22,7 +22,7 @@ TARGET = str(SHIPPED_DIR / "target")
 def test_stage_settings_go_to_their_stage_and_bad_keys_are_named(tmp_path, capsys):
     cfg = parse_drafter_args(["target=t", "prompts=p.jsonl", "train.optim.max_steps=5", "specdecode.device=cpu"])
     assert cfg.overrides == {"train": ["optim.max_steps=5"], "specdecode": ["device=cpu"]}
-    assert cfg.out_dir == "runs/drafter-t" and cfg.scale == "full" and cfg.regenerate
+    assert cfg.out_dir == default_out("t") and cfg.out_dir.startswith("runs/drafter-t-") and cfg.regenerate
     config = tmp_path / "mine.toml"
     config.write_text('[drafter]\ntarget = "m"\nprompts = "p.jsonl"\noverrides = {train = ["seed=1"]}\n[train]\n')
     from_file = parse_drafter_args([str(config), "train.optim.max_steps=5"])
@@ -51,11 +51,13 @@ def test_the_held_out_carve_is_deterministic_leak_free_and_recorded(tmp_path):
     write_prompts(tmp_path / "p.jsonl", 100, duplicate=True)
     first = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "a"), asked=0, seed=0, smoke=False)
     again = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "b"), asked=0, seed=0, smoke=False)
+    first.write(), again.write()
     train, held = (open(p).read().splitlines() for p in (first.train, first.heldout))
     assert open(again.heldout).read().splitlines() == held and len(set(held)) == 10  # 10% of 100 distinct records
     assert not set(train) & set(held) and len(train) + len(held) == 103  # copies of a record stay on one side
     assert first.record["source"] == "carved" and first.record["seed"] == 0 and "10%" in first.reason
     other = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "c"), asked=3, seed=1, smoke=False)
+    other.write()
     assert (
         len(open(other.heldout).read().splitlines()) >= 3 and open(other.heldout).read() != open(first.heldout).read()
     )

@@ -116,3 +116,82 @@ def test_a_rewritten_checkpoint_is_checked_again(tmp_path):
     assert not check_architecture(path).tied
     saved(tmp_path, "t", transformers.LlamaConfig(vocab_size=V, **SMALL, tie_word_embeddings=True))
     assert check_architecture(path).tied
+
+
+FOUR = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+FOUND_BY_THEIR_OWN_NAMES = {
+    # family: (config, where the decoder's layers are, the final norm's name)
+    "Llama-4 text": (
+        lambda: transformers.Llama4TextConfig(
+            vocab_size=V, **FOUR, head_dim=8, num_local_experts=2, intermediate_size_mlp=64, no_rope_layers=[1] * 4
+        ),
+        "model.layers",
+        "model.norm",
+    ),
+    "LFM2": (
+        lambda: transformers.Lfm2Config(vocab_size=V, **FOUR, layer_types=["conv", "full_attention"] * 2),
+        "model.layers",
+        "model.embedding_norm",
+    ),
+    "XGLM": (
+        lambda: transformers.XGLMConfig(vocab_size=V, d_model=32, ffn_dim=64, num_layers=4, attention_heads=4),
+        "model.layers",
+        "model.layer_norm",
+    ),
+    "RecurrentGemma": (
+        lambda: transformers.RecurrentGemmaConfig(
+            vocab_size=V, **{**FOUR, "num_key_value_heads": 1}, head_dim=8, lru_width=32, attention_window_size=8
+        ),
+        "model.layers",
+        "model.final_norm",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", FOUND_BY_THEIR_OWN_NAMES, ids=list(FOUND_BY_THEIR_OWN_NAMES))
+def test_the_parts_are_found_by_the_models_own_accessors_and_names(tmp_path, family):
+    """Refused before as "cannot find the decoder layers and final norm" although the parts exist."""
+    from target.load import reach_text_parts
+
+    make_config, layers, norm = FOUND_BY_THEIR_OWN_NAMES[family]
+    config = make_config()
+    config.save_pretrained(tmp_path)
+    assert check_architecture(tmp_path).model_class.endswith("ForCausalLM")
+    model = AutoModelForCausalLM.from_config(config)
+    target = reach_text_parts(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    assert (names[id(target.layers)], names[id(target.final_norm)]) == (layers, norm)
+    assert target.num_layers == 4 and target.lm_head is model.get_output_embeddings()
+
+
+@pytest.mark.parametrize(
+    "config, reason",
+    [
+        (
+            lambda: transformers.Mamba2Config(
+                vocab_size=V, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=1
+            ),
+            "it has no attention layers (a recurrent-only model",
+        ),
+        (
+            lambda: transformers.Gemma3nTextConfig(
+                vocab_size=V,
+                **FOUR,
+                head_dim=8,
+                vocab_size_per_layer_input=V,
+                num_kv_shared_layers=0,
+                layer_types=["full_attention"] * 4,
+                activation_sparsity_pattern=[0.0] * 4,
+            ),
+            "its decoder layers carry 4 stacked streams (AltUp)",
+        ),
+    ],
+    ids=["Mamba-2", "Gemma-3n"],
+)
+def test_what_cannot_work_is_refused_with_the_right_reason(tmp_path, config, reason):
+    """Mamba-2 crashed in training (KeyError 'num_attention_heads'), Gemma-3n in extraction (four streams)."""
+    config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        check_architecture(tmp_path)
+    assert reason in str(refused.value) and "cannot be a DFlash target" in str(refused.value)
+    assert "\n" not in str(refused.value)

@@ -86,7 +86,7 @@ def _names_both(line: str, loaded, recorded, *fields) -> None:
 def test_identity_is_cheap_and_sees_the_head(world):
     a, a16 = target_identity(world["A"]), target_identity(world["A16"])
     assert a == target_identity(world["A"]) and a["name_or_path"] == str(world["A"])
-    assert all(a[f] != a16[f] for f in ("config_hash", "weights_digest", "head_digest"))
+    assert all(a[f] != a16[f] for f in ("config_hash", "weights_digest", "weights_content_digest", "head_digest"))
     assert head_digest(world["root"] / "shards") is None  # no safetensors: nothing to compare, not an error
     # A record without any identity field is not compared, and says so.
     assert check_target(a, {"name_or_path": "x"}, made="m", key="k", allowed=False)["status"] == "unchecked"
@@ -106,7 +106,7 @@ def test_training_refuses_another_target_and_the_override_is_recorded(world, cap
     run = json.loads((world["root"] / "runs" / "copy" / "run.json").read_text())
     check = run["target_check"]
     assert check["status"] == "allowed" and check["allowed_by"] == "model.allow_target_mismatch"
-    assert {"config_hash", "weights_digest", "head_digest"} == set(check["differs"])
+    assert {"config_hash", "weights_digest", "weights_content_digest", "head_digest"} == set(check["differs"])
     assert check["target"] == str(world["A16"]) and check["expected"] == str(a)
     assert run["target_identity"] == target_identity(world["A16"])
 

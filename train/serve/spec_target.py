@@ -211,6 +211,6 @@ class SpecTarget:
         return self.embed_module(ids)
 
     def draft_logits(self, hidden_NQD: torch.Tensor) -> torch.Tensor:
-        """The target's final logits of drafter outputs (its lm_head and any post-scaling)."""
-        head = self.target.lm_head
-        return self.target.logits_fn(head(hidden_NQD.to(head.weight.dtype))).float()
+        """The target's final logits of drafter outputs (its own output path: head and any post-scaling)."""
+        hidden_MD = hidden_NQD.reshape(-1, hidden_NQD.shape[-1]).to(self.target.lm_head.weight.dtype)
+        return self.target.logits_fn(hidden_MD).float().reshape(*hidden_NQD.shape[:-1], -1)
