@@ -32,6 +32,7 @@ from extract.config import ExtractConfig
 from extract.corpus.mask_token import mask_token_candidates
 from recipes.drafter.config import DrafterRecipeConfig
 from recipes.drafter.defaults import Derived
+from shards.provenance import Provenance
 from target.chat_template import with_chat_template
 from target.checkpoint import text_config
 from target.load import load_target
@@ -123,7 +124,9 @@ def _parsed(line: str):
 def check_drafter_shape(target: str, train_cfg: TrainConfig, taps: list[int], mask_token_id: int) -> None:
     """Training's derivation of the drafter from the target's config, now (ValueError naming the step)."""
     try:
-        build_drafter_config(train_cfg, text_config(target), {"taps": {"layer_ids": taps}}, mask_token_id)
+        build_drafter_config(
+            train_cfg, text_config(target), Provenance.from_dict({"taps": {"layer_ids": taps}}), mask_token_id
+        )
     except (ValueError, KeyError, TypeError) as exc:
         detail = f"the target's config has no {exc}" if isinstance(exc, KeyError) else str(exc)
         raise ValueError(f"step 'drafter training': {detail}") from None

@@ -93,7 +93,7 @@ def resolve_dtype(asked: str, device: str, target: str) -> tuple[str, str]:
 
 def target_class(target: str):
     """The transformers class the stages load the target with (causal LM, else image-text-to-text)."""
-    config = AutoConfig.from_pretrained(target)
+    config = AutoConfig.from_pretrained(target, trust_remote_code=False)
     for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING):
         if type(config) in mapping:
             return mapping[type(config)]

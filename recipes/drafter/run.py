@@ -104,7 +104,7 @@ def run_drafter(cfg: DrafterRecipeConfig) -> dict:
     job = build_job(cfg, out, prompts, derived, digest)
     groups = plan_stages(job)
     parsed = check_steps(groups)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=False)
     extract_cfg, train_cfg = parsed["extract"], parsed["train"]
     check_rendering(cfg, tokenizer, extract_cfg, prompts.lines["train"] + prompts.lines["heldout"])
     mask = mask_token(cfg, tokenizer, extract_cfg, train_cfg)

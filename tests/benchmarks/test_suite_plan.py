@@ -153,8 +153,8 @@ def test_the_committed_h100_records_set_the_costs_of_the_next_h100_run():
         importlib.import_module(SUITES["real"]).parts("gpu", {}), measured_costs(records, "real", "gpu", "H100")
     )
     assert real[0].cost(1) + real[0].cold_s == pytest.approx(267.3)
-    static = importlib.import_module(SUITES["shape27b"]).parts("gpu", {})
-    assert calibrate(static, measured_costs(records, "shape27b", "gpu", "H200"))[0] == static[0]  # no H200 run yet
+    h200 = calibrate(module.parts("gpu", {}), measured_costs(records, "shape27b", "gpu", "H200"))
+    assert h200[0].cost(1) + h200[0].cold_s == pytest.approx(150.1, abs=0.5)  # 2026-12-05, a bare H200
 
 
 def test_only_runs_the_named_parts_and_what_they_need():

@@ -433,7 +433,7 @@ def write_variant(world: World, root: Path, change: str) -> str:
     from shards.schema import Sample
 
     base = ShardDataset(str(world.baseline))
-    prov = json.loads(json.dumps(base.provenance))
+    prov = base.provenance.to_dict()
     width, topk = base.hidden_width, base.topk
     field = {
         "tokenizer": "provenance.tokenizer.hash",
@@ -451,7 +451,7 @@ def write_variant(world: World, root: Path, change: str) -> str:
         prov["target"]["hidden_size"] = 32
         width = 2 * 32
     elif change == "vocab":
-        prov["target"]["vocab_size"] = base.provenance["target"]["vocab_size"] + 10
+        prov["target"]["vocab_size"] = base.provenance.target.vocab_size + 10
     elif change == "target":
         prov["target"]["name_or_path"] = str(root / "no-such-target")
     with ShardWriter(str(root), provenance=prov, hidden_width=width, topk=topk) as writer:

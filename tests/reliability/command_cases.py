@@ -144,7 +144,7 @@ def shards_without_mask_record(world: World, root: Path) -> Path:
     if (out / "manifest.json").exists():
         return out
     base = ShardDataset(str(world.baseline))
-    prov = json.loads(json.dumps(base.provenance))
+    prov = base.provenance.to_dict()
     prov["tokenizer"].pop("mask_token_id", None)
     prov["tokenizer"].pop("mask_token", None)
     with ShardWriter(str(out), provenance=prov, hidden_width=base.hidden_width, topk=base.topk) as writer:
