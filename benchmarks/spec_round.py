@@ -45,6 +45,7 @@ from benchmarks.extract import QWEN36_27B_TEXT, TINY_TEXT, build_random_target
 from benchmarks.small_decode import sync, time_proposals, time_steps, time_verify
 from benchmarks.train import SHAPES as DRAFTER_SHAPES
 from benchmarks.train import drafter_config
+from common.interrupts import run_main
 
 # DFlash paper (arXiv 2602.06036 v2) Table 1, Transformers backend on one H200, temperature 0, HumanEval
 # (/work/shared/reference/anchors-2026-12.md): measured end to end, not projected.
@@ -305,4 +306,4 @@ def format_variant(name: str, costs: dict, projection: dict | None) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("benchmarks.spec_round", main))

@@ -12,11 +12,14 @@ the project). Each module's docstring is its reference:
     provenance.py       tool version and git sha
     device.py           device, precision and CPU-thread choices
     schedule.py         the learning-rate schedule (the trainer's and the tiny target's)
-    processes.py        the project's own commands as child processes, side by side
+    processes.py        the project's own commands as child processes (one, or side by side), each in
+                        a process group of its own that is stopped when the parent is
+    interrupts.py       Ctrl-C and SIGTERM: one line and 128 + the signal from every entry point (`run_main`)
     repeat.py           where a greedy answer starts looping (`RepeatWatch`)
     chat_template.py    `chat_template = FILE`: a Jinja template in place of the tokenizer's
     target_rules.py     defaults derived from the target's depth (taps, drafter depth), torch-free
     hf_target.py        a target checkpoint read without building the model (config, chosen tensors)
+    target_files.py     a target directory holds config.json, weights and a tokenizer (checked before any load)
     target_arch.py      can a checkpoint be a DFlash target; where its embedding and head are
     target_identity.py  a target's identity (config hash, weights digest, head digest)
     target_check.py     a stage refuses a target other than the one its input was made for

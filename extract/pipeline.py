@@ -41,6 +41,7 @@ from common.io import exists_at, join_uri, remove_at, resolve
 from common.packing import packing_probe, packing_refusal, use_packed_sdpa
 from common.target import Target, check_layer_ids, load_target, read_text_config
 from common.target_arch import check_architecture
+from common.target_files import check_target_files
 from extract import corpus as C
 from extract.batching import (
     BufferPool,
@@ -77,9 +78,11 @@ log = logging.getLogger("extract")
 def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None = None) -> dict:
     """Extract every split of `cfg`; returns {split name (or None): summary dict of this rank}."""
     ranks = ranks or Ranks.from_env()
-    # Corpora (found, fingerprinted: damaged files named), output paths and a second writer, all
-    # before the target's weights load (minutes for a 27B).
+    # Corpora (found, fingerprinted: damaged files named), output paths, a second writer and the
+    # target's files, all before the target's weights load (minutes for a 27B).
     prepared = check_inputs(cfg, ranks)
+    if target is None:
+        check_target_files(cfg.target)
     torch.manual_seed(cfg.seed)
     if target is None:
         target = _load_checked_target(cfg, ranks)

@@ -36,7 +36,6 @@ import functools
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 import tomllib
@@ -44,7 +43,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.config import ConfigError, describe, fail, knob, load_config, parse_cli
-from common.processes import run_side_by_side
+from common.interrupts import run_main
+from common.io import join, read_json, resolve
+from common.processes import run_child, run_side_by_side
 from shards import ShardDataset
 from shards.describe import raw_bytes_per_token, reconstruction_by_tap
 from train.config import TrainConfig
@@ -163,12 +164,10 @@ def _run(args: list[str], log: list) -> None:
     """Run one step's command; stop with its exit status if it fails."""
     print(f"\n=== python {' '.join(args)}", flush=True)
     started = time.time()
-    result = subprocess.run([sys.executable, *args])
-    log.append(
-        {"command": "python " + " ".join(args), "seconds": round(time.time() - started, 1), "exit": result.returncode}
-    )
-    if result.returncode != 0:
-        raise SystemExit(f"compare_tiers: step failed (exit {result.returncode}): python {' '.join(args)}")
+    code = run_child(args)
+    log.append({"command": "python " + " ".join(args), "seconds": round(time.time() - started, 1), "exit": code})
+    if code != 0:
+        raise SystemExit(f"compare_tiers: step failed (exit {code}): python {' '.join(args)}")
 
 
 def _mark_done(run: Path) -> None:
@@ -187,8 +186,29 @@ def tier_name(tier: str) -> str:
 
 
 def _complete(root: str) -> bool:
-    path = Path(root, "manifest.json")
-    return path.is_file() and bool(json.loads(path.read_text()).get("complete"))
+    """Whether `root` (a local path or a store URI) holds a complete dataset."""
+    try:
+        return bool(_manifest(root).get("complete"))
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+def _manifest(root: str) -> dict:
+    fs, path = resolve(root)
+    return read_json(fs, join(path, "manifest.json"))
+
+
+def check_datasets(cfg: CompareTiersConfig) -> None:
+    """ConfigError naming the key for a dataset the steps read that is not there, before any step runs:
+    `lossless` (unless step 1 extracts it) and every held-out set."""
+    if not cfg.extract and not _complete(cfg.lossless):
+        fail(
+            "lossless",
+            f"no complete dataset at {cfg.lossless} (run `make tiny` and `make extract`, or set extract=true)",
+        )
+    for name, data in named_sets(cfg.heldout).items():
+        if not _complete(data):
+            fail("heldout" + (f".{name}" if name else ""), f"no complete dataset at {data}")
 
 
 def _latest_checkpoint(run: Path) -> bool:
@@ -234,10 +254,7 @@ def _ensure_lossless(cfg: CompareTiersConfig, log: list) -> None:
             log,
         )
     if not _complete(cfg.lossless):
-        raise SystemExit(
-            f"compare_tiers: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or "
-            "set extract=true)"
-        )
+        fail("lossless", f"step 1 left no complete dataset at {cfg.lossless}")
 
 
 def _transcode_steps(cfg: CompareTiersConfig, out: Path) -> tuple[dict[str, str], list[Step]]:
@@ -375,8 +392,7 @@ def _extract_corpus(cfg: CompareTiersConfig) -> str:
 
 
 def _provenance_target(root: str) -> str:
-    manifest = json.loads(Path(root, "manifest.json").read_text())
-    return manifest["provenance"]["target"]["name_or_path"]
+    return _manifest(root)["provenance"]["target"]["name_or_path"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -525,10 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = config_from_argv(argv)
-    except ValueError as err:
+        check_datasets(cfg)  # before step 1 or 2 spends minutes
+        run_all(cfg)
+    except ValueError as err:  # a config, input or data error (exit 2: docs/ARCHITECTURE.md, "Exit status")
         print(f"compare_tiers: {err}", file=sys.stderr)
         return 2
-    run_all(cfg)
     return 0
 
 
@@ -556,4 +573,8 @@ def config_from_argv(argv: list[str]) -> CompareTiersConfig:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(
+        run_main(
+            "compare_tiers", main, spawns=True, after="rerunning the same command resumes: finished steps are skipped"
+        )
+    )

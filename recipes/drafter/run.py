@@ -25,6 +25,7 @@ import os
 from common.config import ConfigError, config_to_dict, parse_cli
 from common.io import atomic_write_text, read_record
 from common.target_arch import check_architecture
+from common.target_files import check_target_files
 from extract.config import ExtractConfig
 from extract.regenerate.config import RegenerateConfig
 from recipes.drafter.config import DrafterRecipeConfig
@@ -84,13 +85,18 @@ def run_drafter(cfg: DrafterRecipeConfig) -> dict:
     """Run (or resume) every step for `cfg`; the summary (also in OUT/summary.json). ValueError for a
     user error (naming the key) and for a target no DFlash drafter can serve (one line, before anything
     is written), SystemExit naming a failing step."""
-    if not os.path.isdir(cfg.target):
-        raise ValueError(f"config key 'target': {cfg.target} is not a directory (a local Hugging Face model)")
+    check_target_files(cfg.target)  # config.json, weights, tokenizer: one line, before anything is written or run
     check_architecture(cfg.target)  # a family DFlash cannot serve: one line, before anything is written or run
     out = cfg.out_dir
     os.makedirs(out, exist_ok=True)
     prompts = split_prompts(
-        cfg.prompts, cfg.heldout, out, asked=cfg.heldout_prompts, seed=cfg.seed, smoke=cfg.scale == "smoke"
+        cfg.prompts,
+        cfg.heldout,
+        out,
+        asked=cfg.heldout_prompts,
+        seed=cfg.seed,
+        smoke=cfg.scale == "smoke",
+        texts_as_prompts=cfg.regenerate,
     )
     derived = derive(cfg)
     job = build_job(cfg, prompts, derived)

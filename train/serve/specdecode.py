@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 
 from common.config import ConfigError
+from common.interrupts import run_main
 from train.serve.cli import parse_specdecode_args, usage_error
 
 
@@ -35,4 +36,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("specdecode", main))
