@@ -14,15 +14,31 @@
 #   make bench-render [ARGS=--check]             docs/benchmarks.md's "Today" and the README's results table from benchmarks/results
 #   make drafter target=DIR prompts=FILE [heldout=FILE] [out=DIR] [server=URL] [scale=smoke] [STAGE.key=value ...]
 #                                                a checked, exported drafter for your own target (docs/own-target.md)
-# key=value words on the make command line are passed through to the stage's config loader.
+# key=value words on the make command line are passed through to the stage's config loader, each as one argument
+# (a value may hold spaces, quotes, `&` or `;`: `make extract 'out_dir=s3://b/p?endpoint_override=h:9000&scheme=http'`).
+# CONFIG, CKPT, DATA, OUT, suite and a training's RUN are one argument each; ARGS and a report's RUN are split into
+# words as a shell would (ARGS="--max-anchors 4", RUN="runs/a runs/b").
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/tiny.toml
 RUN ?=
-# Everything given as NAME=value on the command line, except the variables this Makefile itself reads.
-OVERRIDES := $(filter-out CONFIG=% RUN=% PYTHON=% CKPT=% DATA=% OUT=% ARGS=%,$(MAKEOVERRIDES))
+# The variables this Makefile itself reads; every other NAME=value of the command line is an override.
+OWN_VARS := CONFIG RUN PYTHON PY VENV CKPT DATA OUT ARGS suite WHEELS
+# One shell word holding $(1) exactly: single quotes, a ' inside written '\''.
+quote = '$(subst ','\'',$(1))'
+# The same, or nothing for an empty value.
+maybe = $(if $(1),$(call quote,$(1)))
+# Each override as one quoted word NAME=value, its value as typed (`$(value)`: make expands nothing in it), by name.
+COMMAND_LINE_VARS := $(sort $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
+OVERRIDES := $(foreach v,$(filter-out $(OWN_VARS),$(COMMAND_LINE_VARS)),$(call quote,$(v)=$(value $(v))))
+# They reach the commands as arguments only: exporting them would expand their values as make text.
+unexport $(filter-out $(OWN_VARS),$(COMMAND_LINE_VARS))
+# CONFIG for the commands whose config file is optional: passed only when given on the command line.
+GIVEN_CONFIG := $(if $(filter command line,$(origin CONFIG)),$(call quote,$(CONFIG)))
+# The tiny default's target, corpus and shards, unless they are there (train, tiers and bench-train read them).
+TINY_SHARDS = $(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m recipes.tiny && $(PY) -m extract configs/tiny.toml))
 export PYTHONUNBUFFERED := 1
 # torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
 export OMP_WAIT_POLICY := PASSIVE
@@ -57,73 +73,73 @@ test-gpu: setup
 	$(PY) -m tests.gpu_tier $(or $(part),all) --wheels $(WHEELS) $(ARGS)
 
 demo: setup
-	$(PY) -m recipes.demo $(OVERRIDES)
+	$(PY) -m recipes.demo $(GIVEN_CONFIG) $(OVERRIDES)
 
 drafter: setup
-	$(PY) -m recipes.drafter $(OVERRIDES)
+	$(PY) -m recipes.drafter $(GIVEN_CONFIG) $(OVERRIDES)
 
 tiny: setup
-	$(PY) -m recipes.tiny $(OVERRIDES)
+	$(PY) -m recipes.tiny $(GIVEN_CONFIG) $(OVERRIDES)
 
 smollm2: setup
-	$(PY) -m recipes.smollm2 $(OVERRIDES)
+	$(PY) -m recipes.smollm2 $(GIVEN_CONFIG) $(OVERRIDES)
 
 extract: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m recipes.tiny)
-	$(PY) -m extract $(CONFIG) $(OVERRIDES)
+	$(PY) -m extract $(call quote,$(CONFIG)) $(OVERRIDES)
 
 regenerate: setup
 	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m recipes.tiny)
-	$(PY) -m extract.regenerate $(CONFIG) $(OVERRIDES)
+	$(PY) -m extract.regenerate $(call quote,$(CONFIG)) $(OVERRIDES)
 
 train: setup
-	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m recipes.tiny \&\& $(PY) -m extract configs/tiny.toml))
-	$(PY) -m train $(CONFIG) $(if $(RUN),run_name=$(RUN)) $(OVERRIDES)
+	$(TINY_SHARDS)
+	$(PY) -m train $(call quote,$(CONFIG)) $(if $(RUN),$(call quote,run_name=$(RUN))) $(OVERRIDES)
 
 eval: setup
-	$(PY) -m train.eval $(CKPT) --data $(DATA) $(OVERRIDES) $(ARGS)
+	$(PY) -m train.eval $(call maybe,$(CKPT)) $(if $(DATA),--data $(call quote,$(DATA))) $(OVERRIDES) $(ARGS)
 
 export: setup
-	$(PY) -m train.serve.export $(CKPT) $(OUT)
+	$(PY) -m train.serve.export $(call maybe,$(CKPT)) $(call maybe,$(OUT)) $(OVERRIDES) $(ARGS)
 
 specdecode: setup
-	$(PY) -m train.serve.specdecode $(ARGS)
+	$(PY) -m train.serve.specdecode $(OVERRIDES) $(ARGS)
 
 report: setup
-	$(PY) -m train.report $(RUN) $(OVERRIDES) $(ARGS)
+	$(PY) -m train.report $(foreach r,$(RUN),$(call quote,$(r))) $(OVERRIDES) $(ARGS)
 
 bench-shards: setup
-	$(PY) -m benchmarks.shards $(ARGS)
+	$(PY) -m benchmarks.shards $(ARGS) $(OVERRIDES)
 
 bench-tiers: setup
-	$(PY) -m benchmarks.shard_tiers $(ARGS)
+	$(PY) -m benchmarks.shard_tiers $(ARGS) $(OVERRIDES)
 
 # Storage tiers side by side: transcode, train (two seeds each), evaluate against lossless, decode online.
 tiers: setup
-	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m recipes.tiny && $(PY) -m extract configs/tiny.toml))
-	$(PY) -m recipes.compare_tiers $(CONFIG) $(OVERRIDES)
+	$(TINY_SHARDS)
+	$(PY) -m recipes.compare_tiers $(call quote,$(CONFIG)) $(OVERRIDES)
 
 bench-extract: setup
-	$(PY) -m benchmarks.extract $(ARGS)
+	$(PY) -m benchmarks.extract $(ARGS) $(OVERRIDES)
 
 bench-regenerate: setup
-	$(PY) -m benchmarks.regenerate $(ARGS)
+	$(PY) -m benchmarks.regenerate $(ARGS) $(OVERRIDES)
 
 bench-train: setup
-	$(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m recipes.tiny \&\& $(PY) -m extract configs/tiny.toml))
-	$(PY) -m benchmarks.train $(ARGS)
+	$(TINY_SHARDS)
+	$(PY) -m benchmarks.train $(ARGS) $(OVERRIDES)
 
 # No `setup`: a device host has no network for pip. Its python3 holds torch; the carried wheels in WHEELS are
 # installed by the suite itself (benchmarks/suites/__main__.py). Here the venv's python runs it where there is one.
 WHEELS ?= .whl
 bench-gpu:
-	$(if $(wildcard $(PY)),$(PY),python3) -m benchmarks.suites $(suite) --wheels $(WHEELS) $(ARGS) $(filter-out suite=% WHEELS=%,$(OVERRIDES))
+	$(if $(wildcard $(PY)),$(PY),python3) -m benchmarks.suites $(call maybe,$(suite)) --wheels $(call quote,$(WHEELS)) $(ARGS) $(OVERRIDES)
 
 bench-render: setup
-	$(PY) -m benchmarks.render $(ARGS)
+	$(PY) -m benchmarks.render $(ARGS) $(OVERRIDES)
 
 reliability: setup
-	$(PY) -m tests.reliability $(ARGS)
+	$(PY) -m tests.reliability $(ARGS) $(OVERRIDES)
 
 clean:
 	rm -rf $(VENV) artifacts runs .pytest_cache

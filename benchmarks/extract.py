@@ -36,6 +36,8 @@ import time
 import numpy as np
 import torch
 
+from common.interrupts import run_main
+
 # Qwen/Qwen3.6-27B config.json `text_config` (docs: qwen3.6-27b.md section 1.2).
 QWEN36_27B_TEXT = dict(
     attention_bias=False,
@@ -787,4 +789,4 @@ def format_report(report: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("benchmarks.extract", main))

@@ -53,6 +53,8 @@ import time
 import numpy as np
 import torch
 
+from common.interrupts import run_main
+
 WIDTH_TAPS, HIDDEN = 4, 5120
 RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # Linux; elsewhere the whole process
 POOL_TOKENS = 8192  # distinct synthetic token rows; samples are slices of them (zstd works per sample)
@@ -768,4 +770,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("benchmarks.extract_host", main))

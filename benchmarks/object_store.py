@@ -25,6 +25,7 @@ import time
 
 from benchmarks.s3_server import DelayProxy, MotoServer
 from benchmarks.train_data import measure, skewed_lengths, synthetic_sample, write_synthetic
+from common.interrupts import run_main
 
 
 def write_dataset(root: str, *, samples: int, width: int, topk: int, max_len: int, shard_bytes: int) -> float:
@@ -154,4 +155,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.object_store", main))

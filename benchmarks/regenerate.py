@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 
+from common.interrupts import run_main
+
 SHAPES = ["qwen3.6-27b", "tiny", "smollm2"]
 DTYPE_HELP = "auto: float32 for smollm2 (as its pipeline runs), bfloat16 on CUDA otherwise, float32 on a CPU"
 
@@ -512,4 +514,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.regenerate", main))

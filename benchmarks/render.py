@@ -2,8 +2,10 @@
 docs/benchmarks.md and the README's results table, rendered from the records in benchmarks/results/ through
 `benchmarks.catalogue`, between their begin and end markers (nothing outside them changes).
 
-    --add RECORD   first check a suite's record (the NAME.json a `make bench-gpu` run wrote) and copy it into
-                   benchmarks/results/ as SUITE-DATE.json, with its log (NAME.log beside it) as SUITE-DATE.log
+    --add RECORD   first check a suite's record (the NAME.json a `make bench-gpu` run wrote) as every rendering
+                   will read it, then copy it into benchmarks/results/ as SUITE-DATE.json (a second record of the
+                   suite in the same second: SUITE-DATE-2.json); a record that fails is named in one line, exit 2,
+                   and nothing is written; its log (NAME.log beside it) is copied beside it
     --check        change nothing: exit 1, naming the files, where what is there differs from what the records
                    give (the test suite runs this)
 
@@ -17,13 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
+import uuid
 from pathlib import Path
 
 from benchmarks import catalogue as C
 from benchmarks.suites import SUITES
 from benchmarks.suites.record import REPO, check_record, load_records
+from common.interrupts import run_main
 
 RESULTS = REPO / "benchmarks" / "results"
 DOC = REPO / "docs" / "benchmarks.md"
@@ -181,18 +186,65 @@ def rendered(index: Index) -> dict[Path, str]:
     }
 
 
-def add(record_path: Path) -> Path:
-    """Check a suite's record and copy it into benchmarks/results/ as SUITE-DATE.json, its log beside it."""
-    record = json.loads(record_path.read_text())
-    check_record(record, str(record_path))
+# The fields of a suite's record by the type every rendering reads them as (beyond `check_record`'s).
+ADDED_TYPES = {
+    "suite": str,
+    "status": str,
+    "commit": str,
+    "command": str,
+    "machine": dict,
+    "packages": dict,
+    "figures": dict,
+}
+SUITE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+
+
+def check_addable(record: object, where: str) -> dict:
+    """The record, or a ValueError naming `where` and the first thing that keeps every rendering from
+    reading it: not an object, a field of the wrong type, a `suite` that is no suite's plain name (it
+    names the file in benchmarks/results/), a smoke-scale record, or anything a trial rendering trips on."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a record is a JSON object, got {type(record).__name__}")
+    check_record(record, where)
+    for key, kind in ADDED_TYPES.items():
+        if not isinstance(record[key], kind):
+            raise ValueError(f"{where}: '{key}' must be a JSON {'object' if kind is dict else 'string'}")
+    if not SUITE_NAME.fullmatch(record["suite"]) or record["suite"] not in SUITES:
+        raise ValueError(f"{where}: 'suite' {record['suite']!r} is none of the suites {', '.join(SUITES)}")
     if record.get("scale") == "smoke":
-        raise SystemExit(f"{record_path}: a smoke-scale record (a CPU run of the suite's code) is never rendered")
-    stamp = record["date"].replace(":", "")[:15] + "Z"
-    target = RESULTS / f"{record['suite']}-{stamp}.json"
-    shutil.copyfile(record_path, target)
-    if record_path.with_suffix(".log").is_file():
-        shutil.copyfile(record_path.with_suffix(".log"), target.with_suffix(".log"))
-    return target
+        raise ValueError(f"{where}: a smoke-scale record (a CPU run of the suite's code) is never rendered")
+    try:
+        rendered(Index([*load_records(RESULTS), (RESULTS / f"{record['suite']}.json", record)]))
+    except Exception as exc:  # noqa: BLE001 - whatever a rendering trips on, named before the file is kept
+        raise ValueError(f"{where}: the record cannot be rendered ({type(exc).__name__}: {exc})") from None
+    return record
+
+
+def add(record_path: Path) -> Path:
+    """Check a suite's record (`check_addable`) and copy it into benchmarks/results/ as SUITE-DATE.json, never
+    over another record (the same bytes already there: that file)."""
+    try:
+        data = record_path.read_bytes()
+        record = check_addable(json.loads(data), str(record_path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{record_path}: cannot be read as a JSON record ({exc})") from None
+    stamp = record["date"].replace(":", "")[:17] + "Z"  # 2026-12-05T143212Z
+    tmp = RESULTS / f".{uuid.uuid4().hex}.tmp"
+    tmp.write_bytes(data)
+    try:
+        for n in range(1, 1000):
+            target = RESULTS / f"{record['suite']}-{stamp}{f'-{n}' if n > 1 else ''}.json"
+            try:
+                os.link(tmp, target)  # fails if the name is taken: a record is never overwritten
+                if record_path.with_suffix(".log").is_file():
+                    shutil.copyfile(record_path.with_suffix(".log"), target.with_suffix(".log"))
+                return target
+            except FileExistsError:
+                if target.read_bytes() == data:
+                    return target
+        raise ValueError(f"{record_path}: 999 records of suite {record['suite']} at {stamp} already")
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--add", action="append", default=[], type=Path)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     for path in args.add:
-        print(f"added {add(path)}")
+        try:
+            print(f"added {add(path)}")
+        except ValueError as exc:
+            print(f"bench-render: {exc}", file=sys.stderr)
+            return 2
     index = Index(load_records(RESULTS))
     stale = []
     for path, text in rendered(index).items():
@@ -218,4 +274,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.render", main))

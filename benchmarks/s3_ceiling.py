@@ -45,6 +45,8 @@ import random
 import threading
 import time
 
+from common.interrupts import run_main
+
 MB = 1_000_000
 WRITE_CHUNK = 1 << 20  # what the stream sees per write; the IPC writer's writes are of this order
 BUCKET = "ceiling"
@@ -480,4 +482,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.s3_ceiling", main))

@@ -32,6 +32,7 @@ import pyarrow as pa
 import torch
 
 from benchmarks.synthetic import realistic_samples
+from common.interrupts import run_main
 from shards.describe import raw_bytes_per_token
 from shards.projection import SecondMoments, fit_projection, parse_projection_spec, save_projection
 from shards.quant import ErrorSums, QuantizedHidden, parse_encoding
@@ -260,4 +261,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main("benchmarks.shard_tiers", main))

@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.synthetic import realistic_samples
+from common.interrupts import run_main
 from shards.describe import raw_bytes_per_token
 from shards.manifest import read_index
 from shards.reader import ShardDataset
@@ -315,4 +316,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main("benchmarks.shards", main))

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from common.interrupts import run_main
+
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
     intermediate_size=1536,
@@ -264,4 +266,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.small_decode", main))

@@ -58,6 +58,7 @@ from benchmarks.small_decode import sync, time_proposals, time_steps, time_verif
 from benchmarks.step_profile import breakdown, format_breakdown
 from benchmarks.train import SHAPES as DRAFTER_SHAPES
 from benchmarks.train import drafter_config
+from common.interrupts import run_main
 from target.kernel_routing import external_kernels
 
 # DFlash paper (arXiv 2602.06036 v2) Table 1, Transformers backend on one H200, temperature 0, HumanEval
@@ -376,4 +377,4 @@ def format_variant(name: str, costs: dict, projection: dict | None) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("benchmarks.spec_round", main))

@@ -31,6 +31,8 @@ import time
 
 import xxhash
 
+from common.interrupts import run_main
+
 
 def hashing(gib: int) -> dict:
     from target import file_digests
@@ -143,4 +145,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.target_checks", main))

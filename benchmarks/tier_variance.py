@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from benchmarks.synthetic import realistic_samples
+from common.interrupts import run_main
 from shards.projection import (
     Projection,
     SecondMoments,
@@ -465,4 +466,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.tier_variance", main))

@@ -23,8 +23,9 @@ import inspect
 import json
 import os
 import statistics
-import sys
 import time
+
+from common.interrupts import run_main
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the demo and the tiny build run; read when torch loads
 
@@ -162,4 +163,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("benchmarks.tiny_threads", main))

@@ -77,6 +77,7 @@ import numpy as np
 import torch
 
 from common.config import load_config
+from common.interrupts import run_main
 from train.attention import visible_pairs
 from train.blocks import Blocks
 from train.config import DistributedConfig, TrainConfig
@@ -1008,4 +1009,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("benchmarks.train", main))

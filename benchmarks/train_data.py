@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from common.hashing import sample_id as make_sample_id
+from common.interrupts import run_main
 from shards import TAP_MEANING, Sample, ShardDataset, ShardWriter
 from train.data import DataConfig, DataStream
 from train.stored_features import hidden_nbytes
@@ -210,4 +211,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main("benchmarks.train_data", main))

@@ -36,7 +36,7 @@ from dataclasses import MISSING, field
 from pathlib import Path
 from typing import Any, Literal
 
-from common import locations
+from common import locations, objstore
 from common.io import atomic_write_text
 
 __all__ = [
@@ -166,8 +166,10 @@ def parse_command(
     returned too (`(cfg, words)`). `--some-key VALUE` is `some_key=VALUE`; a bool key given as
     `--key` alone is true. A VALUE of a text key is taken exactly as typed (a path may hold '=' or
     spaces). `-h` / `--help` prints `usage` and every key with its allowed values (`describe`) and
-    exits."""
+    exits. A command read here starts with the outage clocks of its stores at rest (`common.objstore`:
+    the same command run again in one process, as tests do, is a new command)."""
     argv = list(argv)
+    objstore.reset_outage_clocks()
     if any(word in ("-h", "--help") for word in argv):
         print((usage.rstrip() + "\n\nkeys:\n" if usage else "") + describe(cls))
         raise SystemExit(0)

@@ -125,9 +125,10 @@ def atomic_write_bytes(path: str, data: bytes, fs: pafs.FileSystem | None = None
         fs, path = resolve(path)
     if is_local(fs):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    elif in_place(fs):
-        with fs.open_output_stream(path) as f:
-            f.write(data)
+    elif in_place(fs):  # one PUT, repeated while the store's outage clock runs (common.objstore)
+        objstore.retrying(
+            lambda: _put(fs, path, data), where=objstore.store_uri(fs, path), clock=objstore.outage_clock(fs)
+        )
         return
     tmp = temp_name(path)
     try:
@@ -139,6 +140,11 @@ def atomic_write_bytes(path: str, data: bytes, fs: pafs.FileSystem | None = None
         if isinstance(err, OSError):
             raise named_os_error(err, path) from err
         raise
+
+
+def _put(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    with fs.open_output_stream(path) as f:
+        f.write(data)
 
 
 def discard(fs: pafs.FileSystem, path: str) -> None:

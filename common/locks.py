@@ -254,7 +254,7 @@ class ObjectLock:
 
     def _acquire(self, fs, path: str, what: str, hint: str, wait_seconds: float) -> None:
         self.fs, self.path, self.what = fs, path, what
-        self.client = objstore.s3_client(fs)
+        self.client, self.clock = objstore.s3_client(fs), objstore.outage_clock(fs)
         self.bucket, self.key = objstore.split_path(path)
         self.lease = objstore.lease_seconds()
         self.token = uuid.uuid4().hex
@@ -335,6 +335,7 @@ class ObjectLock:
             try:
                 self.etag = self._put(IfMatch=self.etag)
                 self.renewed_at = time.monotonic()
+                self.clock.answered()
             except botocore.exceptions.ClientError as err:
                 if objstore.is_missing(err) or objstore.is_conflict(err):
                     self._error = LockLost(
@@ -342,14 +343,21 @@ class ObjectLock:
                         "this writer stops without committing"
                     )
                     return
-                log.warning("renewing the lock object %s failed (will retry): %s", self.path, err)
+                self._failed(err)
             except Exception as err:  # noqa: BLE001 - a network error: retried at the next round
-                log.warning("renewing the lock object %s failed (will retry): %s", self.path, err)
+                self._failed(err)
+
+    def _failed(self, err: Exception) -> None:
+        if objstore.error_kind(err) == "transient":  # the store's outage clock runs (common.objstore)
+            self.clock.failed(objstore.store_uri(self.fs, self.path), err)
+        log.warning("renewing the lock object %s failed (will retry): %s", self.path, err)
 
     def check(self) -> None:
-        """Raise LockLost unless this process still holds the lock with time to spare."""
+        """Raise LockLost unless this process still holds the lock with time to spare; StoreUnreachable
+        once the store's outage clock has given up."""
         if self._error is not None:
             raise self._error
+        self.clock.check(objstore.store_uri(self.fs, self.path))
         idle = time.monotonic() - self.renewed_at
         if idle > self.lease / 2:
             raise LockLost(
@@ -365,7 +373,7 @@ class ObjectLock:
             self._held.pop(self._key, None)
         self._stop.set()
         self._thread.join(timeout=5)
-        if self._error is None:
+        if self._error is None and self.clock.left() > 0:  # a store gone for good: left for the next holder
             with contextlib.suppress(Exception):
                 self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self.etag)
 

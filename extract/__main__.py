@@ -18,6 +18,8 @@ import logging
 import sys
 
 from common.config import ConfigError, parse_cli
+from common.interrupts import run_main
+from common.objstore import StoreUnreachable
 from extract.config import ExtractConfig
 
 
@@ -41,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"extract: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # full disk, I/O errors: the manifest still lists only complete shards
-        if ranks is not None and pipeline.has_committed_work(cfg, ranks):
+        if isinstance(err, StoreUnreachable):  # what the manifest listed cannot be read now; it stays
+            after = "Shards committed before it stay in the dataset; rerun the same command to resume."
+        elif ranks is not None and pipeline.has_committed_work(cfg, ranks):
             after = "Shards committed before it are intact; rerun the same command to resume."
         else:
             after = "Nothing had been committed yet; fix the cause and rerun."
@@ -64,4 +68,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("extract", main))

@@ -30,7 +30,7 @@ from shards.projection import parse_projection_spec
 from shards.quant import canonical_encoding, parse_encoding
 from shards.schema import DEFAULT_ENCODING, DEFAULT_SHARD_BYTES, DEFAULT_ZSTD_LEVEL
 from target.chat_template import check_chat_template
-from target.rules import auto_layer_ids, config_depth
+from target.rules import auto_layer_ids, config_depth, layer_ids_problem
 
 log = logging.getLogger("extract")
 HIDDEN_ENCODINGS = ("planes", "plain")  # the lossless ones; storage tiers: shards.quant.parse_encoding
@@ -312,6 +312,15 @@ class ExtractConfig:
         if len(set(self.layer_ids)) != len(self.layer_ids):
             dupes = sorted({i for i in self.layer_ids if self.layer_ids.count(i) > 1})
             fail("layer_ids", f"ids must be unique; repeated: {dupes}")
+        # Against the target's depth as soon as its config.json is there (before a drafter command's
+        # first step, not minutes later when the target loads); an unreadable one is refused by name later.
+        if os.path.isfile(os.path.join(self.target, "config.json")):
+            try:
+                problem = layer_ids_problem(self.layer_ids, config_depth(self.target))
+            except ValueError:
+                problem = None
+            if problem:
+                fail("layer_ids", problem)
 
     def split_configs(self) -> dict[str | None, "ExtractConfig"]:
         """One single-corpus config per output dataset: {None: self} or {name: config for out_dir/name}."""

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from common.config import ConfigError, knob, parse_command
+from common.interrupts import run_main
 from common.io import atomic_write_text, join_uri, list_names, remove_temp_files, resolve
 from extract.ranks import CONFIG_FILE, FINAL_MANIFEST, FINAL_REJECTS, SUMMARY_FILE, Ranks, rank_names
 from extract.sink import read_committed_rejects
@@ -141,4 +142,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("extract.merge", main))

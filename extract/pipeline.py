@@ -70,6 +70,7 @@ from shards.manifest import MERGE_WAIT_SECONDS, lock_manifest
 from shards.provenance import Provenance, provenance_of
 from target.arch import check_architecture
 from target.chat_template import with_chat_template
+from target.files import check_target_files
 from target.load import Target, check_layer_ids, load_target, read_text_config
 from target.packing import packing_probe, packing_refusal, use_packed_sdpa
 from target.self_check import self_check
@@ -80,9 +81,11 @@ log = logging.getLogger("extract")
 def run(cfg: ExtractConfig, *, target: Target | None = None, ranks: Ranks | None = None) -> dict:
     """Extract every split of `cfg`; returns {split name (or None): summary dict of this rank}."""
     ranks = ranks or Ranks.from_env()
-    # Corpora (found, fingerprinted: damaged files named), output paths and a second writer, all
-    # before the target's weights load (minutes for a 27B).
+    # Corpora (found, fingerprinted: damaged files named), output paths, a second writer and the
+    # target's files, all before the target's weights load (minutes for a 27B).
     prepared = check_inputs(cfg, ranks)
+    if target is None:
+        check_target_files(cfg.target)
     torch.manual_seed(cfg.seed)
     if target is None:
         target = _load_checked_target(cfg, ranks)

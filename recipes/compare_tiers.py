@@ -42,6 +42,8 @@ import tomllib
 from pathlib import Path
 
 from common.config import ConfigError, describe, fail, knob, load_config
+from common.interrupts import run_main
+from common.io import join, read_json, resolve
 from recipes.drafter.plan import EXPORT_FILES
 from recipes.experiment import experiment_config
 from recipes.runner import Ledger, Runner, Stage
@@ -142,8 +144,29 @@ def tier_name(tier: str) -> str:
 
 
 def _complete(root: str) -> bool:
-    path = Path(root, MANIFEST_NAME)
-    return path.is_file() and bool(json.loads(path.read_text()).get("complete"))
+    """Whether `root` (a local path or a store URI) holds a complete dataset."""
+    try:
+        return bool(_read_manifest(root).get("complete"))
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+def _read_manifest(root: str) -> dict:
+    fs, path = resolve(root)
+    return read_json(fs, join(path, "manifest.json"))
+
+
+def check_datasets(cfg: CompareTiersConfig) -> None:
+    """ConfigError naming the key for a dataset the steps read that is not there, before any step runs:
+    `lossless` (unless step 1 extracts it) and every held-out set."""
+    if not cfg.extract and not _complete(cfg.lossless):
+        fail(
+            "lossless",
+            f"no complete dataset at {cfg.lossless} (run `make tiny` and `make extract`, or set extract=true)",
+        )
+    for name, data in named_sets(cfg.heldout).items():
+        if not _complete(data):
+            fail("heldout" + (f".{name}" if name else ""), f"no complete dataset at {data}")
 
 
 def _manifest(root: str) -> str:
@@ -187,10 +210,7 @@ def _ensure_lossless(cfg: CompareTiersConfig, runner: Runner) -> None:
         check_steps([[extraction]])
         runner.run([[extraction]])
     if not _complete(cfg.lossless):
-        raise SystemExit(
-            f"compare_tiers: no complete lossless dataset at {cfg.lossless} (run `make tiny` and `make extract`, or "
-            "set extract=true)"
-        )
+        fail("lossless", f"step 1 left no complete dataset at {cfg.lossless}")
 
 
 def plan(cfg: CompareTiersConfig, target: str) -> tuple[dict[str, str], dict, list[list[Stage]]]:
@@ -306,7 +326,7 @@ def _extract_corpus(cfg: CompareTiersConfig) -> str:
 
 
 def _provenance_target(root: str) -> str:
-    target = provenance_of(json.loads(Path(root, MANIFEST_NAME).read_text())).target.name_or_path
+    target = provenance_of(_read_manifest(root)).target.name_or_path
     if not target:
         raise ValueError(f"config key 'target': the provenance of {root} names no target; set target=DIR for step 5")
     return target
@@ -457,8 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__ + "\nkeys:\n" + describe(CompareTiersConfig))
         return 0
     try:
-        run_all(config_from_argv(argv))  # every step's command line is checked before any runs (ValueError)
-    except ValueError as err:
+        cfg = config_from_argv(argv)
+        check_datasets(cfg)  # before step 1 or 2 spends minutes
+        run_all(cfg)  # every step's command line is checked before any runs (ValueError)
+    except ValueError as err:  # a config, input or data error (exit 2: docs/ARCHITECTURE.md, "Exit status")
         print(f"compare_tiers: {err}", file=sys.stderr)
         return 2
     return 0
@@ -476,4 +498,8 @@ def config_from_argv(argv: list[str]) -> CompareTiersConfig:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(
+        run_main(
+            "compare_tiers", main, spawns=True, after="rerunning the same command resumes: finished steps are skipped"
+        )
+    )

@@ -29,6 +29,7 @@ import os
 import sys
 
 from common.config import ConfigError, describe, fail, knob, load_config
+from common.interrupts import run_main
 from common.io import atomic_write_text, exists_at, join_uri
 from common.locations import check_problem
 from recipes.drafter.results import num
@@ -228,4 +229,4 @@ def write_table(path: str, cfg: DataLadderConfig, rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("data_ladder", main, spawns=True))

@@ -33,6 +33,7 @@ import sys
 from typing import Literal
 
 from common.config import ConfigError, fail, knob, parse_cli
+from common.interrupts import run_main
 from common.io import read_record
 from recipes.demo_smollm2 import (
     SCALES,
@@ -275,4 +276,6 @@ def print_summary(summary: dict, run_dir: str, export_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(
+        run_main("demo", main, spawns=True, after="rerunning with fresh=false goes on from the finished steps")
+    )

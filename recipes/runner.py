@@ -32,15 +32,13 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 
 import xxhash
 
 from common.io import atomic_write_text
-from common.processes import run_side_by_side
+from common.processes import run_child, run_side_by_side
 
 _CHECKPOINT = re.compile(r"^step-(\d+)$")
 
@@ -182,7 +180,7 @@ def step(
     `position` ("[3/8] ") leads its first line."""
     print(f"\n=== {position}{name}: python {' '.join(args)}", flush=True)
     start = time.time()
-    code = run_in_process(args) if in_process else subprocess.run([sys.executable, *args], env=env).returncode
+    code = run_in_process(args) if in_process else run_child(args, env)
     timings[name] = time.time() - start
     # Said as each step ends, so a run cut short (a lost machine, a time limit) still shows where the time went.
     print(f"=== {name}: {timings[name]:.1f} s ({label} so far {sum(timings.values()):.1f} s)", flush=True)

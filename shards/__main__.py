@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from common.config import ConfigError, knob, parse_command
+from common.interrupts import run_main
 from common.locations import check_problem
 from shards.describe import inspect_lines, show_lines, unchecked_shards
 from shards.manifest import MANIFEST_NAME, merge_manifests
@@ -193,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("shards", main))

@@ -273,7 +273,9 @@ def read_index(fs: pafs.FileSystem, root: str, entry: dict, *, check_checksum: b
     the whole file is read anyway). The table has the per-sample checksum columns when the entry's
     `sample_checksum_algo` says so (format version 2), and lacks them for older shards."""
     path = io.join(root, entry["index_file"])
-    if not objstore.retrying(lambda: io.exists(fs, path), where=objstore.store_uri(fs, path)):
+    if not objstore.retrying(
+        lambda: io.exists(fs, path), where=objstore.store_uri(fs, path), clock=objstore.outage_clock(fs)
+    ):
         raise ShardFormatError(f"{path}: index file listed in the manifest is missing")
     algo = entry.get(SAMPLE_CHECKSUM_ALGO_KEY)
     if algo is not None and algo not in SAMPLE_CHECKSUM_ALGOS:
@@ -282,7 +284,9 @@ def read_index(fs: pafs.FileSystem, root: str, entry: dict, *, check_checksum: b
             f"{list(SAMPLE_CHECKSUM_ALGOS)})"
         )
     try:
-        data = objstore.retrying(lambda: io.read_bytes(fs, path), where=objstore.store_uri(fs, path))
+        data = objstore.retrying(
+            lambda: io.read_bytes(fs, path), where=objstore.store_uri(fs, path), clock=objstore.outage_clock(fs)
+        )
     except objstore.StoreUnreachable:
         raise
     except OSError as err:

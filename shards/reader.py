@@ -265,7 +265,9 @@ class ShardDataset:
         found: list[str] = []
         for shard, entry in enumerate(self.shards):
             path = io.join(self.root, entry["file"])
-            rows = objstore.retrying(lambda: self._rows_holding(path, token_id), where=self._uri(path))
+            rows = objstore.retrying(
+                lambda: self._rows_holding(path, token_id), where=self._uri(path), clock=objstore.outage_clock(self.fs)
+            )
             ids = self.index.column("sample_id")
             found += [str(ids[self._starts[shard] + row]) for row in rows[: limit - len(found)]]
             if len(found) >= limit:
@@ -300,7 +302,11 @@ class ShardDataset:
                 if io.is_local(self.fs):
                     data = ranges.read(opened.source, row, path)
                 else:  # a remote handle may be shared by threads: no seek
-                    data = objstore.retrying(lambda: ranges.read_at(opened.source, row, path), where=self._uri(path))
+                    data = objstore.retrying(
+                        lambda: ranges.read_at(opened.source, row, path),
+                        where=self._uri(path),
+                        clock=objstore.outage_clock(self.fs),
+                    )
                 ranges.check(data, row, path)  # ShardFormatError naming file, sample and row
                 batch = decode_message(data, self._schema)
             batch.validate(full=True)  # damaged offsets would otherwise crash or mislead the decoding
@@ -352,7 +358,9 @@ class ShardDataset:
                 # Remote, checked reads: the file was checked once (by any thread) and every thread reads
                 # its samples' ranges with `read_at` through one handle: no further HEAD or footer reads.
                 return _OpenShardFile(shared, None)
-        info = objstore.retrying(lambda: self.fs.get_file_info(path), where=self._uri(path))
+        info = objstore.retrying(
+            lambda: self.fs.get_file_info(path), where=self._uri(path), clock=objstore.outage_clock(self.fs)
+        )
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"{path}: shard file listed in the manifest is missing")
         if info.size != entry["bytes"]:
@@ -364,7 +372,9 @@ class ShardDataset:
                 self._check_checksum(entry["file"], entry["checksum"])
                 self._checked_shards.add(shard)
         try:
-            source, reader = objstore.retrying(lambda: self._open_ipc(path), where=self._uri(path))
+            source, reader = objstore.retrying(
+                lambda: self._open_ipc(path), where=self._uri(path), clock=objstore.outage_clock(self.fs)
+            )
         except objstore.StoreUnreachable:
             raise
         except (pa.ArrowException, OSError) as err:  # pyarrow raises OSError for damaged data too

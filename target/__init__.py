@@ -4,6 +4,7 @@ checkpoint. A floor of its own between `common/` (which it builds on) and the st
 Each module's docstring is its reference:
 
     rules.py            defaults derived from the target's depth (taps, drafter depth), torch-free
+    files.py            a target directory holds config.json, weights and a tokenizer (checked before any load)
     checkpoint.py       a target checkpoint read without building the model (config, chosen tensors)
     arch.py             can a checkpoint be a DFlash target; where its embedding and head are
     file_digests.py     every byte of a file hashed once, cached by the file's identity

@@ -40,7 +40,7 @@ from target.checkpoint import check_weight_files, read_config
 from target.head import OwnHead
 from target.identity import target_identity
 from target.kernel_routing import install_fla_convolution, route_kernels_by_device
-from target.rules import auto_layer_ids
+from target.rules import layer_ids_problem
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -104,13 +104,9 @@ def read_text_config(path: str, trust_remote_code: bool = False):
 
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
     """ConfigError naming `layer_ids` unless every id is a decoder layer; warn on the last layer."""
-    bad = [i for i in layer_ids if not 0 <= i < num_layers]
-    if bad:
-        fail(
-            "layer_ids",
-            f"{bad} out of range: the target has {num_layers} decoder layers, so ids must lie in 0..{num_layers - 1}; "
-            f'layer_ids = "auto" picks {auto_layer_ids(num_layers)[0]} for it (docs/dflash.md, "Tap layers")',
-        )
+    problem = layer_ids_problem(layer_ids, num_layers)
+    if problem:
+        fail("layer_ids", problem)
     if num_layers - 1 in layer_ids:
         warnings.warn(
             f"extract: layer_ids taps the last decoder layer ({num_layers - 1}). Its raw output is stored; note "

@@ -5,6 +5,7 @@ config check reads the depth from config.json before any model code loads.
     config_depth(target_dir)        the text decoder's layer count, read from config.json
     nested_text_config(config)      the text decoder's table in a multimodal or wrapper config, or None
     auto_layer_ids(num_layers)      (tap ids, reason): the published spread with auto_tap_count taps
+    layer_ids_problem(ids, L)       what keeps tap ids from naming decoder layers of an L-layer target, or None
     tap_layer_ids(num_layers, n)    n taps from layer 1 to layer L-3, evenly (z-lab's rule)
     auto_tap_count(num_layers)      5 (the published drafters'); one per two layers below 10 layers
     drafter_layers(num_layers)      (drafter depth, reason): 5 (published); L // 4 (at least 1) below 20 layers
@@ -91,6 +92,17 @@ def auto_layer_ids(num_layers: int) -> tuple[list[int], str]:
     else:
         why = f"{n} tap{'s' if n > 1 else ''}, one per two layers"
     return ids, f"{why}, spread evenly from layer 1 to layer L-3 of {num_layers} (z-lab's build_target_layer_ids)"
+
+
+def layer_ids_problem(layer_ids: list[int], num_layers: int) -> str | None:
+    """Why `layer_ids` cannot be taps of a target of `num_layers` decoder layers (None: they can)."""
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if not bad:
+        return None
+    return (
+        f"{bad} out of range: the target has {num_layers} decoder layers, so ids must lie in 0..{num_layers - 1}; "
+        f'layer_ids = "auto" picks {auto_layer_ids(num_layers)[0]} for it (docs/dflash.md, "Tap layers")'
+    )
 
 
 def drafter_layers(num_layers: int) -> tuple[int, str]:

@@ -18,6 +18,7 @@ import sys
 import time
 
 from common.config import config_to_dict, parse_cli
+from common.interrupts import run_main
 from train.config import TrainConfig
 
 # After naming a lost rank, a surviving rank waits this long before exiting, so that torchrun
@@ -84,4 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("train", main))

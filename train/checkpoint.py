@@ -212,11 +212,39 @@ def _writing(path: Path, write) -> None:
         raise named from exc
 
 
+class _KeptErrors:
+    """A file whose write errors are kept: torch's zip writer swallows them and raises its own
+    "[enforce fail at inline_container.cc:672] unexpected pos" (on a full disk, for a path or a Python
+    file alike), which names neither the file nor the cause."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_torch(obj, file) -> None:
+    """`torch.save(obj, file)`; a write that failed raises its own OSError ("[Errno 28] No space left on device")."""
+    kept = _KeptErrors(file)
+    try:
+        torch.save(obj, kept)
+    except RuntimeError:
+        if kept.error is not None:
+            raise kept.error from None
+        raise
+
+
 def _torch_save(obj, path: Path) -> None:
-    # Through a Python file: on a full disk torch's own file writer fails with "[enforce fail at
-    # inline_container.cc] unexpected pos", while a Python file raises ENOSPC.
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        save_torch(obj, f)
 
 
 def _write_files(snapshot: Snapshot, directory: Path) -> None:

@@ -18,6 +18,7 @@ import time
 
 from benchmarks.suites import DEVICE_MODULES, SUITES
 from benchmarks.suites.host import needed_modules, ready
+from common.interrupts import run_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,4 +34,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.suites", main))

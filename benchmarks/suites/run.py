@@ -52,6 +52,7 @@ from benchmarks.suites.record import (
     write_record,
 )
 from benchmarks.suites.runner import Context, SuiteLog, run_stages
+from common.interrupts import run_main
 
 RESULTS = REPO / "benchmarks" / "results"
 RESERVE_S = 10.0  # kept back from the budget for writing the record at the end
@@ -224,4 +225,4 @@ def summary(record: dict, out: Path) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("benchmarks.suites.run", main))

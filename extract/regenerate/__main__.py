@@ -19,6 +19,7 @@ import logging
 import sys
 
 from common.config import ConfigError, parse_cli
+from common.interrupts import run_main
 from extract.regenerate.config import RegenerateConfig
 
 
@@ -70,4 +71,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("regenerate", main))

@@ -40,6 +40,7 @@ from extract.regenerate.server import ServerBackend, ServerStop, chunked_prefill
 from target.arch import check_architecture
 from target.chat_template import with_chat_template
 from target.checkpoint import read_config, text_config
+from target.files import check_target_files
 from target.identity import weights_digest
 from target.load import load_target
 
@@ -66,8 +67,8 @@ class Incomplete(Exception):
 
 def check_inputs(cfg: RegenerateConfig) -> CorpusFiles:
     """ValueError naming the problem before any model or server is touched."""
-    if not os.path.isdir(cfg.target):
-        raise ValueError(f"target: '{cfg.target}' is not a checkpoint directory (config key 'target')")
+    # The tokenizer renders every prompt; the weights are read only by the local backend.
+    check_target_files(cfg.target, weights=cfg.backend == "local")
     corpus = find_corpus(cfg.corpus, cfg.corpus_format)
     out = out_location(cfg)
     if not store.on_object_store(out) and any(os.path.abspath(f).startswith(out + os.sep) for f in corpus.files):

@@ -9,6 +9,7 @@ import os
 import sys
 
 from common.config import ConfigError, describe
+from common.interrupts import run_main
 from recipes.drafter.config import STAGES, DrafterRecipeConfig, parse_drafter_args
 
 USAGE = f"""usage: python -m recipes.drafter [CONFIG.toml] target=DIR prompts=FILE [key=value ...] [STAGE.key=value ...]
@@ -43,4 +44,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(
+        run_main(
+            "drafter",
+            main,
+            spawns=True,
+            after="the running step was stopped; rerunning the same command resumes: finished steps are skipped",
+        )
+    )

@@ -13,6 +13,11 @@ then measured on prompts the drafter never saw. Deduplicated rather than refused
 set is the user's deliberate choice of evaluation prompts and the overlap (two files sampled from one
 source, a prompt asked twice with other answers) costs training a few records; refused only when no
 training record would remain.
+
+The files are read as the corpus reader reads a JSONL file (UTF-8, with or without a byte order
+mark, UTF-16/32; .gz, .bz2, .zst); a line that is not text in its encoding is refused naming the
+file and the line. When the target answers the prompts (`regenerate`), a `{"text": ...}` record is
+a prompt: it becomes a chat of one user turn holding that text (regeneration answers chats).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import xxhash
 
 from common.io import atomic_write_text
+from extract.corpus.streams import UNDECODABLE, CorpusError, text_lines
 
 HELDOUT_SHARE, HELDOUT_MIN, HELDOUT_MAX = 0.1, 2, 64
 SMOKE_TRAIN, SMOKE_HELDOUT = 32, 4
@@ -45,12 +51,41 @@ class PromptSplit:
 
 
 def read_records(path: str, key: str) -> list[str]:
-    """The non-empty lines of a JSONL file; ValueError naming the key when it cannot be read."""
+    """The non-empty lines of a JSONL file as text; ValueError naming the key, the file and the line
+    when it cannot be read."""
+    records = []
     try:
-        with open(path, encoding="utf-8") as f:
-            return [line.rstrip("\n") for line in f if line.strip()]
+        for number, line in enumerate(text_lines(path), 1):
+            if isinstance(line, bytes):
+                try:
+                    line = line.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(
+                        f"config key '{key}': {path} line {number} is not UTF-8 text (byte {err.start + 1} of the "
+                        f"line: {err.reason}); save the file as UTF-8"
+                    ) from None
+            elif UNDECODABLE in line:
+                raise ValueError(f"config key '{key}': {path} line {number} holds bytes its encoding cannot decode")
+            if line.strip():
+                records.append(line.rstrip("\n"))
     except OSError as exc:
-        raise ValueError(f"config key '{key}': cannot read {path}: {exc.strerror}") from None
+        raise ValueError(f"config key '{key}': cannot read {path}: {exc.strerror or exc}") from None
+    except CorpusError as exc:
+        raise ValueError(f"config key '{key}': {exc}") from None
+    return records
+
+
+def as_prompt(line: str) -> tuple[str, bool]:
+    """(the record, whether it changed): a `{"text": ...}` record as a chat of one user turn."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line, False  # regeneration rejects it with its reason
+    chat_keys = ("messages", "conversations", "prompt", "input_ids")
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str) or any(k in record for k in chat_keys):
+        return line, False
+    turn = {"role": "user", "content": record.pop("text")}
+    return json.dumps({"messages": [turn], **record}, ensure_ascii=False), True
 
 
 def heldout_count(n_records: int, asked: int) -> int:
@@ -85,7 +120,9 @@ def without_overlap(train: list[str], held: list[str]) -> tuple[list[str], int]:
     return kept, len(train) - len(kept)
 
 
-def split_prompts(prompts: str, heldout: str, out_dir: str, *, asked: int, seed: int, smoke: bool) -> PromptSplit:
+def split_prompts(
+    prompts: str, heldout: str, out_dir: str, *, asked: int, seed: int, smoke: bool, texts_as_prompts: bool = True
+) -> PromptSplit:
     lines = read_records(prompts, "prompts")
     if heldout:
         train, held = lines, read_records(heldout, "heldout")
@@ -105,6 +142,12 @@ def split_prompts(prompts: str, heldout: str, out_dir: str, *, asked: int, seed:
             + (f"heldout_prompts={asked}" if asked else "10%, at least 2, at most 64")
             + f"; the records of the smallest seeded hashes, seed {seed})"
         )
+    if texts_as_prompts:
+        train, held = ([as_prompt(line) for line in records] for records in (train, held))
+        how["text_records_as_user_turns"] = sum(changed for _, changed in train + held)
+        if how["text_records_as_user_turns"]:
+            reason += f'; {how["text_records_as_user_turns"]} {{"text": ...}} records are user turns the target answers'
+        train, held = [line for line, _ in train], [line for line, _ in held]
     train, overlap = without_overlap(train, held)
     if overlap:
         reason += f"; {overlap} training prompts also held out: left out of training"

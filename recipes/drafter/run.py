@@ -50,6 +50,7 @@ from recipes.runner import Ledger, Runner
 from recipes.step_check import check_steps
 from shards.provenance import provenance_of
 from target.arch import check_architecture
+from target.files import check_target_files
 from target.identity import directory_digest
 from target.self_check import SelfCheck
 
@@ -91,14 +92,19 @@ def run_drafter(cfg: DrafterRecipeConfig) -> dict:
     """Run (or resume) every step for `cfg`; the summary (also in OUT/summary.json). ValueError for a
     user error (naming the key), for a target no DFlash drafter can serve and for one that fails its
     self-check (one line, before anything is written), SystemExit naming a failing step."""
-    if not os.path.isdir(cfg.target):
-        raise ValueError(f"config key 'target': {cfg.target} is not a directory (a local Hugging Face model)")
+    check_target_files(cfg.target)  # config.json, weights, tokenizer: one line, before anything is written or run
     check_architecture(cfg.target)  # a family DFlash cannot serve: one line, before anything is written or run
     out = output_folder(cfg)
     digest = directory_digest(cfg.target)
     check_owner(out, cfg.target, digest)
     prompts = split_prompts(
-        cfg.prompts, cfg.heldout, out, asked=cfg.heldout_prompts, seed=cfg.seed, smoke=cfg.scale == "smoke"
+        cfg.prompts,
+        cfg.heldout,
+        out,
+        asked=cfg.heldout_prompts,
+        seed=cfg.seed,
+        smoke=cfg.scale == "smoke",
+        texts_as_prompts=cfg.regenerate,
     )
     derived = derive(cfg)
     job = build_job(cfg, out, prompts, derived, digest)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from common.config import ConfigError, parse_cli
+from common.interrupts import run_main
 from recipes.smollm2.build import build_smollm2, log
 from recipes.smollm2.config import SmolConfig
 
@@ -31,4 +32,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("smollm2", main, spawns=True, after="rerunning the same command finishes the build"))

@@ -37,6 +37,7 @@ from typing import Iterator
 
 import xxhash
 
+from common.interrupts import run_main
 from recipes.tiny.shipped import SHIPPED_DIR
 
 SHIPPED = Path(__file__).resolve().parent / "shipped"
@@ -257,4 +258,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("smollm2 prompts", main))

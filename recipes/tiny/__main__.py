@@ -8,6 +8,7 @@ import os
 import sys
 
 from common.config import ConfigError, parse_cli
+from common.interrupts import run_main
 from recipes.tiny.build import build_tiny
 from recipes.tiny.compute import log
 from recipes.tiny.config import TinyConfig
@@ -36,4 +37,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("tiny", main, spawns=True))

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from common.config import ConfigError, knob, parse_cli
+from common.interrupts import run_main
 from recipes.tiny.shipped import SHIPPED_DIR, ship_build
 
 
@@ -39,4 +40,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("tiny ship", main))

@@ -75,7 +75,7 @@ def test_add_copies_a_record_with_its_log(tmp_path, monkeypatch):
     shutil.copyfile(REPO / "benchmarks/results/real-2026-12-05T1248Z.json", source / "real.json")
     (source / "real.log").write_text("the suite's log\n")
     target = render.add(source / "real.json")
-    assert target.name == "real-2026-12-05T1248Z.json"
+    assert target.name == "real-2026-12-05T124847Z.json"  # to the second
     assert target.with_suffix(".log").read_text() == "the suite's log\n"
 
 
@@ -143,7 +143,7 @@ def test_smoke_records_are_never_rendered_nor_added(tmp_path):
     assert index(("s", smoke)).latest("k.a") is None
     path = tmp_path / "s.json"
     path.write_text(json.dumps({**smoke, "schema": 1, "packages": {}, "command": "x"}))
-    with pytest.raises(SystemExit, match="smoke-scale record"):
+    with pytest.raises(ValueError, match="smoke-scale record"):
         render.add(path)
 
 
@@ -152,3 +152,67 @@ def test_a_file_without_its_markers_is_refused(tmp_path):
         render.splice("no markers here", render.README_MARKERS, "body", tmp_path / "README.md")
     text = f"a\n{render.README_MARKERS[0]}\nold\n{render.README_MARKERS[1]}\nb"
     assert render.splice(text, render.README_MARKERS, "new", Path("x")).split("\n")[2] == "new"
+
+
+def complete_record(**changes) -> dict:
+    """A record of a GPU suite as a run writes it, with `changes`."""
+    return {
+        **record("2026-12-05T14:32:12Z", {}),
+        "schema": 1,
+        "packages": {"torch": "2.13.0"},
+        "command": "python3 -m benchmarks.suites shape27b",
+        "figures": {"shape27b.round.tau": 3.0},
+        **changes,
+    }
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    """benchmarks/results/ and the rendered files as copies: what --add writes lands there."""
+    copy = tmp_path / "checkout" / "benchmarks" / "results"
+    shutil.copytree(render.RESULTS, copy)
+    for name in ("DOC", "README"):
+        target = tmp_path / "checkout" / getattr(render, name).relative_to(REPO)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(getattr(render, name), target)
+        monkeypatch.setattr(render, name, target)
+    monkeypatch.setattr(render, "RESULTS", copy)
+    monkeypatch.setattr(render, "REPO", tmp_path / "checkout")
+    return copy
+
+
+@pytest.mark.parametrize(
+    "changes, said",
+    [
+        ({"machine": "H200"}, "'machine' must be a JSON object"),
+        ({"suite": "../../../escaped"}, "'suite' '../../../escaped' is none of the suites"),
+        ({"suite": "/tmp/abs"}, "is none of the suites"),
+        ({"commit": 7}, "'commit' must be a JSON string"),
+        ({"figures": [1]}, "figures must be an object"),
+        ({"date": "yesterday"}, "is not YYYY-MM-DDTHH:MM:SSZ"),
+        ({"wall_s": "long", "status": "complete"}, "cannot be rendered"),
+    ],
+)
+def test_a_malformed_record_is_refused_in_one_line_and_nothing_is_written(results, tmp_path, capsys, changes, said):
+    """Issue 54: --add copied a record with `machine` a string, after which every rendering crashed until the
+    file was removed by hand; an unchecked `suite` named a file outside the checkout."""
+    before = sorted(p.name for p in results.iterdir())
+    path = tmp_path / "shape27b.json"
+    path.write_text(json.dumps(complete_record(**changes)))
+    assert render.main(["--add", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert said in err and str(path) in err and "\n" not in err and "Traceback" not in err, err
+    assert sorted(p.name for p in results.iterdir()) == before
+    assert not list((tmp_path / "checkout").parent.glob("escaped*")) and not Path("/tmp/abs-2026").exists()
+    assert render.main(["--check"]) == 0  # the rendering still works
+
+
+def test_two_records_of_a_suite_in_the_same_second_are_both_kept(results, tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(complete_record()))
+    second.write_text(json.dumps(complete_record(figures={"shape27b.round.tau": 3.5})))
+    kept = [render.add(first), render.add(second), render.add(first)]
+    assert kept[0].name == "shape27b-2026-12-05T143212Z.json" and kept[1].name == "shape27b-2026-12-05T143212Z-2.json"
+    assert kept[2] == kept[0]  # the same record again: already there, not a third copy
+    assert json.loads(kept[1].read_text())["figures"]["shape27b.round.tau"] == 3.5
+    assert not list(results.glob(".*.tmp"))

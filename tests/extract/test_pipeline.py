@@ -110,6 +110,7 @@ def test_dataset_is_valid_and_accounts_for_every_record(baseline):
 # What the run and the library versions change (paths, the code's version, digests of files that
 # record the transformers version or a torch-seeded initialization): masked before comparing.
 VOLATILE = {("target", "config_hash"), ("target", "weights_digest"), ("target", "head_digest"), ("tokenizer", "hash")}
+VOLATILE |= {("target", "weights_content_digest")}
 VOLATILE |= {(None, "git_sha"), (None, "tool_version")}
 
 
@@ -127,7 +128,7 @@ def _masked(record, tmp: str, target: str, part: str | None = None):
 def test_the_written_provenance_is_what_extraction_wrote_before_the_type(baseline, loaded_target):
     """Issue 53: the manifest's provenance built through `shards.provenance.Provenance` is, key for
     key, what extraction wrote before (tests/extract/golden/provenance.json, written by the code of
-    1258ce9 from this very fixture)."""
+    1258ce9 from this very fixture; since issue 52 the target also records its weights' content digest)."""
     stored = json.load(open(os.path.join(baseline["root"], "manifest.json")))["provenance"]
     golden = json.load(open(os.path.join(os.path.dirname(__file__), "golden", "provenance.json")))
     assert _masked(stored, os.path.dirname(baseline["root"]), loaded_target.path) == golden

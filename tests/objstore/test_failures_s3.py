@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from common import objstore
 from common.config import ConfigError
 from shards import ShardDataset, ShardWriter, verify_dataset
 from tests.shards.synth import TOPK, WIDTH, make_sample, provenance
@@ -58,6 +59,7 @@ def test_a_server_gone_mid_run_fails_and_a_rerun_resumes_with_nothing_lost(s3_ur
     from benchmarks.s3_server import DelayProxy
 
     monkeypatch.setenv("DFLASH_S3_RETRIES", "2")
+    monkeypatch.setenv("DFLASH_S3_OUTAGE_S", "3")  # the writes wait this long for the store (common.objstore)
     bucket_path = s3_uri.split("://", 1)[1].split("?", 1)[0]
     with DelayProxy(moto_server.port) as proxy:
         uri = proxy.uri(bucket_path)
@@ -75,7 +77,10 @@ def test_a_server_gone_mid_run_fails_and_a_rerun_resumes_with_nothing_lost(s3_ur
         with pytest.raises(OSError):
             w.close(complete=False)
         proxy.up()
-        w._lock.release()  # as the process's exit would (a dead pid's lock object is taken over at once)
+        # A rerun is a new process: its store's outage clock at rest, and the dead writer's lock object
+        # taken over at once (the same pid, alive here, releases it instead).
+        objstore.reset_outage_clocks()
+        w._lock.release()
         ds = ShardDataset(uri)
         assert len(ds) >= committed and verify_dataset(uri) == []
         with open_writer(uri) as again:

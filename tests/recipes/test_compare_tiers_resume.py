@@ -44,7 +44,12 @@ def test_a_comparison_killed_mid_training_resumes_that_training(tmp_path, monkey
     (tmp_path / "exp.toml").write_text("[train]\n")
     words = [w for w in tiny_run_args(tiny, "") if not w.startswith(("out_dir=", "data.shards=", "optim.max_steps"))]
     argv = [str(tmp_path / "exp.toml"), f"out_dir={tmp_path / 'out'}", f"lossless={tiny / 'shards'}", "tiers=[]"]
-    argv += ["seeds=[0]", "online=false", f"train_overrides={json.dumps([*words, 'optim.max_steps=4'])}"]
+    argv += [
+        "heldout=none",
+        "seeds=[0]",
+        "online=false",
+        f"train_overrides={json.dumps([*words, 'optim.max_steps=4'])}",
+    ]
     run = tmp_path / "out" / "runs" / "lossless-s0"
     marker = tmp_path / "checkpoint-2-committed"
 

@@ -2,12 +2,11 @@
 
 The demo's steps themselves are each tested elsewhere; a whole demo takes minutes (`make demo`). The
 steps run through recipes.runner (the drafter command's orchestration), whose child processes
-these tests replace (`subprocess.run`)."""
+these tests replace (`subprocess.Popen` in common.processes)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -78,6 +77,22 @@ def fake_outputs(root, run="demo"):
     )
 
 
+def finished_process(started):
+    """A stand-in for subprocess.Popen: `started(args, **kwargs)` runs at the start, the process ends at once, well."""
+
+    class Finished:
+        def __init__(self, args, **kwargs):
+            started(args, **kwargs)
+
+        def wait(self, timeout=None):
+            return 0
+
+        def poll(self):
+            return 0
+
+    return Finished
+
+
 def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     calls = []
@@ -88,9 +103,8 @@ def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeyp
             fake_tiny_build(tmp_path)
         if args[1:3] == ["-m", "train.report"]:  # the last step: everything before it has written its files
             fake_outputs(tmp_path)
-        return subprocess.CompletedProcess(args, 0)
 
-    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr("common.processes.subprocess.Popen", finished_process(fake_run))
     assert demo.main([]) == 0
     modules = [c[1] for c in calls]
     assert modules == [
@@ -147,24 +161,16 @@ def test_steps_run_with_this_interpreter_few_threads_and_the_gpu_when_there_is_o
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     calls = []
 
-    def fake_run(args, env=None, **kwargs):
-        calls.append((args, env))
-        if "train.report" in args:
-            fake_outputs(tmp_path)
-        return subprocess.CompletedProcess(args, 0)
-
     together = []
 
-    class FakePopen:  # the steps a GPU runs side by side (common.processes)
-        def __init__(self, args, env=None, **kwargs):
-            calls.append((args, env))
+    def fake_run(args, env=None, stdout=None, **kwargs):
+        calls.append((args, env))
+        if stdout is not None:  # the steps a GPU runs side by side, each with its own log
             together.append(args[2])
+        if "train.report" in args:
+            fake_outputs(tmp_path)
 
-        def poll(self):
-            return 0
-
-    monkeypatch.setattr(subprocess, "run", fake_run)
-    monkeypatch.setattr("common.processes.subprocess.Popen", FakePopen)
+    monkeypatch.setattr("common.processes.subprocess.Popen", finished_process(fake_run))
     assert demo.main([]) == 0
     assert together == (["train.eval", "train.eval", "train.serve.export"] if cuda else [])
     assert all(
@@ -183,9 +189,7 @@ def test_a_set_omp_num_threads_is_kept(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     envs = []
-    monkeypatch.setattr(
-        subprocess, "run", lambda args, env=None, **kw: (envs.append(env), subprocess.CompletedProcess(args, 1))[1]
-    )
+    monkeypatch.setattr("recipes.runner.run_child", lambda args, env=None: (envs.append(env), 1)[1])
     with pytest.raises(SystemExit):
         demo.main([])
     assert envs[0]["OMP_NUM_THREADS"] == "3"
@@ -193,9 +197,7 @@ def test_a_set_omp_num_threads_is_kept(tmp_path, monkeypatch):
 
 def test_a_failing_step_stops_the_demo_and_names_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(
-        subprocess, "run", lambda args, **kw: subprocess.CompletedProcess(args, 3 if args[2] == "extract" else 0)
-    )
+    monkeypatch.setattr("recipes.runner.run_child", lambda args, env=None: 3 if args[1] == "extract" else 0)
     with pytest.raises(SystemExit, match="step 'extraction' failed \\(exit 3\\)"):
         demo.main([])
 
@@ -223,9 +225,8 @@ def test_another_seed_reaches_the_drafter_s_init_and_data_order(tmp_path, monkey
         calls.append(args[1:])
         if args[1:3] == ["-m", "train.report"]:
             fake_outputs(tmp_path, run="s2")
-        return subprocess.CompletedProcess(args, 0)
 
-    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr("common.processes.subprocess.Popen", finished_process(fake_run))
     assert demo.main(["run=s2", "seed=2", "steps=5"]) == 0
     train_args = next(c for c in calls if c[1] == "train")
     assert {"run_name=s2", "optim.max_steps=5", "seed=2", "data.seed=2"} <= set(train_args)

@@ -119,3 +119,38 @@ def test_dtype_and_attention_follow_the_device_and_the_target(tmp_path, monkeypa
     (gemma2 / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
     attention, reason = resolve_attention("auto", str(gemma2))
     assert attention == "eager" and "Gemma2ForCausalLM does not support SDPA" in reason
+
+
+def test_a_prompt_line_that_is_not_utf8_is_named_with_its_file_and_line(tmp_path):
+    """Issue 54: "'utf-8' codec can't decode byte 0xff in position 673" named no file."""
+    write_prompts(tmp_path / "p.jsonl", 5)
+    lines = (tmp_path / "p.jsonl").read_bytes().splitlines()
+    lines[3] = lines[3].replace(b"question", b"qu\xffestion")
+    (tmp_path / "p.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(
+        ValueError, match=r"config key 'prompts': .*p\.jsonl line 4 is not UTF-8 text \(byte 46 of the line"
+    ):
+        split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "out"), asked=2, seed=0, smoke=False)
+    utf16 = tmp_path / "utf16.jsonl"  # what the corpus reader takes, the prompt sets take too
+    utf16.write_bytes(("\n".join(lines[i].decode() for i in (0, 1, 2)) + "\n").encode("utf-16"))
+    split = split_prompts(str(utf16), "", str(tmp_path / "u"), asked=1, seed=0, smoke=False)
+    assert len(split.lines["train"]) + len(split.lines["heldout"]) == 3
+
+
+def test_text_prompt_records_become_user_turns_when_the_target_answers_them(tmp_path):
+    """Issue 54: `--help` lists {"text": ...} as accepted, and regeneration rejected every such record."""
+    texts = [{"text": f"say {i}", "id": i} for i in range(6)] + [{"messages": [{"role": "user", "content": "hi"}]}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(t) + "\n" for t in texts))
+    split = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "a"), asked=2, seed=0, smoke=False)
+    records = [json.loads(line) for name in ("train", "heldout") for line in split.lines[name]]
+    users = sorted(r["messages"][0]["content"] for r in records)
+    assert users == sorted([f"say {i}" for i in range(6)] + ["hi"]) and all(
+        set(r) <= {"messages", "id"} for r in records
+    )
+    assert split.record["text_records_as_user_turns"] == 6 and '6 {"text": ...} records are user turns' in split.reason
+    kept = split_prompts(
+        str(tmp_path / "p.jsonl"), "", str(tmp_path / "b"), asked=2, seed=0, smoke=False, texts_as_prompts=False
+    )
+    assert (
+        sum('"text"' in line for name in ("train", "heldout") for line in kept.lines[name]) == 6
+    )  # regenerate=false: as given

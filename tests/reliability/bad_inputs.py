@@ -44,7 +44,18 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from benchmarks.s3_server import MotoServer, moto_server_command
-from tests.reliability import command_cases, corpus_files, corpus_inputs, store_cases, writers
+from tests.reliability import (
+    command_cases,
+    corpus_files,
+    corpus_inputs,
+    late_checks,
+    make_lines,
+    outage_cases,
+    record_cases,
+    signal_cases,
+    store_cases,
+    writers,
+)
 from tests.reliability.cli import call_main
 from tests.reliability.cli import message as cli_message
 from tests.reliability.families import (
@@ -509,6 +520,18 @@ def issue45_families(world: World, tally: Tally, work: Path, full: bool = True) 
         return lines + [store_cases.run_all(world, tally, work / "stores", server)]
 
 
+def issue54_families(world: World, tally: Tally, work: Path, full: bool = True) -> list[str]:
+    """The Makefile, signal, late-check, records and store-outage families; lines for the report."""
+    lines = [make_lines.run_all(tally, work / "make")]
+    signal_cases.run_all(world, tally, work / "signals", full=full)
+    late_checks.run_all(world, tally, work / "late")
+    record_cases.run_all(tally, work / "records")
+    if moto_server_command() is None:
+        return lines + [outage_cases.run_all(world, tally, work / "outage", None)]
+    with store_cases.environment(**MotoServer.env()), MotoServer() as server:
+        return lines + [outage_cases.run_all(world, tally, work / "outage", server)]
+
+
 def run(
     world: World, *, record_examples: int, config_examples: int, seed: int | None, work: Path, writer_pairs: int = 3
 ) -> Outcome:
@@ -528,6 +551,7 @@ def run(
     semantic_config_cases(world, tally, work)
     mismatched_shards(world, tally, work)
     stores_line = issue45_families(world, tally, work / "issue45")
+    stores_line += issue54_families(world, tally, work / "issue54")
     outcome.failures += tally.failures
     groups: dict = {}
     for kind, (tried, clear) in tally.kinds.items():
@@ -538,6 +562,7 @@ def run(
     families = ("record", "format", "encoding", "tool_call", "control_token", "writers", "directory", "changing")
     families += ("compressed", "prompt_length", "type_confusion")
     families += ("store_setup", "store_gone", "train_damage", "command_config", "silent", "build")
+    families += ("make", "signals", "store_outage", "late_check", "records")
     for family in families:
         outcome.details.append(
             f"{family} kinds tried: "

@@ -57,7 +57,7 @@ REGENERATE_CASES = (
     ("enospc", "journal_line", 5),
     ("enospc", "regen_data_written", 1),
 )
-SMALL_DISK_STAGES = ("extract", "transcode", "transcode_wide", "regenerate", "train")
+SMALL_DISK_STAGES = ("extract", "transcode", "transcode_wide", "regenerate", "train", "train_optimizer")
 STEPS, EVERY = 8, 2
 REGEN_SETTINGS = ["backend=local", "max_new_tokens=6", "batch_size=4", "window_records=8", "dtype=float32"]
 REGEN_SETTINGS += ["device=cpu", "progress=false", "fsync_every_s=0"]
@@ -271,13 +271,17 @@ def small_disk_case(world: World, work: Path, stage: str) -> tuple[list[str], st
         reference = reference_training(world, work)
         args, output = world.train_args(disk, "run", *train_extra(STEPS, EVERY)), "run"
     size_kb = max(16, small_disk.disk_bytes(reference) // 2 // 4096 * 4)
+    if stage == "train_optimizer":  # full inside torch's writer: the first checkpoint's optimizer.pt (issue 54)
+        size_kb = first_optimizer_fills(reference)
     report = small_disk.run_case(stage, args, disk=disk, size_kb=size_kb, output=output, keep=keep)
     if "error" in report:
         return [report["error"]], ""
     (code, stderr), left, (again, again_err) = report["first"], report["left"], report["second"]
     prefix = {"extract": "extract", "transcode": "shards transcode", "regenerate": "regenerate", "train": "train"}
-    prefix["transcode_wide"] = prefix["transcode"]
+    prefix["transcode_wide"], prefix["train_optimizer"] = prefix["transcode"], prefix["train"]
     problems = judge_message(prefix[stage], code, stderr, "No space left on device")
+    if stage == "train_optimizer" and "optimizer.pt" not in message(stderr, "train:"):
+        problems.append(f"the disk did not fill inside optimizer.pt (on a {size_kb} kB disk): the case tested nothing")
     if code != 4:
         problems.append(f"exit status {code}, not 4 (on a {size_kb} kB disk)")
     if left:
@@ -295,6 +299,18 @@ def small_disk_case(world: World, work: Path, stage: str) -> tuple[list[str], st
     else:
         problems += [f"after the rerun: {p}" for p in compare_runs(keep, reference, STEPS)[0]]
     return problems, message(stderr, prefix[stage] + ":")
+
+
+def first_optimizer_fills(reference: Path) -> int:
+    """kB of a disk that holds a run's files up to its first checkpoint's model.safetensors, and half its
+    optimizer.pt (what torch.save writes: its zip writer turned ENOSPC into "enforce fail at inline_container")."""
+    from tests.reliability import small_disk
+
+    first = sorted((reference / "checkpoints").glob("step-*"))[0]
+    pages = lambda n: -(-n // 4096) * 4096  # noqa: E731
+    before = sum(pages(p.stat().st_size) for p in reference.iterdir() if p.is_file())
+    room = before + small_disk.disk_bytes(first) - pages((first / "optimizer.pt").stat().st_size) // 2
+    return room // 1024
 
 
 def reference_training(world: World, work: Path) -> Path:

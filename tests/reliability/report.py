@@ -109,6 +109,25 @@ bit-identical between processes.
    a build SIGKILLed in its conversion, then two builds at once sharing the downloads folder, one
    into the killed build's out_dir: both finish, its temporaries are gone, both targets have the
    same conversion checksum and an ordinary output's permissions.
+   And the families of issue 54: every documented `make` line run with a recording interpreter
+   (`make_lines.py`: each command gets the argument vector the line means; values with `&`, spaces,
+   quotes, `$`, `;` arrive as one argument each; a multi-word RUN / ARGS once; a fresh clone's
+   set-up prelude; CONFIG reaching the drafter and the demos); signals (`signal_cases.py`): the
+   drafter command given SIGTERM, then its rerun given Ctrl-C, while a step's process runs (exit 143
+   / 130, one line, the step's whole process group gone, the rerun resuming that step), and each
+   stage command given Ctrl-C while torch loads (exit 130, one line); store outages
+   (`outage_cases.py`, `DFLASH_S3_OUTAGE_S=3`): an extraction and a transcode into S3 whose store goes
+   away for good after their first commit (exit 4, "the store is unreachable", within 60 s of the
+   cut; the rerun with the store back gives the uninterrupted dataset) and `shards inspect` /
+   `verify` of a gs:// location no credentials reach (exit 2 in time); late checks
+   (`late_checks.py`): tap ids beyond the target's depth given to the drafter command, targets without
+   a tokenizer or holding only config.json given to extraction and regeneration, a prompt file with a
+   line that is not UTF-8, the tier comparison's held-out or lossless set on an unreachable gs:// or
+   missing (exit 2 naming the key, with every model load and step start made to fail, so a later
+   check shows), and `{"text": ...}` prompts, which the target must answer; and the records of the
+   GPU suites (`record_cases.py`): malformed records given to `benchmarks.render --add` (exit 2, one
+   line, nothing written in or outside the results folder, `--check` still passing) and two records
+   of one suite in the same second (both kept).
 6. **Security.** An AST scan of common/, shards/, extract/, train/ for every load site; a
    checkpoint whose optimizer.pt is a code-running pickle (with a matching checksum); a shard whose
    schema carries a pickled Arrow extension type; targets and exported drafters that ship Python
@@ -131,15 +150,19 @@ fsync, in a transcode shard and a regeneration journal, and real full disks for 
 transcode (both sizes) and training; 80 generated records, one fuzzed corpus, every bad value of every
 config key, the semantic and mismatched-shard cases, 30 generated cases of each corpus-input family,
 60 of the corpus-file families, one pair of concurrent extractions and a crashed lock holder, every
-case of issue 45's families but the build's kill and concurrent builds; every security check; one
-default-threads kill. The fixes the suite led to have their own regression
+case of issue 45's families but the build's kill and concurrent builds; of issue 54's, the signals
+(Ctrl-C at start for extract and eval only), the late checks, the records, the extraction into a
+store gone for good (tests/reliability/test_issue54.py) and the Makefile's (tests/test_makefile.py);
+every security check; one default-threads kill. The fixes the suite led to have their own regression
 tests next to the component (tests/shards/test_integrity.py, tests/extract/test_failures.py,
 tests/train/test_checkpoint_integrity.py, tests/train/serve/test_remote_code.py; for the holes of
 issue 28: tests/extract/test_outside_holes.py, tests/extract/test_regenerate_context.py,
 tests/train/serve/test_zlab_loop.py, tests/test_interrupts.py; for issue 45:
 tests/common/test_locations.py, tests/objstore/test_failures_s3.py, tests/train/test_data.py,
 tests/extract/test_mask_token_vocab.py, tests/shards/test_writer.py, tests/recipes/smollm2/test_build.py,
-tests/recipes/test_compare_tiers.py, tests/recipes/test_data_ladder.py).
+tests/recipes/test_compare_tiers.py, tests/recipes/test_data_ladder.py; for issue 54:
+tests/test_interrupts.py, tests/common/test_outage_clock.py, tests/objstore/test_failures_s3.py,
+tests/train/test_checkpoint_integrity.py, tests/benchmarks/test_render.py, tests/recipes/test_drafter_config.py).
 """
 
 

@@ -31,6 +31,7 @@ MAINS = {
     "transcode_wide": "shards.__main__",
     "regenerate": "extract.regenerate.__main__",
     "train": "train.__main__",
+    "train_optimizer": "train.__main__",
 }
 GROWN_KB = 512 * 1024
 

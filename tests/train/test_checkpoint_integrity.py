@@ -160,3 +160,36 @@ def test_skipped_corrupt_samples_are_counted_in_the_run_summary(tiny, tmp_path):
     assert summary["corrupt_samples"] == {entry["file"]: entry["samples"]}
     clean = train(config(tiny, tmp_path, "run_name=clean", "optim.max_steps=2"))
     assert clean["corrupt_samples"] == {}
+
+
+class FillingFile:
+    """A file on a disk that fills after `room` bytes: the write that crosses it is short, the next raises ENOSPC
+    (what a tmpfs does)."""
+
+    def __init__(self, room: int):
+        self.room, self.written = room, 0
+
+    def write(self, data) -> int:
+        if self.written >= self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = min(len(memoryview(data).cast("B")), self.room - self.written)
+        self.written += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_full_disk_inside_torch_save_is_no_space_left_naming_the_file(tmp_path, monkeypatch):
+    """Issue 54: torch's zip writer replaced ENOSPC with "[enforce fail at inline_container.cc:672] unexpected pos";
+    the real full disk: tests/reliability/io_errors.py, stage train_optimizer."""
+    import torch
+
+    state = {"x": torch.zeros(10_000)}
+    with pytest.raises(RuntimeError, match="inline_container"):
+        torch.save(state, FillingFile(1000))  # torch's own answer
+    with pytest.raises(OSError) as err:
+        ck.save_torch(state, FillingFile(1000))
+    assert err.value.errno == errno.ENOSPC
+    with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device: '.*optimizer\.pt'"):
+        ck._writing(tmp_path / ck.OPTIMIZER_FILE, lambda p: ck.save_torch(state, FillingFile(1000)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -388,6 +389,7 @@ def test_sigkill_of_one_rank_under_torchrun_stops_the_run_and_rerun_resumes(tiny
     run = tmp_path / "kill"
     proc = torchrun(2, args, wait=False)
     _wait_for_steps(run, 3, proc)
+    _wait_for_a_checkpoint(run, proc)  # committed before the kill however slow the machine is (issue 54)
     victim = json.loads((run / "run.json").read_text())["starts"][-1]["ranks"][1]["pid"]
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -407,6 +409,17 @@ def test_sigkill_of_one_rank_under_torchrun_stops_the_run_and_rerun_resumes(tiny
     assert [r["step"] for r in got] == list(range(1, 21)) and not any(r["skipped"] for r in got)
     starts = json.loads((run / "run.json").read_text())["starts"]
     assert len(starts) == 2 and starts[1]["resumed_from"] and 0 < starts[1]["step"] <= logged
+
+
+def _wait_for_a_checkpoint(run_dir: Path, proc, timeout: float = 120) -> None:
+    """Until a checkpoint is committed: a `step-XXXXXXXX` directory (renamed into place only when complete)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(re.fullmatch(r"step-\d{8}", p.name) for p in (run_dir / "checkpoints").glob("step-*")):
+            return
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.01)
+    raise AssertionError(f"no checkpoint committed in {timeout} s")
 
 
 def _free_port() -> int:

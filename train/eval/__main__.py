@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from common.config import ConfigError, parse_command
+from common.interrupts import run_main
 from train.eval.config import EvalConfig
 from train.eval.render import render_report
 
@@ -43,4 +44,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("eval", main))

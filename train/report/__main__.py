@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 import sys
 
+from common.interrupts import run_main
 from train.report.config import parse_report_args
 from train.report.make import make_report, newest_run
 
@@ -29,4 +30,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("report", main))

@@ -15,6 +15,7 @@ import json
 import sys
 
 from common.config import ConfigError
+from common.interrupts import run_main
 from train.layer_types import SLIDING_ATTENTION
 from train.serve.cli import ExportConfig, parse_export_args, usage_error
 
@@ -81,4 +82,4 @@ def export(args: ExportConfig) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("export", main))

@@ -23,6 +23,7 @@ import sys
 import time
 
 from common.config import ConfigError
+from common.interrupts import run_main
 from train.serve.cli import parse_specdecode_args, usage_error
 
 
@@ -38,4 +39,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("specdecode", main))
