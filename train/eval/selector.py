@@ -23,7 +23,7 @@ from torch import Tensor
 from train.dflash2 import CandidateSelector
 from train.eval.ddtree import ConditionalTopK
 
-__all__ = ["SelectorDrafts", "selector_drafts"]
+__all__ = ["SelectorDrafts", "lattice_of", "selector_drafts", "selector_logq"]
 
 
 @dataclasses.dataclass
@@ -65,18 +65,30 @@ def selector_drafts(
     of q over the candidates for blocks with final hidden states `hidden_MDH` at positions 1..D, the
     head's logits there and the anchor tokens."""
     M, D, _ = hidden_MDH.shape
-    k = selector.top_k
-    unary_MDk, candidates_MDk = logits_MDV.float().topk(k, dim=-1)
+    unary_MDk, candidates_MDk = logits_MDV.float().topk(selector.top_k, dim=-1)
     walk_MD = selector.walk(hidden_MDH, unary_MDk, candidates_MDk, anchor_M)
-    parents_MDP = torch.cat((anchor_M[:, None, None].expand(M, 1, k), candidates_MDk[:, :-1]), dim=1)
-    gate_MDr = selector.hidden_projection(hidden_MDH.to(selector.dtype))
-    gate_MDPr = selector.predecessor_codebook[parents_MDP] * gate_MDr[:, :, None]
-    pair_MDPk = torch.einsum("mdpr,mdkr->mdpk", gate_MDPr, selector.successor_codebook[candidates_MDk])
-    logq_MDPk = (unary_MDk[:, :, None] + pair_MDPk.float()).log_softmax(dim=-1)
-    sorted_MDPk, slot_MDPk = logq_MDPk.sort(dim=-1, descending=True, stable=True)
+    logq_MDPk = selector_logq(selector, hidden_MDH, unary_MDk, candidates_MDk, anchor_M)
     # Each walk step's log q: the row of the previous step's slot (row 0 at step 1), the column of its own.
     walk_slot_MD = (candidates_MDk == walk_MD[..., None]).float().argmax(dim=-1)
     row_MD = torch.cat((torch.zeros_like(walk_slot_MD[:, :1]), walk_slot_MD[:, :-1]), dim=1)
-    row_logq_MDk = logq_MDPk.gather(2, row_MD[:, :, None, None].expand(M, D, 1, k))[:, :, 0]
+    row_logq_MDk = logq_MDPk.gather(2, row_MD[:, :, None, None].expand(M, D, 1, selector.top_k))[:, :, 0]
     walk_logprob_MD = row_logq_MDk.gather(2, walk_slot_MD[..., None])[..., 0]
-    return SelectorDrafts(walk_MD, walk_logprob_MD, ConditionalTopK(sorted_MDPk, slot_MDPk, candidates_MDk))
+    return SelectorDrafts(walk_MD, walk_logprob_MD, lattice_of(logq_MDPk, candidates_MDk))
+
+
+def selector_logq(selector, hidden_MDH: Tensor, unary_MDk: Tensor, candidates_MDk: Tensor, anchor_M: Tensor) -> Tensor:
+    """log q_j(c | parent) [M, D, P, k], float32, for every parent row: the anchor at j = 1 (every row),
+    else the candidate in slot p of position j-1. `selector`: any module with the published selector
+    parameters (the training model's `CandidateSelector`, an export's `DFlash2CandidateSelector`)."""
+    M, _, k = candidates_MDk.shape
+    parents_MDP = torch.cat((anchor_M[:, None, None].expand(M, 1, k), candidates_MDk[:, :-1]), dim=1)
+    gate_MDr = selector.hidden_projection(hidden_MDH.to(selector.successor_codebook.dtype))
+    gate_MDPr = selector.predecessor_codebook[parents_MDP] * gate_MDr[:, :, None]
+    pair_MDPk = torch.einsum("mdpr,mdkr->mdpk", gate_MDPr, selector.successor_codebook[candidates_MDk])
+    return (unary_MDk.float()[:, :, None] + pair_MDPk.float()).log_softmax(dim=-1)
+
+
+def lattice_of(logq_MDPk: Tensor, candidates_MDk: Tensor) -> ConditionalTopK:
+    """The conditional DDTree's input: every row's log q sorted descending (ties: the lower slot first)."""
+    sorted_MDPk, slot_MDPk = logq_MDPk.sort(dim=-1, descending=True, stable=True)
+    return ConditionalTopK(sorted_MDPk, slot_MDPk, candidates_MDk)

@@ -60,6 +60,7 @@ class _Window:
         self.block_ids_1Q = torch.zeros((1, B), dtype=torch.long, device=device)
         self.anchor = torch.zeros((), dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits_LV: torch.Tensor | None = None  # a DFlash drafter's draft logits (None for DFlash2)
         self.drafts_L: torch.Tensor | None = None
 
 
@@ -94,6 +95,7 @@ class StaticDFlashProposer(DFlashProposer):
         self.started = False
         self._first: tuple | None = None  # a sequence's first round: (features, block ids, positions, anchor)
         self._staged_anchor: torch.Tensor | None = None  # [1], the staged round's anchor token
+        self.replays = getattr(self, "replays", 0)  # rounds replayed as the graph (over the proposer's life)
 
     # -- one forward ----------------------------------------------------------------------------
 
@@ -124,8 +126,14 @@ class StaticDFlashProposer(DFlashProposer):
         w = self.window
         return self._forward(w.features_1WF, w.block_ids_1Q, w.anchor + self.offsets_P, w.anchor)
 
-    def _window_drafts(self) -> torch.Tensor:
-        return self.decide(self._window_forward(), self.window.block_ids_1Q[:, 0])
+    def _window_outputs(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the target's logits [B-1, V] or None, the drafts [B-1]) of the window round: a DFlash drafter's
+        argmax of its logits; a DFlash2 drafter's selector walk, which computes the head's logits itself."""
+        hidden_1LD = self._window_forward()
+        if self.selector:
+            return None, self.decide(hidden_1LD, self.window.block_ids_1Q[:, 0])
+        logits_LV = self.target.draft_logits(hidden_1LD)[0]
+        return logits_LV, logits_LV.argmax(-1)
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -142,13 +150,13 @@ class StaticDFlashProposer(DFlashProposer):
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        self._window_drafts()
+                        self._window_outputs()
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 w.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(w.graph):
-                    w.drafts_L = self._window_drafts()
+                    w.logits_LV, w.drafts_L = self._window_outputs()
         except Exception as exc:  # noqa: BLE001 - a drafter whose forward cannot be captured runs eagerly
-            w.graph = w.drafts_L = None
+            w.graph = w.logits_LV = w.drafts_L = None
             torch.cuda.synchronize(self.device)
             return f"off: capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
         return f"on for a {self.block_size}-position window and block"
@@ -160,9 +168,23 @@ class StaticDFlashProposer(DFlashProposer):
         """The drafts of positions anchor_pos+1 .. anchor_pos+B-1 (as `DFlashProposer.propose`): a steady-state
         round replays the captured graph, where there is one."""
         if self._stage(new_features_1SF, anchor_token, anchor_pos) and self.window.graph is not None:
-            self.window.graph.replay()
+            self._replay()
             return self.window.drafts_L.tolist()
         return self.decide(self._staged_hidden(), self._staged_anchor).tolist()
+
+    @torch.inference_mode()
+    def draft_logits(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> torch.Tensor:
+        """The target's logits [B-1, V] at block positions 1..B-1 (as `DFlashProposer.draft_logits`), replayed
+        where the graph holds them (a DFlash drafter's)."""
+        window = self._stage(new_features_1SF, anchor_token, anchor_pos)
+        if window and self.window.graph is not None and self.window.logits_LV is not None:
+            self._replay()
+            return self.window.logits_LV.clone()  # the next replay overwrites it
+        return self.target.draft_logits(self._staged_hidden())[0]
+
+    def _replay(self) -> None:
+        self.window.graph.replay()
+        self.replays += 1
 
     @torch.inference_mode()
     def draft_hidden(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> torch.Tensor:

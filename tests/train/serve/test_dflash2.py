@@ -1,8 +1,11 @@
-"""A DFlash2 drafter's export: the published DFlash2 layout (config.json, bare codebook names), the export's
-`dflash.py` computing what the training model (`train.dflash2`) computes, the fields vLLM's DFlash2 loader
-reads, and, against z-lab's reference code (pip `dflash==0.1.0`, `make setup` installs it): a strict load,
-the same hidden states and proposals in float32 (single calls and cached rounds, at most 1e-5 apart), and
-its generation loop (`dflash_generate`) driving the export losslessly, round for round as our own loops."""
+"""A DFlash2 drafter exported and decoded with: the published DFlash2 layout (config.json, bare codebook
+names), the export's `dflash.py` computing what the training model (`train.dflash2`) computes, the fields
+vLLM's DFlash2 loader reads, and, against z-lab's reference code (pip `dflash==0.1.0`, `make setup`
+installs it): a strict load, the same hidden states and proposals in float32 (single calls and cached
+rounds, at most 1e-5 apart), and its generation loop (`dflash_generate`) driving the export losslessly,
+round for round as our own loops. Then our speculative decoding with it: the selector's walk proposed
+by the slot-cache drafter as by the dynamic one, DDTree over the selector's conditional tree, and the
+command (`train.serve.specdecode`) lossless, with its agreement check replaying the selector offline."""
 
 from __future__ import annotations
 
@@ -277,3 +280,105 @@ def test_a_fresh_dflash2_exports_and_decodes_as_its_dflash_backbone(tmp_path):
     for prompt in random_prompts(2, lengths=(6, 15), seed=3):
         a, b = speculative_generate(target, two, prompt, 24), speculative_generate(target, one, prompt, 24)
         assert a.tokens == b.tokens and a.taus == b.taus
+
+
+# ----------------------------------------------------------------------------------------------
+# Our speculative decoding with a DFlash2 drafter
+
+
+class Proposals:
+    """A proposer that hands out `inner`'s proposals and keeps them."""
+
+    def __init__(self, inner):
+        self.inner, self.block_size, self.rounds = inner, inner.block_size, []
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def propose(self, *args) -> list[int]:
+        self.rounds.append(self.inner.propose(*args))
+        return self.rounds[-1]
+
+
+@pytest.mark.parametrize("layout", ["full", "sliding_then_full"])
+def test_the_slot_cache_drafter_proposes_the_selectors_walk_as_the_dynamic_one(trained_dflash2, tmp_path, layout):
+    """train.serve.static_drafter with a DFlash2 drafter (eagerly here: no CUDA; tests/gpu replays it as a
+    graph): the same proposals round by round as DFlashProposer, for prompts shorter and longer than a block."""
+    from train.serve.static_drafter import StaticDFlashProposer
+
+    target, model, out, _ = trained_dflash2
+    if layout != "full":  # the trained weights under another attention layout: still a DFlash2 drafter to run
+        cfg = dflash2_config(**LAYOUTS[layout])
+        out = export_drafter(random_dflash2(cfg, seed=6).state_dict(), cfg, tmp_path / "d", dtype="float32")
+    drafter = load_exported(out)
+    static = StaticDFlashProposer(drafter, target, max_len=200)
+    assert static.graph_note.startswith("off")
+    for replayed in (False, True):
+        if replayed:  # the replay's plumbing: a stand-in graph that reruns the captured round into its outputs
+            static.window.graph, static.window.drafts_L = Rerun(static), torch.zeros(BLOCK - 1, dtype=torch.long)
+        for prompt in random_prompts(3, lengths=(3, 12, 30), seed=8):
+            ours, theirs = Proposals(static), Proposals(DFlashProposer(drafter, target))
+            a, b = speculative_generate(target, ours, prompt, 40), speculative_generate(target, theirs, prompt, 40)
+            assert a.tokens == b.tokens == greedy_generate(target, prompt, 40).tokens
+            assert ours.rounds == theirs.rounds and len(ours.rounds) > 2
+    assert static.replays > 3 and static.window.logits_LV is None  # DFlash2: the graph holds drafts only
+
+
+class Rerun:
+    """Stands in for a captured CUDA graph on the CPU: `replay` reruns the window round into its static outputs."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+
+    def replay(self) -> None:
+        self.proposer.window.drafts_L.copy_(self.proposer._window_outputs()[1])
+
+
+def test_ddtree_with_a_dflash2_drafter_walks_its_selectors_conditional_tree(trained_dflash2):
+    """Online DDTree verification with a DFlash2 drafter is lossless, each round's τ is the walk of the
+    target's tokens down the conditional tree of that round's hidden states (train.eval.selector), and
+    a large enough tree accepts at least what the chain accepts on the trained prompts."""
+    from train.eval.ddtree import walk_tree
+    from train.serve.tree_decode import ddtree_generate, round_tree
+
+    target, _, out, prompts = trained_dflash2
+    proposer = DFlashProposer(load_exported(out), target)
+    for prompt in prompts[:2]:
+        base = greedy_generate(target, prompt, 40)
+        sequence = prompt + base.tokens
+        chain = speculative_generate(target, proposer, prompt, 40)
+        for budget in (1, 16):
+            gen = ddtree_generate(target, proposer, prompt, 40, budget)
+            assert gen.tokens == base.tokens, budget
+            proposer.reset()
+            features = target.teacher_forced(torch.tensor([sequence]))[1][None]
+            for r in gen.rounds:
+                tree = round_tree(proposer, features[:, : r.start], sequence[r.start], r.start, budget)
+                proposer.reset()
+                y = torch.tensor((sequence[r.start + 1 : r.start + BLOCK] + [0] * BLOCK)[: BLOCK - 1])
+                assert r.tau == 1 + walk_tree(tree, y, valid_len=min(BLOCK - 1, len(sequence) - 1 - r.start))
+        assert gen.mean_tau >= chain.mean_tau and max(gen.taus) > 2
+
+
+def test_the_specdecode_command_with_a_dflash2_export(tmp_path, capsys):
+    """`python -m train.serve.specdecode` with a DFlash2 export: lossless, the class recorded and printed,
+    and the agreement check (its offline replay drafts with the selector too) finds every round equal."""
+    from tests.train.serve.test_specdecode import cli_inputs
+    from train.serve.specdecode import main
+
+    prompts = cli_inputs(tmp_path)
+    cfg = dflash2_config()
+    export_drafter(random_dflash2(cfg, seed=7).state_dict(), cfg, tmp_path / "drafter", dtype="float32")
+    out = tmp_path / "result.json"
+    args = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts)]
+    assert main(args + ["--max-new-tokens", "20", "--num-prompts", "2", "--agreement", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "drafter DFlash2DraftModel (proposals: its selector's walk)" in printed and "lossless: True" in printed
+    result = json.loads(out.read_text())
+    assert result["config"]["drafter_architecture"] == "DFlash2DraftModel" and result["summary"]["lossless"]
+    assert len(result["summary"]["tau_histogram"]) == BLOCK and result["agreement"]["round_mismatches"] == 0
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    config["dflash_config"]["input_embedding_scale"] = 2.0  # an export made for another target
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(config))
+    assert main(args + ["--max-new-tokens", "4"]) == 2
+    assert "input_embedding_scale 2.0" in capsys.readouterr().err
