@@ -33,6 +33,7 @@ COLUMNS = (
     "taps",
     "dtype",
     "attention",
+    "DFlash2",
 )
 REFUSAL = "cannot be a DFlash target: "
 
@@ -55,7 +56,12 @@ held-out prompts speculatively and writes the training-health report (without pl
 decodes them with the export's own `spec_generate` (z-lab's quick start, the exported dflash.py).
 "end to end, lossless" means both decodings equal the target's greedy decoding token for token, and the
 taps the command derived are those the shards and the export record; a family that cannot be a DFlash
-target is refused by the command before it writes or runs anything, with the one line shown.
+target is refused by the command before it writes or runs anything, with the one line shown. The
+DFlash2 column checks the export and decoding end for a DFlash2 drafter: the trained drafter's weights
+in a DFlash2 drafter with its convolutions and selector drawn at random, exported by
+`python -m train.serve.export` for the family's target and decoded on the held-out prompts by our
+loop (the selector's walk) and by z-lab's reference loop (`dflash_generate` of pip `dflash` 0.1.0 with
+its own `DFlash2DraftModel`), each against the target's greedy decoding.
 
 Columns: the transformers class extraction loaded the target as; the stored tensors the drafter shares,
 found through `get_input_embeddings()` / `get_output_embeddings()` (one name: tied); what the target's
@@ -90,8 +96,17 @@ def row(outcome: Outcome, family: Family) -> str:
             outcome.taps,
             outcome.dtype,
             outcome.attention,
+            dflash2_cell(outcome),
         )
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def dflash2_cell(outcome: Outcome) -> str:
+    if not outcome.dflash2_lossless or outcome.dflash2_reference_lossless is False:
+        return f"NOT lossless (our loop {outcome.dflash2_lossless}, z-lab's {outcome.dflash2_reference_lossless})"
+    if outcome.dflash2_reference_lossless is None:
+        return f"lossless, our loop; {outcome.dflash2_reference_note}"
+    return "lossless, our loop and z-lab's"
 
 
 def render(rows: dict[str, str], version: str = transformers.__version__) -> str:

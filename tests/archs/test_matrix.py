@@ -41,6 +41,7 @@ def test_family_runs_end_to_end_or_is_refused_in_one_line(family, tmp_path):
         assert outcome.refused is None, outcome.refused
         assert_the_command_chose_and_recorded_its_defaults(outcome, tmp_path)
         assert outcome.lossless is True and outcome.quick_start_lossless is True and outcome.tokens > 0
+        assert outcome.dflash2_lossless is True and outcome.dflash2_reference_lossless in (True, None)
     if page_version(committed()) != transformers.__version__:
         pytest.skip(f"docs/architectures.md is from transformers {page_version(committed())}: its row is not compared")
     assert row(outcome, family) == parse(committed()).get(family.name), "run `python -m tests.archs --table`"
