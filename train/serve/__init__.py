@@ -10,6 +10,7 @@ CUDA-graph versions or the peers (tests/test_layering.py holds the loop to that)
     prompts.py          prompts from chat JSONL or shards; a target's stop tokens
     spec_target.py      `SpecTarget`: the target's cached forwards that also return the taps
     decoding.py         the round loop (`speculative_generate`), target-only greedy, `DFlashProposer`
+                        (a DFlash2 drafter proposes its selector's walk)
     tree_decode.py      DDTree verification with a node budget
     fusion.py           the target's layers compiled by inductor while its CUDA graphs are captured
     static_target.py    the target on a `StaticCache`, its forwards replayed as CUDA graphs
