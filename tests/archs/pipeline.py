@@ -53,6 +53,7 @@ ANSWER_WORDS = (36, 48)  # a word is a token of the chat tokenizer: extraction k
 # of other shapes could flip a random target's near-ties there). report.plots=false: the plots cost
 # most of a family's time and depend on no architecture (the report itself is still written).
 SETTINGS = ("scale=smoke", "regenerate=false", "device=cpu", "in_process=true", "report.plots=false")
+NO_REFERENCE = "z-lab's dflash (pip dflash==0.1.0) is not installed"
 DFLASH2_TOKENS = 16  # tokens per held-out prompt in the DFlash2 decodings (our loop and z-lab's)
 
 
@@ -224,7 +225,7 @@ def dflash2_decodings(spec: SpecTarget, exported: Path, prompts: list, greedy: l
     try:
         from dflash.model import DFlash2DraftModel, dflash_generate
     except ImportError:
-        return ours, None, "z-lab's dflash is not installed"
+        return ours, None, NO_REFERENCE
     reference = DFlash2DraftModel.from_pretrained(str(exported), dtype=spec.embed_VD.dtype).eval()
     layer_types = getattr(spec.target.text_config, "layer_types", None) or []
     hybrid = any(t not in ("full_attention", "sliding_attention") for t in layer_types)
