@@ -2,7 +2,7 @@
 #   make demo                                   the whole pipeline on the built-in tiny default (on the GPU if there is one)
 #   make test                                   lint (ruff) and the test suite
 #   make format                                 apply ruff's fixes and formatting
-#   make test-gpu                               only the GPU tier (pytest -m gpu): the CUDA paths, on a GPU host
+#   make test-gpu [part=NAME]                   only the GPU tier (pytest -m gpu): the CUDA paths, on a GPU host
 #   make extract [CONFIG=configs/x.toml] [key=value ...]
 #   make train   [CONFIG=configs/x.toml] [RUN=name] [key=value ...]
 #   make tiers   [CONFIG=configs/x.toml] [key=value ...]   compare storage tiers (python -m recipes.compare_tiers)
@@ -54,9 +54,10 @@ format: setup
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
-# Four workers: most of the tier's time is torch.compile / Triton compilation, which is CPU-bound.
+# Four workers: most of the tier's time is torch.compile / Triton compilation, which is CPU-bound. part=NAME runs
+# one part of it (tests/gpu_tier.py: kernels, extraction, training, decoding; default all) and writes its counts.
 test-gpu: setup
-	$(PY) -m pytest -q -n 4 -rs -m gpu tests/gpu $(ARGS)
+	$(PY) -m tests.gpu_tier $(or $(part),all) --wheels $(WHEELS) $(ARGS)
 
 demo: setup
 	$(PY) -m recipes.demo $(OVERRIDES)

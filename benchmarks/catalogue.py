@@ -138,6 +138,14 @@ TIERS_REAL = Series(
     ),
 )
 
+# The one-token step's layer kinds (benchmarks.step_profile.KINDS), as the round's figures key them.
+STEP_KINDS = (
+    ("Gated DeltaNet", "gated_deltanet"),
+    ("attention", "attention"),
+    ("MLP", "mlp"),
+    ("output head (248,320 rows)", "head"),
+    ("other", "other"),
+)
 ANCHOR = (
     "Published anchor, measured end to end (not projected): DFlash paper (arXiv 2602.06036), Table 1, Qwen3-8B "
     "on one H200, Transformers backend, HumanEval: τ 6.50, 5.14x."
@@ -147,14 +155,48 @@ ROUND = Figures(
     suite("shape27b"),
     (
         Fig("graphed: how it ran", "shape27b.round.graphed.how", "{}"),
-        Fig("graphed: the target's one-token step", "shape27b.round.graphed.step_ms", MS, "~11 ms (54 GB at 4.8 TB/s)"),
+        Fig(
+            "graphed: the target's one-token step",
+            "shape27b.round.graphed.step_ms",
+            MS,
+            "~11 ms on an H200 (54 GB at 4.8 TB/s), ~16 ms on an H100 (3.35 TB/s)",
+        ),
         Fig("graphed: the 16-token verify", "shape27b.round.graphed.verify16_ms", MS),
         Fig("graphed: verify / step", "shape27b.round.graphed.verify_over_step", X, "<= 1.15x"),
         Fig("graphed: the drafter's proposal (published layout, 5 layers)", "shape27b.round.graphed.propose_ms", MS),
         Fig("graphed: proposal / step", "shape27b.round.graphed.propose_over_step", X, "<= 0.15x"),
         Fig("graphed: break-even τ (projected)", "shape27b.round.graphed.break_even_tau", "{:.2f}"),
         Fig("graphed: speed-up at τ 6.5 (projected)", "shape27b.round.graphed.speedup_at_anchor_tau", X, ">= 5x"),
-        Fig("eager, as our decoding runs a hybrid target: how", "shape27b.round.eager.how", "{}"),
+        Fig("graphed, with rollback (how decoding runs a hybrid target): how", "shape27b.round.rollback.how", "{}"),
+        Fig("graphed, with rollback: one-token step", "shape27b.round.rollback.step_ms", MS),
+        Fig("graphed, with rollback: weight-streaming bound of the step", "shape27b.round.rollback.bound_ms", MS),
+        Fig("graphed, with rollback: step / bound", "shape27b.round.rollback.step_over_bound", X, "<= 1.3x"),
+        Fig(
+            "graphed, with rollback: 16-token verify (per-token states kept)", "shape27b.round.rollback.verify16_ms", MS
+        ),
+        Fig(
+            "graphed, with rollback: rollback (the accepted length's states)", "shape27b.round.rollback.rollback_ms", MS
+        ),
+        Fig(
+            "graphed, with rollback: (verify + rollback) / step",
+            "shape27b.round.rollback.verify_rollback_over_step",
+            X,
+            "<= 1.2x",
+        ),
+        Fig("graphed, with rollback: proposal", "shape27b.round.rollback.propose_ms", MS),
+        Fig("graphed, with rollback: break-even τ (projected)", "shape27b.round.rollback.break_even_tau", "{:.2f}"),
+        Fig(
+            "graphed, with rollback: speed-up at τ 6.5 (projected)",
+            "shape27b.round.rollback.speedup_at_anchor_tau",
+            X,
+            ">= 4.5x",
+        ),
+        *(
+            Fig(f"one-token step: {what} kernels", f"shape27b.round.rollback.step_kernels.{key}_ms", MS)
+            for what, key in STEP_KINDS
+        ),
+        Fig("one-token step: launches and idle in the graph", "shape27b.round.rollback.launches_idle_ms", MS),
+        Fig("eager fallback (cache copy + re-run; before: every hybrid target): how", "shape27b.round.eager.how", "{}"),
         Fig("eager: one-token step", "shape27b.round.eager.step_ms", MS),
         Fig("eager: 16-token verify", "shape27b.round.eager.verify16_ms", MS),
         Fig("eager: cache snapshot before the verify", "shape27b.round.eager.snapshot_ms", MS),
@@ -176,6 +218,8 @@ PROJECTION = Series(
         ("τ", "tau", "{}"),
         ("graphed: round", "graphed_round_ms", MS),
         ("graphed: speed-up (projected)", "graphed_speedup", X),
+        ("graphed, with rollback: round", "rollback_round_ms", MS),
+        ("graphed, with rollback: speed-up (projected)", "rollback_speedup", X),
         ("eager: round", "eager_round_ms", MS),
         ("eager: speed-up (projected)", "eager_speedup", X),
     ),
@@ -350,7 +394,7 @@ FORMAT_AND_HOST = Figures(
 )
 
 GPU_TIER = Figures(
-    "Test suite on the H200 host",
+    "Test suite on a GPU host (the whole tier in one command; now run in parts: `python3 -m tests.gpu_tier PART`)",
     "python3 -m pytest -q -n 4 -rs -m gpu tests/gpu",
     (
         Fig("GPU tier: passed", "tests.gpu.passed", "{:,}"),

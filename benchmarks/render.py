@@ -3,7 +3,7 @@ docs/benchmarks.md and the README's results table, rendered from the records in 
 `benchmarks.catalogue`, between their begin and end markers (nothing outside them changes).
 
     --add RECORD   first check a suite's record (the NAME.json a `make bench-gpu` run wrote) and copy it into
-                   benchmarks/results/ as SUITE-DATE.json
+                   benchmarks/results/ as SUITE-DATE.json, with its log (NAME.log beside it) as SUITE-DATE.log
     --check        change nothing: exit 1, naming the files, where what is there differs from what the records
                    give (the test suite runs this)
 
@@ -125,10 +125,10 @@ def render_series(table: C.Series, index: Index, base: Path) -> list[str]:
 
 def render_suites(index: Index, base: Path) -> list[str]:
     lines = [
-        "**GPU suites** (one H200, one command of at most 9 minutes each from a bare machine; how to carry the "
-        "wheels: [GPU suites](#gpu-suites-make-bench-gpu))",
+        "**GPU suites** (one H100 or H200, one command of at most 9 minutes each from a bare machine, two for `real` "
+        "and `shape27b`; how to carry the wheels: [GPU suites](#gpu-suites-make-bench-gpu))",
         "",
-        "| suite | measures | command on the H200 | last run |",
+        "| suite | measures | command on the GPU host | last run |",
         "|---|---|---|---|",
     ]
     for name in SUITES:
@@ -182,7 +182,7 @@ def rendered(index: Index) -> dict[Path, str]:
 
 
 def add(record_path: Path) -> Path:
-    """Check a suite's record and copy it into benchmarks/results/ as SUITE-DATE.json."""
+    """Check a suite's record and copy it into benchmarks/results/ as SUITE-DATE.json, its log beside it."""
     record = json.loads(record_path.read_text())
     check_record(record, str(record_path))
     if record.get("scale") == "smoke":
@@ -190,6 +190,8 @@ def add(record_path: Path) -> Path:
     stamp = record["date"].replace(":", "")[:15] + "Z"
     target = RESULTS / f"{record['suite']}-{stamp}.json"
     shutil.copyfile(record_path, target)
+    if record_path.with_suffix(".log").is_file():
+        shutil.copyfile(record_path.with_suffix(".log"), target.with_suffix(".log"))
     return target
 
 

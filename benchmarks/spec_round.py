@@ -15,16 +15,28 @@ five taps). Each time is a median after a warm-up, taken with `benchmarks.small_
     snapshot    the copy of the cache a hybrid target's round makes before it verifies
     propose     the drafter's proposal of one block (16 new context positions)
 
-Two variants, each as our decoding runs it:
+Three variants:
     graphed     the static cache with its 1- and Q-token forwards replayed as CUDA graphs
                 (`train.serve.static_target`) and the slot-cache drafter replayed as a graph
-                (`train.serve.static_drafter`): how `train.serve.specdecode` runs a full-attention target. It does not
-                run a hybrid target so (the recurrent state cannot be cut back by moving a count), so for this
-                shape these are the costs of the same kernels replayed: what a decoder that keeps per-token
-                recurrent states (as the serving engines do) pays. A round is propose + verify.
-    eager       the dynamic cache, as `train.serve.specdecode` runs a hybrid target today: a round copies the cache
-                (snapshot), verifies, and after a partial acceptance restores the copy and runs the accepted
-                tokens again (a forward of τ tokens). A round is propose + snapshot + verify + re-run(τ).
+                (`train.serve.static_drafter`), without per-token states: for a full-attention target how
+                `train.serve.specdecode` runs it; for a hybrid one the same kernels replayed with no state
+                rollback (not a decoder: the reference the next row is read against). A round is propose + verify.
+    rollback    "graphed, with rollback": the same graphs for a hybrid target with the per-token states of its
+                Gated DeltaNet layers (`target.recurrent_states`): the verify keeps each layer's state after every
+                position, and `keep` copies those of the accepted length into the cache (one captured graph of
+                copies, timed as "rollback"). How `train.serve.specdecode` runs a hybrid target on a GPU. A round
+                is propose + verify + rollback.
+    eager       the dynamic cache with a copy of the cache before each verify: the eager fallback
+                `train.serve.specdecode` takes for a recurrent layer kind it has no per-token states for (and
+                what it ran for every hybrid target before): a round copies the cache (snapshot), verifies,
+                and after a partial acceptance restores the copy and runs the accepted tokens again (a forward
+                of τ tokens). A round is propose + snapshot + verify + re-run(τ).
+
+Beside them, where the one-token step goes (`benchmarks.step_profile`, on the rollback variant's target): its
+kernels per layer kind (Gated DeltaNet, attention, MLP, the 248,320-row head, the rest), the graphed step
+minus those kernels (launches and idle), and the weight-streaming bound (weight bytes / the GPU's bandwidth).
+`--compile MODE` compiles the graphed targets' layers as `train.serve.specdecode --compile` does (a hybrid
+target's: all but the Gated DeltaNet modules).
 
 Projection, labelled projected (measured costs, τ the variable): a round commits τ tokens on average, so
 speed-up(τ) = τ · step / round(τ) against target-only greedy decoding on the same variant, and the break-even
@@ -43,8 +55,10 @@ import torch
 
 from benchmarks.extract import QWEN36_27B_TEXT, TINY_TEXT, build_random_target
 from benchmarks.small_decode import sync, time_proposals, time_steps, time_verify
+from benchmarks.step_profile import breakdown, format_breakdown
 from benchmarks.train import SHAPES as DRAFTER_SHAPES
 from benchmarks.train import drafter_config
+from target.kernel_routing import external_kernels
 
 # DFlash paper (arXiv 2602.06036 v2) Table 1, Transformers backend on one H200, temperature 0, HumanEval
 # (/work/shared/reference/anchors-2026-12.md): measured end to end, not projected.
@@ -68,7 +82,12 @@ SHAPES = {
         layers=2,
     ),
 }
-VARIANTS = ("graphed", "eager")
+VARIANTS = ("graphed", "rollback", "eager")
+LABELS = {"graphed": "graphed", "rollback": "graphed, with rollback", "eager": "eager"}
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
 
 
 def parse_args(argv):
@@ -76,7 +95,9 @@ def parse_args(argv):
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.6-27b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA, else fp32")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: graphed, eager")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: graphed, rollback, eager")
+    p.add_argument("--compile", default="off", choices=["off", "default", "max-autotune"], help="graphed layers")
+    p.add_argument("--profile-steps", type=int, default=5, help="one-token steps profiled by layer kind (0: none)")
     p.add_argument("--sizes", default="1,2,4,8,16", help="verify sizes to time (the block's 16 always among them)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens timed for the one-token step")
@@ -111,10 +132,11 @@ def interpolate(points: dict[int, float], x: float) -> float:
 
 
 def round_ms(costs: dict, tau: float) -> float:
-    """One round's cost at τ committed tokens: propose + verify of the block, plus, where the variant
-    snapshots (a hybrid target on our eager path), the copy and the re-run of the τ accepted positions."""
+    """One round's cost at τ committed tokens: propose + verify of the block, plus the per-token states'
+    rollback where the variant keeps them, or, where it snapshots (the eager fallback), the copy and the
+    re-run of the τ accepted positions."""
     verify = {int(q): ms for q, ms in costs["verify_ms"].items()}
-    total = costs["propose_ms"] + verify[BLOCK]
+    total = costs["propose_ms"] + verify[BLOCK] + (costs.get("rollback_ms") or 0.0)
     if costs.get("snapshot_ms") is not None:
         total += costs["snapshot_ms"] + interpolate(verify, tau)
     return total
@@ -171,6 +193,32 @@ def time_snapshot(target, prompt: list[int], repeats: int = 5) -> float:
     return times[len(times) // 2] * 1e3
 
 
+def time_rollback(target, prompt: list[int], block: int = BLOCK, repeats: int = 10) -> float:
+    """Median ms of `keep` after a `block`-token verify, keeping half of it (the per-token states of a
+    hybrid target copied into its cache; any kept length but all costs the same)."""
+    _, _, cache = target.forward(torch.tensor([prompt]), None, taps=True, last_only=True)
+    ids = torch.randint(100, min(40000, target.vocab_size), (1, block))
+    times = []
+    for _ in range(repeats):
+        _, _, cache = target.forward(ids, cache, taps=True)
+        sync(target.device)
+        t0 = time.perf_counter()
+        target.keep(cache, block // 2)
+        sync(target.device)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
+def step_breakdown(spec, prompt: list[int], step_ms, device_name: str, steps: int) -> dict:
+    """`benchmarks.step_profile.breakdown` of `spec`'s one-token step, its graphs set aside (profiled eagerly)."""
+    graphs, spec.graphs = getattr(spec, "graphs", {}), {}
+    try:
+        return breakdown(spec, prompt, step_ms, device_name, steps)
+    finally:
+        spec.graphs = graphs
+
+
 def measure(name: str, fn, *args, **kwargs):
     """fn's result, or {"error": ...} with the reason: a row that fails says why and the others go on."""
     try:
@@ -180,14 +228,20 @@ def measure(name: str, fn, *args, **kwargs):
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def variant_target(variant: str, target, taps: list[int], stop: list[int], sizes: list[int]):
+def variant_target(variant: str, target, taps: list[int], stop: list[int], sizes: list[int], compile_mode=None):
     """(the target as the variant runs it, a note on how)."""
     from train.serve.spec_target import SpecTarget
     from train.serve.static_target import StaticSpecTarget
 
     if variant == "eager":
-        return SpecTarget(target, taps, stop), "eager, dynamic cache, snapshot + re-run"
-    static = StaticSpecTarget(target, taps, stop, max_len=1024, graph_sizes=sizes)
+        spec = SpecTarget(target, taps, stop)
+        spec.per_token = None  # the eager fallback: a copy of the cache, and a re-run
+        return spec, "eager, dynamic cache, snapshot + re-run"
+    static = StaticSpecTarget(
+        target, taps, stop, max_len=1024, graph_sizes=sizes, compile_mode=compile_mode, rollback=variant == "rollback"
+    )
+    if variant == "rollback" and static.per_token is None:
+        raise ValueError(f"no per-token states for this target ({static.rollback_note or 'no recurrent layer'})")
     return static, f"static cache, CUDA graphs {static.graph_note}"
 
 
@@ -195,7 +249,8 @@ def measure_variant(variant: str, target, drafter_cfg, prompt: list[int], args) 
     """One variant's costs: step, every verify size, (eager) the snapshot, and the proposal."""
     taps, stop = drafter_cfg.target_layer_ids, [int(target.tokenizer.eos_token_id or 0)]
     t0 = time.perf_counter()
-    built = measure(f"{variant} target", variant_target, variant, target, taps, stop, args.sizes)
+    compile_mode = None if args.compile == "off" else args.compile
+    built = measure(f"{variant} target", variant_target, variant, target, taps, stop, args.sizes, compile_mode)
     if isinstance(built, dict):
         return built
     spec, how = built
@@ -207,13 +262,20 @@ def measure_variant(variant: str, target, drafter_cfg, prompt: list[int], args) 
     }
     if variant == "eager":
         out["snapshot_ms"] = measure("eager snapshot", time_snapshot, spec, prompt)
+    if variant == "rollback":
+        out["rollback_ms"] = measure("rollback", time_rollback, spec, prompt, repeats=args.repeats)
+        if args.profile_steps:
+            name = device_name(args.device)
+            out["breakdown"] = measure(
+                "step breakdown", step_breakdown, spec, prompt, out["step_ms"], name, args.profile_steps
+            )
     proposal = measure(
         f"{variant} proposal",
         time_proposals,
         spec,
         prompt,
         drafter_cfg,
-        static=variant == "graphed",
+        static=variant in ("graphed", "rollback"),
         rounds=args.rounds,
     )
     out["propose_ms"], out["propose_how"] = (proposal, None) if isinstance(proposal, dict) else proposal
@@ -222,7 +284,7 @@ def measure_variant(variant: str, target, drafter_cfg, prompt: list[int], args) 
 
 def costs_complete(costs: dict) -> bool:
     numbers = [costs.get("step_ms"), costs.get("propose_ms"), *(costs.get("verify_ms") or {}).values()]
-    numbers += [costs["snapshot_ms"]] if "snapshot_ms" in costs else []
+    numbers += [costs[k] for k in ("snapshot_ms", "rollback_ms") if k in costs]
     return bool(costs.get("verify_ms")) and all(isinstance(x, float) for x in numbers)
 
 
@@ -240,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     build_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(512, shape["text"]["vocab_size"], (args.prompt_len,), generator=gen).tolist()
+    kernels = external_kernels(target.model)
+    print(f"{device_name(args.device)}, {args.dtype}; external kernels transformers binds: {kernels or 'none'}")
     variants, projections = {}, {}
     for variant in args.variants:
         variants[variant] = measure_variant(variant, target, drafter_cfg, prompt, args)
@@ -250,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "python -m benchmarks.spec_round " + " ".join(sys.argv[1:] if argv is None else argv),
         "shape": args.shape,
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "device": device_name(args.device),
+        "delta_rule_kernels": kernels,
         "dtype": args.dtype,
         "parameters": n_params,
         "drafter": {
@@ -278,14 +343,18 @@ def format_variant(name: str, costs: dict, projection: dict | None) -> str:
         return f"{x:.3f} ms" if isinstance(x, float) else f"error ({(x or {}).get('error', 'not run')})"
 
     if "error" in costs:
-        return f"{name}: {costs['error']}"
+        return f"{LABELS.get(name, name)}: {costs['error']}"
     lines = [
-        f"{name} ({costs['how']}; set up in {costs['setup_s']:.1f} s):",
+        f"{LABELS.get(name, name)} ({costs['how']}; set up in {costs['setup_s']:.1f} s):",
         f"  one-token step   {ms(costs['step_ms'])}",
     ]
     lines += [f"  verify {q:>2} tokens {ms(t)}" for q, t in costs["verify_ms"].items()]
     if "snapshot_ms" in costs:
         lines.append(f"  cache snapshot   {ms(costs['snapshot_ms'])}")
+    if "rollback_ms" in costs:
+        lines.append(
+            f"  rollback         {ms(costs['rollback_ms'])} (the per-token states of the accepted length kept)"
+        )
     lines.append(f"  proposal         {ms(costs['propose_ms'])} ({costs.get('propose_how')})")
     if projection:
         be = projection["break_even_tau"]
@@ -301,6 +370,8 @@ def format_variant(name: str, costs: dict, projection: dict | None) -> str:
             f"  at the anchor's τ {ANCHOR['tau']}: {projection['at_anchor_tau']:.2f}x projected "
             f"(published: {ANCHOR['target']} {ANCHOR['speedup']}x on {ANCHOR['machine']}, measured)"
         )
+    if "breakdown" in costs:
+        lines.append(format_breakdown(costs["breakdown"]))
     return "\n".join(lines)
 
 

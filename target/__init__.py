@@ -13,8 +13,9 @@ Each module's docstring is its reference:
     load.py             loading a target for forward passes and capturing its taps (`TapHooks`)
     packing.py          whether a target's layers keep packed samples apart
     static_cache.py     a transformers `StaticCache` written at chosen positions (CUDA graphs)
+    recurrent_states.py per-token states of a hybrid target's Gated DeltaNet layers (speculative rollback)
 
-Why a package and not more of `common/`: these ten modules (1.5 K lines) are one subsystem with one
+Why a package and not more of `common/`: these eleven modules (1.7 K lines) are one subsystem with one
 subject, the target checkpoint, and `common/` holds small helpers that know nothing of models; why
 not inside a stage: extraction, training, evaluation, export and decoding all read the target the
 same way, and the rules that keep those readings equal (taps are `hidden_states[i + 1]`, the same

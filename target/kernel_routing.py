@@ -113,7 +113,7 @@ def external_kernels(model: nn.Module) -> dict[str, str]:
     (e.g. fla's `chunk_gated_delta_rule`), routed or not; empty when transformers uses no such kernel."""
     found = {}
     for module, name, fn in _module_functions(model):
-        fn = _unwrap_func_module(fn)
+        fn = _unwrap_func_module(getattr(fn, "_dflash_inner", fn))  # through a project wrapper (recurrent_states)
         bound = _external_kernel(getattr(fn, "__wrapped__", None) if getattr(fn, "_dflash_routed", False) else fn)
         if bound is not None:
             kernel = bound[0]

@@ -45,11 +45,13 @@ class CachePlacement:
         if self.by_argument or start == self.length:
             return
         for layer in self.cache.layers:
-            counter = getattr(layer, "cumulative_length", None)
-            if isinstance(counter, torch.Tensor):
-                counter.fill_(start)
-            elif counter is not None:
-                layer.cumulative_length = start
+            # A hybrid model's linear-attention layers count their tokens apart (transformers 5.2x).
+            for name in ("cumulative_length", "cumulative_length_linear"):
+                counter = getattr(layer, name, None)
+                if isinstance(counter, torch.Tensor):
+                    counter.fill_(start)
+                elif counter is not None:
+                    setattr(layer, name, start)
         self.length = start
 
     def wrote(self, end: int) -> None:

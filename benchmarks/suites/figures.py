@@ -134,8 +134,27 @@ def round_figures(report: dict | None, prefix: str) -> dict:
             f"{prefix}.{name}.break_even_tau": projection.get("break_even_tau"),
             f"{prefix}.{name}.speedup_at_anchor_tau": projection.get("at_anchor_tau"),
         }
+        if "rollback_ms" in costs:
+            out[f"{prefix}.{name}.rollback_ms"] = _number(costs.get("rollback_ms"))
+            parts = [_number(verify.get("16")), _number(costs.get("rollback_ms")), _number(costs.get("step_ms"))]
+            if None not in parts and parts[2] > 0:
+                out[f"{prefix}.{name}.verify_rollback_over_step"] = (parts[0] + parts[1]) / parts[2]
+        out |= step_figures(costs.get("breakdown") or {}, f"{prefix}.{name}")
     out[f"{prefix}.projection"] = projection_rows(report.get("projection") or {})
     return out
+
+
+def step_figures(found: dict, prefix: str) -> dict:
+    """`benchmarks.step_profile.breakdown`: the bound, the step over it, the kernels per layer kind (ms per
+    step, on a GPU) and the launches and idle left in the graphed step."""
+    if not found or "error" in found:
+        return {}
+    out = {f"{prefix}.bound_ms": found.get("bound_ms"), f"{prefix}.step_over_bound": found.get("step_over_bound")}
+    out[f"{prefix}.launches_idle_ms"] = found.get("launches_idle_ms")
+    if "all" in found.get("kinds", {}):  # kernel times (a GPU); a CPU's range times are no kernel figure
+        for kind, got in found["kinds"].items():
+            out[f"{prefix}.step_kernels.{kind.lower().replace(' ', '_')}_ms"] = got["ms"]
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def projection_rows(projections: dict) -> list[dict] | None:

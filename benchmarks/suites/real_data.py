@@ -1,6 +1,6 @@
 """`make bench-gpu suite=real-data`: on SmolLM2, τ against training data at equal steps, and whether the stored
 top-k buys τ when data is scarce: the demo's drafter recipe (`recipes.demo_smollm2`) trained several times side by
-side on one H200, every run the same number of steps, each evaluated offline on HumanEval and the held-out chat.
+side on one H100 or H200, every run the same number of steps, each evaluated offline on HumanEval and the held-out chat.
 
     prefix      the demo's build, answers and shards (benchmarks.suites.smollm2)
     ladder      trainings side by side, then their evaluations side by side:
@@ -13,7 +13,7 @@ side on one H200, every run the same number of steps, each evaluated offline on 
                 pool plus them extracted as one dataset
     library     greedy answers to some of the shipped library pool's 15,654 prompts, extracted with the pool
 
-Priorities: prefix, ladder (as many steps as fit, at least 200), sampled, library (cut at the H200 budget; run
+Priorities: prefix, ladder (as many steps as fit, at least 200), sampled, library (cut at the one-command budget; run
 `only=library,ladder` in another command). Figures: `real_data.*`: the ladder and the loss comparison as
 series, the KL term's change of τ at small data (mean over seeds), the steps.
 """
@@ -213,6 +213,6 @@ def parts(scale: str, options: dict) -> list[Part]:
             _ladder,
             _collect_ladder,
             needs=("prefix",),
-            jobs=1 if smoke else 8,  # small trainings are bound by kernel launches: eight share one H200
+            jobs=1 if smoke else 8,  # small trainings are bound by kernel launches: eight share one GPU
         ),
     ]

@@ -2,6 +2,10 @@
 the command, the plan, every part's outcome and every figure measured (flat keys, `SUITE.PART.WHAT`), written
 again after every part so a run cut short keeps what it measured.
 
+Per part: its units, its estimate, its outcome and steps, the date it started, `cold` (its family's first run
+on that machine: the cost learned from it includes the cold start), and `earlier` (the date of the earlier
+command it ran in, where a command continued another: `continues` lists those commands).
+
 The same schema holds the records imported from the log of docs/benchmarks.md (`status` "imported", `source` the
 log entry they were copied from): `benchmarks.render` reads both alike.
 """
@@ -13,6 +17,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 from pathlib import Path
 
 import torch
@@ -37,6 +42,7 @@ PACKAGES = (
     "moto",
     "botocore",
 )
+SCALE_NAMES = {"h200": "gpu"}  # the GPU scale's name in records written before 2026-12-05
 REQUIRED = ("schema", "suite", "status", "date", "commit", "machine", "packages", "command", "figures")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,6 +72,14 @@ def machine() -> dict:
     return out
 
 
+def machine_line(found: dict) -> str:
+    """One line: the GPU(s) and their memory, the CPU, the OS."""
+    gpus = found.get("gpus") or 0
+    gpu = f"{found['gpu']} ({found.get('gpu_memory_gib', '?')} GiB)" if gpus else "no GPU"
+    gpu = f"{gpus} x {gpu}" if gpus > 1 else gpu
+    return f"machine: {gpu}; {found.get('cpu')}, {found.get('cores')} cores; {found.get('os')}"
+
+
 def packages() -> dict:
     """Python's version and each of `PACKAGES` installed here, by its distribution's version."""
     found = {"python": platform.python_version()}
@@ -77,11 +91,14 @@ def packages() -> dict:
     return found
 
 
-def new_record(suite: str, scale: str, command: str, budget_s: float, wheels: Path | None = None) -> dict:
+def new_record(
+    suite: str, scale: str, command: str, budget_s: float, wheels: Path | None = None, options: dict | None = None
+) -> dict:
     return {
         "schema": SCHEMA,
         "suite": suite,
         "scale": scale,
+        "options": options or {},
         "status": "running",
         "date": utc_now(),
         "commit": commit(REPO, wheels),
@@ -134,13 +151,36 @@ def load_records(directory: Path) -> list[tuple[Path, dict]]:
     return sorted(records, key=lambda item: (item[1]["date"], item[0].name))
 
 
-def measured_costs(records: list[tuple[Path, dict]], suite: str, scale: str) -> dict[str, dict]:
-    """Per part, the newest finished run of it in this suite's records at this scale: {"seconds", "units", "date"}."""
+def scale_of(record: dict) -> str | None:
+    """The record's scale under its current name ("gpu" or "smoke")."""
+    scale = record.get("scale")
+    return SCALE_NAMES.get(scale, scale)
+
+
+def gpu_kind(machine: dict | None) -> str | None:
+    """The kind of GPU a record's machine names, the model without its memory or maker ("NVIDIA H100 80GB HBM3":
+    H100), or None without a GPU: costs learned on one kind plan only runs on the same kind."""
+    name = str((machine or {}).get("gpu") or "").removeprefix("NVIDIA ")
+    found = re.match(r"([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)  # a data-centre model: H100, H200, A100, L40S
+    return found.group(1) if found else (name or None)
+
+
+def measured_costs(records: list[tuple[Path, dict]], suite: str, scale: str, kind: str | None) -> dict[str, dict]:
+    """Per part, the newest finished run of it in this suite's records at this scale on this kind of GPU:
+    {"part", "seconds", "units", "date", "cold" (it ran on a bare machine), "gpu"}. A part copied from an earlier
+    command of the same run counts once, as that command measured it."""
     found: dict[str, dict] = {}
     for path, record in records:
-        if record["suite"] != suite or record.get("scale") != scale:
+        if record["suite"] != suite or scale_of(record) != scale or gpu_kind(record.get("machine")) != kind:
             continue
         for name, part in (record.get("parts") or {}).items():
             if part.get("status") == "ok" and part.get("seconds"):
-                found[name] = {"seconds": part["seconds"], "units": part.get("units"), "date": record["date"][:10]}
+                found[name] = {
+                    "part": name,
+                    "seconds": part["seconds"],
+                    "units": part.get("units"),
+                    "date": part.get("date", record["date"])[:10],
+                    "cold": part.get("cold", True),  # records before 2026-12-06 ran on bare machines
+                    "gpu": kind,
+                }
     return found

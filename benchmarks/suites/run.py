@@ -1,19 +1,27 @@
 """`python -m benchmarks.suites.run NAME [options] [key=value ...]`: plan and run one suite (started by
-`python3 -m benchmarks.suites NAME`, which installs the carried wheels first and starts the clock).
+`python3 -m benchmarks.suites NAME`, which installs the carried wheels first, checks the imports and starts the
+clock).
 
     --budget-s S     wall seconds from the start of `python3 -m benchmarks.suites` (default 540: 9 minutes, inside
                      the device host's 10-minute command)
-    --scale SCALE    h200 (default where torch sees a GPU) or smoke (a CPU: the same code at toy sizes, seconds)
+    --scale SCALE    gpu (default where torch sees a GPU: one H100 or H200) or smoke (a CPU: the same code at toy
+                     sizes, seconds); h200 is the gpu scale's earlier name
     --out DIR        the record NAME.json and the log NAME.log (default: $OUT on the device host, else bench-out/NAME)
     --work DIR       scratch for the parts' own outputs (default /tmp/dflash-bench/NAME)
     --wheels DIR     the carried wheels (default .whl)
     --plan-only      print the plan and stop
+    --fresh          run every part again, though an earlier command on this host finished some
     only=A,B         run only these parts (and the parts they need)
     key=value        the suite's own options (its module's docstring lists them)
 
-Before every part the rest is planned again from the time really left, so a part that ran long shrinks or cuts
-the later ones (said in the log and the record), and a part gets the time left minus what the more important
-parts after it need at their smallest.
+It prints the machine first, and cuts, in one line each, the parts whose measured peak GPU memory the GPU does
+not have (refusing the suite where that leaves nothing). Costs come from the suite's last records in
+benchmarks/results/ on the same kind of GPU, else from the estimates in its module, with a cold start added to
+each part whose family has not run on this machine yet (`plan`). A command that finds an unfinished record of the
+same run in the work folder continues it: the parts it finished are not run again and are copied, with their
+figures, into the new record (`continuation`). Before every part the rest is planned again from the time really
+left, so a part that ran long shrinks or cuts the later ones (said in the log and the record), and a part gets the
+time left minus what the more important parts after it need at their smallest.
 """
 
 from __future__ import annotations
@@ -28,8 +36,21 @@ from pathlib import Path
 import torch
 
 from benchmarks.suites import SUITES
-from benchmarks.suites.plan import Part, calibrate, fit
-from benchmarks.suites.record import REPO, load_records, measured_costs, new_record, write_record
+from benchmarks.suites.continuation import carry_over, earlier, finished, mark_warm, warm_families
+from benchmarks.suites.plan import Part, calibrate, fit, on_machine, too_big
+from benchmarks.suites.record import (
+    REPO,
+    SCALE_NAMES,
+    commit,
+    gpu_kind,
+    load_records,
+    machine,
+    machine_line,
+    measured_costs,
+    new_record,
+    utc_now,
+    write_record,
+)
 from benchmarks.suites.runner import Context, SuiteLog, run_stages
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -40,15 +61,17 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.suites", description=__doc__.split("\n\n")[0])
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--budget-s", type=float, default=540.0)
-    p.add_argument("--scale", choices=["h200", "smoke"], default="h200" if torch.cuda.is_available() else "smoke")
+    p.add_argument("--scale", choices=["gpu", "smoke", *SCALE_NAMES], default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--work", default=None)
     p.add_argument("--wheels", default=".whl")
     p.add_argument("--plan-only", action="store_true")
+    p.add_argument("--fresh", action="store_true")
     args, words = p.parse_known_args(argv)
     bad = [w for w in words if "=" not in w or w.startswith("-")]
     if bad:
         p.error(f"unknown argument {bad[0]!r}: options are --flags above, suite options key=value")
+    args.scale = SCALE_NAMES.get(args.scale, args.scale) or ("gpu" if torch.cuda.is_available() else "smoke")
     return args, dict(w.split("=", 1) for w in words)
 
 
@@ -79,55 +102,96 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work or f"/tmp/dflash-bench/{args.suite}")
     for folder in (out, work):
         folder.mkdir(parents=True, exist_ok=True)
+    only = options.pop("only", None)
     module = importlib.import_module(SUITES[args.suite])
-    parts = selected(module.parts(args.scale, options), options.pop("only", None))
-    parts = calibrate(parts, measured_costs(load_records(RESULTS), args.suite, args.scale))
+    every = module.parts(args.scale, options)
+    parts = selected(every, only)
     log = SuiteLog(out / f"{args.suite}.log")
+    here = machine()
+    log.say(machine_line(here))
+    kind = gpu_kind(here) if args.scale == "gpu" else None
+    parts = calibrate(parts, measured_costs(load_records(RESULTS), args.suite, args.scale, kind) if kind else {})
+    refused = too_big(parts, here.get("gpu_memory_gib") if args.scale == "gpu" else None)
+    if refused and len(refused) == len(parts):
+        log.say(f"{args.suite}: refused: this GPU is too small for every part it plans: {refused[0][1]}")
+        log.close()
+        return 2
     ctx = Context(args.suite, args.scale, out, work, Path(args.wheels), options, log)
-    plan = fit(parts, deadline - time.time())
-    for line in plan.lines():
+    names = [p.name for p in every]
+    before, why = (
+        (None, "") if args.fresh else earlier(work, args.suite, args.scale, commit(REPO, ctx.wheels), options, names)
+    )
+    if why:
+        log.say(why)
+    done = set(finished(before)) if before else set()
+    pending = [p for p in parts if p.name not in done and p.name not in dict(refused)]
+    plan = fit(on_machine(pending, warm_families(work)), deadline - time.time(), done)
+    for line in plan.lines() + [f"  cut: {name}: {why}" for name, why in refused]:
         log.say(line)
     if args.plan_only:
         log.close()
         return 0
     command = "python3 -m benchmarks.suites " + " ".join(argv)
-    record = new_record(args.suite, args.scale, command, args.budget_s, ctx.wheels)
+    record = new_record(args.suite, args.scale, command, args.budget_s, ctx.wheels, options)
     record["plan"] = plan.to_dict()
-    run_parts(ctx, parts, record, deadline)
+    record["cut"] += [{"part": name, "why": why} for name, why in refused]
+    if before:
+        carry_over(record, before)
+    run_parts(ctx, pending, record, deadline)
     record["wall_s"] = round(time.time() - started, 1)
     ran = record["parts"].values()
-    record["status"] = "complete" if not record["cut"] and all(p["status"] == "ok" for p in ran) else "partial"
-    write_record(record, out / f"{args.suite}.json")
+    whole = (
+        not record["cut"]
+        and all(p["status"] == "ok" for p in ran)
+        and {p.name for p in parts} <= record["parts"].keys()
+    )
+    record["status"] = "complete" if whole else "partial"
+    save(ctx, record)
     log.say(summary(record, out))
     log.close()
     return 0 if any(p["status"] == "ok" for p in ran) else 1
 
 
+def save(ctx: Context, record: dict) -> None:
+    """The record in the output folder, and its copy in the work folder that a later command continues from."""
+    write_record(record, ctx.out / f"{ctx.suite}.json")
+    write_record(record, ctx.work / f"{ctx.suite}.json")
+
+
 def run_parts(ctx: Context, parts: list[Part], record: dict, deadline: float) -> None:
-    """Each part in order, planned again from the time left; the record written after each."""
-    done: dict[str, str] = {}
+    """Each part in order, planned again from the time left; the record written after each. A part runs once
+    every part it needs finished, in this command or an earlier one (already in `record`)."""
     ctx.state["parts"] = record["parts"]  # what ran so far, for collectors that sum the parts' times
     for i, part in enumerate(parts):
-        broken = [n for n in part.needs if done.get(n) != "ok"]
-        now_plan = fit([p for p in parts[i:] if all(done.get(n) == "ok" for n in p.needs)], deadline - time.time())
+        ok = {name for name, p in record["parts"].items() if p["status"] == "ok"}
+        broken = [n for n in part.needs if n not in ok]
+        warm = warm_families(ctx.work)
+        now_plan = fit(on_machine(parts[i:], warm), deadline - time.time(), ok)
         units = now_plan.units(part.name)
         if broken or units is None:
             why = f"needs {', '.join(broken)}, which did not finish" if broken else dict(now_plan.cuts)[part.name]
             record["cut"].append({"part": part.name, "why": why})
             ctx.log.say(f"\n=== {part.name}: cut ({why})")
             continue
-        later = [p.part for p in now_plan.runs if p.part.priority < part.priority and parts.index(p.part) > i]
-        seconds = deadline - time.time() - sum(p.cost(p.min_units) for p in later)
-        ctx.log.say(
-            f"\n=== {part.name}: {units} {part.unit}, ~{part.cost(units):.0f} s planned, {seconds:.0f} s allowed"
-        )
+        costs = {p.part.name: p.part for p in now_plan.runs}
+        later = [p for p in now_plan.runs if p.part.name != part.name and p.part.priority < part.priority]
+        seconds = deadline - time.time() - sum(p.part.cost(p.part.min_units) for p in later)
+        est = costs[part.name].cost(units)
+        ctx.log.say(f"\n=== {part.name}: {units} {part.unit}, ~{est:.0f} s planned, {seconds:.0f} s allowed")
+        ctx.allowed_s = seconds
+        entry = {"units": units, "unit": part.unit, "est_s": round(est), "cold": part.kin not in warm}
+        entry["date"] = utc_now()
         result = run_stages(ctx, part.name, part.stages(ctx, units), seconds, part.jobs)
-        done[part.name] = result["status"]
-        record["parts"][part.name] = {"units": units, "unit": part.unit, "est_s": round(part.cost(units)), **result}
+        if result["status"] in ("ok", "timed out"):
+            mark_warm(ctx.work, part.kin)  # its kernels are compiled, its files cached, whether or not it finished
+        record["parts"][part.name] = {**entry, **result}
         figures, raw = collect(ctx, part, units)
+        did = ctx.state.pop("units_done", None)  # a part that decides its own size says what it did
+        if did is not None and did != units:
+            record["parts"][part.name] |= {"units": did, "planned_units": units}
         record["figures"].update(figures)
         record["raw"][part.name] = raw
-        write_record(record, ctx.out / f"{ctx.suite}.json")
+        save(ctx, record)
         ctx.log.say(f"=== {part.name}: {result['status']} after {result['seconds']:.0f} s; {len(figures)} figures")
 
 
@@ -148,7 +212,10 @@ def summary(record: dict, out: Path) -> str:
         f"\n{record['suite']}: {record['status']} in {record['wall_s']:.0f} s; record {out / record['suite']}.json"
     ]
     for name, part in record["parts"].items():
-        lines.append(f"  {name:<18} {part['status']:<12} {part['seconds']:>6.0f} s  ({part['units']} {part['unit']})")
+        when = f", in the command of {part['earlier']}" if part.get("earlier") else ""
+        lines.append(
+            f"  {name:<18} {part['status']:<12} {part['seconds']:>6.0f} s  ({part['units']} {part['unit']}{when})"
+        )
     lines += [f"  {c['part']:<18} cut: {c['why']}" for c in record["cut"]]
     for key, value in sorted(record["figures"].items()):
         if not isinstance(value, (list, dict)):

@@ -22,7 +22,7 @@ class Context:
     """What a part's commands and collector need to know."""
 
     suite: str
-    scale: str  # "h200" (one H200, the budget of one device command) or "smoke" (a CPU, seconds)
+    scale: str  # "gpu" (one H100 or H200, the budget of one device command) or "smoke" (a CPU, seconds)
     out: Path  # the output folder: the record and the log, nothing else (the device host returns 8 files)
     work: Path  # scratch: the parts' own outputs and logs
     wheels: Path  # the carried wheels; the SmolLM2 build reads its pinned data wheels from here too
@@ -30,6 +30,7 @@ class Context:
     log: "SuiteLog"
     state: dict = dataclasses.field(default_factory=dict)  # what a part leaves for later parts
     env: dict = dataclasses.field(default_factory=lambda: dict(os.environ))
+    allowed_s: float = 0.0  # the seconds the part now running may take (its commands' deadline)
 
     def path(self, name: str) -> str:
         return str(self.work / name)

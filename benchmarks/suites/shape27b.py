@@ -1,11 +1,13 @@
-"""`make bench-gpu suite=shape27b`: the Qwen3.6-27B shape on random weights, one H200, bf16.
+"""`make bench-gpu suite=shape27b`: the Qwen3.6-27B shape on random weights, one H100 or H200, bf16.
 
 Parts, most important first (the plan cuts from the end when time is short; `only=PART,...` runs the rest in a
 second command):
 
     round              the speculative round (`benchmarks.spec_round`): the target's one-token step, the 16-token
-                       verify, the drafter's proposal, graphed as our decoding graphs them and eager as it runs a
-                       hybrid target today; the projected speed-up for τ = 2..10 and the break-even τ
+                       verify, the drafter's proposal, graphed without state rollback (the same kernels replayed),
+                       "graphed, with rollback" (per-token Gated DeltaNet states: how our decoding runs a hybrid
+                       target) and eager with a cache copy (the fallback); the projected speed-up for τ = 2..10, the
+                       break-even τ, and where the one-token step goes per layer kind beside its weight-streaming bound
     extract-packed5    extraction, packed rows, five taps (`benchmarks.extract --packing`): full against bare,
                        TFLOP/s, the untimed cold first pass
     train-stream       drafter training, the stream phase at the 27B widths (`benchmarks.train --phases stream`)
@@ -16,6 +18,11 @@ second command):
 
 At the smoke scale (a CPU) the same modules run at toy widths; packed rows are refused there (the CPU's Gated
 DeltaNet would carry one sample's state into the next), so the packed parts are left out.
+
+Its parts are planned to fit two commands on one H100 or H200 (with the costs of the 2026-12-05 H100 record and
+the estimates): the second continues the first's record on the same host (`benchmarks.suites.continuation`) with
+what it cut, on a machine whose compilation caches are warm. Each
+part needs about 50-60 GiB of GPU memory (`memory_gib`, the peaks measured): a smaller GPU is refused.
 """
 
 from __future__ import annotations
@@ -25,13 +32,25 @@ from benchmarks.suites.plan import Part
 
 FIVE_TAPS = "1,16,31,46,61"
 FOUR_TAPS = "1,16,31,46"
-EXTRACT_LOG = "2026-12-04 packed five taps: cold pass 6,298, full 8,254, bare 9,039 tok/s; model build 17.7 s"
+EXTRACT_LOG = (
+    "2026-12-04 packed five taps: cold pass 6,298, full 8,254, bare 9,039 tok/s; model build 17.7 s; "
+    "2026-12-05 H100, bare machine: model build 71 s (the cold start: estimate 55 s)"
+)
+# Peak GPU memory, GiB, as measured (docs/benchmarks.md); the round's peak is not recorded: its bf16 weights alone
+# are 50.1 GiB.
+ROUND_GIB = (52.0, "estimate: the 27B target's bf16 weights 50.1 GiB, its caches and the drafter")
+EXTRACT_GIB = (55.3, "peak measured 54.1-55.3 GiB, 2026-12-01/05")
+TRAIN_GIB = {
+    "stream": (58.8, "peak measured 57.5-58.8 GiB, 2026-12-01"),
+    "fixed": (49.0, "peak measured 49.0 GiB, 2026-12-01"),
+}
 
 
 def _round(ctx, units: int):
     argv = ["-m", "benchmarks.spec_round", "--out", ctx.path("round.json")]
     if ctx.scale == "smoke":
         argv += ["--shape", "tiny", "--sizes", "1,16", "--tokens", "2", "--repeats", "1", "--rounds", "1"]
+        argv += ["--profile-steps", "1"]
         argv += ["--prompt-len", "16"]
     return [[("speculative round", argv)]]
 
@@ -80,17 +99,21 @@ def parts(scale: str, options: dict) -> list[Part]:
     out = [
         Part(
             "round",
-            "the speculative round's costs, graphed and eager, and the projected speed-up",
-            8 if smoke else 150,
+            "the speculative round's costs (graphed, graphed with rollback, eager) and the projected speed-up",
+            20 if smoke else 260,
             0,
             "run",
             1,
             1,
             0,
-            "estimate: model build 18 s (2026-12-01), an eager 27B step 140-185 ms (regeneration, 2026-12-01), "
-            "graph capture and fla's Triton compilation not measured yet",
+            "2026-12-05 (H100, 62b06fc): the graphed and eager rows 168 s, graph capture 93 s of it; the rollback "
+            "row (five more graphs with per-token states) and the step profile estimated at 90 s more, not measured "
+            "yet; fla's Triton compilation on a bare machine ~40 s",
             _round,
             _collect_round,
+            cold_s=0 if smoke else 40,
+            memory_gib=ROUND_GIB[0],
+            memory_source=ROUND_GIB[1],
         )
     ]
     extraction = [("extract-packed5", FIVE_TAPS, True, 1), ("extract-unpacked5", FIVE_TAPS, False, 4)]
@@ -99,12 +122,12 @@ def parts(scale: str, options: dict) -> list[Part]:
         if smoke and packing:
             continue
         stages, collect = _extract(name, taps if not smoke else "1,2,3,5,6", packing)
-        per_unit = 3.9 if packing else 4.5  # seconds per 10 K tokens over the cold pass, (b) and (a)
+        per_unit = 4.2 if packing else 4.6  # seconds per 10 K tokens over the cold pass, (b) and (a)
         out.append(
             Part(
                 name,
                 f"extraction, {'packed' if packing else 'padded'} rows, {len(taps.split(','))} taps: full against bare",
-                20 if smoke else 40,
+                20 if smoke else 45,
                 2 if smoke else per_unit,
                 "x 500 tokens" if smoke else "x 10 K tokens",
                 6 if smoke else 30,
@@ -113,11 +136,17 @@ def parts(scale: str, options: dict) -> list[Part]:
                 EXTRACT_LOG,
                 stages,
                 collect,
+                cold_s=0 if smoke else 55,
+                family="extract",  # one model, one kernel set: the first extraction on a machine warms the rest
+                memory_gib=EXTRACT_GIB[0],
+                memory_source=EXTRACT_GIB[1],
             )
         )
-    for name, shape, phase, priority, fixed, step in (
-        ("train-stream", "27b", "stream", 2, 200, 0.55),
-        ("train-zlab", "27b-zlab", "fixed", 3, 140, 0.48),
+    # Compilation is most of the fixed cost (183 s and 147 s on a warm H200): inductor's caches keep it for the
+    # next run on the machine (estimate: about 60% of it is the cold start).
+    for name, shape, phase, priority, fixed, cold, step in (
+        ("train-stream", "27b", "stream", 2, 80, 120, 0.55),
+        ("train-zlab", "27b-zlab", "fixed", 3, 60, 80, 0.48),
     ):
         stages, collect = _train(name, shape, phase)
         out.append(
@@ -134,6 +163,9 @@ def parts(scale: str, options: dict) -> list[Part]:
                 "steps 0.55 s (stream) and 0.48 s (27b-zlab)",
                 stages,
                 collect,
+                cold_s=0 if smoke else cold,
+                memory_gib=TRAIN_GIB[phase][0],
+                memory_source=TRAIN_GIB[phase][1],
             )
         )
     return sorted(out, key=lambda p: p.priority)  # run in the order of importance: a long part cuts the rest

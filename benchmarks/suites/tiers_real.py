@@ -1,5 +1,5 @@
 """`make bench-gpu suite=tiers-real`: the storage-tier comparison on SmolLM2 (`make tiers` on
-configs/smollm2-135m.toml, `recipes.compare_tiers`) at the scale that fits one command on one H200.
+configs/smollm2-135m.toml, `recipes.compare_tiers`) at the scale that fits one command on one H100 or H200.
 
     prefix        the demo's build, answers and shards (benchmarks.suites.smollm2)
     tiers         every tier of the config's [tiers] table transcoded from the lossless training split, a drafter
@@ -22,10 +22,10 @@ from benchmarks.suites.plan import Part
 from benchmarks.suites.smollm2 import prefix_part
 
 OUT = "runs/bench-tiers"
-CONFIGS = {"h200": "configs/smollm2-135m.toml", "smoke": "configs/smollm2-135m-tiers-cpu.toml"}
+CONFIGS = {"gpu": "configs/smollm2-135m.toml", "smoke": "configs/smollm2-135m-tiers-cpu.toml"}
 # The config's train_overrides but the steps (compare_tiers replaces the whole list).
 TRAIN = {
-    "h200": ["model.attention=sdpa"],
+    "gpu": ["model.attention=sdpa"],
     "smoke": [
         "device=cpu",
         "model.num_layers=2",
@@ -44,13 +44,17 @@ def compare_argv(ctx, steps: int, online: bool, prompts: int = 1) -> list[str]:
     return argv + ([f"tiers={ctx.options['tiers']}"] if "tiers" in ctx.options else [])
 
 
+def trained_steps(ctx) -> int:
+    """The steps the `tiers` part trained, in this command or an earlier one it continues."""
+    return ((ctx.state.get("parts") or {}).get("tiers") or {}).get("units", 1)
+
+
 def _tiers(ctx, units: int):
-    ctx.state["steps"] = units
     return [[("storage tiers", compare_argv(ctx, units, online=False))]]
 
 
 def _online(ctx, units: int):
-    return [[("storage tiers, online", compare_argv(ctx, ctx.state.get("steps", 1), online=True, prompts=units))]]
+    return [[("storage tiers, online", compare_argv(ctx, trained_steps(ctx), online=True, prompts=units))]]
 
 
 def tier_rows(report: dict | None) -> list[dict]:
@@ -72,7 +76,7 @@ def tier_rows(report: dict | None) -> list[dict]:
 
 def _collect(ctx, units: int):
     report = read_json(f"{OUT}/tiers.json")
-    return {"tiers_real.rows": tier_rows(report) or None, "tiers_real.steps": ctx.state.get("steps")}, report
+    return {"tiers_real.rows": tier_rows(report) or None, "tiers_real.steps": trained_steps(ctx)}, report
 
 
 def parts(scale: str, options: dict) -> list[Part]:

@@ -34,7 +34,8 @@ def eval_pair(path: str) -> tuple[dict, dict]:
 
 
 def pick_spec(spec: dict) -> dict:
-    """Speculative decoding's headline numbers: τ, lossless, speed against target-only greedy decoding."""
+    """Speculative decoding's headline numbers: τ, lossless, speed against target-only greedy decoding, and
+    the path that speed was measured on (`train.serve.spec_target.decoding_path`)."""
     summary, config = spec.get("summary", {}), spec.get("config", {})
     agreement = spec.get("agreement", {})
     return {
@@ -49,6 +50,7 @@ def pick_spec(spec: dict) -> dict:
         "spec_tokens_per_s": summary.get("spec", {}).get("decode_tokens_per_s"),
         "target_tokens_per_s": summary.get("baseline", {}).get("decode_tokens_per_s"),
         "offline_tau_at_rounds_bf16": agreement.get("offline_tau_at_rounds"),
+        "decoding_path": spec.get("decoding_path"),
     }
 
 

@@ -192,7 +192,7 @@ def summary_text(summary: dict) -> str:
         f"τ {num(spec.get('tau'))}; identical to the target's own greedy decoding: {spec.get('lossless')}",
         f"  {num(spec.get('speedup_wall'), '.2f')}x the target's own greedy decoding in wall time "
         f"({num(spec.get('spec_tokens_per_s'), '.0f')} against {num(spec.get('target_tokens_per_s'), '.0f')} tok/s "
-        "decoding)",
+        f"decoding; path: {spec.get('decoding_path') or 'n/a'})",
         "",
         "where things are",
         f"  drafter, to serve      {paths['export']}/ (config.json, model.safetensors, dflash.py; docs/serving.md)",

@@ -74,6 +74,7 @@ class Outcome:
     head_tensor: str | None = None
     embed_scale: float | None = None
     lossless: bool | None = None  # the command's speculative decoding step
+    decoding_path: str | None = None  # the path that step named (train.serve.spec_target.decoding_path)
     quick_start_lossless: bool | None = None  # the export's own spec_generate
     dflash2_lossless: bool | None = None  # a DFlash2 export of the family through our decoding loop
     dflash2_reference_lossless: bool | None = None  # ... through z-lab's reference loop (None: not run, see below)
@@ -154,7 +155,7 @@ def recorded(outcome: Outcome, target: Path, summary: dict) -> Outcome:
         arch.head_tensor,
         arch.embed_scale,
     )
-    outcome.lossless = summary["specdecode"]["lossless"]
+    outcome.lossless, outcome.decoding_path = summary["specdecode"]["lossless"], summary["specdecode"]["decoding_path"]
     outcome.tokens = json.loads(Path(paths["specdecode"]).read_text())["summary"]["new_tokens"]
     heldout, new_tokens = summary["prompts"]["files"]["heldout"], summary["specdecode"]["max_new_tokens"]
     loaded = load_target(str(target), dtype=outcome.dtype, attn_implementation=outcome.attention, device="cpu")

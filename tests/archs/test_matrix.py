@@ -1,6 +1,7 @@
 """The architecture matrix: the drafter command (`recipes.drafter`) at the smoke scale on every family in
 `tests.archs.families` (tests/archs/pipeline.py), each either end to end and lossless with the taps it
-derived recorded in the shards and the export, or refused by the command in one line before it writes
+derived recorded in the shards and the export (a hybrid target decoded with its per-token states, no
+cache copy), or refused by the command in one line before it writes
 anything; its row must be the one docs/architectures.md commits."""
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def test_family_runs_end_to_end_or_is_refused_in_one_line(family, tmp_path):
         assert_the_command_chose_and_recorded_its_defaults(outcome, tmp_path)
         assert outcome.lossless is True and outcome.quick_start_lossless is True and outcome.tokens > 0
         assert outcome.dflash2_lossless is True and outcome.dflash2_reference_lossless in (True, None)
+        if "linear_attention" in family.kwargs.get("layer_types", ()):
+            assert outcome.decoding_path == "eager, with rollback"  # per-token states, no cache copy
+        else:
+            assert "rollback" not in outcome.decoding_path
     if outcome.dflash2_reference_note == NO_REFERENCE:
         pytest.skip(f"{NO_REFERENCE} (`make setup` installs it): the DFlash2 column is not compared")
     if page_version(committed()) != transformers.__version__:

@@ -31,7 +31,7 @@ def test_check_fails_when_a_record_changes_and_rendering_repairs_it(tmp_path, mo
         monkeypatch.setattr(render, name, copy)
     monkeypatch.setattr(render, "RESULTS", results)
     monkeypatch.setattr(render, "REPO", tmp_path)
-    path = results / "imported-shape27b-2026-12-04T0437Z.json"
+    path = results / "shape27b-2026-12-05T1239Z.json"  # the newest record of that figure
     record = json.loads(path.read_text())
     record["figures"]["shape27b.extract_packed5.full_tok_s"] = 1234
     path.write_text(json.dumps(record))
@@ -58,6 +58,27 @@ def anchors(markdown: str) -> set[str]:
     return found
 
 
+def test_the_suites_runs_on_an_h100_say_so_and_keep_their_logs():
+    doc = render.DOC.read_text()
+    for name in ("shape27b-2026-12-05T1239Z", "real-2026-12-05T1248Z"):
+        assert (render.RESULTS / f"{name}.log").is_file()
+        assert f"[2026-12-05, H100 80GB HBM3, 62b06fc](../benchmarks/results/{name}.json)" in doc
+    row = next(line for line in doc.split("\n") if line.startswith("| graphed: the target's one-token step |"))
+    assert "28.69 ms" in row and "H100" in row
+
+
+def test_add_copies_a_record_with_its_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(render, "RESULTS", tmp_path / "results")
+    (tmp_path / "results").mkdir()
+    source = tmp_path / "out"
+    source.mkdir()
+    shutil.copyfile(REPO / "benchmarks/results/real-2026-12-05T1248Z.json", source / "real.json")
+    (source / "real.log").write_text("the suite's log\n")
+    target = render.add(source / "real.json")
+    assert target.name == "real-2026-12-05T1248Z.json"
+    assert target.with_suffix(".log").read_text() == "the suite's log\n"
+
+
 def test_every_record_reads_and_every_imported_one_names_an_entry_of_the_log():
     records = load_records(render.RESULTS)
     assert len(records) >= 20
@@ -79,7 +100,7 @@ def test_records_converted_from_docs_results_hold_what_those_files_give():
         assert {k: v for k, v in expected.items() if v is not None} == record["figures"], path.name
 
 
-def record(date: str, figures_: dict, scale: str = "h200", status: str = "complete") -> dict:
+def record(date: str, figures_: dict, scale: str = "gpu", status: str = "complete") -> dict:
     machine = {"gpu": "NVIDIA H200", "gpus": 1, "cores": 16}
     return {
         "suite": "shape27b",
@@ -111,7 +132,7 @@ def test_a_series_shows_the_rows_of_the_newest_record_or_what_measures_it():
     rows = [{"tau": 2, "graphed_speedup": 1.5}, {"tau": 3, "graphed_speedup": None}]
     rec = {**record("2026-12-05T00:00:00Z", {}), "status": "imported", "figures": {"shape27b.round.projection": rows}}
     lines = render.render_series(C.PROJECTION, index(("p", rec)), Path("/r"))
-    assert lines[4] == "| 2 | — | 1.50x | — | — |" and lines[5] == "| 3 | — | — | — | — |"
+    assert lines[4] == "| 2 | — | 1.50x | — | — | — | — |" and lines[5] == "| 3 | — | — | — | — | — | — |"
     assert lines[6] == "\nRecord: [2026-12-05, H200, abc1234, log](p.json); —: not measured in it."
     empty = render.render_series(C.PROJECTION, index(), Path("/r"))
     assert empty[4].startswith("| not yet measured (`make bench-gpu suite=shape27b`) |")

@@ -1,21 +1,36 @@
 """The suites' planning (benchmarks.suites.plan): what fits a budget, in priority order, grown with what is left;
-what is cut says why; costs scale to what a finished run measured. And every suite's plan at the H200 budget fits
-its 9 minutes with the costs it knows."""
+what is cut says why; a need finished earlier counts; costs scale to what a finished run on the same kind of GPU
+measured, with the cold start a bare machine adds; a GPU too small for a part cuts it. And every suite's plan at
+the GPU budget fits its 9 minutes with the costs it knows, the committed H100 records' among them."""
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 
 from benchmarks.suites import SUITES
-from benchmarks.suites.plan import Part, calibrate, fit
-from benchmarks.suites.run import RESERVE_S, selected
+from benchmarks.suites.plan import Part, calibrate, fit, on_machine, too_big
+from benchmarks.suites.record import gpu_kind, load_records, measured_costs
+from benchmarks.suites.run import RESERVE_S, RESULTS, selected
 
 
-def part(name, fixed, unit_s, units, min_units, priority, needs=()):
+def part(name, fixed, unit_s, units, min_units, priority, needs=(), **more):
     return Part(
-        name, name, fixed, unit_s, "u", units, min_units, priority, "test", lambda c, u: [], lambda c, u: {}, needs
+        name,
+        name,
+        fixed,
+        unit_s,
+        "u",
+        units,
+        min_units,
+        priority,
+        "test",
+        lambda c, u: [],
+        lambda c, u: {},
+        needs,
+        **more,
     )
 
 
@@ -58,7 +73,88 @@ def test_costs_scale_to_what_a_finished_run_measured():
     [a, b, *_] = calibrate(PARTS, measured)
     assert a is PARTS[0]
     assert b.cost(100) == pytest.approx(120.0) and b.fixed_s == pytest.approx(10 * 120 / 110)
-    assert b.source.startswith("measured 120 s for 100 u on 2026-12-05")
+    assert b.source.startswith("measured 120 s for 100 u on a bare machine on 2026-12-05 (x1.09 the estimate: test)")
+
+
+def test_a_need_that_finished_earlier_counts_as_met():
+    plan = fit(PARTS[1:3], 300, done={"a"})  # b needs a, which an earlier command (or part) finished
+    assert {p.part.name: p.units for p in plan.runs} == {"b": 200, "c": 25} and not plan.cuts  # 60 + 150, 60 + 30
+    assert dict(fit(PARTS[1:3], 300).cuts)["b"] == "needs a, which did not fit or ran"
+
+
+def test_a_bare_machine_adds_the_cold_start_and_a_measured_run_says_which_it_was():
+    x = part("x", 10, 1.0, 100, 10, 0, cold_s=40, family="f")
+    y = part("y", 20, 2.0, 50, 5, 1, cold_s=40, family="f")
+    z = part("z", 5, 0, 1, 1, 2, cold_s=30)
+    assert [p.cost(10) for p in on_machine([x, y, z], warm=set())] == [60, 80, 35]
+    assert [p.cost(10) for p in on_machine([x, y, z], warm={"f"})] == [20, 40, 35]  # the family ran: warm
+    assert "+ 40 s cold start" in on_machine([x], set())[0].source
+    cold = {"x": {"part": "x", "seconds": 300.0, "units": 100, "date": "2026-12-05", "cold": True, "gpu": "H100"}}
+    [cx, cy, _] = calibrate([x, y, z], cold)  # 300 s measured against 10 + 100 + 40 = 150: x2
+    assert (cx.fixed_s, cx.unit_s, cx.cold_s) == pytest.approx((20, 2.0, 80))
+    # y scaled by what x measured, against y's own estimate at those units: 20 + 2 * 100 + 40 = 260
+    assert (cy.fixed_s, cy.unit_s, cy.cold_s) == pytest.approx((300 / 260 * 20, 300 / 260 * 2, 300 / 260 * 40))
+    assert cy.source.startswith("measured by x 300 s for 100 u on a bare machine on 2026-12-05, H100")
+    warm = {"x": {**cold["x"], "cold": False}}  # the same seconds on a warm machine: x300/110
+    assert calibrate([x], warm)[0].cost(100) == pytest.approx(300.0)
+
+
+def test_a_gpu_too_small_for_a_part_cuts_it_in_one_line():
+    big = part("big", 10, 0, 1, 1, 0, memory_gib=55.3, memory_source="peak measured")
+    small = part("small", 10, 0, 1, 1, 1)
+    assert too_big([big, small], 79.2) == [] and too_big([big, small], None) == []
+    assert too_big([big, small], 44.4) == [("big", "needs ~55 GiB of GPU memory (peak measured), the GPU has 44.4 GiB")]
+
+
+def record(date, gpu, parts, scale="gpu", suite="s"):
+    return (
+        Path(f"/r/{date}.json"),
+        {"suite": suite, "scale": scale, "date": date, "machine": {"gpu": gpu}, "parts": parts},
+    )
+
+
+def test_costs_come_from_the_newest_finished_runs_on_the_same_kind_of_gpu():
+    ok = {"status": "ok", "seconds": 100.0, "units": 4}
+    records = [
+        record("2026-12-01T00:00:00Z", "NVIDIA H100 80GB HBM3", {"a": ok}, scale="h200"),  # the scale's old name
+        record("2026-12-02T00:00:00Z", "NVIDIA H200", {"a": {**ok, "seconds": 50.0}}),
+        record("2026-12-03T00:00:00Z", "NVIDIA H100 80GB HBM3", {"b": {**ok, "cold": False}}),
+        record("2026-12-04T00:00:00Z", "NVIDIA H100 80GB HBM3", {"a": {**ok, "status": "timed out"}}),
+        record("2026-12-05T00:00:00Z", "NVIDIA H100 80GB HBM3", {"a": ok}, scale="smoke"),
+        record("2026-12-06T00:00:00Z", "NVIDIA H100 80GB HBM3", {"a": ok}, suite="other"),
+    ]
+    h100 = measured_costs(records, "s", "gpu", "H100")
+    assert h100["a"]["date"] == "2026-12-01" and h100["a"]["cold"] is True  # no `cold`: a bare machine
+    assert h100["b"]["cold"] is False and h100["b"]["gpu"] == "H100"
+    assert measured_costs(records, "s", "gpu", "H200") == {
+        "a": {"part": "a", "seconds": 50.0, "units": 4, "date": "2026-12-02", "cold": True, "gpu": "H200"}
+    }
+    assert measured_costs(records, "s", "gpu", "A100") == {}
+    names = [
+        "NVIDIA H100 80GB HBM3",
+        "NVIDIA H200",
+        "NVIDIA A100-SXM4-80GB",
+        "NVIDIA GeForce RTX 4090",
+        "NVIDIA L40S",
+        None,
+    ]
+    assert [gpu_kind({"gpu": n}) for n in names] == ["H100", "H200", "A100", "GeForce RTX 4090", "L40S", None]
+
+
+def test_the_committed_h100_records_set_the_costs_of_the_next_h100_run():
+    module = importlib.import_module(SUITES["shape27b"])
+    records = load_records(RESULTS)
+    parts = {p.name: p for p in calibrate(module.parts("gpu", {}), measured_costs(records, "shape27b", "gpu", "H100"))}
+    assert parts["round"].cost(1) + parts["round"].cold_s == pytest.approx(167.6)  # 2026-12-05, a bare H100
+    assert parts["extract-packed5"].cost(28) + parts["extract-packed5"].cold_s == pytest.approx(218.2)
+    assert "measured by extract-packed5" in parts["extract-unpacked4"].source  # the family's run
+    assert parts["train-stream"].source.startswith("2026-11-30/12-01 logs")  # never finished: the estimate
+    real = calibrate(
+        importlib.import_module(SUITES["real"]).parts("gpu", {}), measured_costs(records, "real", "gpu", "H100")
+    )
+    assert real[0].cost(1) + real[0].cold_s == pytest.approx(267.3)
+    static = importlib.import_module(SUITES["shape27b"]).parts("gpu", {})
+    assert calibrate(static, measured_costs(records, "shape27b", "gpu", "H200"))[0] == static[0]  # no H200 run yet
 
 
 def test_only_runs_the_named_parts_and_what_they_need():
@@ -69,16 +165,17 @@ def test_only_runs_the_named_parts_and_what_they_need():
 
 
 @pytest.mark.parametrize("name", sorted(SUITES))
-def test_every_suite_plans_its_h200_run_inside_its_budget_and_says_what_it_cut(name):
+def test_every_suite_plans_its_gpu_run_inside_its_budget_and_says_what_it_cut(name):
     module = importlib.import_module(SUITES[name])
-    parts = module.parts("h200", {})
+    parts = module.parts("gpu", {})
     budget = 540 - RESERVE_S - 15  # the wheels' install counts against it
-    plan = fit(parts, budget)
+    plan = fit(on_machine(parts, set()), budget)  # a bare machine
     assert sum(p.seconds for p in plan.runs) <= budget
     first = min(parts, key=lambda p: p.priority)
     assert first.name in {p.part.name for p in plan.runs}  # the most important part always fits
     names = {p.name for p in parts}
     assert len(names) == len(parts) and all(n in names for p in parts for n in p.needs)
     for p in parts:
-        assert 1 <= p.min_units <= p.units and p.fixed_s >= 0 and p.unit_s >= 0 and p.source
+        assert 1 <= p.min_units <= p.units and p.fixed_s >= 0 and p.unit_s >= 0 and p.cold_s >= 0 and p.source
+        assert p.memory_gib < 70 and (p.memory_source or not p.memory_gib)  # one H100 holds every part
     assert {p.part.name for p in plan.runs} | set(dict(plan.cuts)) == names  # every part either runs or is cut

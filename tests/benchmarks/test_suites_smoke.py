@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import catalogue as C
 from benchmarks import render
-from benchmarks.suites import real_data, run
+from benchmarks.suites import real, real_data, run
 from benchmarks.suites.record import check_record
 from benchmarks.suites.runner import Context, SuiteLog
 from tests.paths import REPO
@@ -24,11 +24,11 @@ def run_suite(tmp_path: Path, *argv: str) -> tuple[int, dict, list[str]]:
     return code, record, sorted(p.name for p in out.iterdir())
 
 
-def as_h200(record: dict, tmp_path: Path) -> render.Index:
+def as_gpu(record: dict, tmp_path: Path) -> render.Index:
     """The smoke record as if it were a device run, for rendering (smoke records are never rendered)."""
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({**record, "scale": "h200"}))
-    return render.Index([(path, {**record, "scale": "h200"})])
+    path.write_text(json.dumps({**record, "scale": "gpu"}))
+    return render.Index([(path, {**record, "scale": "gpu"})])
 
 
 @pytest.mark.slow
@@ -37,17 +37,23 @@ def test_shape27b_smoke_measures_the_round_and_records_and_renders_it(tmp_path):
     assert code == 0 and files == ["shape27b.json", "shape27b.log"]  # the device host returns at most 8 files
     check_record(record, "smoke record")
     assert record["status"] == "complete" and record["parts"]["round"]["status"] == "ok"
-    assert record["plan"]["runs"] == [{"part": "round", "units": 1, "of": 1, "unit": "run", "est_s": 8}]
+    assert record["plan"]["runs"] == [{"part": "round", "units": 1, "of": 1, "unit": "run", "est_s": 20}]
     figures = record["figures"]
-    for variant in ("graphed", "eager"):
+    for variant in ("graphed", "rollback", "eager"):
         assert figures[f"shape27b.round.{variant}.step_ms"] > 0 and figures[f"shape27b.round.{variant}.verify16_ms"] > 0
     assert figures["shape27b.round.eager.snapshot_ms"] >= 0 and "CUDA graphs" in figures["shape27b.round.graphed.how"]
+    assert (
+        figures["shape27b.round.rollback.rollback_ms"] > 0
+        and "rollback_speedup" in figures["shape27b.round.projection"][0]
+    )
+    kinds = record["raw"]["round"]["variants"]["rollback"]["breakdown"]["kinds"]  # CPU range times on a CPU
+    assert kinds["Gated DeltaNet"]["ms"] > 0 and kinds["MLP"]["ms"] > 0 and kinds["head"]["ms"] > 0
     assert [r["tau"] for r in figures["shape27b.round.projection"]] == list(range(2, 11))
     assert record["raw"]["round"]["shape"] == "tiny" and record["packages"]["torch"]
-    lines = render.render_figures(C.ROUND, as_h200(record, tmp_path), tmp_path)
+    lines = render.render_figures(C.ROUND, as_gpu(record, tmp_path), tmp_path)
     step = next(line for line in lines if line.startswith("| eager: one-token step |"))
     assert f"{figures['shape27b.round.eager.step_ms']:.2f} ms" in step and "r.json" in step
-    extraction = render.render_figures(C.EXTRACTION, as_h200(record, tmp_path), tmp_path)
+    extraction = render.render_figures(C.EXTRACTION, as_gpu(record, tmp_path), tmp_path)
     assert "not yet measured (`make bench-gpu suite=shape27b`)" in extraction[4]
 
 
@@ -57,7 +63,7 @@ def test_s3_smoke_measures_the_servers_own_rates(tmp_path):
     assert code == 0 and files == ["s3.json", "s3.log"]
     assert record["parts"]["ceiling"]["status"] == "ok"
     assert record["figures"]["s3.ceiling.put_object_MB_s"] > 0 and record["figures"]["s3.ceiling.get_direct_MB_s"] > 0
-    lines = render.render_figures(C.S3[0], as_h200(record, tmp_path), tmp_path)
+    lines = render.render_figures(C.S3[0], as_gpu(record, tmp_path), tmp_path)
     assert "MB/s" in lines[4] and "not yet measured (`make bench-gpu suite=s3`)" in lines[6]
 
 
@@ -96,7 +102,7 @@ def stage_configs():
     }
 
 
-@pytest.mark.parametrize("scale", ["h200", "smoke"])
+@pytest.mark.parametrize("scale", ["gpu", "smoke"])
 @pytest.mark.parametrize("name", ["real", "real-data", "tiers-real"])
 def test_every_smollm2_suite_command_parses_with_its_stage_config(tmp_path, monkeypatch, name, scale):
     import importlib
@@ -108,7 +114,8 @@ def test_every_smollm2_suite_command_parses_with_its_stage_config(tmp_path, monk
     monkeypatch.chdir(tmp_path)  # the data sources' corpus folders are made where the suite runs
     parsers = stage_configs()
     log = SuiteLog(tmp_path / "log")
-    ctx = Context(name, scale, tmp_path, tmp_path, Path(".whl"), {}, log, state={"steps": 300})
+    ctx = Context(name, scale, tmp_path, tmp_path, Path(".whl"), {}, log, state={"parts": {"tiers": {"units": 300}}})
+    ctx.allowed_s = 300.0  # the part's time: the decoding command gets it, less its margin
     parsed = {}
     for part in importlib.import_module(SUITES[name]).parts(scale, {}):
         for units in {part.min_units, part.units}:
@@ -125,19 +132,21 @@ def test_every_smollm2_suite_command_parses_with_its_stage_config(tmp_path, monk
 
 def check_real(parsed: dict, scale: str) -> None:
     trainings = {units: cfg for (part, _, units), (m, cfg) in parsed.items() if m == "train"}
-    assert set(trainings) == ({300, 1000} if scale == "h200" else {5, 30})
+    assert set(trainings) == ({300, 1000} if scale == "gpu" else {5, 30})
     assert all(cfg.optim.max_steps == units for units, cfg in trainings.items())
     decodings = {units: cfg for (part, _, units), (m, cfg) in parsed.items() if m == "train.serve.specdecode"}
-    assert {cfg.num_prompts for cfg in decodings.values()} == set(decodings)
+    # On a GPU every HumanEval prompt, as many as fit the part's time; on a CPU the planned number
+    assert {cfg.num_prompts for cfg in decodings.values()} == ({0} if scale == "gpu" else set(decodings))
+    assert {cfg.time_limit_s for cfg in decodings.values()} == {300.0 - real.DECODING_MARGIN_S}
 
 
 def check_real_data(parsed: dict, scale: str) -> None:
     trainings = [cfg for (part, step, units), (m, cfg) in parsed.items() if m == "train" and part == "ladder"]
-    assert {cfg.optim.max_steps for cfg in trainings} == ({200, 1000} if scale == "h200" else {3, 30})
+    assert {cfg.optim.max_steps for cfg in trainings} == ({200, 1000} if scale == "gpu" else {3, 30})
     kl = [cfg for cfg in trainings if cfg.loss.kl_weight > 0]
     assert kl and {cfg.seed for cfg in kl} == {0, 1} and all(cfg.data.max_samples for cfg in kl)
     shares = {cfg.data.max_samples for cfg in trainings if cfg.loss.kl_weight == 0}
-    assert len(shares) >= (4 if scale == "h200" else 2)  # at least four points of the pool (None: all of it)
+    assert len(shares) >= (4 if scale == "gpu" else 2)  # at least four points of the pool (None: all of it)
     regens = [cfg for (part, _, _), (m, cfg) in parsed.items() if m == "extract.regenerate" and part == "sampled"]
     assert regens and all(cfg.temperature == 0.8 and cfg.top_p == 0.95 for cfg in regens)
 
@@ -147,3 +156,4 @@ def check_tiers(parsed: dict, scale: str) -> None:
     assert not runs["tiers"].online and runs["tiers-online"].online
     assert runs["tiers"].seeds == [0] and runs["tiers"].out_dir == "runs/bench-tiers"
     assert any(o.startswith("optim.max_steps=") for o in runs["tiers"].train_overrides)
+    assert "optim.max_steps=300" in runs["tiers-online"].train_overrides  # the steps `tiers` trained, as recorded

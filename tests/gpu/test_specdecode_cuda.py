@@ -4,9 +4,10 @@ up to a position, or nothing (so whole, partial and empty acceptances all occur)
 
 As in the CPU suite, the API tests run the target in float64, so the 16-token verification and the
 one-token greedy steps cannot flip an argmax by rounding: on a plain Qwen3 target (cache cropped)
-and on a hybrid Qwen3.5 target (cache snapshots; float64 takes the torch Gated DeltaNet, as fla has
-no float64 kernels). The command line runs in float32 on CUDA, as a user runs it, and must report
-`lossless: True` (its own check against target-only greedy decoding).
+and on a hybrid Qwen3.5 target (per-token states kept; float64 takes the torch Gated DeltaNet, as fla
+has no float64 kernels; the graphed hybrid round: test_rollback_cuda.py). The command line runs in
+float32 on CUDA, as a user runs it, and must report `lossless: True` (its own check against
+target-only greedy decoding).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def test_speculative_decoding_on_cuda_equals_greedy(tmp_path, hybrid):
             check_round_bookkeeping(spec)
             accepted += sum(r.accepted for r in spec.rounds)
     assert accepted > 0
-    assert target.cache_mode == ("snapshot" if hybrid else "crop")
+    assert target.cache_mode == ("rollback" if hybrid else "crop")
 
 
 def test_the_specdecode_cli_is_lossless_on_cuda(tmp_path, capsys):

@@ -8,7 +8,8 @@ CUDA-graph versions or the peers (tests/test_layering.py holds the loop to that)
     cli.py              the command lines of both commands, built without torch
     export.py           `python -m train.serve.export`: the command
     prompts.py          prompts from chat JSONL or shards; a target's stop tokens
-    spec_target.py      `SpecTarget`: the target's cached forwards that also return the taps
+    spec_target.py      `SpecTarget`: the target's cached forwards that also return the taps; how a
+                        round cuts the cache back (crop, a hybrid's per-token states, the copy fallback)
     decoding.py         the round loop (`speculative_generate`), target-only greedy, `DFlashProposer`
                         (a DFlash2 drafter proposes its selector's walk)
     tree_decode.py      DDTree verification with a node budget

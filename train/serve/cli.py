@@ -82,6 +82,13 @@ class SpecDecodeConfig:
     )
     max_new_tokens: int = knob(256, help="tokens generated per prompt", min=1)
     num_prompts: int = knob(16, help="use the first N prompts; 0 = all", min=0)
+    time_limit_s: float = knob(
+        0.0,
+        help="seconds from the command's start within which it ends: it decodes as many of the prompts as fit (no "
+        "prompt starts that would not end in time, the first always runs), then reports on those and says how many "
+        "of how many it decoded; 0 = no limit",
+        min=0.0,
+    )
     out: str | None = knob(None, help="write the results as JSON here", path="file_out")
     agreement: bool = knob(False, help="also compare offline chain τ with the online τ")
     agreement_bf16: bool = knob(False, help="round the offline features to bf16, as shards store them")

@@ -32,11 +32,13 @@ the order of the dtype's rounding) and a bug (a clear margin) are told apart, an
 is float32, whose rounding is 2^16 times finer than bfloat16's (so far fewer near-ties are close
 enough to flip).
 
-Target cache: a `transformers` DynamicCache cropped to the accepted length. Hybrid models (Qwen3.5 /
-3.6 Gated DeltaNet layers) carry recurrent states that cannot be cropped; for them the cache is
-copied before each verification, and after a partial acceptance the copy is restored and the
-accepted tokens are run through the target once more (one extra target forward per such round;
-`cache_mode` = "snapshot" in the results).
+Target cache: a `transformers` DynamicCache cropped to the accepted length (`cache_mode` "crop").
+Hybrid models (Qwen3.5 / 3.6, Qwen3-Next Gated DeltaNet layers) carry recurrent states that cannot
+be cropped: the verify keeps each such layer's state after every position and the round keeps those
+of the accepted length ("rollback", `SpecTarget.keep`). For recurrent layers of a kind
+`target.recurrent_states` does not know, the eager fallback: the cache is copied before each
+verification, and after a partial acceptance the copy is restored and the accepted tokens are run
+through the target once more (one extra target forward per such round; "snapshot").
 
 τ accounting (docs/dflash.md "Acceptance length (τ)", the conventions of `train.eval.acceptance`): τ of
 a round = 1 + the number of leading drafts that equal the target's tokens, counted only over the
@@ -61,7 +63,7 @@ from torch import nn
 
 from common.repeat import RepeatWatch
 from train.alignment import block_input_ids
-from train.serve.spec_target import SpecTarget, cache_mode_for, crop_cache
+from train.serve.spec_target import SpecTarget, crop_cache
 
 __all__ = [
     "Round",
@@ -102,7 +104,7 @@ class Generation:
     decode_s: float = 0.0  # everything after the prefill
     draft_s: float = 0.0
     verify_s: float = 0.0
-    rollback_s: float = 0.0  # cache crop / snapshot restore + re-run
+    rollback_s: float = 0.0  # cache crop / per-token state rollback / snapshot restore + re-run
     target_forwards: int = 0  # target forwards after the prefill
     # The target's logit margin (top-1 minus top-2) behind each generated token: where two decodings
     # differ, a margin near 0 says a numerical near-tie decided it, a large one says a bug did.
@@ -326,7 +328,7 @@ def speculative_generate(
     logits, features_1TF, cache = target.forward(
         prompt_tensor(prompt_ids, target.device), None, taps=True, last_only=True
     )
-    mode = target.cache_mode = cache_mode_for(cache, target.target.text_config)
+    mode = target.cache_mode = target.mode_for(cache)
     token, margin = greedy_with_margin(logits[0, -1:])
     tokens = ending.take(token)
     result = Generation(prompt_len=len(prompt_ids), tokens=tokens, stop="length", margins=margin)
@@ -353,6 +355,8 @@ def speculative_generate(
         )  # positions anchor..anchor+accepted hold correct tokens; their K/V and features are right
         if mode == "crop":
             crop_cache(cache, anchor + verified)
+        elif mode == "rollback" and verified < verify_len:
+            target.keep(cache, verified)
         elif verified < verify_len:
             cache = snapshot
             _, _, cache = target.forward(block_1Q[:, :verified], cache, taps=False)

@@ -149,8 +149,15 @@ def print_summary(result: dict) -> None:
     proposals = "its selector's walk" if architecture == "DFlash2DraftModel" else "the argmax of the target's head"
     print(
         f"prompts {s['prompts']}, rounds {s['rounds']}, new tokens {s['new_tokens']}, target cache: "
-        f"{result['cache_mode']}" + (f"; drafter {architecture} (proposals: {proposals})" if architecture else "")
+        f"{result['cache_mode']}, decoding path: {result.get('decoding_path', 'n/a')}"
+        + (f"; drafter {architecture} (proposals: {proposals})" if architecture else "")
     )
+    stopped = result.get("stopped")
+    if stopped:
+        print(
+            f"stopped at the time limit: decoded {stopped['decoded']} of {stopped['of']} prompts; every figure below "
+            "is over those"
+        )
     print(
         f"τ (mean over prompts of per-prompt means, bonus included) = {s['tau']:.3f}   pooled over rounds "
         f"{s['tau_pooled']:.3f}"

@@ -3,10 +3,14 @@
 extraction stores them), and the cache helpers every decoding loop shares (`crop_cache`,
 `cache_mode_for`).
 
-How the decoding loops cut the cache back after a partial acceptance (`crop_cache`), or, for the
-recurrent states of hybrid models that cannot be cut (`cache_mode_for` = "snapshot"), restore a copy:
-`train.serve.decoding`. `train.serve.static_target` is the same target on a static cache with its
-forwards captured as CUDA graphs.
+How the decoding loops cut the cache back after a partial acceptance (`SpecTarget.cache_mode`):
+"crop" cuts every layer back to the accepted length (`crop_cache`); "rollback", for a hybrid target
+whose recurrent layers are Gated DeltaNet ones (`target.recurrent_states`), records the recurrent
+states after every verified position and keeps those of the accepted length (`SpecTarget.keep`);
+"snapshot", the eager fallback for recurrent layers of another kind, copies the cache before each
+verify and re-runs the accepted tokens (`train.serve.decoding`). `train.serve.static_target` is the
+same target on a static cache with its forwards captured as CUDA graphs; `decoding_path` names the
+path a run took.
 
 Shape legend: T tokens, S context, Q block tokens, F tap feature width, V vocabulary.
 """
@@ -19,7 +23,10 @@ import torch
 from torch import nn
 
 from target.load import TapHooks, Target, check_layer_ids, reach_text_parts
+from target.recurrent_states import PerTokenStates
 from target.static_cache import cache_kwarg
+
+FALLBACK = "eager fallback (cache copy + re-run of the accepted tokens)"
 
 
 def crop_cache(cache, length: int) -> None:
@@ -50,9 +57,33 @@ def cache_mode_for(cache, text_config) -> str:
     return "snapshot" if croppable is False else "crop"
 
 
+def decoding_path(target: SpecTarget) -> str:
+    """The path a decoding took, as `make drafter` and specdecode name it: "full-attention graphed" /
+    "full-attention eager" (the cache cut back), "graphed, with rollback" / "eager, with rollback" (a
+    hybrid target's per-token states), or the eager fallback with its reason."""
+    graphed = bool(getattr(target, "graphs", None))
+    if target.cache_mode == "rollback":
+        return f"{'graphed' if graphed else 'eager'}, with rollback"
+    if target.cache_mode == "snapshot":
+        return f"{FALLBACK}: {target.rollback_note or 'its cache cannot be cut back'}"
+    return f"full-attention {'graphed' if graphed else 'eager'}"
+
+
 def _cache_of(output):
     cache = getattr(output, "cache", None)
     return cache if cache is not None else output.past_key_values
+
+
+def _attention_layers_croppable(cache, per_token: PerTokenStates) -> bool:
+    """Whether every cache layer but the Gated DeltaNet ones can be cut back by `crop`."""
+    layers = getattr(cache, "layers", None) or []
+    return all(
+        callable(getattr(layer, "crop", None))
+        and getattr(layer, "record_past", True) is not False
+        and getattr(layer, "is_croppable", True) is not False
+        for i, layer in enumerate(layers)
+        if i not in per_token.mixers
+    )
 
 
 class SpecTarget:
@@ -69,6 +100,45 @@ class SpecTarget:
         self.cache_mode: str | None = None
         # transformers renamed `past_key_values` to `cache` (5.2x); pass whichever this version takes.
         self.cache_kwarg = cache_kwarg(self.model)
+        # Per-token states of the Gated DeltaNet layers (None: no recurrent layer, or `rollback_note` says why not).
+        self.per_token, self.rollback_note = PerTokenStates.for_target(target)
+        self.recorded: tuple | None = None  # (cache, tokens, record) of the last recorded forward
+        if self.per_token is not None:
+            self._probe()
+
+    def _probe(self) -> None:
+        """A recorded 2-token forward after a 2-token prompt, as a verify records: where this
+        transformers release leaves a layer's record incomplete, fall back (the note says why)."""
+        try:
+            ids_12 = torch.zeros((1, 2), dtype=torch.long)
+            _, _, cache = SpecTarget.forward(self, ids_12, None, taps=False)
+            SpecTarget.forward(self, ids_12, cache, taps=False)
+        except Exception as exc:  # noqa: BLE001 - any failure of the recorded forward means: fall back, saying why
+            self.per_token = None
+            self.rollback_note = (
+                f"per-token states failed a probe ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})"
+            )
+        self.recorded = None
+
+    def mode_for(self, cache) -> str:
+        """How a decoding loop cuts `cache` back after a partial acceptance (module docstring)."""
+        mode = cache_mode_for(cache, self.target.text_config)
+        if mode == "snapshot" and self.per_token is not None and _attention_layers_croppable(cache, self.per_token):
+            return "rollback"
+        return mode
+
+    @torch.inference_mode()
+    def keep(self, cache, kept: int) -> None:
+        """Cut `cache` back to the first `kept` tokens of the forward just recorded on it: the attention
+        layers cropped, the Gated DeltaNet layers set to their states after token `kept`."""
+        held, tokens, record = self.recorded
+        assert held is cache, "keep() follows the recorded forward on the same cache"
+        if tokens > kept:
+            for i, layer in enumerate(cache.layers):
+                if i not in record:
+                    layer.crop(-(tokens - kept))
+        PerTokenStates.keep(cache.layers, record, tokens, kept)
+        self.recorded = None
 
     @classmethod
     def from_model(
@@ -107,7 +177,13 @@ class SpecTarget:
             kwargs["position_ids"] = position_ids_1T.to(self.device)
         if mask_11TK is not None:
             kwargs["attention_mask"] = mask_11TK.to(self.device)
-        out, features_1TF = self.call_model(kwargs, taps=taps)
+        self.recorded = None
+        if self.per_token is None or cache is None or ids_1T.shape[1] == 1:
+            out, features_1TF = self.call_model(kwargs, taps=taps)
+            return out.logits.float(), features_1TF, _cache_of(out)
+        with self.per_token.recording(cache):
+            out, features_1TF = self.call_model(kwargs, taps=taps)
+        self.recorded = (cache, ids_1T.shape[1], self.per_token.take(ids_1T.shape[1]))
         return out.logits.float(), features_1TF, _cache_of(out)
 
     def call_model(self, kwargs: dict, *, taps: bool):

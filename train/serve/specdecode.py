@@ -5,6 +5,7 @@ decoding (the work: `train.serve.specdecode_run`; the round loop: `train.serve.d
     python -m train.serve.specdecode --target DIR --drafter EXPORT_DIR [--prompts FILE.jsonl | --data SHARDS]
         [--max-new-tokens N] [--num-prompts N] [--out result.json] [--agreement [--agreement-bf16]]
         [--tree-budgets 8,32] [--dtype float32] [--threads N] [--thinking] [--no-baseline] [--stop-repeat N]
+        [--time-limit-s S]
     make specdecode ARGS="--target artifacts/tiny/target --drafter exports/NAME --agreement"
 
 Prompts: the first user turn of each `{"messages": [...]}` record (default
@@ -19,19 +20,21 @@ once. Exit statuses: docs/ARCHITECTURE.md, "Exit status".
 from __future__ import annotations
 
 import sys
+import time
 
 from common.config import ConfigError
 from train.serve.cli import parse_specdecode_args, usage_error
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()  # `time_limit_s` counts from here
     try:
         args = parse_specdecode_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as exc:
         return usage_error("train.serve.specdecode", exc)
     from train.serve.specdecode_run import run  # torch loads here, after --help and the checks
 
-    return run(args)
+    return run(args, started)
 
 
 if __name__ == "__main__":

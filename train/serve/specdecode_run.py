@@ -32,7 +32,7 @@ from train.serve.decoding import DFlashProposer, Generation, Proposer, greedy_ge
 from train.serve.peers import peer_generate
 from train.serve.prompts import prompts_from_jsonl, prompts_from_shards, stop_token_ids
 from train.serve.results import generation_record, print_summary, summarize, summarize_peer
-from train.serve.spec_target import SpecTarget
+from train.serve.spec_target import FALLBACK, SpecTarget, decoding_path
 from train.serve.static_drafter import StaticDFlashProposer
 from train.serve.static_target import StaticSpecTarget, static_cache_length
 from train.serve.tree_decode import ddtree_generate
@@ -54,6 +54,8 @@ def run_benchmark(
     peer_prompts: int = 0,
     verify_tokens: int = 0,
     verify_sweep: Sequence[int] = (),
+    stop_at: float | None = None,
+    reserve_share: float = 0.0,
 ) -> dict:
     """Speculative and (interleaved, per prompt) target-only greedy decoding of every prompt; with
     `tree_budgets`, DDTree verification at each budget too (`ddtree`: one summary per budget); with
@@ -62,7 +64,10 @@ def run_benchmark(
     `stop_repeat` > 0 ends every response where it starts looping (`train.serve.decoding.Ending`);
     `verify_tokens` > 0 verifies only that many block positions per round (`speculative_generate`);
     `verify_sweep` decodes every prompt again at each of these verify sizes (`verify_sweep`: one summary
-    each, checked against the same target-only decoding), so one run prices several sizes."""
+    each, checked against the same target-only decoding), so one run prices several sizes.
+    With `stop_at` (a `time.monotonic()` value) no prompt after the first starts unless it would end by then
+    (`another_fits`) with `reserve_share` of the decoding time so far left for what runs after the loop (the
+    agreement's pass); the figures are then over the prompts decoded, and `stopped` says how many of how many."""
     from tqdm.auto import tqdm
 
     if peers and stop_repeat:
@@ -81,7 +86,11 @@ def run_benchmark(
     trees: dict[int, list[Generation]] = {int(b): [] for b in tree_budgets}
     peer_runs: dict[str, list[Generation]] = {name: [] for name in peers}
     sweeps: dict[int, list[Generation]] = {int(n): [] for n in verify_sweep}
+    took: list[float] = []  # seconds per prompt, everything it decoded
     for i, prompt in enumerate(tqdm(prompts, desc="specdecode", unit="prompt", disable=not progress)):
+        if stop_at is not None and took and not another_fits(stop_at, took, reserve_share):
+            break
+        began = time.monotonic()
         base = greedy_generate(target, prompt, max_new_tokens, stop_repeat=stop_repeat) if baseline else None
         spec = speculative_generate(
             target, proposer, prompt, max_new_tokens, stop_repeat=stop_repeat, verify_tokens=verify_tokens
@@ -98,12 +107,16 @@ def run_benchmark(
         specs.append(spec)
         bases.append(base)
         records.append(generation_record(i, spec, base))
+        took.append(time.monotonic() - began)
     result = {
         "summary": summarize(specs, bases if baseline else None, proposer.block_size),
         "prompts": records,
         "cache_mode": target.cache_mode,
+        "decoding_path": decoding_path(target),
         "generations": specs,
     }
+    if len(specs) < len(prompts):
+        result["stopped"] = {"decoded": len(specs), "of": len(prompts), "why": "time limit"}
     if trees:
         result["ddtree"] = {
             str(b): summarize(g, bases if baseline else None, proposer.block_size) for b, g in trees.items()
@@ -119,16 +132,27 @@ def run_benchmark(
     return result
 
 
+def another_fits(stop_at: float, took: Sequence[float], reserve_share: float) -> bool:
+    """Whether one more prompt ends by `stop_at`: its estimate is 1.5 times the longest of the last four (answers
+    differ in length; the first prompts also decode the peers), with `reserve_share` of the time so far kept back."""
+    return time.monotonic() + 1.5 * max(took[-4:]) + reserve_share * sum(took) <= stop_at
+
+
 def maybe_static(args, target: SpecTarget, prompts, block_size: int) -> tuple[SpecTarget, str | None]:
     """The target on a static cache with CUDA graphs (train.serve.static_target) where `static_cache`
-    asks for it and it can work; else the target as given (note None)."""
+    asks for it and it can work (a hybrid target: where its per-token states can be kept); else the
+    target as given (note None)."""
     wanted = args.static_cache == "on" or (args.static_cache == "auto" and target.device.type == "cuda")
     if not wanted:
         return target, None
     layer_types = getattr(target.target.text_config, "layer_types", None) or []
-    if args.budgets or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+    recurrent = any(t not in ("full_attention", "sliding_attention") for t in layer_types)
+    if args.budgets or (recurrent and target.per_token is None):
         if args.static_cache == "on":
-            raise ValueError("static_cache=on: not with DDTree budgets or a target with recurrent layers")
+            raise ValueError(
+                "static_cache=on: not with DDTree budgets or a target whose recurrent layers keep no "
+                f"per-token states ({target.rollback_note})"
+            )
         return target, None
     limit = int(getattr(target.target.text_config, "max_position_embeddings", 1 << 20))
     length = static_cache_length(prompts, args.max_new_tokens, block_size, limit)
@@ -176,15 +200,20 @@ def check_embedding_scale(drafter: nn.Module, drafter_dir: str, target_scale: fl
         )
 
 
-def run(args: SpecDecodeConfig) -> int:
-    """The work of `python -m train.serve.specdecode` (which reads `args`); returns its exit status
-    (docs/ARCHITECTURE.md, "Exit status")."""
+# The agreement's pass over the decoded prompts (one teacher-forced forward each and the drafter at every
+# anchor), as a share of their decoding time: kept back when a time limit ends the decoding early (an estimate).
+AGREEMENT_SHARE = 0.15
+
+
+def run(args: SpecDecodeConfig, started: float | None = None) -> int:
+    """The work of `python -m train.serve.specdecode` (which reads `args`; `started`: its `time.monotonic()` at
+    the start, from which `time_limit_s` counts); returns its exit status (docs/ARCHITECTURE.md, "Exit status")."""
     if args.threads:
         torch.set_num_threads(args.threads)
     tf32_before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     try:
-        return _run(args)
+        return _run(args, time.monotonic() if started is None else started)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32_before
 
@@ -231,7 +260,7 @@ def load_inputs(args: SpecDecodeConfig) -> Inputs:
     return Inputs(target_check, drafter, target_obj, target, tokenizer, prompts, samples)
 
 
-def _run(args: SpecDecodeConfig) -> int:
+def _run(args: SpecDecodeConfig, started: float) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -241,6 +270,8 @@ def _run(args: SpecDecodeConfig) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if target.rollback_note:
+        print(f"target: {FALLBACK}: {target.rollback_note}", file=sys.stderr)
     if static_note:
         print(f"target: static KV cache, CUDA graphs {static_note}")
     proposer, drafter_note = proposer_for(inputs.drafter, target, not args.no_context_cache)
@@ -261,6 +292,8 @@ def _run(args: SpecDecodeConfig) -> int:
             peer_prompts=args.peer_prompts,
             verify_tokens=args.verify_tokens,
             verify_sweep=args.sweep,
+            stop_at=started + args.time_limit_s if args.time_limit_s else None,
+            reserve_share=AGREEMENT_SHARE if args.agreement else 0.0,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -284,7 +317,7 @@ def _agreement(args: SpecDecodeConfig, target: SpecTarget, inputs: Inputs, gener
     found = agreement(
         target,
         inputs.drafter,
-        inputs.prompts,
+        inputs.prompts[: len(generations)],
         args.max_new_tokens,
         feature_dtype=torch.bfloat16 if args.agreement_bf16 else None,
         progress=True,
@@ -310,6 +343,7 @@ def _run_record(args: SpecDecodeConfig, inputs: Inputs, block_size: int, static_
         "chat_template_hash": template_digest(inputs.tokenizer),
         "data": args.data,
         "num_prompts": len(inputs.prompts),
+        "time_limit_s": args.time_limit_s or None,
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
         "attn_implementation": args.attn_implementation,
