@@ -10,6 +10,8 @@ second command):
                        TFLOP/s, the untimed cold first pass
     train-stream       drafter training, the stream phase at the 27B widths (`benchmarks.train --phases stream`)
     train-zlab         drafter training, the published layout (`--shape 27b-zlab --phases fixed`)
+    train-dflash2      DFlash2 drafter training on train-stream's batches (`--phases stream --arch dflash2
+                       --block-size 16`): its MFU against DFlash's (goal: within 10%)
     extract-unpacked5  extraction, padded rows, five taps
     extract-packed4    extraction, packed rows, four taps
     extract-unpacked4  extraction, padded rows, four taps
@@ -53,10 +55,10 @@ def _extract(name: str, taps: str, packing: bool):
     return stages, collect
 
 
-def _train(name: str, shape: str, phase: str):
+def _train(name: str, shape: str, phase: str, extra: tuple[str, ...] = ()):
     def stages(ctx, units: int):
         argv = ["-m", "benchmarks.train", "--phases", phase, "--steps", str(units), "--workdir", ctx.path("train")]
-        argv += ["--out", ctx.path(f"{name}.json")]
+        argv += ["--out", ctx.path(f"{name}.json"), *extra]
         if ctx.scale == "smoke":
             argv += ["--shape", f"tiny{shape.removeprefix('27b')}", "--warmup", "1", "--samples", "16"]
         else:
@@ -65,7 +67,13 @@ def _train(name: str, shape: str, phase: str):
 
     def collect(ctx, units: int):
         report = read_json(ctx.path(f"{name}.json"))
-        return train_figures(report, phase, f"shape27b.{name.replace('-', '_')}"), report
+        prefix = f"shape27b.{name.replace('-', '_')}"
+        figures = train_figures(report, phase, prefix)
+        if extra and figures:  # DFlash2: its MFU against DFlash's on the same batches (train-stream), if that ran
+            dflash = train_figures(read_json(ctx.path("train-stream.json")), phase, "dflash")
+            if dflash.get("dflash.mfu"):
+                figures[f"{prefix}.mfu_vs_dflash"] = figures[f"{prefix}.mfu"] / dflash["dflash.mfu"]
+        return figures, report
 
     return stages, collect
 
@@ -115,15 +123,17 @@ def parts(scale: str, options: dict) -> list[Part]:
                 collect,
             )
         )
-    for name, shape, phase, priority, fixed, step in (
-        ("train-stream", "27b", "stream", 2, 200, 0.55),
-        ("train-zlab", "27b-zlab", "fixed", 3, 140, 0.48),
+    for name, shape, phase, priority, fixed, step, extra in (
+        ("train-stream", "27b", "stream", 2, 200, 0.55, ()),
+        ("train-zlab", "27b-zlab", "fixed", 3, 140, 0.48, ()),
+        # Block 16, as train-stream: the same batches and blocks, so the MFUs differ by the class alone.
+        ("train-dflash2", "27b", "stream", 4, 200, 0.6, ("--arch", "dflash2", "--block-size", "16")),
     ):
-        stages, collect = _train(name, shape, phase)
+        stages, collect = _train(name, shape, phase, extra)
         out.append(
             Part(
                 name,
-                f"drafter training at the 27B widths, {phase} phase, {shape}",
+                f"{'DFlash2 ' if extra else ''}drafter training at the 27B widths, {phase} phase, {shape}",
                 12 if smoke else fixed,
                 0.5 if smoke else step,
                 "steps",
