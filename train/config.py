@@ -296,9 +296,13 @@ class ModelConfig:
         "than none (docs/benchmarks.md, 'Real target')",
     )
 
-    def check(self) -> None:
+    def resolve_block_size(self) -> None:
+        """An unset block size becomes the class's (`DEFAULT_BLOCK_SIZE`)."""
         if self.block_size is None:
             set_resolved(self, "block_size", DEFAULT_BLOCK_SIZE[self.arch])
+
+    def check(self) -> None:
+        self.resolve_block_size()
         if self.arch == "dflash2" and self.conv_kernel_size > self.block_size:
             fail("model.conv_kernel_size", f"{self.conv_kernel_size} taps exceed the block of {self.block_size} rows")
         if self.arch == "dflash":
@@ -500,6 +504,7 @@ class TrainConfig:
             changed = [k for k in SELECTOR_KEYS if getattr(self.loss, k) != getattr(LossConfig, k)]
             if changed:
                 fail(f"loss.{changed[0]}", "a dflash2 setting, but model.arch is dflash (set model.arch=dflash2)")
+        self.model.resolve_block_size()  # a default model table (none in the file) was never checked
         if self.loss.gamma is None:
             try:
                 set_resolved(self.loss, "gamma", default_gamma(self.model.block_size))
