@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from common.config import ConfigError, load_config
 from common.hashing import tokenizer_digest
-from tests.train.test_distributed import assert_same_steps, records, torchrun
+from tests.train.test_distributed import assert_close_steps, assert_same_steps, records, torchrun
 from tests.train.test_distributed import overrides as ddp_overrides
 from tests.train.test_loop import config, tiny, write_shards  # noqa: F401 - `tiny` is a fixture
 from train.config import TrainConfig
@@ -86,9 +86,15 @@ def test_two_processes_train_a_dflash2_drafter_exactly_like_one_with_accumulatio
             TrainConfig, None, ddp_overrides(tiny, tmp_path, "run_name=acc2", "distributed.accumulation=2", *extra)
         )
     )
-    a, b = records(tmp_path / "ddp"), records(tmp_path / "acc2")
+    train(load_config(TrainConfig, None, ddp_overrides(tiny, tmp_path, "run_name=one", *extra)))
+    a, b, one = records(tmp_path / "ddp"), records(tmp_path / "acc2"), records(tmp_path / "one")
     assert len(a) == 3 and a[0]["selector_loss"] > 0
     assert_same_steps(a, b, keys=("loss", "grad_norm", "acc", "streak", "batch_tokens", *SELECTOR_KEYS))
+    # The parts' selector terms add up to the unsplit batch's (each over the global weight total).
+    assert_close_steps(b, one, rel=1e-5)
+    for x, y in zip(b, one):
+        for key in ("selector_loss", "selector_coverage", "selector_streak"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5), (x["step"], key)
 
 
 def test_a_dflash_drafter_starts_a_dflash2_run_with_the_same_forward(tiny, tmp_path):  # noqa: F811
