@@ -382,6 +382,20 @@ DFLASH2_TINY = (
         "A DFlash drafter has no selector. Unary: the head's argmax over the drafter's output (for a DFlash2 drafter, "
         "its backbone alone); selector: DFlash2's served proposal. The blocks are the same for every run.",
     ),
+    Series(
+        "DFlash2 on the tiny default, ablations (same data, steps and evaluation as above)",
+        "python -m benchmarks.dflash2_tiny --runs dflash2:16 --set loss.selector_weight=0",
+        "dflash2_tiny.ablation_rows",
+        (
+            ("class", "class", "{}"),
+            ("setting", "settings", "{}"),
+            ("seed", "seed", "{}"),
+            ("steps", "steps", "{}"),
+            ("chain τ, unary top-1", "unary_tau", TAU),
+            ("chain τ, selector's walk", "selector_tau", TAU),
+            ("coverage (last 50 steps)", "coverage", "{:.3f}"),
+        ),
+    ),
     Figures(
         "DFlash2 against DFlash on the tiny default, in one number (mean over seeds)",
         "python -m benchmarks.dflash2_tiny",

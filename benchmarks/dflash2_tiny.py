@@ -2,6 +2,7 @@
 
     python -m benchmarks.dflash2_tiny                            # dflash and dflash2 at block 16, seeds 0 and 1
     python -m benchmarks.dflash2_tiny --runs dflash:8,dflash2:8 --seeds 0 --steps 400 --out bench.json
+    python -m benchmarks.dflash2_tiny --runs dflash2:16 --set loss.selector_weight=0   # an ablation (its rows say so)
 
 Each run trains `python -m train configs/tiny.toml` (in this process) with `model.arch`, `model.block_size`,
 `seed` and `data.seed` set and `optim.max_steps=--steps`; runs that differ only in the class see the same
@@ -15,7 +16,7 @@ seeded): τ = 1 + the leading draft positions equal to the target's greedy token
 
 This is the benchmark's own small evaluation (no DDTree, no online decoding): `train.eval` scores the unary
 proposal only. The record (`--out`, then `python -m benchmarks.render --add FILE`) holds one row per run and
-the means over seeds.
+the means over seeds (an ablation's, with `--set`, its rows only).
 """
 
 from __future__ import annotations
@@ -45,15 +46,16 @@ def parse_runs(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def train_run(arch: str, block: int, seed: int, steps: int, workdir: str) -> tuple[str, float]:
-    """(run directory, seconds) of one training run of the tiny default."""
+def train_run(arch: str, block: int, seed: int, steps: int, workdir: str, settings: list[str]) -> tuple[str, float]:
+    """(run directory, seconds) of one training run of the tiny default, with the extra `settings` (key=value)."""
     from common.config import load_config
     from train.config import TrainConfig
     from train.loop import train
 
-    name = f"{arch}-b{block}-s{seed}-{steps}"
+    name = f"{arch}-b{block}-s{seed}-{steps}" + "".join(f"-{w.replace('=', '_')}" for w in settings)
     words = [f"out_dir={workdir}", f"run_name={name}", f"model.arch={arch}", f"model.block_size={block}"]
     words += [f"seed={seed}", f"data.seed={seed}", f"optim.max_steps={steps}", "log.progress=false", "device=cpu"]
+    words += settings
     started = time.perf_counter()
     summary = train(load_config(TrainConfig, CONFIG, words, section="train"))
     return summary["run_dir"], time.perf_counter() - started
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1", help="seed and data.seed of each run")
     p.add_argument("--steps", type=int, default=800, help="optimizer steps (the demo's 800)")
     p.add_argument("--anchors", type=int, default=16, help="anchors per held-out answer (the demo's 16)")
+    p.add_argument("--set", action="append", default=[], help="an extra training setting key=value for every run")
     p.add_argument("--workdir", default="runs/dflash2-tiny")
     p.add_argument("--out", default=None, help="write the record (benchmarks/suites/record.py schema) here")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -165,17 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for arch, block in parse_runs(args.runs):
-            run_dir, seconds = train_run(arch, block, seed, args.steps, args.workdir)
+            run_dir, seconds = train_run(arch, block, seed, args.steps, args.workdir, args.set)
             row = {"class": arch, "block_size": block, "seed": seed, "steps": args.steps, "train_s": round(seconds)}
+            row["settings"] = " ".join(args.set) or None
             row |= chain_tau(run_dir, args.anchors, seed=0) | last_metrics(run_dir)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            record["figures"] = {"dflash2_tiny.rows": rows, **means(rows)}
+            # An ablation (--set) keeps its rows apart: the comparison's figures are of the plain recipe.
+            record["figures"] = (
+                {"dflash2_tiny.ablation_rows": rows} if args.set else {"dflash2_tiny.rows": rows, **means(rows)}
+            )
             if args.out:  # after every run, so a cut-short benchmark keeps what it measured
                 write_record(record, Path(args.out))
     record["status"], record["finished"] = "complete", utc_now()
     for key, value in record["figures"].items():
-        if key != "dflash2_tiny.rows":
+        if not key.endswith("rows"):
             print(f"{key}: {value:.4f}")
     if args.out:
         write_record(record, Path(args.out))
