@@ -143,7 +143,7 @@ def check_eval_target(
 class EvalModel:
     """One drafter ready to evaluate: the model, the target's frozen head, and its block layout."""
 
-    model: nn.Module  # DFlashDrafter, or any module with its forward signature
+    model: nn.Module  # a DFlashDrafter (or DFlash2Drafter), or any module with its forward signature
     head: nn.Module  # TargetHead: .embed(ids), .logits(hidden)
     block_size: int
     mask_token_id: int
