@@ -144,8 +144,10 @@ class DataConfig:
 # The block size of each drafter class when model.block_size is unset: the paper's 16; the released DFlash2
 # drafters (z-lab / Inco AI Qwen3.8-27B-DFlash2) use 8, and vLLM serves them with 7 speculative tokens.
 DEFAULT_BLOCK_SIZE = {"dflash": 16, "dflash2": 8}
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-SELECTOR_KEYS = ("selector_weight", "selector_warmup_ratio", "selector_ramp_ratio")
+# The DFlash2 drafter's own fields: model.* knobs here, DrafterConfig fields and dflash_config keys of an export
+# (train.drafter_config re-exports it).
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+SELECTOR_LOSS_KEYS = ("selector_weight", "selector_warmup_ratio", "selector_ramp_ratio")  # loss.* knobs, dflash2
 
 INIT_RULES = ("first", "last", "spread")  # `model.init_from_target`'s named rules (train.target_init)
 
@@ -306,7 +308,7 @@ class ModelConfig:
         if self.arch == "dflash2" and self.conv_kernel_size > self.block_size:
             fail("model.conv_kernel_size", f"{self.conv_kernel_size} taps exceed the block of {self.block_size} rows")
         if self.arch == "dflash":
-            changed = [k for k in DFLASH2_KEYS if getattr(self, k) != getattr(ModelConfig, k)]
+            changed = [k for k in DFLASH2_FIELDS if getattr(self, k) != getattr(ModelConfig, k)]
             if changed:
                 fail(f"model.{changed[0]}", "a dflash2 setting, but model.arch is dflash (set model.arch=dflash2)")
         try:
@@ -501,7 +503,7 @@ class TrainConfig:
         if self.run_name is not None and len(self.run_name) > MAX_NAME_CHARS:
             fail("run_name", f"{len(self.run_name)} characters; at most {MAX_NAME_CHARS}")
         if self.model.arch == "dflash":
-            changed = [k for k in SELECTOR_KEYS if getattr(self.loss, k) != getattr(LossConfig, k)]
+            changed = [k for k in SELECTOR_LOSS_KEYS if getattr(self.loss, k) != getattr(LossConfig, k)]
             if changed:
                 fail(f"loss.{changed[0]}", "a dflash2 setting, but model.arch is dflash (set model.arch=dflash2)")
         self.model.resolve_block_size()  # a default model table (none in the file) was never checked

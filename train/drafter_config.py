@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from train.attention import MaskRule
-from train.config import DEFAULT_BLOCK_SIZE
+from train.config import DEFAULT_BLOCK_SIZE, DFLASH2_FIELDS
 from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_IN_BLOCK, resolve_layer_types
 
 __all__ = [
@@ -22,9 +22,8 @@ __all__ = [
     "target_rope",
 ]
 
-# The drafter classes (`DrafterConfig.arch`) and the config fields only DFlash2 has.
+# The drafter classes (`DrafterConfig.arch`); the fields only DFlash2 has are `DFLASH2_FIELDS` (train.config).
 DRAFTER_ARCHS = ("dflash", "dflash2")
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 # The released DFlash2 drafters' selector rank (Qwen3.8-27B at hidden 5120, the z-lab fixture at 6656).
 PUBLISHED_SELECTOR_RANK = 256

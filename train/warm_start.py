@@ -179,8 +179,7 @@ def warm_start(drafter: DFlashDrafter, path: str | os.PathLike) -> dict:
     _, state = read_drafter_dir(source)
     model_file = str(source / MODEL_FILE)
     try:
-        if found.arch == "dflash":
-            check_weights(state, found, model_file)
+        check_weights(state, found, model_file)  # the drafter DIR describes, DFlash or DFlash2
         with torch.no_grad():
             missing, unexpected = drafter.load_state_dict(state, strict=False)
     except (ValueError, RuntimeError) as exc:

@@ -45,6 +45,7 @@ from train.export_format.layout import load_exported
 from train.serve.decoding import DFlashProposer, greedy_generate, speculative_generate
 from train.serve.prompts import prompts_from_jsonl, stop_token_ids
 from train.serve.spec_target import SpecTarget
+from train.warm_start import warm_start
 
 WORDS = "the quick brown fox jumps over a lazy dog while birds sing in the tall green forest".split()
 PROMPTS = 8  # written chats; the command carves the held-out ones from them (10%, at least 2)
@@ -188,8 +189,6 @@ def quick_start(spec: SpecTarget, drafter, prompts: list, greedy: list, new_toke
 def dflash2_export(target: Path, run: Path, out: Path) -> Path:
     """The run's last DFlash checkpoint as a DFlash2 drafter (module docstring) in its own run directory,
     exported by the export command for the target; the export's path."""
-    from safetensors.torch import load_file
-
     from train import checkpoint as ck
     from train.serve.export import main as export_main
 
@@ -197,7 +196,7 @@ def dflash2_export(target: Path, run: Path, out: Path) -> Path:
     cfg = DrafterConfig.from_dict(json.loads((last / ck.DRAFTER_CONFIG_FILE).read_text()))
     cfg = dataclasses.replace(cfg, arch="dflash2", selector_rank=16, selector_top_k=8, conv_group_size=8)
     drafter = build_drafter(cfg)
-    drafter.load_state_dict(load_file(str(last / ck.MODEL_FILE)), strict=False)
+    warm_start(drafter, last)  # every DFlash tensor, strictly; the convolutions and the selector at their init
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
