@@ -7,15 +7,14 @@
 Each run trains `python -m train configs/tiny.toml` (in this process) with `model.arch`, `model.block_size`,
 `seed` and `data.seed` set and `optim.max_steps=--steps`; runs that differ only in the class see the same
 batches and anchors. Needs the tiny default's shards (`make tiny`, `make extract`). Then the offline chain
-τ of every checkpoint on the held-out shards, on the same blocks for every run (`--anchors` per answer,
-seeded): τ = 1 + the leading draft positions equal to the target's greedy tokens (the stored top-1), for
+τ of every checkpoint on the held-out shards by `train.eval` (`eval_heldout.json` in the run directory), on
+the same blocks for every run (`--anchors` per answer, seeded), for
 
     unary     the argmax of the target head over the drafter's output (DFlash's proposal; for a DFlash2
               checkpoint its backbone alone)
     selector  DFlash2's proposal: the selector's greedy walk over the head's top-k (`DFlash2Drafter.propose`)
 
-This is the benchmark's own small evaluation (no DDTree, no online decoding): `train.eval` scores the unary
-proposal only. The record (`--out`, then `python -m benchmarks.render --add FILE`) holds one row per run and
+The record (`--out`, then `python -m benchmarks.render --add FILE`) holds one row per run and
 the means over seeds (an ablation's, with `--set`, its rows only).
 """
 
@@ -28,8 +27,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 CONFIG = "configs/tiny.toml"
 HELDOUT = "artifacts/tiny/shards/heldout"
@@ -61,55 +58,23 @@ def train_run(arch: str, block: int, seed: int, steps: int, workdir: str, settin
     return summary["run_dir"], time.perf_counter() - started
 
 
-@torch.no_grad()
 def chain_tau(run_dir: str, anchors: int, seed: int) -> dict:
-    """Offline chain τ of a run's last checkpoint on the held-out shards (module docstring)."""
-    from shards import ShardDataset
-    from target.identity import stored_head_or_none
-    from train.attention import build_layer_masks
-    from train.blocks import make_blocks, step_generator
-    from train.eval.checkpoints import load_eval_model, read_checkpoint, target_dir_for
+    """Offline chain τ of a run's last checkpoint on the held-out shards (module docstring), by `train.eval`."""
+    from common.config import load_config
+    from train.eval.config import EvalConfig
+    from train.eval.run import evaluate_checkpoints
 
-    info = read_checkpoint(run_dir)
-    dataset = ShardDataset(HELDOUT)
-    target = target_dir_for(info, None, dataset.manifest)
-    model = load_eval_model(info, target, torch.device("cpu"), torch.float32, stored_head_or_none(target))
-    K, dflash2 = model.block_size, info.drafter_config.arch == "dflash2"
-    streaks = {"unary": 0.0, "selector": 0.0}
-    blocks_seen = 0
-    for i in range(len(dataset)):
-        s = dataset.torch(i)
-        T = int(s["input_ids"].numel())
-        blocks = make_blocks(
-            s["input_ids"][None].long(),
-            s["loss_mask"][None],
-            torch.tensor([T]),
-            s["topk_ids"][None],
-            block_size=K,
-            num_anchors=anchors,
-            gamma=7.0,
-            mask_token_id=model.mask_token_id,
-            generator=step_generator(seed, i),
-        )
-        if blocks.num_blocks == 0:
-            continue
-        mask = build_layer_masks("sdpa", blocks.anchors_BN, blocks.keep_BN, T, K, model.mask_rules)
-        out_BQD = model.model(model.head.embed(blocks.block_ids_BQ), s["hidden"][None], blocks.position_ids_BP, mask)
-        N = blocks.anchors_BN.shape[1]
-        drafts_NLD = out_BQD.view(N, K, -1)[:, 1:]
-        labels_NL = blocks.labels_BQ.view(N, K)[:, 1:]
-        valid_NL = (blocks.weights_BQ > 0).view(N, K)[:, 1:]
-        proposals = {"unary": model.head.logits(drafts_NLD).argmax(-1)}
-        if dflash2:
-            anchor_N = blocks.block_ids_BQ.view(N, K)[:, 0]
-            proposals["selector"] = model.model.propose(drafts_NLD, model.head.lm_head_VD, anchor_N)
-        keep_N = blocks.keep_BN[0]
-        for kind, tokens_NL in proposals.items():
-            hits_NL = (tokens_NL == labels_NL) & valid_NL
-            streaks[kind] += float((torch.cumprod(hits_NL.int(), dim=-1).sum(-1) * keep_N).sum())
-        blocks_seen += blocks.num_blocks
-    taus = {f"{kind}_tau": 1 + streaks[kind] / blocks_seen for kind in ("unary", "selector")}
-    return {**taus, "selector_tau": taus["selector_tau"] if dflash2 else None, "blocks": blocks_seen}
+    words = [f"data={HELDOUT}", "split=all", f"max_anchors={anchors}", f"seed={seed}", "budgets=[8]"]
+    words += ["device=cpu", "progress=false", f"out={os.path.join(run_dir, 'eval_heldout.json')}"]
+    report, _ = evaluate_checkpoints([run_dir], load_config(EvalConfig, None, words))
+    (model,) = report["checkpoints"]
+    dflash2 = model["proposals"] == "selector"
+    unary = model["unary"]["overall"] if dflash2 else model["overall"]
+    return {
+        "unary_tau": unary["tau"],
+        "selector_tau": model["overall"]["tau"] if dflash2 else None,
+        "blocks": model["overall"]["n_blocks"],
+    }
 
 
 def last_metrics(run_dir: str) -> dict:
