@@ -38,7 +38,7 @@ PARTS = {
     "kernels": ("test_attention_cuda.py", "test_compile_cuda.py"),
     "extraction": ("test_extract_cuda.py", "test_regenerate_cuda.py"),
     "training": ("test_train_cuda.py", "test_tiers_cuda.py"),
-    "decoding": ("test_specdecode_cuda.py",),
+    "decoding": ("test_specdecode_cuda.py", "test_rollback_cuda.py"),
 }
 REPORT_ENV = "DFLASH_GPU_TIER_SUMMARY"  # where tests.gpu_tier_report writes the summary
 

@@ -51,6 +51,7 @@ def test_every_gpu_module_is_in_exactly_one_part():
     assert in_parts == modules
     assert [p.name for p in gpu_tier.files_of(["decoding", "kernels"])] == [
         "test_specdecode_cuda.py",
+        "test_rollback_cuda.py",
         "test_attention_cuda.py",
         "test_compile_cuda.py",
     ]
