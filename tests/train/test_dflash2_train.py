@@ -2,12 +2,14 @@
 target whose tokens follow each other by a fixed permutation (learnable from the predecessor alone) lowers the
 selector's loss per covered row and ends with a served streak above the unary one, logging the selector keys
 and the weight's ramp; two processes train exactly like one with accumulation 2; a DFlash drafter warm-starts
-a DFlash2 run whose first forward and proposals are the DFlash drafter's."""
+a DFlash2 run whose first forward and proposals are the DFlash drafter's; a trained DFlash2 drafter's export
+starts a DFlash2 run with every one of its tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from common.config import ConfigError, load_config
@@ -15,6 +17,7 @@ from common.hashing import tokenizer_digest
 from tests.train.test_distributed import assert_close_steps, assert_same_steps, records, torchrun
 from tests.train.test_distributed import overrides as ddp_overrides
 from tests.train.test_loop import config, tiny, write_shards  # noqa: F401 - `tiny` is a fixture
+from train.checkpoint import MODEL_FILE, latest_checkpoint
 from train.config import TrainConfig
 from train.dflash2 import DFlash2Drafter
 from train.drafter_config import dflash2_fields
@@ -142,3 +145,21 @@ def test_a_dflash_drafter_starts_a_dflash2_run_with_the_same_forward(tiny, tmp_p
                 "run_name=wider",
             )
         )
+
+
+def test_a_dflash2_export_starts_a_dflash2_run_with_all_its_weights(tiny, tmp_path):  # noqa: F811
+    train(config(tiny, tmp_path, "model.arch=dflash2", "optim.max_steps=2", "run_name=d2", "device=cpu"))
+    trained = load_file(str(latest_checkpoint(tmp_path / "runs" / "d2" / "checkpoints") / MODEL_FILE))
+    # Two steps moved the selector off its fresh state (zero successor codes), so a fresh one would differ.
+    assert trained["candidate_selector.successor_codebook"].abs().max() > 0
+    export = export_checkpoint(tmp_path / "runs" / "d2", tmp_path / "export", dtype="float32")
+    run = Run.prepare(
+        config(tiny, tmp_path, "model.arch=dflash2", f"model.init_from={export}", "device=cpu", "run_name=again")
+    )
+    try:
+        state = run.drafter.state_dict()
+        assert set(state) == set(trained)
+        for name, tensor in trained.items():
+            assert torch.equal(state[name], tensor), name
+    finally:
+        run.stream.close()
