@@ -53,6 +53,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	# z-lab's reference model code, the DFlash2 export tests' reference; --no-deps: its metadata pins
+	# datasets/tqdm/requests versions that would fight ours, and it needs only torch and transformers.
+	$(PY) -m pip install -q --no-deps dflash==0.1.0
 	touch $@
 
 # Lint first (seconds): `ruff format --check` and `ruff check` (pyproject.toml [tool.ruff]); `make format` fixes what it can.

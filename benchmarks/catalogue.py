@@ -262,6 +262,10 @@ TRAINING = Figures(
         Fig("the published layout (27b-zlab, fixed batch 2 x 4,096): step", "shape27b.train_zlab.step_s", "{:.3f} s"),
         Fig("the published layout: MFU", "shape27b.train_zlab.mfu", PCT),
         Fig("the published layout: peak memory", "shape27b.train_zlab.peak_gib", "{:.1f} GiB"),
+        Fig("DFlash2 on the stream's batches (block 16): step (median)", "shape27b.train_dflash2.step_s", "{:.3f} s"),
+        Fig("DFlash2: MFU", "shape27b.train_dflash2.mfu", PCT),
+        Fig("DFlash2: MFU / DFlash's (stream)", "shape27b.train_dflash2.mfu_vs_dflash", "{:.3f}", ">= 0.90"),
+        Fig("DFlash2: peak memory", "shape27b.train_dflash2.peak_gib", "{:.1f} GiB"),
         Fig(
             "data parallel, world size 1 under DDP against the plain trainer: step time",
             "ddp.world1_step_ratio",
@@ -403,6 +407,56 @@ GPU_TIER = Figures(
     ),
 )
 
+DFLASH2_TINY = (
+    Series(
+        "DFlash2 against DFlash on the tiny default: equal data and steps, offline chain τ on the held-out shards "
+        "(2-core VM, CPU)",
+        "python -m benchmarks.dflash2_tiny",
+        "dflash2_tiny.rows",
+        (
+            ("class", "class", "{}"),
+            ("block", "block_size", "{}"),
+            ("seed", "seed", "{}"),
+            ("steps", "steps", "{}"),
+            ("chain τ, unary top-1", "unary_tau", TAU),
+            ("chain τ, selector's walk", "selector_tau", TAU),
+            ("coverage (last 50 steps)", "coverage", "{:.3f}"),
+            ("training", "train_s", "{:.0f} s"),
+        ),
+        "A DFlash drafter has no selector. Unary: the head's argmax over the drafter's output (for a DFlash2 drafter, "
+        "its backbone alone); selector: DFlash2's served proposal. The blocks are the same for every run.",
+    ),
+    Series(
+        "DFlash2 on the tiny default, ablations (same data, steps and evaluation as above)",
+        "python -m benchmarks.dflash2_tiny --runs dflash2:16 --set loss.selector_weight=0",
+        "dflash2_tiny.ablation_rows",
+        (
+            ("class", "class", "{}"),
+            ("setting", "settings", "{}"),
+            ("seed", "seed", "{}"),
+            ("steps", "steps", "{}"),
+            ("chain τ, unary top-1", "unary_tau", TAU),
+            ("chain τ, selector's walk", "selector_tau", TAU),
+            ("coverage (last 50 steps)", "coverage", "{:.3f}"),
+        ),
+    ),
+    Figures(
+        "DFlash2 against DFlash on the tiny default, in one number (mean over seeds)",
+        "python -m benchmarks.dflash2_tiny",
+        (
+            Fig("DFlash, block 16: chain τ", "dflash2_tiny.dflash.b16.unary_tau", TAU),
+            Fig("DFlash2, block 16: chain τ of the selector's walk", "dflash2_tiny.dflash2.b16.selector_tau", TAU),
+            Fig("DFlash2, block 16: chain τ of its unary top-1", "dflash2_tiny.dflash2.b16.unary_tau", TAU),
+            Fig(
+                "DFlash2's selector / DFlash",
+                "dflash2_tiny.b16.selector_vs_dflash",
+                "{:.3f}",
+                "> 1 to become the default",
+            ),
+        ),
+    ),
+)
+
 TODAY = (
     REAL,
     *REAL_DATA,
@@ -415,6 +469,7 @@ TODAY = (
     SMALL_DECODE,
     REGENERATION,
     DEMO,
+    *DFLASH2_TINY,
     FORMAT_AND_HOST,
     GPU_TIER,
 )

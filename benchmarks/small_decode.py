@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import itertools
 import json
 import time
 
@@ -25,6 +27,7 @@ import torch
 
 from common.interrupts import run_main
 
+DRAFTER_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2"}
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
     intermediate_size=1536,
@@ -131,19 +134,19 @@ def smollm2_drafter(layers: int):
 
 
 def time_proposals(target, prompt: list[int], cfg, *, static: bool, rounds: int = 24) -> tuple[float, str]:
-    """(median ms of one DFlash proposal, how it ran): a drafter of config `cfg` (random weights, exported in
-    the target's dtype and loaded as serving loads it), 16 new context features per round; eager on a
-    dynamic cache, or `static` (train.serve.static_drafter: slot cache, CUDA graph)."""
+    """(median ms of one proposal, how it ran): a drafter of config `cfg` (DFlash or DFlash2, random weights,
+    exported in the target's dtype and loaded as serving loads it), 16 new context features per round; eager
+    on a dynamic cache, or `static` (train.serve.static_drafter: slot cache, CUDA graph)."""
     import tempfile
 
+    from train.dflash2 import build_drafter
     from train.export_format.layout import export_drafter, load_exported
-    from train.model import DFlashDrafter
     from train.serve.decoding import DFlashProposer
     from train.serve.static_drafter import StaticDFlashProposer
 
     dtype = target.embed_VD.dtype
     with torch.device(target.device):  # a 27B-shape drafter (1.7 B parameters) initialises in seconds on a GPU
-        state = DFlashDrafter(cfg).state_dict()
+        state = build_drafter(cfg).state_dict()
     with tempfile.TemporaryDirectory() as tmp:
         export_drafter(state, cfg, tmp, dtype=str(dtype).removeprefix("torch."))
         drafter = load_exported(tmp, dtype=dtype, device=str(target.device))
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--proposals-only", action="store_true", help="time only the DFlash proposals")
+    parser.add_argument("--proposals-only", action="store_true", help="time only the DFlash and DFlash2 proposals")
     parser.add_argument(
         "--tf32", action="store_true", help="float32 matrix products on TF32 tensor cores, every variant alike"
     )
@@ -218,14 +221,14 @@ def main(argv: list[str] | None = None) -> int:
                 "graphs": static.graph_note,
                 "setup_s": setup,
             }
-    for layers in (2, 5):
-        for static_drafter in (False, True):
-            name = f"DFlash proposal, {layers}-layer drafter" + (", graphed" if static_drafter else "")
-            try:
-                ms, note = time_proposals(eager, prompt, smollm2_drafter(layers), static=static_drafter)
-                rows[name] = {"propose_ms": ms, "how": note}
-            except Exception as exc:  # noqa: BLE001 - a benchmark row that fails says why
-                rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    for layers, arch, static_drafter in itertools.product((2, 5), ("dflash", "dflash2"), (False, True)):
+        name = f"{DRAFTER_NAMES[arch]} proposal, {layers}-layer drafter" + (", graphed" if static_drafter else "")
+        cfg = dataclasses.replace(smollm2_drafter(layers), arch=arch)  # DFlash2 at the same block size (16)
+        try:
+            ms, note = time_proposals(eager, prompt, cfg, static=static_drafter)
+            rows[name] = {"propose_ms": ms, "how": note}
+        except Exception as exc:  # noqa: BLE001 - a benchmark row that fails says why
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     if not args.proposals_only:
         for name, is_static in (("transformers generate", False), ("transformers generate, static cache", True)):
             try:

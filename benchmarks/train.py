@@ -7,6 +7,8 @@
     python -m benchmarks.train --phases stream --ddp 1      # plain trainer, then world size 1 under DDP, one table
     python -m benchmarks.train --phases stream --token-budget 12288 --max-blocks 2048 --accumulation 2 --ddp 2
                                                 # 1 GPU (accumulation 2) against 2 GPUs, same tokens per optimizer step
+    python -m benchmarks.train --phases stream --arch dflash2 --block-size 16
+                                                # DFlash2 on the same batches as the DFlash stream phase
 
 Two phases, one final table, JSON to `--out`:
 - `fixed`: one synthetic batch (`--rows` sequences of `--seq-len` tokens, 10% prompt) reused every
@@ -23,8 +25,12 @@ FLOPs are counted per step from that step's real tokens and blocks (padding excl
     attention              3 x 4 E H per (query, visible key) pair and layer; a block query sees anchor + K keys
                            (full_attention), at most the sliding window (sliding_attention)
     lm_head                2 x (2 D V) per loss row                forward + input grad (frozen: no weight grad)
-with D hidden, F = taps x target hidden, H/G heads, E head dim, I intermediate, L layers, V vocab,
-K block size. Backward counts 2x forward (attention recomputation in flash backward is not counted).
+DFlash2 (`--arch dflash2`) adds
+    conv                   3 x 2 L x 2 (2 D 2TG) per block token    the coefficient projections of both sublayers
+    selector               3 x 2 (D r + k r) + 2 k D per loss row  P(h), the k pair scores, the k head rows in backward
+with T taps, G = D / group size, r selector rank, k candidates; D hidden, F = taps x target hidden, H/G heads,
+E head dim, I intermediate, L layers, V vocab, K block size. Backward counts 2x forward (attention
+recomputation in flash backward is not counted).
 MFU = FLOPs / step time / peak, peak = 790 TFLOP/s (a plain bf16 8192^3 matmul on one H200).
 
 Data parallel (`--ddp N`): after the in-process phases the same stream phase runs again under
@@ -80,16 +86,17 @@ from common.config import load_config
 from common.interrupts import run_main
 from train.attention import visible_pairs
 from train.blocks import Blocks
-from train.config import DistributedConfig, TrainConfig
+from train.config import DistributedConfig, ModelConfig, TrainConfig
 from train.data import Share
+from train.dflash2 import build_drafter
 from train.distributed import Dist
-from train.drafter_config import DrafterConfig
-from train.model import DFlashDrafter, TargetHead
+from train.drafter_config import DrafterConfig, dflash2_fields
+from train.model import TargetHead
 from train.prepare import Run, choose_run_kernels
 from train.step import step_functions, train_step
 
 PEAK_FLOPS = 790e12
-FLOP_PARTS = ("fc", "context_kv", "block_matmuls", "attention", "lm_head")  # the keys of step_flops
+FLOP_PARTS = ("fc", "context_kv", "block_matmuls", "attention", "lm_head")  # the keys of step_flops (DFlash)
 
 SHAPES = {
     # Qwen3.6-27B: the drafter has the target's widths, 5 layers, 4 taps.
@@ -170,13 +177,20 @@ def step_flops(cfg: DrafterConfig, blocks: Blocks, context_tokens: int) -> dict[
     pairs_by_type = {t: visible_pairs(blocks.anchors_BN, keep, K, rule) for t, rule in rules.items()}
     pair_layers = sum(pairs_by_type[t] for t in cfg.layer_types)
     per_block_token_fwd = 2 * L * (D * H * E + D * 2 * G * E + H * E * D + 3 * D * I)
-    return {
+    loss_rows = int(blocks.loss_rows_M.numel())
+    flops = {
         "fc": 2 * 2 * F * D * context_tokens,
         "context_kv": 3 * 2 * D * 2 * G * E * L * context_tokens,
         "block_matmuls": 3 * per_block_token_fwd * block_tokens,
         "attention": 3 * 4 * E * H * pair_layers,
-        "lm_head": 2 * 2 * D * V * int(blocks.loss_rows_M.numel()),
+        "lm_head": 2 * 2 * D * V * loss_rows,
     }
+    if cfg.arch == "dflash2":
+        coefficients = 2 * cfg.conv_kernel_size * D // cfg.conv_group_size
+        r, k = cfg.selector_rank, cfg.selector_top_k
+        flops["conv"] = 3 * 2 * L * 2 * D * coefficients * block_tokens
+        flops["selector"] = (3 * 2 * (D * r + k * r) + 2 * k * D) * loss_rows
+    return flops
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,14 +333,18 @@ def tier_phase_name(name: str, tier: str) -> str:
 # Runner
 
 
-def drafter_config(shape: dict, layers: int) -> DrafterConfig:
-    """The drafter of a benchmark shape (`SHAPES`) with `layers` layers, block 16."""
+def drafter_config(shape: dict, layers: int, model: ModelConfig | None = None) -> DrafterConfig:
+    """The drafter of a benchmark shape (`SHAPES`) with `layers` layers, of the class and block size of a train
+    config's `model` table (default: DFlash, block 16); a DFlash2 one's fields as training derives them."""
+    model = model or load_config(ModelConfig, None, [])
     fields = {f.name for f in dataclasses.fields(DrafterConfig)}
+    dflash2 = dflash2_fields(model, shape["hidden_size"])[0] if model.arch == "dflash2" else {}
     return DrafterConfig(
         num_hidden_layers=layers,
         mask_token_id=shape["vocab_size"] - 1,
-        block_size=16,
+        block_size=model.block_size,
         **{k: v for k, v in shape.items() if k in fields},
+        **dflash2,
     )
 
 
@@ -338,19 +356,21 @@ def build_run(
         f"loss.num_anchors={args.anchors}",
         f"loss.chunk_rows={args.chunk_rows}",
         f"model.attention={args.attention}",
+        f"model.arch={args.arch}",
+        f"model.block_size={args.block_size or 'none'}",
         f"loss.max_blocks={args.max_blocks}",
         "optim.lr=1e-4",
         f"device={device.type}",
         f"compile={str(use_compile).lower()}",
     ]
     cfg = load_config(TrainConfig, None, overrides)
-    drafter_cfg = drafter_config(shape, args.layers)
+    drafter_cfg = drafter_config(shape, args.layers, cfg.model)
     dist = dist if dist is not None else Dist.single(args.accumulation)
     kernels = choose_run_kernels(cfg, drafter_cfg, dist)  # under --ddp: this rank's GPU
     device = kernels.device
     torch.manual_seed(0)
     with torch.device(device):
-        drafter = DFlashDrafter(drafter_cfg)
+        drafter = build_drafter(drafter_cfg)
     dtype = kernels.autocast_dtype or torch.float32
     V, D = shape["vocab_size"], shape["hidden_size"]
     head = TargetHead(
@@ -402,13 +422,14 @@ def run_phase(name: str, run: Run, next_batch, steps: int, warmup: int, wait_of=
             # this rank's micro-batches (summed over ranks below); result.blocks holds those that ran
             parts = [p for p in (batch.parts if isinstance(batch, Share) else [batch]) if p is not None]
             by_part = [step_flops(run.drafter_cfg, b, p.real_tokens) for p, b in zip(parts, result.blocks)]
-            flops.append({k: sum(f[k] for f in by_part) for k in FLOP_PARTS})
+            flops.append({k: sum(f[k] for f in by_part) for k in by_part[0]})
             ctx_tokens.append(result.tokens)
             block_tokens.append(result.block_tokens)
             losses.append(result.loss)
         if dist.is_main:
             print(
-                f"  {name} step {step}: {elapsed:.3f}s loss {result.loss:.3f} blocks {result.block_tokens // 16}"
+                f"  {name} step {step}: {elapsed:.3f}s loss {result.loss:.3f} blocks "
+                f"{result.block_tokens // run.drafter_cfg.block_size}"
                 f"{' (warmup)' if step <= warmup else ''}",
                 flush=True,
             )
@@ -539,6 +560,8 @@ def parse_args(argv):
     p.add_argument("--shape", choices=sorted(SHAPES), default="27b")
     p.add_argument("--phases", default="fixed,stream", help="comma list of: fixed, stream")
     p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash", help="the drafter class (model.arch)")
+    p.add_argument("--block-size", type=int, default=None, help="model.block_size (default: the class's, 16 or 8)")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--rows", type=int, help="sequences in the fixed batch")
     p.add_argument("--anchors", type=int, help="anchors per sequence (num_anchors)")
@@ -839,6 +862,10 @@ def ddp_phase(args, nproc: int) -> list[dict]:
         args.shape,
         "--layers",
         args.layers,
+        "--arch",
+        args.arch,
+        "--block-size",
+        args.block_size or 0,
         "--seq-len",
         args.seq_len,
         "--anchors",
@@ -939,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": args.rows,
         "anchors": args.anchors,
         "layers": args.layers,
+        "arch": args.arch,
+        "block_size": args.block_size,
         "attention": args.attention,
         "compile": args.compile if args.compile is not None else device.type == "cuda",
         "chunk_rows": args.chunk_rows,

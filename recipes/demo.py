@@ -1,7 +1,7 @@
 """`make demo`: the whole pipeline on the built-in tiny default, in one command, on the GPU when
 torch sees one (every step), else on the CPU.
 
-    python -m recipes.demo [run=demo] [steps=800] [seed=0] [prompts=0 (all)] [new_tokens=96]
+    python -m recipes.demo [run=demo] [steps=800] [seed=0] [arch=dflash] [prompts=0 (all)] [new_tokens=96]
 
 The demo is the drafter command (`make drafter`, recipes.drafter) applied to a built-in target: its
 builder, then the same plan (recipes.drafter.plan) run by the same runner (recipes.runner),
@@ -74,6 +74,11 @@ class DemoConfig:
         "from training noise alone",
         min=0,
     )
+    arch: Literal["dflash", "dflash2"] = knob(
+        "dflash",
+        help="the drafter class (train's model.arch): dflash, or dflash2 (block convolutions and a candidate "
+        "selector, block 8)",
+    )
     eval_anchors: int = knob(16, help="anchors per held-out sequence in the offline evaluation", min=1)
     prompts: int = knob(
         0,
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: {exc}", file=sys.stderr)
         return 2
     run_dir = os.path.join("runs", cfg.run)
+    print(f"demo: drafter class {cfg.arch}" + (" (the default)" if cfg.arch == "dflash" else ""), flush=True)
     if cfg.fresh and os.path.isdir(run_dir):
         shutil.rmtree(run_dir)
     from recipes.drafter.machine import this_machine  # torch loads here, after --help and the checks
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 def tiny_job(cfg: DemoConfig, device: str) -> Job:
     """The drafter command's plan (recipes.drafter.plan) for the tiny target: its answers are already
     the target's own (recipes.tiny regenerates them), every stage reads configs/tiny.toml."""
-    train = [f"optim.max_steps={cfg.steps or 800}", *seed_overrides(cfg.seed)]
+    train = [f"optim.max_steps={cfg.steps or 800}", f"model.arch={cfg.arch}", *seed_overrides(cfg.seed)]
     spec = [f"num_prompts={cfg.prompts}", f"max_new_tokens={cfg.new_tokens}", f"stop_repeat={tiny_stop_repeat()}"]
     return Job(
         target=f"{TINY}/target",
@@ -172,7 +178,8 @@ def run_smollm2(cfg: DemoConfig, run_dir: str, machine: dict, runner: Runner) ->
         print(f"demo: no GPU here, so SmolLM2 runs at the reduced scale ({scale})", flush=True)
     name, args = smollm2_prepare(scale)
     step(runner.timings, name, args, runner.env)
-    job = smollm2_job(scale, cfg.run, machine["device"], seed_overrides(cfg.seed), cfg.steps, cfg.eval_anchors)
+    train = [*seed_overrides(cfg.seed), f"model.arch={cfg.arch}"]
+    job = smollm2_job(scale, cfg.run, machine["device"], train, cfg.steps, cfg.eval_anchors)
     stop = {"extraction": "extraction", "training": "drafter training"}.get(cfg.stop_after, "")
     if not runner.run(plan_stages(job), stop_after=stop):
         print(f"demo: stopped after {stop} (stop_after); timings {runner.timings}", flush=True)

@@ -73,15 +73,16 @@ def smollm2_prepare(scale: Scale) -> tuple[str, list[str]]:
 
 
 def smollm2_job(
-    scale: Scale, run: str, device: str, seed_overrides: list[str], steps: int | None, eval_anchors: int = 16
+    scale: Scale, run: str, device: str, train_overrides: list[str], steps: int | None, eval_anchors: int = 16
 ) -> Job:
     """The drafter command's plan (recipes.drafter.plan) for this target at `scale`: its three prompt
-    sets answered by the target, HumanEval decoded online. `eval_anchors` anchors per held-out sequence
+    sets answered by the target, HumanEval decoded online; `train_overrides`: the caller's training
+    settings (seeds, the drafter class). `eval_anchors` anchors per held-out sequence
     offline: every position of HumanEval's answers makes the offline evaluation a large part of the
     demo's time (docs/benchmarks.md, "Real target"); 16 per answer keep it short."""
     run_dir = os.path.join("runs", run)
     train = [f"optim.max_steps={steps or scale.steps}", f"model.num_layers={scale.num_layers}"]
-    train += [f"data.token_budget={scale.token_budget}", f"loss.num_anchors={scale.num_anchors}", *seed_overrides]
+    train += [f"data.token_budget={scale.token_budget}", f"loss.num_anchors={scale.num_anchors}", *train_overrides]
     evaluation = [f"max_anchors={eval_anchors}"]
     extract = []
     if device == "cuda":

@@ -1,17 +1,21 @@
-"""Training: DFlash drafters trained from shards, then evaluated, exported and served.
+"""Training: DFlash and DFlash2 drafters trained from shards, then evaluated, exported and served.
 
 The modules, roughly in the order a run uses them (each module's docstring is its reference):
 
     __main__.py         `python -m train`: the command
     config.py           `TrainConfig` (`[train]`) and its nested tables
     layer_types.py      the drafter's layer types and named layouts, torch-free
-    model.py            `DrafterConfig`, `DFlashDrafter` (its forward is the drafter's contract),
-                        the target's frozen embedding and head (`TargetHead`)
+    drafter_config.py   `DrafterConfig`: the drafter's shape and class (`arch`: dflash or dflash2)
+    model.py            `DFlashDrafter` (its forward is the drafter's contract), the target's frozen
+                        embedding and head (`TargetHead`)
+    dflash2.py          `DFlash2Drafter`: block convolutions and the candidate selector; `build_drafter`
+                        builds either class from a `DrafterConfig`
     alignment.py        the block and label alignment, the one implementation every block builder uses
     blocks.py           anchor sampling, block inputs, labels and loss weights
     attention.py        the mask rules (`MaskRule`) as a flex `BlockMask` and as a dense mask
     kernels.py          device, autocast, attention kernel and compilation, chosen in one place
     loss.py             chunked lm_head + weighted cross-entropy, per-position accuracy
+    selector_loss.py    DFlash2's selector loss, its weight schedule and what it measures
     buckets.py          length buckets, token-budget batches, stride interleaving; the data-parallel split
     samples.py          which samples a run trains on; does a dataset fit the drafter
     stored_features.py  how the drafter reads features stored in a tier (quantized, projected)

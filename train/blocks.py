@@ -9,6 +9,8 @@ For a sequence with tokens x[0..L-1] and an anchor a, the block is
                                                           ablation: the data token x[a+k])
     weight at k  exp(-(k-1)/gamma)    for k >= 1, 0 at k = 0 (the anchor carries no loss),
                  0 where a+k >= L (past the end) or loss_mask[a+k] is 0 (not a response token).
+    predecessor  x[a] at k = 1, the label at k-1 for k >= 2: the token before position k on the path the
+                 target would take (DFlash2's selector is teacher-forced with it; train/selector_loss.py)
 
 Anchor rule: a is a candidate iff loss_mask[a] and loss_mask[a+1] (so a+1 < L). The anchor is a
 response token because at inference it is the token the target just produced; requiring a+1 to be
@@ -73,6 +75,7 @@ class Blocks:
     weights_BQ: torch.Tensor  # float32, loss weight of each block token
     loss_rows_M: torch.Tensor  # int64, flat indices into B*Q of the tokens with weight > 0
     num_blocks: int  # kept (non-padding) blocks, counted on the host
+    predecessors_BQ: torch.Tensor  # int64, the token before each block token: x[a] at k = 1, the label of k-1 after
     soft_ids_BQk: torch.Tensor | None = None  # int64, target top-k ids behind each label (KL ablation)
     soft_logprobs_BQk: torch.Tensor | None = None  # float32, their log-probs
 
@@ -183,6 +186,9 @@ def make_blocks(
         labels_BNK = topk_ids_BSk[:, :, 0].long().gather(1, row_BNK.view(B, -1)).view(B, N, K)
     else:
         labels_BNK = input_ids_BS.long().gather(1, safe_pos_BNK.view(B, -1)).view(B, N, K)
+    # The label of k-1 whether or not k-1 carries weight (a prompt token inside the block still precedes k).
+    predecessors_BNK = torch.cat((first_BN[:, :, None], labels_BNK[:, :, :-1]), dim=-1)
+    predecessors_BNK[:, :, 1] = first_BN
     labels_BNK = torch.where(valid_BNK, labels_BNK, torch.zeros_like(labels_BNK))
 
     soft_ids = soft_logprobs = None
@@ -204,6 +210,7 @@ def make_blocks(
         weights_BQ=weights_BNK.view(B, -1).float(),
         loss_rows_M=valid_BNK.view(-1).nonzero().view(-1),
         num_blocks=int(keep_BN.sum()),
+        predecessors_BQ=predecessors_BNK.reshape(B, -1),
         soft_ids_BQk=soft_ids,
         soft_logprobs_BQk=soft_logprobs,
     )

@@ -141,6 +141,14 @@ class DataConfig:
             )
 
 
+# The block size of each drafter class when model.block_size is unset: the paper's 16; the released DFlash2
+# drafters (z-lab / Inco AI Qwen3.8-27B-DFlash2) use 8, and vLLM serves them with 7 speculative tokens.
+DEFAULT_BLOCK_SIZE = {"dflash": 16, "dflash2": 8}
+# The DFlash2 drafter's own fields: model.* knobs here, DrafterConfig fields and dflash_config keys of an export
+# (train.drafter_config re-exports it).
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+SELECTOR_LOSS_KEYS = ("selector_weight", "selector_warmup_ratio", "selector_ramp_ratio")  # loss.* knobs, dflash2
+
 INIT_RULES = ("first", "last", "spread")  # `model.init_from_target`'s named rules (train.target_init)
 
 
@@ -179,8 +187,36 @@ class ModelConfig:
         "weights digest or embedding and head digest differ): for a deliberate copy, such as the same weights "
         "re-saved in another dtype; run.json records what differed (target.identity)",
     )
+    arch: Literal["dflash", "dflash2"] = knob(
+        "dflash",
+        help="drafter class: dflash (the paper's) or dflash2 (a block convolution around every sublayer and a "
+        "candidate selector over the head's top-k, train/dflash2.py; trained from the same shards with the "
+        "selector loss, train/selector_loss.py); the conv_* and selector_* keys apply to dflash2 only",
+    )
     num_layers: int = knob(5, help="drafter decoder layers", min=1, max=64)
-    block_size: int = knob(16, help="tokens per block: the anchor plus block_size-1 drafted tokens", min=2, max=128)
+    block_size: int | None = knob(
+        None,
+        help="tokens per block: the anchor plus block_size-1 drafted tokens; none = the class's published size: 16 "
+        "for dflash (the paper), 8 for dflash2 (the released DFlash2 drafters)",
+        min=2,
+        max=128,
+    )
+    conv_kernel_size: int = knob(
+        2,
+        help="dflash2: taps of each block convolution (a row and the rows before it); 2 in every released drafter",
+        min=1,
+    )
+    conv_group_size: int = knob(
+        16, help="dflash2: channels that share one dynamic convolution coefficient; must divide the hidden size", min=1
+    )
+    selector_rank: int | None = knob(
+        None,
+        help="dflash2: width of the selector's token codes; none = min(256, hidden size) (256: the released drafters)",
+        min=1,
+    )
+    selector_top_k: int = knob(
+        16, help="dflash2: candidates (the target head's top-k) the selector ranks per block position", min=1
+    )
     target_layer_ids: list[int] | None = knob(
         None,
         help="tap layer ids the drafter reads (id i = output of decoder layer i); none = the shards' taps "
@@ -247,9 +283,10 @@ class ModelConfig:
     init_from: str | None = knob(
         None,
         help="warm start: a DFlash drafter directory (config.json + model.safetensors, e.g. a published drafter "
-        "or an export) "
-        "whose weights start the run; it must match this run's drafter exactly (taps, mask id, block, layer "
-        "types, widths, rope)",
+        "or an export), a training checkpoint or a run directory (its latest checkpoint) whose weights start the "
+        "run; it must match this run's drafter exactly (taps, mask id, block, layer types, widths, rope). A DFlash "
+        "drafter of the same widths may start a dflash2 run (any block size): the convolutions start as the "
+        "identity, the selector fresh (train/warm_start.py)",
         path="local_in",
     )
 
@@ -261,7 +298,19 @@ class ModelConfig:
         "than none (docs/benchmarks.md, 'Real target')",
     )
 
+    def resolve_block_size(self) -> None:
+        """An unset block size becomes the class's (`DEFAULT_BLOCK_SIZE`)."""
+        if self.block_size is None:
+            set_resolved(self, "block_size", DEFAULT_BLOCK_SIZE[self.arch])
+
     def check(self) -> None:
+        self.resolve_block_size()
+        if self.arch == "dflash2" and self.conv_kernel_size > self.block_size:
+            fail("model.conv_kernel_size", f"{self.conv_kernel_size} taps exceed the block of {self.block_size} rows")
+        if self.arch == "dflash":
+            changed = [k for k in DFLASH2_FIELDS if getattr(self, k) != getattr(ModelConfig, k)]
+            if changed:
+                fail(f"model.{changed[0]}", "a dflash2 setting, but model.arch is dflash (set model.arch=dflash2)")
         try:
             rule = parse_init_rule(self.init_from_target)
         except ValueError as exc:
@@ -315,6 +364,26 @@ class LossConfig:
     kl_temperature: float = knob(1.0, help="temperature of the soft KL term (teacher and student)", min=0.05, max=100.0)
     chunk_rows: int = knob(
         1024, help="block tokens per lm_head chunk: full-vocabulary logits exist for this many rows at once", min=1
+    )
+    selector_weight: float = knob(
+        1.0,
+        help="dflash2: weight of the selector loss (cross-entropy over the head's top-k candidates where the label "
+        "is one of them, teacher-forced predecessors; train/selector_loss.py) once warmed up; 1.0 as SpecForge "
+        "and NeMo",
+        min=0.0,
+    )
+    selector_warmup_ratio: float = knob(
+        0.0,
+        help="dflash2: share of all steps at the start with selector weight 0 (the selector still runs)",
+        min=0.0,
+        max=1.0,
+    )
+    selector_ramp_ratio: float = knob(
+        0.0,
+        help="dflash2: share of all steps after the warm-up over which the selector weight rises linearly to "
+        "loss.selector_weight; 0 = at once",
+        min=0.0,
+        max=1.0,
     )
 
 
@@ -433,6 +502,11 @@ class TrainConfig:
         # a directory name; filesystems stop at 255 bytes
         if self.run_name is not None and len(self.run_name) > MAX_NAME_CHARS:
             fail("run_name", f"{len(self.run_name)} characters; at most {MAX_NAME_CHARS}")
+        if self.model.arch == "dflash":
+            changed = [k for k in SELECTOR_LOSS_KEYS if getattr(self.loss, k) != getattr(LossConfig, k)]
+            if changed:
+                fail(f"loss.{changed[0]}", "a dflash2 setting, but model.arch is dflash (set model.arch=dflash2)")
+        self.model.resolve_block_size()  # a default model table (none in the file) was never checked
         if self.loss.gamma is None:
             try:
                 set_resolved(self.loss, "gamma", default_gamma(self.model.block_size))

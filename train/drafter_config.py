@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from train.attention import MaskRule
+from train.config import DEFAULT_BLOCK_SIZE, DFLASH2_FIELDS
 from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_IN_BLOCK, resolve_layer_types
 
 __all__ = [
@@ -16,13 +17,16 @@ __all__ = [
     "DFLASH2_FIELDS",
     "DEFAULT_ROPE_THETA",
     "DrafterConfig",
+    "dflash2_fields",
     "rope_settings",
     "target_rope",
 ]
 
-# The drafter classes (`DrafterConfig.arch`) and the config fields only DFlash2 has.
+# The drafter classes (`DrafterConfig.arch`); the fields only DFlash2 has are `DFLASH2_FIELDS` (train.config).
 DRAFTER_ARCHS = ("dflash", "dflash2")
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+# The released DFlash2 drafters' selector rank (Qwen3.8-27B at hidden 5120, the z-lab fixture at 6656).
+PUBLISHED_SELECTOR_RANK = 256
 
 # rope types whose frequencies depend only on the config (not on the running sequence length).
 _STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -326,3 +330,39 @@ class DrafterConfig:
     def from_dict(cls, data: dict) -> "DrafterConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def dflash2_fields(model, hidden: int) -> tuple[dict, str]:
+    """(the DFlash2 fields of a drafter of width `hidden`, one line saying where each comes from) for a train
+    config's `model` table (`train.config.ModelConfig`); ValueError naming the key for a group size that does
+    not divide the width. The rank left unset is min(256, hidden)."""
+    if hidden % model.conv_group_size:
+        raise ValueError(
+            f"config key 'model.conv_group_size': {model.conv_group_size} does not divide the drafter's hidden size "
+            f"{hidden}; set it to a divisor of {hidden}"
+        )
+    rank, rank_why = model.selector_rank, "model.selector_rank"
+    if rank is None:
+        rank = min(PUBLISHED_SELECTOR_RANK, hidden)
+        rank_why = (
+            f"the released drafters' {PUBLISHED_SELECTOR_RANK}"
+            if rank == PUBLISHED_SELECTOR_RANK
+            else f"the hidden size: the selector's gate P(h) spans at most {hidden} directions, so a higher rank "
+            f"only adds codebook columns; the released drafters use {PUBLISHED_SELECTOR_RANK} at hidden 5120"
+        )
+    block_why = (
+        "the released drafters' size" if model.block_size == DEFAULT_BLOCK_SIZE["dflash2"] else "model.block_size"
+    )
+    why = (
+        f"block size {model.block_size} ({block_why}), block convolutions of {model.conv_kernel_size} taps with one "
+        f"coefficient per {model.conv_group_size} channels, selector over the top {model.selector_top_k} "
+        f"candidates, rank {rank} ({rank_why})"
+    )
+    fields = dict(
+        arch="dflash2",
+        conv_kernel_size=model.conv_kernel_size,
+        conv_group_size=model.conv_group_size,
+        selector_rank=rank,
+        selector_top_k=model.selector_top_k,
+    )
+    return fields, why

@@ -29,7 +29,7 @@ from train.checkpoint import CheckpointWriter
 from train.config import TrainConfig
 from train.data import Batch, DataStream, Share
 from train.distributed import Dist
-from train.metrics import MetricsLog
+from train.metrics import SELECTOR_KEYS, MetricsLog
 from train.prepare import Run
 from train.step import StepResult, train_step
 from train.step_log import progress_bar, show_progress, step_record, wandb_run
@@ -52,7 +52,12 @@ def train(cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | No
     cfg = run.cfg  # with the run name it got
     main = run.dist.is_main
     last = min(run.total_steps, cfg.stop_after or run.total_steps)
-    metrics = MetricsLog(run.run_dir / "metrics.jsonl", wandb_run=wandb_run(cfg, run.run_dir)) if main else None
+    extra = SELECTOR_KEYS if run.drafter_cfg.arch == "dflash2" else ()
+    metrics = (
+        MetricsLog(run.run_dir / "metrics.jsonl", wandb_run=wandb_run(cfg, run.run_dir), extra_keys=extra)
+        if main
+        else None
+    )
     saver = CheckpointWriter(run.run_dir / "checkpoints", cfg.checkpoint.keep_last) if main else None
     bar = progress_bar(run)
     if main:

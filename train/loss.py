@@ -10,6 +10,11 @@ keeps only that [M, D] gradient and drops the logits. Backward is then a multipl
 one forward matmul and one input-gradient matmul (no recomputation, no weight gradient: it is
 frozen).
 
+DFlash2 (`top_k` > 0): the same pass also keeps each row's top-k logits U and their ids C, and U is
+differentiable: its gradient reaches the hidden states as sum_k dU_mk * head[C_mk], formed in
+backward chunk by chunk from the k head rows (never a C x V tensor). The selector loss
+(`train.selector_loss`) is built on them.
+
 Optional soft term (ablation): KL(q || softmax(z / T)) * T^2 where q is the target's stored top-k
 distribution renormalized over its k ids at temperature T, and the student is the full-vocabulary
 softmax (so mass outside the teacher's top-k is pushed down). Labels are never perturbed.
@@ -25,6 +30,7 @@ import dataclasses
 import torch
 
 from train.blocks import Blocks
+from train.selector_loss import SelectorStats, selector_terms
 
 __all__ = ["LossOutput", "block_loss", "chunk_loss_and_grad", "ChunkedHeadLoss", "block_accuracy"]
 
@@ -66,7 +72,8 @@ def chunk_loss_and_grad(
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
-    """loss, argmax = f(hidden_MD) through a frozen head, never holding more than C x V logits."""
+    """loss, argmax, top-k logits U [M, k], their ids [M, k] = f(hidden_MD) through a frozen head, never holding
+    more than C x V logits; k = `top_k` (0: U and the ids are empty)."""
 
     @staticmethod
     def forward(
@@ -81,12 +88,15 @@ class ChunkedHeadLoss(torch.autograd.Function):
         temperature,
         chunk_rows,
         chunk_fn,
+        top_k=0,
     ):
-        M = hidden_MD.shape[0]
+        M, device = hidden_MD.shape[0], hidden_MD.device
         compute = hidden_MD.detach().to(head_VD.dtype)
-        grad_MD = torch.zeros(hidden_MD.shape, dtype=torch.float32, device=hidden_MD.device)
-        preds_M = torch.empty(M, dtype=torch.long, device=hidden_MD.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden_MD.device)
+        grad_MD = torch.zeros(hidden_MD.shape, dtype=torch.float32, device=device)
+        preds_M = torch.empty(M, dtype=torch.long, device=device)
+        unary_Mk = torch.empty(M, top_k, dtype=torch.float32, device=device)
+        candidates_Mk = torch.empty(M, top_k, dtype=torch.long, device=device)
+        total = torch.zeros((), dtype=torch.float32, device=device)
         for start in range(0, M, chunk_rows):
             rows = slice(start, min(start + chunk_rows, M))
             logits_CV = compute[rows] @ head_VD.t()
@@ -94,35 +104,49 @@ class ChunkedHeadLoss(torch.autograd.Function):
             loss_c, dlogits_CV, preds_M[rows] = chunk_fn(
                 logits_CV, labels_M[rows], w_M[rows], *soft, kl_weight, temperature
             )
+            if top_k:
+                values_Ck, candidates_Mk[rows] = logits_CV.topk(top_k, dim=-1)
+                unary_Mk[rows] = values_Ck.float()
             total = total + loss_c
             grad_MD[rows] = (dlogits_CV @ head_VD).float()
             del logits_CV, dlogits_CV
-        ctx.save_for_backward(grad_MD)
-        ctx.hidden_dtype = hidden_MD.dtype
-        ctx.mark_non_differentiable(preds_M)
-        return total, preds_M
+        ctx.save_for_backward(grad_MD, candidates_Mk, head_VD)
+        ctx.hidden_dtype, ctx.chunk_rows = hidden_MD.dtype, chunk_rows
+        ctx.mark_non_differentiable(preds_M, candidates_Mk)
+        return total, preds_M, unary_Mk, candidates_Mk
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_preds):
-        (grad_MD,) = ctx.saved_tensors
-        return (grad_MD * grad_total).to(ctx.hidden_dtype), None, None, None, None, None, None, None, None, None
+    def backward(ctx, grad_total, _grad_preds, grad_unary_Mk, _grad_candidates):
+        grad_MD, candidates_Mk, head_VD = ctx.saved_tensors
+        grad_MD = grad_MD * grad_total
+        if grad_unary_Mk is not None and candidates_Mk.shape[1]:
+            for start in range(0, grad_MD.shape[0], ctx.chunk_rows):
+                rows = slice(start, start + ctx.chunk_rows)
+                rows_CkD = head_VD[candidates_Mk[rows]]  # dU/dh of each candidate is its head row
+                grad_MD[rows] += torch.bmm(grad_unary_Mk[rows, None].to(rows_CkD.dtype), rows_CkD)[:, 0].float()
+        return (grad_MD.to(ctx.hidden_dtype),) + (None,) * 10
 
 
 @dataclasses.dataclass
 class LossOutput:
-    loss: torch.Tensor  # scalar with grad: sum(w * (CE + kl_weight * KL)) / sum(w)
+    # scalar with grad: sum(w * (CE + kl_weight * KL)) / sum(w), DFlash2: + selector weight * selector loss
+    loss: torch.Tensor
     correct_K: torch.Tensor  # float [K]: per block position, how many weighted positions the argmax got right
     counted_K: torch.Tensor  # float [K]: per block position, how many positions had weight > 0
     streak_sum: torch.Tensor  # float: sum over kept blocks of leading correct positions 1..K-1
     num_blocks: int  # kept blocks
+    selector: SelectorStats | None = None  # DFlash2: the selector's term and counts
 
-    def accuracy(self) -> list[float | None]:
-        """Accuracy at block positions 1..K-1 (None where no position had weight)."""
-        correct, counted = self.correct_K.tolist(), self.counted_K.tolist()
+    def accuracy(self, correct_K: torch.Tensor | None = None) -> list[float | None]:
+        """Accuracy at block positions 1..K-1 (None where no position had weight); of the selector's
+        teacher-forced choices with `correct_K` = its hits."""
+        correct = (self.correct_K if correct_K is None else correct_K).tolist()
+        counted = self.counted_K.tolist()
         return [(c / n if n > 0 else None) for c, n in zip(correct[1:], counted[1:])]
 
-    def mean_streak(self) -> float:
-        return float(self.streak_sum) / self.num_blocks if self.num_blocks else 0.0
+    def mean_streak(self, streak_sum: torch.Tensor | None = None) -> float:
+        total = self.streak_sum if streak_sum is None else streak_sum
+        return float(total) / self.num_blocks if self.num_blocks else 0.0
 
 
 def block_accuracy(correct_BNK: torch.Tensor, valid_BNK: torch.Tensor, keep_BN: torch.Tensor):
@@ -147,12 +171,15 @@ def block_loss(
     kl_temperature: float = 1.0,
     chunk_fn=chunk_loss_and_grad,
     weight_total: torch.Tensor | None = None,
+    selector: torch.nn.Module | None = None,
+    selector_weight: float = 0.0,
 ) -> LossOutput:
     """The weighted block loss and its accuracy statistics. `blocks` must be on hidden's device.
 
     The loss is normalized by `weight_total`, default this batch's own sum of weights. A part of a
     data-parallel step passes the whole global batch's sum, so the parts' losses (and gradients)
-    add up to the loss of the global batch."""
+    add up to the loss of the global batch. With a DFlash2 `selector` the loss adds `selector_weight`
+    times the selector loss (`train.selector_loss`)."""
     B, Q, D = hidden_BQD.shape
     N = blocks.anchors_BN.shape[1]
     K = Q // N
@@ -168,7 +195,7 @@ def block_loss(
         soft_ids = blocks.soft_ids_BQk.reshape(-1, k).index_select(0, rows_M)
         soft_logp = blocks.soft_logprobs_BQk.reshape(-1, k).index_select(0, rows_M)
     hidden_MD = hidden_BQD.reshape(-1, D).index_select(0, rows_M)
-    loss, preds_M = ChunkedHeadLoss.apply(
+    loss, preds_M, unary_Mk, candidates_Mk = ChunkedHeadLoss.apply(
         hidden_MD,
         head_VD,
         labels_M,
@@ -179,15 +206,26 @@ def block_loss(
         float(kl_temperature),
         int(chunk_rows),
         chunk_fn,
+        selector.top_k if selector is not None else 0,
     )
-    with torch.no_grad():
-        correct_flat = torch.zeros(B * Q, dtype=torch.bool, device=hidden_BQD.device)
-        correct_flat[rows_M] = preds_M == labels_M
-        valid_flat = torch.zeros(B * Q, dtype=torch.bool, device=hidden_BQD.device)
-        valid_flat[rows_M] = True
-        correct_K, counted_K, streak_sum = block_accuracy(
-            correct_flat.view(B, N, K), valid_flat.view(B, N, K), blocks.keep_BN
+    valid_BNK = torch.zeros(B * Q, dtype=torch.bool, device=hidden_BQD.device)
+    valid_BNK[rows_M] = True
+    valid_BNK = valid_BNK.view(B, N, K)
+    correct_K, counted_K, streak_sum = _position_hits(preds_M == labels_M, rows_M, valid_BNK, blocks.keep_BN)
+    stats = None
+    if selector is not None:
+        selector_loss, coverage, hits_M = selector_terms(
+            selector, hidden_MD, unary_Mk, candidates_Mk, labels_M, w_M, blocks
         )
-    return LossOutput(
-        loss=loss, correct_K=correct_K, counted_K=counted_K, streak_sum=streak_sum, num_blocks=blocks.num_blocks
-    )
+        hits_K, _, hits_streak = _position_hits(hits_M, rows_M, valid_BNK, blocks.keep_BN)
+        stats = SelectorStats(selector_loss.detach(), loss.detach(), selector_weight, coverage, hits_K, hits_streak)
+        loss = loss + selector_weight * selector_loss
+    return LossOutput(loss, correct_K, counted_K, streak_sum, blocks.num_blocks, stats)
+
+
+@torch.no_grad()
+def _position_hits(hits_M: torch.Tensor, rows_M: torch.Tensor, valid_BNK: torch.Tensor, keep_BN: torch.Tensor):
+    """`block_accuracy` of per-loss-row hits."""
+    correct_flat = torch.zeros(valid_BNK.numel(), dtype=torch.bool, device=valid_BNK.device)
+    correct_flat[rows_M] = hits_M
+    return block_accuracy(correct_flat.view(valid_BNK.shape), valid_BNK, keep_BN)

@@ -1,7 +1,8 @@
 """`metrics.jsonl`: one JSON object per optimizer step, none skipped (docs/ARCHITECTURE.md).
 
-The keys are exactly `STEP_KEYS`, plus `SKIP_KEYS` on skipped steps; `MetricsLog` refuses a
-record with other keys, so the report (`train/report/`) can rely on them. Each line is flushed as it is
+The keys are exactly `STEP_KEYS` (a DFlash2 drafter's run also `SELECTOR_KEYS`), plus `SKIP_KEYS` on
+skipped steps; `MetricsLog` refuses a record with other keys, so the report (`train/report/`) can
+rely on them. Each line is flushed as it is
 written; a resumed run first drops the lines after its checkpoint's step, so the file stays one
 line per step with no gap and no duplicate. wandb, when configured, gets the same numbers.
 
@@ -10,6 +11,10 @@ Meanings that the table in ARCHITECTURE.md leaves open:
 - `step_time`: wall clock from the end of the previous step to the end of this one, so fetch,
   step, logging and checkpoint hand-off all count and the times add up to the run's duration.
 - `fetch_frac`: seconds blocked waiting for the batch / step_time.
+- DFlash2: `loss` is the DFlash term alone, on the same scale as a DFlash run's; the objective is
+  `loss + selector_weight * selector_loss` (train/selector_loss.py), and `acc` / `streak` / `tau` are
+  the unary top-1's. `selector_acc` and `selector_streak` are the selector's teacher-forced accuracy
+  per block position and its served (self-conditioned) walk's mean accepted length per block.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 
 from common.io import atomic_write_text
 
-__all__ = ["STEP_KEYS", "SKIP_KEYS", "MetricsLog", "truncate_after", "read_metrics"]
+__all__ = ["STEP_KEYS", "SELECTOR_KEYS", "SKIP_KEYS", "MetricsLog", "truncate_after", "read_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,8 @@ STEP_KEYS = (
     "ckpt",
 )
 SKIP_KEYS = ("skip_reason", "sample_ids")
+# A DFlash2 drafter's run (docs/ARCHITECTURE.md, "metrics.jsonl").
+SELECTOR_KEYS = ("selector_loss", "selector_weight", "selector_coverage", "selector_acc", "selector_streak")
 
 
 def _finite_or_none(value):
@@ -90,14 +97,15 @@ def truncate_after(path: str | os.PathLike, step: int) -> int:
 class MetricsLog:
     """Appends step records to metrics.jsonl and mirrors them to wandb when enabled."""
 
-    def __init__(self, path: str | os.PathLike, *, wandb_run=None):
+    def __init__(self, path: str | os.PathLike, *, wandb_run=None, extra_keys: tuple[str, ...] = ()):
         self.path = Path(path)
+        self.keys = set(STEP_KEYS) | set(extra_keys)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
         self._wandb = wandb_run
 
     def write(self, record: dict) -> None:
-        expected = set(STEP_KEYS) | (set(SKIP_KEYS) if record.get("skipped") else set())
+        expected = self.keys | (set(SKIP_KEYS) if record.get("skipped") else set())
         assert set(record) == expected, (
             f"metrics record keys differ from the contract: {sorted(set(record) ^ expected)}"
         )
@@ -111,7 +119,8 @@ class MetricsLog:
         flat = {
             k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
         }
-        flat.update({f"acc/{k}": v for k, v in enumerate(record.get("acc") or [], start=1) if v is not None})
+        for name in ("acc", "selector_acc"):
+            flat.update({f"{name}/{k}": v for k, v in enumerate(record.get(name) or [], start=1) if v is not None})
         flat["skipped"] = int(bool(record["skipped"]))
         try:
             self._wandb.log(flat, step=record["step"])

@@ -53,8 +53,9 @@ from train.checkpoint import (
 )
 from train.config import TrainConfig, parse_init_rule, resume_conflicts
 from train.data import Batch, DataStream
+from train.dflash2 import build_drafter
 from train.distributed import Dist
-from train.drafter_config import DrafterConfig, target_rope
+from train.drafter_config import DrafterConfig, dflash2_fields, target_rope
 from train.kernels import TRAIN_KEYS, KernelPlan, OnKernels, choose_kernels
 from train.mask_token import MaskTokenChoice, check_mask_token_absent, resolve_mask_token
 from train.metrics import truncate_after
@@ -104,6 +105,10 @@ def build_drafter_config(
     why = target_rope(target_cfg)[2]
     if why and m.rope_theta is None and m.rope_scaling is None:
         log.info("drafter rope: %s (model.rope_theta / model.rope_scaling override it)", why)
+    dflash2 = {}
+    if m.arch == "dflash2":
+        dflash2, why = dflash2_fields(m, m.hidden_size or int(target_cfg["hidden_size"]))
+        log.info("DFlash2 drafter: %s", why)
     try:
         return DrafterConfig.from_target(
             target_cfg,
@@ -123,6 +128,7 @@ def build_drafter_config(
             rope_theta=m.rope_theta,
             rope_scaling=m.rope_scaling,
             partial_rotary_factor=m.partial_rotary_factor,
+            **dflash2,
         )
     except ValueError as exc:
         raise ValueError(f"config table 'model': {exc}") from None
@@ -277,7 +283,7 @@ class Run(OnKernels):
             check_init_from(cfg.model.init_from, target.drafter_cfg)  # before the run directory exists
         torch.manual_seed(cfg.seed)
         with torch.device(device):  # initialize in place: a 27B-width drafter is 7 GB of fp32 on the host otherwise
-            drafter = DFlashDrafter(target.drafter_cfg)
+            drafter = build_drafter(target.drafter_cfg)
         head = TargetHead.from_pretrained(
             target.path, dtype=autocast_dtype or torch.float32, stored=target.stored_head
         ).to(device)

@@ -38,6 +38,7 @@ from train.drafter_config import DrafterConfig
 from train.kernels import KernelPlan
 from train.loss import LossOutput, block_loss, chunk_loss_and_grad
 from train.model import TargetHead
+from train.selector_loss import SelectorStats, selector_weight_at
 
 __all__ = [
     "lr_at",
@@ -148,6 +149,7 @@ def train_step(run: StepRun, batch: Batch | Share, step: int, wait: float = 0.0)
     if not has_loss:
         sizes = _reduce_sizes(run, share, ran, wait, whole)
         return StepResult(None, None, lr, True, "no loss positions in batch", None, blocks=ran, **sizes)
+    selector_weight = _selector_weight(run, step)
     parts_stats = []
     for m, (part, blocks) in enumerate(zip(share.parts, host_blocks)):
         last = m == len(share.parts) - 1
@@ -157,7 +159,7 @@ def train_step(run: StepRun, batch: Batch | Share, step: int, wait: float = 0.0)
         if not has_rows:  # DDP's all-reduce needs every rank's backward: run one that contributes exactly zero
             part, blocks = run.placeholder()
         with run.dist.grad_sync(last):
-            stats = _forward_backward(run, part, blocks, weight_total)
+            stats = _forward_backward(run, part, blocks, weight_total, selector_weight)
         if has_rows:
             parts_stats.append(stats)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), cfg.optim.grad_clip)
@@ -166,7 +168,9 @@ def train_step(run: StepRun, batch: Batch | Share, step: int, wait: float = 0.0)
         loss_value, norm_value = float(stats.loss.detach()), float(grad_norm)  # the step's one host sync
         sizes = _reduce_sizes(run, share, ran, wait, whole)
     else:
-        stats, loss_value, norm_value, sizes = _reduce_step(run, share, ran, parts_stats, grad_norm, wait)
+        stats, loss_value, norm_value, sizes = _reduce_step(
+            run, share, ran, parts_stats, grad_norm, wait, selector_weight
+        )
     # Every rank decides from the same reduced numbers, so a non-finite step is skipped on all of them.
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         run.optimizer.zero_grad(set_to_none=True)
@@ -177,6 +181,16 @@ def train_step(run: StepRun, batch: Batch | Share, step: int, wait: float = 0.0)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_value, norm_value, lr, False, None, stats, blocks=ran, **sizes)
+
+
+def _selector_weight(run: StepRun, step: int) -> float | None:
+    """The selector loss's weight at `step` (`train.selector_loss.selector_weight_at`); None without a selector."""
+    if run.drafter_cfg.arch != "dflash2":
+        return None
+    loss = run.cfg.loss
+    return selector_weight_at(
+        step, run.total_steps, loss.selector_weight, loss.selector_warmup_ratio, loss.selector_ramp_ratio
+    )
 
 
 def _share_blocks(run: StepRun, share: Share, step: int) -> list[Blocks | None]:
@@ -227,7 +241,9 @@ def make_part_blocks(run: StepRun, batch: Batch, **given) -> Blocks:
     )
 
 
-def _forward_backward(run: StepRun, batch: Batch, blocks: Blocks, weight_total: torch.Tensor | None) -> LossOutput:
+def _forward_backward(
+    run: StepRun, batch: Batch, blocks: Blocks, weight_total: torch.Tensor | None, selector_weight: float | None
+) -> LossOutput:
     blocks = blocks.to(run.device, non_blocking=True)
     hidden_BSF = batch.hidden.to(run.device, non_blocking=True)
     cfg, K = run.cfg, run.drafter_cfg.block_size
@@ -243,6 +259,10 @@ def _forward_backward(run: StepRun, batch: Batch, blocks: Blocks, weight_total: 
             kl_temperature=cfg.loss.kl_temperature,
             chunk_fn=run.chunk_fn,
             weight_total=weight_total,
+            # DFlash2: the selector runs outside the (DDP, compiled) forward; its weights' gradients are
+            # all-reduced with the rest, since they get theirs in the same backward.
+            selector=run.drafter.candidate_selector if selector_weight is not None else None,
+            selector_weight=selector_weight or 0.0,
         )
     stats.loss.backward()
     return stats
@@ -277,24 +297,30 @@ def _reduce_sizes(run: StepRun, share: Share, ran: list[Blocks], wait: float, wh
     return _sizes_from(np.asarray([local]) if whole else run.dist.gather(local))
 
 
-def _reduce_step(run: StepRun, share: Share, ran: list[Blocks], parts_stats: list[LossOutput], grad_norm, wait: float):
+def _reduce_step(
+    run: StepRun,
+    share: Share,
+    ran: list[Blocks],
+    parts_stats: list[LossOutput],
+    grad_norm,
+    wait: float,
+    selector_weight: float | None,
+):
     """(stats, loss, grad norm, sizes) of the global batch: one gather of every rank's sums."""
     K = run.drafter_cfg.block_size
-    zeros_K = torch.zeros(K, dtype=torch.float64)
     loss = sum((s.loss.detach().double() for s in parts_stats), torch.zeros((), dtype=torch.float64, device=run.device))
-    correct_K = sum((s.correct_K.double().cpu() for s in parts_stats), zeros_K)
-    counted_K = sum((s.counted_K.double().cpu() for s in parts_stats), zeros_K)
-    streak = sum(float(s.streak_sum) for s in parts_stats)
-    blocks = sum(s.num_blocks for s in parts_stats)
     loss_value, norm_value = float(loss), float(grad_norm)
+    sums = [_sum(parts_stats, lambda s: s.streak_sum), float(sum(s.num_blocks for s in parts_stats))]
+    sums += _sum(parts_stats, lambda s: s.correct_K, K) + _sum(parts_stats, lambda s: s.counted_K, K)
+    if selector_weight is not None:
+        sums += [_sum(parts_stats, lambda s: s.selector.unary_loss), _sum(parts_stats, lambda s: s.selector.loss)]
+        sums += [_sum(parts_stats, lambda s: s.selector.coverage), _sum(parts_stats, lambda s: s.selector.streak_sum)]
+        sums += _sum(parts_stats, lambda s: s.selector.correct_K, K)
     local = [
         loss_value if math.isfinite(loss_value) else 0.0,
         float(not math.isfinite(loss_value)),
         float(not math.isfinite(norm_value)),
-        streak,
-        float(blocks),
-        *correct_K.tolist(),
-        *counted_K.tolist(),
+        *sums,
         *_local_sizes(share, ran, wait, K),
     ]
     rows = run.dist.gather(local)
@@ -302,12 +328,20 @@ def _reduce_step(run: StepRun, share: Share, ran: list[Blocks], parts_stats: lis
     loss_value = float(summed[0]) if rows[:, 1].max() == 0 else math.nan
     if rows[:, 2].max() > 0:
         norm_value = math.nan
-    n = 5 + 2 * K
-    stats = LossOutput(
-        loss=torch.tensor(loss_value),
-        correct_K=torch.from_numpy(summed[5 : 5 + K]),
-        counted_K=torch.from_numpy(summed[5 + K : n]),
-        streak_sum=torch.tensor(float(summed[3])),
-        num_blocks=int(summed[4]),
-    )
-    return stats, loss_value, norm_value, _sizes_from(rows[:, n:])
+    reduced = summed[3 : 3 + len(sums)]  # `sums` of the whole global batch, in the same order
+    scalar = lambda i: torch.tensor(float(reduced[i]))  # noqa: E731
+    per_position = lambda i: torch.from_numpy(reduced[i : i + K])  # noqa: E731
+    stats = LossOutput(torch.tensor(loss_value), per_position(2), per_position(2 + K), scalar(0), int(reduced[1]))
+    if selector_weight is not None:
+        at = 2 + 2 * K
+        stats.selector = SelectorStats(
+            scalar(at + 1), scalar(at), selector_weight, scalar(at + 2), per_position(at + 4), scalar(at + 3)
+        )
+    return stats, loss_value, norm_value, _sizes_from(rows[:, 3 + len(sums) :])
+
+
+def _sum(parts_stats: list[LossOutput], value, size: int | None = None):
+    """The parts' sum of `value(stats)`: a float, or a list of `size` floats for a [size] tensor."""
+    if size is None:
+        return sum(float(value(s)) for s in parts_stats)
+    return sum((value(s).double().cpu() for s in parts_stats), torch.zeros(size, dtype=torch.float64)).tolist()

@@ -17,10 +17,12 @@ from pathlib import Path
 from common.config import config_to_dict
 from train.config import TrainConfig
 from train.data import Batch, Share
+from train.loss import LossOutput
+from train.metrics import SELECTOR_KEYS
 from train.prepare import Run
 from train.step import StepResult
 
-__all__ = ["step_record", "wandb_run", "progress_bar", "show_progress"]
+__all__ = ["step_record", "selector_record", "wandb_run", "progress_bar", "show_progress"]
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +57,28 @@ def step_record(run: Run, step: int, batch: Batch | Share, result: StepResult, s
         "skipped": result.skipped,
         "ckpt": ckpt,
     }
+    if run.drafter_cfg.arch == "dflash2":
+        record.update(selector_record(stats))
+        if stats is not None:
+            record["loss"] = float(stats.selector.unary_loss)  # the DFlash term: comparable with a DFlash run's
     if result.skipped:
         record["skip_reason"] = result.skip_reason
         record["sample_ids"] = list(batch.sample_ids)
     return record
+
+
+def selector_record(stats: LossOutput | None) -> dict:
+    """A DFlash2 step's `SELECTOR_KEYS` (train.metrics); None where the loss was not finite."""
+    if stats is None:
+        return dict.fromkeys(SELECTOR_KEYS)
+    selector = stats.selector
+    return {
+        "selector_loss": float(selector.loss),
+        "selector_weight": selector.weight,
+        "selector_coverage": float(selector.coverage),
+        "selector_acc": stats.accuracy(selector.correct_K),
+        "selector_streak": stats.mean_streak(selector.streak_sum),
+    }
 
 
 def wandb_run(cfg: TrainConfig, run_dir: Path):

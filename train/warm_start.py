@@ -1,7 +1,9 @@
 """Warm start (`model.init_from=DIR`): a DFlash drafter directory's weights as the run's first weights.
 
 DIR holds `config.json` in the published DFlash format (what `train.serve.export` writes and z-lab
-publishes) and `model.safetensors`. Nothing from DIR is executed. The start is strict:
+publishes) and `model.safetensors`, or is a training checkpoint (`drafter_config.json` and
+`model.safetensors`) or a run directory (its latest checkpoint). Nothing from DIR is executed. The
+start is strict:
 
 - the drafter DIR describes must be the drafter this run builds from its config, the target and the
   shards: taps, mask token id, block size, layer types, sliding window and in-block semantics,
@@ -12,6 +14,12 @@ publishes) and `model.safetensors`. Nothing from DIR is executed. The start is s
 
 The shards are checked against the run's drafter config separately (`train.samples.check_compatible`),
 so a DIR that passes here also fits the shards' taps and widths.
+
+DFlash to DFlash2: a DFlash drafter of the same widths starts a DFlash2 run. Every DFlash tensor
+loads; the block convolutions keep their initial identity and the selector its fresh initialization
+(a zero successor codebook, so it proposes the unary argmax): the first forward is the DFlash
+drafter's, and so are its first proposals. The block size may differ (DFlash's 16, DFlash2's 8): no
+weight depends on it.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import torch
 
 from common.hashing import file_checksum
 from common.io import resolve
-from train.drafter_config import DrafterConfig
+from train.checkpoint import DRAFTER_CONFIG_FILE, latest_checkpoint
+from train.drafter_config import DFLASH2_FIELDS, DrafterConfig
 from train.export_format.layout import check_weights, drafter_config_from_export
 from train.model import DFlashDrafter
 
@@ -39,6 +48,11 @@ SOURCES = {
     "num_target_layers": "the target's num_hidden_layers",
     "mask_token_id": "the shards' provenance / model.mask_token_id",
     "block_size": "model.block_size",
+    "arch": "model.arch (a DFlash drafter can start a DFlash2 run; the other way round cannot)",
+    "conv_kernel_size": "model.conv_kernel_size",
+    "conv_group_size": "model.conv_group_size",
+    "selector_rank": "model.selector_rank",
+    "selector_top_k": "model.selector_top_k",
     "num_hidden_layers": "model.num_layers",
     "layer_types": "model.layer_types",
     "sliding_window": "model.sliding_window",
@@ -62,10 +76,22 @@ SOURCES = {
 }
 
 
+def drafter_dir(path: str | os.PathLike) -> Path:
+    """The directory holding the weights: DIR itself, or the latest checkpoint of a run directory DIR."""
+    p = Path(path)
+    if not (p / MODEL_FILE).is_file() and (p / "checkpoints").is_dir():  # a run directory (its config.json: train's)
+        latest = latest_checkpoint(p / "checkpoints")
+        if latest is None:
+            raise ValueError(f"config key 'model.init_from': run directory '{p}' has no complete checkpoint")
+        return latest
+    return p
+
+
 def read_drafter_dir(path: str | os.PathLike) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """(drafter config, weights) of a DFlash drafter directory; ValueError naming the file on bad input."""
     from safetensors.torch import load_file
 
+    path = drafter_dir(path)
     cfg = read_drafter_config(path)
     model_path = Path(path) / MODEL_FILE
     if not model_path.is_file():
@@ -88,8 +114,13 @@ def _comparable(cfg: DrafterConfig) -> dict:
 
 
 def config_differences(found: DrafterConfig, expected: DrafterConfig, found_in: str = "init_from") -> list[str]:
-    """'field: X in <found_in>, Y here (source)' for every field that changes what the drafter computes."""
+    """'field: X in <found_in>, Y here (source)' for every field that changes what the drafter computes;
+    for a DFlash drafter starting a DFlash2 one, the fields the two classes share except the block size."""
     a, b = _comparable(found), _comparable(expected)
+    if backbone_start(found, expected):
+        for values in (a, b):
+            for key in ("arch", "block_size", *DFLASH2_FIELDS):
+                values.pop(key, None)
     out = []
     for key in sorted(set(a) | set(b)):
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
@@ -100,8 +131,20 @@ def config_differences(found: DrafterConfig, expected: DrafterConfig, found_in: 
     return out
 
 
+def backbone_start(found: DrafterConfig, expected: DrafterConfig) -> bool:
+    """A DFlash drafter starting a DFlash2 one (its backbone; module docstring)."""
+    return found.arch == "dflash" and expected.arch == "dflash2"
+
+
 def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
-    """The drafter config of a DFlash drafter directory (config.json only; ValueError naming the file)."""
+    """The drafter config of a DFlash drafter directory (config.json, or a checkpoint's drafter_config.json;
+    ValueError naming the file)."""
+    checkpoint_config = Path(path) / DRAFTER_CONFIG_FILE
+    if checkpoint_config.is_file() and not (Path(path) / CONFIG_FILE).is_file():
+        try:
+            return DrafterConfig.from_dict(json.loads(checkpoint_config.read_text()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"config key 'model.init_from': '{checkpoint_config}': {exc}") from None
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise ValueError(
@@ -117,8 +160,9 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
 
 
 def check_init_from(path: str | os.PathLike, expected: DrafterConfig) -> DrafterConfig:
-    """The config of DIR if it describes exactly `expected`, else a ValueError listing every difference."""
-    found = read_drafter_config(path)
+    """The config of DIR if it describes exactly `expected` (or its DFlash backbone), else a ValueError listing
+    every difference."""
+    found = read_drafter_config(drafter_dir(path))
     differences = config_differences(found, expected)
     if differences:
         raise ValueError(
@@ -130,13 +174,30 @@ def check_init_from(path: str | os.PathLike, expected: DrafterConfig) -> Drafter
 
 def warm_start(drafter: DFlashDrafter, path: str | os.PathLike) -> dict:
     """Load DIR's weights into `drafter` (strictly, see the module docstring); returns a record for run.json."""
-    check_init_from(path, drafter.config)
-    _, state = read_drafter_dir(path)
+    found = check_init_from(path, drafter.config)
+    source = drafter_dir(path)
+    _, state = read_drafter_dir(source)
+    model_file = str(source / MODEL_FILE)
     try:
-        check_weights(state, drafter.config, str(Path(path) / MODEL_FILE))
-    except ValueError as exc:
-        raise ValueError(f"config key 'model.init_from': {exc}") from None
-    with torch.no_grad():
-        drafter.load_state_dict(state, strict=True)
-    fs, model_path = resolve(str(Path(path).resolve() / MODEL_FILE))
-    return {"path": str(Path(path).resolve()), "model_checksum": file_checksum(fs, model_path), "tensors": len(state)}
+        check_weights(state, found, model_file)  # the drafter DIR describes, DFlash or DFlash2
+        with torch.no_grad():
+            missing, unexpected = drafter.load_state_dict(state, strict=False)
+    except (ValueError, RuntimeError) as exc:
+        raise ValueError(f"config key 'model.init_from': '{model_file}': {exc}") from None
+    fresh = [name for name in missing if not backbone_start(found, drafter.config) or not is_dflash2_only(name)]
+    if fresh or unexpected:
+        raise ValueError(
+            f"config key 'model.init_from': '{model_file}' does not hold this drafter's weights: missing "
+            f"{fresh[:5]}, unexpected {unexpected[:5]}"
+        )
+    fs, model_path = resolve(str(Path(model_file).resolve()))
+    record = {"path": str(source.resolve()), "model_checksum": file_checksum(fs, model_path), "tensors": len(state)}
+    if missing:
+        record["left_at_init"] = ["block convolutions (the identity)", "candidate_selector (fresh)"]
+        record["from_arch"] = found.arch
+    return record
+
+
+def is_dflash2_only(name: str) -> bool:
+    """A tensor DFlash2 adds to DFlash: a block convolution's or the selector's."""
+    return name.startswith("candidate_selector.") or ".attention_conv." in name or ".mlp_conv." in name

@@ -12,6 +12,8 @@ second command):
                        TFLOP/s, the untimed cold first pass
     train-stream       drafter training, the stream phase at the 27B widths (`benchmarks.train --phases stream`)
     train-zlab         drafter training, the published layout (`--shape 27b-zlab --phases fixed`)
+    train-dflash2      DFlash2 drafter training on train-stream's batches (`--phases stream --arch dflash2
+                       --block-size 16`): its MFU against DFlash's (goal: within 10%)
     extract-unpacked5  extraction, padded rows, five taps
     extract-packed4    extraction, packed rows, four taps
     extract-unpacked4  extraction, padded rows, four taps
@@ -44,6 +46,7 @@ TRAIN_GIB = {
     "stream": (58.8, "peak measured 57.5-58.8 GiB, 2026-12-01"),
     "fixed": (49.0, "peak measured 49.0 GiB, 2026-12-01"),
 }
+DFLASH2_GIB = (62.0, "estimate: train-stream's peak + ~3 GiB for the selector's and convolutions' 0.2 B parameters")
 
 
 def _round(ctx, units: int):
@@ -72,10 +75,10 @@ def _extract(name: str, taps: str, packing: bool):
     return stages, collect
 
 
-def _train(name: str, shape: str, phase: str):
+def _train(name: str, shape: str, phase: str, extra: tuple[str, ...] = ()):
     def stages(ctx, units: int):
         argv = ["-m", "benchmarks.train", "--phases", phase, "--steps", str(units), "--workdir", ctx.path("train")]
-        argv += ["--out", ctx.path(f"{name}.json")]
+        argv += ["--out", ctx.path(f"{name}.json"), *extra]
         if ctx.scale == "smoke":
             argv += ["--shape", f"tiny{shape.removeprefix('27b')}", "--warmup", "1", "--samples", "16"]
         else:
@@ -84,7 +87,13 @@ def _train(name: str, shape: str, phase: str):
 
     def collect(ctx, units: int):
         report = read_json(ctx.path(f"{name}.json"))
-        return train_figures(report, phase, f"shape27b.{name.replace('-', '_')}"), report
+        prefix = f"shape27b.{name.replace('-', '_')}"
+        figures = train_figures(report, phase, prefix)
+        if extra and figures:  # DFlash2: its MFU against DFlash's on the same batches (train-stream), if that ran
+            dflash = train_figures(read_json(ctx.path("train-stream.json")), phase, "dflash")
+            if dflash.get("dflash.mfu"):
+                figures[f"{prefix}.mfu_vs_dflash"] = figures[f"{prefix}.mfu"] / dflash["dflash.mfu"]
+        return figures, report
 
     return stages, collect
 
@@ -144,28 +153,33 @@ def parts(scale: str, options: dict) -> list[Part]:
         )
     # Compilation is most of the fixed cost (183 s and 147 s on a warm H200): inductor's caches keep it for the
     # next run on the machine (estimate: about 60% of it is the cold start).
-    for name, shape, phase, priority, fixed, cold, step in (
-        ("train-stream", "27b", "stream", 2, 80, 120, 0.55),
-        ("train-zlab", "27b-zlab", "fixed", 3, 60, 80, 0.48),
+    for name, shape, phase, priority, fixed, cold, step, extra in (
+        ("train-stream", "27b", "stream", 2, 80, 120, 0.55, ()),
+        ("train-zlab", "27b-zlab", "fixed", 3, 60, 80, 0.48, ()),
+        # Block 16, as train-stream: the same batches and blocks, so the MFUs differ by the class alone.
+        ("train-dflash2", "27b", "stream", 4, 80, 120, 0.6, ("--arch", "dflash2", "--block-size", "16")),
     ):
-        stages, collect = _train(name, shape, phase)
+        stages, collect = _train(name, shape, phase, extra)
         out.append(
             Part(
                 name,
-                f"drafter training at the 27B widths, {phase} phase, {shape}",
+                f"{'DFlash2 ' if extra else ''}drafter training at the 27B widths, {phase} phase, {shape}",
                 12 if smoke else fixed,
                 0.5 if smoke else step,
                 "steps",
                 3 if smoke else 20,
                 2 if smoke else 8 if phase == "stream" else 6,
                 priority,
-                "2026-11-30/12-01 logs: compilation 183 s (stream) and 147 s for the 27b-zlab command with 6 steps; "
-                "steps 0.55 s (stream) and 0.48 s (27b-zlab)",
+                "not measured yet: train-stream's costs, a little more per step"
+                if extra
+                else "2026-11-30/12-01 logs: compilation 183 s (stream) and 147 s for the 27b-zlab command with 6 "
+                "steps; steps 0.55 s (stream) and 0.48 s (27b-zlab)",
                 stages,
                 collect,
                 cold_s=0 if smoke else cold,
-                memory_gib=TRAIN_GIB[phase][0],
-                memory_source=TRAIN_GIB[phase][1],
+                memory_gib=(DFLASH2_GIB if extra else TRAIN_GIB[phase])[0],
+                memory_source=(DFLASH2_GIB if extra else TRAIN_GIB[phase])[1],
+                needs=("train-stream",) if extra else (),  # its MFU is compared with DFlash's on the same batches
             )
         )
     return sorted(out, key=lambda p: p.priority)  # run in the order of importance: a long part cuts the rest

@@ -96,6 +96,12 @@ class DrafterRecipeConfig:
         "(a config file given as the first argument is this one too)",
         path="local_in",
     )
+    arch: Literal["dflash", "dflash2"] = knob(
+        "dflash",
+        help="the drafter class (train's model.arch): dflash, or dflash2 (a block convolution around every sublayer "
+        "and a candidate selector; block 8). DFlash stays the default until DFlash2 wins on both the tiny default "
+        "and SmolLM2 (docs/benchmarks.md)",
+    )
     seed: int = knob(0, help="seed of the held-out carve, the drafter's init and its data order", min=0)
     allow_cache_mismatch: bool = knob(
         False,

@@ -8,6 +8,7 @@ stated once in docs/dflash.md, "Defaults derived from the target".
     attn_implementation  sdpa where the target's transformers class supports it, else eager
     taps                 extraction's layer_ids = "auto" (target.rules.auto_layer_ids)
     drafter depth        train's model.num_layers (target.rules.drafter_layers)
+    drafter class        train's model.arch: `arch` (DFlash unless asked), its block size the class's
     mask token           extraction's automatic choice (extract.corpus.mask_token), recorded in the shards
 
 A derived default is passed to a stage only where neither the config file's table nor the user's
@@ -38,6 +39,14 @@ DEVICE_STAGES = ("regenerate", "extract", "train", "eval", "specdecode")
 # (configs/smollm2-135m.toml: a 135 M target in float32 on an H200 cost little; bf16 verify passes differ
 # from bf16 one-token decoding at near-ties).
 SMALL_TARGET_BYTES = 2 * 10**9
+
+# Why the drafter class is what it is (train's model.arch; its block size follows it: train.config).
+ARCH_WHY = {
+    "dflash": "the default (arch=dflash2 trains DFlash2; it becomes the default only where it wins: "
+    "docs/benchmarks.md)",
+    "dflash2": "arch=dflash2: convolutions around every sublayer and a candidate selector, block 8 (the released "
+    "DFlash2 drafters')",
+}
 
 # Settings of each scale, as stage defaults (a config table or STAGE.key=value wins).
 SCALE_DEFAULTS = {
@@ -133,6 +142,7 @@ def derive(cfg: DrafterRecipeConfig) -> list[Derived]:
         ("attn_implementation", attention, attention_why, TARGET_STAGES, "attn_implementation"),
         ("taps (layer_ids)", taps, taps_why, ("extract",), ""),  # extraction's own default: layer_ids = "auto"
         ("drafter layers", layers, layers_why, ("train",), "model.num_layers"),
+        ("drafter class", cfg.arch, ARCH_WHY[cfg.arch], ("train",), "model.arch"),
     ]
     out = []
     for what, value, reason, stages, key in items:

@@ -34,6 +34,7 @@ COLUMNS = (
     "taps",
     "dtype",
     "attention",
+    "DFlash2",
 )
 REFUSED_COLUMNS = ("family", "config", "refused", "why")
 
@@ -60,6 +61,11 @@ taps the command derived are those the shards and the export record. A family th
 target is refused by the command before it writes anything (second table): by its architecture check
 before any step, or at step 1 by the target's self-check (docs/own-target.md, "The self-check"), in
 one line whose reason is shown here without its numbers.
+The DFlash2 column checks the export and decoding end for a DFlash2 drafter: the trained drafter's weights
+in a DFlash2 drafter with its convolutions and selector drawn at random, exported by
+`python -m train.serve.export` for the family's target and decoded on the held-out prompts by our
+loop (the selector's walk) and by z-lab's reference loop (`dflash_generate` of pip `dflash` 0.1.0 with
+its own `DFlash2DraftModel`), each against the target's greedy decoding.
 
 Columns: the transformers class extraction loaded the target as; the stored tensors the drafter shares,
 found through `get_input_embeddings()` / `get_output_embeddings()` (one name: tied); what the target's
@@ -108,12 +114,21 @@ def row(outcome: Outcome, family: Family) -> str:
             outcome.taps,
             outcome.dtype,
             outcome.attention,
+            dflash2_cell(outcome),
         )
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def _header(columns: tuple[str, ...]) -> str:
     return "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+
+
+def dflash2_cell(outcome: Outcome) -> str:
+    if not outcome.dflash2_lossless or outcome.dflash2_reference_lossless is False:
+        return f"NOT lossless (our loop {outcome.dflash2_lossless}, z-lab's {outcome.dflash2_reference_lossless})"
+    if outcome.dflash2_reference_lossless is None:
+        return f"lossless, our loop; {outcome.dflash2_reference_note}"
+    return "lossless, our loop and z-lab's"
 
 
 def render(rows: dict[str, str], version: str = transformers.__version__) -> str:

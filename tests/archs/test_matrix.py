@@ -13,7 +13,7 @@ import transformers
 
 from target.rules import auto_layer_ids, config_depth, drafter_layers
 from tests.archs.families import ALL, FAMILIES, REFUSED
-from tests.archs.pipeline import PROMPTS, run_family
+from tests.archs.pipeline import NO_REFERENCE, PROMPTS, run_family
 from tests.archs.table import chat_tokenizer, committed, page_version, parse, render, row
 
 AVAILABLE = [f for f in ALL if f.available]
@@ -42,10 +42,13 @@ def test_family_runs_end_to_end_or_is_refused_in_one_line(family, tmp_path):
         assert outcome.refused is None, outcome.refused
         assert_the_command_chose_and_recorded_its_defaults(outcome, tmp_path)
         assert outcome.lossless is True and outcome.quick_start_lossless is True and outcome.tokens > 0
+        assert outcome.dflash2_lossless is True and outcome.dflash2_reference_lossless in (True, None)
         if "linear_attention" in family.kwargs.get("layer_types", ()):
             assert outcome.decoding_path == "eager, with rollback"  # per-token states, no cache copy
         else:
             assert "rollback" not in outcome.decoding_path
+    if outcome.dflash2_reference_note == NO_REFERENCE:
+        pytest.skip(f"{NO_REFERENCE} (`make setup` installs it): the DFlash2 column is not compared")
     if page_version(committed()) != transformers.__version__:
         pytest.skip(f"docs/architectures.md is from transformers {page_version(committed())}: its row is not compared")
     assert row(outcome, family) == parse(committed()).get(family.name), "run `python -m tests.archs --table`"

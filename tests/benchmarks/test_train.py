@@ -91,3 +91,62 @@ def test_bench_times_the_same_work_in_process_and_under_torchrun(tmp_path):
         ]
         assert all(r["op"] == "get" and r["MB_per_s"] > 0 and r["bytes"] > 0 for r in ceiling["rows"])
         assert done.stdout.count("the S3 server's best GET through the proxy") == 2  # once per tier
+
+
+def test_dflash2_flops_count_its_projections_and_the_shape27b_part_compares_mfu(tmp_path):
+    """The DFlash2 parts of `step_flops` from the parameters of the built drafter: 3 x 2 x (weights of every
+    coefficient projection) per block token, 3 x 2 x (P's weights + k r) + 2 k D per loss row; DFlash counts
+    neither. The shape27b part `train-dflash2` reports its MFU over the DFlash stream's (same batches)."""
+    from types import SimpleNamespace
+
+    from benchmarks.suites.shape27b import parts
+    from benchmarks.train import SHAPES, drafter_config, step_flops, synthetic_batch
+    from common.config import load_config
+    from train.blocks import make_blocks, step_generator
+    from train.config import ModelConfig
+    from train.dflash2 import build_drafter
+
+    shape = SHAPES["tiny"]
+    model = load_config(ModelConfig, None, ["arch=dflash2"])
+    cfg = drafter_config(shape, 2, model)
+    assert cfg.arch == "dflash2" and cfg.block_size == 8 and cfg.selector_rank == shape["hidden_size"]
+    batch = synthetic_batch(1, 64, shape["vocab_size"], cfg.feature_width, 4)
+    blocks = make_blocks(
+        batch.input_ids,
+        batch.loss_mask,
+        batch.lengths,
+        batch.topk_ids,
+        block_size=8,
+        num_anchors=5,
+        gamma=4.0,
+        mask_token_id=cfg.mask_token_id,
+        generator=step_generator(0, 1),
+    )
+    drafter = build_drafter(cfg)
+    projections = sum(
+        m.kernel_projection.weight.numel() for layer in drafter.layers for m in (layer.attention_conv, layer.mlp_conv)
+    )
+    rows, k, r, D = blocks.loss_rows_M.numel(), cfg.selector_top_k, cfg.selector_rank, cfg.hidden_size
+    flops = step_flops(cfg, blocks, 64)
+    assert flops["conv"] == 3 * 2 * projections * blocks.num_blocks * 8
+    hidden_projection = drafter.candidate_selector.hidden_projection.weight.numel()
+    assert flops["selector"] == (3 * 2 * (hidden_projection + k * r) + 2 * k * D) * rows
+    assert "conv" not in step_flops(drafter_config(shape, 2), blocks, 64)
+    part = next(p for p in parts("smoke", {}) if p.name == "train-dflash2")
+    ctx = SimpleNamespace(scale="smoke", path=lambda name: str(tmp_path / name))
+    argv = part.stages(ctx, 3)[0][0][1]
+    assert argv[argv.index("--arch") + 1] == "dflash2" and argv[argv.index("--block-size") + 1] == "16"
+    for name, mfu in (("train-stream", 0.5), ("train-dflash2", 0.45)):
+        row = {
+            "phase": "stream",
+            "step_s_median": 1.0,
+            "mfu": mfu,
+            "tflop_s": 1.0,
+            "fetch_frac": 0.0,
+            "peak_mem_gib": 1.0,
+            "block_tok_s": 1.0,
+            "steps": 3,
+        }
+        (tmp_path / f"{name}.json").write_text(json.dumps({"results": [row]}))
+    figures, _ = part.collect(ctx, 3)
+    assert figures["shape27b.train_dflash2.mfu_vs_dflash"] == pytest.approx(0.9)

@@ -147,3 +147,48 @@ def test_compiled_target_graphs_decode_what_the_eager_target_does(tmp_path):
         check_round_bookkeeping(spec)
         for mine, expected in zip(ours.logits, theirs.logits, strict=True):
             torch.testing.assert_close(mine, expected, rtol=1e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}])
+def test_the_graphed_dflash2_drafter_replays_the_selectors_walk(tmp_path, layout):
+    """A DFlash2 drafter's fixed-window round (its forward, the target's head and the selector's walk over
+    the block positions) captured as one CUDA graph proposes, round by round, what the dynamic-cache
+    proposer does (float64), beside the graphed target, and is lossless."""
+    from tests.train.serve.test_dflash2 import Proposals, dflash2_config, random_dflash2
+    from train.serve.static_drafter import StaticDFlashProposer
+    from train.serve.static_target import StaticSpecTarget
+
+    model = tiny_qwen3().cuda()
+    target = SpecTarget.from_model(model, LAYER_IDS, stop_ids=[])
+    static_target = StaticSpecTarget(target.target, LAYER_IDS, [], max_len=256)
+    cfg = dflash2_config(**layout)
+    export_drafter(random_dflash2(cfg, seed=3).state_dict(), cfg, tmp_path / "d2", dtype="float32")
+    drafter = load_exported(tmp_path / "d2", dtype=torch.float64, device="cuda")
+    graphed = StaticDFlashProposer(drafter, static_target, max_len=256)
+    assert graphed.graph_note.startswith("on"), graphed.graph_note
+    for prompt in random_prompts(3, lengths=(5, 23, 60), seed=4):
+        ours, theirs = Proposals(graphed), Proposals(DFlashProposer(drafter, target))
+        spec = speculative_generate(static_target, ours, prompt, 64)
+        reference = speculative_generate(target, theirs, prompt, 64)
+        assert spec.tokens == reference.tokens == greedy_generate(target, prompt, 64).tokens
+        assert ours.rounds == theirs.rounds
+        check_round_bookkeeping(spec, block_size=cfg.block_size)
+    assert graphed.replays > 3
+
+
+def test_the_specdecode_cli_with_a_dflash2_export_on_cuda(tmp_path, capsys):
+    """The command on CUDA with a DFlash2 export: the static target and the graphed DFlash2 drafter by
+    default, lossless in float32."""
+    from tests.train.serve.test_dflash2 import dflash2_config, random_dflash2
+
+    prompts = cli_inputs(tmp_path, n_prompts=3)
+    cfg = dflash2_config()
+    export_drafter(random_dflash2(cfg, seed=5).state_dict(), cfg, tmp_path / "drafter", dtype="float32")
+    out = tmp_path / "result.json"
+    args = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts)]
+    code = main(args + ["--max-new-tokens", "32", "--out", str(out), "--device", "cuda"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    result = json.loads(out.read_text())
+    assert result["summary"]["lossless"] and result["config"]["drafter_architecture"] == "DFlash2DraftModel"
+    assert result["config"]["static_drafter"].startswith("on"), result["config"]["static_drafter"]

@@ -117,7 +117,7 @@ def test_runs_every_step_in_order_and_summarizes_their_outputs(tmp_path, monkeyp
         "train.report",
     ]
     train_args, eval_args, spec_args = calls[2], calls[3], calls[5]
-    assert "run_name=demo" in train_args and "optim.max_steps=800" in train_args
+    assert "run_name=demo" in train_args and "optim.max_steps=800" in train_args and "model.arch=dflash" in train_args
     assert not [a for a in train_args if "seed" in a]  # seed 0: the config's own
     checkpoints, evaluation = parse_eval_args(eval_args[2:])
     assert checkpoints == ["runs/demo"] and evaluation.data == "artifacts/tiny/shards/heldout"

@@ -78,6 +78,14 @@ def test_derived_defaults_yield_to_a_config_table_and_to_stage_settings(tmp_path
     assert derived["drafter layers"].value == 2 and derived["taps (layer_ids)"].value == [1, 2, 4, 5]
     assert derived["drafter layers"].yours == (f"[train] model.num_layers in {config}",)
     assert derived["dtype"].value == "float32" and len(derived["dtype"].yours) == 2  # the table's and the user's
+    assert derived["drafter class"].value == "dflash" and derived["drafter class"].settings == (
+        "train.model.arch=dflash",
+    )
+    dflash2 = {d.what: d for d in derive(parse_drafter_args([f"target={TARGET}", "prompts=p.jsonl", "arch=dflash2"]))}
+    assert (
+        dflash2["drafter class"].settings == ("train.model.arch=dflash2",)
+        and "block 8" in dflash2["drafter class"].reason
+    )
     job = Job(
         target=TARGET,
         train_prompts="t.jsonl",

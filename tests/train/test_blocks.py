@@ -108,6 +108,18 @@ def test_alignment_with_a_loss_mask_gap_and_padding_row():
     assert blocks.loss_rows_M.tolist() == blocks.weights_BQ.view(-1).nonzero().view(-1).tolist()
 
 
+def test_selector_predecessors_are_the_anchor_then_the_label_before():
+    """DFlash2's teacher forcing: position 1 follows the anchor token, position k the label of k-1, also where
+    k-1 carries no weight (row 1, anchor 2: token 4 is a prompt token, its label still precedes k = 3)."""
+    blocks = blocks_for()
+    for b, anchor, expected in ((0, 4, [14, 14, 104, 105]), (0, 10, [20, 20, 110, 111]), (1, 2, [32, 32, 152, 153])):
+        n = blocks.anchors_BN[b].tolist().index(anchor)
+        assert blocks.predecessors_BQ[b, n * K + 1 : (n + 1) * K].tolist() == expected[1:], (b, anchor)
+    data = blocks_for(labels="data")
+    n = data.anchors_BN[0].tolist().index(4)
+    assert data.predecessors_BQ[0, n * K + 1 : (n + 1) * K].tolist() == [14, 15, 16]  # x[a], x[a+1], x[a+2]
+
+
 def test_data_token_labels_ablation():
     row0 = row_blocks(blocks_for(labels="data"), 0)
     assert row0[4][2] == [0, 15, 16, 17]  # x[a+k]

@@ -48,8 +48,11 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=raw, mask_token="<|MASK|>", unk_token="t0")
 
 
-def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_token_id=MASK_ID, nan_at=None):
-    """n tiny samples; `nan_at`: the index of one whose hidden states are all NaN (written unchecked)."""
+def write_shards(
+    root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_token_id=MASK_ID, nan_at=None, bigram=False
+):
+    """n tiny samples; `nan_at`: the index of one whose hidden states are all NaN (written unchecked);
+    `bigram`: each token follows from the one before by a fixed permutation (else tokens are independent)."""
     prov = {
         "target": {"name_or_path": str(target_dir), "num_layers": LAYERS, "hidden_size": H, "vocab_size": V},
         "tokenizer": {"hash": tokenizer_hash, "mask_token_id": mask_token_id},
@@ -58,6 +61,8 @@ def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_to
         "topk": TOPK,
     }
     rng = np.random.default_rng(seed)
+    # Its own generator, so that the samples without `bigram` stay as they were.
+    successor = np.random.default_rng(seed + 1).permutation(V - 1)
     with ShardWriter(
         str(root),
         provenance=prov,
@@ -69,6 +74,8 @@ def write_shards(root, target_dir, *, n=24, seed=0, tokenizer_hash="t0", mask_to
         for index in range(n):
             T = int(rng.integers(12, 41))
             ids = rng.integers(0, V - 1, T).astype(np.int32)
+            for t in range(1, T if bigram else 0):
+                ids[t] = successor[ids[t - 1]]
             lm = (np.arange(T) >= T // 4).astype(np.uint8)
             hidden = (rng.normal(0, 1, (T, len(TAPS) * H)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
             if index == nan_at:

@@ -1,4 +1,4 @@
-"""Offline evaluation of DFlash drafters: per-position acceptance, chain τ and DDTree-B τ.
+"""Offline evaluation of DFlash and DFlash2 drafters: per-position acceptance, chain τ and DDTree-B τ.
 
     python -m train.eval CHECKPOINT [CHECKPOINT2] --data SHARDS [--out PATH] [--config FILE] [key=value ...]
     make eval CKPT=runs/abl/checkpoints/step-00001000 DATA=artifacts/tiny/shards/heldout
@@ -24,6 +24,10 @@ bucket:
   - DDTree-B τ for each budget (best-first tree over the drafter's top-B log-probs per depth,
     walked by the target's tokens; `train.eval.ddtree`) and its surrogate expectation;
   - the fraction of blocks with all D drafts accepted (a cut block never is).
+A DFlash2 checkpoint is measured on what it serves, its candidate selector's proposals (the greedy
+walk for the chain; DDTree over the conditional tree of the selector's q over its candidates,
+`train.eval.selector`), and on its unary ones (the argmax and its tree) beside them on the same
+blocks (JSON `unary`, rows `unary: ...`).
 These are averages over blocks (anchors), not the per-response mean of per-round τ that online
 benchmarks report, and the labels are the target's greedy tokens *given the data prefix*: they equal
 online greedy decoding only where the data is the target's own greedy output (docs/dflash.md "Acceptance length (τ)").
@@ -62,5 +66,6 @@ Modules, one job each: `config` (EvalConfig), `checkpoints` (what a checkpoint s
 its target head), `selection` (which samples, length buckets), `anchors` (the blocks of a sample),
 `drafting` (batched forwards, the kernel choice), `scoring` (chain and DDTree τ per block, summaries),
 `baseline` (most-frequent-label baseline), `run` (one evaluation, the JSON report), `render` (the
-table), `acceptance` and `ddtree` (pure functions shared with speculative decoding), `__main__` (CLI).
+table), `acceptance`, `ddtree` and `selector` (pure functions shared with speculative decoding),
+`__main__` (CLI).
 """

@@ -16,8 +16,9 @@ from shards.provenance import provenance_of
 from target.identity import StoredHead, target_identity
 from target.identity_check import OVERRIDE_KEY, check_target
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
+from train.dflash2 import build_drafter
 from train.drafter_config import DrafterConfig
-from train.model import DFlashDrafter, TargetHead
+from train.model import TargetHead
 
 
 @dataclasses.dataclass
@@ -143,7 +144,7 @@ def check_eval_target(
 class EvalModel:
     """One drafter ready to evaluate: the model, the target's frozen head, and its block layout."""
 
-    model: nn.Module  # DFlashDrafter, or any module with its forward signature
+    model: nn.Module  # a DFlashDrafter (or DFlash2Drafter), or any module with its forward signature
     head: nn.Module  # TargetHead: .embed(ids), .logits(hidden)
     block_size: int
     mask_token_id: int
@@ -162,7 +163,7 @@ def load_eval_model(
     from safetensors.torch import load_file
 
     cfg = info.drafter_config
-    drafter = DFlashDrafter(cfg)
+    drafter = build_drafter(cfg)
     try:
         state = load_file(str(info.path / MODEL_FILE))
         if info.fold is not None:  # trained on projected features, evaluated on full ones: fc = fc'·P

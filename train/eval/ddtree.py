@@ -32,6 +32,18 @@ Two builders give identical trees (tested node for node): `build_ddtree` (one bl
 heap: the specification) and `build_ddtree_batch` (the same search run in lock step over many
 blocks in torch, ~10-20x faster per block: the path eval uses, through `ddtree_taus`).
 
+Conditional trees (a DFlash2 drafter's selector). There the distribution at depth d depends on the
+token of the parent node: q_d(b | a) = softmax over the selector's k candidates b of depth d of its
+scores S_d(a, b), the anchor being the parent of depth 1 (train.dflash2). The search is the same
+best-first heap, with score sum_d log q_d(t_d | t_{d-1}), except that a node's children are ranked by
+its own row of q: `ConditionalTopK` holds, per depth and parent row (the parent's candidate slot;
+one row at depth 1), the children's log-probabilities sorted descending and the candidate slot each
+comes from. `build_selector_ddtree` (the specification) and `build_selector_ddtree_batch` build it;
+a unary tree is the conditional tree with one row per depth that every parent shares, and the
+builders are written once for both (`_best_first`, `_best_first_batch`). Every property above
+holds with "rank among the parent's children" for "rank at its depth"; with a row per parent,
+`topk = min(budget, k)` still bounds the children a node ever uses.
+
 Valid length. A block near the end of a response has only L <= D target tokens. The tree is built
 from all D depths exactly as online decoding would build it (eval should pass the drafter's real
 outputs at every depth), but the walk and the surrogate stop at depth L: such a block can accept at
@@ -49,13 +61,17 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "ConditionalTopK",
     "DDTree",
     "DDTreeBatch",
     "DDTreeTaus",
     "build_ddtree",
     "build_ddtree_batch",
+    "build_selector_ddtree",
+    "build_selector_ddtree_batch",
     "ddtree_taus",
     "draft_topk",
+    "selector_ddtree_taus",
     "surrogate_tau",
     "surrogate_tau_batch",
     "walk_ddtree_batch",
@@ -118,6 +134,29 @@ class DDTreeBatch:
 
 
 @dataclass(frozen=True)
+class ConditionalTopK:
+    """The children of every possible parent, for N blocks of D depths with k candidate slots per depth.
+
+    Row p of depth d+1 ranks the children of the depth-d node in candidate slot p; depth 1 uses row
+    0 only (its parent is the anchor). Along the last axis the log-probabilities are sorted
+    descending and `slot_NDPK` names each one's candidate slot at its own depth."""
+
+    logprobs_NDPK: Tensor  # float: log q_d(child | parent row), sorted descending along K
+    slot_NDPK: Tensor  # int64: the candidate slot (0..k-1) of the r-th best child
+    token_NDk: Tensor  # int64: the token in each candidate slot of each depth
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.logprobs_NDPK.shape[0])
+
+    def block(self, i: int) -> "ConditionalTopK":
+        return ConditionalTopK(self.logprobs_NDPK[i : i + 1], self.slot_NDPK[i : i + 1], self.token_NDk[i : i + 1])
+
+    def rows(self, rows: slice) -> "ConditionalTopK":
+        return ConditionalTopK(self.logprobs_NDPK[rows], self.slot_NDPK[rows], self.token_NDk[rows])
+
+
+@dataclass(frozen=True)
 class DDTreeTaus:
     """Per-block DDTree results for one budget."""
 
@@ -173,6 +212,29 @@ def _prepared(topk_logprobs: Tensor, topk_ids: Tensor, budget: int) -> tuple[Ten
     return (topk_logprobs[..., :keep].double().clamp(max=0.0), topk_ids[..., :keep].long())
 
 
+def _check_conditional(topk: ConditionalTopK, budget: int) -> None:
+    lp, slot, token = topk.logprobs_NDPK, topk.slot_NDPK, topk.token_NDk
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be a positive int, got {budget!r}")
+    if lp.ndim != 4 or slot.shape != lp.shape or token.shape != lp.shape[:2] + lp.shape[-1:]:
+        raise ValueError(
+            f"conditional top-k must be [N, D, P, k] log-probs and slots and [N, D, k] tokens, got "
+            f"{tuple(lp.shape)}, {tuple(slot.shape)}, {tuple(token.shape)}"
+        )
+    if lp.shape[2] not in (1, lp.shape[3]):
+        raise ValueError(f"conditional top-k needs one row per depth or one per candidate slot, got {lp.shape[2]}")
+    if torch.isnan(lp).any() or (lp[..., 1:] > lp[..., :-1]).any():
+        raise ValueError("conditional log-probs must be sorted descending along the last dimension (and not NaN)")
+    if not torch.equal(slot.sort(dim=-1).values, torch.arange(lp.shape[-1]).expand_as(slot)):
+        raise ValueError("conditional slots must be a permutation of the candidate slots in every row")
+
+
+def _prepared_conditional(topk: ConditionalTopK, budget: int) -> tuple[Tensor, Tensor]:
+    """The top-`budget` children of every row (float64, clamped to <= 0) and their slots."""
+    keep = min(budget, topk.logprobs_NDPK.shape[-1])
+    return topk.logprobs_NDPK[..., :keep].double().clamp(max=0.0), topk.slot_NDPK[..., :keep].long()
+
+
 # ----------------------------------------------------------------------------- one block
 
 
@@ -185,15 +247,32 @@ def build_ddtree(topk_logprobs_DK: Tensor, topk_ids_DK: Tensor, budget: int) -> 
     """
     _check_topk(topk_logprobs_DK, topk_ids_DK, budget, 2, "[D, K]")
     lp_DK, ids_DK = _prepared(topk_logprobs_DK, topk_ids_DK, budget)
-    n_depths, n_ranks = lp_DK.shape
-    lp, ids = lp_DK.tolist(), ids_DK.tolist()
+    return _best_first(lp_DK[:, None].tolist(), None, ids_DK.tolist(), budget)
 
+
+def build_selector_ddtree(topk: ConditionalTopK, budget: int) -> DDTree:
+    """The conditional DDTree of one block (`topk` with N = 1; module docstring, "Conditional trees"):
+    the best-first heap over prefixes, each node's children ranked by its own row."""
+    _check_conditional(topk, budget)
+    lp_DPK, slot_DPK = _prepared_conditional(topk, budget)
+    return _best_first(lp_DPK[0].tolist(), slot_DPK[0].tolist(), topk.token_NDk[0].tolist(), budget)
+
+
+def _best_first(lp: list, slots: list | None, tokens: list, budget: int) -> DDTree:
+    """The heap search over nested lists lp[d][row][rank] (rows: one shared, or one per parent slot),
+    slots[d][row][rank] (None: the rank is the slot) and tokens[d][slot]."""
+    n_depths, n_rows, n_ranks = len(lp), len(lp[0]), len(lp[0][0])
     parents: list[int] = []
     depths: list[int] = []
     ranks: list[int] = []
     scores: list[float] = []
+    node_slots: list[int] = []
+
+    def row(node: int) -> int:  # the row that ranks the node's children
+        return node_slots[node] if node >= 0 and n_rows > 1 else 0
+
     # Entries are the order key itself: (-score, depth, parent index, rank).
-    heap = [(-lp[0][0], 1, -1, 0)]
+    heap = [(-lp[0][0][0], 1, -1, 0)]
     while heap and len(scores) < budget:
         neg_score, depth, parent, rank = heapq.heappop(heap)
         node, score = len(scores), -neg_score
@@ -201,17 +280,18 @@ def build_ddtree(topk_logprobs_DK: Tensor, topk_ids_DK: Tensor, budget: int) -> 
         depths.append(depth)
         ranks.append(rank)
         scores.append(score)
+        node_slots.append(rank if slots is None else slots[depth - 1][row(parent)][rank])
         if rank + 1 < n_ranks:
             parent_score = 0.0 if parent < 0 else scores[parent]
-            heapq.heappush(heap, (-(parent_score + lp[depth - 1][rank + 1]), depth, parent, rank + 1))
+            heapq.heappush(heap, (-(parent_score + lp[depth - 1][row(parent)][rank + 1]), depth, parent, rank + 1))
         if depth < n_depths:
-            heapq.heappush(heap, (-(score + lp[depth][0]), depth + 1, node, 0))
+            heapq.heappush(heap, (-(score + lp[depth][row(node)][0]), depth + 1, node, 0))
 
     return DDTree(
         parent_M=torch.tensor(parents, dtype=torch.long),
         depth_M=torch.tensor(depths, dtype=torch.long),
         rank_M=torch.tensor(ranks, dtype=torch.long),
-        token_M=torch.tensor([ids[d - 1][r] for d, r in zip(depths, ranks)], dtype=torch.long),
+        token_M=torch.tensor([tokens[d - 1][slot] for d, slot in zip(depths, node_slots)], dtype=torch.long),
         score_M=torch.tensor(scores, dtype=torch.float64),
     )
 
@@ -273,12 +353,29 @@ def build_ddtree_batch(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, budget: 
     """
     _check_topk(topk_logprobs_NDK, topk_ids_NDK, budget, 3, "[N, D, K]")
     lp_NDK, ids_NDK = _prepared(topk_logprobs_NDK, topk_ids_NDK, budget)
-    n_blocks, n_depths, n_ranks = lp_NDK.shape
-    lp_NF = lp_NDK.reshape(n_blocks, n_depths * n_ranks)  # flat index (depth - 1) * K + rank
+    return _best_first_batch(lp_NDK[:, :, None], None, ids_NDK, budget)
+
+
+def build_selector_ddtree_batch(topk: ConditionalTopK, budget: int) -> DDTreeBatch:
+    """`build_selector_ddtree` for N blocks at once (the search of `build_ddtree_batch`), node for node."""
+    _check_conditional(topk, budget)
+    lp_NDPK, slot_NDPK = _prepared_conditional(topk, budget)
+    return _best_first_batch(lp_NDPK, slot_NDPK, topk.token_NDk.long(), budget)
+
+
+def _best_first_batch(lp_NDPK: Tensor, slot_NDPK: Tensor | None, token_NDk: Tensor, budget: int) -> DDTreeBatch:
+    """The lock-step search over rows lp[n, d, row, rank] (one row shared, or one per parent slot), with
+    slot_NDPK the candidate slot of each rank (None: the rank is the slot) and token_NDk each slot's token."""
+    n_blocks, n_depths, n_rows, n_ranks = lp_NDPK.shape
+    lp_NF = lp_NDPK.reshape(n_blocks, -1)  # flat index ((depth - 1) * n_rows + row) * n_ranks + rank
+    slot_NF = None if slot_NDPK is None else slot_NDPK.reshape(n_blocks, -1)
     neg_inf = float("-inf")
 
     def key(depth, parent, rank):
         return _pack_key(torch.as_tensor(depth), torch.as_tensor(parent), torch.as_tensor(rank), budget, n_ranks)
+
+    def flat(depth_N1: Tensor, row_N1: Tensor, rank_N1: Tensor) -> Tensor:
+        return (((depth_N1 - 1).clamp(0, n_depths - 1) * n_rows + row_N1) * n_ranks + rank_N1).clamp(min=0)
 
     # An empty slot holds a key above every real key and score -inf, so it loses every
     # comparison, even to a live entry of score -inf.
@@ -290,6 +387,8 @@ def build_ddtree_batch(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, budget: 
 
     key_NM = torch.full((n_blocks, budget), no_entry, dtype=torch.long)
     score_NM = torch.full((n_blocks, budget), neg_inf, dtype=torch.float64)
+    row_NM = torch.zeros((n_blocks, budget), dtype=torch.long)  # the row ranking each node's children
+    cand_NM = torch.zeros((n_blocks, budget), dtype=torch.long)  # each node's candidate slot
     for step in range(budget):
         # Pop: best score, ties to the smallest key. Slots past step are still empty.
         used_score_NS, used_key_NS = slot_score_NS[:, : step + 1], slot_key_NS[:, : step + 1]
@@ -304,13 +403,17 @@ def build_ddtree_batch(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, budget: 
         key_NM[:, step : step + 1] = key_N1
         score_NM[:, step : step + 1] = score_N1
         depth_N1, parent_N1, rank_N1 = _unpack_key(key_N1, budget, n_ranks)
+        parent_row_N1 = torch.where(parent_N1 >= 0, row_NM.gather(1, parent_N1.clamp(min=0)), 0)
+        where_N1 = flat(depth_N1, parent_row_N1, rank_N1)
+        cand_N1 = rank_N1.clamp(min=0) if slot_NF is None else slot_NF.gather(1, where_N1)
+        cand_NM[:, step : step + 1] = cand_N1
+        row_NM[:, step : step + 1] = cand_N1 if n_rows > 1 else 0
 
         # Next sibling into the freed slot, scored as parent score + its own log-prob.
         parent_score_N1 = torch.where(parent_N1 >= 0, score_NM.gather(1, parent_N1.clamp(min=0)), 0.0)
         sibling_rank_N1 = (rank_N1 + 1).clamp(max=n_ranks - 1)
         sibling_ok_N1 = popped_N1 & (rank_N1 + 1 < n_ranks)
-        sibling_flat_N1 = ((depth_N1 - 1) * n_ranks + sibling_rank_N1).clamp(min=0)
-        sibling_score_N1 = parent_score_N1 + lp_NF.gather(1, sibling_flat_N1)
+        sibling_score_N1 = parent_score_N1 + lp_NF.gather(1, flat(depth_N1, parent_row_N1, sibling_rank_N1))
         slot_score_NS.scatter_(1, slot_N1, torch.where(sibling_ok_N1, sibling_score_N1, neg_inf))
         slot_key_NS.scatter_(
             1,
@@ -320,7 +423,8 @@ def build_ddtree_batch(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, budget: 
 
         # First child into a fresh slot: step + 1 slots have been used so far.
         child_ok_N1 = popped_N1 & (depth_N1 < n_depths)
-        child_score_N1 = score_N1 + lp_NF.gather(1, depth_N1.clamp(max=n_depths - 1) * n_ranks)
+        child_where_N1 = flat(depth_N1 + 1, row_NM[:, step : step + 1], torch.zeros_like(rank_N1))
+        child_score_N1 = score_N1 + lp_NF.gather(1, child_where_N1)
         slot_score_NS[:, step + 1 : step + 2] = torch.where(child_ok_N1, child_score_N1, neg_inf)
         slot_key_NS[:, step + 1 : step + 2] = torch.where(
             child_ok_N1, _pack_key(depth_N1 + 1, torch.tensor(step), 0, budget, n_ranks), no_entry
@@ -331,8 +435,9 @@ def build_ddtree_batch(topk_logprobs_NDK: Tensor, topk_ids_NDK: Tensor, budget: 
     depth_NM = torch.where(node_valid_NM, depth_NM, 0)
     parent_NM = torch.where(node_valid_NM, parent_NM, -1)
     rank_NM = torch.where(node_valid_NM, rank_NM, -1)
-    token_flat_NM = (depth_NM - 1).clamp(min=0) * n_ranks + rank_NM.clamp(min=0)
-    token_NM = torch.where(node_valid_NM, ids_NDK.reshape(n_blocks, -1).gather(1, token_flat_NM), -1)
+    n_slots = token_NDk.shape[-1]
+    token_flat_NM = (depth_NM - 1).clamp(min=0) * n_slots + cand_NM
+    token_NM = torch.where(node_valid_NM, token_NDk.reshape(n_blocks, -1).gather(1, token_flat_NM), -1)
     return DDTreeBatch(
         parent_NM=parent_NM,
         depth_NM=depth_NM,
@@ -396,18 +501,46 @@ def ddtree_taus(
     the tree over those k tokens only). target_ids_ND: y_1..y_D. valid_len_N: number of target
     tokens present, 0..D. Processed `chunk_blocks` blocks at a time to bound memory.
     """
+    if topk_logprobs_NDK.shape[:1] != (topk_ids_NDK.shape[0],):
+        raise ValueError("top-k log-probs and ids must have the same N")
+
+    def build(rows: slice, budget: int) -> DDTreeBatch:
+        return build_ddtree_batch(topk_logprobs_NDK[rows], topk_ids_NDK[rows], budget)
+
+    return _taus(build, topk_logprobs_NDK.shape[0], target_ids_ND, valid_len_N, budgets, chunk_blocks)
+
+
+def selector_ddtree_taus(
+    topk: ConditionalTopK,
+    target_ids_ND: Tensor,
+    valid_len_N: Tensor,
+    budgets: Iterable[int],
+    chunk_blocks: int = 4096,
+) -> dict[int, DDTreeTaus]:
+    """`ddtree_taus` of the conditional trees (a DFlash2 drafter's selector: `build_selector_ddtree_batch`);
+    the surrogate is E[τ] if each y_d follows q_d(. | y_{d-1}) over the candidates."""
+    return _taus(
+        lambda rows, budget: build_selector_ddtree_batch(topk.rows(rows), budget),
+        topk.n_blocks,
+        target_ids_ND,
+        valid_len_N,
+        budgets,
+        chunk_blocks,
+    )
+
+
+def _taus(build, n_blocks: int, target_ids_ND: Tensor, valid_len_N: Tensor, budgets, chunk_blocks: int):
     budgets = sorted(set(budgets))
     if not budgets:
         raise ValueError("need at least one budget")
     if chunk_blocks < 1:
         raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
-    n_blocks = topk_logprobs_NDK.shape[0]
     if target_ids_ND.shape[:1] != (n_blocks,) or valid_len_N.shape != (n_blocks,):
         raise ValueError("top-k inputs, target ids and valid lengths must have the same N")
     parts: dict[int, list[DDTreeTaus]] = {b: [] for b in budgets}
     for start in range(0, n_blocks, chunk_blocks):
         rows = slice(start, start + chunk_blocks)
-        full = build_ddtree_batch(topk_logprobs_NDK[rows], topk_ids_NDK[rows], budgets[-1])
+        full = build(rows, budgets[-1])
         for b in budgets:
             tree = full.prefix(b)
             parts[b].append(

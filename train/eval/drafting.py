@@ -1,7 +1,8 @@
 """Batched drafting: the anchors of a sequence evaluated many blocks per forward under the training mask,
 several short sequences per forward, context trimmed to the last anchor; only the top-k log-probs
-per depth leave the device (`draft_topk_for_pieces`). `Runtime` is the trainer's own kernel choice
-(`train.kernels`).
+per depth leave the device (`draft_topk_for_pieces`), and for a DFlash2 drafter its selector's walk
+and per-parent distributions over its candidates (`train.eval.selector`). `Runtime` is the trainer's
+own kernel choice (`train.kernels`).
 
 Shape legend: T tokens of a sample, F tap feature width, A anchors of a piece, D draft positions
 (block_size - 1), K block size, R rows of a forward, N blocks per row, S context, Q = N*K, P = S+Q,
@@ -20,6 +21,7 @@ from train.alignment import block_input_ids, block_positions
 from train.eval.checkpoints import EvalModel
 from train.eval.config import EvalConfig
 from train.eval.ddtree import draft_topk
+from train.eval.selector import SelectorDrafts, selector_drafts
 from train.kernels import EVAL_KEYS, KernelPlan, OnKernels, choose_kernels
 
 
@@ -136,9 +138,10 @@ def forward_inputs(pieces: Sequence[Piece], block_size: int, mask_token_id: int)
 @torch.no_grad()
 def draft_topk_for_pieces(
     model: EvalModel, pieces: Sequence[Piece], runtime: Runtime, topk: int, chunk_rows: int
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, SelectorDrafts | None]:
     """The drafter's top-k log-probs (float32) and ids (int64), each [M, D, k] on the CPU, for every
-    block of the pieces in order. Full-vocabulary logits exist for ~chunk_rows block tokens at a time."""
+    block of the pieces in order, and a DFlash2 drafter's selector drafts (else None). Full-vocabulary
+    logits exist for ~chunk_rows block tokens at a time."""
     K = model.block_size
     inputs = forward_inputs(pieces, K, model.mask_token_id)
     device = runtime.device
@@ -149,12 +152,17 @@ def draft_topk_for_pieces(
         hidden_RQD = model.model(model.head.embed(moved.block_ids_RQ), moved.hidden_RSF, moved.position_ids_RP, mask)
         # Block position 0 (the anchor) predicts nothing; keep positions 1..K-1 of the real blocks.
         drafts_MDH = hidden_RQD.view(R, N, K, -1)[:, :, 1:][moved.keep_RN]
+        anchor_ids_M = moved.block_ids_RQ.view(R, N, K)[:, :, 0][moved.keep_RN]
+        selector = getattr(model.model, "candidate_selector", None)
         chunk_blocks = max(1, chunk_rows // (K - 1))
         k = min(topk, int(model.head.vocab_size))
-        values, ids = [], []
+        values, ids, chosen = [], [], []
         for start in range(0, drafts_MDH.shape[0], chunk_blocks):
-            logits_CDV = model.head.logits(drafts_MDH[start : start + chunk_blocks])
+            rows = slice(start, start + chunk_blocks)
+            logits_CDV = model.head.logits(drafts_MDH[rows])
             lp_CDk, ids_CDk = draft_topk(logits_CDV, k)
             values.append(lp_CDk.cpu())
             ids.append(ids_CDk.cpu())
-    return torch.cat(values), torch.cat(ids)
+            if selector is not None:
+                chosen.append(selector_drafts(selector, drafts_MDH[rows], logits_CDV, anchor_ids_M[rows]).to("cpu"))
+    return torch.cat(values), torch.cat(ids), SelectorDrafts.concat(chosen) if chosen else None

@@ -1,5 +1,6 @@
 """The on-screen table of an evaluation report: a pure function of the report (`render_report`), so the
-JSON holds everything the table shows.
+JSON holds everything the table shows. A DFlash2 checkpoint's rows are its selector's proposals (what
+it serves); its unary proposals (the head's argmax and its tree) follow as `unary` rows.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ def metric_rows(budgets: Sequence[int], n_draft: int, headline_only: bool = Fals
         rows += [(f"acc k={k}", "position_acceptance", k - 1) for k in range(1, n_draft + 1)]
         rows += [(f"acc k={k} | reached", "conditional_acceptance", k - 1) for k in range(1, n_draft + 1)]
     return rows
+
+
+def unary_rows(budgets: Sequence[int]) -> list[tuple[str, str, int | None]]:
+    """(row label, summary key, list index or None) of a DFlash2 checkpoint's unary rows."""
+    return [
+        ("unary: tau chain", "tau", None),
+        ("unary: tau chain surrogate", "surrogate_tau", None),
+        ("unary: acc k=1", "position_acceptance", 0),
+    ] + [(f"unary: tau DDTree-{b}", f"ddtree_tau_{b}", None) for b in budgets]
 
 
 def baseline_rows(budgets: Sequence[int]) -> list[tuple[str, str, int | None]]:
@@ -90,6 +100,14 @@ def _single_table(report: dict) -> str:
             [label] + [_bucket_cell(s, key, index) for s in summaries]
             for label, key, index in baseline_rows(report["budgets"])
         ]
+    unary = ckpt.get("unary")
+    if unary:
+        at = next(i for i, row in enumerate(rows) if row[0].startswith("acc k=1"))
+        summaries = [unary["overall"]] + (unary["buckets"] if len(columns) > 1 else [])
+        rows[at:at] = [
+            [label] + [_bucket_cell(s, key, index) for s in summaries]
+            for label, key, index in unary_rows(report["budgets"])
+        ]
     return _grid(header, rows)
 
 
@@ -112,13 +130,31 @@ def _baseline_line(report: dict) -> list[str]:
     return [line, f"             on the same blocks for A and B: {numbers}"]
 
 
-def _pair_table(first: dict, second: dict, ratio: dict, rows_spec) -> str:
+def _pair_table(first: dict, second: dict, ratio: dict, rows_spec, unary: tuple | None = None) -> str:
+    """A beside B; `unary`: (their unary summaries, a DFlash2 checkpoint's or None; the rows), rows without a ratio."""
     header = ["metric", "A", "B", "B/A"]
     rows = [
         [label, _bucket_cell(first, key, index), _bucket_cell(second, key, index), _cell(_value(ratio, key, index))]
         for label, key, index in rows_spec
     ]
+    if unary:
+        pair, spec = unary
+        rows += [
+            [label] + [_cell(_value(s, key, index)) if s else "-" for s in pair] + ["-"] for label, key, index in spec
+        ]
     return _grid(header, rows)
+
+
+def _unary_pair(ckpts: list, budgets: Sequence[int], bucket: int | None = None) -> tuple | None:
+    """(the two checkpoints' unary summaries, overall or of bucket `bucket`; their rows), or None if
+    neither is DFlash2."""
+    if not any(c.get("unary") for c in ckpts):
+        return None
+    pair = tuple(
+        (c["unary"]["overall"] if bucket is None else c["unary"]["buckets"][bucket]) if c.get("unary") else None
+        for c in ckpts
+    )
+    return pair, unary_rows(budgets)
 
 
 def _target_lines(ckpt: dict) -> list[str]:
@@ -135,7 +171,8 @@ def render_report(report: dict) -> str:
     lines = ["DFlash offline evaluation"]
     names = ["A", "B"] if len(ckpts) == 2 else [""]
     for name, ckpt in zip(names, ckpts):
-        lines.append(f"  checkpoint {name + ' ' if name else ''}{ckpt['path']} (step {ckpt['step']})")
+        own = ", DFlash2: the selector's proposals; its unary ones in the unary rows" if ckpt.get("unary") else ""
+        lines.append(f"  checkpoint {name + ' ' if name else ''}{ckpt['path']} (step {ckpt['step']}{own})")
         lines += _target_lines(ckpt)
     lines.append(
         f"  data       {data['path']}: {data['samples']} of {data['samples_in_dataset']} samples, "
@@ -161,7 +198,11 @@ def render_report(report: dict) -> str:
         lines.append("all lengths (B/A = second / first)")
         lines.append(
             _pair_table(
-                ckpts[0]["overall"], ckpts[1]["overall"], ratio["overall"], metric_rows(report["budgets"], n_draft)
+                ckpts[0]["overall"],
+                ckpts[1]["overall"],
+                ratio["overall"],
+                metric_rows(report["budgets"], n_draft),
+                _unary_pair(ckpts, report["budgets"]),
             )
         )
         if len(report["buckets"]) > 1:
@@ -174,6 +215,7 @@ def render_report(report: dict) -> str:
                         ckpts[1]["buckets"][i],
                         ratio["buckets"][i],
                         metric_rows(report["budgets"], n_draft, headline_only=True),
+                        _unary_pair(ckpts, report["budgets"], i),
                     )
                 )
     return "\n".join(lines)

@@ -1,6 +1,12 @@
 """Scoring: one pass over the data drafts every block with every model (`run_blocks`), scores chain and
 DDTree τ per block (`score_drafts`, in a background thread when the drafter is on CUDA) and sums
 them up overall and per length bucket (`summarize_model`).
+
+A DFlash2 drafter is scored twice on the same blocks: its own proposals (the selector's walk for the
+chain, the conditional tree of its q over the candidates for DDTree: `train.eval.selector`,
+`train.eval.ddtree.selector_ddtree_taus`), which are what it serves and what its summary's
+`overall` and `buckets` hold, and its unary proposals (the argmax and the tree of the head's
+logits, as for DFlash), under `unary`.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from train.eval.acceptance import ChainBlocks, chain_blocks, summarize_blocks, s
 from train.eval.anchors import block_anchors, block_targets
 from train.eval.checkpoints import EvalModel
 from train.eval.config import EvalConfig
-from train.eval.ddtree import ddtree_taus
+from train.eval.ddtree import ddtree_taus, selector_ddtree_taus
 from train.eval.drafting import Piece, Runtime, draft_topk_for_pieces, pack_pieces, split_pieces
 from train.eval.selection import EvalData
+from train.eval.selector import SelectorDrafts
 
 # Forwards whose DDTree scoring may still be queued behind the GPU (each holds its top-k tensors).
 _SCORING_BACKLOG = 4
@@ -36,6 +43,9 @@ class DraftScores:
     top1_logprob_ND: Tensor  # float32: log q_k(argmax)
     ddtree_tau: dict[int, Tensor]  # budget -> int64 [N]
     ddtree_surrogate_tau: dict[int, Tensor]  # budget -> float64 [N]
+    # A DFlash2 drafter's own proposals, the same fields: its selector's walk and log q of each step,
+    # the conditional trees' τ (None for a DFlash drafter).
+    selector: "DraftScores | None" = None
 
     def extra_metrics(self) -> dict[str, Tensor]:
         """The DDTree per-block values under the names the summaries use."""
@@ -51,6 +61,8 @@ class DraftScores:
 
     @staticmethod
     def concat(parts: Sequence["DraftScores"], n_draft: int, budgets: Sequence[int]) -> "DraftScores":
+        selectors = [p.selector for p in parts if p.selector is not None]
+        assert len(selectors) in (0, len(parts)), "a model's blocks are all scored alike"
         if not parts:
             empty_long, empty_float = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
             return DraftScores(
@@ -64,6 +76,7 @@ class DraftScores:
             torch.cat([p.top1_logprob_ND for p in parts]),
             {b: torch.cat([p.ddtree_tau[b] for p in parts]) for b in budgets},
             {b: torch.cat([p.ddtree_surrogate_tau[b] for p in parts]) for b in budgets},
+            DraftScores.concat(selectors, n_draft, budgets) if selectors else None,
         )
 
     def take(self, order_N: Tensor) -> "DraftScores":
@@ -72,6 +85,7 @@ class DraftScores:
             self.top1_logprob_ND[order_N],
             {b: t[order_N] for b, t in self.ddtree_tau.items()},
             {b: t[order_N] for b, t in self.ddtree_surrogate_tau.items()},
+            None if self.selector is None else self.selector.take(order_N),
         )
 
 
@@ -82,16 +96,28 @@ def score_drafts(
     valid_len_N: Tensor,
     budgets: Sequence[int],
     what: str,
+    selector: SelectorDrafts | None = None,
 ) -> DraftScores:
-    """Chain inputs and DDTree τ of a batch of blocks from the drafter's per-depth top-k."""
+    """Chain inputs and DDTree τ of a batch of blocks from the drafter's per-depth top-k (and from a
+    DFlash2 drafter's selector drafts)."""
     if not torch.isfinite(topk_logprobs_NDk[..., 0]).all():
         raise ValueError(f"the drafter produced non-finite logits ({what})")
     taus = ddtree_taus(topk_logprobs_NDk, topk_ids_NDk, target_ids_ND, valid_len_N, budgets)
+    own = None
+    if selector is not None:
+        tree = selector_ddtree_taus(selector.lattice, target_ids_ND, valid_len_N, budgets)
+        own = DraftScores(
+            draft_ids_ND=selector.walk_MD,
+            top1_logprob_ND=selector.walk_logprob_MD,
+            ddtree_tau={b: t.tau_N for b, t in tree.items()},
+            ddtree_surrogate_tau={b: t.surrogate_tau_N for b, t in tree.items()},
+        )
     return DraftScores(
         draft_ids_ND=topk_ids_NDk[..., 0].clone(),
         top1_logprob_ND=topk_logprobs_NDk[..., 0].clone(),
         ddtree_tau={b: t.tau_N for b, t in taus.items()},
         ddtree_surrogate_tau={b: t.surrogate_tau_N for b, t in taus.items()},
+        selector=own,
     )
 
 
@@ -207,8 +233,8 @@ def run_blocks(
             _, _, valid_len, target_ids = blocks[-1]
             what = f"samples {sorted({data.sample_ids[p.sample] for p in group})[:3]}"
             for m, model in enumerate(models):
-                lp, ids = draft_topk_for_pieces(model, group, runtime, cfg.topk, cfg.chunk_rows)
-                args = (lp, ids, target_ids, valid_len, budgets, what)
+                lp, ids, chosen = draft_topk_for_pieces(model, group, runtime, cfg.topk, cfg.chunk_rows)
+                args = (lp, ids, target_ids, valid_len, budgets, what, chosen)
                 parts[m].append(scorer.submit(score_drafts, *args) if scorer else score_drafts(*args))
                 if scorer and len(parts[m]) > _SCORING_BACKLOG:
                     # One worker finishes in order: waiting here bounds the top-k tensors still queued.
@@ -253,8 +279,17 @@ def run_blocks(
 
 
 def summarize_model(table: BlockTable, scores: DraftScores, buckets: Sequence[dict]) -> dict:
-    """{'overall': summary, 'buckets': [summary per bucket]}; summaries as `summarize_blocks` plus
-    the DDTree means and n_samples (samples with at least one block)."""
+    """{'proposals': what was scored, 'overall': summary, 'buckets': [summary per bucket]}; summaries as
+    `summarize_blocks` plus the DDTree means and n_samples (samples with at least one block). For a
+    DFlash2 drafter the summaries are of its selector's proposals, and 'unary' holds {'overall',
+    'buckets'} of its unary ones (module docstring)."""
+    if scores.selector is not None:
+        own = _summaries(table, scores.selector, buckets)
+        return {"proposals": "selector", **own, "unary": _summaries(table, scores, buckets)}
+    return {"proposals": "argmax", **_summaries(table, scores, buckets)}
+
+
+def _summaries(table: BlockTable, scores: DraftScores, buckets: Sequence[dict]) -> dict:
     chain = scores.chain(table)
     extra = scores.extra_metrics()
     overall = summarize_blocks(chain, extra)

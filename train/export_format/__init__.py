@@ -4,7 +4,10 @@ Training and serving both use it, so it sits in `train/` beside the model rather
 `train/serve/`.
 
     dflash_hf.py        the exported model code (copied into every export as `dflash.py`): torch and
-                        transformers only; it repeats `train.model`'s math on purpose, and a test
-                        holds the two to the same outputs
-    layout.py           a checkpoint written as a Hugging Face DFlash directory, and read back
+                        transformers only; it repeats `train.model`'s and `train.dflash2`'s math on
+                        purpose, and tests hold them to the same outputs (tests/train/serve/
+                        test_export.py, test_dflash2.py). It is longer than the 600-line rule: it
+                        must be one self-contained file (transformers' remote code), holding both
+                        drafter classes and z-lab's quick-start loop
+    layout.py           a checkpoint written as a Hugging Face DFlash or DFlash2 directory, and read back
 """

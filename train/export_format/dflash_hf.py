@@ -43,6 +43,27 @@ Weights: `fc`, `hidden_norm`, `layers.N.{input_layernorm, self_attn.{q,k,v,o}_pr
 post_attention_layernorm, mlp.{gate,up,down}_proj}`, `norm`. No embedding and no lm_head: those are
 the target's.
 
+DFlash2 (`DFlash2DraftModel`, config `architectures: ["DFlash2DraftModel"]`; the published layout of
+z-lab's and Inco AI's DFlash2 drafters): every layer also wraps its attention and its MLP in a grouped
+dynamic two-tap block convolution (`attention_conv`, `mlp_conv`: `base_kernel` [2, T, D],
+`kernel_projection` D -> 2*T*D/g), on the normed sublayer input and on the sublayer output before the
+residual add,
+
+    y[i] = sum_t (base[side, t] + dyn[i, side, t, group]) * x[i - t]      (x before the block's first row = 0)
+
+with dyn = kernel_projection(normed input), over the rows of each block only; and a
+`candidate_selector` (`predecessor_codebook`, `successor_codebook` [V, r], `hidden_projection` D -> r)
+that re-ranks the top `selector_top_k` candidates b of the target head's logits U_j at each block
+position j given the previous token a (the anchor at j = 1, then the previous choice):
+
+    S_j(a, b) = U_j(b) + < predecessor_codebook[a] * hidden_projection(h_j), successor_codebook[b] >
+
+`propose` walks the block greedily (argmax_b S_j(a, b), a <- the choice), or samples from
+softmax(S_j(a, .) / T) over the candidates. Fields: `dflash_config.{conv_kernel_size, conv_group_size,
+selector_rank, selector_top_k}` (required), `output_multiplier` and `final_logit_softcapping` (applied
+to U, optional). Block embedding, both classes: with `dflash_config.input_embedding_scale` the raw
+embedding table row times it (z-lab's newer loop), without it what the target's embedding module returns.
+
 Shape legend: B batch, S new context tokens, Q block tokens, P = S + Q, K = all keys (cached + P),
 D hidden, F = n_taps x target hidden, H query heads, G kv heads, E head dim, R rotary dims.
 """
@@ -57,7 +78,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
-__all__ = ["DFlashDraftModel", "dflash_setting", "rope_settings", "extract_context_feature", "layer_attention"]
+__all__ = [
+    "DFlashDraftModel", "DFlash2DraftModel", "dflash_setting", "rope_settings", "extract_context_feature",
+    "layer_attention",
+]
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -333,6 +357,7 @@ class DFlashDraftModel(PreTrainedModel):
     base_model_prefix = "dflash"
     _no_split_modules = ["DFlashDecoderLayer"]
     _supports_sdpa = True
+    layer_class = DFlashDecoderLayer
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -346,7 +371,7 @@ class DFlashDraftModel(PreTrainedModel):
         target_hidden = int(getattr(config, "target_hidden_size", None) or config.hidden_size)
         self.fc = nn.Linear(len(self.target_layer_ids) * target_hidden, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
         self.post_init()
@@ -407,8 +432,14 @@ class DFlashDraftModel(PreTrainedModel):
 
     def compute_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Logits of drafted positions: the target's output head (`lm_head`) on `forward`'s hidden
-        states (z-lab's `dflash_generate` calls this with the target's head)."""
-        return lm_head(hidden_states.to(lm_head.weight.dtype))
+        states (z-lab's `dflash_generate` calls this with the target's head), times
+        `dflash_config.output_multiplier` and soft-capped by `final_logit_softcapping` where given."""
+        logits = lm_head(hidden_states.to(lm_head.weight.dtype))
+        multiplier = float(dflash_setting(self.config, "output_multiplier", 1.0))
+        if multiplier != 1.0:
+            logits = logits * multiplier
+        cap = float(dflash_setting(self.config, "final_logit_softcapping", 0.0))
+        return torch.tanh(logits / cap) * cap if cap > 0 else logits
 
     @property
     def attention_rules(self) -> dict[str, tuple[int | None, bool]]:
@@ -467,6 +498,128 @@ class DFlashDraftModel(PreTrainedModel):
         return torch.cat((prompt, torch.tensor([tokens], dtype=prompt.dtype, device=prompt.device)), dim=1)
 
 
+# ----------------------------------------------------------------------------------------------
+# DFlash2: a block convolution around every sublayer and a candidate selector (module docstring)
+
+
+def _conv_block(Q: int, block_size: int) -> int:
+    """Rows of one block in a call of Q block rows: whole blocks, or one block cut short by the token budget."""
+    if Q % block_size and Q > block_size:
+        raise ValueError(f"DFlash2: {Q} block rows are neither whole blocks of {block_size} nor one shorter block")
+    return block_size if Q % block_size == 0 else Q
+
+
+def block_convolve(x_BQD: torch.Tensor, dyn_BQTG: torch.Tensor, base_TD: torch.Tensor, block: int) -> torch.Tensor:
+    """sum_t (base[t] + dyn[:, :, t] per group) * (x shifted by t rows inside each block of `block` rows)."""
+    B, Q, D = x_BQD.shape
+    T, G = base_TD.shape[0], dyn_BQTG.shape[-1]
+    x_BNKGg = x_BQD.view(B, Q // block, block, G, D // G)
+    dyn_BNKTGx = dyn_BQTG.view(B, Q // block, block, T, G, 1)
+    out = None
+    for t in range(T):
+        shifted = x_BNKGg if t == 0 else F.pad(x_BNKGg[:, :, :-t], (0, 0, 0, 0, t, 0))
+        term = (base_TD[t].view(G, D // G).to(x_BQD.dtype) + dyn_BNKTGx[:, :, :, t]) * shifted
+        out = term if out is None else out + term
+    return out.view(B, Q, D)
+
+
+class DFlash2GroupedConv(nn.Module):
+    """The two convolutions around one sublayer: `prepare` (input side) and `finish` (output side)."""
+
+    def __init__(self, width: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        if kernel_size < 1 or group_size < 1 or width % group_size:
+            raise ValueError(f"DFlash2 config: conv_group_size {group_size} must divide hidden_size {width}, "
+                             f"conv_kernel_size {kernel_size} must be >= 1")
+        self.kernel_size, self.groups = kernel_size, width // group_size
+        base = torch.zeros(2, kernel_size, width)
+        base[:, 0] = 1.0  # the identity until weights are loaded
+        self.base_kernel = nn.Parameter(base)  # [side, tap, channel]
+        self.kernel_projection = nn.Linear(width, 2 * kernel_size * self.groups, bias=False)
+
+    def prepare(self, x_BQD: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        B, Q, _ = x_BQD.shape
+        dyn_BQSTG = self.kernel_projection(x_BQD).view(B, Q, 2, self.kernel_size, self.groups)
+        return block_convolve(x_BQD, dyn_BQSTG[:, :, 0], self.base_kernel[0], block), dyn_BQSTG[:, :, 1]
+
+    def finish(self, x_BQD: torch.Tensor, dyn_BQTG: torch.Tensor, block: int) -> torch.Tensor:
+        return block_convolve(x_BQD, dyn_BQTG, self.base_kernel[1], block)
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        kernel, group = int(dflash_setting(config, "conv_kernel_size")), int(dflash_setting(config, "conv_group_size"))
+        self.attention_conv = DFlash2GroupedConv(config.hidden_size, kernel, group)
+        self.mlp_conv = DFlash2GroupedConv(config.hidden_size, kernel, group)
+        self.block_size = int(dflash_setting(config, "block_size", 16))
+
+    def forward(self, h_BQD, context_BSD, cos_BPR, sin_BPR, attention_mask, past_key_values) -> torch.Tensor:
+        block = _conv_block(h_BQD.shape[1], self.block_size)
+        x_BQD, dyn = self.attention_conv.prepare(self.input_layernorm(h_BQD), block)
+        attn = self.self_attn(x_BQD, context_BSD, cos_BPR, sin_BPR, attention_mask, past_key_values)
+        h_BQD = h_BQD + self.attention_conv.finish(attn, dyn, block)
+        x_BQD, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(h_BQD), block)
+        return h_BQD + self.mlp_conv.finish(self.mlp(x_BQD), dyn, block)
+
+
+class DFlash2CandidateSelector(nn.Module):
+    """S_j(a, b) over the top-k candidates b of each block position, given the previous token a."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        rank, self.top_k = int(dflash_setting(config, "selector_rank")), int(dflash_setting(config, "selector_top_k"))
+        if rank < 1 or not 1 <= self.top_k <= config.vocab_size:
+            raise ValueError(f"DFlash2 config: selector_rank {rank} must be >= 1 and selector_top_k {self.top_k} "
+                             f"in 1..vocab_size")
+        self.predecessor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def scores(self, hidden_MD, unary_Mk, candidates_Mk, predecessor_M) -> torch.Tensor:
+        """S(a, b) [M, k] in float32 for each row's predecessor a and candidates b."""
+        dtype = self.successor_codebook.dtype
+        gate_Mr = self.predecessor_codebook[predecessor_M] * self.hidden_projection(hidden_MD.to(dtype))
+        pair_Mk = torch.einsum("mr,mkr->mk", gate_Mr, self.successor_codebook[candidates_Mk])
+        return unary_Mk.float() + pair_Mk.float()
+
+    def select(self, hidden_BLD, logits_BLV, anchor_B, temperature: float = 0.0):
+        """(tokens [B, L], candidates [B, L, k], q [B, L, k] or None): position by position, the best (or
+        a sampled) candidate after the previous choice; q = softmax(S / temperature) over the candidates."""
+        unary_BLk, candidates_BLk = logits_BLV.float().topk(self.top_k, dim=-1)
+        chosen, q_rows, previous_B = [], [], anchor_B
+        for j in range(hidden_BLD.shape[1]):
+            scores_Bk = self.scores(hidden_BLD[:, j], unary_BLk[:, j], candidates_BLk[:, j], previous_B)
+            if temperature > 0:
+                q_rows.append(torch.softmax(scores_Bk / temperature, dim=-1))
+                index_B = torch.multinomial(q_rows[-1], 1)[:, 0]
+            else:
+                index_B = scores_Bk.argmax(-1)
+            previous_B = candidates_BLk[:, j].gather(1, index_B[:, None])[:, 0]
+            chosen.append(previous_B)
+        return torch.stack(chosen, dim=1), candidates_BLk, torch.stack(q_rows, dim=1) if q_rows else None
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """The DFlash2 drafter: `forward` as DFlash's; `propose` drafts through the candidate selector."""
+
+    _no_split_modules = ["DFlash2DecoderLayer"]
+    layer_class = DFlash2DecoderLayer
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.candidate_selector = DFlash2CandidateSelector(config)
+        self.post_init()
+
+    @torch.no_grad()
+    def propose(self, hidden_states, anchor_ids, lm_head: nn.Module, temperature: float = 0.0):
+        """(draft tokens [B, L], candidates [B, L, k], q [B, L, k] or None) for block positions 1..L from
+        their hidden states [B, L, D] (`forward`'s rows after the anchor), the anchor tokens [B] and the
+        target's head (z-lab's `DFlash2DraftModel.propose`)."""
+        logits = self.compute_logits(hidden_states, lm_head)
+        return self.candidate_selector.select(hidden_states, logits, anchor_ids, temperature)
+
+
 class _SpecSession:
     """The state of one `spec_generate` call: the target's cache, the drafter's context cache."""
 
@@ -475,11 +628,14 @@ class _SpecSession:
 
         self.drafter, self.target = drafter, target
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
-        self.embed = target.get_input_embeddings()
+        module = target.get_input_embeddings()
+        scale = dflash_setting(drafter.config, "input_embedding_scale")
+        # The block embedding the drafter was made for: the raw table times the stated scale, else the module's.
+        self.embed = module if scale is None else (lambda ids: F.embedding(ids, module.weight) * float(scale))
         self.head = getattr(target, "lm_head", None)
         if self.head is None:
             self.head = target.get_output_embeddings()
-        self.device = self.embed.weight.device
+        self.device = module.weight.device
         # transformers 5.2x renamed the forward argument `past_key_values` to `cache`.
         self.cache_kwarg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
         self.cache = None  # the target makes the cache its layers need (hybrid models: recurrent states too)
@@ -525,12 +681,11 @@ class _SpecSession:
             past_key_values=self.draft_cache, use_cache=True,
         )
         _crop(self.draft_cache, anchor_pos)  # keep context entries only
-        draft_logits_DV = self.head(hidden_1QD[0, 1:].to(self.head.weight.dtype)).float()
-        drafts = self.sample(draft_logits_DV)
+        drafts, q_DV = self.draft(hidden_1QD[:, 1:], anchor)
         block_1Q[0, 1:] = torch.tensor(drafts, device=self.device)
         snapshot = None if _croppable(self.cache) else copy.deepcopy(self.cache)
         logits_1QV, features_1QF = self.target_forward(block_1Q)
-        accepted, bonus = self.accept(drafts, draft_logits_DV, logits_1QV[0])
+        accepted, bonus = self.accept(drafts, q_DV, logits_1QV[0])
         keep = anchor_pos + 1 + accepted  # positions up to the last accepted draft are verified
         if snapshot is None:
             _crop(self.cache, keep)
@@ -539,15 +694,32 @@ class _SpecSession:
             _, features_1QF = self.target_forward(block_1Q[:, : accepted + 1])
         return drafts[:accepted] + [bonus], features_1QF[:, : accepted + 1]
 
-    def accept(self, drafts: list[int], draft_logits_DV: torch.Tensor, target_logits_QV: torch.Tensor) -> tuple[int, int]:
-        """(leading drafts accepted, the target's token after them)."""
+    def draft(self, hidden_1DH: torch.Tensor, anchor: int) -> tuple[list[int], torch.Tensor | None]:
+        """(draft tokens of block positions 1..B-1, the distribution [B-1, V] they were sampled from, None
+        at temperature 0): DFlash's from its logits, DFlash2's from its selector over the candidates."""
+        if isinstance(self.drafter, DFlash2DraftModel):
+            anchor_1 = torch.tensor([anchor], device=hidden_1DH.device)
+            tokens_1D, candidates_1Dk, q_1Dk = self.drafter.propose(hidden_1DH, anchor_1, self.head, self.temperature)
+            if q_1Dk is None:
+                return tokens_1D[0].tolist(), None
+            vocab = self.target.get_input_embeddings().weight.shape[0]
+            q_DV = q_1Dk.new_zeros(q_1Dk.shape[1], vocab).scatter(-1, candidates_1Dk[0], q_1Dk[0])
+            return tokens_1D[0].tolist(), q_DV
+        logits_DV = self.drafter.compute_logits(hidden_1DH[0], self.head).float()
+        if self.temperature == 0:
+            return logits_DV.argmax(-1).tolist(), None
+        q_DV = self.probabilities(logits_DV)
+        return torch.multinomial(q_DV, 1)[:, 0].tolist(), q_DV
+
+    def accept(self, drafts: list[int], q_DV: torch.Tensor | None, target_logits_QV: torch.Tensor) -> tuple[int, int]:
+        """(leading drafts accepted, the target's token after them); q_DV: the drafts' distribution (T > 0)."""
         if self.temperature == 0:
             greedy = target_logits_QV.argmax(-1).tolist()
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
                 accepted += 1
             return accepted, greedy[accepted]
-        p_QV, q_DV = self.probabilities(target_logits_QV), self.probabilities(draft_logits_DV)
+        p_QV = self.probabilities(target_logits_QV)
         for k, token in enumerate(drafts):
             if torch.rand(()) * q_DV[k, token] >= p_QV[k, token]:
                 residual = (p_QV[k] - q_DV[k]).clamp(min=0)

@@ -5,27 +5,37 @@
 `export_checkpoint(CHECKPOINT, OUT_DIR)`: CHECKPOINT is a checkpoint directory (`step-XXXXXXXX/`)
 or a run directory (its latest checkpoint is used). OUT_DIR receives:
 
-    config.json        the published DFlash format: architectures ["DFlashDraftModel"], auto_map
-                       {"AutoModel": "dflash.DFlashDraftModel"}, model_type "qwen3", top-level
+    config.json        the published DFlash format: architectures ["DFlashDraftModel"] (DFlash2:
+                       ["DFlash2DraftModel"]), auto_map {"AutoModel": "dflash.<that class>"},
+                       model_type "qwen3", top-level
                        block_size and num_target_layers, dflash_config {mask_token_id,
                        target_layer_ids, block_size, causal, layer_causal, use_swa,
-                       swa_window_size}, layer_types, sliding_window, use_sliding_window,
+                       swa_window_size; DFlash2: conv_kernel_size, conv_group_size, selector_rank,
+                       selector_top_k; input_embedding_scale where the target's embedding module
+                       scales its rows), layer_types, sliding_window, use_sliding_window,
                        is_causal (the attention semantics, `attention_semantics`), widths, rope
                        settings as trained (top-level rope_theta / rope_scaling /
                        partial_rotary_factor for older readers, rope_parameters with all three,
                        which transformers 5 and vLLM read, is_neox_style), vocab_size, dtype (and
                        torch_dtype, its transformers 4 name)
     model.safetensors  fc.weight, hidden_norm.weight, layers.N...., norm.weight (no `model.`
-                       prefix, no embedding, no lm_head: those are the target's)
+                       prefix, no embedding, no lm_head: those are the target's); DFlash2 adds
+                       layers.N.{attention,mlp}_conv.{base_kernel, kernel_projection.weight} and
+                       candidate_selector.{predecessor_codebook, successor_codebook,
+                       hidden_projection.weight} (the codebooks bare, as published)
     dflash.py          the model code (a copy of train/export_format/dflash_hf.py), so that
                        AutoModel.from_pretrained(OUT_DIR, trust_remote_code=True) builds the drafter
     dflash_export.json where it came from (checkpoint, step, git sha) and the target it is for
                        (`target_identity`, `target_check`: target.identity_check; speculative
-                       decoding compares its target with it), not read by any loader
+                       decoding compares its target with it; `input_embedding_scale`: the target's
+                       embedding scale, null where no target was found), not read by any loader
 
 `model_type` is "qwen3" as in the published checkpoints: transformers builds a `Qwen3Config` from
 the file (keeping the extra DFlash keys), and with trust_remote_code the `auto_map` entry wins over
-the built-in Qwen3Model. The directory is written under a temporary name and renamed into place.
+the built-in Qwen3Model. The published DFlash2 configs carry no `auto_map` (engines and z-lab's
+`dflash` package pick the class by `architectures`); ours keep it for a DFlash2 export too, which
+those readers ignore, so that AutoModel with trust_remote_code builds it as it builds a DFlash one.
+The directory is written under a temporary name and renamed into place.
 
 A drafter trained on projected features (a storage tier, shards/FORMAT.md) is exported with the
 projection folded into fc (fc = fc'·P, P from its training dataset or `--projection FILE`), so the
@@ -51,10 +61,10 @@ from target.identity import target_identity
 from target.identity_check import OVERRIDE_KEY, check_target, recorded_identity
 from target.load import DTYPES
 from train.checkpoint import DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE, latest_checkpoint, verify_checkpoint
-from train.drafter_config import DrafterConfig, rope_settings
-from train.export_format.dflash_hf import DFlashDraftModel, layer_attention
+from train.dflash2 import build_drafter
+from train.drafter_config import DFLASH2_FIELDS, DrafterConfig, rope_settings
+from train.export_format.dflash_hf import DFlash2DraftModel, DFlashDraftModel, layer_attention
 from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
-from train.model import DFlashDrafter
 from train.stored_features import fold_projection, projection_for_drafter
 
 __all__ = [
@@ -72,6 +82,9 @@ CODE_FILE = "dflash.py"
 CONFIG_FILE = "config.json"
 INFO_FILE = "dflash_export.json"
 ARCHITECTURE = "DFlashDraftModel"
+# The published class name of each drafter class (`DrafterConfig.arch`), and the exported model code's class.
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
+MODEL_CLASSES = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash2DraftModel}
 
 
 def attention_semantics(cfg: DrafterConfig) -> dict:
@@ -104,11 +117,25 @@ def serving_warnings(cfg: DrafterConfig) -> list[str]:
     return []
 
 
-def target_warnings(target_dir: str | None) -> list[str]:
-    """What a serving engine would feed a drafter of this target differently from training: a scaled
-    input embedding (Gemma) that vLLM's DFlash drafter does not apply (docs/serving.md, "Embedding and head")."""
+def target_embed_scale(target_dir: str | None) -> float | None:
+    """What the target's input embedding module multiplies a table row by (Gemma: sqrt(hidden)), which the
+    drafter's block embedding includes; None where the target is not found or not checkable."""
     if not target_dir or not Path(target_dir, "config.json").is_file():
-        return []
+        return None
+    try:
+        return check_architecture(target_dir).embed_scale
+    except ValueError:
+        return None
+
+
+def target_warnings(target_dir: str | None) -> list[str]:
+    """What a serving engine would feed a drafter of this target differently from training (docs/serving.md,
+    "Embedding and head")."""
+    if not target_dir or not Path(target_dir, "config.json").is_file():
+        return [
+            "no target directory: dflash_config.input_embedding_scale is not written (read as 1); for a target "
+            "whose embedding module scales its rows (Gemma), export again with target=DIR"
+        ]
     try:
         scale = check_architecture(target_dir).embed_scale
     except ValueError as exc:  # the export is written; say why its target was not checked
@@ -116,14 +143,19 @@ def target_warnings(target_dir: str | None) -> list[str]:
     if scale == 1.0:
         return []
     return [
-        f"the target's input embedding multiplies each row by {scale:.6g}, and the drafter was trained on that "
-        "(as z-lab's code and SGLang embed the block); vLLM's DFlash drafter embeds the block with the raw table "
-        "unless it applies the target's normalizer (docs/serving.md)"
+        f"the target's input embedding multiplies each row by {scale:.6g}, and the drafter was trained on that: "
+        "the export writes dflash_config.input_embedding_scale, which vLLM's DFlash2 model and z-lab's newer loop "
+        "apply to the raw table; SGLang does not read it and embeds the block with the target's module "
+        "(docs/serving.md)"
     ]
 
 
-def export_config(cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dict | None = None) -> dict:
-    """The published config.json of a drafter (docs/dflash.md "Export format"), as a dict."""
+def export_config(
+    cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dict | None = None, embed_scale: float | None = None
+) -> dict:
+    """The published config.json of a drafter (docs/dflash.md "Export format"), as a dict; `embed_scale`: what
+    the target's embedding module multiplies a row by, written as `dflash_config.input_embedding_scale`
+    where it is not 1 (absent reads as 1 everywhere, so a DFlash export of any other target is unchanged)."""
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if cfg.projection is not None:  # a DFlash runtime feeds full tap features: fc must read them
@@ -140,18 +172,24 @@ def export_config(cfg: DrafterConfig, *, dtype: str = "bfloat16", token_ids: dic
         "partial_rotary_factor": float(cfg.partial_rotary_factor),
     }
     n = cfg.num_hidden_layers
+    architecture = ARCHITECTURES[cfg.arch]
+    dflash_config = {
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "block_size": cfg.block_size,
+        **attention_semantics(cfg)["dflash_config"],
+    }
+    if cfg.arch == "dflash2":
+        dflash_config.update({name: getattr(cfg, name) for name in DFLASH2_FIELDS})
+    if embed_scale is not None and embed_scale != 1.0:
+        dflash_config["input_embedding_scale"] = float(embed_scale)
     config = {
-        "architectures": [ARCHITECTURE],
-        "auto_map": {"AutoModel": f"{Path(CODE_FILE).stem}.{ARCHITECTURE}"},
+        "architectures": [architecture],
+        "auto_map": {"AutoModel": f"{Path(CODE_FILE).stem}.{architecture}"},
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {
-            "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": list(cfg.target_layer_ids),
-            "block_size": cfg.block_size,
-            **attention_semantics(cfg)["dflash_config"],
-        },
+        "dflash_config": dflash_config,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": n,
@@ -206,6 +244,7 @@ def drafter_config_from_export(config: dict) -> DrafterConfig:
     n = int(config["num_hidden_layers"])
     layer_types, window, sliding_in_block = _attention_from_export(config, nested, n)
     return DrafterConfig(
+        **_drafter_class_from_export(config, nested),
         hidden_size=int(config["hidden_size"]),
         intermediate_size=int(config["intermediate_size"]),
         num_hidden_layers=int(config["num_hidden_layers"]),
@@ -230,6 +269,24 @@ def drafter_config_from_export(config: dict) -> DrafterConfig:
         sliding_window=window,
         sliding_in_block=sliding_in_block,
     )
+
+
+def _drafter_class_from_export(config: dict, nested: dict) -> dict:
+    """{arch, and DFlash2's fields} of an exported config (its `architectures`); ValueError for a class or a
+    logit transform (`output_multiplier`, `final_logit_softcapping`) this project's model does not compute."""
+    names = list(config.get("architectures") or [ARCHITECTURE])
+    arch = next((a for a, name in ARCHITECTURES.items() if name in names), None)
+    if arch is None:
+        raise ValueError(f"exported config: architectures {names} names neither of {sorted(MODEL_CLASSES)}")
+    for key, neutral in (("output_multiplier", 1.0), ("final_logit_softcapping", None)):
+        if nested.get(key, neutral) not in (neutral, 0, 0.0):
+            raise ValueError(f"exported config: dflash_config.{key} = {nested[key]}; this project's drafter has none")
+    if arch == "dflash":
+        return {}
+    missing = [name for name in DFLASH2_FIELDS if nested.get(name) is None]
+    if missing:
+        raise ValueError(f"exported config: a DFlash2DraftModel needs dflash_config.{missing[0]}")
+    return {"arch": arch, **{name: int(nested[name]) for name in DFLASH2_FIELDS}}
 
 
 def _attention_from_export(config: dict, nested: dict, n: int) -> tuple[list[str], int | None, str]:
@@ -260,7 +317,7 @@ def _attention_from_export(config: dict, nested: dict, n: int) -> tuple[list[str
 def expected_weight_names(cfg: DrafterConfig) -> set[str]:
     """Every tensor name a drafter of this shape stores (the published names)."""
     with torch.device("meta"):
-        return set(DFlashDrafter(cfg).state_dict())
+        return set(build_drafter(cfg).state_dict())
 
 
 def check_weights(state: dict[str, torch.Tensor], cfg: DrafterConfig, source: str) -> None:
@@ -272,7 +329,7 @@ def check_weights(state: dict[str, torch.Tensor], cfg: DrafterConfig, source: st
             f"'{source}': weights do not match the drafter config: missing {missing[:5]}, unexpected {extra[:5]}"
         )
     with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in DFlashDrafter(cfg).state_dict().items()}
+        shapes = {k: tuple(v.shape) for k, v in build_drafter(cfg).state_dict().items()}
     wrong = [
         f"{k} {tuple(state[k].shape)} != {shapes[k]}" for k in sorted(expected) if tuple(state[k].shape) != shapes[k]
     ]
@@ -288,7 +345,7 @@ def _prepare_out_dir(out: Path) -> None:
         raise ValueError(f"export OUT_DIR '{out}' exists and is not a directory")
     if any(out.iterdir()):
         try:
-            earlier = json.loads((out / CONFIG_FILE).read_text()).get("architectures") == [ARCHITECTURE]
+            earlier = json.loads((out / CONFIG_FILE).read_text()).get("architectures") in [[n] for n in MODEL_CLASSES]
         except (OSError, ValueError):
             earlier = False
         if not earlier:
@@ -305,12 +362,14 @@ def export_drafter(
     dtype: str = "bfloat16",
     token_ids: dict | None = None,
     info: dict | None = None,
+    embed_scale: float | None = None,
 ) -> Path:
-    """Write the export directory for drafter weights `state` of shape `cfg`; returns its path."""
+    """Write the export directory for drafter weights `state` of shape `cfg`; returns its path.
+    `embed_scale`: the target's embedding scale (`export_config`)."""
     from safetensors.torch import save_file
 
     check_weights(state, cfg, "drafter state")
-    config = export_config(cfg, dtype=dtype, token_ids=token_ids)
+    config = export_config(cfg, dtype=dtype, token_ids=token_ids, embed_scale=embed_scale)
     out = Path(out_dir).resolve()
     _prepare_out_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -419,6 +478,7 @@ def export_checkpoint(
     target = target or _run_info(ckpt).get("target")
     identity, check = export_target_check(ckpt, target, allow_target_mismatch)
     token_ids = target_token_ids(target, cfg) if target and Path(target, "config.json").is_file() else None
+    embed_scale = target_embed_scale(target)
     info = {
         "checkpoint": str(ckpt.resolve()),
         "step": step,
@@ -429,8 +489,9 @@ def export_checkpoint(
         "git_sha": git_sha(),
         "tool_version": tool_version(),
         "folded_projection": folded,
+        "input_embedding_scale": embed_scale,
     }
-    return export_drafter(state, cfg, out_dir, dtype=dtype, token_ids=token_ids, info=info)
+    return export_drafter(state, cfg, out_dir, dtype=dtype, token_ids=token_ids, info=info, embed_scale=embed_scale)
 
 
 def load_exported(
@@ -440,19 +501,27 @@ def load_exported(
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
 ):
-    """An exported drafter, in eval mode.
+    """An exported drafter (`DFlashDraftModel` or `DFlash2DraftModel`, as config.json's `architectures`
+    says), in eval mode.
 
     By default it is built by this project's own model code (`train/export_format/dflash_hf.py`, the file every
     export ships as dflash.py): nothing from the directory but config.json and the weights is used,
     so a drafter directory from elsewhere runs no code. `trust_remote_code=True` goes through
     transformers' remote-code path instead (what serving code does: the directory's dflash.py runs).
     """
+    try:
+        names = json.loads(Path(export_dir, CONFIG_FILE).read_text()).get("architectures") or [ARCHITECTURE]
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"'{Path(export_dir, CONFIG_FILE)}' cannot be read: {exc}") from None
+    wanted = next((name for name in names if name in MODEL_CLASSES), None)
+    if wanted is None:
+        raise ValueError(f"'{export_dir}': architectures {names} names neither of {sorted(MODEL_CLASSES)}")
     if trust_remote_code:
         from transformers import AutoModel
 
         model = AutoModel.from_pretrained(str(export_dir), trust_remote_code=trust_remote_code, dtype=dtype)
     else:
-        model = DFlashDraftModel.from_pretrained(str(export_dir), dtype=dtype)
-    if type(model).__name__ != ARCHITECTURE:
-        raise ValueError(f"'{export_dir}' loaded as {type(model).__name__}, not {ARCHITECTURE} (is auto_map missing?)")
+        model = MODEL_CLASSES[wanted].from_pretrained(str(export_dir), dtype=dtype)
+    if type(model).__name__ != wanted:
+        raise ValueError(f"'{export_dir}' loaded as {type(model).__name__}, not {wanted} (is auto_map missing?)")
     return model.to(device).eval().requires_grad_(False)

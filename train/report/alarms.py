@@ -73,6 +73,13 @@ CAUSES = {
     "that restarts.",
     "fetch_bound": "Data loading (reading, zstd decoding, host-to-device copies) is slower than the step: more "
     "prefetch, pinned memory, a faster disk or a lower compression level.",
+    "selector_no_gain": "DFlash2's selector proposes the unary top-1 (its successor codes stayed near zero) or "
+    "worse: its loss weight is 0 or warmed up too late (loss.selector_weight, selector_warmup_ratio), its "
+    "predecessors are misaligned with the labels (each block position must get the label of the position before), or "
+    "the run is too short for the codes to learn. A DFlash drafter would serve as well.",
+    "coverage_falling": "The unary top-k holds the label less and less often: a selector weight so large that the "
+    "backbone trades the DFlash term for the selector's (train it with a lower loss.selector_weight or a ramp), a "
+    "learning rate too high late in the run, or a shift in the data stream.",
     "config_drift": "A comparison that changes more than one thing at a time cannot attribute the difference. "
     "Re-run with only the ablated keys changed, or name every intended key with ablated=KEY,KEY.",
 }
@@ -94,6 +101,8 @@ TITLES = {
     "loss_reset": "loss 'reset': the smoothed loss climbed back up",
     "epoch_backwards": "epoch went backwards",
     "fetch_bound": "training waits for data",
+    "selector_no_gain": "the selector never beats the unary top-1",
+    "coverage_falling": "the selector's coverage is falling",
     "config_drift": "compared run differs in more than the ablated keys",
 }
 
@@ -116,7 +125,7 @@ def not_judged(a: RunAnalysis, cfg: ReportConfig) -> str:
     if n < cfg.min_steps:
         return (
             f"only {n} trained step(s) (min_steps = {cfg.min_steps}): bucket shares, gradient collapse, "
-            "bimodality, flatness, positions, lengths and resets are not judged."
+            "bimodality, flatness, positions, lengths, resets and the selector are not judged."
         )
     return ""
 
@@ -125,7 +134,35 @@ def run_alarms(a: RunAnalysis, cfg: ReportConfig) -> list[Alarm]:
     out = _continuity_alarms(a, cfg) + _bucket_run_alarms(a, cfg)
     if not not_judged(a, cfg):
         # Shares and trends of a short log are noise.
-        out += _bucket_share_alarms(a, cfg) + _learning_alarms(a, cfg)
+        out += _bucket_share_alarms(a, cfg) + _learning_alarms(a, cfg) + _selector_alarms(a, cfg)
+    return out
+
+
+def _selector_alarms(a: RunAnalysis, cfg: ReportConfig) -> list[Alarm]:
+    s = a.selector
+    if s is None:
+        return []
+    out = []
+    if s.later_steps and s.gain_later <= cfg.selector_min_gain:
+        out.append(
+            _alarm(
+                "selector_no_gain",
+                a.run.name,
+                f"from step {s.later_first_step} to the end ({s.later_steps} steps), the served walk's streak minus "
+                f"the unary top-1's is {s.gain_later:+.4f} on average (selector_min_gain = {cfg.selector_min_gain}); "
+                f"latest window: selector {s.streak:.3f}, unary {s.unary_streak:.3f}, selector weight {s.weight:g}.",
+            )
+        )
+    if math.isfinite(s.coverage_drop) and s.coverage_drop > cfg.coverage_max_drop:
+        out.append(
+            _alarm(
+                "coverage_falling",
+                a.run.name,
+                f"coverage fell from {s.coverage_best:.3f} (smoothed, step {s.coverage_best_step}) to {s.coverage:.3f} "
+                f"in the latest {a.window.size} steps (drop {s.coverage_drop:.3f} > coverage_max_drop "
+                f"{cfg.coverage_max_drop}).",
+            )
+        )
     return out
 
 

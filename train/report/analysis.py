@@ -13,6 +13,7 @@ import numpy as np
 
 from train.report.config import ReportConfig
 from train.report.load import BucketPlan, Metrics, RunRecord
+from train.report.selector import SelectorReport, selector_report
 from train.report.stats import (
     Mixture,
     eta_squared,
@@ -557,6 +558,7 @@ class RunAnalysis:
     comp: Composition
     cont: Continuity
     learn: Learning
+    selector: SelectorReport | None = None  # DFlash2 runs
 
     @property
     def m(self) -> Metrics:
@@ -571,13 +573,15 @@ def analyse_run(run: RunRecord, cfg: ReportConfig) -> RunAnalysis:
     m = run.metrics
     window = latest_window(m, cfg)
     comp = composition(run, window)
+    width = smooth_window(int(m.valid.sum()), cfg)
     return RunAnalysis(
         run=run,
         window=window,
-        smooth=smooth_window(int(m.valid.sum()), cfg),
+        smooth=width,
         grad=grad_report(m, cfg),
         loss=loss_distribution(m, window, cfg),
         comp=comp,
         cont=continuity(m, cfg),
         learn=learning(m, window, cfg),
+        selector=selector_report(m, window, width),
     )

@@ -128,6 +128,19 @@ class ReportConfig:
         "a 'reset'",
         min=0.0,
     )
+    # --- DFlash2's selector (runs that log it)
+    selector_min_gain: float = knob(
+        0.0,
+        help="alarm when the selector's served streak beats the unary top-1's by no more than this, on average over "
+        "the later half of the run (a selector that adds nothing)",
+    )
+    coverage_max_drop: float = knob(
+        0.05,
+        help="alarm when the selector's coverage (share of the loss weight whose label is a candidate) fell more than "
+        "this below its best (smoothed) value",
+        min=0.0,
+        max=1.0,
+    )
     # --- continuity and timing
     max_missing_steps: int = knob(0, help="alarm when more than this many step numbers are absent from the log", min=0)
     max_skipped_steps: int = knob(0, help="alarm when more than this many steps were skipped as non-finite", min=0)

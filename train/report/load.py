@@ -50,6 +50,10 @@ FLOAT_KEYS = (
     "fetch_frac",
     "pad_eff",
     "mean_len",
+    "selector_loss",  # the selector keys: a DFlash2 drafter's run only
+    "selector_weight",
+    "selector_coverage",
+    "selector_streak",
 )
 FLAG_KEYS = ("clipped", "skipped", "ckpt")
 # Keys whose absence disables a part of the report; the rest are merely shown as missing.
@@ -68,6 +72,7 @@ class Metrics:
     skips: list[dict[str, Any]]  # {step, reason, sample_ids} of skipped steps
     duplicates: list[int]  # steps logged more than once (a resume that re-ran them)
     backward_jumps: list[tuple[int, int]]  # (from step, to step) where the log went back
+    selector_acc: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # as `acc`, of the selector
 
     @property
     def n(self) -> int:
@@ -258,7 +263,7 @@ def build_metrics(records: list[dict[str, Any]], notes: list[str]) -> Metrics:
     for key in FLAG_KEYS:
         cols[key] = np.array([r.get(key) is True for r in ordered], dtype=bool)
     bucket = np.array([r["bucket"] if isinstance(r.get("bucket"), int) else -1 for r in ordered], dtype=np.int64)
-    acc = _acc_matrix(ordered)
+    acc = _acc_matrix(ordered, "acc")
     missing = [k for k in ESSENTIAL_KEYS if k not in present]
     if n and missing:
         notes.append(f"metrics.jsonl has no {', '.join(missing)}: the parts of the report that need them are skipped.")
@@ -276,6 +281,7 @@ def build_metrics(records: list[dict[str, Any]], notes: list[str]) -> Metrics:
         skips=skips,
         duplicates=sorted(set(duplicates)),
         backward_jumps=backward,
+        selector_acc=_acc_matrix(ordered, "selector_acc"),
     )
 
 
@@ -287,11 +293,11 @@ def _as_float(value: Any) -> float:
     return math.nan
 
 
-def _acc_matrix(records: list[dict[str, Any]]) -> np.ndarray:
-    width = max((len(r["acc"]) for r in records if isinstance(r.get("acc"), list)), default=0)
+def _acc_matrix(records: list[dict[str, Any]], key: str) -> np.ndarray:
+    width = max((len(r[key]) for r in records if isinstance(r.get(key), list)), default=0)
     acc = np.full((len(records), width), np.nan)
     for i, record in enumerate(records):
-        values = record.get("acc")
+        values = record.get(key)
         if isinstance(values, list):
             acc[i, : len(values)] = [_as_float(v) for v in values]
     return acc

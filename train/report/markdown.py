@@ -84,6 +84,7 @@ def render_markdown(
             if len(analyses) > 1:
                 lines += [f"### {a.run.name}", ""]
             lines += part(a, cfg, _plots_of(plots, i))
+    lines += _selector_section(analyses)
     lines += ["## Thresholds used", "", "Change any of them with `key=value` after the run directories.", ""]
     lines += table(["key", "value", "meaning"], [[k, f"`{v}`", h] for k, v, h in config_rows(cfg)], "no setting")
     return "\n".join(lines) + "\n"
@@ -214,6 +215,38 @@ def _curves_section(
     )
     lines += image("positions", "accuracy by block position", plots)
     return lines
+
+
+def _selector_section(analyses: list[RunAnalysis]) -> list[str]:
+    """DFlash2 runs only: the selector beside the unary top-1 (train/selector_loss.py defines every number)."""
+    runs = [a for a in analyses if a.selector is not None]
+    if not runs:
+        return []
+    lines = ["## 7. DFlash2 selector", ""]
+    lines += [
+        "Latest window; the streaks are mean accepted lengths per block: the unary top-1's, and the served "
+        "selector walk's. Coverage: share of the loss weight whose label is among the candidates (selector loss / "
+        "coverage = mean cross-entropy over the covered rows). Gain: served minus unary streak, mean over the "
+        "later half of the run.",
+        "",
+    ]
+    rows = [
+        [
+            a.run.name,
+            fmt(s.loss),
+            fmt(s.weight),
+            fmt(s.coverage),
+            fmt(s.accuracy),
+            fmt(s.unary_streak),
+            fmt(s.streak),
+            f"{s.gain_later:+.3f}" if math.isfinite(s.gain_later) else "—",
+            f"{fmt(s.coverage_best)} (step {s.coverage_best_step})",
+        ]
+        for a in runs
+        for s in [a.selector]
+    ]
+    headers = ["run", "selector loss", "weight", "coverage", "selector acc", "unary streak", "selector streak"]
+    return lines + table(headers + ["gain (later half)", "best coverage"], rows, "no selector logged")
 
 
 def _span(p: Phase) -> str:
@@ -466,6 +499,12 @@ def render_summary(analyses: list[RunAnalysis], alarms: list[Alarm], cfg: Report
             f"{a.comp.longest_run}, pad eff {fmt(a.comp.pad_eff)}",
             f"  {c.n_missing} missing, {len(m.skips)} skipped, {len(c.stalls)} stalls, {fmt(c.tok_s_median)} tok/s",
         ]
+        if a.selector is not None:
+            sel = a.selector
+            lines += [
+                f"  selector: streak {fmt(sel.streak)} against unary {fmt(sel.unary_streak)}, coverage "
+                f"{fmt(sel.coverage)}, loss {fmt(sel.loss)} at weight {fmt(sel.weight)}"
+            ]
         if not_judged(a, cfg):
             lines += [f"  not judged: {not_judged(a, cfg)}"]
         if a.run.notes:

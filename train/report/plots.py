@@ -107,7 +107,12 @@ def _curves(a: RunAnalysis) -> Figure:
             + ([(m.acc[:, 0], "acc @ pos 1", COLORS[3])] if m.acc.shape[1] else []),
             "accuracy",
         ),
-        (axes[2], [(m.tau, "τ", COLORS[1])], "τ = 1 + mean accepted streak"),
+        (
+            axes[2],
+            [(m.tau, "τ" + (", unary top-1" if a.selector else ""), COLORS[1])]
+            + ([(1 + m.selector_streak, "τ, DFlash2 selector's walk", COLORS[4])] if a.selector else []),
+            "τ = 1 + mean accepted streak",
+        ),
     ]
     valid = m.valid
     for ax, series, ylabel in panels:

@@ -11,6 +11,7 @@ CUDA-graph versions or the peers (tests/test_layering.py holds the loop to that)
     spec_target.py      `SpecTarget`: the target's cached forwards that also return the taps; how a
                         round cuts the cache back (crop, a hybrid's per-token states, the copy fallback)
     decoding.py         the round loop (`speculative_generate`), target-only greedy, `DFlashProposer`
+                        (a DFlash2 drafter proposes its selector's walk)
     tree_decode.py      DDTree verification with a node budget
     fusion.py           the target's layers compiled by inductor while its CUDA graphs are captured
     static_target.py    the target on a `StaticCache`, its forwards replayed as CUDA graphs

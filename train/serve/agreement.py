@@ -45,7 +45,8 @@ def offline_block_drafts(
 ) -> torch.Tensor:
     """Drafts [N, B-1] at each anchor, computed as offline evaluation does: teacher-forced features,
     many blocks in one forward under the training mask (context strictly before each anchor, own
-    block, no other block; each layer type with its own window and in-block causality)."""
+    block, no other block; each layer type with its own window and in-block causality); a DFlash2
+    drafter's are its selector's walk, as online."""
     B = int(drafter.block_size)
     mask_id = int(drafter.mask_token_id)
     rules = {t: MaskRule(window=w, causal=c) for t, (w, c) in drafter.attention_rules.items()}
@@ -64,8 +65,12 @@ def offline_block_drafts(
             target_hidden=features_TF[None, :S],
             attention_mask={t: m.to(target.device) for t, m in masks.items()},
         )
-        hidden_NQD = hidden_1QD.view(N, B, -1)
-        out.append(target.draft_logits(hidden_NQD[:, 1:]).argmax(-1).cpu())
+        hidden_NLD = hidden_1QD.view(N, B, -1)[:, 1:]
+        if hasattr(drafter, "candidate_selector"):  # DFlash2: the selector's walk after each block's anchor
+            anchors_N = block_ids_NQ[:, 0].to(target.device)
+            out.append(drafter.propose(hidden_NLD, anchors_N, target.target.lm_head)[0].cpu())
+        else:
+            out.append(target.draft_logits(hidden_NLD).argmax(-1).cpu())
     return torch.cat(out) if out else torch.zeros(0, B - 1, dtype=torch.long)
 
 

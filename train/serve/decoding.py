@@ -11,8 +11,9 @@ One round (docs/dflash.md "Inference round"), anchored at position a (the last v
 features do not exist yet):
   1. the drafter runs once over [target tap features of the positions not yet in its context cache |
      block [x_a, MASK x (B-1)] at positions a..a+B-1] and proposes d_1..d_{B-1} = argmax of the
-     target's lm_head at block positions 1..B-1 (position k predicts the token at a+k); its context
-     cache is then cut back to a, so it holds context entries only;
+     target's lm_head at block positions 1..B-1 (position k predicts the token at a+k; a DFlash2
+     drafter: its candidate selector's greedy walk over the top-k of those logits, from x_a on); its
+     context cache is then cut back to a, so it holds context entries only;
   2. the target runs once over [x_a, d_1..d_{B-1}] with its KV cache and gives its greedy token
      y_{k+1} at every block position k;
   3. the longest prefix with d_k == y_k is accepted and y_{acc+1} is the bonus; the x_a..d_acc
@@ -145,11 +146,13 @@ class Proposer(Protocol):
 
 
 class DFlashProposer:
-    """An exported DFlash drafter (loaded through `AutoModel`) driven as in docs/dflash.md "Inference round"."""
+    """An exported DFlash or DFlash2 drafter (loaded through `AutoModel`) driven as in docs/dflash.md
+    "Inference round"; a DFlash2 drafter's proposal is its selector's walk (`decide`)."""
 
     def __init__(self, drafter: nn.Module, target: SpecTarget, *, context_cache: bool = True):
         self.drafter = drafter
         self.target = target
+        self.selector = hasattr(drafter, "candidate_selector")  # DFlash2DraftModel
         self.block_size = int(drafter.block_size)
         self.mask_token_id = int(drafter.mask_token_id)
         self.context_cache = context_cache
@@ -168,11 +171,24 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> list[int]:
-        return self.draft_logits(new_features_1SF, anchor_token, anchor_pos).argmax(-1).tolist()
+        hidden_1LD = self.draft_hidden(new_features_1SF, anchor_token, anchor_pos)
+        return self.decide(hidden_1LD, torch.tensor([anchor_token], device=hidden_1LD.device)).tolist()
+
+    def decide(self, hidden_1LD: torch.Tensor, anchor_1: torch.Tensor) -> torch.Tensor:
+        """The drafts [L] from the drafter's hidden states at block positions 1..L: the argmax of the target's
+        logits, or a DFlash2 drafter's selector walk after the anchor token (device ops only: capturable)."""
+        if self.selector:
+            return self.drafter.propose(hidden_1LD, anchor_1, self.target.target.lm_head)[0][0]
+        return self.target.draft_logits(hidden_1LD)[0].argmax(-1)
 
     @torch.inference_mode()
     def draft_logits(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> torch.Tensor:
         """The target's logits [B-1, V] at block positions 1..B-1 (same inputs as `propose`)."""
+        return self.target.draft_logits(self.draft_hidden(new_features_1SF, anchor_token, anchor_pos))[0]
+
+    @torch.inference_mode()
+    def draft_hidden(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> torch.Tensor:
+        """The drafter's hidden states [1, B-1, D] at block positions 1..B-1 (same inputs as `propose`)."""
         B = self.block_size
         self.pending.append(new_features_1SF)
         context_1SF = torch.cat(self.pending, dim=1)
@@ -193,7 +209,7 @@ class DFlashProposer:
             crop_cache(self.cache, anchor_pos)  # keep context entries only (the block's are rebuilt next round)
             self.cached = anchor_pos
             self.pending = []
-        return self.target.draft_logits(hidden_1QD[:, 1:])[0]
+        return hidden_1QD[:, 1:]
 
 
 # ----------------------------------------------------------------------------------------------

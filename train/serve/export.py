@@ -62,12 +62,19 @@ def export(args: ExportConfig) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     config = json.loads((out / CONFIG_FILE).read_text())
-    print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out}")
+    nested = config["dflash_config"]
+    print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out} ({config['architectures'][0]})")
     print(
         f"  {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, block {config['block_size']}, "
-        f"target_layer_ids {config['dflash_config']['target_layer_ids']}, mask "
-        f"{config['dflash_config']['mask_token_id']}, {args.dtype}"
+        f"target_layer_ids {nested['target_layer_ids']}, mask {nested['mask_token_id']}, {args.dtype}"
     )
+    if "selector_top_k" in nested:
+        print(
+            f"  DFlash2: convolution {nested['conv_kernel_size']} taps in groups of {nested['conv_group_size']}, "
+            f"selector rank {nested['selector_rank']} over the top {nested['selector_top_k']} candidates"
+        )
+    if "input_embedding_scale" in nested:
+        print(f"  input_embedding_scale {nested['input_embedding_scale']:.6g} (the target's embedding scale)")
     if SLIDING_ATTENTION in config["layer_types"]:
         print(
             f"  layer_types {config['layer_types']}, sliding_window {config['sliding_window']}, "

@@ -145,9 +145,12 @@ def print_summary(result: dict) -> None:
     allowed = allowed_line(result.get("target_check"), "the drafter's")
     if allowed:
         print(allowed)
+    architecture = (result.get("config") or {}).get("drafter_architecture")
+    proposals = "its selector's walk" if architecture == "DFlash2DraftModel" else "the argmax of the target's head"
     print(
         f"prompts {s['prompts']}, rounds {s['rounds']}, new tokens {s['new_tokens']}, target cache: "
         f"{result['cache_mode']}, decoding path: {result.get('decoding_path', 'n/a')}"
+        + (f"; drafter {architecture} (proposals: {proposals})" if architecture else "")
     )
     stopped = result.get("stopped")
     if stopped:

@@ -188,6 +188,18 @@ def check_drafter_target(drafter_dir: str, target_dir: str, allowed: bool) -> di
     return check_target(target_identity(target_dir), recorded, made=made, key=OVERRIDE_KEY, allowed=allowed)
 
 
+def check_embedding_scale(drafter: nn.Module, drafter_dir: str, target_scale: float) -> None:
+    """ValueError when the export states an `input_embedding_scale` other than the target's embedding scale:
+    our loop embeds the block with the target's module, engines with the raw table times the stated scale,
+    so the two would draft differently (an export made for another target)."""
+    stated = (getattr(drafter.config, "dflash_config", None) or {}).get("input_embedding_scale")
+    if stated is not None and abs(float(stated) - target_scale) > 1e-6 * max(1.0, abs(target_scale)):
+        raise ValueError(
+            f"'{drafter_dir}' states dflash_config.input_embedding_scale {stated}, but the target's embedding "
+            f"module scales its rows by {target_scale:.6g}: the drafter was exported for another target"
+        )
+
+
 # The agreement's pass over the decoded prompts (one teacher-forced forward each and the drafter at every
 # anchor), as a share of their decoding time: kept back when a time limit ends the decoding early (an estimate).
 AGREEMENT_SHARE = 0.15
@@ -224,7 +236,7 @@ def load_inputs(args: SpecDecodeConfig) -> Inputs:
     dtype = DTYPES[args.dtype]
     target_check = check_drafter_target(args.drafter, args.target, args.allow_target_mismatch)
     drafter = load_exported(args.drafter, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
-    check_architecture(args.target)
+    check_embedding_scale(drafter, args.drafter, check_architecture(args.target).embed_scale)
     target_obj = load_target(
         args.target, dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device
     )
@@ -325,6 +337,7 @@ def _run_record(args: SpecDecodeConfig, inputs: Inputs, block_size: int, static_
     return {
         "target": str(args.target),
         "drafter": str(args.drafter),
+        "drafter_architecture": type(inputs.drafter).__name__,  # DFlash2DraftModel: proposals from its selector
         "prompts": args.prompts or (None if args.data else DEFAULT_PROMPTS),
         "chat_template": args.chat_template,
         "chat_template_hash": template_digest(inputs.tokenizer),

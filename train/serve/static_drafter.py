@@ -12,7 +12,9 @@ model's `forward`, unchanged), with two differences in how it is driven:
 - After the first round of a sequence (the prompt's context, of any length, runs eagerly), every
   round re-projects a fixed window of the last `B` context positions (the verified tokens of the last
   round are at most B, and re-projecting an already cached position writes the same K/V) and the
-  B-token block: one shape, captured once as a CUDA graph through the target's lm_head and argmax.
+  B-token block: one shape, captured once as a CUDA graph through the target's lm_head to the drafts
+  (`DFlashProposer.decide`: the argmax, or a DFlash2 drafter's selector walk, whose loop over the
+  block positions is device work only and is captured with the rest).
 
 Without CUDA (or where capture fails, said by `graph_note`) the same fixed-window forwards run
 eagerly, so the CPU tests exercise every path except the replay itself.
@@ -58,13 +60,14 @@ class _Window:
         self.block_ids_1Q = torch.zeros((1, B), dtype=torch.long, device=device)
         self.anchor = torch.zeros((), dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits_QV: torch.Tensor | None = None
+        self.logits_LV: torch.Tensor | None = None  # a DFlash drafter's draft logits (None for DFlash2)
+        self.drafts_L: torch.Tensor | None = None
 
 
 class StaticDFlashProposer(DFlashProposer):
-    """A `Proposer` (specdecode) driving an exported DFlash drafter on a `SlotCache` of `max_len`
-    positions, its steady-state rounds replayed as one CUDA graph where `graphs` and CUDA allow
-    (the drafter's checks and `propose` are `DFlashProposer`'s; its cache and rounds are its own)."""
+    """A `Proposer` (specdecode) driving an exported DFlash or DFlash2 drafter on a `SlotCache` of
+    `max_len` positions, its steady-state rounds replayed as one CUDA graph where `graphs` and CUDA
+    allow (the drafter's checks and `decide` are `DFlashProposer`'s; its cache and rounds are its own)."""
 
     def __init__(self, drafter: nn.Module, target: SpecTarget, *, max_len: int, graphs: bool = True):
         super().__init__(drafter, target)
@@ -90,6 +93,9 @@ class StaticDFlashProposer(DFlashProposer):
     def reset(self) -> None:
         self.recent_1WF: torch.Tensor | None = None  # features of the last <= B context positions
         self.started = False
+        self._first: tuple | None = None  # a sequence's first round: (features, block ids, positions, anchor)
+        self._staged_anchor: torch.Tensor | None = None  # [1], the staged round's anchor token
+        self.replays = getattr(self, "replays", 0)  # rounds replayed as the graph (over the proposer's life)
 
     # -- one forward ----------------------------------------------------------------------------
 
@@ -105,7 +111,7 @@ class StaticDFlashProposer(DFlashProposer):
         return masks
 
     def _forward(self, features_1SF: torch.Tensor, block_ids_1Q: torch.Tensor, positions_P: torch.Tensor, anchor):
-        """The target's logits [B-1, V] at block positions 1..B-1, writing the K/V of `positions_P`."""
+        """The drafter's hidden states [1, B-1, D] at block positions 1..B-1, writing the K/V of `positions_P`."""
         self.cache.slots_P = positions_P
         hidden_1QD = self.drafter(
             position_ids=positions_P[None],
@@ -114,11 +120,20 @@ class StaticDFlashProposer(DFlashProposer):
             target_hidden=features_1SF,
             past_key_values=self.cache,
         )
-        return self.target.draft_logits(hidden_1QD[:, 1:])[0]
+        return hidden_1QD[:, 1:]
 
     def _window_forward(self) -> torch.Tensor:
         w = self.window
         return self._forward(w.features_1WF, w.block_ids_1Q, w.anchor + self.offsets_P, w.anchor)
+
+    def _window_outputs(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the target's logits [B-1, V] or None, the drafts [B-1]) of the window round: a DFlash drafter's
+        argmax of its logits; a DFlash2 drafter's selector walk, which computes the head's logits itself."""
+        hidden_1LD = self._window_forward()
+        if self.selector:
+            return None, self.decide(hidden_1LD, self.window.block_ids_1Q[:, 0])
+        logits_LV = self.target.draft_logits(hidden_1LD)[0]
+        return logits_LV, logits_LV.argmax(-1)
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -135,39 +150,72 @@ class StaticDFlashProposer(DFlashProposer):
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        self._window_forward()
+                        self._window_outputs()
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 w.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(w.graph):
-                    w.logits_QV = self._window_forward()
+                    w.logits_LV, w.drafts_L = self._window_outputs()
         except Exception as exc:  # noqa: BLE001 - a drafter whose forward cannot be captured runs eagerly
-            w.graph = w.logits_QV = None
+            w.graph = w.logits_LV = w.drafts_L = None
             torch.cuda.synchronize(self.device)
             return f"off: capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
         return f"on for a {self.block_size}-position window and block"
 
-    # -- the round (`propose` is DFlashProposer's) -------------------------------------------
+    # -- the round ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> list[int]:
+        """The drafts of positions anchor_pos+1 .. anchor_pos+B-1 (as `DFlashProposer.propose`): a steady-state
+        round replays the captured graph, where there is one."""
+        if self._stage(new_features_1SF, anchor_token, anchor_pos) and self.window.graph is not None:
+            self._replay()
+            return self.window.drafts_L.tolist()
+        return self.decide(self._staged_hidden(), self._staged_anchor).tolist()
 
     @torch.inference_mode()
     def draft_logits(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> torch.Tensor:
-        """The target's logits [B-1, V] at block positions 1..B-1 (as `DFlashProposer.draft_logits`)."""
+        """The target's logits [B-1, V] at block positions 1..B-1 (as `DFlashProposer.draft_logits`), replayed
+        where the graph holds them (a DFlash drafter's)."""
+        window = self._stage(new_features_1SF, anchor_token, anchor_pos)
+        if window and self.window.graph is not None and self.window.logits_LV is not None:
+            self._replay()
+            return self.window.logits_LV.clone()  # the next replay overwrites it
+        return self.target.draft_logits(self._staged_hidden())[0]
+
+    def _replay(self) -> None:
+        self.window.graph.replay()
+        self.replays += 1
+
+    @torch.inference_mode()
+    def draft_hidden(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> torch.Tensor:
+        """The drafter's hidden states [1, B-1, D] at block positions 1..B-1, run eagerly (as DFlashProposer's)."""
+        self._stage(new_features_1SF, anchor_token, anchor_pos)
+        return self._staged_hidden()
+
+    def _staged_hidden(self) -> torch.Tensor:
+        if self._first is None:
+            return self._window_forward()
+        return self._forward(*self._first)
+
+    def _stage(self, new_features_1SF: torch.Tensor, anchor_token: int, anchor_pos: int) -> bool:
+        """Set up one round: True for a fixed-window round (its inputs copied into the window), False for a
+        sequence's first round (its inputs kept in `_first`)."""
         B = self.block_size
         if anchor_pos + B > self.cache.length:
             raise ValueError(f"a block at {anchor_pos} runs past the drafter's cache of {self.cache.length}")
         seen_1SF = new_features_1SF if self.recent_1WF is None else torch.cat((self.recent_1WF, new_features_1SF), 1)
         self.recent_1WF = seen_1SF[:, -B:]
         block_ids_1Q = block_input_ids(torch.tensor([anchor_token], device=self.device), B, self.mask_token_id)
+        self._staged_anchor = block_ids_1Q[:, 0]
         if not self.started or anchor_pos < B:
             # The sequence's first round: all its context so far, whatever its length.
             assert seen_1SF.shape[1] == anchor_pos, (seen_1SF.shape, anchor_pos)
             self.started = True
-            positions_P = torch.arange(anchor_pos + B, device=self.device)
-            return self._forward(seen_1SF, block_ids_1Q, positions_P, anchor_pos)
+            self._first = (seen_1SF, block_ids_1Q, torch.arange(anchor_pos + B, device=self.device), anchor_pos)
+            return False
+        self._first = None
         w = self.window
         w.features_1WF.copy_(self.recent_1WF)
         w.block_ids_1Q.copy_(block_ids_1Q)
         w.anchor.fill_(anchor_pos)
-        if w.graph is None:
-            return self._window_forward()
-        w.graph.replay()
-        return w.logits_QV.clone()  # the next replay overwrites it
+        return True

@@ -1,8 +1,10 @@
 """DDTree verification (stretch goal, docs/dflash.md "DDTree"; `--tree-budgets 8,32`): the drafter's
-top-k per depth gives a best-first tree of `budget` nodes (`train.eval.ddtree.build_ddtree`); the
-target verifies [anchor | nodes] in one forward with an ancestor-only mask and positions anchor +
-depth, walks its greedy tokens down the tree, and the cache keeps the accepted path only
-(`ddtree_generate`, the tree counterpart of `train.serve.decoding.speculative_generate`).
+top-k per depth gives a best-first tree of `budget` nodes (`train.eval.ddtree.build_ddtree`; a DFlash2
+drafter's tree is the conditional one of its selector's q over the candidates, as offline evaluation
+scores it: `train.eval.ddtree.build_selector_ddtree`); the target verifies [anchor | nodes] in one
+forward with an ancestor-only mask and positions anchor + depth, walks its greedy tokens down the
+tree, and the cache keeps the accepted path only (`ddtree_generate`, the tree counterpart of
+`train.serve.decoding.speculative_generate`).
 
 Shape legend: T tokens, M tree nodes, D draft depth, V vocabulary, K top-k.
 """
@@ -14,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from train.eval.ddtree import build_ddtree, draft_topk
+from train.eval.ddtree import DDTree, build_ddtree, build_selector_ddtree, draft_topk
+from train.eval.selector import lattice_of, selector_logq
 from train.serve.decoding import DFlashProposer, Ending, Generation, Round, prompt_tensor
 from train.serve.spec_target import SpecTarget, cache_mode_for
 
@@ -64,6 +67,25 @@ def walk_verified_tree(parent_M: torch.Tensor, token_M: torch.Tensor, greedy: Se
 
 
 @torch.inference_mode()
+def round_tree(
+    proposer: DFlashProposer, new_features_1SF: torch.Tensor, anchor_token: int, anchor: int, budget: int
+) -> DDTree:
+    """The round's tree of `budget` nodes: of the drafter's top-k per depth, or a DFlash2 drafter's conditional tree."""
+    if not getattr(proposer, "selector", False):
+        logits_DV = proposer.draft_logits(new_features_1SF, anchor_token, anchor).float().cpu()
+        lp_1DK, ids_1DK = draft_topk(logits_DV[None], min(budget, logits_DV.shape[-1]))
+        return build_ddtree(lp_1DK[0], ids_1DK[0], budget)
+    hidden_1DH = proposer.draft_hidden(new_features_1SF, anchor_token, anchor)
+    drafter, selector = proposer.drafter, proposer.drafter.candidate_selector
+    unary_1Dk, candidates_1Dk = (
+        drafter.compute_logits(hidden_1DH, proposer.target.target.lm_head).float().topk(selector.top_k, dim=-1)
+    )
+    anchor_1 = torch.tensor([anchor_token], device=hidden_1DH.device)
+    logq_1DPk = selector_logq(selector, hidden_1DH, unary_1Dk, candidates_1Dk, anchor_1)
+    return build_selector_ddtree(lattice_of(logq_1DPk.cpu(), candidates_1Dk.cpu()), budget)
+
+
+@torch.inference_mode()
 def ddtree_generate(
     target: SpecTarget,
     proposer: DFlashProposer,
@@ -98,9 +120,7 @@ def ddtree_generate(
     prefilled = time.perf_counter()
     while ending.reason is None:
         t0 = time.perf_counter()
-        logits_DV = proposer.draft_logits(new_features_1SF, tokens[-1], anchor).float().cpu()
-        lp_1DK, ids_1DK = draft_topk(logits_DV[None], min(budget, logits_DV.shape[-1]))
-        tree = build_ddtree(lp_1DK[0], ids_1DK[0], budget)
+        tree = round_tree(proposer, new_features_1SF, tokens[-1], anchor, budget)
         t1 = time.perf_counter()
         ids_1T = torch.tensor([[tokens[-1]] + tree.token_M.tolist()])
         positions_1T = anchor + torch.cat((torch.zeros(1, dtype=torch.long), tree.depth_M))[None]

@@ -15,12 +15,16 @@ import torch
 
 from train.eval.acceptance import chain_blocks
 from train.eval.ddtree import (
+    ConditionalTopK,
     DDTree,
     DDTreeBatch,
     build_ddtree,
     build_ddtree_batch,
+    build_selector_ddtree,
+    build_selector_ddtree_batch,
     ddtree_taus,
     draft_topk,
+    selector_ddtree_taus,
     surrogate_tau,
     surrogate_tau_batch,
     walk_ddtree_batch,
@@ -383,3 +387,88 @@ def test_ddtree_taus_equals_per_block_single_builds_and_ignores_chunking():
     for small, big in zip(budgets, budgets[1:]):
         assert (whole[big].tau_N >= whole[small].tau_N).all()
     assert (whole[64].tau_N > whole[8].tau_N).any()
+
+
+# ----------------------------------------------------------------------------- conditional trees (DFlash2)
+
+
+def random_lattice(
+    n_blocks: int, n_depths: int, k: int, generator: torch.Generator, ties: bool = False
+) -> ConditionalTopK:
+    """q_d(. | parent row) over k candidate slots: a distribution per parent row (one row at depth 1 is used)."""
+    if ties:
+        logq_NDPk = TIE_VALUES[torch.randint(0, 3, (n_blocks, n_depths, k, k), generator=generator)]
+    else:
+        logq_NDPk = torch.randn(n_blocks, n_depths, k, k, generator=generator).mul(2.0).log_softmax(dim=-1)
+    lp, slot = logq_NDPk.sort(dim=-1, descending=True, stable=True)
+    tokens = torch.stack([torch.randperm(4 * k, generator=generator)[:k] for _ in range(n_blocks * n_depths)])
+    return ConditionalTopK(lp, slot, tokens.view(n_blocks, n_depths, k))
+
+
+def brute_force_conditional(topk: ConditionalTopK) -> list[tuple[float, tuple[int, ...]]]:
+    """Every prefix of candidate slots as (score, token path), in the documented key order: the score a
+    direct left-to-right sum of log q_d(slot | previous slot), the rank the child's rank in its parent's row."""
+    lp, slot, token = (t[0].tolist() for t in (topk.logprobs_NDPK.double(), topk.slot_NDPK, topk.token_NDk))
+    n_depths, n_ranks = len(lp), len(lp[0][0])
+    levels, previous = [], [(0.0, (), 0)]  # (score, token path, the row ranking its children)
+    for depth in range(n_depths):
+        children = [
+            (score + lp[depth][row][r], position, r, path + (token[depth][slot[depth][row][r]],), slot[depth][row][r])
+            for position, (score, path, row) in enumerate(previous)
+            for r in range(n_ranks)
+        ]
+        children.sort(key=lambda c: (-c[0], c[1], c[2]))
+        previous = [(c[0], c[3], c[4]) for c in children]
+        levels.append(previous)
+    every = [(score, depth, pos, path) for depth, lv in enumerate(levels) for pos, (score, path, _) in enumerate(lv)]
+    every.sort(key=lambda e: (-e[0], e[1], e[2]))
+    return [(e[0], e[3]) for e in every]
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["continuous", "ties"])
+def test_conditional_tree_is_first_budget_prefixes_of_brute_force(ties):
+    gen = torch.Generator().manual_seed(21)
+    lattice = random_lattice(6, 3, 3, gen, ties=ties)
+    for budget in (1, 4, 9, 30, 39):
+        batch = build_selector_ddtree_batch(lattice, budget)
+        for i in range(lattice.n_blocks):
+            expected = brute_force_conditional(lattice.block(i))[:budget]
+            heap = build_selector_ddtree(lattice.block(i), budget)
+            assert_same_tree(heap, batch.tree(i))
+            assert token_paths(heap) == [path for _, path in expected]
+            assert heap.score_M.tolist() == [score for score, _ in expected]
+
+
+def test_conditional_tree_with_one_row_for_every_parent_is_the_unary_tree():
+    gen = torch.Generator().manual_seed(22)
+    lattice = random_lattice(5, 6, 8, gen)
+    shared = ConditionalTopK(
+        lattice.logprobs_NDPK[:, :, :1].expand_as(lattice.logprobs_NDPK),
+        lattice.slot_NDPK[:, :, :1].expand_as(lattice.slot_NDPK),
+        lattice.token_NDk,
+    )
+    ids_NDk = lattice.token_NDk.gather(2, lattice.slot_NDPK[:, :, 0])  # tokens in rank order
+    for budget in (5, 20):
+        batch = build_selector_ddtree_batch(shared, budget)
+        for i in range(5):
+            assert_same_tree(batch.tree(i), build_ddtree(lattice.logprobs_NDPK[i, :, 0], ids_NDk[i], budget))
+
+
+def test_selector_ddtree_taus_equals_single_builds_and_grows_with_the_budget():
+    gen = torch.Generator().manual_seed(23)
+    n_blocks, n_depths = 9, 7
+    lattice = random_lattice(n_blocks, n_depths, 6, gen)
+    best = lattice.token_NDk.gather(2, lattice.slot_NDPK[:, :, 0, :1])[..., 0]
+    target_ND = torch.where(torch.rand(n_blocks, n_depths, generator=gen) < 0.7, best, lattice.token_NDk[..., -1])
+    valid_len_N = torch.randint(1, n_depths + 1, (n_blocks,), generator=gen)
+    whole = selector_ddtree_taus(lattice, target_ND, valid_len_N, [4, 16, 32])
+    chunked = selector_ddtree_taus(lattice, target_ND, valid_len_N, [4, 16, 32], chunk_blocks=4)
+    for budget in (4, 16, 32):
+        assert torch.equal(whole[budget].tau_N, chunked[budget].tau_N)
+        for i in range(n_blocks):
+            tree, L = build_selector_ddtree(lattice.block(i), budget), int(valid_len_N[i])
+            assert int(whole[budget].tau_N[i]) == 1 + walk_tree(tree, target_ND[i], L)
+            assert float(whole[budget].surrogate_tau_N[i]) == pytest.approx(surrogate_tau(tree, L), abs=1e-12)
+    assert (whole[32].tau_N >= whole[4].tau_N).all() and (whole[32].tau_N > whole[4].tau_N).any()
+    with pytest.raises(ValueError, match="permutation"):
+        build_selector_ddtree_batch(ConditionalTopK(lattice.logprobs_NDPK, lattice.slot_NDPK * 0, lattice.token_NDk), 4)

@@ -18,25 +18,27 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from common.config import config_from_dict, load_config
 from common.hashing import json_digest, sample_id
 from shards import Sample, ShardDataset, ShardWriter
+from train.dflash2 import build_drafter
 from train.drafter_config import DrafterConfig
 from train.eval.__main__ import main
 from train.eval.anchors import block_anchors, block_targets, response_run_lengths
 from train.eval.baseline import label_baseline, label_frequency_topk
-from train.eval.checkpoints import EvalModel
+from train.eval.checkpoints import EvalModel, read_checkpoint
 from train.eval.config import EvalConfig
-from train.eval.ddtree import build_ddtree, draft_topk, walk_tree
+from train.eval.ddtree import ConditionalTopK, build_ddtree, build_selector_ddtree, draft_topk, walk_tree
 from train.eval.drafting import Runtime
 from train.eval.render import render_report
 from train.eval.run import metric_ratios
 from train.eval.scoring import run_blocks, summarize_model
 from train.eval.selection import bucket_table, select_eval_data
 from train.kernels import KernelPlan
-from train.model import DFlashDrafter, TargetHead
+from train.model import TargetHead
 from train.samples import holdout_mask
 
 V, H, LAYERS, TAPS, TOPK = 64, 32, 4, [0, 2], 4
@@ -145,8 +147,9 @@ def random_drafter_model(**layout) -> EvalModel:
         mask_token_id=MASK_ID,
         **layout,
     )
-    drafter = DFlashDrafter(cfg).eval()
-    # Larger weights than the init so the random drafter's top-k is peaked and varied, not near-uniform.
+    drafter = build_drafter(cfg).eval()
+    # Larger weights than the init so the random drafter's top-k is peaked and varied, not near-uniform
+    # (a DFlash2 drafter's convolution projections and selector codebooks too).
     with torch.no_grad():
         for p in drafter.parameters():
             if p.ndim == 2:
@@ -321,6 +324,51 @@ def test_batched_evaluation_with_sliding_layers_equals_one_block_at_a_time(tiny,
     assert torch.equal(scores[0].draft_ids_ND, torch.stack([r["draft"] for r in rows]))
 
 
+def test_a_dflash2_drafters_selector_proposals_equal_one_block_at_a_time(tiny):
+    """A DFlash2 drafter is scored on its selector's walk (chain) and on the conditional tree of its q over the
+    candidates (DDTree), beside its unary proposals: per block, what `DFlash2Drafter.propose` proposes for that
+    block alone, and the tree built from q computed here parent by parent with `CandidateSelector.scores`."""
+    model = random_drafter_model(arch="dflash2", selector_rank=8, selector_top_k=5)
+    data, buckets, table, scores = evaluate([model], tiny, eval_config("max_samples=4", "blocks_per_forward=9"))
+    unary = brute_force_blocks(model, data.dataset, range(data.n_samples), data.indices)
+    assert torch.equal(scores[0].draft_ids_ND, torch.stack([r["draft"] for r in unary]))  # unary: as for DFlash
+    own = scores[0].selector
+    selector, walks, taus = model.model.candidate_selector, [], {b: [] for b in (8, 64)}
+    for position, i in zip(range(data.n_samples), data.indices):
+        s = data.dataset.torch(int(i))
+        for a, L, targets in ((r["anchor"], r["L"], None) for r in unary if r["sample"] == position):
+            block = torch.full((1, K), MASK_ID, dtype=torch.long)
+            block[0, 0] = s["input_ids"][a]
+            with torch.no_grad():
+                hidden = model.model(model.head.embed(block), s["hidden"][None, :a], torch.arange(a + K)[None])[:, 1:]
+                walks.append(model.model.propose(hidden, model.head.lm_head_VD, block[:, 0])[0])
+                logits = model.head.logits(hidden[0]).float()
+                unary_Dk, cand_Dk = logits.topk(5, dim=-1)
+                rows = []
+                for j in range(D):
+                    parents = block[0, :1].expand(5) if j == 0 else cand_Dk[j - 1]
+                    h = hidden[0, j].expand(5, -1)
+                    rows.append(selector.scores(h, unary_Dk[j].expand(5, -1), cand_Dk[j].expand(5, -1), parents))
+            logq = torch.stack(rows).log_softmax(-1)
+            lp, slot = logq.sort(dim=-1, descending=True, stable=True)
+            lattice = ConditionalTopK(lp[None], slot[None], cand_Dk[None])
+            y = torch.tensor(
+                [int(s["topk_ids"][a + k - 1, 0]) if a + k - 1 < len(s["topk_ids"]) else -1 for k in range(1, K)]
+            )
+            for b in taus:
+                taus[b].append(1 + walk_tree(build_selector_ddtree(lattice, b), y, L))
+    assert torch.equal(own.draft_ids_ND, torch.stack(walks))
+    assert (own.draft_ids_ND != scores[0].draft_ids_ND).any()  # the selector changed some proposals
+    for b in taus:
+        assert own.ddtree_tau[b].tolist() == taus[b], b
+    summary = summarize_model(table, scores[0], buckets)
+    assert summary["proposals"] == "selector" and summary["unary"]["overall"]["n_blocks"] == table.n_blocks
+    assert summary["overall"]["tau"] == pytest.approx(1 + own.chain(table).streak_N.double().mean().item())
+    assert summary["unary"]["overall"]["tau"] == pytest.approx(
+        1 + scores[0].chain(table).streak_N.double().mean().item()
+    )
+
+
 def test_most_frequent_label_baseline_on_the_same_blocks(tiny):
     data, buckets, table, _ = evaluate([random_drafter_model()], tiny, eval_config("max_samples=8"), boundaries=[25])
     labels = [int(y) for row, n in zip(table.target_ids_ND, table.valid_len_N) for y in row[: int(n)]]
@@ -448,6 +496,45 @@ def test_two_checkpoints_side_by_side_with_ratios(tiny, tmp_path, capsys):
     values = [v for v in same.values() if not isinstance(v, list)] + same["position_acceptance"]
     defined = [v for v in values if v is not None]  # None: a metric that is 0 for both (e.g. all accepted)
     assert len(defined) > 10 and all(v == 1.0 for v in defined)
+
+
+def dflash2_checkpoint(dflash_checkpoint, out):
+    """A DFlash2 checkpoint holding a DFlash checkpoint's backbone, with identity convolutions and a fresh
+    selector (what a warm start from it begins with), under the same saved train config."""
+    import dataclasses
+
+    from train import checkpoint as ck
+
+    info = read_checkpoint(dflash_checkpoint)
+    cfg = dataclasses.replace(info.drafter_config, arch="dflash2", selector_rank=8, selector_top_k=6)
+    drafter = build_drafter(cfg)
+    missing = drafter.load_state_dict(load_file(str(info.path / "model.safetensors")), strict=False).missing_keys
+    assert missing and all("conv" in k or "selector" in k for k in missing)
+    state = json.loads((info.path / "state.json").read_text())
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    return ck.write_checkpoint(out, ck.take_snapshot(info.step, drafter, optimizer, state, cfg.to_dict()))
+
+
+def test_a_dflash2_checkpoint_beside_its_dflash_backbone(tiny, tmp_path, capsys):
+    """The report of a DFlash2 checkpoint says which proposals it scored, keeps its unary ones beside them,
+    and prints both; a fresh selector (no pair term yet) proposes the backbone's argmax, so its chain is
+    the DFlash checkpoint's on the same blocks."""
+    first = tiny / "runs" / "r" / "checkpoints" / "step-00000002"
+    second = dflash2_checkpoint(first, tmp_path / "runs" / "d2" / "checkpoints")
+    out = tmp_path / "cmp.json"
+    table, _ = run_cli(capsys, first, second, "--data", tiny / "shards", "--out", out, "split=all", "max_samples=6")
+    report = json.loads(out.read_text())
+    dflash, dflash2 = report["checkpoints"]
+    assert (dflash["proposals"], dflash2["proposals"]) == ("argmax", "selector") and "unary" not in dflash
+    assert dflash2["overall"]["tau"] == dflash2["unary"]["overall"]["tau"] == dflash["overall"]["tau"]
+    assert dflash2["unary"]["overall"]["ddtree_tau_64"] == dflash["overall"]["ddtree_tau_64"]
+    assert render_report(report) == table
+    assert "DFlash2: the selector's proposals" in table and "unary: tau DDTree-64" in table
+    alone = tmp_path / "alone.json"
+    table, _ = run_cli(capsys, second, "--data", tiny / "shards", "--out", alone, "split=all", "max_samples=6")
+    assert render_report(json.loads(alone.read_text())) == table
+    unary_line = next(line for line in table.splitlines() if line.startswith("unary: tau chain "))
+    assert unary_line.split()[3] == f"{dflash2['unary']['overall']['tau']:.3f}"
 
 
 def test_refuses_incompatible_shards_and_bad_requests(tiny, tmp_path, capsys):

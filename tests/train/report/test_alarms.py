@@ -44,6 +44,10 @@ def _pathology(code: str, cfg: ReportConfig) -> Synth:
         return Synth(length_effect=0.0)
     if code == "loss_reset":
         return Synth(reset_at=0.6, reset_height=3 * cfg.reset_rise)
+    if code == "selector_no_gain":
+        return Synth(selector=True, selector_gain=cfg.selector_min_gain - 0.2)  # the walk does worse than the top-1
+    if code == "coverage_falling":
+        return Synth(selector=True, coverage_drop_at=0.7, coverage_drop=3 * cfg.coverage_max_drop)
     raise AssertionError(code)
 
 
@@ -60,6 +64,8 @@ RELAXED = {
     "position_flat": {"position_min_drop": 0.0},
     "length_blind": {"length_min_spread": 0.0},
     "loss_reset": {"reset_rise": 100.0},
+    "selector_no_gain": {"selector_min_gain": -1.0},
+    "coverage_falling": {"coverage_max_drop": 0.9},
 }
 SINGLE_RUN_CODES = sorted(RELAXED)
 
@@ -75,6 +81,17 @@ def runs(tmp_path_factory):
 
 def _codes(words: list[str], cfg: ReportConfig = CFG) -> list[str]:
     return [a.code for a in analyse(words, cfg)[3]]
+
+
+def test_a_healthy_dflash2_run_raises_no_alarm_and_reports_its_selector(tmp_path):
+    run = str(write_run(tmp_path / "dflash2", Synth(selector=True)))
+    analyses, _, _, alarms = analyse([run], CFG)
+    assert alarms == [], [(a.code, a.evidence) for a in alarms]
+    selector = analyses[0].selector
+    assert selector.gain_later > CFG.selector_min_gain and selector.coverage_drop < CFG.coverage_max_drop
+    assert selector.streak > selector.unary_streak and 0.7 < selector.coverage < 0.85
+    dflash = str(write_run(tmp_path / "dflash", Synth()))
+    assert analyse([dflash], CFG)[0][0].selector is None
 
 
 def test_healthy_run_raises_no_alarm_and_is_fully_judged(runs):

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from tests.train.test_model import tiny_config as model_tiny_config
 from train import checkpoint as ck
 from train.attention import build_dense_mask
+from train.dflash2 import build_drafter
 from train.drafter_config import DrafterConfig
 from train.export_format.layout import (
     drafter_config_from_export,
@@ -69,9 +70,10 @@ def tiny_config(**overrides) -> DrafterConfig:
 
 
 def random_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
-    """Every parameter random, norms included, so a missing or misnamed tensor changes the output."""
+    """Every parameter random, norms included (a DFlash2 drafter's convolutions and selector too), so a
+    missing or misnamed tensor changes the output."""
     torch.manual_seed(seed)
-    model = DFlashDrafter(cfg).eval()
+    model = build_drafter(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.2 if "norm" in name else 0.1) + (1.0 if "norm" in name else 0.0))

@@ -21,6 +21,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from tests.common.test_repeat import first_loop_reference
 from train.attention import build_layer_masks
 from train.blocks import make_blocks
+from train.dflash2 import DFlash2Drafter, build_drafter
 from train.drafter_config import DrafterConfig
 from train.export_format.layout import export_drafter, load_exported
 from train.model import DFlashDrafter
@@ -276,7 +277,8 @@ def train_drafter(
 ) -> DFlashDrafter:
     """The training recipe in miniature (train.blocks anchors/labels, the training mask, weighted CE on
     the target's greedy top-1) on the target's own greedy continuations of `prompts`; `features_of`
-    maps the target's tap features to what the drafter (of `config`) reads."""
+    maps the target's tap features to what the drafter (of `config`) reads. A DFlash2 drafter also
+    learns its selector (`selector_loss`)."""
     rows = []
     for prompt in prompts:
         gen = greedy_generate(target, prompt, new_tokens)
@@ -294,7 +296,8 @@ def train_drafter(
         input_ids[i, :n], topk[i, :n, 0], hidden[i, :n] = ids, greedy, features
         loss_mask[i, prompt_len:n] = True
     torch.manual_seed(0)
-    drafter = DFlashDrafter(config or drafter_config())
+    drafter = build_drafter(config or drafter_config())
+    K = drafter.config.block_size
     embed = target.embed_VD.float()
     head = target.target.lm_head.weight.float()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
@@ -305,13 +308,13 @@ def train_drafter(
             loss_mask,
             lengths,
             topk,
-            block_size=B,
+            block_size=K,
             num_anchors=12,
             gamma=7.0,
             mask_token_id=MASK,
             generator=generator,
         )
-        mask = build_layer_masks("sdpa", blocks.anchors_BN, blocks.keep_BN, S, B, drafter.config.mask_rules)
+        mask = build_layer_masks("sdpa", blocks.anchors_BN, blocks.keep_BN, S, K, drafter.config.mask_rules)
         out = drafter(F.embedding(blocks.block_ids_BQ, embed), hidden, blocks.position_ids_BP, mask)
         rows_M = blocks.loss_rows_M
         logits = out.reshape(-1, out.shape[-1])[rows_M] @ head.T
@@ -319,10 +322,30 @@ def train_drafter(
         loss = (
             F.cross_entropy(logits, blocks.labels_BQ.reshape(-1)[rows_M], reduction="none") * weights
         ).sum() / weights.sum()
+        if isinstance(drafter, DFlash2Drafter):
+            loss = loss + selector_loss(drafter, blocks, out.reshape(-1, out.shape[-1])[rows_M], logits)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     return drafter.eval()
+
+
+def selector_loss(drafter: DFlash2Drafter, blocks, hidden_MD: torch.Tensor, logits_MV: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced CE of the selector over the unary top-k, where the label is among them: the
+    predecessor of block position k is the label of k-1 (the anchor for k = 1)."""
+    K = drafter.config.block_size
+    labels_BQ, ids_BQ = blocks.labels_BQ, blocks.block_ids_BQ
+    first_BQ = (torch.arange(labels_BQ.shape[1]) % K == 1)[None]
+    previous_BQ = torch.where(first_BQ, ids_BQ.roll(1, dims=1), labels_BQ.roll(1, dims=1))
+    rows_M = blocks.loss_rows_M
+    labels_M, previous_M = labels_BQ.reshape(-1)[rows_M], previous_BQ.reshape(-1)[rows_M]
+    unary_Mk, candidates_Mk = logits_MV.topk(drafter.config.selector_top_k, dim=-1)
+    covered_Mk = candidates_Mk == labels_M[:, None]
+    scores_Mk = drafter.candidate_selector.scores(hidden_MD, unary_Mk, candidates_Mk, previous_M)
+    covered_M = covered_Mk.any(-1)
+    if not bool(covered_M.any()):
+        return scores_Mk.sum() * 0.0
+    return F.cross_entropy(scores_Mk[covered_M], covered_Mk[covered_M].float().argmax(-1))
 
 
 @pytest.fixture(scope="module")
