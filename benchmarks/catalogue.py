@@ -43,7 +43,7 @@ def suite(name: str) -> str:
 
 
 SUITE_TEXT = {
-    "real": "SmolLM2-135M-Instruct end to end: offline and online τ, lossless, speed-up, the peers",
+    "real": "SmolLM2-135M-Instruct end to end: offline and online τ, lossless, speed-up, the peers; DFlash2 beside it",
     "real-data": "τ against training data at equal steps; hard CE against CE + KL on the stored top-k, seeds",
     "tiers-real": "the storage tiers trained side by side on SmolLM2: bytes and τ against lossless",
     "shape27b": "the Qwen3.6-27B shape: the speculative round and its projected speed-up, extraction, training MFU",
@@ -78,6 +78,38 @@ REAL = Figures(
         Fig("the whole pipeline at the scale that ran (steps and prompts above)", "real.suite_s", "{:,.0f} s"),
     ),
     "Speed-ups count the same decoding's target-only greedy decoding on our static cache with CUDA graphs.",
+)
+
+SPLITS = (("humaneval", "HumanEval"), ("chat_heldout", "held-out chat"))
+REAL_DFLASH2 = Figures(
+    "Real target: DFlash2 against DFlash on SmolLM2-135M-Instruct, the same shards and steps (one seed)",
+    suite("real"),
+    (
+        Fig("DFlash2 drafter training steps", "real.dflash2.training.steps", "{:,}"),
+        Fig("DFlash2 training time / DFlash's (the same steps)", "real.dflash2.training_s_over_dflash", "{:.2f}"),
+        *(
+            Fig(f"offline {kind} τ, {name}: {whose}", f"real.dflash2.eval.{split}.{key}", TAU)
+            for split, name in SPLITS
+            for kind, whose, key in (
+                ("chain", "the selector's walk", "tau"),
+                ("chain", "unary top-1", "unary_tau"),
+                ("DDTree-64", "the selector's tree", "ddtree_tau_64"),
+                ("DDTree-64", "unary", "unary_ddtree_tau_64"),
+            )
+        ),
+        *(
+            Fig(f"{kind} τ / DFlash's, {name}", f"real.dflash2.eval.{split}.{key}_over_dflash", "{:.3f}", goal)
+            for kind, key, goal in (("chain", "tau", "> 1"), ("DDTree-64", "ddtree_tau_64", ""))
+            for split, name in SPLITS
+        ),
+        Fig("online τ, HumanEval, batch 1, <= 256 tokens", "real.dflash2.online.tau", TAU),
+        Fig("HumanEval prompts decoded online (the first of DFlash's)", "real.dflash2.online.prompts", "{:,}"),
+        Fig("online τ / DFlash's, the same prompts", "real.dflash2.online.tau_over_dflash", "{:.3f}", "> 1"),
+        Fig("lossless (speculative = target-only greedy, token for token)", "real.dflash2.online.lossless", "{}"),
+        Fig("speed-up against target-only greedy decoding, wall", "real.dflash2.online.speedup_wall", X),
+    ),
+    "The DFlash2 drafter's τ is its selector's proposals (what it serves); unary: its head's argmax, on the same "
+    "blocks. Ratios only where both drafters trained the same steps (offline) or decoded the same prompts (online).",
 )
 
 LADDER_COLUMNS = (
@@ -459,6 +491,7 @@ DFLASH2_TINY = (
 
 TODAY = (
     REAL,
+    REAL_DFLASH2,
     *REAL_DATA,
     TIERS_REAL,
     ROUND,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from common.io import read_record
 from recipes.drafter.plan import Heldout, Job, plan_stages
-from recipes.drafter.results import DTYPE_NAMES, eval_pair, machine_line, num, pick_spec, timings_line
+from recipes.drafter.results import DTYPE_NAMES, eval_pair, eval_unary, machine_line, num, pick_spec, timings_line
 
 ROOT = "artifacts/smollm2"
 CONFIG = "configs/smollm2-135m.toml"
@@ -138,7 +138,8 @@ def smollm2_summary(run_dir: str, timings: dict[str, float], machine: dict, scal
     evals = {}
     for split in ("humaneval", "chat_heldout"):
         drafter, baseline = eval_pair(f"{run_dir}/eval_{split}.json")
-        evals[split] = {"drafter": drafter, "baseline": baseline}
+        unary = eval_unary(f"{run_dir}/eval_{split}.json")  # a DFlash2 drafter's; its `drafter` is the selector's
+        evals[split] = {"drafter": drafter, "baseline": baseline} | ({"unary": unary} if unary else {})
     spec = pick_spec(spec_all)
     summary = spec_all.get("summary", {})
     spec["speedup_wall"] = summary.get("speedup_wall")
@@ -186,6 +187,10 @@ def smollm2_summary_text(summary: dict) -> str:
             f"  {label:<22}{num(he['drafter'].get(key)):>12}{num(chat['drafter'].get(key)):>10}"
             f"{num(he['baseline'].get(key)):>38}"
         )
+    if "unary" in he:  # a DFlash2 drafter: the rows above are its selector's proposals, these its head's argmax
+        for label, key in [("tau, chain", "tau"), ("tau, DDTree-64", "ddtree_tau_64")]:
+            unary = f"unary: {label}"
+            lines.append(f"  {unary:<22}{num(he['unary'].get(key)):>12}{num(chat.get('unary', {}).get(key)):>10}")
     lines += [
         "",
         f"online on HumanEval: {spec.get('prompts')} prompts, up to {spec.get('max_new_tokens')} tokens each, "

@@ -8,8 +8,10 @@ whatever its size (process start, model build), `unit_s` each unit of its size (
 tokens), `cold_s` what only the first run of its `family` on a machine pays (compilation, graph capture, the
 first pass over cold kernels and files). It runs between `min_units` (the least that still answers its question)
 and `units` (the suite's full scale). `needs` names the parts whose output it reads: cut with them, run once they
-finished (in this command or an earlier one). `memory_gib` is the GPU memory it needs at its peak (0: not
-checked). Costs come with their `source` (a log entry, a record), printed with the plan.
+finished (in this command or an earlier one). A part that `follows` another runs at that part's units (the same
+steps or prompts, for a comparison): planned together they grow together; once the other finished, `pinned` plans
+it at the units that one ran. `memory_gib` is the GPU memory it needs at its peak (0: not checked). Costs come with
+their `source` (a log entry, a record), printed with the plan.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Part:
     family: str = ""  # parts that warm the same caches (one model, one kernel set); "" = the part alone
     memory_gib: float = 0.0  # peak GPU memory, GiB (0: not checked)
     memory_source: str = ""
+    follows: str = ""  # the part whose units this one takes (same min_units and units); "" = its own
 
     def cost(self, units: int) -> float:
         return self.fixed_s + self.unit_s * units
@@ -98,8 +101,9 @@ class Plan:
 def fit(parts: Sequence[Part], budget_s: float, done: Collection[str] = ()) -> Plan:
     """The plan for `budget_s` seconds: each part at its smallest in priority order while it fits (a part whose
     needs were cut is cut too; a need in `done` finished already), then each grown toward its full scale in the
-    same order with what is left."""
+    same order with what is left; a part and the part that follows it grow together, by the same units."""
     by_priority = sorted(parts, key=lambda p: p.priority)
+    follower = {p.follows: p for p in parts if p.follows}
     chosen: dict[str, int] = {}
     cuts: list[tuple[str, str]] = []
     left = budget_s
@@ -117,16 +121,31 @@ def fit(parts: Sequence[Part], budget_s: float, done: Collection[str] = ()) -> P
         chosen[part.name] = part.min_units
         left -= need
     for part in by_priority:
-        if part.name in chosen and part.units > chosen[part.name]:
-            grow = (
-                part.units - chosen[part.name]
-                if part.unit_s <= 0
-                else min(part.units - chosen[part.name], int(left // part.unit_s))
-            )
-            chosen[part.name] += grow
-            left -= grow * part.unit_s
+        if part.name not in chosen or part.follows in chosen:  # a follower grows with the part it follows
+            continue
+        twin = follower.get(part.name)
+        twin = twin if twin and twin.name in chosen else None
+        assert not twin or (twin.min_units, twin.units) == (part.min_units, part.units), (part.name, twin.name)
+        unit_s = part.unit_s + (twin.unit_s if twin else 0.0)
+        grow = part.units - chosen[part.name]
+        if unit_s > 0:
+            grow = min(grow, int(left // unit_s))
+        for grown in (part, twin) if twin else (part,):
+            chosen[grown.name] += grow
+        left -= grow * unit_s
     runs = tuple(Planned(p, chosen[p.name]) for p in parts if p.name in chosen)
     return Plan(budget_s, runs, tuple(cuts))
+
+
+def pinned(parts: Sequence[Part], ran: dict[str, int]) -> list[Part]:
+    """`parts` with each part that follows a finished one (`ran`: the units that one ran) grown to those units at
+    most; its smallest stays its own (or those units, where fewer), so a short time plans it smaller, not away."""
+    out = []
+    for part in parts:
+        units = ran.get(part.follows) if part.follows else None
+        keep = units is None or units < 1
+        out.append(part if keep else dataclasses.replace(part, units=units, min_units=min(units, part.min_units)))
+    return out
 
 
 def calibrate(parts: Sequence[Part], measured: dict[str, dict]) -> list[Part]:

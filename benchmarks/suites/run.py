@@ -21,7 +21,8 @@ each part whose family has not run on this machine yet (`plan`). A command that 
 same run in the work folder continues it: the parts it finished are not run again and are copied, with their
 figures, into the new record (`continuation`). Before every part the rest is planned again from the time really
 left, so a part that ran long shrinks or cuts the later ones (said in the log and the record), and a part gets the
-time left minus what the more important parts after it need at their smallest.
+time left minus what the more important parts after it need at their smallest and what the part that follows it
+(`Part.follows`) was planned at.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 from benchmarks.suites import SUITES
 from benchmarks.suites.continuation import carry_over, earlier, finished, mark_warm, warm_families
-from benchmarks.suites.plan import Part, calibrate, fit, on_machine, too_big
+from benchmarks.suites.plan import Part, calibrate, fit, on_machine, pinned, too_big
 from benchmarks.suites.record import (
     REPO,
     SCALE_NAMES,
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         log.say(why)
     done = set(finished(before)) if before else set()
     pending = [p for p in parts if p.name not in done and p.name not in dict(refused)]
-    plan = fit(on_machine(pending, warm_families(work)), deadline - time.time(), done)
+    plan = fit(on_machine(pinned(pending, units_ran(before or {})), warm_families(work)), deadline - time.time(), done)
     for line in plan.lines() + [f"  cut: {name}: {why}" for name, why in refused]:
         log.say(line)
     if args.plan_only:
@@ -164,10 +165,10 @@ def run_parts(ctx: Context, parts: list[Part], record: dict, deadline: float) ->
     every part it needs finished, in this command or an earlier one (already in `record`)."""
     ctx.state["parts"] = record["parts"]  # what ran so far, for collectors that sum the parts' times
     for i, part in enumerate(parts):
-        ok = {name for name, p in record["parts"].items() if p["status"] == "ok"}
-        broken = [n for n in part.needs if n not in ok]
+        ran = units_ran(record)
+        broken = [n for n in part.needs if n not in ran]
         warm = warm_families(ctx.work)
-        now_plan = fit(on_machine(parts[i:], warm), deadline - time.time(), ok)
+        now_plan = fit(on_machine(pinned(parts[i:], ran), warm), deadline - time.time(), set(ran))
         units = now_plan.units(part.name)
         if broken or units is None:
             why = f"needs {', '.join(broken)}, which did not finish" if broken else dict(now_plan.cuts)[part.name]
@@ -176,7 +177,9 @@ def run_parts(ctx: Context, parts: list[Part], record: dict, deadline: float) ->
             continue
         costs = {p.part.name: p.part for p in now_plan.runs}
         later = [p for p in now_plan.runs if p.part.name != part.name and p.part.priority < part.priority]
+        twins = [p for p in now_plan.runs if p.part.follows == part.name]  # kept their planned units' time
         seconds = deadline - time.time() - sum(p.part.cost(p.part.min_units) for p in later)
+        seconds -= sum(p.seconds for p in twins if p not in later)
         est = costs[part.name].cost(units)
         ctx.log.say(f"\n=== {part.name}: {units} {part.unit}, ~{est:.0f} s planned, {seconds:.0f} s allowed")
         ctx.allowed_s = seconds
@@ -194,6 +197,11 @@ def run_parts(ctx: Context, parts: list[Part], record: dict, deadline: float) ->
         record["raw"][part.name] = raw
         save(ctx, record)
         ctx.log.say(f"=== {part.name}: {result['status']} after {result['seconds']:.0f} s; {len(figures)} figures")
+
+
+def units_ran(record: dict) -> dict[str, int]:
+    """{part: the units it ran} of a record's parts that ended well."""
+    return {name: p.get("units") or 0 for name, p in (record.get("parts") or {}).items() if p.get("status") == "ok"}
 
 
 def collect(ctx: Context, part: Part, units: int) -> tuple[dict, dict | None]:

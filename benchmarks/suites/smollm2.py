@@ -34,11 +34,13 @@ def device_for(ctx_scale: str) -> str:
     return "cuda" if ctx_scale == "gpu" else "cpu"
 
 
-def demo_stages(ctx, run: str, seed: int = 0, **scale_changes) -> list[Stage]:
-    """The demo's stages for run `run` at the context's scale with `scale_changes` (steps, online_prompts, ...);
-    the build reads the pinned wheels from the carried folder where they are."""
+def demo_stages(ctx, run: str, seed: int = 0, arch: str = "dflash", **scale_changes) -> list[Stage]:
+    """The demo's stages for run `run` at the context's scale with `scale_changes` (steps, online_prompts, ...),
+    its drafter of class `arch` (`recipes.demo`'s arch=: train's model.arch); the build reads the pinned wheels
+    from the carried folder where they are."""
     scale = dataclasses.replace(scale_for(ctx.scale), **scale_changes)
-    stages = smollm2_stages(scale, run, device_for(ctx.scale), seed_overrides(seed), None)
+    train = seed_overrides(seed) + ([f"model.arch={arch}"] if arch != "dflash" else [])
+    stages = smollm2_stages(scale, run, device_for(ctx.scale), train, None)
     if (ctx.wheels / SMOLLM2_GGUF.wheel).is_file():
         name, argv = stages[0][0]
         stages[0] = [(name, [*argv, f"downloads={ctx.wheels}"])]

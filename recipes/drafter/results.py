@@ -33,6 +33,13 @@ def eval_pair(path: str) -> tuple[dict, dict]:
     )
 
 
+def eval_unary(path: str) -> dict:
+    """A DFlash2 checkpoint's unary headline numbers (the head's argmax and its tree, beside the selector's
+    proposals in `overall`); {} for a DFlash checkpoint."""
+    checkpoints = read_record(path).get("checkpoints") or [{}]
+    return pick_eval((checkpoints[0].get("unary") or {}).get("overall", {}))
+
+
 def pick_spec(spec: dict) -> dict:
     """Speculative decoding's headline numbers: τ, lossless, speed against target-only greedy decoding, and
     the path that speed was measured on (`train.serve.spec_target.decoding_path`)."""

@@ -1,7 +1,8 @@
 """The suites' planning (benchmarks.suites.plan): what fits a budget, in priority order, grown with what is left;
 what is cut says why; a need finished earlier counts; costs scale to what a finished run on the same kind of GPU
-measured, with the cold start a bare machine adds; a GPU too small for a part cuts it. And every suite's plan at
-the GPU budget fits its 9 minutes with the costs it knows, the committed H100 records' among them."""
+measured, with the cold start a bare machine adds; a GPU too small for a part cuts it; a part that follows another
+grows with it and then takes the units it ran. And every suite's plan at the GPU budget fits its 9 minutes with the
+costs it knows, the committed H100 records' among them, `real`'s DFlash2 parts beside DFlash's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.suites import SUITES
-from benchmarks.suites.plan import Part, calibrate, fit, on_machine, too_big
+from benchmarks.suites.plan import Part, calibrate, fit, on_machine, pinned, too_big
 from benchmarks.suites.record import gpu_kind, load_records, measured_costs
 from benchmarks.suites.run import RESERVE_S, RESULTS, selected
 
@@ -97,6 +98,42 @@ def test_a_bare_machine_adds_the_cold_start_and_a_measured_run_says_which_it_was
     assert cy.source.startswith("measured by x 300 s for 100 u on a bare machine on 2026-12-05, H100")
     warm = {"x": {**cold["x"], "cold": False}}  # the same seconds on a warm machine: x300/110
     assert calibrate([x], warm)[0].cost(100) == pytest.approx(300.0)
+
+
+def test_a_part_that_follows_another_grows_with_it_and_then_takes_the_units_it_ran():
+    lead = part("t", 10, 1.0, 100, 10, 0)
+    twin = part("t2", 10, 1.5, 100, 10, 0, follows="t")
+    # 20 + 25 at the smallest; 55 s left grow both by 22 (2.5 s a unit), not the first alone by 55
+    assert {p.part.name: p.units for p in fit([lead, twin], 100).runs} == {"t": 32, "t2": 32}
+    alone = part("t2", 10, 1.5, 100, 10, 0)
+    assert {p.part.name: p.units for p in fit([lead, alone], 100).runs} == {"t": 65, "t2": 10}
+    assert {p.part.name: p.units for p in fit([lead, twin], 10_000).runs} == {"t": 100, "t2": 100}
+    # t finished (40 units) in this command or an earlier one: t2 is planned at those, fewer where time is short
+    [after] = pinned([twin], {"t": 40})
+    assert (after.units, after.min_units) == (40, 10) and pinned([lead], {"t": 40}) == [lead]
+    assert fit([after], 1000, {"t"}).units("t2") == 40 and fit([after], 30, {"t"}).units("t2") == 13
+    assert (pinned([twin], {"t": 4})[0].units, pinned([twin], {"t": 4})[0].min_units) == (4, 4)
+
+
+def test_real_plans_dflash2_right_after_dflash_at_the_same_steps_and_prompts():
+    """A bare H100 at the committed records' costs: the first command trains both drafters the same steps; the
+    second (continuing it) decodes the same prompts with both."""
+    module = importlib.import_module(SUITES["real"])
+    parts = calibrate(module.parts("gpu", {}), measured_costs(load_records(RESULTS), "real", "gpu", "H100"))
+    names = [p.name for p in parts]
+    assert names.index("training-dflash2") == names.index("training") + 1
+    assert names.index("evaluation-dflash2") == names.index("evaluation") + 1
+    assert names.index("decoding-dflash2") == names.index("decoding") + 1
+    budget = 540 - RESERVE_S - 15
+    first = fit(on_machine(parts, set()), budget)
+    ran = {p.part.name: p.units for p in first.runs}
+    assert {"prefix", "training", "training-dflash2", "evaluation"} <= set(ran)
+    assert 300 <= ran["training"] == ran["training-dflash2"] < 1000
+    rest = pinned([p for p in parts if p.name not in ran], ran)
+    second = fit(on_machine(rest, {"training", "evaluation"}), budget, set(ran))
+    planned = {p.part.name: p.units for p in second.runs}
+    assert {"evaluation-dflash2", "decoding", "decoding-dflash2"} <= set(planned)
+    assert 32 <= planned["decoding"] == planned["decoding-dflash2"]
 
 
 def test_a_gpu_too_small_for_a_part_cuts_it_in_one_line():

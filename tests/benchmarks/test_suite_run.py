@@ -138,3 +138,22 @@ def test_a_gpu_too_small_cuts_the_parts_it_cannot_hold_or_refuses_the_suite(suit
     SPEC.update({"c": dict(fixed_s=0.01, memory_gib=40, memory_source="estimate"), "b": dict(memory_gib=30)})
     code, _, log = main("--budget-s", "20", "--scale", "gpu")
     assert code == 2 and log.splitlines()[-1].startswith("fake: refused: this GPU is too small for every part")
+
+
+def test_a_part_keeps_the_time_of_the_part_that_follows_it_which_then_takes_the_units_it_ran(suite, monkeypatch):
+    main, calls = suite
+    SPEC.clear()
+
+    def decoded_fewer(ctx, units):  # as `real`'s decoding: it stopped before its planned units
+        ctx.state["units_done"] = units - 3
+        return {"fake.a.units": units - 3}
+
+    SPEC["a"] = dict(unit_s=0.01, units=100, min_units=10, collect=decoded_fewer)
+    SPEC["b"] = dict(unit_s=0.02, units=100, min_units=10, needs=("a",), follows="a")
+    monkeypatch.setitem(SLEEP, "a", 0.01)
+    code, record, _ = main("--budget-s", "20")
+    assert code == 0 and [name for name, _ in calls] == ["a", "b"]
+    assert {r["part"]: r["units"] for r in record["plan"]["runs"]} == {"a": 100, "b": 100}  # grown together
+    assert record["parts"]["a"]["units"] == record["parts"]["b"]["units"] == 97  # b took what a ran
+    # a was allowed the time left less b's planned time (0.1 + 100 x 0.02 s), b the time left
+    assert calls[1][1] - calls[0][1] == pytest.approx(2.1, abs=0.3)

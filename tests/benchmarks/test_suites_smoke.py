@@ -1,6 +1,7 @@
 """Every GPU suite's code where CI runs (a CPU): its smoke scale plans, runs what fits, writes ONE record and ONE
 log, and renders; the SmolLM2 suites' commands (too slow for seconds on a CPU) are checked against their stages'
-own configs, at both scales."""
+own configs, at both scales, and `real` runs through its own runner at the smoke scale with each step replaced by
+the files it writes (DFlash2 beside DFlash)."""
 
 from __future__ import annotations
 
@@ -131,13 +132,28 @@ def test_every_smollm2_suite_command_parses_with_its_stage_config(tmp_path, monk
 
 
 def check_real(parsed: dict, scale: str) -> None:
-    trainings = {units: cfg for (part, _, units), (m, cfg) in parsed.items() if m == "train"}
-    assert set(trainings) == ({300, 1000} if scale == "gpu" else {5, 30})
-    assert all(cfg.optim.max_steps == units for units, cfg in trainings.items())
-    decodings = {units: cfg for (part, _, units), (m, cfg) in parsed.items() if m == "train.serve.specdecode"}
-    # On a GPU every HumanEval prompt, as many as fit the part's time; on a CPU the planned number
-    assert {cfg.num_prompts for cfg in decodings.values()} == ({0} if scale == "gpu" else set(decodings))
+    trainings = {(part, units): cfg for (part, _, units), (m, cfg) in parsed.items() if m == "train"}
+    assert {u for _, u in trainings} == ({300, 1000} if scale == "gpu" else {5, 30})
+    assert all(cfg.optim.max_steps == units for (_, units), cfg in trainings.items())
+    # The DFlash2 drafter: the same shards and settings but its class, its own run
+    for (part, units), cfg in trainings.items():
+        dflash = trainings[("training", units)]
+        assert cfg.model.arch == ("dflash2" if part == "training-dflash2" else "dflash")
+        assert cfg.run_name == ("bench-real-dflash2" if part == "training-dflash2" else "bench-real")
+        assert cfg.data.shards == dflash.data.shards and cfg.loss.num_anchors == dflash.loss.num_anchors
+        assert cfg.model.num_layers == dflash.model.num_layers and cfg.seed == dflash.seed == 0
+    decodings = {(part, units): cfg for (part, _, units), (m, cfg) in parsed.items() if m == "train.serve.specdecode"}
+    # On a GPU every HumanEval prompt, as many as fit the part's time; on a CPU the planned number; the DFlash2
+    # drafter the planned number (at most DFlash's), without the peers
+    assert {cfg.num_prompts for (p, u), cfg in decodings.items() if p == "decoding"} == (
+        {0} if scale == "gpu" else {u for p, u in decodings if p == "decoding"}
+    )
+    twin = {u: cfg for (p, u), cfg in decodings.items() if p == "decoding-dflash2"}
+    assert twin and all(cfg.num_prompts == u and not cfg.peer_baselines for u, cfg in twin.items())
+    assert all(cfg.drafter == "runs/bench-real-dflash2/export" for cfg in twin.values())
     assert {cfg.time_limit_s for cfg in decodings.values()} == {300.0 - real.DECODING_MARGIN_S}
+    evaluations = [part for (part, _, _), (m, _) in parsed.items() if m == "train.eval"]
+    assert sorted(set(evaluations)) == ["evaluation", "evaluation-dflash2"]
 
 
 def check_real_data(parsed: dict, scale: str) -> None:
@@ -157,3 +173,76 @@ def check_tiers(parsed: dict, scale: str) -> None:
     assert runs["tiers"].seeds == [0] and runs["tiers"].out_dir == "runs/bench-tiers"
     assert any(o.startswith("optim.max_steps=") for o in runs["tiers"].train_overrides)
     assert "optim.max_steps=300" in runs["tiers-online"].train_overrides  # the steps `tiers` trained, as recorded
+
+
+def fake_real_step(argv: list[str]) -> None:
+    """What a `real` step writes that its part's collector reads, its numbers told apart by the drafter's run: a
+    DFlash2 drafter's offline τ is 1.1 x DFlash's (its unary 0.9 x); DFlash's decoding stops 1 prompt short."""
+    words = dict(w.split("=", 1) for w in argv[2:] if "=" in w)
+    dflash2 = "bench-real-dflash2" in " ".join(argv)
+    if argv[1] == "train.eval":
+        base = {"humaneval": 2.0, "chat_heldout": 3.0}[Path(words["out"]).stem.removeprefix("eval_")]
+        own = 1.1 * base if dflash2 else base
+
+        def overall(tau):
+            return {"n_blocks": 40, "tau": tau, "ddtree_tau_64": tau + 1, "position_acceptance": [0.5]}
+
+        checkpoint = {"overall": overall(own)} | ({"unary": {"overall": overall(0.9 * base)}} if dflash2 else {})
+        write(words["out"], {"checkpoints": [checkpoint], "baseline": {"overall": overall(1.0)}})
+    if argv[1] == "train.serve.specdecode":
+        asked = int(words["num_prompts"])
+        done = asked if dflash2 else asked - 1
+        summary = {"prompts": done, "tau": 2.4 if dflash2 else 2.0, "speedup_wall": 1.2, "mismatches": []}
+        summary |= {"spec": {"wall_s": 1.0, "decode_tokens_per_s": 100.0}, "baseline": {"decode_tokens_per_s": 80.0}}
+        stopped = {} if dflash2 else {"stopped": {"at": done, "of": asked}}
+        write(words["out"], {"summary": summary, "config": {}, **stopped})
+
+
+def write(path: str, doc: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc))
+
+
+def test_real_at_smoke_scale_measures_dflash2_beside_dflash_at_the_same_steps_and_prompts(tmp_path, monkeypatch):
+    """`real` at the smoke scale, planned and run by the suite's own runner with each step replaced by the files it
+    writes: the DFlash2 parts run right after the DFlash ones, train the same steps, decode the prompts DFlash
+    decoded, and give their figures and the ratios, which render."""
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    monkeypatch.chdir(tmp_path)  # runs/ and artifacts/ of the suite's steps
+    order, argvs = [], {}
+
+    def run_stages(ctx, part, stages, seconds, jobs=0):
+        order.append(part)
+        for stage in stages:
+            for _, argv in stage:
+                argvs.setdefault(part, []).append(argv)
+                fake_real_step(argv)
+        return {"status": "ok", "seconds": {"training": 10.0, "training-dflash2": 11.5}.get(part, 1.0), "steps": []}
+
+    monkeypatch.setattr(run, "run_stages", run_stages)
+    code, record, files = run_suite(tmp_path, "real", "--scale", "smoke", "--budget-s", "1110")
+    assert code == 0 and record["status"] == "complete" and files == ["real.json", "real.log"]
+    check_record(record, "smoke record")
+    assert order == [p.name for p in real.parts("smoke", {})]  # every DFlash2 part right after its DFlash one
+    runs = {r["part"]: r["units"] for r in record["plan"]["runs"]}
+    assert 5 < runs["training"] == runs["training-dflash2"] < 30  # grown together, short of the full 30
+    parts, figures = record["parts"], record["figures"]
+    assert parts["training"]["units"] == parts["training-dflash2"]["units"] == figures["real.dflash2.training.steps"]
+    assert "model.arch=dflash2" in argvs["training-dflash2"][0] and "model.arch=dflash2" not in argvs["training"][0]
+    assert parts["decoding"]["units"] == parts["decoding-dflash2"]["units"] == figures["real.online.prompts"]
+    assert f"num_prompts={parts['decoding']['units']}" in argvs["decoding-dflash2"][0]  # the prompts DFlash decoded
+    assert "peer_baselines=false" in argvs["decoding-dflash2"][0]
+    for split, base in (("humaneval", 2.0), ("chat_heldout", 3.0)):
+        assert figures[f"real.eval.{split}.tau"] == base and f"real.eval.{split}.unary_tau" not in figures
+        assert figures[f"real.dflash2.eval.{split}.tau"] == pytest.approx(1.1 * base)
+        assert figures[f"real.dflash2.eval.{split}.unary_tau"] == pytest.approx(0.9 * base)
+        assert figures[f"real.dflash2.eval.{split}.unary_ddtree_tau_64"] == pytest.approx(0.9 * base + 1)
+        assert figures[f"real.dflash2.eval.{split}.tau_over_dflash"] == pytest.approx(1.1)
+    assert figures["real.dflash2.online.prompts"] == parts["decoding-dflash2"]["units"]
+    assert figures["real.dflash2.online.tau_over_dflash"] == pytest.approx(1.2)
+    assert figures["real.dflash2.training_s_over_dflash"] == pytest.approx(1.15)
+    assert figures["real.suite_s"] == 1 + 10 + 1 + 1  # prefix, training, evaluation, decoding: DFlash's alone
+    lines = render.render_figures(C.REAL_DFLASH2, as_gpu(record, tmp_path), tmp_path)
+    row = next(line for line in lines if line.startswith("| chain τ / DFlash's, HumanEval |"))
+    assert "| 1.100 | > 1 |" in row and "r.json" in row
+    assert not any("not yet measured" in line for line in lines)

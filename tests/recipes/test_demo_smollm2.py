@@ -1,5 +1,6 @@
 """`make demo target=smollm2` (recipes.demo_smollm2): every step's command line is valid for its stage at
-both scales, and the summary says n/a where a number is missing instead of failing."""
+both scales, and the summary says n/a where a number is missing instead of failing, and gives a DFlash2 drafter's
+unary proposals beside its selector's."""
 
 from __future__ import annotations
 
@@ -64,6 +65,24 @@ def test_summary_of_a_run_with_nothing_written_says_n_a(tmp_path):
     summary = smollm2_summary(str(tmp_path), {"extraction": 1.0}, {}, SCALES["reduced"])
     text = smollm2_summary_text(summary)
     assert "reduced scale" in text and "n/a" in text
+
+
+def test_summary_of_a_dflash2_run_gives_its_unary_proposals_beside_its_selectors(tmp_path):
+    import json
+
+    def overall(tau):
+        return {"n_blocks": 9, "tau": tau, "ddtree_tau_64": tau + 1, "position_acceptance": [0.5]}
+
+    for split, tau in (("humaneval", 2.0), ("chat_heldout", 3.0)):
+        checkpoint = {"proposals": "selector", "overall": overall(tau), "unary": {"overall": overall(tau - 0.25)}}
+        (tmp_path / f"eval_{split}.json").write_text(json.dumps({"checkpoints": [checkpoint]}))
+    summary = smollm2_summary(str(tmp_path), {}, {}, SCALES["full"])
+    he = summary["eval"]["humaneval"]
+    assert (he["drafter"]["tau"], he["unary"]["tau"], he["unary"]["ddtree_tau_64"]) == (2.0, 1.75, 2.75)
+    lines = smollm2_summary_text(summary).splitlines()
+    assert next(line for line in lines if "unary: tau, chain" in line).split()[-2:] == ["1.750", "2.750"]
+    (tmp_path / "eval_humaneval.json").write_text(json.dumps({"checkpoints": [{"overall": overall(2.0)}]}))
+    assert "unary" not in smollm2_summary(str(tmp_path), {}, {}, SCALES["full"])["eval"]["humaneval"]  # DFlash
 
 
 def test_each_step_says_its_time_as_it_ends(capsys):
