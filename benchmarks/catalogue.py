@@ -511,9 +511,22 @@ README = Figures(
     "Results",
     "",
     (
+        Fig("SmolLM2-135M: drafter training steps (τ below)", "real.training.steps", "{:,}", measured_by=suite("real")),
         Fig("SmolLM2-135M: offline chain τ, HumanEval", "real.eval.humaneval.tau", TAU, measured_by=suite("real")),
         Fig(
             "SmolLM2-135M: offline chain τ, held-out chat", "real.eval.chat_heldout.tau", TAU, measured_by=suite("real")
+        ),
+        Fig(
+            "SmolLM2-135M: DFlash2 / DFlash offline chain τ, equal steps, HumanEval",
+            "real.dflash2.eval.humaneval.tau_over_dflash",
+            X,
+            measured_by=suite("real"),
+        ),
+        Fig(
+            "SmolLM2-135M: DFlash2 / DFlash offline chain τ, equal steps, held-out chat",
+            "real.dflash2.eval.chat_heldout.tau_over_dflash",
+            X,
+            measured_by=suite("real"),
         ),
         Fig("SmolLM2-135M: online τ, HumanEval", "real.online.tau", TAU, measured_by=suite("real")),
         Fig("SmolLM2-135M: lossless", "real.online.lossless", "{}", measured_by=suite("real")),
@@ -571,7 +584,7 @@ README = Figures(
             "make drafter target=artifacts/tiny/target prompts=artifacts/tiny/corpus/train.jsonl scale=smoke",
         ),
         Fig(
-            "SmolLM2-135M end to end on one H200: time to its decoding step",
+            "SmolLM2-135M end to end on one GPU: time to its decoding step",
             "real.to_decoding_s",
             "{:.0f} s",
             measured_by=suite("real"),
