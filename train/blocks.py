@@ -23,6 +23,10 @@ blocks of a whole batch (each row's count scaled down proportionally): under a t
 batch of many short samples would otherwise carry several times the block tokens (and memory)
 of a batch of a few long ones.
 
+How a run builds its blocks is one frozen `BlockSpec`, made once from the drafter's config (block size, mask
+token) and the train config's `loss` table (anchors, gamma, labels, soft targets, block cap): its fields come from
+two configs, and tests and benchmarks state one without a whole train config.
+
 Everything here runs on CPU tensors of the batch before they move to the device: the labels and
 weights are gathered here, so the [B, S, k] top-k arrays never need to go to the GPU.
 
@@ -36,10 +40,12 @@ import dataclasses
 import torch
 
 from train.alignment import block_input_ids, block_positions, label_rows
-from train.config import default_gamma  # noqa: F401 - part of this module's API (listed in __all__)
+from train.config import LossConfig, default_gamma  # noqa: F401 - default_gamma is part of this module's API (__all__)
+from train.drafter_config import DrafterConfig
 
 __all__ = [
     "Blocks",
+    "BlockSpec",
     "make_blocks",
     "position_weights",
     "default_gamma",
@@ -61,6 +67,36 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 def step_generator(seed: int, step: int) -> torch.Generator:
     """The anchor generator of one optimizer step: a pure function of (seed, step), so resume is exact."""
     return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) % (2**63 - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """How one run's blocks are built (`make_blocks`); `of` reads it from the run's configs."""
+
+    block_size: int  # K
+    mask_token_id: int
+    num_anchors: int  # per sequence, at most
+    gamma: float  # position decay of the loss weights
+    labels: str = "target"  # "target": the target's top-1; "data": the data token (ablation)
+    soft_targets: bool = False  # also gather the target top-k behind each label (the KL ablation)
+    max_blocks: int | None = None  # cap on the blocks of a whole batch
+
+    def __post_init__(self) -> None:
+        if self.labels not in ("target", "data"):
+            raise ValueError(f"labels must be 'target' or 'data', got {self.labels!r}")
+
+    @classmethod
+    def of(cls, drafter_cfg: DrafterConfig, loss: LossConfig) -> "BlockSpec":
+        """The blocks of a drafter trained with a (checked) `loss` table."""
+        return cls(
+            block_size=drafter_cfg.block_size,
+            mask_token_id=drafter_cfg.mask_token_id,
+            num_anchors=loss.num_anchors,
+            gamma=loss.gamma,
+            labels=loss.labels,
+            soft_targets=loss.kl_weight > 0,
+            max_blocks=loss.max_blocks,
+        )
 
 
 @dataclasses.dataclass
@@ -144,27 +180,20 @@ def make_blocks(
     loss_mask_BS: torch.Tensor,
     lengths_B: torch.Tensor,
     topk_ids_BSk: torch.Tensor,
+    spec: BlockSpec,
     *,
-    block_size: int,
-    num_anchors: int,
-    gamma: float,
-    mask_token_id: int,
     generator: torch.Generator | None,
-    labels: str = "target",
     topk_logprobs_BSk: torch.Tensor | None = None,
-    soft_targets: bool = False,
-    max_blocks: int | None = None,
     keys_BS: torch.Tensor | None = None,
     quota_B: torch.Tensor | None = None,
 ) -> Blocks:
-    """Sample anchors and build the block inputs, labels and weights of one batch (CPU tensors).
+    """Sample anchors and build the block inputs, labels and weights of one batch (CPU tensors) as `spec` says.
     `keys_BS` / `quota_B`: see `sample_anchors`."""
-    if labels not in ("target", "data"):
-        raise ValueError(f"labels must be 'target' or 'data', got {labels!r}")
     B, S = input_ids_BS.shape
-    K = block_size
+    K, mask_token_id = spec.block_size, spec.mask_token_id
+    candidates_BS = anchor_candidates(loss_mask_BS, lengths_B)
     anchors_BN, keep_BN = sample_anchors(
-        anchor_candidates(loss_mask_BS, lengths_B), num_anchors, generator, max_blocks, keys_BS=keys_BS, quota_B=quota_B
+        candidates_BS, spec.num_anchors, generator, spec.max_blocks, keys_BS=keys_BS, quota_B=quota_B
     )
     N = anchors_BN.shape[1]
     offsets_K = torch.arange(K)
@@ -178,11 +207,11 @@ def make_blocks(
     safe_pos_BNK = target_pos_BNK.clamp(max=S - 1)
     label_mask_BNK = loss_mask_BS.bool().gather(1, safe_pos_BNK.view(B, -1)).view(B, N, K)
     valid_BNK = keep_BN[:, :, None] & in_seq_BNK & label_mask_BNK & (offsets_K >= 1)
-    weights_BNK = position_weights(K, gamma)[None, None, :] * valid_BNK
+    weights_BNK = position_weights(K, spec.gamma)[None, None, :] * valid_BNK
 
     # Clamped rows only serve positions whose weight is 0 (the anchor itself, past the sequence).
     row_BNK = label_rows(target_pos_BNK).clamp(min=0, max=S - 1)
-    if labels == "target":
+    if spec.labels == "target":
         labels_BNK = topk_ids_BSk[:, :, 0].long().gather(1, row_BNK.view(B, -1)).view(B, N, K)
     else:
         labels_BNK = input_ids_BS.long().gather(1, safe_pos_BNK.view(B, -1)).view(B, N, K)
@@ -192,7 +221,7 @@ def make_blocks(
     labels_BNK = torch.where(valid_BNK, labels_BNK, torch.zeros_like(labels_BNK))
 
     soft_ids = soft_logprobs = None
-    if soft_targets:
+    if spec.soft_targets:
         assert topk_logprobs_BSk is not None
         k = topk_ids_BSk.shape[-1]
         index_BQk = row_BNK.view(B, -1, 1).expand(-1, -1, k)

@@ -6,10 +6,9 @@ takes from its target (`target_rope`). `train.model` builds the drafter from it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from train.attention import MaskRule
-from train.config import DEFAULT_BLOCK_SIZE, DFLASH2_FIELDS
+from train.config import DEFAULT_BLOCK_SIZE, DFLASH2_FIELDS, ModelConfig
 from train.layer_types import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_IN_BLOCK, resolve_layer_types
 
 __all__ = [
@@ -17,10 +16,28 @@ __all__ = [
     "DFLASH2_FIELDS",
     "DEFAULT_ROPE_THETA",
     "DrafterConfig",
+    "MODEL_OVERRIDES",
     "dflash2_fields",
     "rope_settings",
     "target_rope",
 ]
+
+# The `model` table's keys (`train.config.ModelConfig`) that set the drafter field of the same name where they are
+# not none; the target's value otherwise (`DrafterConfig.from_target`).
+MODEL_OVERRIDES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "initializer_range",
+    "layer_types",
+    "sliding_window",
+    "sliding_in_block",
+    "rope_theta",
+    "rope_scaling",
+    "partial_rotary_factor",
+)
 
 # The drafter classes (`DrafterConfig.arch`); the fields only DFlash2 has are `DFLASH2_FIELDS` (train.config).
 DRAFTER_ARCHS = ("dflash", "dflash2")
@@ -263,26 +280,16 @@ class DrafterConfig:
 
     @classmethod
     def from_target(
-        cls,
-        target_cfg: dict,
-        layer_ids: list[int],
-        *,
-        num_layers: int = 5,
-        block_size: int = 16,
-        mask_token_id: int,
-        **widths: Any,
+        cls, target_cfg: dict, model: ModelConfig, *, layer_ids: list[int], mask_token_id: int
     ) -> "DrafterConfig":
-        """A drafter for a target text config: the target's widths and rope unless `widths` override them.
-
-        `widths` may set hidden_size, intermediate_size, num_attention_heads, num_key_value_heads,
-        head_dim, initializer_range, layer_types (a list or a preset name), sliding_window,
-        sliding_in_block, rope_theta, rope_scaling, partial_rotary_factor (None values are
-        ignored). A hidden size other than the target's is allowed: `fc` then maps n_taps x target
-        hidden -> drafter hidden, but the frozen embedding and lm_head are the target's, so they
-        must match the drafter's width.
+        """A drafter for a target text config, shaped by a train config's `model` table: the target's widths and
+        rope wherever the table leaves them unset (`MODEL_OVERRIDES`), its layer count, block size, layer types
+        and class (a DFlash2 drafter's fields as `dflash2_fields` derives them). A hidden size other than the
+        target's is allowed: `fc` then maps n_taps x target hidden -> drafter hidden, but the frozen embedding
+        and lm_head are the target's, so they must match the drafter's width.
 
         Rope: the target's theta and (static) scaling (`target_rope`), but rotary over the whole head
-        (partial_rotary_factor 1.0) unless `widths` says otherwise: the drafter's heads are its
+        (model.partial_rotary_factor, 1.0 by default): the drafter's heads are its
         own, SGLang rotates every head dim of a DFlash drafter whatever its config says, and the
         published Qwen3.6 drafter rotates all of them too (docs/serving.md, "Rope"). The MLP is
         SiLU whatever the target's activation: the drafter is a Qwen3 stack of its own, and SGLang's
@@ -296,7 +303,7 @@ class DrafterConfig:
         values = dict(
             hidden_size=hidden,
             intermediate_size=int(target_cfg.get("intermediate_size") or 4 * hidden),
-            num_hidden_layers=num_layers,
+            num_hidden_layers=model.num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(target_cfg.get("num_key_value_heads") or heads),
             head_dim=int(target_cfg.get("head_dim") or hidden // heads),
@@ -304,7 +311,7 @@ class DrafterConfig:
             target_layer_ids=list(layer_ids),
             num_target_layers=int(target_cfg["num_hidden_layers"]),
             mask_token_id=int(mask_token_id),
-            block_size=block_size,
+            block_size=model.block_size or DEFAULT_BLOCK_SIZE[model.arch],
             rms_norm_eps=float(target_cfg.get("rms_norm_eps") or 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -313,7 +320,9 @@ class DrafterConfig:
             hidden_act="silu",
             initializer_range=float(target_cfg.get("initializer_range") or 0.02),
         )
-        values.update({k: v for k, v in widths.items() if v is not None})
+        values.update({k: getattr(model, k) for k in MODEL_OVERRIDES if getattr(model, k) is not None})
+        if model.arch == "dflash2":
+            values.update(dflash2_fields(model, values["hidden_size"])[0])
         if values["hidden_size"] != hidden:
             values["target_hidden_size"] = hidden
         return cls(**values)

@@ -41,7 +41,7 @@ from shards.provenance import Provenance, provenance_of
 from target.checkpoint import text_config
 from target.identity import StoredHead, read_stored_head, target_identity
 from target.identity_check import OVERRIDE_KEY, check_target
-from train.blocks import Blocks
+from train.blocks import Blocks, BlockSpec
 from train.buckets import RankSplit, split_summary
 from train.checkpoint import (
     latest_checkpoint,
@@ -105,31 +105,10 @@ def build_drafter_config(
     why = target_rope(target_cfg)[2]
     if why and m.rope_theta is None and m.rope_scaling is None:
         log.info("drafter rope: %s (model.rope_theta / model.rope_scaling override it)", why)
-    dflash2 = {}
-    if m.arch == "dflash2":
-        dflash2, why = dflash2_fields(m, m.hidden_size or int(target_cfg["hidden_size"]))
-        log.info("DFlash2 drafter: %s", why)
+    if m.arch == "dflash2":  # the DFlash2 fields' reasons (and a group size that does not divide, by its key)
+        log.info("DFlash2 drafter: %s", dflash2_fields(m, m.hidden_size or int(target_cfg["hidden_size"]))[1])
     try:
-        return DrafterConfig.from_target(
-            target_cfg,
-            layer_ids,
-            num_layers=m.num_layers,
-            block_size=m.block_size,
-            mask_token_id=mask_token_id,
-            hidden_size=m.hidden_size,
-            intermediate_size=m.intermediate_size,
-            num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads,
-            head_dim=m.head_dim,
-            initializer_range=m.initializer_range,
-            layer_types=m.layer_types,
-            sliding_window=m.sliding_window,
-            sliding_in_block=m.sliding_in_block,
-            rope_theta=m.rope_theta,
-            rope_scaling=m.rope_scaling,
-            partial_rotary_factor=m.partial_rotary_factor,
-            **dflash2,
-        )
+        return DrafterConfig.from_target(target_cfg, m, layer_ids=layer_ids, mask_token_id=mask_token_id)
     except ValueError as exc:
         raise ValueError(f"config table 'model': {exc}") from None
 
@@ -256,6 +235,10 @@ class Run(OnKernels):
     dist: Dist = dataclasses.field(default_factory=Dist.single)
     lock: object = None  # rank 0's lock on the run directory (common.locks), released by `release`
     _placeholder: tuple | None = None
+    block_spec: BlockSpec = dataclasses.field(init=False)  # how a step builds its blocks, from drafter_cfg + cfg.loss
+
+    def __post_init__(self) -> None:
+        self.block_spec = BlockSpec.of(self.drafter_cfg, self.cfg.loss)
 
     @classmethod
     def prepare(cls, cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | None = None) -> "Run":

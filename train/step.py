@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from common.schedule import warmup_cosine
-from train.blocks import Blocks, anchor_candidates, anchors_per_row, make_blocks, step_generator
+from train.blocks import Blocks, BlockSpec, anchor_candidates, anchors_per_row, make_blocks, step_generator
 from train.config import TrainConfig
 from train.data import Batch, Share
 from train.distributed import Dist
@@ -56,6 +56,7 @@ class StepRun(Protocol):
 
     cfg: TrainConfig
     drafter_cfg: DrafterConfig
+    block_spec: BlockSpec  # how its blocks are built: `BlockSpec.of(drafter_cfg, cfg.loss)`
     drafter: torch.nn.Module
     forward: torch.nn.Module  # the drafter, in DDP and/or compiled (`step_functions`)
     chunk_fn: object  # the loss chunk, compiled or not (`step_functions`)
@@ -200,16 +201,16 @@ def _share_blocks(run: StepRun, share: Share, step: int) -> list[Blocks | None]:
     takes its rows, so a sample's anchors do not depend on the split; with one part this is exactly
     `make_blocks` on the whole batch. A block cap (`loss.max_blocks`) needs every row's candidate
     count: summed over ranks."""
-    cfg = run.cfg
+    spec = run.block_spec
     B, S = len(share.global_lengths), int(share.global_lengths.max())
     counts_B = torch.zeros(B, dtype=torch.int64)
     for part, rows in zip(share.parts, share.rows):
         if part is not None:
             counts_B[torch.from_numpy(rows)] = anchor_candidates(part.loss_mask, part.lengths).sum(dim=1)
-    if cfg.loss.max_blocks is not None and run.dist.world_size > 1:
+    if spec.max_blocks is not None and run.dist.world_size > 1:
         counts_B = torch.from_numpy(run.dist.sum(counts_B.numpy()).astype(np.int64))
-    quota_B = anchors_per_row(counts_B, cfg.loss.num_anchors, cfg.loss.max_blocks)
-    keys_BS = torch.rand((B, S), generator=step_generator(cfg.seed, step))
+    quota_B = anchors_per_row(counts_B, spec.num_anchors, spec.max_blocks)
+    keys_BS = torch.rand((B, S), generator=step_generator(run.cfg.seed, step))
     out = []
     for part, rows in zip(share.parts, share.rows):
         if part is None:
@@ -222,21 +223,14 @@ def _share_blocks(run: StepRun, share: Share, step: int) -> list[Blocks | None]:
 
 def make_part_blocks(run: StepRun, batch: Batch, **given) -> Blocks:
     """`train.blocks.make_blocks` on one part with the run's settings; `given`: its keys and quotas."""
-    cfg = run.cfg
     return make_blocks(
         batch.input_ids,
         batch.loss_mask,
         batch.lengths,
         batch.topk_ids,
-        block_size=run.drafter_cfg.block_size,
-        num_anchors=cfg.loss.num_anchors,
-        gamma=cfg.loss.gamma,
-        mask_token_id=run.drafter_cfg.mask_token_id,
+        run.block_spec,
         generator=None,
-        labels=cfg.loss.labels,
         topk_logprobs_BSk=batch.topk_logprobs,
-        soft_targets=cfg.loss.kl_weight > 0,
-        max_blocks=cfg.loss.max_blocks,
         **given,
     )
 

@@ -102,7 +102,7 @@ def test_dflash2_flops_count_its_projections_and_the_shape27b_part_compares_mfu(
     from benchmarks.suites.shape27b import parts
     from benchmarks.train import SHAPES, drafter_config, step_flops, synthetic_batch
     from common.config import load_config
-    from train.blocks import make_blocks, step_generator
+    from train.blocks import BlockSpec, make_blocks, step_generator
     from train.config import ModelConfig
     from train.dflash2 import build_drafter
 
@@ -116,10 +116,7 @@ def test_dflash2_flops_count_its_projections_and_the_shape27b_part_compares_mfu(
         batch.loss_mask,
         batch.lengths,
         batch.topk_ids,
-        block_size=8,
-        num_anchors=5,
-        gamma=4.0,
-        mask_token_id=cfg.mask_token_id,
+        BlockSpec(block_size=8, mask_token_id=cfg.mask_token_id, num_anchors=5, gamma=4.0),
         generator=step_generator(0, 1),
     )
     drafter = build_drafter(cfg)

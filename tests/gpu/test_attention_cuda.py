@@ -19,6 +19,7 @@ from recipes.tiny import TinyConfig
 from tests.gpu import GPU
 from tests.train.test_model import QWEN36_TEXT
 from train.attention import attend
+from train.config import ModelConfig
 from train.drafter_config import DrafterConfig
 from train.kernels import TRAIN_KEYS, KernelPlan, choose_kernels, flex_problem
 
@@ -29,7 +30,7 @@ CUDA = torch.device("cuda")
 
 def drafter_heads_27b() -> tuple[int, int, int]:
     """(query heads, kv heads, head_dim) of the drafter the trainer builds for Qwen3.6-27B."""
-    cfg = DrafterConfig.from_target(QWEN36_TEXT, [1, 16, 31, 46], mask_token_id=248070)
+    cfg = DrafterConfig.from_target(QWEN36_TEXT, ModelConfig(), layer_ids=[1, 16, 31, 46], mask_token_id=248070)
     return cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
 

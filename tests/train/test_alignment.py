@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from train.alignment import block_input_ids, block_positions, draft_label_rows, label_rows
-from train.blocks import make_blocks
+from train.blocks import BlockSpec, make_blocks
 from train.eval.anchors import block_anchors, block_targets
 from train.eval.drafting import Piece, forward_inputs
 from train.serve.agreement import _chain
@@ -56,10 +56,7 @@ def test_training_evaluation_and_speculative_replay_build_the_same_blocks_and_la
         loss_mask_T[None],
         torch.tensor([T]),
         top1_T[None, :, None],
-        block_size=K,
-        num_anchors=T,
-        gamma=7.0,
-        mask_token_id=MASK,
+        BlockSpec(block_size=K, mask_token_id=MASK, num_anchors=T, gamma=7.0),
         generator=torch.Generator().manual_seed(0),
     )
     anchors = blocks.anchors_BN[0][blocks.keep_BN[0]]

@@ -4,11 +4,22 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from train.blocks import anchor_candidates, default_gamma, make_blocks, position_weights, sample_anchors, step_generator
+from common.config import load_config
+from train.blocks import (
+    BlockSpec,
+    anchor_candidates,
+    default_gamma,
+    make_blocks,
+    position_weights,
+    sample_anchors,
+    step_generator,
+)
+from train.config import TrainConfig
 
 MASK = 99
 K = 4
@@ -40,19 +51,17 @@ def hand_batch():
 
 def blocks_for(labels="target", num_anchors=64, seed=0, step=1):
     ids, lm, lengths, topk, lp = hand_batch()
+    spec = BlockSpec(
+        block_size=K, mask_token_id=MASK, num_anchors=num_anchors, gamma=GAMMA, labels=labels, soft_targets=True
+    )
     return make_blocks(
         ids,
         lm,
         lengths,
         topk,
-        block_size=K,
-        num_anchors=num_anchors,
-        gamma=GAMMA,
-        mask_token_id=MASK,
+        spec,
         generator=step_generator(seed, step),
-        labels=labels,
         topk_logprobs_BSk=lp,
-        soft_targets=True,
     )
 
 
@@ -124,6 +133,16 @@ def test_data_token_labels_ablation():
     row0 = row_blocks(blocks_for(labels="data"), 0)
     assert row0[4][2] == [0, 15, 16, 17]  # x[a+k]
     assert row0[10][2] == [0, 21, 0, 0]
+
+
+def test_a_block_spec_reads_the_drafter_and_the_loss_table():
+    cfg = load_config(
+        TrainConfig, None, ["loss.num_anchors=3", "loss.max_blocks=7", "loss.labels=data", "loss.kl_weight=0.5"]
+    )
+    drafter = SimpleNamespace(block_size=cfg.model.block_size, mask_token_id=5)
+    assert BlockSpec.of(drafter, cfg.loss) == BlockSpec(16, 5, 3, default_gamma(16), "data", True, 7)
+    with pytest.raises(ValueError, match="labels must be 'target' or 'data'"):
+        BlockSpec(16, 5, 3, 7.0, labels="noise")
 
 
 def test_soft_targets_come_from_row_a_plus_k_minus_1():

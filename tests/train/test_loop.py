@@ -396,7 +396,7 @@ def _position_one_accuracy(tmp_path, model, head, vocab: int) -> dict[str, float
     """Block position 1's accuracy over one epoch of the dataset: with the context features, and with
     them zeroed."""
     from train.attention import build_dense_mask
-    from train.blocks import make_blocks, step_generator
+    from train.blocks import BlockSpec, make_blocks, step_generator
     from train.data import DataConfig, DataStream
     from train.loss import block_loss
 
@@ -415,10 +415,7 @@ def _position_one_accuracy(tmp_path, model, head, vocab: int) -> dict[str, float
                     batch.loss_mask,
                     batch.lengths,
                     batch.topk_ids,
-                    block_size=16,
-                    num_anchors=64,
-                    gamma=7.0,
-                    mask_token_id=vocab - 1,
+                    BlockSpec(block_size=16, mask_token_id=vocab - 1, num_anchors=64, gamma=7.0),
                     generator=step_generator(1, step),
                 )
                 hidden = batch.hidden if name == "context" else torch.zeros_like(batch.hidden)

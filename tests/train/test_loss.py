@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.blocks import make_blocks, step_generator
+from train.blocks import BlockSpec, make_blocks, step_generator
 from train.loss import block_loss
 
 V, D, K = 50, 16, 4
@@ -27,13 +27,9 @@ def random_blocks(seed=0, B=3, S=30, num_anchors=5):
         lm,
         lengths,
         topk,
-        block_size=K,
-        num_anchors=num_anchors,
-        gamma=3.0,
-        mask_token_id=V - 1,
+        BlockSpec(block_size=K, mask_token_id=V - 1, num_anchors=num_anchors, gamma=3.0, soft_targets=True),
         generator=step_generator(seed, 0),
         topk_logprobs_BSk=lp,
-        soft_targets=True,
     )
 
 

@@ -13,6 +13,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from train.attention import build_dense_mask
+from train.config import ModelConfig
 from train.drafter_config import DrafterConfig, rope_settings
 from train.model import DecoderLayer, DFlashDrafter, RotaryEmbedding, TargetHead, apply_rotary
 
@@ -258,7 +259,7 @@ def test_published_parameter_names_and_shapes():
 
 
 def test_from_target_qwen36_widths_and_parameter_count():
-    cfg = DrafterConfig.from_target(QWEN36_TEXT, [1, 16, 31, 46], mask_token_id=248319)
+    cfg = DrafterConfig.from_target(QWEN36_TEXT, ModelConfig(), layer_ids=[1, 16, 31, 46], mask_token_id=248319)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (5120, 17408, 5)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (24, 4, 256, 248320)
     # The target's theta, but never its partial rotary factor (0.25): the drafter rotates its whole head.
@@ -268,9 +269,8 @@ def test_from_target_qwen36_widths_and_parameter_count():
         model = DFlashDrafter(cfg)
     per_layer = 5120 * 24 * 256 * 2 + 5120 * 4 * 256 * 2 + 3 * 5120 * 17408 + 2 * 5120 + 2 * 256
     assert model.num_parameters() == 4 * 5120 * 5120 + 5120 + 5 * per_layer + 5120
-    small = DrafterConfig.from_target(
-        QWEN36_TEXT, [1, 16], num_layers=2, mask_token_id=0, intermediate_size=1024, head_dim=128
-    )
+    model = ModelConfig(num_layers=2, intermediate_size=1024, head_dim=128)
+    small = DrafterConfig.from_target(QWEN36_TEXT, model, layer_ids=[1, 16], mask_token_id=0)
     assert (small.intermediate_size, small.head_dim, small.num_hidden_layers) == (1024, 128, 2)
 
 

@@ -8,6 +8,7 @@ import pytest
 import transformers
 
 from target.checkpoint import with_canonical_keys
+from train.config import ModelConfig
 from train.drafter_config import DEFAULT_ROPE_THETA, DrafterConfig, target_rope
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4)
@@ -18,7 +19,9 @@ def as_read(config) -> dict:
 
 
 def drafter_for(config, **widths) -> DrafterConfig:
-    return DrafterConfig.from_target(as_read(config), [0, 1], num_layers=1, mask_token_id=0, **widths)
+    return DrafterConfig.from_target(
+        as_read(config), ModelConfig(num_layers=1, **widths), layer_ids=[0, 1], mask_token_id=0
+    )
 
 
 def test_gpt2_widths_through_its_attribute_map_and_a_default_mlp_and_rope():

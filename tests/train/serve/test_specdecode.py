@@ -20,7 +20,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tests.common.test_repeat import first_loop_reference
 from train.attention import build_layer_masks
-from train.blocks import make_blocks
+from train.blocks import BlockSpec, make_blocks
 from train.dflash2 import DFlash2Drafter, build_drafter
 from train.drafter_config import DrafterConfig
 from train.export_format.layout import export_drafter, load_exported
@@ -308,10 +308,7 @@ def train_drafter(
             loss_mask,
             lengths,
             topk,
-            block_size=K,
-            num_anchors=12,
-            gamma=7.0,
-            mask_token_id=MASK,
+            BlockSpec(block_size=K, mask_token_id=MASK, num_anchors=12, gamma=7.0),
             generator=generator,
         )
         mask = build_layer_masks("sdpa", blocks.anchors_BN, blocks.keep_BN, S, K, drafter.config.mask_rules)
