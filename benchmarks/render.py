@@ -10,7 +10,8 @@ docs/benchmarks.md and the README's results table, rendered from the records in 
                    give (the test suite runs this)
 
 Every figure comes from the newest record holding it, linked in its row (date, machine, commit; "log" where the
-record was imported from the log below "Today"). A figure no record holds reads "not yet measured", with the
+record was imported from an entry of the log: this page's or a dated archive's beside it, named in the record's
+`source`). A figure no record holds reads "not yet measured", with the
 suite or command that measures it. Records at the smoke scale (a CPU run of a suite's code) are never rendered.
 """
 
@@ -149,8 +150,9 @@ def render_today(index: Index) -> str:
     base = DOC.parent
     lines = [
         "Every figure below comes from a record in `benchmarks/results/`, linked in its row (the command, the "
-        "machine, the commit, the package versions, the date; *log*: imported from the log below as written "
-        "there). A figure no record holds reads *not yet measured*, with what measures it.",
+        "machine, the commit, the package versions, the date; *log*: imported as written from an entry of the log, "
+        "below or in a dated archive, which the record's `source` names). A figure no record holds reads *not yet "
+        "measured*, with what measures it.",
         "",
         *render_suites(index, base),
     ]

@@ -18,7 +18,8 @@ import torch
 # little work: torch splits an elementwise op into grains of 32K elements, and a 1,024-token batch
 # of width 128 has 128K, so threads past 4 get nothing to do there. A second thread barely helps
 # these models and torch's default thread count on a many-core host makes them slower
-# (`python -m benchmarks.tiny_threads`; docs/benchmarks.md, "Demo: the tiny default end to end").
+# (`python -m benchmarks.tiny_threads`; docs/benchmarks-log-2026-11-30-to-2026-12-04.md, "Demo: the tiny default end
+# to end").
 # Hence: the usable cores, at most 4 (a user's OMP_NUM_THREADS wins).
 SMALL_MODEL_MAX_THREADS = 4
 

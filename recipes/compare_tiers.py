@@ -28,7 +28,7 @@ Tiers are written `ENCODING` or `ENCODING@PROJECTION`, e.g. `fp8`, `nf4-g64`, `f
 With no CONFIG the tiny default runs (configs/tiny.toml; `make tiny` and `make extract` first).
 On the real target SmolLM2-135M-Instruct: `make tiers CONFIG=configs/smollm2-135m.toml` (its [tiers]
 table: the full scale, for a GPU) or `CONFIG=configs/smollm2-135m-tiers-cpu.toml` (a reduced scale
-for a CPU); docs/benchmarks.md, "Storage tiers on the real target".
+for a CPU); docs/benchmarks-log-2026-11-30-to-2026-12-04.md, "Storage tiers on the real target".
 """
 
 from __future__ import annotations

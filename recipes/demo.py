@@ -64,7 +64,7 @@ class DemoConfig:
         None,
         help="drafter training steps. A step count, not epochs: what the drafter learns should not depend on how "
         "long the regenerated answers are. Unset: 800 for the tiny target (fewer leave its drafter short of "
-        "trained: docs/benchmarks.md, 'Demo'), the scale's for smollm2",
+        "trained: docs/benchmarks-log-2026-11-30-to-2026-12-04.md, 'Demo'), the scale's for smollm2",
         min=1,
         max=100_000,
     )

@@ -53,11 +53,12 @@ class Scale:
 
 SCALES = {
     # 64 of HumanEval's 164 prompts online: all of them make online decoding the largest part of the demo
-    # (docs/benchmarks.md, "Real target"; `train.serve.specdecode --num-prompts 0` decodes them all). The peers,
-    # whose eager `generate` is slow, on 4.
+    # (docs/benchmarks-log-2026-11-30-to-2026-12-04.md, "Real target"; `train.serve.specdecode --num-prompts 0` decodes
+    # them all). The peers, whose eager `generate` is slow, on 4.
     "full": Scale("full", 0, 0, 0, 256, 1024, 1000, 5, 16384, 512, 64, 4),
     # Two CPU cores take minutes per hundred answers or training steps of this model (a 49,152-way loss):
-    # short answers, a 2-layer drafter, few steps (docs/benchmarks.md, "Real target", the reduced scale).
+    # short answers, a 2-layer drafter, few steps (docs/benchmarks-log-2026-11-30-to-2026-12-04.md,
+    # "Real target", the reduced scale).
     "reduced": Scale("reduced", 64, 8, 4, 64, 32, 30, 2, 2048, 32, 4, 4),
 }
 
@@ -79,7 +80,7 @@ def smollm2_job(
     sets answered by the target, HumanEval decoded online; `train_overrides`: the caller's training
     settings (seeds, the drafter class). `eval_anchors` anchors per held-out sequence
     offline: every position of HumanEval's answers makes the offline evaluation a large part of the
-    demo's time (docs/benchmarks.md, "Real target"); 16 per answer keep it short."""
+    demo's time (docs/benchmarks-log-2026-11-30-to-2026-12-04.md, "Real target"); 16 per answer keep it short."""
     run_dir = os.path.join("runs", run)
     train = [f"optim.max_steps={steps or scale.steps}", f"model.num_layers={scale.num_layers}"]
     train += [f"data.token_budget={scale.token_budget}", f"loss.num_anchors={scale.num_anchors}", *train_overrides]
@@ -87,7 +88,8 @@ def smollm2_job(
     extract = []
     if device == "cuda":
         # Not compile=true: this small drafter's steps are too short for compilation to pay, and it compiles
-        # again for each length bucket's shapes (docs/benchmarks.md, "Real target"); SDPA runs the mask uncompiled.
+        # again for each length bucket's shapes (docs/benchmarks-log-2026-11-30-to-2026-12-04.md,
+        # "Real target"); SDPA runs the mask uncompiled.
         train.append("model.attention=sdpa")
         # As in training: flex attention compiles for every block shape, which costs this small drafter more
         # than the dense-mask SDPA it replaces saves.

@@ -295,7 +295,7 @@ class ModelConfig:
         help="ablation: start each drafter layer from a target decoder layer: none (fresh, the published recipe), "
         "first, last, spread (first to last, evenly) or comma-separated target layer ids, one per drafter layer "
         "(train/target_init.py); the final norm comes from the target too. On the real target every rule did worse "
-        "than none (docs/benchmarks.md, 'Real target')",
+        "than none (docs/benchmarks-log-2026-11-30-to-2026-12-04.md, 'Real target')",
     )
 
     def resolve_block_size(self) -> None:

@@ -18,9 +18,9 @@ Why DDP and not FSDP2: the 27B drafter's trainable state is 1.81 B parameters x 
 weights 7.2 GB, gradients 7.2 GB, AdamW moments 14.5 GB: ~29 GB); with the frozen embedding and
 lm_head (2 x 2.5 GB bf16) and the activations of one 6,144-token micro-batch, every rank fits a full
 replica on a 96 GB GPU with room to spare (the measured peaks, the plain trainer's and DDP's:
-docs/benchmarks.md, "Training" and "Training on several GPUs"). DDP keeps the single-GPU step as it
-is: gradients are views into its 250 MiB buckets (no second copy, though the 7.2 GB of buckets stay
-allocated between steps where the plain trainer frees its gradients), and it moves 2 x 4 bytes per
+docs/benchmarks-log-2026-11-30-to-2026-12-04.md, "Training" and "Training on several GPUs"). DDP keeps the
+single-GPU step as it is: gradients are views into its 250 MiB buckets (no second copy, though the 7.2 GB of
+buckets stay allocated between steps where the plain trainer frees its gradients), and it moves 2 x 4 bytes per
 parameter per step in one all-reduce overlapped with the backward (`distributed.ddp_compile =
 outer`: Dynamo cuts the compiled graph at the buckets). FSDP2 would shard the ~29 GB of model state
 but adds an all-gather of every layer's weights before its forward and again before its backward

@@ -9,9 +9,9 @@ projection `fc`, `hidden_norm`, and the per-head q/k norms of a target without t
 
 The published drafters start fresh (`docs/dflash.md`, "Training recipe": SpecForge copies nothing;
 how z-lab initialized is not public). Against that, on the real target (SmolLM2-135M-Instruct, the
-demo's shards and drafter), every rule did worse in offline chain τ (docs/benchmarks.md, "Real
-target"). The fresh start stays the default; this stays as the ablation that shows it (for another
-target, another data size or longer training it may differ).
+demo's shards and drafter), every rule did worse in offline chain τ
+(docs/benchmarks-log-2026-11-30-to-2026-12-04.md, "Real target"). The fresh start stays the default; this stays
+as the ablation that shows it (for another target, another data size or longer training it may differ).
 
 Rules for choosing the target layers, for n drafter layers of an L-layer target:
   "first"  0 .. n-1            "last"  L-n .. L-1

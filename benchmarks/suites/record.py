@@ -6,8 +6,9 @@ Per part: its units, its estimate, its outcome and steps, the date it started, `
 on that machine: the cost learned from it includes the cold start), and `earlier` (the date of the earlier
 command it ran in, where a command continued another: `continues` lists those commands).
 
-The same schema holds the records imported from the log of docs/benchmarks.md (`status` "imported", `source` the
-log entry they were copied from): `benchmarks.render` reads both alike.
+The same schema holds the records imported from the log of docs/benchmarks.md or of its dated archives beside it
+(`status` "imported", `source` the log entry they were copied from, `docs/PAGE.md#anchor`): `benchmarks.render`
+reads both alike.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from benchmarks.carry import git_commit
 from common.device import describe_machine
 
 SCHEMA = 1
+# The pages that hold the log: docs/benchmarks.md (today's entries) and its dated archives beside it.
+LOG_ENTRY = re.compile(r"docs/benchmarks(-log-\d{4}-\d\d-\d\d-to-\d{4}-\d\d-\d\d)?\.md#[\w-]+")
 PACKAGES = (
     "torch",
     "transformers",
@@ -135,8 +138,11 @@ def check_record(record: dict, where: str) -> None:
         raise ValueError(f"{where}: date {record['date']!r} is not YYYY-MM-DDTHH:MM:SSZ (UTC)") from None
     if not isinstance(record["figures"], dict):
         raise ValueError(f"{where}: figures must be an object of key: value")
-    if record["status"] == "imported" and not record.get("source", "").startswith("docs/benchmarks.md#"):
-        raise ValueError(f"{where}: an imported record names its log entry as source = docs/benchmarks.md#anchor")
+    if record["status"] == "imported" and not LOG_ENTRY.fullmatch(record.get("source", "")):
+        raise ValueError(
+            f"{where}: an imported record names its log entry as source = docs/benchmarks.md#anchor "
+            "(or docs/benchmarks-log-FIRST-to-LAST.md#anchor, a dated archive of the log)"
+        )
 
 
 def load_records(directory: Path) -> list[tuple[Path, dict]]:

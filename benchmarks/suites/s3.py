@@ -73,7 +73,8 @@ def parts(scale: str, options: dict) -> list[Part]:
             1,
             1,
             1,
-            "about 40 s on the H200 host (docs/benchmarks.md, Object storage, 2026-12-04 estimate)",
+            "about 40 s on the H200 host (2026-12-04 estimate: "
+            "docs/benchmarks-log-2026-11-30-to-2026-12-04.md, Object storage)",
             _ceiling,
             _collect("ceiling", ceiling_figures),
         ),

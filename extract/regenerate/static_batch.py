@@ -12,7 +12,8 @@ captured again for the smaller batch.
 
 Attention: transformers' SDPA path repeats the 3 key-value heads to the 9 query heads over every slot
 and runs a memory-efficient kernel that tiles 64 queries for the one a step has: at large batches
-attention and those copies take most of a step (the profile: docs/benchmarks.md, "Real target").
+attention and those copies take most of a step (the profile: docs/benchmarks-log-2026-11-30-to-2026-12-04.md,
+"Real target").
 `grouped_decode_attention` takes one-query forwards instead: each key-value head's query heads as the
 rows of one small matrix product over the slots, no copies; every other forward goes to
 transformers' SDPA as before.

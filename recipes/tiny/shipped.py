@@ -6,8 +6,8 @@ Why: a build trains the target for 1,000 steps, and another CPU type, thread cou
 GPU rounds differently, which after 1,000 steps is a different (equally accurate) target that loops
 in a different share of its answers; the corpus itself is text shipped with Python, so another
 Python version is another corpus. Built on two machines from the same commit, the demo's chain τ
-differed by nearly half, almost all of it from the target (docs/benchmarks.md, "Demo: the tiny
-default end to end"). What still runs on each machine is what the demo exists to show:
+differed by nearly half, almost all of it from the target (docs/benchmarks-log-2026-11-30-to-2026-12-04.md,
+"Demo: the tiny default end to end"). What still runs on each machine is what the demo exists to show:
 regeneration of the answers by the target, extraction, drafter training, evaluation and
 speculative decoding.
 

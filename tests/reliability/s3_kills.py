@@ -9,7 +9,8 @@ run, bit for bit, never fewer than before. The resume must give the uninterrupte
 and index object belongs to the manifest), no multipart upload is left open and the lock objects
 are gone. Figure: kills survived / N, samples lost, samples duplicated.
 
-    python -m tests.reliability.s3_kills --kills 20 [--seed 0]     (the benchmark run; docs/benchmarks.md)
+    python -m tests.reliability.s3_kills --kills 20 [--seed 0]     (the benchmark run;
+    docs/benchmarks-log-2026-11-30-to-2026-12-04.md, "Object storage")
 """
 
 from __future__ import annotations

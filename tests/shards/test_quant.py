@@ -72,9 +72,10 @@ def test_all_zero_token_decodes_to_exact_zeros(name):
 
 
 def test_massive_activation_channels_cost_fp8_little_but_zero_their_4bit_group():
-    """What the massive channels do (measured in docs/benchmarks.md): fp8's per-token scale is set
-    by them, yet e4m3's exponent keeps every other channel at ~3% relative error; a 4-bit group that
-    holds one has its scale set by it, and its ordinary channels decode to ~0 (relative error ~1)."""
+    """What the massive channels do (measured in docs/benchmarks-log-2026-11-30-to-2026-12-04.md,
+    "Storage tiers"): fp8's per-token scale is set by them, yet e4m3's exponent keeps every other channel at ~3%
+    relative error; a 4-bit group that holds one has its scale set by it, and its ordinary channels decode to ~0
+    (relative error ~1)."""
     x = massive_activation_values(n_tokens=128, n_taps=1, hidden=512)
     massive = x.abs().mean(0).topk(4).indices
     rest = torch.ones(512, dtype=torch.bool)

@@ -105,7 +105,8 @@ class SpecDecodeConfig:
         help="with the static cache on CUDA: compile the target's decoder layers (inductor, this mode) while its CUDA "
         "graphs are captured, so replays run fused kernels (train.serve.fusion). The target-only reference replays "
         "the same graphs, so the speed-up is against the fastest baseline we have; auto = default; max-autotune "
-        "tunes longer for faster kernels (what each costs and gains: docs/benchmarks.md, 'Real target')",
+        "tunes longer for faster kernels (what each costs and gains: docs/benchmarks-log-2026-11-30-to-2026-12-04.md, "
+        "'Real target')",
     )
     verify_tokens: int = knob(
         0,

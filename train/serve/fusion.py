@@ -13,8 +13,9 @@ Each decoder layer is compiled on its own, so the tap hooks (layer id i = output
 stay outside the compiled code, exactly as extraction runs them.
 
 Only the target is compiled. The drafter's round (train.serve.static_drafter) compiled the same way
-failed its capture ("operation failed due to a previous error during capture"; docs/benchmarks.md,
-"Real target"), and its graphed round already costs a fraction of the target's verify.
+failed its capture ("operation failed due to a previous error during capture";
+docs/benchmarks-log-2026-11-30-to-2026-12-04.md, "Real target"), and its graphed round already costs a fraction of
+the target's verify.
 """
 
 from __future__ import annotations
