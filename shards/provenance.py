@@ -110,6 +110,7 @@ class TargetRecord:
     revision: str | None = None
     config_hash: str | None = None
     weights_digest: str | None = None
+    weights_content_digest: str | None = None  # every byte of the weights (since issue 52)
     head_digest: str | None = None
     architecture: str | None = None
     loaded_as: str | None = None
@@ -130,7 +131,8 @@ class TargetRecord:
 
     def identity(self) -> dict:
         """The record `target.identity_check.check_target` compares (its path and digests)."""
-        return {k: getattr(self, k) for k in ("name_or_path", "config_hash", "weights_digest", "head_digest")}
+        keys = ("name_or_path", "config_hash", "weights_digest", "weights_content_digest", "head_digest")
+        return {k: getattr(self, k) for k in keys}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,8 +74,12 @@ def test_unknown_keys_are_kept_and_unreadable_parts_named():
         "name_or_path": "t",
         "config_hash": "c",
         "weights_digest": None,
+        "weights_content_digest": None,
         "head_digest": None,
     }
+    # The digest of every weight byte (issue 52) is part of the identity a stage compares: as an unknown
+    # key it fell into `extra`, and the check compared the sampled digest only.
+    assert TargetRecord.from_dict({"weights_content_digest": "x"}).identity()["weights_content_digest"] == "x"
     with pytest.raises(ValueError, match=r"provenance tokenizer.mask_token.source: 'guess' is none of"):
         Provenance.from_dict({"tokenizer": {"mask_token": {"source": "guess"}}})
     with pytest.raises(ValueError, match="provenance taps: expected a table, got list"):
