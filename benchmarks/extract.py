@@ -333,7 +333,7 @@ class GilProbe:
             time.sleep(self.SLEEP)
             self.delays.append(time.perf_counter() - start - self.SLEEP)
 
-    def __enter__(self) -> "GilProbe":
+    def __enter__(self) -> GilProbe:
         self._thread.start()
         return self
 

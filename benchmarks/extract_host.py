@@ -464,7 +464,7 @@ def legacy_pipelined(args, syn, batches, root) -> dict:
     from shards import Sample
 
     pool = [LegacyBuffers(args, syn) for _ in range(args.inflight_batches)]
-    free: "collections.deque" = collections.deque(pool)
+    free: collections.deque = collections.deque(pool)
     available = threading.Semaphore(len(pool))
     writer = open_writer(root, args, syn.width)
 

@@ -124,7 +124,7 @@ class MotoServer:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "MotoServer":
+    def __enter__(self) -> MotoServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -252,7 +252,7 @@ class DelayProxy:
             self._listener.close()
         self.down()
 
-    def __enter__(self) -> "DelayProxy":
+    def __enter__(self) -> DelayProxy:
         return self
 
     def __exit__(self, *exc) -> None:

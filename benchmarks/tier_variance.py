@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in sources["synthetic_27b"]["variance_targets"]:
             print(f"synthetic: variance {r['target']}: rank needed per tap {r['rank_needed_per_tap']} of {feats.width}")
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "torch": torch.__version__},
         "args": vars(args),
         "sources": _plain(sources),

@@ -329,7 +329,7 @@ def _takes_text(hint: Any) -> bool:
     return typing.get_origin(hint) is Literal and all(isinstance(a, str) for a in args)
 
 
-def _spells_container(value: "CommandLineValue", args: tuple) -> bool:
+def _spells_container(value: CommandLineValue, args: tuple) -> bool:
     """The text is a TOML array or inline table and the key takes more than text (a list, say):
     it is then read as TOML reads it, and refused the same way if the key takes no such value."""
     if all(_takes_text(a) or a is type(None) for a in args):

@@ -82,7 +82,7 @@ class Lock:
         self._released = path is None
 
     @classmethod
-    def unheld(cls) -> "Lock":
+    def unheld(cls) -> Lock:
         """Nothing to release (where no lock is taken, e.g. a remote file system)."""
         return cls(None)
 
@@ -104,7 +104,7 @@ class Lock:
                     os.unlink(self.path)  # while still locked: the next writer sees a fresh file
                 os.close(held.fd)
 
-    def __enter__(self) -> "Lock":
+    def __enter__(self) -> Lock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -233,7 +233,7 @@ class ObjectLock:
     """One writer at a time through a lock object (see the file docstring). Counted within one
     process, like `common.locks.exclusive_lock`."""
 
-    _held: dict[str, "ObjectLock"] = {}
+    _held: dict[str, ObjectLock] = {}
     _guard = threading.Lock()
 
     def __new__(cls, fs, path: str, *, what: str, hint: str, wait_seconds: float = 0.0):
@@ -377,7 +377,7 @@ class ObjectLock:
             with contextlib.suppress(Exception):
                 self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self.etag)
 
-    def __enter__(self) -> "ObjectLock":
+    def __enter__(self) -> ObjectLock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -390,5 +390,5 @@ def _server_age(response) -> float:
     try:
         now = parsedate_to_datetime(headers["date"])
     except (KeyError, TypeError, ValueError):
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
     return (now - response["LastModified"]).total_seconds()

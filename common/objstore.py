@@ -549,7 +549,7 @@ def check_location(uri: str, *, write: bool) -> None:
         _check_gcs(uri, fs, path)
 
 
-def _check_gcs(uri: str, fs: "StoreGcsFileSystem", path: str) -> None:
+def _check_gcs(uri: str, fs: StoreGcsFileSystem, path: str) -> None:
     """One look at the location, given up after GCS_CHECK_LIMIT_S (a client without credentials
     otherwise asks the metadata server of a cloud VM for minutes, silently)."""
     limit = datetime.timedelta(seconds=min(outage_seconds(), GCS_CHECK_LIMIT_S))

@@ -59,7 +59,7 @@ PROJECTION_ENTRY_KEYS = ("file", "bytes", "checksum", "in_width", "out_width")
 
 
 def now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def json_normalized(obj: Any, what: str) -> Any:

@@ -105,7 +105,7 @@ class Projection:
     def out_width(self) -> int:
         return self.n_taps * self.rank
 
-    def to(self, device) -> "Projection":
+    def to(self, device) -> Projection:
         return Projection(self.blocks.to(device), self.info)
 
     def apply_tap(self, tap: int, h: torch.Tensor) -> torch.Tensor:

@@ -299,7 +299,7 @@ class QuantizedHidden:
     codes: tuple[np.ndarray, ...]
     scales: tuple[np.ndarray, ...]
     width: int  # W, values per token
-    error: "ErrorSums | None" = None  # reconstruction error sums, when the encoder measured them
+    error: ErrorSums | None = None  # reconstruction error sums, when the encoder measured them
 
     @property
     def spec(self) -> QuantSpec:
@@ -382,10 +382,10 @@ class ErrorSums:
     tokens: int
 
     @classmethod
-    def zeros(cls, width: int) -> "ErrorSums":
+    def zeros(cls, width: int) -> ErrorSums:
         return cls(np.zeros(width), np.zeros(width), 0)
 
-    def add(self, other: "ErrorSums") -> None:
+    def add(self, other: ErrorSums) -> None:
         self.sq += other.sq
         self.err2 += other.err2
         self.tokens += other.tokens

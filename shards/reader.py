@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa

@@ -439,7 +439,7 @@ class ShardWriter:
         self._closed = True
         self._lock.release()
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

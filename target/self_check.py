@@ -115,7 +115,7 @@ class SelfCheck:
         return [f"  {'ok' if c.ok else 'FAILED':<7}{c.name:<9}{c.line}" for c in self.checks]
 
     @classmethod
-    def from_record(cls, record: dict) -> "SelfCheck":
+    def from_record(cls, record: dict) -> SelfCheck:
         checks = tuple(Check(**c) for c in record["checks"])
         fields = ("target", "dtype", "device", "tokens", "seconds")
         return cls(**{k: record[k] for k in fields}, checks=checks)

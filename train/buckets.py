@@ -246,7 +246,7 @@ class RankSplit:
     mine: tuple[int, ...]  # part indices of this rank, one per accumulation step, in micro-step order
 
     @classmethod
-    def of(cls, rank: int, world_size: int, accumulation: int) -> "RankSplit":
+    def of(cls, rank: int, world_size: int, accumulation: int) -> RankSplit:
         if not (world_size >= 1 and accumulation >= 1 and 0 <= rank < world_size):
             raise ValueError(f"bad split: rank {rank}, world size {world_size}, accumulation {accumulation}")
         return cls(world_size * accumulation, tuple(m * world_size + rank for m in range(accumulation)))

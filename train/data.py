@@ -129,7 +129,7 @@ class Share:
     state: dict  # data position *after* this global batch (the same on every rank)
 
     @classmethod
-    def of_batch(cls, batch: Batch) -> "Share":
+    def of_batch(cls, batch: Batch) -> Share:
         """A whole batch as the single part of a one-part split (the plain single-process case)."""
         lengths = batch.lengths.numpy().astype(np.int64)
         return cls(
@@ -373,7 +373,7 @@ class DataStream:
 
     # -- iteration ----------------------------------------------------------------------------
 
-    def __iter__(self) -> "DataStream":
+    def __iter__(self) -> DataStream:
         return self
 
     def __next__(self) -> Batch:
@@ -472,7 +472,7 @@ class DataStream:
                 self._compact_sample(i) if getattr(self.dataset, "quant", None) is not None else self.dataset.torch(i)
             )
             T = int(sample["input_ids"].shape[0])
-            if T != n_tokens:
+            if n_tokens != T:
                 raise ValueError(f"sample has {T} tokens but the index says {n_tokens}")
             return sample
         except StoreUnreachable:
@@ -542,7 +542,7 @@ class DataStream:
         """Stop the background threads; the position stays, so iterating again restarts them."""
         self._stop_workers()
 
-    def __enter__(self) -> "DataStream":
+    def __enter__(self) -> DataStream:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -270,7 +270,7 @@ class TargetHead(nn.Module):
         dtype: torch.dtype = torch.float32,
         trust_remote_code: bool = False,
         stored: StoredHead | None = None,
-    ) -> "TargetHead":
+    ) -> TargetHead:
         """The two tensors the target's accessors reach, read without building the model; `stored`:
         those already read (`target.identity.read_stored_head`), not read again."""
         stored = stored or read_stored_head(target_dir, trust_remote_code)

@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def commit(repo: Path = REPO, wheels: Path | None = None) -> str:

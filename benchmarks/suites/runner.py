@@ -27,7 +27,7 @@ class Context:
     work: Path  # scratch: the parts' own outputs and logs
     wheels: Path  # the carried wheels; the SmolLM2 build reads its pinned data wheels from here too
     options: dict[str, str]  # key=value words of the command line, for the suite
-    log: "SuiteLog"
+    log: SuiteLog
     state: dict = dataclasses.field(default_factory=dict)  # what a part leaves for later parts
     env: dict = dataclasses.field(default_factory=lambda: dict(os.environ))
     allowed_s: float = 0.0  # the seconds the part now running may take (its commands' deadline)

@@ -22,8 +22,8 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from common.config import config_to_dict
 from common.io import read_record

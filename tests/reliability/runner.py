@@ -18,8 +18,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tests.reliability import faults
 from tests.reliability.world import REPO, World, child_env

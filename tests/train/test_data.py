@@ -133,7 +133,7 @@ def test_batches_hold_the_samples_padded_on_the_right(shards_root):
     with DataStream(config(shards_root, token_budget=budget)) as stream:
         for batch in take(stream, stream.steps_per_epoch):
             B, S = batch.input_ids.shape
-            assert B * S <= budget
+            assert budget >= B * S
             assert batch.input_ids.dtype == torch.int64 and batch.loss_mask.dtype == torch.bool
             assert batch.hidden.dtype == torch.bfloat16 and batch.hidden.shape == (B, S, W)
             assert batch.topk_ids.dtype == torch.int64 and batch.topk_logprobs.dtype == torch.float32
@@ -246,9 +246,8 @@ def test_a_state_from_another_dataset_is_refused(shards_root, tmp_path):
     write_dataset(tmp_path, n_samples=40, seed=1)
     with DataStream(config(shards_root)) as stream:
         state = stream.state_dict()
-    with DataStream(config(str(tmp_path))) as other:
-        with pytest.raises(ValueError, match="another dataset"):
-            other.load_state_dict(state)
+    with DataStream(config(str(tmp_path))) as other, pytest.raises(ValueError, match="another dataset"):
+        other.load_state_dict(state)
 
 
 def test_malformed_states_are_refused(shards_root):
@@ -327,9 +326,8 @@ def corrupt_root(shards_root, tmp_path):
 
 def test_a_corrupt_shard_fails_naming_sample_and_file(corrupt_root):
     root, shard_file, bad_ids = corrupt_root
-    with DataStream(config(root, holdout_fraction=0.0)) as stream:
-        with pytest.raises(DataLoadError) as err:
-            take(stream, stream.steps_per_epoch)
+    with DataStream(config(root, holdout_fraction=0.0)) as stream, pytest.raises(DataLoadError) as err:
+        take(stream, stream.steps_per_epoch)
     message = str(err.value)
     assert shard_file in message and any(s in message for s in bad_ids)
     # Damage is a data error (the commands' one line, exit 2) that says how to see all of it.

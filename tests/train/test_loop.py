@@ -166,7 +166,7 @@ def test_every_step_logged_with_the_contract_keys_and_run_files(tiny, tmp_path, 
         assert 0 <= r["fetch_frac"] <= 1 and 0 < r["pad_eff"] <= 1 and r["block_tokens"] % 16 == 0
     assert [r["ckpt"] for r in records] == [False, True, False, True, False, True]
     epochs = [r["epoch"] for r in records]
-    assert all(0 < e for e in epochs) and epochs == sorted(epochs)
+    assert all(e > 0 for e in epochs) and epochs == sorted(epochs)
     assert records[-1]["tokens"] == sum(r["batch_tokens"] for r in records)
     assert [r["lr"] for r in records] == [lr_at(s, 6, round(0.04 * 6), cfg.optim.lr) for s in range(1, 7)]
     assert {p.name for p in run.iterdir()} >= {

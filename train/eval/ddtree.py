@@ -149,10 +149,10 @@ class ConditionalTopK:
     def n_blocks(self) -> int:
         return int(self.logprobs_NDPK.shape[0])
 
-    def block(self, i: int) -> "ConditionalTopK":
+    def block(self, i: int) -> ConditionalTopK:
         return ConditionalTopK(self.logprobs_NDPK[i : i + 1], self.slot_NDPK[i : i + 1], self.token_NDk[i : i + 1])
 
-    def rows(self, rows: slice) -> "ConditionalTopK":
+    def rows(self, rows: slice) -> ConditionalTopK:
         return ConditionalTopK(self.logprobs_NDPK[rows], self.slot_NDPK[rows], self.token_NDk[rows])
 
 
@@ -315,7 +315,7 @@ def walk_tree(tree: DDTree, target_ids_D: Tensor, valid_len: int | None = None) 
     child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parent_M.tolist(), tree.token_M.tolist()))}
     node, depth = -1, 0
     for y in target_ids_D[:limit].tolist():
-        node = child.get((node, y), None)
+        node = child.get((node, y))
         if node is None:
             break
         depth += 1

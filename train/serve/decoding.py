@@ -114,7 +114,7 @@ class Generation:
     def taus(self) -> list[int]:
         return [r.tau for r in self.rounds]
 
-    def end_round(self, round_: "Round", t0: float, t1: float, t2: float, t3: float) -> None:
+    def end_round(self, round_: Round, t0: float, t1: float, t2: float, t3: float) -> None:
         """Book one draft-verify round: its record, its verifying target forward, and where its time
         went (t0 draft t1 verify t2 rollback t3)."""
         self.rounds.append(round_)
