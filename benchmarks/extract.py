@@ -539,7 +539,7 @@ def main(argv=None) -> int:
     warmup = measure_bare(target, cfg, warmup_batches, device) if args.warmup else None
     cfgs, calibrations = fit_projections_once(cfgs, target, ranks, workdir)
     fulls = []
-    for variant, variant_cfg, calibration in zip(args.variants, cfgs, calibrations):
+    for variant, variant_cfg, calibration in zip(args.variants, cfgs, calibrations, strict=True):
         full, summary = run_full(variant_cfg, target, ranks, device, variant)
         full["calibration"] = calibration
         fulls.append(full)

@@ -328,7 +328,7 @@ class CurrentRun:
             host.error_rows(B).zero_()
 
             def put_quantized(b: int, L: int, rows) -> None:
-                for j, (c, g) in enumerate(zip(self.syn.quantized.codes, self.syn.quantized.scales)):
+                for j, (c, g) in enumerate(zip(self.syn.quantized.codes, self.syn.quantized.scales, strict=True)):
                     codes[j, b, :L] = torch.from_numpy(c[rows])
                     scales[j, b, :L] = scales_to_torch(g[rows])
 

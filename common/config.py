@@ -202,7 +202,7 @@ def parse_command(
         else:
             words.append(word)
         i += 1
-    for key, word in zip(positional, words):
+    for key, word in zip(positional, words, strict=True):
         _put_word(key, word, _hint_of(cls, key, key), overrides, values)
     left = words[len(positional) :]
     if left and not rest:
@@ -276,10 +276,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' does not exist")
     text = path.read_text(encoding="utf-8")
     try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = tomllib.loads(text)
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(
             f"config file '{path}' is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}"

@@ -29,7 +29,7 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _stop(signum: int, frame) -> None:
+def _stop(signum: int, frame) -> None:  # noqa: ARG001 (a signal handler's signature)
     # The first signal stops the command; those that follow (Ctrl-C pressed twice, SIGTERM after
     # SIGINT) must not interrupt the stopping of the children.
     for sig in SIGNAL_NAMES:

@@ -522,7 +522,9 @@ def abort_uploads(fs: pafs.FileSystem, directory: str, prefixes: tuple[str, ...]
             for upload in page.get("Uploads", []):
                 key, upload_id = upload["Key"], upload["UploadId"]
                 retrying(
-                    lambda: client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id),
+                    lambda key=key, upload_id=upload_id: client.abort_multipart_upload(
+                        Bucket=bucket, Key=key, UploadId=upload_id
+                    ),
                     where=store_uri(fs, f"{bucket}/{key}"),
                     clock=clock,
                 )

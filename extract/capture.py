@@ -178,7 +178,7 @@ class LaunchThrottle:
             handle.remove()
         self._handles = []
 
-    def _before_layer(self, module, args) -> None:
+    def _before_layer(self, module, args) -> None:  # noqa: ARG002 (a forward pre-hook's signature)
         device = self._devices.get(id(module))
         if device is None:
             device = self._devices[id(module)] = next(module.parameters()).device

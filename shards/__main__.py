@@ -103,7 +103,9 @@ def parse_args(argv: list[str]) -> tuple[str, object, list[str]]:
         raise ConfigError("merge needs the names of the manifests to combine (python -m shards merge DIR NAME...)")
     if command == "transcode" and len(left) != 2:
         raise ConfigError(f"transcode needs SRC and DST, got {left}")
-    for name, word, kind in zip(("SRC", "DST"), left, ("data_in", "data_out")) if command == "transcode" else ():
+    for name, word, kind in (
+        zip(("SRC", "DST"), left, ("data_in", "data_out"), strict=True) if command == "transcode" else ()
+    ):
         problem = check_problem(word, kind)
         if problem:
             raise ConfigError(f"{name}: {problem}")

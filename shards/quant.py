@@ -319,7 +319,7 @@ class QuantizedHidden:
         """The values [T, W] as a CPU tensor."""
         import torch
 
-        pairs = [(torch.from_numpy(c), scales_to_torch(s)) for c, s in zip(self.codes, self.scales)]
+        pairs = [(torch.from_numpy(c), scales_to_torch(s)) for c, s in zip(self.codes, self.scales, strict=True)]
         return decode_pieces(pairs, self.spec, dtype)
 
     def bf16_bits(self) -> np.ndarray:
@@ -394,7 +394,7 @@ class ErrorSums:
         """Per tap: relative RMS error sqrt(sum err^2 / sum x^2), and the channel with the largest
         relative RMS error of its own (sqrt(err2_c / sq_c); channels that are all zero are skipped)."""
         out = []
-        for sq, err2 in zip(np.split(self.sq, n_taps), np.split(self.err2, n_taps)):
+        for sq, err2 in zip(np.split(self.sq, n_taps), np.split(self.err2, n_taps), strict=True):
             rel_c = np.where(sq > 0, np.sqrt(err2 / np.where(sq > 0, sq, 1.0)), 0.0)
             worst = int(np.argmax(rel_c))
             out.append(

@@ -266,7 +266,9 @@ class ShardDataset:
         for shard, entry in enumerate(self.shards):
             path = io.join(self.root, entry["file"])
             rows = objstore.retrying(
-                lambda: self._rows_holding(path, token_id), where=self._uri(path), clock=objstore.outage_clock(self.fs)
+                lambda path=path: self._rows_holding(path, token_id),
+                where=self._uri(path),
+                clock=objstore.outage_clock(self.fs),
             )
             ids = self.index.column("sample_id")
             found += [str(ids[self._starts[shard] + row]) for row in rows[: limit - len(found)]]

@@ -216,7 +216,9 @@ def shard_schema(
     hidden_fields = [
         pa.field(name, _rows_of(value_type, width), nullable=False)
         for name, (value_type, width) in zip(
-            hidden_field_names(encoding, hidden_split), hidden_column_types(encoding, hidden_width, hidden_split)
+            hidden_field_names(encoding, hidden_split),
+            hidden_column_types(encoding, hidden_width, hidden_split),
+            strict=True,
         )
     ]
     fields = [
@@ -453,7 +455,7 @@ def _quantized_hidden(
     """The codes and scales of a quantized sample, as views of the Arrow buffers."""
     names = hidden_field_names(spec.name, hidden_split)
     widths = [width for _, width in hidden_column_types(spec.name, hidden_width, hidden_split)]
-    arrays = [_rows(batch.column(name), T, width, name) for name, width in zip(names, widths)]
+    arrays = [_rows(batch.column(name), T, width, name) for name, width in zip(names, widths, strict=True)]
     return QuantizedHidden(spec.name, tuple(arrays[:hidden_split]), tuple(arrays[hidden_split:]), hidden_width)
 
 

@@ -211,4 +211,4 @@ class OpenShard:
             self.checksums,
         ]
         schema = index_schema()
-        return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, schema)], schema=schema)
+        return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, schema, strict=True)], schema=schema)

@@ -123,7 +123,7 @@ def tensor_names(target_dir: str | os.PathLike) -> dict[str, str]:
     names: dict[str, str] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 names[name] = file.name
     return names
 

@@ -265,7 +265,7 @@ class TapHooks:
         return self
 
     def _hook(self, slot: int):
-        def hook(module, args, output):
+        def hook(module, args, output):  # noqa: ARG001 (a forward hook's signature)
             self.on_tap(slot, layer_output(output))
 
         return hook

@@ -183,7 +183,7 @@ def check_logits(target: Target, ids_1T: torch.Tensor, full_TV: torch.Tensor, no
     shapes: dict[int, tuple] = {}
 
     def keep_shape(i: int):
-        def hook(module, args, output) -> None:  # returns None: the output stays as it is
+        def hook(module, args, output) -> None:  # noqa: ARG001 (returns None: the output stays as it is)
             shapes[i] = tuple(layer_output(output).shape)
 
         return hook

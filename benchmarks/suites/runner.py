@@ -40,7 +40,7 @@ class SuiteLog:
     """The suite's one log: what it prints, and the end of every step's own log as the step ends."""
 
     def __init__(self, path: Path):
-        self.file: TextIO = open(path, "a", encoding="utf-8")
+        self.file: TextIO = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the suite's life; close())
 
     def say(self, text: str) -> None:
         print(text, flush=True)

@@ -99,6 +99,7 @@ def generate_answers(
                 stop_repeat,
                 cache,
             ),
+            strict=True,
         ):
             results[i] = answer
         if on_batch is not None:
@@ -149,7 +150,7 @@ def generate_batch(
             next_ids = logits.argmax(-1) if seeds_B is None else sample_rows(logits, sampling, seeds_B, step)
             next_list = next_ids.tolist()
             looping = watch.push(next_list) if watch else [False] * len(alive)
-            for row, token, loops in zip(alive, next_list, looping):
+            for row, token, loops in zip(alive, next_list, looping, strict=True):
                 if ends[row] is not None:
                     continue
                 if token in stop_ids:
@@ -172,7 +173,7 @@ def generate_batch(
                     watch.keep_rows(running)
                 alive = [alive[n] for n in running]
             logits = decoder.step(next_ids)
-    return [(t, end or "cap") for t, end in zip(tokens, ends)]
+    return [(t, end or "cap") for t, end in zip(tokens, ends, strict=True)]
 
 
 CACHES = ("auto", "static", "dynamic")
@@ -391,5 +392,5 @@ def answer_window(
             generator.stop_repeat,
             generator.cache,
         )
-        for conversation, (ids, end) in zip(todo, answers):
+        for conversation, (ids, end) in zip(todo, answers, strict=True):
             conversation.finish_turn(Generated(ids=ids, at_cap=end == "cap", at_repeat=end == "repeat"))

@@ -255,7 +255,7 @@ def length_summary(seqs: list[list[int]]) -> dict[str, Any]:
 
     edges = [128, 512, 1024, 2048]
     buckets = {}
-    for lo, hi in zip([0] + edges, edges + [None]):
+    for lo, hi in zip([0] + edges, edges + [None], strict=True):
         name = f"{lo}-{hi - 1}" if hi else f"{lo}+"
         buckets[name] = sum(1 for n in lengths if n >= lo and (hi is None or n < hi))
     return {

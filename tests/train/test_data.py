@@ -101,7 +101,7 @@ def take(stream, n) -> list[Batch]:
 
 def assert_same_batches(a: list[Batch], b: list[Batch]) -> None:
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert x.sample_ids == y.sample_ids and x.bucket == y.bucket and x.epoch == y.epoch and x.state == y.state
         for name in Batch.TENSOR_FIELDS:
             assert torch.equal(getattr(x, name), getattr(y, name)), name
@@ -237,9 +237,11 @@ def test_resume_after_iterating_and_in_the_same_stream(shards_root):
 def test_a_state_from_another_schedule_is_refused(shards_root, change, field):
     with DataStream(config(shards_root)) as stream:
         state = take(stream, 2)[-1].state
-    with DataStream(config(shards_root, **change)) as other:
-        with pytest.raises(ValueError, match=f"data state: field '{field}'"):
-            other.load_state_dict(state)
+    with (
+        DataStream(config(shards_root, **change)) as other,
+        pytest.raises(ValueError, match=f"data state: field '{field}'"),
+    ):
+        other.load_state_dict(state)
 
 
 def test_a_state_from_another_dataset_is_refused(shards_root, tmp_path):
@@ -299,7 +301,9 @@ def test_max_samples_takes_a_nested_subset(shards_root):
 def test_min_loss_tokens_leaves_out_short_responses(shards_root):
     ds = ShardDataset(shards_root)
     with DataStream(config(shards_root, min_loss_tokens=20)) as stream:
-        loss_tokens = dict(zip(ds.index.column("sample_id").to_pylist(), ds.index.column("n_loss_tokens").to_pylist()))
+        loss_tokens = dict(
+            zip(ds.index.column("sample_id").to_pylist(), ds.index.column("n_loss_tokens").to_pylist(), strict=True)
+        )
         assert min(loss_tokens[s] for s in stream.sample_ids) >= 20
         assert stream.data_plan()["excluded"]["min_loss_tokens"] > 0
 
@@ -318,7 +322,7 @@ def corrupt_root(shards_root, tmp_path):
         f.truncate(entry["bytes"] // 2)
     ids_in_shard = [
         s
-        for s, shard in zip(ds.index.column("sample_id").to_pylist(), ds.index.column("shard").to_pylist())
+        for s, shard in zip(ds.index.column("sample_id").to_pylist(), ds.index.column("shard").to_pylist(), strict=True)
         if shard == 1
     ]
     return str(tmp_path), entry["file"], set(ids_in_shard)

@@ -251,7 +251,7 @@ def run_blocks(
             scorer.shutdown(wait=True, cancel_futures=True)
 
     columns = (
-        [torch.cat(c) for c in zip(*blocks)]
+        [torch.cat(c) for c in zip(*blocks, strict=True)]
         if blocks
         else [
             torch.zeros(0, dtype=torch.long),

@@ -49,7 +49,7 @@ class SelectorDrafts:
         return SelectorDrafts(
             torch.cat([p.walk_MD for p in parts]),
             torch.cat([p.walk_logprob_MD for p in parts]),
-            ConditionalTopK(*(torch.cat(t) for t in zip(*(_lattice_tensors(p.lattice) for p in parts)))),
+            ConditionalTopK(*(torch.cat(t) for t in zip(*(_lattice_tensors(p.lattice) for p in parts), strict=True))),
         )
 
 

@@ -354,7 +354,7 @@ def _buckets(a: RunAnalysis, cfg: ReportConfig, plots: dict[str, str]) -> list[s
     return lines + image("buckets", "buckets: shares, loss and accuracy, order of batches", plots)
 
 
-def _composition(a: RunAnalysis, cfg: ReportConfig, plots: dict[str, str]) -> list[str]:
+def _composition(a: RunAnalysis, cfg: ReportConfig, plots: dict[str, str]) -> list[str]:  # noqa: ARG001 (a section: one signature)
     c = a.comp
     plan = a.run.plan
     lines = (

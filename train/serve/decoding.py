@@ -218,7 +218,8 @@ class DFlashProposer:
 
 def _leading_matches(drafts: Sequence[int], tokens: Sequence[int]) -> int:
     n = 0
-    for d, t in zip(drafts, tokens):
+    # strict=False: the common prefix (the target's tokens run one past the drafts it verified)
+    for d, t in zip(drafts, tokens, strict=False):
         if d != t:
             break
         n += 1
