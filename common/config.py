@@ -202,7 +202,8 @@ def parse_command(
         else:
             words.append(word)
         i += 1
-    for key, word in zip(positional, words, strict=True):
+    # strict=False: fewer words than positional keys leave those keys unset; more are checked below
+    for key, word in zip(positional, words, strict=False):
         _put_word(key, word, _hint_of(cls, key, key), overrides, values)
     left = words[len(positional) :]
     if left and not rest:
