@@ -431,7 +431,9 @@ def check_paths(cfg: Any, prefix: str = "") -> None:
             check_paths(value, f"{prefix}{f.name}.")
             continue
         kind = f.metadata.get("path")
-        for where, text in _path_values(prefix + f.name, value) if kind else ():
+        if not kind:
+            continue
+        for where, text in _path_values(prefix + f.name, value):
             problem = locations.check_problem(text, kind)
             if problem:
                 fail(where, problem)
@@ -492,7 +494,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             fail(key, f"{value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
         return member
     if dataclasses.is_dataclass(hint):
-        return config_from_dict(hint, value, prefix=key + ".")
+        return config_from_dict(typing.cast(type, hint), value, prefix=key + ".")
     if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
         if not isinstance(value, list):
             fail(key, f"expected a list, got {value!r}")
@@ -567,7 +569,7 @@ def describe(cls: type, prefix: str = "") -> str:
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            lines.append(describe(hint, prefix + f.name + "."))
+            lines.append(describe(typing.cast(type, hint), prefix + f.name + "."))
             continue
         default = (
             f.default

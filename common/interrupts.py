@@ -18,7 +18,11 @@ import sys
 import threading
 from collections.abc import Callable
 
-SIGNAL_NAMES = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "stopped by SIGTERM", signal.SIGHUP: "hung up"}
+SIGNAL_NAMES: dict[int, str] = {
+    signal.SIGINT: "interrupted (Ctrl-C)",
+    signal.SIGTERM: "stopped by SIGTERM",
+    signal.SIGHUP: "hung up",
+}
 
 
 class Stopped(KeyboardInterrupt):

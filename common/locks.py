@@ -93,6 +93,7 @@ class Lock:
         with _guard:
             if self._released:
                 return
+            assert self.path is not None  # a lock of no path is released from the start
             self._released = True
             held = _held[self.path]
             held.count -= 1
@@ -235,6 +236,8 @@ class ObjectLock:
 
     _held: dict[str, ObjectLock] = {}
     _guard = threading.Lock()
+    _key: str  # endpoint|path: one lock per object in this process
+    _count: int  # holders in this process
 
     def __new__(cls, fs, path: str, *, what: str, hint: str, wait_seconds: float = 0.0):
         key = f"{objstore.endpoint_key(fs)}|{path}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from common.config import ConfigError, knob, parse_command
 from common.interrupts import run_main
@@ -82,7 +83,7 @@ COMMANDS = {
 }
 
 
-def parse_args(argv: list[str]) -> tuple[str, object, list[str]]:
+def parse_args(argv: list[str]) -> tuple[str, Any, list[str]]:
     """(command, its config, the words left over: merge's names, transcode's SRC and DST), read by
     the grammar of every entry point (`common.config.parse_command`)."""
     if not argv or argv[0] in ("-h", "--help"):

@@ -5,6 +5,7 @@ text, and says so explicitly when there is nothing to show (an empty dataset sti
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -166,7 +167,7 @@ def tier_lines(ds: ShardDataset) -> list[str]:
             else "error      (no shards: nothing recorded)"
         )
         return lines
-    layer_ids = ds.provenance.taps.layer_ids or []
+    layer_ids: Sequence[int] = ds.provenance.taps.layer_ids or []
     lines.append(
         f"error      reconstruction error recorded at encode time over {tokens} tokens"
         + (f" ({missing} shards without a record)" if missing else "")

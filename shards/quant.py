@@ -85,13 +85,19 @@ class QuantSpec:
     def four_bit(self) -> bool:
         return self.kind in CODEBOOKS
 
+    @property
+    def group(self) -> int:
+        """The group size of a 4-bit kind (which always has one)."""
+        assert self.group_size is not None, self.kind
+        return self.group_size
+
     def code_width(self, piece_width: int) -> int:
         """Code bytes per token of one column piece."""
         return piece_width // 2 if self.four_bit else piece_width
 
     def scale_width(self, piece_width: int) -> int:
         """Scales per token of one column piece."""
-        return piece_width // self.group_size if self.four_bit else 1
+        return piece_width // self.group if self.four_bit else 1
 
     @property
     def scale_dtype(self) -> np.dtype:
@@ -110,7 +116,7 @@ class QuantSpec:
 
     def check_piece_width(self, piece_width: int) -> None:
         """ValueError unless pieces of this width can be stored in this encoding."""
-        if self.four_bit and (piece_width % self.group_size or piece_width % 2):
+        if self.four_bit and (piece_width % self.group or piece_width % 2):
             raise ValueError(
                 f"hidden_encoding: {self.name} needs column pieces whose width is a multiple of the group size "
                 f"{self.group_size}, got pieces of {piece_width} values"

@@ -25,6 +25,7 @@ import bisect
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -266,7 +267,7 @@ class ShardDataset:
         for shard, entry in enumerate(self.shards):
             path = io.join(self.root, entry["file"])
             rows = objstore.retrying(
-                lambda path=path: self._rows_holding(path, token_id),
+                functools.partial(self._rows_holding, path, token_id),
                 where=self._uri(path),
                 clock=objstore.outage_clock(self.fs),
             )
@@ -299,6 +300,7 @@ class ShardDataset:
         path = io.join(self.root, self.shards[shard]["file"])
         try:
             if ranges is None:
+                assert opened.reader is not None  # a shard without index ranges is read through its footer
                 batch = opened.reader.get_batch(row)
             else:
                 if io.is_local(self.fs):

@@ -539,7 +539,7 @@ def decode_sample(
         destination = hidden_out[:T]
     spec = parse_encoding(encoding)
     if compact and spec is not None:
-        hidden_TW = _quantized_hidden(batch, spec, T, hidden_width, hidden_split)
+        hidden_TW: np.ndarray | QuantizedHidden = _quantized_hidden(batch, spec, T, hidden_width, hidden_split)
     else:
         hidden_TW = _decode_hidden(batch, encoding, T, hidden_width, hidden_split, destination)
     loss_mask = _values(batch.column("loss_mask"), 1)
@@ -549,7 +549,7 @@ def decode_sample(
         sample_id=batch.column("sample_id")[0].as_py(),
         input_ids=input_ids,
         loss_mask=loss_mask,
-        hidden=hidden_TW,
+        hidden=hidden_TW,  # type: ignore[arg-type]  # a compact read keeps the codes
         topk_ids=_rows(batch.column("topk_ids"), T, topk, "topk_ids"),
         topk_logprobs=_rows(batch.column("topk_logprobs"), T, topk, "topk_logprobs"),
     )

@@ -121,7 +121,7 @@ class HashingStream:
         if self.write_behind is not None:
             self.write_behind.wrote(view.nbytes)
         self.timings["stream_calls"] += 1
-        self.timings["stream_seconds"] += time.perf_counter() - started
+        self.timings["stream_seconds"] += time.perf_counter() - started  # type: ignore[assignment]  # seconds
         return view.nbytes
 
     def _hash_sample_part(self, view: memoryview) -> None:
