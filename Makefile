@@ -37,13 +37,13 @@ OVERRIDES := $(foreach v,$(filter-out $(OWN_VARS),$(COMMAND_LINE_VARS)),$(call q
 unexport $(filter-out $(OWN_VARS),$(COMMAND_LINE_VARS))
 # CONFIG for the commands whose config file is optional: passed only when given on the command line.
 GIVEN_CONFIG := $(if $(filter command line,$(origin CONFIG)),$(call quote,$(CONFIG)))
-# The tiny default's target, corpus and shards, unless they are there (train, tiers and bench-train read them).
-TINY_SHARDS = $(if $(filter configs/tiny.toml,$(CONFIG)),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m recipes.tiny && $(PY) -m extract configs/tiny.toml))
+# Whether CONFIG is the built-in tiny default, whose set-up the tiny-target and tiny-shards rules make.
+IS_TINY = $(filter configs/tiny.toml,$(CONFIG))
 export PYTHONUNBUFFERED := 1
 # torch's busy-waiting OpenMP threads starve everything else on a small shared CPU machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup test lint format test-gpu demo drafter extract regenerate train eval export specdecode report tiny smollm2 tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train bench-gpu bench-render reliability clean
+.PHONY: setup test lint format test-gpu demo drafter extract regenerate train eval export specdecode report tiny tiny-target tiny-shards smollm2 tiers bench-shards bench-tiers bench-extract bench-regenerate bench-train bench-gpu bench-render reliability clean
 
 setup: $(VENV)/.installed
 
@@ -58,13 +58,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps dflash==0.1.0
 	touch $@
 
-# Lint first (seconds): `ruff format --check` and `ruff check` (pyproject.toml [tool.ruff]); `make format` fixes what it can.
+# Lint first (seconds): `ruff format --check`, `ruff check` (pyproject.toml [tool.ruff]; `make format` fixes what it
+# can) and mypy on common/ and shards/ (pyproject.toml [tool.mypy]).
 test: setup lint
 	$(PY) -m pytest -q -n 2 $(ARGS)
 
 lint: setup
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 format: setup
 	$(PY) -m ruff check --fix .
@@ -87,16 +89,21 @@ tiny: setup
 smollm2: setup
 	$(PY) -m recipes.smollm2 $(GIVEN_CONFIG) $(OVERRIDES)
 
-extract: setup
-	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m recipes.tiny)
+# The tiny default's set-up, for the commands that read it when CONFIG is the tiny default (nothing otherwise):
+# its target and corpus (extract, regenerate), and its shards unless they are there (train, tiers, bench-train).
+tiny-target: setup
+	$(if $(IS_TINY),$(PY) -m recipes.tiny)
+
+tiny-shards: setup
+	$(if $(IS_TINY),test -f artifacts/tiny/shards/train/manifest.json || ($(PY) -m recipes.tiny && $(PY) -m extract configs/tiny.toml))
+
+extract: setup tiny-target
 	$(PY) -m extract $(call quote,$(CONFIG)) $(OVERRIDES)
 
-regenerate: setup
-	$(if $(filter configs/tiny.toml,$(CONFIG)),$(PY) -m recipes.tiny)
+regenerate: setup tiny-target
 	$(PY) -m extract.regenerate $(call quote,$(CONFIG)) $(OVERRIDES)
 
-train: setup
-	$(TINY_SHARDS)
+train: setup tiny-shards
 	$(PY) -m train $(call quote,$(CONFIG)) $(if $(RUN),$(call quote,run_name=$(RUN))) $(OVERRIDES)
 
 eval: setup
@@ -118,8 +125,7 @@ bench-tiers: setup
 	$(PY) -m benchmarks.shard_tiers $(ARGS) $(OVERRIDES)
 
 # Storage tiers side by side: transcode, train (two seeds each), evaluate against lossless, decode online.
-tiers: setup
-	$(TINY_SHARDS)
+tiers: setup tiny-shards
 	$(PY) -m recipes.compare_tiers $(call quote,$(CONFIG)) $(OVERRIDES)
 
 bench-extract: setup
@@ -128,8 +134,7 @@ bench-extract: setup
 bench-regenerate: setup
 	$(PY) -m benchmarks.regenerate $(ARGS) $(OVERRIDES)
 
-bench-train: setup
-	$(TINY_SHARDS)
+bench-train: setup tiny-shards
 	$(PY) -m benchmarks.train $(ARGS) $(OVERRIDES)
 
 # No `setup`: a device host has no network for pip. Its python3 holds torch; the carried wheels in WHEELS are

@@ -333,7 +333,7 @@ class GilProbe:
             time.sleep(self.SLEEP)
             self.delays.append(time.perf_counter() - start - self.SLEEP)
 
-    def __enter__(self) -> "GilProbe":
+    def __enter__(self) -> GilProbe:
         self._thread.start()
         return self
 
@@ -539,7 +539,7 @@ def main(argv=None) -> int:
     warmup = measure_bare(target, cfg, warmup_batches, device) if args.warmup else None
     cfgs, calibrations = fit_projections_once(cfgs, target, ranks, workdir)
     fulls = []
-    for variant, variant_cfg, calibration in zip(args.variants, cfgs, calibrations):
+    for variant, variant_cfg, calibration in zip(args.variants, cfgs, calibrations, strict=True):
         full, summary = run_full(variant_cfg, target, ranks, device, variant)
         full["calibration"] = calibration
         fulls.append(full)

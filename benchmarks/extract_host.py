@@ -328,7 +328,7 @@ class CurrentRun:
             host.error_rows(B).zero_()
 
             def put_quantized(b: int, L: int, rows) -> None:
-                for j, (c, g) in enumerate(zip(self.syn.quantized.codes, self.syn.quantized.scales)):
+                for j, (c, g) in enumerate(zip(self.syn.quantized.codes, self.syn.quantized.scales, strict=True)):
                     codes[j, b, :L] = torch.from_numpy(c[rows])
                     scales[j, b, :L] = scales_to_torch(g[rows])
 
@@ -464,7 +464,7 @@ def legacy_pipelined(args, syn, batches, root) -> dict:
     from shards import Sample
 
     pool = [LegacyBuffers(args, syn) for _ in range(args.inflight_batches)]
-    free: "collections.deque" = collections.deque(pool)
+    free: collections.deque = collections.deque(pool)
     available = threading.Semaphore(len(pool))
     writer = open_writer(root, args, syn.width)
 

@@ -291,7 +291,7 @@ def same_answers(model, prompts: list[list[int]], new_tokens: int) -> tuple[int,
     from extract.regenerate.local import generate_batch
 
     dynamic, static = (generate_batch(model, prompts, new_tokens, set(), 0, cache=c) for c in ("dynamic", "static"))
-    return sum(a == b for a, b in zip(dynamic, static)), len(prompts)
+    return sum(a == b for a, b in zip(dynamic, static, strict=True)), len(prompts)
 
 
 def sweep_local(args, device: str, cache: str, prompts, timed) -> list[dict]:

@@ -243,7 +243,7 @@ def get_pyarrow(uri_of, keys: list[str], threads: int, range_bytes: int, object_
     length = min(range_bytes, object_bytes)
     rngs = [random.Random(t) for t in range(threads)]
 
-    def read_range(t: int, n: int) -> int:
+    def read_range(t: int, n: int) -> int:  # noqa: ARG001 (run_threads' (thread, count) callback)
         handle = rngs[t].choice(handles)
         offset = rngs[t].randrange(0, object_bytes - length + 1)
         data = handle.read_at(length, offset)

@@ -74,13 +74,14 @@ class MotoServer:
         if command is None:
             raise RuntimeError("moto[server] is not installed (pip install 'moto[server]==5.2.5')")
         self.port = free_port()
-        self.proc = subprocess.Popen(
-            [*command, "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(os.environ.get("MOTO_LOG", os.devnull), "ab"),
-            env=_server_env(),
-            cwd=tempfile.gettempdir(),  # `-m` puts the working directory first on sys.path
-        )
+        with open(os.environ.get("MOTO_LOG", os.devnull), "ab") as log:  # the server holds its own copy
+            self.proc = subprocess.Popen(
+                [*command, "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=_server_env(),
+                cwd=tempfile.gettempdir(),  # `-m` puts the working directory first on sys.path
+            )
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
@@ -124,7 +125,7 @@ class MotoServer:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "MotoServer":
+    def __enter__(self) -> MotoServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -252,7 +253,7 @@ class DelayProxy:
             self._listener.close()
         self.down()
 
-    def __enter__(self) -> "DelayProxy":
+    def __enter__(self) -> DelayProxy:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -149,7 +149,7 @@ def hash_speeds(root: str, repeats: int) -> dict[str, float]:
     total = sum(b.size for b in buffers)
     speeds = {}
     for name, fn in (("xxh3_64", xxhash.xxh3_64_intdigest), ("xxh3_128", xxhash.xxh3_128_intdigest)):
-        seconds = min(_cpu_time(lambda: [fn(b) for b in buffers]) for _ in range(max(3, repeats)))
+        seconds = min(_cpu_time(lambda fn=fn: [fn(b) for b in buffers]) for _ in range(max(3, repeats)))
         speeds[name] = total / 1e9 / seconds
     return speeds
 
@@ -160,7 +160,7 @@ def bench_torch_save(samples, root, collate, repeats, gzip_level=None) -> Result
     paths = [os.path.join(root, f"data_{i}{suffix}") for i in range(len(samples))]
 
     def write():
-        for sample, path in zip(samples, paths):
+        for sample, path in zip(samples, paths, strict=True):
             if gzip_level:
                 with gzip.open(path, "wb", compresslevel=gzip_level) as f:
                     torch.save(_tensors(sample), f)
@@ -182,7 +182,7 @@ def bench_torch_save(samples, root, collate, repeats, gzip_level=None) -> Result
     read_s = min(_cpu_time(read) for _ in range(repeats))
     stored, files = _dir_bytes(root)
     return Result(
-        f"torch.save per sample{' + gzip-%d' % gzip_level if gzip_level else ''}", stored, files, write_s, read_s
+        f"torch.save per sample{f' + gzip-{gzip_level}' if gzip_level else ''}", stored, files, write_s, read_s
     )
 
 
@@ -191,7 +191,7 @@ def bench_safetensors(samples, root, collate, repeats) -> Result:
     paths = [os.path.join(root, f"hs_{i}.safetensors") for i in range(len(samples))]
 
     def write():
-        for sample, path in zip(samples, paths):
+        for sample, path in zip(samples, paths, strict=True):
             save_file(_tensors(sample), path)
 
     def read():

@@ -84,8 +84,8 @@ class KindRanges:
         self.handles, self.open = [], []
         for kind, modules in kind_modules(target).items():
             for module in modules:
-                self.handles.append(module.register_forward_pre_hook(lambda m, a, kind=kind: self._enter(kind)))
-                self.handles.append(module.register_forward_hook(lambda m, a, o: self._exit()))
+                self.handles.append(module.register_forward_pre_hook(lambda m, a, kind=kind: self._enter(kind)))  # noqa: ARG005 (hook signature)
+                self.handles.append(module.register_forward_hook(lambda m, a, o: self._exit()))  # noqa: ARG005 (hook signature)
 
     def _enter(self, kind: str) -> None:
         scope = torch.profiler.record_function(kind)

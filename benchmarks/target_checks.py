@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-shape", default="", help="HIDDEN,VOCAB: time the stored logits' two paths")
     args = parser.parse_args(argv)
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python -m benchmarks.target_checks " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
         **(hashing(args.gib) if args.gib else {}),

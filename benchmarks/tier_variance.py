@@ -265,10 +265,11 @@ def kept_channels_against_pca(feats: Features) -> list[dict]:
                     "pca_rel_rms": [t["rel_rms"] for t in plain],
                     "kept_rel_rms": [t["rel_rms"] for t in kept],
                     "pca_kept_channels_rel_rms": [
-                        float(np.sqrt((p["channel_rel_rms"][c.numpy()] ** 2).mean())) for p, c in zip(plain, channels)
+                        float(np.sqrt((p["channel_rel_rms"][c.numpy()] ** 2).mean()))
+                        for p, c in zip(plain, channels, strict=True)
                     ],
                     "kept_kept_channels_rel_rms": [
-                        float(k["channel_rel_rms"][c.numpy()].max()) for k, c in zip(kept, channels)
+                        float(k["channel_rel_rms"][c.numpy()].max()) for k, c in zip(kept, channels, strict=True)
                     ],
                     "pca_worst_channel": [t["worst_channel_rel_rms"] for t in plain],
                     "kept_worst_channel": [t["worst_channel_rel_rms"] for t in kept],
@@ -329,7 +330,7 @@ def fmt(values, spec=".3f") -> str:
 def print_curve(name: str, rows: list[dict], width: int) -> None:
     ranks = ranks_of(width)
     print(f"\nvariance kept (measured half) against rank, {name}, tap width {width}")
-    print("| tap | " + " | ".join(f"1/{round(1 / f)} ({r})" for f, r in zip(FRACTIONS, ranks)) + " |")
+    print("| tap | " + " | ".join(f"1/{round(1 / f)} ({r})" for f, r in zip(FRACTIONS, ranks, strict=True)) + " |")
     print("|---|" + "---:|" * len(ranks))
     for row in rows:
         print(f"| {row['tap']} | " + " | ".join(f"{v:.4f}" for v in row["kept"]) + " |")
@@ -387,7 +388,7 @@ def plot(sources: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(sources), figsize=(6 * len(sources), 4.5), sharey=True, squeeze=False)
-    for ax, (name, source) in zip(axes[0], sources.items()):
+    for ax, (name, source) in zip(axes[0], sources.items(), strict=True):
         for row in source["curve"]:
             ax.plot(FRACTIONS, row["kept"], marker="o", label=f"tap {row['tap']}")
         ax.set_xscale("log", base=2)
@@ -453,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in sources["synthetic_27b"]["variance_targets"]:
             print(f"synthetic: variance {r['target']}: rank needed per tap {r['rank_needed_per_tap']} of {feats.width}")
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "torch": torch.__version__},
         "args": vars(args),
         "sources": _plain(sources),

@@ -78,6 +78,7 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -255,7 +256,7 @@ def write_synthetic_shards(
     }
     manifest_path = os.path.join(root, "manifest.json")
     if os.path.exists(manifest_path):
-        manifest = json.load(open(manifest_path))
+        manifest = json.loads(Path(manifest_path).read_text())
         if (
             manifest.get("complete")
             and manifest.get("counts", {}).get("samples") == n
@@ -302,7 +303,7 @@ def tier_shards(root: str, tier: str) -> str:
     from shards.transcode import TranscodeConfig, transcode
 
     manifest = os.path.join(out, "manifest.json")
-    if not (os.path.exists(manifest) and json.load(open(manifest)).get("complete")):
+    if not (os.path.exists(manifest) and json.loads(Path(manifest).read_text()).get("complete")):
         started = time.perf_counter()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         cfg = load_config(
@@ -421,7 +422,7 @@ def run_phase(name: str, run: Run, next_batch, steps: int, warmup: int, wait_of=
             waits.append(result.wait)
             # this rank's micro-batches (summed over ranks below); result.blocks holds those that ran
             parts = [p for p in (batch.parts if isinstance(batch, Share) else [batch]) if p is not None]
-            by_part = [step_flops(run.drafter_cfg, b, p.real_tokens) for p, b in zip(parts, result.blocks)]
+            by_part = [step_flops(run.drafter_cfg, b, p.real_tokens) for p, b in zip(parts, result.blocks, strict=True)]
             flops.append({k: sum(f[k] for f in by_part) for k in by_part[0]})
             ctx_tokens.append(result.tokens)
             block_tokens.append(result.block_tokens)
@@ -435,7 +436,7 @@ def run_phase(name: str, run: Run, next_batch, steps: int, warmup: int, wait_of=
             )
     keys = list(flops[0])
     per_rank_flops = dist.sum([sum(f[k] for f in flops) for k in keys])  # every rank's parts together
-    parts = {k: float(v) / steps for k, v in zip(keys, per_rank_flops)}
+    parts = {k: float(v) / steps for k, v in zip(keys, per_rank_flops, strict=True)}
     total_flops = float(per_rank_flops.sum())
     total_time = sum(times)
     peak = (
@@ -798,7 +799,7 @@ class S3Source:
         size and ranges of its mean sample size (a sample is one ranged read)."""
         from benchmarks import s3_ceiling
 
-        manifest = json.load(open(os.path.join(local, "manifest.json")))
+        manifest = json.loads(Path(local, "manifest.json").read_text())
         shard_bytes = sum(e["bytes"] for e in manifest["shards"])
         object_mib = min(64.0, max(1.0, shard_bytes / len(manifest["shards"]) / 2**20))
         sample_mib = min(object_mib, shard_bytes / manifest["counts"]["samples"] / 2**20)

@@ -202,7 +202,8 @@ def parse_command(
         else:
             words.append(word)
         i += 1
-    for key, word in zip(positional, words):
+    # strict=False: fewer words than positional keys leave those keys unset; more are checked below
+    for key, word in zip(positional, words, strict=False):
         _put_word(key, word, _hint_of(cls, key, key), overrides, values)
     left = words[len(positional) :]
     if left and not rest:
@@ -276,10 +277,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' does not exist")
     text = path.read_text(encoding="utf-8")
     try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = tomllib.loads(text)
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(
             f"config file '{path}' is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}"
@@ -329,7 +327,7 @@ def _takes_text(hint: Any) -> bool:
     return typing.get_origin(hint) is Literal and all(isinstance(a, str) for a in args)
 
 
-def _spells_container(value: "CommandLineValue", args: tuple) -> bool:
+def _spells_container(value: CommandLineValue, args: tuple) -> bool:
     """The text is a TOML array or inline table and the key takes more than text (a list, say):
     it is then read as TOML reads it, and refused the same way if the key takes no such value."""
     if all(_takes_text(a) or a is type(None) for a in args):
@@ -433,7 +431,9 @@ def check_paths(cfg: Any, prefix: str = "") -> None:
             check_paths(value, f"{prefix}{f.name}.")
             continue
         kind = f.metadata.get("path")
-        for where, text in _path_values(prefix + f.name, value) if kind else ():
+        if not kind:
+            continue
+        for where, text in _path_values(prefix + f.name, value):
             problem = locations.check_problem(text, kind)
             if problem:
                 fail(where, problem)
@@ -494,7 +494,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             fail(key, f"{value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
         return member
     if dataclasses.is_dataclass(hint):
-        return config_from_dict(hint, value, prefix=key + ".")
+        return config_from_dict(typing.cast(type, hint), value, prefix=key + ".")
     if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
         if not isinstance(value, list):
             fail(key, f"expected a list, got {value!r}")
@@ -569,7 +569,7 @@ def describe(cls: type, prefix: str = "") -> str:
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            lines.append(describe(hint, prefix + f.name + "."))
+            lines.append(describe(typing.cast(type, hint), prefix + f.name + "."))
             continue
         default = (
             f.default

@@ -18,7 +18,11 @@ import sys
 import threading
 from collections.abc import Callable
 
-SIGNAL_NAMES = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "stopped by SIGTERM", signal.SIGHUP: "hung up"}
+SIGNAL_NAMES: dict[int, str] = {
+    signal.SIGINT: "interrupted (Ctrl-C)",
+    signal.SIGTERM: "stopped by SIGTERM",
+    signal.SIGHUP: "hung up",
+}
 
 
 class Stopped(KeyboardInterrupt):
@@ -29,7 +33,7 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _stop(signum: int, frame) -> None:
+def _stop(signum: int, frame) -> None:  # noqa: ARG001 (a signal handler's signature)
     # The first signal stops the command; those that follow (Ctrl-C pressed twice, SIGTERM after
     # SIGINT) must not interrupt the stopping of the children.
     for sig in SIGNAL_NAMES:

@@ -82,7 +82,7 @@ class Lock:
         self._released = path is None
 
     @classmethod
-    def unheld(cls) -> "Lock":
+    def unheld(cls) -> Lock:
         """Nothing to release (where no lock is taken, e.g. a remote file system)."""
         return cls(None)
 
@@ -93,6 +93,7 @@ class Lock:
         with _guard:
             if self._released:
                 return
+            assert self.path is not None  # a lock of no path is released from the start
             self._released = True
             held = _held[self.path]
             held.count -= 1
@@ -104,7 +105,7 @@ class Lock:
                     os.unlink(self.path)  # while still locked: the next writer sees a fresh file
                 os.close(held.fd)
 
-    def __enter__(self) -> "Lock":
+    def __enter__(self) -> Lock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -233,8 +234,10 @@ class ObjectLock:
     """One writer at a time through a lock object (see the file docstring). Counted within one
     process, like `common.locks.exclusive_lock`."""
 
-    _held: dict[str, "ObjectLock"] = {}
+    _held: dict[str, ObjectLock] = {}
     _guard = threading.Lock()
+    _key: str  # endpoint|path: one lock per object in this process
+    _count: int  # holders in this process
 
     def __new__(cls, fs, path: str, *, what: str, hint: str, wait_seconds: float = 0.0):
         key = f"{objstore.endpoint_key(fs)}|{path}"
@@ -377,7 +380,7 @@ class ObjectLock:
             with contextlib.suppress(Exception):
                 self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self.etag)
 
-    def __enter__(self) -> "ObjectLock":
+    def __enter__(self) -> ObjectLock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -390,5 +393,5 @@ def _server_age(response) -> float:
     try:
         now = parsedate_to_datetime(headers["date"])
     except (KeyError, TypeError, ValueError):
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
     return (now - response["LastModified"]).total_seconds()

@@ -40,6 +40,7 @@ whose store is gone for good stops about `DFLASH_S3_OUTAGE_S` seconds after the 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import math
@@ -282,7 +283,7 @@ class StoreS3FileSystem(pafs.S3FileSystem):
 
 
 @_through_the_clock
-class StoreGcsFileSystem(pafs.GcsFileSystem if hasattr(pafs, "GcsFileSystem") else object):
+class StoreGcsFileSystem(pafs.GcsFileSystem if hasattr(pafs, "GcsFileSystem") else object):  # type: ignore[misc]
     """pyarrow's GCS file system whose calls give up after `limit` and run through the outage clock."""
 
     def __init__(self, kwargs: dict, limit: datetime.timedelta):
@@ -518,11 +519,12 @@ def abort_uploads(fs: pafs.FileSystem, directory: str, prefixes: tuple[str, ...]
     for prefix in prefixes:
         pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=base + prefix)
         where = store_uri(fs, f"{bucket}/{base}{prefix}")
-        for page in retrying(lambda pages=pages: list(pages), where=where, clock=clock):
+        # (mypy infers no type for a lambda with defaults)
+        for page in retrying(lambda pages=pages: list(pages), where=where, clock=clock):  # type: ignore[misc]
             for upload in page.get("Uploads", []):
                 key, upload_id = upload["Key"], upload["UploadId"]
                 retrying(
-                    lambda: client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id),
+                    functools.partial(client.abort_multipart_upload, Bucket=bucket, Key=key, UploadId=upload_id),
                     where=store_uri(fs, f"{bucket}/{key}"),
                     clock=clock,
                 )
@@ -549,7 +551,7 @@ def check_location(uri: str, *, write: bool) -> None:
         _check_gcs(uri, fs, path)
 
 
-def _check_gcs(uri: str, fs: "StoreGcsFileSystem", path: str) -> None:
+def _check_gcs(uri: str, fs: StoreGcsFileSystem, path: str) -> None:
     """One look at the location, given up after GCS_CHECK_LIMIT_S (a client without credentials
     otherwise asks the metadata server of a cloud VM for minutes, silently)."""
     limit = datetime.timedelta(seconds=min(outage_seconds(), GCS_CHECK_LIMIT_S))

@@ -133,7 +133,7 @@ def _side_by_side(steps, log_dir, max_running, env, on_success, show_tail, runni
             path = os.path.join(log_dir, log_name(name))
             command = "python " + " ".join(args)
             print(f"    started {name}: {command}  (log {path})", flush=True)
-            log = open(path, "w")
+            log = open(path, "w")  # noqa: SIM115 (open while the child runs; closed when it ends)
             process = start_child(args, env=env, stdout=log, stderr=subprocess.STDOUT)
             running.append((name, command, path, log, process, time.time()))
         if failed:

@@ -36,7 +36,7 @@ class RepeatWatch:
         if min_repeat < 1 or max_period < 1:
             raise ValueError(f"min_repeat and max_period must be >= 1, got {min_repeat} and {max_period}")
         self.history_RN = torch.zeros(rows, max_tokens, dtype=torch.long)
-        self.runs_RP: "torch.Tensor" = torch.zeros(
+        self.runs_RP: torch.Tensor = torch.zeros(
             rows, max_period, dtype=torch.long
         )  # column p-1: current run at period p
         self.needed_P = torch.arange(1, max_period + 1).clamp(min=min_repeat)

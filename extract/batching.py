@@ -147,7 +147,7 @@ class HostBatch:
 
     def hidden_block(self, B: int, T: int) -> torch.Tensor:
         """The bytes a [B, T] micro-batch's hidden states use, as one contiguous uint8 block."""
-        assert B * T <= self.token_budget, (B, T, self.token_budget)
+        assert self.token_budget >= B * T, (B, T, self.token_budget)
         return self.hidden[: B * T * self.bytes_per_token]
 
     def layout(self, block: torch.Tensor, B: int, T: int):

@@ -143,7 +143,8 @@ def calibrate(cfg, target):
         valid_BT = (torch.arange(T)[None, :] < torch.tensor(batch_lengths)[:, None]).to(device)
 
         def keep(slot: int, hidden_BTH: torch.Tensor) -> None:
-            rows_NH = hidden_BTH.to(STORE_DTYPE).to(device)[valid_BT]  # the values the shards would hold
+            # the values the shards would hold (keep runs inside this iteration's forward: its valid_BT)
+            rows_NH = hidden_BTH.to(STORE_DTYPE).to(device)[valid_BT]  # noqa: B023
             rows_NH = rows_NH[torch.isfinite(rows_NH).all(dim=-1)]
             moments.add_tap(slot, rows_NH)
 

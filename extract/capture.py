@@ -131,7 +131,7 @@ def capture(
     """The whole capture on device, synchronously (tests and the benchmark's bare forward). `packed`:
     `input_ids_BT` is one row [1, N] of the samples of `lengths` one after another."""
     B, T = input_ids_BT.shape
-    assert not packed or (B == 1 and T == sum(lengths)), (B, T, list(lengths))
+    assert not packed or (B == 1 and sum(lengths) == T), (B, T, list(lengths))
     mask = None if packed else attention_mask_for(lengths, T)
     device = target.input_device
     taps: list = [None] * len(layer_ids)
@@ -168,7 +168,7 @@ class LaunchThrottle:
         self._handles: list = []
         self._devices: dict = {}
 
-    def __enter__(self) -> "LaunchThrottle":
+    def __enter__(self) -> LaunchThrottle:
         if self.ahead > 0:
             self._handles = [layer.register_forward_pre_hook(self._before_layer) for layer in self.layers]
         return self
@@ -178,7 +178,7 @@ class LaunchThrottle:
             handle.remove()
         self._handles = []
 
-    def _before_layer(self, module, args) -> None:
+    def _before_layer(self, module, args) -> None:  # noqa: ARG002 (a forward pre-hook's signature)
         device = self._devices.get(id(module))
         if device is None:
             device = self._devices[id(module)] = next(module.parameters()).device
@@ -292,7 +292,7 @@ class Capturer:
         """Start one micro-batch: right-padded [B, T], or with `packed` one row [1, N] of the samples
         of `lengths` one after another (`extract.batching.collate_packed`)."""
         B, T = input_ids_BT.shape
-        assert not packed or (B == 1 and T == sum(lengths)), (B, T, lengths)
+        assert not packed or (B == 1 and sum(lengths) == T), (B, T, lengths)
         if packed and self.tier is not None:
             raise ValueError("packing: not with a storage tier yet (its error sums are kept per row, not per sample)")
         target, out_dev = self.target, self.out_device

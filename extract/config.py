@@ -322,7 +322,7 @@ class ExtractConfig:
             if problem:
                 fail("layer_ids", problem)
 
-    def split_configs(self) -> dict[str | None, "ExtractConfig"]:
+    def split_configs(self) -> dict[str | None, ExtractConfig]:
         """One single-corpus config per output dataset: {None: self} or {name: config for out_dir/name}."""
         if not self.splits:
             return {None: self}

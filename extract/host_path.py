@@ -121,7 +121,7 @@ class HostPath:
         batch."""
         out = []
         offsets = inflight.offsets
-        for b, (tokenized, wanted) in enumerate(zip(samples, to_write)):
+        for b, (tokenized, wanted) in enumerate(zip(samples, to_write, strict=True)):
             if wanted:
                 hidden, topk_ids, topk_logprobs, hidden_ok, logits_ok = sample_views(inflight, b, offsets[b])
                 sample = Sample(

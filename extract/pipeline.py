@@ -509,7 +509,7 @@ def _forward_loop(split: SplitRun, writer: ShardWriter, rejects: RejectLog) -> F
 
 
 def _iso(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
 
 
 def _runtime_keys(cfg: ExtractConfig) -> dict:

@@ -30,7 +30,7 @@ class Ranks:
     group: bool = False  # a torch.distributed process group exists (barrier available)
 
     @classmethod
-    def from_env(cls) -> "Ranks":
+    def from_env(cls) -> Ranks:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         if not 0 <= rank < world:

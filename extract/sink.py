@@ -17,6 +17,7 @@ nothing blocks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -92,10 +93,8 @@ class Worker:
         """Stop without waiting for queued work to matter (after an error elsewhere)."""
         if self.error is None:
             self.error = RuntimeError(f"{self.name}: stopped because of an error elsewhere")
-        try:
+        with contextlib.suppress(queue.Full):
             self.queue.put(_STOP, timeout=5)
-        except queue.Full:
-            pass
         self.thread.join(timeout=30)
 
 
@@ -126,7 +125,7 @@ class RejectLog:
             for line in f:
                 entry = json.loads(line)
                 self.positions[int(entry["position"])] = entry["reason"]
-        self._file = open(path, "ab")
+        self._file = open(path, "ab")  # noqa: SIM115 (open for the sink's life; close())
         self._dirty = False
 
     def add(self, reject) -> bool:

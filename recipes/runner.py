@@ -245,7 +245,7 @@ class Runner:
             if len(todo) > 1 and self.side_by_side and not self.in_process:
                 by_name = {s.name: s for s, _ in todo}
                 steps = [(s.name, s.argv) for s, _ in todo]
-                finished = lambda name: self._finished(by_name[name])  # noqa: E731
+                finished = lambda name, by_name=by_name: self._finished(by_name[name])  # noqa: E731
                 at_once = {"max_running": self.max_running, "show_tail": self.show_tail}
                 steps_together(
                     self.timings, steps, self.env, self.log_dir, label=self.label, on_success=finished, **at_once

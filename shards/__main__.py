@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from common.config import ConfigError, knob, parse_command
 from common.interrupts import run_main
@@ -82,7 +83,7 @@ COMMANDS = {
 }
 
 
-def parse_args(argv: list[str]) -> tuple[str, object, list[str]]:
+def parse_args(argv: list[str]) -> tuple[str, Any, list[str]]:
     """(command, its config, the words left over: merge's names, transcode's SRC and DST), read by
     the grammar of every entry point (`common.config.parse_command`)."""
     if not argv or argv[0] in ("-h", "--help"):
@@ -103,7 +104,9 @@ def parse_args(argv: list[str]) -> tuple[str, object, list[str]]:
         raise ConfigError("merge needs the names of the manifests to combine (python -m shards merge DIR NAME...)")
     if command == "transcode" and len(left) != 2:
         raise ConfigError(f"transcode needs SRC and DST, got {left}")
-    for name, word, kind in zip(("SRC", "DST"), left, ("data_in", "data_out")) if command == "transcode" else ():
+    for name, word, kind in (
+        zip(("SRC", "DST"), left, ("data_in", "data_out"), strict=True) if command == "transcode" else ()
+    ):
         problem = check_problem(word, kind)
         if problem:
             raise ConfigError(f"{name}: {problem}")

@@ -5,6 +5,7 @@ text, and says so explicitly when there is nothing to show (an empty dataset sti
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,7 +38,7 @@ def length_histogram(n_tokens: np.ndarray, width: int = 40) -> list[str]:
     token_sums, _ = np.histogram(n_tokens, bins=edges, weights=n_tokens)
     lines = [f"  {'tokens':>17}  {'samples':>9}  {'share of tokens':>15}"]
     top = counts.max()
-    for low, high, count, tokens in zip(edges[:-1], edges[1:], counts, token_sums):
+    for low, high, count, tokens in zip(edges[:-1], edges[1:], counts, token_sums, strict=True):
         if count:
             bar = "#" * max(1, round(width * count / top))
             lines.append(f"  [{low:>7}, {high:>7})  {count:>9}  {tokens / n_tokens.sum():>14.1%}  {bar}")
@@ -166,7 +167,7 @@ def tier_lines(ds: ShardDataset) -> list[str]:
             else "error      (no shards: nothing recorded)"
         )
         return lines
-    layer_ids = ds.provenance.taps.layer_ids or []
+    layer_ids: Sequence[int] = ds.provenance.taps.layer_ids or []
     lines.append(
         f"error      reconstruction error recorded at encode time over {tokens} tokens"
         + (f" ({missing} shards without a record)" if missing else "")
@@ -262,7 +263,7 @@ def show_lines(ds: ShardDataset, key: str, tokenizer=None, positions: int = 8, t
         )
         entries = "  ".join(
             f"{int(i)}{_token_text(tokenizer, i)}:{lp:.3f}"
-            for i, lp in zip(sample.topk_ids[t, :topk_shown], sample.topk_logprobs[t, :topk_shown])
+            for i, lp in zip(sample.topk_ids[t, :topk_shown], sample.topk_logprobs[t, :topk_shown], strict=True)
         )
         lines.append(
             f"  t={t:<4} loss={int(sample.loss_mask[t])} "

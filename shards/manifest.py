@@ -59,7 +59,7 @@ PROJECTION_ENTRY_KEYS = ("file", "bytes", "checksum", "in_width", "out_width")
 
 
 def now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def json_normalized(obj: Any, what: str) -> Any:
@@ -322,7 +322,7 @@ def _merged_counts(manifests: list[dict]) -> dict:
 def _refuse_duplicates(fs, root, names, manifests) -> None:
     seen: dict[str, str] = {}
     duplicates = []
-    for name, manifest in zip(names, manifests):
+    for name, manifest in zip(names, manifests, strict=True):
         for entry in manifest["shards"]:
             for sid in read_index(fs, root, entry).column("sample_id").to_pylist():
                 where = f"{name}:{entry['file']}"
@@ -394,7 +394,7 @@ MERGE_WAIT_SECONDS = 120.0
 def _merge_locked(fs, root: str, names: list[str], out_name: str) -> dict:
     manifests = [load_manifest(fs, root, name) for name in names]
     first = manifests[0]
-    for name, manifest in zip(names[1:], manifests[1:]):
+    for name, manifest in zip(names[1:], manifests[1:], strict=True):
         diff = layout_difference(
             manifest, provenance=first["provenance"], projection=projection_of(first), **layout_of(first)
         )
@@ -412,6 +412,8 @@ def _merge_locked(fs, root: str, names: list[str], out_name: str) -> dict:
     merged["complete"] = all(m.get("complete", False) for m in manifests)
     merged["counts"] = _merged_counts(manifests)
     merged["shards"] = [entry for manifest in manifests for entry in manifest["shards"]]
-    merged["stage_state"] = {"merged_from": {name: m.get("stage_state", {}) for name, m in zip(names, manifests)}}
+    merged["stage_state"] = {
+        "merged_from": {name: m.get("stage_state", {}) for name, m in zip(names, manifests, strict=True)}
+    }
     save_manifest(fs, root, out_name, merged)
     return merged

@@ -105,7 +105,7 @@ class Projection:
     def out_width(self) -> int:
         return self.n_taps * self.rank
 
-    def to(self, device) -> "Projection":
+    def to(self, device) -> Projection:
         return Projection(self.blocks.to(device), self.info)
 
     def apply_tap(self, tap: int, h: torch.Tensor) -> torch.Tensor:
@@ -164,7 +164,7 @@ class SecondMoments:
             )
         h = h_NH.reshape(-1, self.tap_width).to(self.sums.device, torch.float64)
         self.sums[tap].addmm_(h.t(), h)
-        self._eigen = None
+        self._eigen: tuple | None = None
         if tap == 0:
             self.tokens += int(h.shape[0])
 
@@ -173,10 +173,11 @@ class SecondMoments:
         computed once per state of the sums."""
         import torch
 
-        if getattr(self, "_eigen", None) is None:
+        eigen = getattr(self, "_eigen", None)
+        if eigen is None:
             values, vectors = torch.linalg.eigh(self.sums)  # ascending, per tap
-            self._eigen = (values.flip(-1).clamp_min(0.0), vectors.flip(-1))
-        return self._eigen
+            eigen = self._eigen = (values.flip(-1).clamp_min(0.0), vectors.flip(-1))
+        return eigen
 
     def add(self, h_NF: torch.Tensor) -> None:
         """Add tokens [N, F] of all taps, concatenated."""
@@ -225,6 +226,7 @@ def fit_projection(
                 f"ask for pca:rank={-(-rank // multiple) * multiple}, or a smaller group"
             )
     else:
+        assert spec.variance is not None  # a spec has a rank or a variance
         rank = max(smallest_rank_keeping(shares[i], spec.variance) for i in range(moments.n_taps))
         rank = max(rank, spec.keep + 1)
     rank = min(H, int(math.ceil(rank / multiple) * multiple))

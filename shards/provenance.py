@@ -96,7 +96,7 @@ class MaskToken:
         return cls(table.get("token"), source, tuple(table.get("passed_over") or ()))
 
     def to_dict(self) -> dict:
-        out = {"token": self.token, "source": None if self.source is None else str(self.source)}
+        out: dict[str, Any] = {"token": self.token, "source": None if self.source is None else str(self.source)}
         if self.passed_over:
             out["passed_over"] = list(self.passed_over)
         return out
@@ -201,7 +201,12 @@ class Corpus:
         return cls(**known, extra=extra)
 
     def to_dict(self) -> dict:
-        out = {"source": self.source, "format": self.format, "hash": self.hash, "files": list(self.files)}
+        out: dict[str, Any] = {
+            "source": self.source,
+            "format": self.format,
+            "hash": self.hash,
+            "files": list(self.files),
+        }
         out["records"] = self.records
         if self.skipped:
             out["skipped"] = list(self.skipped)
@@ -231,7 +236,7 @@ class Provenance:
         """Any layout a manifest has held (see the module docstring); ValueError naming the field
         when a part is not a table or the mask token's source is unknown."""
         known, extra = _known(cls, _table(record, "record"))
-        parts = {"target": TargetRecord, "tokenizer": TokenizerRecord, "taps": Taps, "corpus": Corpus}
+        parts: dict[str, Any] = {"target": TargetRecord, "tokenizer": TokenizerRecord, "taps": Taps, "corpus": Corpus}
         for name, part in parts.items():
             known[name] = part.from_dict(known.get(name))
         known["extract_config"] = dict(known.get("extract_config") or {})
@@ -239,7 +244,7 @@ class Provenance:
 
     def to_dict(self) -> dict:
         """Today's layout, as a manifest stores it."""
-        out = {
+        out: dict[str, Any] = {
             "target": self.target.to_dict(),
             "tokenizer": self.tokenizer.to_dict(),
             "taps": self.taps.to_dict(),

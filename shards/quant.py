@@ -85,13 +85,19 @@ class QuantSpec:
     def four_bit(self) -> bool:
         return self.kind in CODEBOOKS
 
+    @property
+    def group(self) -> int:
+        """The group size of a 4-bit kind (which always has one)."""
+        assert self.group_size is not None, self.kind
+        return self.group_size
+
     def code_width(self, piece_width: int) -> int:
         """Code bytes per token of one column piece."""
         return piece_width // 2 if self.four_bit else piece_width
 
     def scale_width(self, piece_width: int) -> int:
         """Scales per token of one column piece."""
-        return piece_width // self.group_size if self.four_bit else 1
+        return piece_width // self.group if self.four_bit else 1
 
     @property
     def scale_dtype(self) -> np.dtype:
@@ -110,7 +116,7 @@ class QuantSpec:
 
     def check_piece_width(self, piece_width: int) -> None:
         """ValueError unless pieces of this width can be stored in this encoding."""
-        if self.four_bit and (piece_width % self.group_size or piece_width % 2):
+        if self.four_bit and (piece_width % self.group or piece_width % 2):
             raise ValueError(
                 f"hidden_encoding: {self.name} needs column pieces whose width is a multiple of the group size "
                 f"{self.group_size}, got pieces of {piece_width} values"
@@ -299,7 +305,7 @@ class QuantizedHidden:
     codes: tuple[np.ndarray, ...]
     scales: tuple[np.ndarray, ...]
     width: int  # W, values per token
-    error: "ErrorSums | None" = None  # reconstruction error sums, when the encoder measured them
+    error: ErrorSums | None = None  # reconstruction error sums, when the encoder measured them
 
     @property
     def spec(self) -> QuantSpec:
@@ -319,7 +325,7 @@ class QuantizedHidden:
         """The values [T, W] as a CPU tensor."""
         import torch
 
-        pairs = [(torch.from_numpy(c), scales_to_torch(s)) for c, s in zip(self.codes, self.scales)]
+        pairs = [(torch.from_numpy(c), scales_to_torch(s)) for c, s in zip(self.codes, self.scales, strict=True)]
         return decode_pieces(pairs, self.spec, dtype)
 
     def bf16_bits(self) -> np.ndarray:
@@ -382,10 +388,10 @@ class ErrorSums:
     tokens: int
 
     @classmethod
-    def zeros(cls, width: int) -> "ErrorSums":
+    def zeros(cls, width: int) -> ErrorSums:
         return cls(np.zeros(width), np.zeros(width), 0)
 
-    def add(self, other: "ErrorSums") -> None:
+    def add(self, other: ErrorSums) -> None:
         self.sq += other.sq
         self.err2 += other.err2
         self.tokens += other.tokens
@@ -394,7 +400,7 @@ class ErrorSums:
         """Per tap: relative RMS error sqrt(sum err^2 / sum x^2), and the channel with the largest
         relative RMS error of its own (sqrt(err2_c / sq_c); channels that are all zero are skipped)."""
         out = []
-        for sq, err2 in zip(np.split(self.sq, n_taps), np.split(self.err2, n_taps)):
+        for sq, err2 in zip(np.split(self.sq, n_taps), np.split(self.err2, n_taps), strict=True):
             rel_c = np.where(sq > 0, np.sqrt(err2 / np.where(sq > 0, sq, 1.0)), 0.0)
             worst = int(np.argmax(rel_c))
             out.append(

@@ -25,10 +25,11 @@ import bisect
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -266,7 +267,9 @@ class ShardDataset:
         for shard, entry in enumerate(self.shards):
             path = io.join(self.root, entry["file"])
             rows = objstore.retrying(
-                lambda: self._rows_holding(path, token_id), where=self._uri(path), clock=objstore.outage_clock(self.fs)
+                functools.partial(self._rows_holding, path, token_id),
+                where=self._uri(path),
+                clock=objstore.outage_clock(self.fs),
             )
             ids = self.index.column("sample_id")
             found += [str(ids[self._starts[shard] + row]) for row in rows[: limit - len(found)]]
@@ -297,6 +300,7 @@ class ShardDataset:
         path = io.join(self.root, self.shards[shard]["file"])
         try:
             if ranges is None:
+                assert opened.reader is not None  # a shard without index ranges is read through its footer
                 batch = opened.reader.get_batch(row)
             else:
                 if io.is_local(self.fs):

@@ -68,7 +68,7 @@ class SampleRanges:
     checksum: np.ndarray  # uint64 [n], xxh3-64
 
     @classmethod
-    def from_index(cls, table: pa.Table, shard_bytes: int, index_path: str) -> "SampleRanges":
+    def from_index(cls, table: pa.Table, shard_bytes: int, index_path: str) -> SampleRanges:
         """The ranges of an index table that has the checksum columns; ShardFormatError naming the
         index file if they are not consecutive, non-empty ranges inside the shard file."""
         offset = table.column("offset").to_numpy().astype(np.int64)

@@ -216,7 +216,9 @@ def shard_schema(
     hidden_fields = [
         pa.field(name, _rows_of(value_type, width), nullable=False)
         for name, (value_type, width) in zip(
-            hidden_field_names(encoding, hidden_split), hidden_column_types(encoding, hidden_width, hidden_split)
+            hidden_field_names(encoding, hidden_split),
+            hidden_column_types(encoding, hidden_width, hidden_split),
+            strict=True,
         )
     ]
     fields = [
@@ -453,7 +455,7 @@ def _quantized_hidden(
     """The codes and scales of a quantized sample, as views of the Arrow buffers."""
     names = hidden_field_names(spec.name, hidden_split)
     widths = [width for _, width in hidden_column_types(spec.name, hidden_width, hidden_split)]
-    arrays = [_rows(batch.column(name), T, width, name) for name, width in zip(names, widths)]
+    arrays = [_rows(batch.column(name), T, width, name) for name, width in zip(names, widths, strict=True)]
     return QuantizedHidden(spec.name, tuple(arrays[:hidden_split]), tuple(arrays[hidden_split:]), hidden_width)
 
 
@@ -537,7 +539,7 @@ def decode_sample(
         destination = hidden_out[:T]
     spec = parse_encoding(encoding)
     if compact and spec is not None:
-        hidden_TW = _quantized_hidden(batch, spec, T, hidden_width, hidden_split)
+        hidden_TW: np.ndarray | QuantizedHidden = _quantized_hidden(batch, spec, T, hidden_width, hidden_split)
     else:
         hidden_TW = _decode_hidden(batch, encoding, T, hidden_width, hidden_split, destination)
     loss_mask = _values(batch.column("loss_mask"), 1)
@@ -547,7 +549,7 @@ def decode_sample(
         sample_id=batch.column("sample_id")[0].as_py(),
         input_ids=input_ids,
         loss_mask=loss_mask,
-        hidden=hidden_TW,
+        hidden=hidden_TW,  # type: ignore[arg-type]  # a compact read keeps the codes
         topk_ids=_rows(batch.column("topk_ids"), T, topk, "topk_ids"),
         topk_logprobs=_rows(batch.column("topk_logprobs"), T, topk, "topk_logprobs"),
     )

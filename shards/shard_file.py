@@ -121,7 +121,7 @@ class HashingStream:
         if self.write_behind is not None:
             self.write_behind.wrote(view.nbytes)
         self.timings["stream_calls"] += 1
-        self.timings["stream_seconds"] += time.perf_counter() - started
+        self.timings["stream_seconds"] += time.perf_counter() - started  # type: ignore[assignment]  # seconds
         return view.nbytes
 
     def _hash_sample_part(self, view: memoryview) -> None:
@@ -211,4 +211,4 @@ class OpenShard:
             self.checksums,
         ]
         schema = index_schema()
-        return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, schema)], schema=schema)
+        return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, schema, strict=True)], schema=schema)

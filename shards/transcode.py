@@ -160,7 +160,7 @@ def _projection(
             return load_projection(dst_root, existing), existing
     if cfg.projection.startswith("pca:"):
         spec = parse_encoding(cfg.encoding)
-        multiple = spec.group_size if spec is not None and spec.four_bit else 1
+        multiple = spec.group if spec is not None and spec.four_bit else 1
         projection = fit_on_dataset(ds, cfg.projection, cfg.calibration_samples, n_taps, multiple, device=cfg.device)
         return projection, save_projection(dst_root, projection)
     projection, data = load_projection_file(cfg.projection)
@@ -181,7 +181,7 @@ def _encode(ds: ShardDataset, i: int, cfg: TranscodeConfig, pieces: int, project
         what=f"sample {sample.sample_id!r}: field 'hidden'",
         device=cfg.device,
     )
-    return dataclasses.replace(sample, hidden=stored), error
+    return dataclasses.replace(sample, hidden=stored), error  # type: ignore[arg-type]  # codes or bf16 bits
 
 
 def transcode(src: str, dst: str, cfg: TranscodeConfig) -> dict:

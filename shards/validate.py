@@ -36,7 +36,7 @@ def _check_quantized(sample_id, hidden: QuantizedHidden) -> None:
     if len(hidden.codes) != len(hidden.scales) or not hidden.codes:
         _fail(sample_id, "hidden", f"{len(hidden.codes)} code pieces but {len(hidden.scales)} scale pieces")
     piece = hidden.width // len(hidden.codes)
-    for j, (codes, scales) in enumerate(zip(hidden.codes, hidden.scales)):
+    for j, (codes, scales) in enumerate(zip(hidden.codes, hidden.scales, strict=True)):
         _check_array(sample_id, f"hidden.codes[{j}]", codes, np.uint8, 2)
         _check_array(sample_id, f"hidden.scales[{j}]", scales, spec.scale_dtype, 2)
         expected = [(hidden.shape[0], spec.code_width(piece)), (hidden.shape[0], spec.scale_width(piece))]
@@ -83,7 +83,10 @@ def _count_nonfinite_hidden(hidden) -> int:
     if isinstance(hidden, QuantizedHidden):
         return count_nonfinite_quantized(hidden)
     if isinstance(hidden, HiddenPlanes):
-        return sum(count_nonfinite_planes(hi, lo) for hi, lo in zip(plane_pieces(hidden.hi), plane_pieces(hidden.lo)))
+        return sum(
+            count_nonfinite_planes(hi, lo)
+            for hi, lo in zip(plane_pieces(hidden.hi), plane_pieces(hidden.lo), strict=True)
+        )
     return count_nonfinite_bf16(hidden)
 
 

@@ -15,6 +15,7 @@ version 2 have no per-sample checksums; their samples are decoded through the fi
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -194,7 +195,7 @@ def _read_batch(source, reader, ranges: SampleRanges | None, row: int, manifest:
 
 
 def _check_sample(
-    opened, ranges: SampleRanges | None, row: int, manifest: dict, index_row: dict | None, path: str
+    opened: tuple[Any, Any], ranges: SampleRanges | None, row: int, manifest: dict, index_row: dict | None, path: str
 ) -> list[Problem]:
     expected_id = index_row["sample_id"] if index_row else None
     try:

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -189,7 +190,7 @@ class ShardWriter:
         self.shard_prefix = check_prefix(shard_prefix, "shard_prefix")
         self.fs, self.root = io.resolve(root)
         self._vocab_size = typed.target.vocab_size
-        self.hidden_split = hidden_split  # settled by _open_dataset
+        self.hidden_split: int = hidden_split  # type: ignore[assignment]  # None until _open_dataset settles it
         self._ipc_options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", zstd_level), use_threads=use_threads)
         self._open_shard: OpenShard | None = None
         self._closed = False
@@ -233,7 +234,7 @@ class ShardWriter:
         if is_new:
             if self.hidden_split is None:
                 self.hidden_split = default_hidden_split(typed, self.hidden_width)
-            layout = dict(
+            layout: dict[str, Any] = dict(
                 encoding=self.encoding, hidden_width=self.hidden_width, topk=self.topk, hidden_split=self.hidden_split
             )
             return new_manifest(provenance=provenance, projection=self.projection, **layout), set()
@@ -344,7 +345,7 @@ class ShardWriter:
         try:
             self._write(sample, hidden_known_finite, hidden_error)
         finally:
-            self.timings["write_seconds"] += time.perf_counter() - started
+            self.timings["write_seconds"] += time.perf_counter() - started  # type: ignore[assignment]  # seconds
 
     def _to_stored_hidden(self, sample: Sample) -> tuple[Sample, ErrorSums | None]:
         """`sample` with its hidden states in the form this dataset's encoding stores, quantizing
@@ -377,7 +378,7 @@ class ShardWriter:
 
         original = torch.from_numpy(np.ascontiguousarray(hidden)).view(torch.bfloat16)
         error = error_sums_of(original, quantized.dequantize(torch.float32)) if self.projection is None else None
-        return dataclasses.replace(sample, hidden=quantized), error
+        return dataclasses.replace(sample, hidden=quantized), error  # type: ignore[arg-type]  # the codes, written as such
 
     def _write(self, sample: Sample, hidden_known_finite: bool, hidden_error: ErrorSums | None) -> None:
         sample, own_error = self._to_stored_hidden(sample)
@@ -404,7 +405,7 @@ class ShardWriter:
             shard.stream.begin_sample()
             batch_started = time.perf_counter()
             shard.ipc_writer.write_batch(batch)
-            self.timings["batch_seconds"] += time.perf_counter() - batch_started
+            self.timings["batch_seconds"] += time.perf_counter() - batch_started  # type: ignore[assignment]
             offset, length, checksum = shard.stream.end_sample()
             shard.add(sample, shard.stream.nbytes - before, offset, length, checksum)
             if hidden_error is not None:
@@ -439,7 +440,7 @@ class ShardWriter:
         self._closed = True
         self._lock.release()
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -97,7 +97,7 @@ _STAMPED = ("config.json", INDEX_FILE, "model.safetensors")
 
 
 @functools.lru_cache(maxsize=8)
-def _checked(path: str, trust_remote_code: bool, stamp: tuple) -> TargetArch:
+def _checked(path: str, trust_remote_code: bool, stamp: tuple) -> TargetArch:  # noqa: ARG001 (a cache key)
     # stamp: the files' modification times, so a checkpoint rewritten in place is checked again
     model = _skeleton(path, trust_remote_code)
     name = type(model).__name__
@@ -238,7 +238,7 @@ def _stored_shapes(path: str, stored: dict[str, str]) -> dict[str, tuple]:
     shapes: dict[str, tuple] = {}
     for file in sorted(set(stored.values())):
         with safe_open(str(Path(path) / file), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors import safe_open
@@ -57,7 +57,7 @@ def read_config(target_dir: str | os.PathLike) -> dict:
         raise ValueError(f"target directory '{target_dir}' has no config.json")
     try:
         config, _ = PretrainedConfig.get_config_dict(str(Path(target_dir)))
-    except (json.JSONDecodeError, OSError, EnvironmentError) as exc:
+    except (json.JSONDecodeError, OSError) as exc:
         raise ValueError(f"'{path}' is not valid JSON: {_first_line(exc)}") from None
     return config
 
@@ -123,7 +123,7 @@ def tensor_names(target_dir: str | os.PathLike) -> dict[str, str]:
     names: dict[str, str] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 names[name] = file.name
     return names
 

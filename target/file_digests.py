@@ -85,11 +85,13 @@ def _store(key: str, entry: dict) -> None:
 def _hash(path: str, size: int) -> str:
     digest = xxhash.xxh3_128()
     name = os.path.basename(path)
-    with tqdm(total=size, unit="B", unit_scale=True, desc=f"hashing {name}", disable=size < _PROGRESS_BYTES) as bar:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(_CHUNK), b""):
-                digest.update(chunk)
-                bar.update(len(chunk))
+    with (
+        tqdm(total=size, unit="B", unit_scale=True, desc=f"hashing {name}", disable=size < _PROGRESS_BYTES) as bar,
+        open(path, "rb") as f,
+    ):
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(chunk)
+            bar.update(len(chunk))
     return digest.hexdigest()
 
 

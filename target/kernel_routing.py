@@ -45,7 +45,7 @@ def _external_kernel(fn) -> tuple[Callable, Callable] | None:
     if code is None or not closure or not hasattr(fn, "__wrapped__"):
         return None
     cells = {}
-    for name, cell in zip(code.co_freevars, closure):
+    for name, cell in zip(code.co_freevars, closure, strict=True):
         try:
             cells[name] = cell.cell_contents
         except ValueError:  # an empty cell
@@ -61,7 +61,7 @@ def _unwrap_func_module(fn):
     such functions in a module whose forward calls the function it was made from: that function."""
     forward = getattr(type(fn), "forward", None)
     if isinstance(fn, nn.Module) and getattr(forward, "__closure__", None):
-        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__))
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__, strict=True))
         if "func" in cells and callable(cells["func"].cell_contents):
             return cells["func"].cell_contents
     return fn

@@ -259,13 +259,13 @@ class TapHooks:
         self.layers, self.layer_ids, self.on_tap = layers, list(layer_ids), on_tap
         self.handles: list = []
 
-    def __enter__(self) -> "TapHooks":
+    def __enter__(self) -> TapHooks:
         for slot, layer_id in enumerate(self.layer_ids):
             self.handles.append(self.layers[layer_id].register_forward_hook(self._hook(slot)))
         return self
 
     def _hook(self, slot: int):
-        def hook(module, args, output):
+        def hook(module, args, output):  # noqa: ARG001 (a forward hook's signature)
             self.on_tap(slot, layer_output(output))
 
         return hook

@@ -21,6 +21,7 @@ SDPA's flash case) instead of over the row's dense N x N document mask.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -88,7 +89,7 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     # Mistral-style models pass the window to the attention function; Qwen2/3-style ones set it on the module.
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     outputs = []
-    for a, b in zip(segments, segments[1:]):
+    for a, b in itertools.pairwise(segments):
         windowed = window is not None and attention_mask is not None and b - a > window
         mask = attention_mask[..., a:b, a:b] if windowed else None
         out, _ = sdpa_attention_forward(

@@ -105,7 +105,8 @@ def _per_token_chunk(chunk, home):
         caller, _calling[0] = _calling[0], None
         if caller is None:
             return chunk(*args, **kwargs)
-        kwargs.update(zip(CHUNK_PARAMS, args))
+        # strict=False: the positional arguments given name a prefix of the parameters
+        kwargs.update(zip(CHUNK_PARAMS, args, strict=False))
         recorder, layer = caller
         if kwargs.get("initial_state") is None:
             raise RuntimeError(f"per-token states: layer {layer} was recorded without a previous state (a prompt?)")
@@ -151,7 +152,7 @@ class PerTokenStates:
         target.model._dflash_per_token_states = cls(mixers)
         return target.model._dflash_per_token_states, None
 
-    def _enter(self, layer: int, module, args) -> None:
+    def _enter(self, layer: int, module, args) -> None:  # noqa: ARG002 (a forward pre-hook's, bound to a layer)
         if self.active:
             _calling[0] = (self, layer)
 

@@ -115,7 +115,7 @@ class SelfCheck:
         return [f"  {'ok' if c.ok else 'FAILED':<7}{c.name:<9}{c.line}" for c in self.checks]
 
     @classmethod
-    def from_record(cls, record: dict) -> "SelfCheck":
+    def from_record(cls, record: dict) -> SelfCheck:
         checks = tuple(Check(**c) for c in record["checks"])
         fields = ("target", "dtype", "device", "tokens", "seconds")
         return cls(**{k: record[k] for k in fields}, checks=checks)
@@ -183,7 +183,7 @@ def check_logits(target: Target, ids_1T: torch.Tensor, full_TV: torch.Tensor, no
     shapes: dict[int, tuple] = {}
 
     def keep_shape(i: int):
-        def hook(module, args, output) -> None:  # returns None: the output stays as it is
+        def hook(module, args, output) -> None:  # noqa: ARG001 (returns None: the output stays as it is)
             shapes[i] = tuple(layer_output(output).shape)
 
         return hook

@@ -86,7 +86,7 @@ class BlockSpec:
             raise ValueError(f"labels must be 'target' or 'data', got {self.labels!r}")
 
     @classmethod
-    def of(cls, drafter_cfg: DrafterConfig, loss: LossConfig) -> "BlockSpec":
+    def of(cls, drafter_cfg: DrafterConfig, loss: LossConfig) -> BlockSpec:
         """The blocks of a drafter trained with a (checked) `loss` table."""
         return cls(
             block_size=drafter_cfg.block_size,
@@ -115,7 +115,7 @@ class Blocks:
     soft_ids_BQk: torch.Tensor | None = None  # int64, target top-k ids behind each label (KL ablation)
     soft_logprobs_BQk: torch.Tensor | None = None  # float32, their log-probs
 
-    def to(self, device, non_blocking: bool = False) -> "Blocks":
+    def to(self, device, non_blocking: bool = False) -> Blocks:
         moved = {
             f.name: (v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v)
             for f in dataclasses.fields(self)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -133,7 +134,7 @@ def check_boundaries(boundaries: Sequence[int]) -> list[int]:
     values = [int(b) for b in boundaries]
     if any(b < 1 for b in values):
         raise ValueError(f"data.boundaries must be positive lengths, got {values}")
-    if any(a >= b for a, b in zip(values, values[1:])):
+    if any(a >= b for a, b in itertools.pairwise(values)):
         raise ValueError(f"data.boundaries must be strictly increasing, got {values}")
     return values
 
@@ -224,7 +225,7 @@ def plan_epoch(layout: BucketLayout, seed: int, epoch: int) -> EpochPlan:
         per_bucket.append([members[i : i + size] for i in range(0, members.size, size)])
     offsets = epoch_rng(seed, epoch, _OFFSET_STREAM).random(layout.num_buckets)
     bucket_order, j_order = interleave_order([len(x) for x in per_bucket], offsets)
-    batches = [per_bucket[b][j] for b, j in zip(bucket_order.tolist(), j_order.tolist())]
+    batches = [per_bucket[b][j] for b, j in zip(bucket_order.tolist(), j_order.tolist(), strict=True)]
     assert len(batches) == layout.steps_per_epoch
     return EpochPlan(epoch=epoch, batches=batches, bucket_of_batch=bucket_order)
 
@@ -246,7 +247,7 @@ class RankSplit:
     mine: tuple[int, ...]  # part indices of this rank, one per accumulation step, in micro-step order
 
     @classmethod
-    def of(cls, rank: int, world_size: int, accumulation: int) -> "RankSplit":
+    def of(cls, rank: int, world_size: int, accumulation: int) -> RankSplit:
         if not (world_size >= 1 and accumulation >= 1 and 0 <= rank < world_size):
             raise ValueError(f"bad split: rank {rank}, world size {world_size}, accumulation {accumulation}")
         return cls(world_size * accumulation, tuple(m * world_size + rank for m in range(accumulation)))

@@ -129,7 +129,7 @@ class Share:
     state: dict  # data position *after* this global batch (the same on every rank)
 
     @classmethod
-    def of_batch(cls, batch: Batch) -> "Share":
+    def of_batch(cls, batch: Batch) -> Share:
         """A whole batch as the single part of a one-part split (the plain single-process case)."""
         lengths = batch.lengths.numpy().astype(np.int64)
         return cls(
@@ -177,7 +177,7 @@ def collate(samples: list[dict], sample_ids: list[str], *, bucket: int, epoch: i
     )
     topk_ids_BSk = empty(B, S, k, dtype=torch.int64)
     topk_logprobs_BSk = empty(B, S, k, dtype=torch.float32)
-    for i, (sample, T) in enumerate(zip(samples, lengths)):
+    for i, (sample, T) in enumerate(zip(samples, lengths, strict=True)):
         # Fill the padding tail explicitly rather than zeroing everything first: the hidden block
         # is most of the batch's bytes and would otherwise be written twice.
         for out, name in (
@@ -373,7 +373,7 @@ class DataStream:
 
     # -- iteration ----------------------------------------------------------------------------
 
-    def __iter__(self) -> "DataStream":
+    def __iter__(self) -> DataStream:
         return self
 
     def __next__(self) -> Batch:
@@ -419,7 +419,7 @@ class DataStream:
     def _load_samples(self, dataset_indices, sample_ids, lengths) -> list:
         """The samples of one batch (None for one skipped as corrupt), in order; read concurrently
         with `fetch_threads` > 1 (on an object store every read is a request with its own latency)."""
-        jobs = list(zip(dataset_indices, sample_ids, lengths))
+        jobs = list(zip(dataset_indices, sample_ids, lengths, strict=True))
         if self._fetch_threads <= 1 or len(jobs) <= 1:
             return [self._load_sample(*job) for job in jobs]
         if self._fetcher is None:
@@ -430,7 +430,7 @@ class DataStream:
 
     def _load_batch(self, dataset_indices, sample_ids, lengths, bucket, epoch, state) -> Batch | None:
         samples, kept_ids = [], []
-        for sid, sample in zip(sample_ids, self._load_samples(dataset_indices, sample_ids, lengths)):
+        for sid, sample in zip(sample_ids, self._load_samples(dataset_indices, sample_ids, lengths), strict=True):
             if sample is not None:
                 samples.append(sample)
                 kept_ids.append(sid)
@@ -449,7 +449,7 @@ class DataStream:
                 [sample_ids[p] for p in positions],
                 [lengths[p] for p in positions],
             )
-            loaded = list(zip(positions, fetched))
+            loaded = list(zip(positions, fetched, strict=True))
             loaded = [(pos, sample) for pos, sample in loaded if sample is not None]
             rows.append(np.asarray([pos for pos, _ in loaded], dtype=np.int64))
             batches.append(
@@ -472,7 +472,7 @@ class DataStream:
                 self._compact_sample(i) if getattr(self.dataset, "quant", None) is not None else self.dataset.torch(i)
             )
             T = int(sample["input_ids"].shape[0])
-            if T != n_tokens:
+            if n_tokens != T:
                 raise ValueError(f"sample has {T} tokens but the index says {n_tokens}")
             return sample
         except StoreUnreachable:
@@ -542,7 +542,7 @@ class DataStream:
         """Stop the background threads; the position stays, so iterating again restarts them."""
         self._stop_workers()
 
-    def __enter__(self) -> "DataStream":
+    def __enter__(self) -> DataStream:
         return self
 
     def __exit__(self, *exc) -> None:

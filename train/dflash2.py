@@ -95,7 +95,7 @@ class DFlash2DecoderLayer(DecoderLayer):
         # Training rows hold whole blocks; a proposal holds one block, possibly cut short by the token budget.
         Q = h_BQD.shape[1]
         block = self.block if Q % self.block == 0 else Q
-        assert Q % self.block == 0 or Q < self.block, (Q, self.block)
+        assert Q % self.block == 0 or self.block > Q, (Q, self.block)
         x_BQD, dyn = self.attention_conv.prepare(self.input_layernorm(h_BQD), block)
         attended = self.self_attn(x_BQD, context_BSD, cos_BPR, sin_BPR, attn_mask)
         h_BQD = h_BQD + self.attention_conv.finish(attended, dyn, block)

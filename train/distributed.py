@@ -132,11 +132,11 @@ class Dist:
     # -- setup --------------------------------------------------------------------------------
 
     @classmethod
-    def single(cls, accumulation: int = 1) -> "Dist":
+    def single(cls, accumulation: int = 1) -> Dist:
         return cls(accumulation=accumulation, peers=[cls._me(0, 0, None)])
 
     @classmethod
-    def from_env(cls, cfg, device: torch.device) -> "Dist":
+    def from_env(cls, cfg, device: torch.device) -> Dist:
         """Join the process group torchrun / accelerate launch describe in the environment, or
         return `single` when the process was started plainly. `cfg` is the `distributed` table."""
         if not launched_distributed():

@@ -281,7 +281,7 @@ class DrafterConfig:
     @classmethod
     def from_target(
         cls, target_cfg: dict, model: ModelConfig, *, layer_ids: list[int], mask_token_id: int
-    ) -> "DrafterConfig":
+    ) -> DrafterConfig:
         """A drafter for a target text config, shaped by a train config's `model` table: the target's widths and
         rope wherever the table leaves them unset (`MODEL_OVERRIDES`), its layer count, block size, layer types
         and class (a DFlash2 drafter's fields as `dflash2_fields` derives them). A hidden size other than the
@@ -336,7 +336,7 @@ class DrafterConfig:
         return values
 
     @classmethod
-    def from_dict(cls, data: dict) -> "DrafterConfig":
+    def from_dict(cls, data: dict) -> DrafterConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 

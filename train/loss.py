@@ -142,7 +142,7 @@ class LossOutput:
         teacher-forced choices with `correct_K` = its hits."""
         correct = (self.correct_K if correct_K is None else correct_K).tolist()
         counted = self.counted_K.tolist()
-        return [(c / n if n > 0 else None) for c, n in zip(correct[1:], counted[1:])]
+        return [(c / n if n > 0 else None) for c, n in zip(correct[1:], counted[1:], strict=True)]
 
     def mean_streak(self, streak_sum: torch.Tensor | None = None) -> float:
         total = self.streak_sum if streak_sum is None else streak_sum

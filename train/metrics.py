@@ -101,7 +101,7 @@ class MetricsLog:
         self.path = Path(path)
         self.keys = set(STEP_KEYS) | set(extra_keys)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run; close())
         self._wandb = wandb_run
 
     def write(self, record: dict) -> None:

@@ -217,7 +217,7 @@ class DFlashDrafter(nn.Module):
         h_BQD = noise_embedding_BQD.to(self.fc.weight.dtype)
         cos_BPR, sin_BPR = self.rotary_emb(position_ids_BP, compute_dtype)
         masks = self.layer_masks(attn_mask, position_ids_BP, S)
-        for layer, layer_type in zip(self.layers, self.config.layer_types):
+        for layer, layer_type in zip(self.layers, self.config.layer_types, strict=True):
             h_BQD = layer(h_BQD, context_BSD, cos_BPR, sin_BPR, masks[layer_type])
         return self.norm(h_BQD)
 
@@ -270,7 +270,7 @@ class TargetHead(nn.Module):
         dtype: torch.dtype = torch.float32,
         trust_remote_code: bool = False,
         stored: StoredHead | None = None,
-    ) -> "TargetHead":
+    ) -> TargetHead:
         """The two tensors the target's accessors reach, read without building the model; `stored`:
         those already read (`target.identity.read_stored_head`), not read again."""
         stored = stored or read_stored_head(target_dir, trust_remote_code)

@@ -241,7 +241,7 @@ class Run(OnKernels):
         self.block_spec = BlockSpec.of(self.drafter_cfg, self.cfg.loss)
 
     @classmethod
-    def prepare(cls, cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | None = None) -> "Run":
+    def prepare(cls, cfg: TrainConfig, *, stream: DataStream | None = None, dist: Dist | None = None) -> Run:
         # A missing GPU is reported before the data is opened; the process group needs the device type.
         dist = dist if dist is not None else Dist.from_env(cfg.distributed, resolve_device(cfg.device))
         run_dir, lock, created = claim_run_dir(cfg, dist)  # before anything is read or written
@@ -254,7 +254,7 @@ class Run(OnKernels):
             raise
 
     @classmethod
-    def _prepare_claimed(cls, cfg: TrainConfig, stream: DataStream | None, dist: Dist, run_dir: Path, lock) -> "Run":
+    def _prepare_claimed(cls, cfg: TrainConfig, stream: DataStream | None, dist: Dist, run_dir: Path, lock) -> Run:
         stream = stream if stream is not None else _open_stream(cfg, dist.split)
         target = resolve_target(cfg, stream.dataset.manifest)  # refuses incompatible shards
         check_mask_token_absent(stream.dataset, target.mask)

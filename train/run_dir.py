@@ -45,7 +45,7 @@ def claim_run_dir(cfg: TrainConfig, dist: Dist) -> tuple[Path, object, list[Path
     return run_dir, lock, created
 
 
-def release_run_dir(run_dir: Path, lock, *, created: list[Path]) -> None:
+def release_run_dir(run_dir: Path, lock, *, created: list[Path]) -> None:  # noqa: ARG001 (takes claim_run_dir's result)
     """Unlock; a refused start leaves none of the directories it created behind (only empty ones go)."""
     if lock is not None:
         lock.release()

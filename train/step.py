@@ -152,7 +152,7 @@ def train_step(run: StepRun, batch: Batch | Share, step: int, wait: float = 0.0)
         return StepResult(None, None, lr, True, "no loss positions in batch", None, blocks=ran, **sizes)
     selector_weight = _selector_weight(run, step)
     parts_stats = []
-    for m, (part, blocks) in enumerate(zip(share.parts, host_blocks)):
+    for m, (part, blocks) in enumerate(zip(share.parts, host_blocks, strict=True)):
         last = m == len(share.parts) - 1
         has_rows = blocks is not None and blocks.loss_rows_M.numel() > 0
         if not has_rows and not (last and run.dist.world_size > 1):
@@ -204,7 +204,7 @@ def _share_blocks(run: StepRun, share: Share, step: int) -> list[Blocks | None]:
     spec = run.block_spec
     B, S = len(share.global_lengths), int(share.global_lengths.max())
     counts_B = torch.zeros(B, dtype=torch.int64)
-    for part, rows in zip(share.parts, share.rows):
+    for part, rows in zip(share.parts, share.rows, strict=True):
         if part is not None:
             counts_B[torch.from_numpy(rows)] = anchor_candidates(part.loss_mask, part.lengths).sum(dim=1)
     if spec.max_blocks is not None and run.dist.world_size > 1:
@@ -212,7 +212,7 @@ def _share_blocks(run: StepRun, share: Share, step: int) -> list[Blocks | None]:
     quota_B = anchors_per_row(counts_B, spec.num_anchors, spec.max_blocks)
     keys_BS = torch.rand((B, S), generator=step_generator(run.cfg.seed, step))
     out = []
-    for part, rows in zip(share.parts, share.rows):
+    for part, rows in zip(share.parts, share.rows, strict=True):
         if part is None:
             out.append(None)
             continue

@@ -59,7 +59,7 @@ class CompactHidden:
         spec = parse_encoding(self.encoding)
         pairs = [
             (c.to(device, non_blocking=non_blocking), s.to(device, non_blocking=non_blocking))
-            for c, s in zip(self.codes, self.scales)
+            for c, s in zip(self.codes, self.scales, strict=True)
         ]
         return decode_pieces(pairs, spec, torch.bfloat16)
 

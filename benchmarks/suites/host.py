@@ -52,7 +52,7 @@ def install(wheels_dir: str) -> str | None:
         return None
     stamp = wheel_stamp(wheels)
     marker = os.path.join(SITE, ".installed")
-    if os.path.isfile(marker) and open(marker).read() == stamp:
+    if os.path.isfile(marker) and Path(marker).read_text() == stamp:
         return SITE
     started = time.time()
     command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]

@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def commit(repo: Path = REPO, wheels: Path | None = None) -> str:
@@ -177,7 +177,7 @@ def measured_costs(records: list[tuple[Path, dict]], suite: str, scale: str, kin
     {"part", "seconds", "units", "date", "cold" (it ran on a bare machine), "gpu"}. A part copied from an earlier
     command of the same run counts once, as that command measured it."""
     found: dict[str, dict] = {}
-    for path, record in records:
+    for _path, record in records:
         if record["suite"] != suite or scale_of(record) != scale or gpu_kind(record.get("machine")) != kind:
             continue
         for name, part in (record.get("parts") or {}).items():

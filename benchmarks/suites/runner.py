@@ -27,7 +27,7 @@ class Context:
     work: Path  # scratch: the parts' own outputs and logs
     wheels: Path  # the carried wheels; the SmolLM2 build reads its pinned data wheels from here too
     options: dict[str, str]  # key=value words of the command line, for the suite
-    log: "SuiteLog"
+    log: SuiteLog
     state: dict = dataclasses.field(default_factory=dict)  # what a part leaves for later parts
     env: dict = dataclasses.field(default_factory=lambda: dict(os.environ))
     allowed_s: float = 0.0  # the seconds the part now running may take (its commands' deadline)
@@ -40,7 +40,7 @@ class SuiteLog:
     """The suite's one log: what it prints, and the end of every step's own log as the step ends."""
 
     def __init__(self, path: Path):
-        self.file: TextIO = open(path, "a", encoding="utf-8")
+        self.file: TextIO = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the suite's life; close())
 
     def say(self, text: str) -> None:
         print(text, flush=True)

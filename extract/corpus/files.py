@@ -97,7 +97,7 @@ def find_corpus(path: str, corpus_format: str = "auto") -> CorpusFiles:
         stat = os.stat(file)
         corpus.extents.append(stat.st_size)
         corpus.mtimes.append(stat.st_mtime_ns)
-    for file, kind in zip(files, kinds):
+    for file, kind in zip(files, kinds, strict=True):
         if kind == "parquet":
             parquet_file(file)  # the footer: a file that is no Parquet is named now, before any work
     return corpus

@@ -62,7 +62,7 @@ def iter_records(corpus: CorpusFiles, *, streaming: bool = True, max_records: in
 
 def _iter_files(corpus: CorpusFiles) -> Iterator[RawRecord]:
     position = 0
-    for i, (path, kind) in enumerate(zip(corpus.files, corpus.kinds)):
+    for i, (path, kind) in enumerate(zip(corpus.files, corpus.kinds, strict=True)):
         extent = corpus.extents[i] if corpus.extents else None
         checksum = corpus.checksums[i] if corpus.checksums else None
         if kind == "jsonl":
@@ -82,7 +82,7 @@ def token_id_lists(corpus: CorpusFiles) -> Iterator[Any]:
             if isinstance(raw.record, dict) and raw.record.get("input_ids") is not None:
                 yield raw.record["input_ids"]
         return
-    for i, (path, kind) in enumerate(zip(corpus.files, corpus.kinds)):
+    for i, (path, kind) in enumerate(zip(corpus.files, corpus.kinds, strict=True)):
         extent = corpus.extents[i] if corpus.extents else None
         if kind == "jsonl":
             for line in text_lines(path, extent, corpus.checksums[i] if corpus.checksums else None):
@@ -193,7 +193,7 @@ def count_records(corpus: CorpusFiles) -> int | None:
         extents = corpus.extents or [None] * len(corpus.files)
         return sum(
             count_jsonl_lines(f, extent) if kind == "jsonl" else parquet_file(f).metadata.num_rows
-            for f, kind, extent in zip(corpus.files, corpus.kinds, extents)
+            for f, kind, extent in zip(corpus.files, corpus.kinds, extents, strict=True)
         )
     try:
         import datasets
@@ -220,7 +220,9 @@ def corpus_fingerprint(corpus: CorpusFiles, max_records: int | None) -> dict:
     if corpus.format != "datasets":
         corpus.checksums = [f["checksum"] for f in files]
         records = lines + sum(
-            parquet_file(f).metadata.num_rows for f, kind in zip(corpus.files, corpus.kinds) if kind != "jsonl"
+            parquet_file(f).metadata.num_rows
+            for f, kind in zip(corpus.files, corpus.kinds, strict=True)
+            if kind != "jsonl"
         )
     else:
         records = count_records(corpus)

@@ -20,6 +20,7 @@ cannot be located in the rendered text is rejected (`control_token_in_content`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from typing import Any
 
@@ -203,7 +204,7 @@ def _search_spans(messages, text: str, values: dict, skeleton) -> tuple[list[Spa
             headers[f] = skel[previous_end:at]
             previous_end = at + len(holders[f])
     # The template text after each content (the next one's header; the skeleton's end for the last).
-    trailers = {f: headers[g] for f, g in zip(rendered, rendered[1:])}
+    trailers = {f: headers[g] for f, g in itertools.pairwise(rendered)}
     if rendered and skeleton is not None:
         trailers[rendered[-1]] = skeleton[0][previous_end:]
     spans, unlocated, cursor = [], [], 0
@@ -390,7 +391,7 @@ class SampleBuilder:
             if not items:
                 continue
             enc = self._encode([text for _, text, _ in items], add_special_tokens=add_special)
-            for (n, text, spans), ids, offsets in zip(items, enc["input_ids"], enc["offset_mapping"]):
+            for (n, text, spans), ids, offsets in zip(items, enc["input_ids"], enc["offset_mapping"], strict=True):
                 if spans is None:
                     mask = np.ones(len(ids), dtype=np.uint8)
                 else:
@@ -426,7 +427,7 @@ class SampleBuilder:
         to the tokens that lie wholly inside it (a tool-call span may reach into the `<` of the
         template's own `<|im_end|>`, see `inserted_span`, which must stay whole)."""
         found = set()
-        for token_id, (a, b) in zip(ids, offsets):
+        for token_id, (a, b) in zip(ids, offsets, strict=True):
             if token_id not in self.control_ids:
                 continue
             for span in spans:
@@ -458,7 +459,9 @@ class SampleBuilder:
             chosen = [p for p in pieces if p[2] == split]
             if chosen:
                 enc = self._encode([text[a:b] for a, b, _ in chosen], split_special_tokens=split)
-                encoded.update({p: (i, o) for p, i, o in zip(chosen, enc["input_ids"], enc["offset_mapping"])})
+                encoded.update(
+                    {p: (i, o) for p, i, o in zip(chosen, enc["input_ids"], enc["offset_mapping"], strict=True)}
+                )
         ids, offsets = [], []
         for piece in pieces:
             piece_ids, piece_offsets = encoded[piece]

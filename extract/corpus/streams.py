@@ -41,7 +41,7 @@ class ExtentReader(io.RawIOBase):
 
     def __init__(self, path: str, extent: int | None = None):
         self.path, self.extent = path, extent
-        self._file = open(path, "rb")
+        self._file = open(path, "rb")  # noqa: SIM115 (open for the reader's life; close())
         self._hash = xxhash.xxh3_128()
         self.bytes_read = 0
 

@@ -99,6 +99,7 @@ def generate_answers(
                 stop_repeat,
                 cache,
             ),
+            strict=True,
         ):
             results[i] = answer
         if on_batch is not None:
@@ -149,7 +150,7 @@ def generate_batch(
             next_ids = logits.argmax(-1) if seeds_B is None else sample_rows(logits, sampling, seeds_B, step)
             next_list = next_ids.tolist()
             looping = watch.push(next_list) if watch else [False] * len(alive)
-            for row, token, loops in zip(alive, next_list, looping):
+            for row, token, loops in zip(alive, next_list, looping, strict=True):
                 if ends[row] is not None:
                     continue
                 if token in stop_ids:
@@ -172,13 +173,13 @@ def generate_batch(
                     watch.keep_rows(running)
                 alive = [alive[n] for n in running]
             logits = decoder.step(next_ids)
-    return [(t, end or "cap") for t, end in zip(tokens, ends)]
+    return [(t, end or "cap") for t, end in zip(tokens, ends, strict=True)]
 
 
 CACHES = ("auto", "static", "dynamic")
 
 
-def batch_decoder(model, ids_BW: "torch.Tensor", real_BW: "torch.Tensor", max_new_tokens: int, cache: str):
+def batch_decoder(model, ids_BW: torch.Tensor, real_BW: torch.Tensor, max_new_tokens: int, cache: str):
     """The decoding state of one batch: `prefill()` -> logits [B, V], `step(next_ids_B)` -> logits,
         `keep(rows)`. "auto" takes the static cache on CUDA where the model's layers allow it (on a CPU,
     attending over every slot of a static cache costs more than the dynamic cache saves)."""
@@ -200,12 +201,12 @@ def batch_decoder(model, ids_BW: "torch.Tensor", real_BW: "torch.Tensor", max_ne
 class DynamicBatch:
     """One batch on transformers' dynamic cache: the mask grows by a column per step."""
 
-    def __init__(self, model, ids_BW: "torch.Tensor", real_BW: "torch.Tensor"):
+    def __init__(self, model, ids_BW: torch.Tensor, real_BW: torch.Tensor):
         self.model, self.ids_BW, self.mask = model, ids_BW, real_BW
         self.positions = (real_BW.cumsum(1) - 1).clamp(min=0)
         self.cache_kwarg = cache_kwarg(model)
 
-    def prefill(self) -> "torch.Tensor":
+    def prefill(self) -> torch.Tensor:
         out = self.model(
             input_ids=self.ids_BW,
             attention_mask=self.mask,
@@ -216,11 +217,11 @@ class DynamicBatch:
         self.cache, self.last = cache_of(out), self.positions[:, -1:]
         return out.logits[:, -1]
 
-    def keep(self, rows: "torch.Tensor") -> None:
+    def keep(self, rows: torch.Tensor) -> None:
         select_cache_rows(self.cache, rows)
         self.mask, self.last = self.mask[rows], self.last[rows]
 
-    def step(self, next_ids_B: "torch.Tensor") -> "torch.Tensor":
+    def step(self, next_ids_B: torch.Tensor) -> torch.Tensor:
         import torch
 
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.mask), 1))], dim=1)
@@ -241,7 +242,7 @@ def cache_of(output):
     return cache if cache is not None else output.past_key_values
 
 
-def select_cache_rows(cache, keep: "torch.Tensor") -> None:
+def select_cache_rows(cache, keep: torch.Tensor) -> None:
     """Keep only the rows `keep` of a KV cache. Linear-attention layers (Qwen3.5/3.6 Gated DeltaNet:
     conv and recurrent states) have no `batch_select_indices` in transformers 5.x; their
     `reorder_cache` selects rows the same way."""
@@ -254,7 +255,7 @@ def select_cache_rows(cache, keep: "torch.Tensor") -> None:
         select(keep)
 
 
-def sample_rows(logits_RV: "torch.Tensor", sampling: Sampling, seeds_R: "torch.Tensor", step: int) -> "torch.Tensor":
+def sample_rows(logits_RV: torch.Tensor, sampling: Sampling, seeds_R: torch.Tensor, step: int) -> torch.Tensor:
     """One token per row from softmax(logits / temperature), cut to top-k and top-p, by inverting the
     row's distribution at one uniform draw `row_uniforms(seeds_R, step)`: a row's tokens depend on its
     seed and the step only, never on which rows share its batch, and the whole batch draws in a few
@@ -278,7 +279,7 @@ def sample_rows(logits_RV: "torch.Tensor", sampling: Sampling, seeds_R: "torch.T
 TOP_P_CANDIDATES = 256
 
 
-def cut_top_p(scores_RV: "torch.Tensor", top_p: float, candidates: int = TOP_P_CANDIDATES) -> "torch.Tensor":
+def cut_top_p(scores_RV: torch.Tensor, top_p: float, candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
     """`scores_RV` with -inf for every token outside its row's nucleus: the tokens ranked after the
     first ones whose probabilities sum to `top_p` (the top token is always kept).
 
@@ -303,7 +304,7 @@ def cut_top_p(scores_RV: "torch.Tensor", top_p: float, candidates: int = TOP_P_C
     return cut_RV
 
 
-def _cut_top_p_sorted(scores_RV: "torch.Tensor", top_p: float) -> "torch.Tensor":
+def _cut_top_p_sorted(scores_RV: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_RV, order_RV = scores_RV.sort(dim=-1, descending=True)
     p_RV = sorted_RV.softmax(-1)
     before_RV = p_RV.cumsum(-1) - p_RV
@@ -313,12 +314,12 @@ def _cut_top_p_sorted(scores_RV: "torch.Tensor", top_p: float) -> "torch.Tensor"
 _M32 = 0xFFFFFFFF
 
 
-def _mul32(x: "torch.Tensor", c: int) -> "torch.Tensor":
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2**32 for int64 x in [0, 2**32), in 16-bit halves so that no product overflows int64."""
     return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
 
 
-def _mix32(x: "torch.Tensor") -> "torch.Tensor":
+def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (the "lowbias32" constants): every output bit depends on every input bit."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
@@ -327,7 +328,7 @@ def _mix32(x: "torch.Tensor") -> "torch.Tensor":
     return x ^ (x >> 16)
 
 
-def row_uniforms(seeds_R: "torch.Tensor", step: int) -> "torch.Tensor":
+def row_uniforms(seeds_R: torch.Tensor, step: int) -> torch.Tensor:
     """One uniform draw in (0, 1) per row (float64), a hash of (the row's 63-bit seed, `step`): the same
     integers, so the same draws, on every device."""
     import torch
@@ -391,5 +392,5 @@ def answer_window(
             generator.stop_repeat,
             generator.cache,
         )
-        for conversation, (ids, end) in zip(todo, answers):
+        for conversation, (ids, end) in zip(todo, answers, strict=True):
             conversation.finish_turn(Generated(ids=ids, at_cap=end == "cap", at_repeat=end == "repeat"))

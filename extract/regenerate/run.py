@@ -131,7 +131,7 @@ def run(cfg: RegenerateConfig, *, model=None, tokenizer=None) -> dict:
     corpus = check_inputs(cfg)
     if model is None:  # a family DFlash cannot serve: refused before anything is generated
         check_architecture(cfg.target, cfg.trust_remote_code)
-    info = rank_info(cfg)
+    info = rank_info()
     if tokenizer is None:
         from transformers import AutoTokenizer
 
@@ -194,7 +194,7 @@ async def _resolved_model(backend) -> str:
         await backend.close()  # the clients are made again inside the run's own event loop
 
 
-def rank_info(cfg: RegenerateConfig) -> RankInfo:
+def rank_info() -> RankInfo:
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return RankInfo()

@@ -100,8 +100,10 @@ def lock_rank(out: str, rank: int) -> Lock:
 def journal_files(out: str) -> list[str]:
     if on_object_store(out):
         names = io.list_names(out)
-    else:  # os.listdir, not pyarrow: a corpus directory may hold names that are not UTF-8 (extraction names them)
-        names = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    elif os.path.isdir(out):  # os.listdir, not pyarrow: a corpus directory may hold names that are not UTF-8
+        names = sorted(os.listdir(out))
+    else:
+        names = []
     return [f for f in names if is_journal(f)]
 
 
@@ -217,7 +219,7 @@ class Journal:
             if self.torn_bytes:
                 log.warning("%s: discarding %d bytes of a line torn by a kill", self.path, self.torn_bytes)
                 os.truncate(self.path, complete)
-        self.file = open(self.path, "ab")
+        self.file = open(self.path, "ab")  # noqa: SIM115 (open for the journal's life; close())
         if self.file.tell() == 0:
             self.file.write((json.dumps({"journal": JOURNAL_VERSION, **header}, sort_keys=True) + "\n").encode())
             self.sync()
@@ -394,7 +396,7 @@ def _write_corpus_files(fs, root: str, entries: list[FinishedRecord], lock: Lock
     try:
         with fs.open_output_stream(paths[0]) as data, fs.open_output_stream(paths[1]) as rejects:
             for entry in entries:
-                journal = journals.get(entry.file) or journals.setdefault(entry.file, open(entry.file, "rb"))
+                journal = journals.get(entry.file) or journals.setdefault(entry.file, open(entry.file, "rb"))  # noqa: SIM115
                 journal.seek(entry.offset)
                 item = json.loads(journal.read(entry.length))
                 if entry.status == "ok":
@@ -404,7 +406,7 @@ def _write_corpus_files(fs, root: str, entries: list[FinishedRecord], lock: Lock
                     line = {k: item[k] for k in ("position", "source", "reason", "detail", "id")}
                     rejects.write((json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
         if not in_place:
-            for tmp, final in zip(paths, finals):
+            for tmp, final in zip(paths, finals, strict=True):
                 commit(fs, tmp, final)
     except BaseException as err:  # a full disk: no half-written data.jsonl (or temporary) stays behind
         for path in paths:  # on an object store, closing the stream completed the upload with what it held

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import xxhash
 

@@ -96,7 +96,9 @@ def carve(lines: list[str], count: int, seed: int) -> tuple[list[str], list[str]
     """(train, held out): the records of the `count` smallest distinct hashes held out, order kept."""
     hashes = [xxhash.xxh3_64_intdigest(f"{seed}\x00{line}".encode()) for line in lines]
     chosen = set(sorted(set(hashes))[:count])
-    return [x for x, h in zip(lines, hashes) if h not in chosen], [x for x, h in zip(lines, hashes) if h in chosen]
+    return [x for x, h in zip(lines, hashes, strict=True) if h not in chosen], [
+        x for x, h in zip(lines, hashes, strict=True) if h in chosen
+    ]
 
 
 def prompt_key(line: str) -> str:

@@ -22,8 +22,8 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from common.config import config_to_dict
 from common.io import read_record
@@ -153,8 +153,11 @@ def prompts_are_whole(out: Path) -> bool:
     counts = read_record(out / BUILD_RECORD).get("prompts") or {}
     for name in PROMPT_FILES:
         path = out / "prompts" / name
-        if not path.is_file() or sum(1 for _ in open(path, encoding="utf-8")) != counts.get(name[: -len(".jsonl")]):
+        if not path.is_file():
             return False
+        with open(path, encoding="utf-8") as f:
+            if sum(1 for _ in f) != counts.get(name[: -len(".jsonl")]):
+                return False
     return True
 
 

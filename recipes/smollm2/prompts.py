@@ -32,8 +32,8 @@ import re
 import sys
 import sysconfig
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import xxhash
 

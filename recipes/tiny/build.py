@@ -16,8 +16,9 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from common.config import config_to_dict
 from common.io import replace_local_dir

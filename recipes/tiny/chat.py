@@ -50,7 +50,7 @@ CHAT_TEMPLATE = (
 MODEL_MAX_LENGTH = 4096
 
 
-def build_chat_tokenizer(texts: list[str], vocab_size: int) -> "transformers.PreTrainedTokenizerFast":
+def build_chat_tokenizer(texts: list[str], vocab_size: int) -> transformers.PreTrainedTokenizerFast:
     """A deterministic byte-level BPE chat tokenizer trained on `texts`.
 
     `vocab_size` counts everything: the BPE vocabulary (256 byte symbols + merges) plus the

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from recipes.tiny.config import TinyConfig
 
@@ -30,7 +31,7 @@ def resolve_build_device(choice: str) -> str:
 class Compute:
     """Where a build step runs, and what it noticed: ops that warned of nondeterminism on the GPU."""
 
-    device: "torch.device"
+    device: torch.device
     nondeterministic_ops: list[str]
 
 

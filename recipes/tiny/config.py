@@ -4,9 +4,10 @@ file). The tap layer ids it recommends for its target follow `target.rules.tap_l
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from common.config import fail, knob
 from common.repeat import REPEAT_MAX_PERIOD

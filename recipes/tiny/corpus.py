@@ -15,9 +15,10 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 DOC_MODULES = (
     "abc",

@@ -154,9 +154,12 @@ def write_shipped(build_dir: Path, record: dict[str, Any], dest: Path) -> dict[s
         report.pop(key, None)
     (dest / "target/tiny_report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     for name in CORPUS_FILES:
-        with open(build_dir / name, "rb") as src, open(dest / shipped_name(name), "wb") as raw:
-            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as out:
-                shutil.copyfileobj(src, out)
+        with (
+            open(build_dir / name, "rb") as src,
+            open(dest / shipped_name(name), "wb") as raw,
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as out,
+        ):
+            shutil.copyfileobj(src, out)
     files = {shipped_name(name): file_entry(dest / shipped_name(name)) for name in TARGET_FILES + CORPUS_FILES}
     manifest = {"files": files, "reference_build": {k: record[k] for k in ("recipe", "built_on", "build_seconds")}}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

@@ -9,8 +9,9 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from common.schedule import warmup_cosine
 from recipes.tiny.chat import EOS_TOKEN, IM_END, MASK_TOKEN, MODEL_MAX_LENGTH, build_chat_tokenizer
@@ -43,7 +44,7 @@ def encode_records(tokenizer, records: list[dict], max_len: int) -> list[list[in
     return [ids[:max_len] for ids in encoded]
 
 
-def qwen3_config(cfg: TinyConfig, tokenizer) -> "transformers.Qwen3Config":
+def qwen3_config(cfg: TinyConfig, tokenizer) -> transformers.Qwen3Config:
     from transformers import Qwen3Config
 
     return Qwen3Config(
@@ -64,7 +65,7 @@ def qwen3_config(cfg: TinyConfig, tokenizer) -> "transformers.Qwen3Config":
     )
 
 
-def generation_config(tokenizer) -> "transformers.GenerationConfig":
+def generation_config(tokenizer) -> transformers.GenerationConfig:
     from transformers import GenerationConfig
 
     eos = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(EOS_TOKEN)]
@@ -97,7 +98,7 @@ def padded_width(length: int) -> int:
     return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
-def collate(seqs: list[list[int]], pad_id: int) -> dict[str, "torch.Tensor"]:
+def collate(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input ids, attention mask, and labels with -100 on padding."""
     import torch
 
@@ -126,7 +127,7 @@ def learning_rate(step: int, cfg: TinyConfig) -> float:
     return warmup_cosine(step, cfg.steps, cfg.warmup_steps, cfg.lr, floor=0.1)
 
 
-def make_optimizer(model, cfg: TinyConfig) -> "torch.optim.Optimizer":
+def make_optimizer(model, cfg: TinyConfig) -> torch.optim.Optimizer:
     import torch
 
     matrices = [p for p in model.parameters() if p.ndim >= 2]
@@ -173,7 +174,7 @@ def train_target(model, seqs: list[list[int]], cfg: TinyConfig, pad_id: int, pro
     return losses
 
 
-def next_token_loss(logits_BTV: "torch.Tensor", labels_BT: "torch.Tensor") -> "torch.Tensor":
+def next_token_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of every position's prediction of the next token (labels -100 skipped),
     computed as log-softmax + gather: torch has no deterministic CUDA kernel for nll_loss."""
     logprobs_BTV = logits_BTV[:, :-1].float().log_softmax(-1)
@@ -254,7 +255,7 @@ def length_summary(seqs: list[list[int]]) -> dict[str, Any]:
 
     edges = [128, 512, 1024, 2048]
     buckets = {}
-    for lo, hi in zip([0] + edges, edges + [None]):
+    for lo, hi in zip([0] + edges, edges + [None], strict=True):
         name = f"{lo}-{hi - 1}" if hi else f"{lo}+"
         buckets[name] = sum(1 for n in lengths if n >= lo and (hi is None or n < hi))
     return {
@@ -332,7 +333,7 @@ def train_and_report(
 
 
 def train_and_save(
-    out: Path, tokenizer, train_seqs: list[list[int]], cfg: TinyConfig, device: "torch.device", progress: bool
+    out: Path, tokenizer, train_seqs: list[list[int]], cfg: TinyConfig, device: torch.device, progress: bool
 ) -> list[float]:
     """Train a fresh Qwen3 from `cfg.seed` on `device`; save it in bf16 (as the real target ships) with the
     tokenizer."""
@@ -355,7 +356,7 @@ def evaluate_saved(
     heldout_seqs: list[list[int]],
     heldout_records: list[dict],
     cfg: TinyConfig,
-    device: "torch.device | str" = "cpu",
+    device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """Next-token accuracy of the model as saved (reloaded in bf16, as extraction will run it), on
     every held-out position and on answer tokens only, against always predicting the most

@@ -181,7 +181,7 @@ def quick_start(spec: SpecTarget, drafter, prompts: list, greedy: list, new_toke
     """Whether the export's own `spec_generate` (z-lab's quick start) equals the target's greedy
     decoding on every prompt, the target run as the command ran it (its dtype and kernel)."""
     lossless = True
-    for prompt, tokens in zip(prompts, greedy):
+    for prompt, tokens in zip(prompts, greedy, strict=True):
         quick = drafter.spec_generate(
             target=spec.model, input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, stop_token_ids=spec.stop_ids
         )
@@ -224,7 +224,9 @@ def dflash2_decodings(spec: SpecTarget, exported: Path, prompts: list, greedy: l
     drafter = load_exported(exported, dtype=spec.embed_VD.dtype)
     assert type(drafter).__name__ == "DFlash2DraftModel"
     proposer = DFlashProposer(drafter, spec)
-    ours = all(speculative_generate(spec, proposer, p, new_tokens).tokens == g for p, g in zip(prompts, greedy))
+    ours = all(
+        speculative_generate(spec, proposer, p, new_tokens).tokens == g for p, g in zip(prompts, greedy, strict=True)
+    )
     try:
         from dflash.model import DFlash2DraftModel, dflash_generate
     except ImportError:
@@ -233,7 +235,7 @@ def dflash2_decodings(spec: SpecTarget, exported: Path, prompts: list, greedy: l
     layer_types = getattr(spec.target.text_config, "layer_types", None) or []
     hybrid = any(t not in ("full_attention", "sliding_attention") for t in layer_types)
     theirs = True
-    for prompt, tokens in zip(prompts, greedy):
+    for prompt, tokens in zip(prompts, greedy, strict=True):
         try:
             with warnings.catch_warnings():  # z-lab's loop passes `past_key_values`, which transformers deprecates
                 warnings.simplefilter("ignore", FutureWarning)

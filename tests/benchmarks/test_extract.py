@@ -4,6 +4,7 @@ both phases see every synthetic token, and the dataset written holds them all.""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 
@@ -67,7 +68,7 @@ def test_a_multi_rank_corpus_gives_every_rank_the_same_tokens(tmp_path):
     owned = bench.write_token_corpus(str(tmp_path / "c.jsonl"), lengths, 1000, seed=0, world=3)
     assert sum(owned) == sum(lengths) and max(owned) - min(owned) <= 800
     recounted = [0, 0, 0]
-    for line in open(tmp_path / "c.jsonl"):
+    for line in (tmp_path / "c.jsonl").read_text().splitlines():
         ids = np.array(json.loads(line)["input_ids"], dtype=np.int32)
         sid = sample_id(ids, np.ones(ids.size, dtype=np.uint8))
         recounted[[r for r in range(3) if Ranks(rank=r, world=3).owns(sid, 0)][0]] += ids.size
@@ -112,7 +113,7 @@ def test_the_random_corpus_holds_none_of_the_tokenizers_own_ids(tmp_path):
     tokenizer = build_chat_tokenizer(["benchmark corpus of random token ids " * 8], 300)
     path = str(tmp_path / "corpus.jsonl")
     bench.write_token_corpus(path, [20_000] * 10, 600, seed=0)
-    ids = np.concatenate([json.loads(line)["input_ids"] for line in open(path)])
+    ids = np.concatenate([json.loads(line)["input_ids"] for line in Path(path).read_text().splitlines()])
     assert ids.size == 200_000 and ids.max() < 600
     assert len(tokenizer) <= bench.FIRST_CORPUS_ID == ids.min()
     assert not set(tokenizer.all_special_ids) & set(ids.tolist())

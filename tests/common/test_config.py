@@ -311,8 +311,10 @@ def test_lists_and_tables_on_the_command_line_parse_as_in_toml_for_every_key(tmp
                 toml_path = tmp_path / "c.toml"
                 *tables, leaf = key.split(".")
                 toml_path.write_text((f"[{'.'.join(tables)}]\n" if tables else "") + f"{leaf} = {_toml(value)}\n")
-                from_file = _outcome(lambda: load_config(cls, toml_path))
-                from_cli = _outcome(lambda: load_config(cls, None, [f"{key}={_toml(value)}"]))
+                from_file = _outcome(lambda cls=cls, toml_path=toml_path: load_config(cls, toml_path))
+                from_cli = _outcome(
+                    lambda cls=cls, key=key, value=value: load_config(cls, None, [f"{key}={_toml(value)}"])
+                )
                 assert from_cli == from_file, (cls.__name__, key, value)
                 tried += 1
     assert tried >= 20

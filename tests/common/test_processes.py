@@ -3,6 +3,8 @@ mark each success as it happens, and start nothing new after a failure."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from common.processes import log_tail, run_side_by_side
@@ -29,7 +31,7 @@ def test_at_most_max_running_at_once_each_with_its_own_log(tmp_path, capsys):
     assert sorted(marked) == ["step 0", "step 1", "step 2"]
     spans = []
     for e in ended:
-        _, a, b, i = open(e.log).read().split()
+        _, a, b, i = Path(e.log).read_text().split()
         spans.append((float(a), float(b)))
         assert e.log.endswith(f"step_{i}.log")
 
@@ -49,7 +51,7 @@ def test_nothing_new_starts_after_a_failure_and_the_running_steps_finish(tmp_pat
     marked: list[str] = []
     ended = run_side_by_side(steps, str(tmp_path), max_running=2, on_success=marked.append, show_tail=0)
     assert [(e.name, e.exit) for e in ended] == [("fails", 3), ("running", 0)]
-    assert marked == ["running"] and "finished" in open(ended[1].log).read()
+    assert marked == ["running"] and "finished" in Path(ended[1].log).read_text()
     assert not (tmp_path / "never.log").exists()
 
 

@@ -39,7 +39,7 @@ def test_repeat_watch_finds_where_each_row_starts_looping():
     watch = RepeatWatch(rows, length, min_repeat)
     alive, found = list(range(rows)), {}
     for step in range(length):
-        for row, loops in zip(alive, watch.push([seqs[row][step] for row in alive])):
+        for row, loops in zip(alive, watch.push([seqs[row][step] for row in alive]), strict=True):
             if loops and row not in found:
                 found[row] = step + 1
         if step % 17 == 16:  # finished rows leave the batch (some of them), as in greedy_batch

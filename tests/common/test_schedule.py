@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -19,7 +20,7 @@ def test_warmup_is_linear_and_ends_at_the_peak():
 @pytest.mark.parametrize("floor", [0.0, 0.1])
 def test_cosine_decays_monotonically_to_the_floor_and_stays(floor):
     rates = [warmup_cosine(d, 50, 5, 2e-3, floor) for d in range(5, 60)]
-    assert all(a >= b for a, b in zip(rates, rates[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(rates))
     assert rates[0] == pytest.approx(2e-3) and rates[45] == pytest.approx(2e-3 * floor, abs=1e-18)
     assert rates[-1] == rates[45]
 

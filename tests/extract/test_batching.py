@@ -3,6 +3,8 @@ plan is a pure function of the lengths (a resumed run re-forms the same batches)
 
 from __future__ import annotations
 
+import queue
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -40,7 +42,7 @@ def test_collate_right_pads_and_masks():
 def test_buffer_pool_bounds_what_is_in_flight():
     pool = BufferPool(2, n_taps=2, hidden_size=4, token_budget=8, topk=3, pin=False)
     a, b = pool.acquire(), pool.acquire()
-    with pytest.raises(Exception):
+    with pytest.raises(queue.Empty):
         pool.acquire(timeout=0.01)
     pool.release(a)
     assert pool.acquire(timeout=0.01) is a

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -61,8 +62,8 @@ def test_a_base_target_regenerates_and_extracts_with_a_template_file(base_target
         R.run(regenerate_config(target, corpus, tmp_path / "refused"))
     summary = R.run(regenerate_config(target, corpus, tmp_path / "regen", f"chat_template={template}"))
     assert summary["complete"] and summary["corpus_counts"]["stored"] == 4
-    provenance = json.load(open(os.path.join(tmp_path / "regen", store.PROVENANCE_FILE)))
-    digest = text_digest(open(template, encoding="utf-8").read())
+    provenance = json.loads(Path(os.path.join(tmp_path / "regen", store.PROVENANCE_FILE)).read_text())
+    digest = text_digest(Path(template).read_text(encoding="utf-8"))
     assert provenance["target"]["chat_template_hash"] == digest and provenance["chat_template_file"] == template
 
     loaded = load_target(target, dtype="float32")
@@ -75,7 +76,7 @@ def test_a_base_target_regenerates_and_extracts_with_a_template_file(base_target
     assert provenance.extract_config["chat_template"] == template
 
     other = tmp_path / "other.jinja"
-    other.write_text(open(template, encoding="utf-8").read().replace("<|im_start|>", "<|im_start|> "))
+    other.write_text(Path(template).read_text(encoding="utf-8").replace("<|im_start|>", "<|im_start|> "))
     words = extract_words(target, tmp_path / "regen", tmp_path / "other", f"chat_template={other}")
     with pytest.raises(ConfigError, match=f"chat_template.*answered with another chat template \\('{template}'"):
         pipeline.run(load_config(ExtractConfig, None, words), target=loaded, ranks=Ranks())

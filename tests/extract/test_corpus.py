@@ -50,7 +50,7 @@ def test_loss_mask_is_exactly_the_assistant_answers_and_their_end_of_turn(chat_t
     ids, mask = sample.input_ids.tolist(), sample.loss_mask.astype(bool)
     # Loss tokens spell the two answers (and the rendered reasoning), each closed by <|im_end|>.
     assert (
-        tok.decode([i for i, m in zip(ids, mask) if m])
+        tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
         == f"assistant{IM_END}think about the foxthe quick brown fox jumps{IM_END}"
     )
     im_end = tok.convert_tokens_to_ids(IM_END)

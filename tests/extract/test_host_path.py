@@ -90,7 +90,7 @@ def test_pipeline_stores_the_bytes_of_the_plain_path(tmp_path, loaded_target, en
     cfg = make_config(tmp_path / "out", corpus, hidden_encoding=encoding, inflight_batches=2)
     summary = run(cfg, loaded_target)
     assert summary["samples"] == 24
-    ours = json.load(open(tmp_path / "out" / Ranks().names["manifest"]))
+    ours = json.loads((tmp_path / "out" / Ranks().names["manifest"]).read_text())
     plain = plain_path_dataset(cfg, loaded_target, str(tmp_path / "plain"))
     assert len(ours["shards"]) > 1, "the test should span several shards"
     strip = lambda m: [{k: v for k, v in e.items() if k != "written"} for e in m["shards"]]  # noqa: E731
@@ -123,9 +123,9 @@ def test_nonfinite_samples_are_rejected_counted_and_never_written(tmp_path, load
 
     monkeypatch.setattr(ShardWriter, "write", spy)
     summary = run(make_config(tmp_path / "out", corpus), reach_text_parts(model, chat_tokenizer, path=""))
-    rejects = [json.loads(line) for line in open(tmp_path / "out" / "rejects.jsonl")]
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert sorted(r["position"] for r in rejects) == [1, 3] and {r["reason"] for r in rejects} == {"nonfinite_hidden"}
-    manifest = json.load(open(tmp_path / "out" / "manifest.json"))
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["counts"]["rejected.nonfinite_hidden"] == 2 and manifest["counts"]["samples"] == 3
     assert summary["rejects"] == {"nonfinite_hidden": 2} and summary["this_run"]["coverage_ok"]
     assert {sid for sid, _, _ in written}.isdisjoint({r["sample_id"] for r in rejects})

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,7 +71,7 @@ def setup(tmp_path_factory, saved_target):
 
 def committed_samples(manifest_path) -> tuple[int, bool]:
     try:
-        manifest = json.load(open(manifest_path))
+        manifest = json.loads(Path(manifest_path).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return 0, False
     return manifest["counts"]["samples"], manifest["complete"]
@@ -82,7 +83,7 @@ def test_sigkill_at_random_points_then_rerun_is_bit_identical(setup, tmp_path):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     manifest = out / "manifest.rank000.json"
-    total = json.load(open(setup["base"] / "manifest.json"))["counts"]["samples"]
+    total = json.loads((setup["base"] / "manifest.json").read_text())["counts"]["samples"]
     # Kill once the dataset holds a random number of samples, plus a random few milliseconds, so the
     # kill lands anywhere in a commit cycle (mid-forward, mid-write, mid-commit) but never after the end.
     thresholds = sorted(rng.sample(range(1, total - 20), 2))
@@ -112,11 +113,11 @@ def test_sigkill_at_random_points_then_rerun_is_bit_identical(setup, tmp_path):
                 field,
             )
     base_manifest, killed_manifest = (
-        json.load(open(setup["base"] / "manifest.json")),
-        json.load(open(out / "manifest.json")),
+        json.loads((setup["base"] / "manifest.json").read_text()),
+        json.loads((out / "manifest.json").read_text()),
     )
     assert killed_manifest["counts"] == base_manifest["counts"]
-    assert open(out / "rejects.jsonl").read() == open(setup["base"] / "rejects.jsonl").read()
+    assert (out / "rejects.jsonl").read_text() == (setup["base"] / "rejects.jsonl").read_text()
 
 
 def free_port() -> int:
@@ -146,7 +147,7 @@ def test_torchrun_two_processes_merge_into_the_same_dataset(setup, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "accounted for" in done.stdout  # rank 0 printed the merged summary
     assert verify_dataset(str(out)) == []
-    per_rank = [json.load(open(out / f"manifest.rank00{r}.json")) for r in (0, 1)]
+    per_rank = [json.loads((out / f"manifest.rank00{r}.json").read_text()) for r in (0, 1)]
     assert all(m["complete"] and m["counts"]["samples"] > 0 for m in per_rank)
     assert {e["file"].split("-")[0] for e in per_rank[1]["shards"]} == {"r001"}
     merged, base = by_id(out), by_id(setup["base"])
@@ -154,5 +155,6 @@ def test_torchrun_two_processes_merge_into_the_same_dataset(setup, tmp_path):
     for sid in base:
         assert np.array_equal(merged[sid].input_ids, base[sid].input_ids)
     assert (
-        json.load(open(out / "manifest.json"))["counts"] == json.load(open(setup["base"] / "manifest.json"))["counts"]
+        json.loads((out / "manifest.json").read_text())["counts"]
+        == json.loads((setup["base"] / "manifest.json").read_text())["counts"]
     )

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from contextlib import redirect_stderr
+from pathlib import Path
 
 import pytest
 import zstandard
@@ -104,13 +105,12 @@ def test_lines_appended_during_the_run_are_not_read_and_the_fingerprint_describe
     tmp_path, loaded_target, monkeypatch
 ):
     path, _ = mixed_corpus(tmp_path / "corpus.jsonl")
-    size, lines = os.path.getsize(path), len(open(path).read().splitlines())
+    size, lines = os.path.getsize(path), len(Path(path).read_text().splitlines())
     real_windows = windows.read_windows
 
     def appending(*args, **kwargs):  # another process appends once the run has started reading
-        write_more = open(path, "a", encoding="utf-8")
-        write_more.write("".join(json.dumps(chat(i)) + "\n" for i in range(100)))
-        write_more.close()
+        with open(path, "a", encoding="utf-8") as write_more:
+            write_more.write("".join(json.dumps(chat(i)) + "\n" for i in range(100)))
         yield from real_windows(*args, **kwargs)
 
     monkeypatch.setattr(windows, "read_windows", appending)
@@ -127,12 +127,10 @@ def test_a_file_changed_while_it_is_read_stops_the_run_naming_it(tmp_path, loade
     real_windows = windows.read_windows
 
     def changing(*args, **kwargs):
-        data = open(path, "rb").read()
-        if change == "rewritten":  # same size, other bytes
-            data = data.replace(b"fox", b"cat")
-        else:
-            data = data[: len(data) // 2]
-        open(path, "wb").write(data)
+        data = Path(path).read_bytes()
+        # rewritten: same size, other bytes
+        data = data.replace(b"fox", b"cat") if change == "rewritten" else data[: len(data) // 2]
+        Path(path).write_bytes(data)
         yield from real_windows(*args, **kwargs)
 
     monkeypatch.setattr(windows, "read_windows", changing)
@@ -271,7 +269,7 @@ def two_answers(first: dict, second: dict | None = None) -> dict:
 
 
 def loss_text(tokenizer, sample) -> str:
-    return tokenizer.decode([i for i, m in zip(sample.input_ids.tolist(), sample.loss_mask) if m])
+    return tokenizer.decode([i for i, m in zip(sample.input_ids.tolist(), sample.loss_mask, strict=True) if m])
 
 
 @pytest.mark.parametrize("switch", [{"weight": 0}, {"train": False}, {"weight": 0.0, "train": False}])

@@ -7,6 +7,7 @@ kernel with fla's interface (fla's own Triton kernel runs in the GPU tier)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -98,7 +99,7 @@ def stand_in_fla_conv(calls):
         cuts = [0, x.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
         parts = [
             reference_conv(x[:, a:b].transpose(1, 2), weight, bias, activation).transpose(1, 2)
-            for a, b in zip(cuts, cuts[1:])
+            for a, b in itertools.pairwise(cuts)
         ]
         return torch.cat(parts, dim=1), None
 
@@ -122,7 +123,7 @@ def test_rebound_convolution_passes_layout_and_boundaries_to_the_kernel(monkeypa
     assert torch.allclose(conv(x_BDT, weight, bias, activation="silu"), reference_conv(x_BDT, weight, bias, "silu"))
     cu = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
     packed = conv(x_BDT, weight, bias, activation="silu", cu_seq_lens_q=cu)
-    for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+    for a, b in itertools.pairwise(cu.tolist()):
         alone = reference_conv(x_BDT[..., a:b], weight, bias, "silu")
         assert torch.allclose(packed[..., a:b], alone, atol=1e-6)
     assert calls == [None, cu.tolist()]
@@ -233,7 +234,7 @@ def test_packed_sdpa_runs_each_sample_causally_and_equals_it_alone(qwen3_model, 
     finally:
         restore()  # the model is shared with other tests
     assert qwen3_model.config._attn_implementation == "sdpa"
-    for a, b in zip(dense.taps, per_sample.taps):
+    for a, b in zip(dense.taps, per_sample.taps, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
     at = lengths[0]
     assert torch.allclose(per_sample.taps[0][0, at : at + lengths[1]], alone.taps[0][0], atol=1e-5)

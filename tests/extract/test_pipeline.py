@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,9 +92,9 @@ def test_dataset_is_valid_and_accounts_for_every_record(baseline):
     assert summary["this_run"]["coverage_ok"] and summary["records"] == 24 + len(baseline["expected"]) + 1
     assert ds.manifest["counts"]["duplicates"] == 1 and ds.manifest["counts"]["rejected.invalid_json"] == 1
     # The rejects file names position, source line and reason; the blank line (index 5) is no record.
-    lines = [json.loads(line) for line in open(os.path.join(root, "rejects.jsonl"))]
+    lines = [json.loads(line) for line in Path(root, "rejects.jsonl").read_text().splitlines()]
     assert sorted(line["reason"] for line in lines) == sorted([*baseline["expected"], "duplicate"])
-    corpus_lines = open(baseline["corpus"]).read().split("\n")
+    corpus_lines = Path(baseline["corpus"]).read_text().split("\n")
     for line in lines:
         assert line["source"] == f"corpus.jsonl:{line['position'] + 1}"
         assert corpus_lines[line["position"]].strip()
@@ -104,7 +105,7 @@ def test_dataset_is_valid_and_accounts_for_every_record(baseline):
     prov = ds.provenance
     assert prov.taps.layer_ids == tuple(LAYERS) and "hidden_states[i+1]" in prov.taps.meaning and prov.topk == TOPK
     assert prov.target.num_layers == 4 and prov.extract_config["topk"] == TOPK
-    assert json.load(open(os.path.join(root, "extract_config.json")))["layer_ids"] == LAYERS
+    assert json.loads(Path(os.path.join(root, "extract_config.json")).read_text())["layer_ids"] == LAYERS
 
 
 # What the run and the library versions change (paths, the code's version, digests of files that
@@ -129,8 +130,8 @@ def test_the_written_provenance_is_what_extraction_wrote_before_the_type(baselin
     """Issue 53: the manifest's provenance built through `shards.provenance.Provenance` is, key for
     key, what extraction wrote before (tests/extract/golden/provenance.json, written by the code of
     1258ce9 from this very fixture; since issue 52 the target also records its weights' content digest)."""
-    stored = json.load(open(os.path.join(baseline["root"], "manifest.json")))["provenance"]
-    golden = json.load(open(os.path.join(os.path.dirname(__file__), "golden", "provenance.json")))
+    stored = json.loads(Path(os.path.join(baseline["root"], "manifest.json")).read_text())["provenance"]
+    golden = json.loads(Path(os.path.join(os.path.dirname(__file__), "golden", "provenance.json")).read_text())
     assert _masked(stored, os.path.dirname(baseline["root"]), loaded_target.path) == golden
 
 
@@ -174,16 +175,16 @@ def test_crash_then_rerun_is_bit_identical(baseline, loaded_target, tmp_path, mo
     with pytest.raises(RuntimeError, match="simulated crash"):
         run(cfg, loaded_target)
     monkeypatch.setattr(ShardWriter, "write", original)
-    partial = json.load(open(tmp_path / "out" / "manifest.rank000.json"))
+    partial = json.loads((tmp_path / "out" / "manifest.rank000.json").read_text())
     assert 0 < partial["counts"]["samples"] < 24 and not partial["complete"]
     summary = run(cfg, loaded_target)
     assert summary["this_run"]["samples"] == 24 - partial["counts"]["samples"]
     assert summary["this_run"]["skipped_batches"] > 0 and summary["this_run"]["coverage_ok"]
     assert summary["rejects"] == baseline["summary"]["rejects"] and summary["duplicates"] == 1
     assert_bit_identical(samples_by_id(str(tmp_path / "out")), samples_by_id(baseline["root"]))
-    assert (
-        open(tmp_path / "out" / "rejects.jsonl").read() == open(os.path.join(baseline["root"], "rejects.jsonl")).read()
-    )
+    assert (tmp_path / "out" / "rejects.jsonl").read_text() == Path(
+        os.path.join(baseline["root"], "rejects.jsonl")
+    ).read_text()
 
 
 def test_changed_settings_refuse_to_resume_and_say_what(baseline, loaded_target, tmp_path, chat_tokenizer):
@@ -203,8 +204,8 @@ def test_changed_settings_refuse_to_resume_and_say_what(baseline, loaded_target,
     with pytest.raises(ValueError, match=r"corpus content changed: c.jsonl changed \(\d+ -> \d+ bytes\)"):
         run(make_config(out, corpus), loaded_target)
     # Runtime knobs may change: restore the corpus and resume with another batch size and on_error.
-    lines = open(corpus).read().split("\n")
-    open(corpus, "w").write("\n".join(lines[:-2]) + "\n")
+    lines = Path(corpus).read_text().split("\n")
+    Path(corpus).write_text("\n".join(lines[:-2]) + "\n")
     summary = run(make_config(out, corpus, tokens_per_batch=300, on_error="skip"), loaded_target)
     assert summary["complete"] and summary["samples"] == 6 and summary["rejects"] == {"invalid_json": 1}
 
@@ -239,7 +240,7 @@ def test_nonfinite_samples_are_rejected_not_stored(tmp_path, loaded_target, chat
     records += [chat_record(rng, 4, 20) for _ in range(3)]
     corpus = write_lines(tmp_path / "c.jsonl", records)
     summary = run(make_config(tmp_path / "out", corpus), target)
-    bad = [json.loads(line) for line in open(tmp_path / "out" / "rejects.jsonl")]
+    bad = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert {b["reason"] for b in bad} == {"nonfinite_hidden"} and 1 in {b["position"] for b in bad}
     assert summary["samples"] + len(bad) == 5
     for sample in ShardDataset(str(tmp_path / "out")):
@@ -259,7 +260,8 @@ def test_a_rank_joining_an_older_dataset_writes_its_layout(baseline, loaded_targ
     final = run(cfg, loaded_target, Ranks(rank=1, world=2))
     assert final["complete"] and verify_dataset(str(out)) == []
     manifests = [
-        json.load(open(out / name)) for name in ("manifest.rank000.json", "manifest.rank001.json", "manifest.json")
+        json.loads((out / name).read_text())
+        for name in ("manifest.rank000.json", "manifest.rank001.json", "manifest.json")
     ]
     assert [m["hidden_split"] for m in manifests] == [1, 1, 1]
 
@@ -281,22 +283,22 @@ def test_two_ranks_hold_the_same_samples_as_one(baseline, loaded_target, tmp_pat
         b = torch.from_numpy(one[sid].hidden).view(torch.bfloat16).float()
         assert torch.allclose(a, b, atol=1e-2, rtol=1e-2)
     assert final["rejects"] == baseline["summary"]["rejects"] and final["duplicates"] == 1
-    assert open(out / "rejects.jsonl").read() == open(os.path.join(baseline["root"], "rejects.jsonl")).read()
-    ranks = [json.load(open(out / f"manifest.rank00{r}.json"))["counts"]["samples"] for r in (0, 1)]
+    assert (out / "rejects.jsonl").read_text() == Path(os.path.join(baseline["root"], "rejects.jsonl")).read_text()
+    ranks = [json.loads((out / f"manifest.rank00{r}.json").read_text())["counts"]["samples"] for r in (0, 1)]
     assert min(ranks) > 0 and sum(ranks) == 24
     # The separately runnable merge step rebuilds the same manifest and rejects file.
     from extract.merge import main as merge_main
 
-    merged = json.load(open(out / "manifest.json"))
-    rejects = open(out / "rejects.jsonl").read()
+    merged = json.loads((out / "manifest.json").read_text())
+    rejects = (out / "rejects.jsonl").read_text()
     os.remove(out / "manifest.json")
     os.remove(out / "rejects.jsonl")
     assert merge_main([str(out)]) == 0
-    again = json.load(open(out / "manifest.json"))
+    again = json.loads((out / "manifest.json").read_text())
     assert (
         again["counts"] == merged["counts"]
         and again["shards"] == merged["shards"]
-        and open(out / "rejects.jsonl").read() == rejects
+        and (out / "rejects.jsonl").read_text() == rejects
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,7 +172,9 @@ def test_sampled_answers_do_not_depend_on_the_batch_they_are_in(chat_tokenizer, 
     stop: set[int] = set()
     seeds = [answer_seed(0, f"record-{i}", 0) for i in range(len(prompts))]
     together = generate_answers(qwen3_model, prompts, 8, 4, stop, 0, sampling, seeds)
-    alone = [generate_answers(qwen3_model, [p], 8, 1, stop, 0, sampling, [s])[0] for p, s in zip(prompts, seeds)]
+    alone = [
+        generate_answers(qwen3_model, [p], 8, 1, stop, 0, sampling, [s])[0] for p, s in zip(prompts, seeds, strict=True)
+    ]
     assert together == alone
     other_seed = generate_answers(
         qwen3_model, prompts, 8, 4, stop, 0, sampling, [answer_seed(1, f"record-{i}", 0) for i in range(4)]
@@ -315,7 +318,7 @@ def test_rejects_and_provenance_are_written(local_run):
     rejects = read_jsonl(os.path.join(out, store.REJECTS_FILE))
     assert [(r["position"], r["reason"]) for r in rejects] == [(12, "not_a_chat"), (13, "invalid_json")]
     assert rejects[1]["source"].endswith("corpus.jsonl:14")
-    provenance = json.load(open(os.path.join(out, store.PROVENANCE_FILE)))
+    provenance = json.loads(Path(os.path.join(out, store.PROVENANCE_FILE)).read_text())
     assert provenance["complete"] and provenance["backend"]["kind"] == "local"
     assert provenance["sampling"] == {
         "max_new_tokens": 10,
@@ -553,5 +556,5 @@ def test_ranks_answer_their_shares_and_rank_zero_commits_the_whole_corpus(
     final = R.run(cfg, model=model, tokenizer=chat_tokenizer)
     assert final["complete"] and final["counts"]["already_done"] == 8
     for name in (store.DATA_FILE, store.REJECTS_FILE):
-        assert (tmp_path / "out" / name).read_bytes() == open(os.path.join(local_run["out"], name), "rb").read()
-    assert json.load(open(tmp_path / "out" / store.PROVENANCE_FILE))["backend"]["world_sizes"] == [2]
+        assert (tmp_path / "out" / name).read_bytes() == Path(os.path.join(local_run["out"], name)).read_bytes()
+    assert json.loads((tmp_path / "out" / store.PROVENANCE_FILE).read_text())["backend"]["world_sizes"] == [2]

@@ -81,4 +81,4 @@ def test_max_context_above_the_targets_is_refused_and_below_it_is_used(tmp_path,
         R.check_inputs(config(target, corpus, tmp_path / "a", f"max_context={LIMIT + 1}"))
     summary = R.run(config(target, corpus, tmp_path / "b", "max_context=40"), model=model, tokenizer=chat_tokenizer)
     assert summary["corpus_counts"]["rejected_by_reason"] == {"prompt_too_long": 1}
-    assert json.load(open(tmp_path / "b" / store.PROVENANCE_FILE))["config"]["max_context"] == 40
+    assert json.loads((tmp_path / "b" / store.PROVENANCE_FILE).read_text())["config"]["max_context"] == 40

@@ -76,7 +76,7 @@ def assert_same_as_baseline(setup, out):
     for name in (store.DATA_FILE, store.REJECTS_FILE):
         assert (out / name).read_bytes() == (setup["baseline"] / name).read_bytes(), name
     rejects = read_jsonl(out / store.REJECTS_FILE)
-    provenance = json.load(open(out / store.PROVENANCE_FILE))
+    provenance = json.loads((out / store.PROVENANCE_FILE).read_text())
     counts = provenance["counts"]
     assert counts["records"] == 42 and counts["stored"] == len(read_jsonl(out / store.DATA_FILE)) == 42 - len(rejects)
     assert counts["journal_duplicates"] == 0 and not store.journal_files(str(out))

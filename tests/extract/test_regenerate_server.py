@@ -265,9 +265,8 @@ def transformers_serve(model_dir: str, *extra: str):
                 raise AssertionError(
                     f"transformers serve exited with {process.returncode}: {process.stdout.read().decode()[-3000:]}"
                 )
-            with contextlib.suppress(OSError):
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
             assert time.monotonic() < deadline, "transformers serve did not start within 180 s"
             time.sleep(0.5)
         yield url + "/v1"

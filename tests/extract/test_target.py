@@ -53,7 +53,7 @@ def test_multimodal_checkpoint_loads_as_text_decoder_with_the_same_weights(saved
     ids = torch.randint(0, target.vocab_size, (1, 20))
     got = capture(target, ids, [20], [0, 1, 2], topk=3)
     ref = capture(reach_text_parts(vlm), ids, [20], [0, 1, 2], topk=3)
-    for a, b in zip(got.taps, ref.taps):
+    for a, b in zip(got.taps, ref.taps, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(got.topk_ids, ref.topk_ids)
     prov = target_provenance(target)

@@ -42,7 +42,7 @@ def test_quantized_extraction_equals_quantizing_the_lossless_one(lossless, loade
     for sid, i in ids.items():
         stored = ds.compact(i).hidden
         expected = quantize_bf16_bits(reference[reference_ids[sid]].hidden, encoding, len(LAYERS))
-        for a, b in zip((*stored.codes, *stored.scales), (*expected.codes, *expected.scales)):
+        for a, b in zip((*stored.codes, *stored.scales), (*expected.codes, *expected.scales), strict=True):
             assert np.array_equal(a, b), sid
     recorded = [tap["rel_rms"] for e in ds.shards for tap in e["reconstruction"]["taps"]]
     assert len(recorded) == len(LAYERS) * len(ds.shards) and 0 < max(recorded) < (0.05 if encoding == "fp8" else 0.2)
@@ -66,7 +66,10 @@ def test_projected_extraction_fits_p_in_a_calibration_pass_and_stores_p_times_h(
         stored = ds.compact(i)
         h = torch.from_numpy(reference[reference_ids[stored.sample_id]].hidden).view(torch.bfloat16)
         z = projection.apply(h)
-        pairs = [(torch.from_numpy(c), torch.from_numpy(s)) for c, s in zip(stored.hidden.codes, stored.hidden.scales)]
+        pairs = [
+            (torch.from_numpy(c), torch.from_numpy(s))
+            for c, s in zip(stored.hidden.codes, stored.hidden.scales, strict=True)
+        ]
         z_hat = decode_pieces(pairs, spec, torch.float32)
         assert torch.allclose(z_hat, z, rtol=0.07, atol=1e-3 * float(z.abs().max()))  # within an e4m3 step
     errors = [tap["rel_rms"] for e in ds.shards for tap in e["reconstruction"]["taps"]]
@@ -104,7 +107,7 @@ def test_nonfinite_samples_are_rejected_in_a_quantized_extraction(tmp_path, load
     records += [chat_record(rng, 4, 20) for _ in range(3)]
     corpus = write_lines(tmp_path / "c.jsonl", records)
     summary = run(make_config(tmp_path / "out", corpus, hidden_encoding="fp8"), target)
-    bad = [json.loads(line) for line in open(tmp_path / "out" / "rejects.jsonl")]
+    bad = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert [b["reason"] for b in bad] == ["nonfinite_hidden"] and summary["samples"] == 3
     assert verify_dataset(str(tmp_path / "out")) == []
 

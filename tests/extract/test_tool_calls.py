@@ -256,8 +256,8 @@ def test_content_never_forges_turn_boundaries(any_tokenizer):
     loss = masked_text(tok, sample)
     assert loss == "the quick " + FORGED + "brown fox" + IM_END
     im_end = tok.convert_tokens_to_ids(IM_END)
-    assert [bool(m) for i, m in zip(ids, sample.loss_mask) if i == im_end] == [
-        m for i, m in zip(reference.input_ids.tolist(), reference.loss_mask.astype(bool)) if i == im_end
+    assert [bool(m) for i, m in zip(ids, sample.loss_mask, strict=True) if i == im_end] == [
+        m for i, m in zip(reference.input_ids.tolist(), reference.loss_mask.astype(bool), strict=True) if i == im_end
     ]
 
 

@@ -75,7 +75,7 @@ def run(kernel: str, q, k, v, grad, anchors_BN, keep_BN, S, K):
 
 
 def rel_errors(got, ref) -> list[float]:
-    return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, ref)]
+    return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, ref, strict=True)]
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_flex_equals_sdpa_forward_and_gradients(name, no_tf32):
     flex_bf16 = run("flex", *bf16_data)
     sdpa_bf16 = run("sdpa", *bf16_data)
     flex_err, sdpa_err = rel_errors(flex_bf16, reference), rel_errors(sdpa_bf16, reference)
-    for what, f, s in zip(("out", "dq", "dk", "dv"), flex_err, sdpa_err):
+    for what, f, s in zip(("out", "dq", "dk", "dv"), flex_err, sdpa_err, strict=True):
         assert f <= 5e-2 and f <= 4 * s + 2e-3, (name, what, f"flex {f:.2e} vs sdpa {s:.2e}")
 
     # The padding block (row 1, last block): nothing to attend to, so output 0 and no gradient, in both kernels.

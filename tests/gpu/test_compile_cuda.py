@@ -37,7 +37,9 @@ def test_compiled_step_equals_eager_and_survives_batch_shape_changes(tmp_path, h
     try:
         assert (eager.kernels.attention, compiled.kernels.attention) == (kernel, kernel), compiled.kernels.reason
         assert compiled.kernels.compile and not eager.kernels.compile and compiled.forward is not compiled.drafter
-        for (name, a), b in zip(eager.drafter.state_dict().items(), compiled.drafter.state_dict().values()):
+        for (name, a), b in zip(
+            eager.drafter.state_dict().items(), compiled.drafter.state_dict().values(), strict=True
+        ):
             assert torch.equal(a, b), name
         shapes, rows = set(), []
         for step in range(1, STEPS + 1):

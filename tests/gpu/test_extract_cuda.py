@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -133,7 +134,7 @@ def test_one_model_class_serves_both_devices(hybrid, chat_tokenizer):
     ids = torch.randint(0, config.vocab_size, (2, 40))
     ref = capture(reach_text_parts(cpu_model), ids, [40, 25], LAYER_IDS, TOPK)
     got = capture(reach_text_parts(cuda_model), ids, [40, 25], LAYER_IDS, TOPK)
-    for slot, (a, b) in enumerate(zip(got.taps, ref.taps)):
+    for slot, (a, b) in enumerate(zip(got.taps, ref.taps, strict=True)):
         for row, length in enumerate((40, 25)):  # real tokens only: padding positions hold anything
             x, y = a[row, :length].cpu(), b[row, :length]
             error = float((x - y).abs().max() / y.abs().max())
@@ -163,6 +164,6 @@ def test_fla_convolution_equals_the_reference_with_and_without_packing():
     assert torch.allclose(conv(x, weight, bias, activation="silu"), reference(x, weight, bias), atol=2e-3, rtol=2e-3)
     cu = torch.tensor([0, 37, 38, 200, 300], dtype=torch.int32, device="cuda")
     packed = conv(x[:1], weight, bias, activation="silu", cu_seq_lens_q=cu)
-    for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+    for a, b in itertools.pairwise(cu.tolist()):
         alone = reference(x[:1, :, a:b], weight, bias)
         assert torch.allclose(packed[..., a:b], alone, atol=2e-3, rtol=2e-3), (a, b)

@@ -47,5 +47,5 @@ def test_the_graphed_static_cache_answers_as_the_dynamic_cache_on_cuda():
     dynamic = generate_batch(model, prompts, caps, set(), 0, cache="dynamic")
     assert captures == [8, 6, 4], captures  # graphs were captured, once per batch size
     assert [len(t) for t, _ in static] == caps
-    same = sum(a == b for a, b in zip(static, dynamic))
+    same = sum(a == b for a, b in zip(static, dynamic, strict=True))
     assert same == len(prompts), (same, static, dynamic)

@@ -57,7 +57,7 @@ def test_the_train_cli_runs_and_resumes_on_cuda(tmp_path):
 
     full, split = read_metrics(runs / "full" / "metrics.jsonl"), read_metrics(runs / "split" / "metrics.jsonl")
     assert [r["step"] for r in full] == [r["step"] for r in split] == list(range(1, STEPS + 1))
-    for a, b in zip(full, split):
+    for a, b in zip(full, split, strict=True):
         assert (a["bucket"], a["batch_samples"], a["batch_tokens"], a["epoch"]) == (
             b["bucket"],
             b["batch_samples"],
@@ -79,8 +79,8 @@ def test_the_train_cli_runs_and_resumes_on_cuda(tmp_path):
     state_full = load_checkpoint(runs / "full" / "checkpoints" / last)["state"]
     state_split = load_checkpoint(runs / "split" / "checkpoints" / last)["state"]
     assert state_full["data_state"] == state_split["data_state"] and state_full["tokens"] == state_split["tokens"]
-    exact = all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in zip(full, split))
+    exact = all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in zip(full, split, strict=True))
     print(
         f"resume on CUDA: losses {'bit-identical' if exact else 'equal within 1e-2, not bit-identical'}: "
-        f"{[(a['loss'], b['loss']) for a, b in zip(full, split)]}"
+        f"{[(a['loss'], b['loss']) for a, b in zip(full, split, strict=True)]}"
     )

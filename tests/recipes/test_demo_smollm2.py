@@ -33,7 +33,7 @@ def test_every_step_parses_with_its_stage_config(scale, device):
     assert sorted(argv[1] for _, argv in together) == ["train.eval", "train.eval", "train.serve.export"]
     assert planned.index(together) == 1 + [n for n, _ in steps].index("drafter training")
     seen = set()
-    for name, argv in steps:
+    for _name, argv in steps:
         assert argv[0] == "-m"
         if argv[1] == "train.eval":
             checkpoints, eval_cfg = parse_eval_args(argv[2:])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -96,7 +97,7 @@ def test_held_out_prompts_are_left_out_of_training_and_counted(tmp_path):
     }
     assert not (tmp_path / "out").exists()  # written only once step 1 has passed
     split.write()
-    assert open(split.train).read().splitlines() == split.lines["train"]
+    assert Path(split.train).read_text().splitlines() == split.lines["train"]
     with pytest.raises(ValueError, match="every training prompt .* is also a held-out prompt"):
         split_prompts(held, held, str(tmp_path / "out"), asked=0, seed=0, smoke=False)
 

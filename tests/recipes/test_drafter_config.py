@@ -5,6 +5,7 @@ user's stage settings."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,14 +53,15 @@ def test_the_held_out_carve_is_deterministic_leak_free_and_recorded(tmp_path):
     first = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "a"), asked=0, seed=0, smoke=False)
     again = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "b"), asked=0, seed=0, smoke=False)
     first.write(), again.write()
-    train, held = (open(p).read().splitlines() for p in (first.train, first.heldout))
-    assert open(again.heldout).read().splitlines() == held and len(set(held)) == 10  # 10% of 100 distinct records
+    train, held = (Path(p).read_text().splitlines() for p in (first.train, first.heldout))
+    assert Path(again.heldout).read_text().splitlines() == held and len(set(held)) == 10  # 10% of 100 distinct records
     assert not set(train) & set(held) and len(train) + len(held) == 103  # copies of a record stay on one side
     assert first.record["source"] == "carved" and first.record["seed"] == 0 and "10%" in first.reason
     other = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "c"), asked=3, seed=1, smoke=False)
     other.write()
     assert (
-        len(open(other.heldout).read().splitlines()) >= 3 and open(other.heldout).read() != open(first.heldout).read()
+        len(Path(other.heldout).read_text().splitlines()) >= 3
+        and Path(other.heldout).read_text() != Path(first.heldout).read_text()
     )
     smoke = split_prompts(str(tmp_path / "p.jsonl"), "", str(tmp_path / "d"), asked=0, seed=0, smoke=True)
     assert smoke.record["train_records"] == 32 and smoke.record["heldout_records"] == 4

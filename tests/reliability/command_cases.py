@@ -232,7 +232,7 @@ def killed_then_concurrent_builds(root: Path, downloads: Path) -> list[str]:
     left = sorted(p.name for p in first.glob(".*.tmp-*"))
     procs = [_build(first, downloads), _build(second, downloads)]
     problems = [] if left else ["the kill left no temporary: the case tested nothing"]
-    for out, p in zip((first, second), procs):
+    for out, p in zip((first, second), procs, strict=True):
         _, err = p.communicate(timeout=900)
         if p.returncode != 0:
             problems.append(f"the build into {out.name} failed ({p.returncode}): {err.strip()[-300:]}")

@@ -172,7 +172,7 @@ def prompt_lengths(world: World, tally: Tally, rng: random.Random, examples: int
             ok = not wants and conversation.outcome is not None and conversation.outcome.reason == PROMPT_TOO_LONG
         else:
             budget = conversation.answer_budget(rng.randint(1, 50))
-            ok = wants and 1 <= budget and length + budget <= limit
+            ok = wants and budget >= 1 and length + budget <= limit
         tally.add("prompt_length:" + ("over" if length >= limit else "under"), ok, f"{length} tokens, limit {limit}")
 
 

@@ -72,7 +72,7 @@ class Fault:
         return f"{self.action}:{self.point}:{self.nth}"
 
     @classmethod
-    def parse(cls, spec: str) -> "Fault":
+    def parse(cls, spec: str) -> Fault:
         action, point, nth = spec.split(":")
         return cls(action, point, int(nth))
 

@@ -133,7 +133,7 @@ def training_case(world: World, work: Path, action: str, point: str, nth: int) -
     found = list_checkpoints(checkpoints)
     if not found:
         problems.append("no checkpoint survived (the failure came after a complete save)")
-    for step, path in found:
+    for _step, path in found:
         try:
             load_checkpoint(path)
         except Exception as exc:  # noqa: BLE001

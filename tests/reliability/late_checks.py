@@ -62,9 +62,14 @@ def good_chats(world: World) -> list[dict]:
         with contextlib.suppress(ValueError):
             record = json.loads(line)
             turns = record.get("messages") if isinstance(record, dict) else None
-            if isinstance(turns, list) and turns and all(isinstance(t, dict) for t in turns):
-                if turns[0].get("role") == "user" and isinstance(turns[0].get("content"), str):
-                    chats.append(record)
+            if (
+                isinstance(turns, list)
+                and turns
+                and all(isinstance(t, dict) for t in turns)
+                and turns[0].get("role") == "user"
+                and isinstance(turns[0].get("content"), str)
+            ):
+                chats.append(record)
     return chats
 
 

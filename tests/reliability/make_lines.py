@@ -88,7 +88,7 @@ def expected(words: list[str]) -> list[list[str]]:
         "bench-render": "benchmarks.render",
         "reliability": "tests.reliability",
     }
-    lint = [["-m", "ruff", "format", "--check", "."], ["-m", "ruff", "check", "."]]
+    lint = [["-m", "ruff", "format", "--check", "."], ["-m", "ruff", "check", "."], ["-m", "mypy"]]
     if target in recipes:
         return [["-m", recipes[target], *optional_config, *overrides]]
     if target in benches:

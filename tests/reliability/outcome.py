@@ -19,7 +19,7 @@ class Outcome:
     def fail(self, message: str) -> None:
         self.failures.append(message)
 
-    def finish(self, figure: str) -> "Outcome":
+    def finish(self, figure: str) -> Outcome:
         self.figure = figure
         self.passed = not self.failures
         return self

@@ -18,8 +18,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tests.reliability import faults
 from tests.reliability.world import REPO, World, child_env
@@ -119,15 +119,14 @@ def _start_process(stage, config, train_args, fault, log_path, err_path, default
     if fault is not None:
         env[faults.ENV_FAULT] = fault.spec
     args = [str(config)] if stage == "extract" else list(train_args)
-    err = open(err_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.reliability.child", stage, *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-    )
-    err.close()
+    with open(err_path, "w") as err:  # the child holds its own copy of the handle
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.reliability.child", stage, *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
 
     def wait():
         code = proc.poll()
@@ -147,7 +146,7 @@ def _parent_used_cuda() -> bool:
 
 def _start_fork(world, stage, config, train_args, fault, log_path, err_path):
     if stage == "extract":
-        world.target  # load in the parent once; every child shares it
+        world.target  # noqa: B018 (loads it): load in the parent once; every child shares it
     pid = os.fork()
     if pid == 0:  # the child: never returns
         code = 1

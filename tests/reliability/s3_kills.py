@@ -181,7 +181,7 @@ def main() -> int:
     os.environ.update(MotoServer.env())
     with tempfile.TemporaryDirectory(prefix="s3-kills-") as tmp, MotoServer() as server:
         world = build_world(Path(tmp))
-        world.baseline
+        world.baseline  # noqa: B018 (built now, before the kills)
         server.create_bucket("kills")
         outcome = run(world, server, kills=args.kills, seed=args.seed, bucket="kills")
     print(outcome.figure)

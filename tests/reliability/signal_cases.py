@@ -12,6 +12,7 @@ each in real processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -87,10 +88,8 @@ def stop(proc: subprocess.Popen) -> None:
     """End a case's processes whatever happened (the test's own clean-up)."""
     for pid in [proc.pid, *children_of(proc.pid)]:
         for kill in (os.killpg, os.kill):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
     proc.wait()
 
 
@@ -205,7 +204,7 @@ def ctrl_c_at_start(world: World, tally, work: Path, names: list[str] | None = N
             continue
         proc, _, stderr = start(args, work, f"ctrl-c-{name}")
         try:
-            if not wait_for(lambda: torch_loading(proc.pid), proc, timeout=120):
+            if not wait_for(lambda proc=proc: torch_loading(proc.pid), proc, timeout=120):
                 problems = [f"never loaded torch (exit {proc.poll()}): {stderr.read_text()[-300:]}"]
             else:
                 os.killpg(proc.pid, signal.SIGINT)

@@ -120,7 +120,7 @@ def run(
     outcome = Outcome(2, "Training kills")
     start = time.perf_counter()
     rng = random.Random(seed)
-    world.baseline
+    world.baseline  # noqa: B018 (built now, before the kills)
     runs = work / "runs"
     extra = train_extra(steps, every)
     plain = run_stage(world, "train", train_args=world.train_args(runs, "reference", *extra), mode=mode)

@@ -118,9 +118,11 @@ def test_known_finite_skips_only_the_hidden_scan(tmp_path):
 def test_bad_planes_name_the_field(tmp_path, make, field, words):
     sample = as_planes(make_sample(4))
     bad = dataclasses.replace(sample, hidden=make(sample.hidden))
-    with ShardWriter(tmp_path / "ds", provenance=provenance(), hidden_width=WIDTH, topk=TOPK) as w:
-        with pytest.raises(ValueError, match=rf"field '{field}'.*{words}"):
-            w.write(bad)
+    with (
+        ShardWriter(tmp_path / "ds", provenance=provenance(), hidden_width=WIDTH, topk=TOPK) as w,
+        pytest.raises(ValueError, match=rf"field '{field}'.*{words}"),
+    ):
+        w.write(bad)
     assert len(ShardDataset(str(tmp_path / "ds"))) == 0
 
 

@@ -136,7 +136,7 @@ def test_quantized_round_trip_through_writer_and_reader(tmp_path, name):
         assert np.array_equal(ds[i].hidden, expected.bf16_bits())
         compact = ds.compact(i).hidden
         assert isinstance(compact, QuantizedHidden)
-        for a, b in zip((*compact.codes, *compact.scales), (*expected.codes, *expected.scales)):
+        for a, b in zip((*compact.codes, *compact.scales), (*expected.codes, *expected.scales), strict=True):
             assert np.array_equal(a, b)
         np.testing.assert_array_equal(ds.torch(i)["hidden"].view(torch.uint16).numpy(), expected.bf16_bits())
     assert verify_dataset(root) == []

@@ -78,7 +78,7 @@ def test_index_and_lengths_come_from_index_files_only(tmp_path):
     index = ds.index
     assert index.column_names == ["sample_id", "n_tokens", "n_loss_tokens", "shard", "row"]
     assert index.column("n_loss_tokens").to_pylist() == [s.n_loss_tokens for s in expected]
-    locations = list(zip(index.column("shard").to_pylist(), index.column("row").to_pylist()))
+    locations = list(zip(index.column("shard").to_pylist(), index.column("row").to_pylist(), strict=True))
     assert locations == [ds.locate(i) for i in range(20)]
     with pytest.raises(FileNotFoundError, match="shard-00000.arrow"):
         ds[0]

@@ -141,7 +141,7 @@ def test_ranges_tile_the_record_batch_region_and_decode_like_the_footer(tmp_path
         end = offsets[-1] + lengths[-1]
         assert data[end:footer_start] == EOS_MARKER
         reader = pa.ipc.open_file(pa.py_buffer(data))
-        for row, (offset, length, checksum) in enumerate(zip(offsets, lengths, index["xxh3_64"])):
+        for row, (offset, length, checksum) in enumerate(zip(offsets, lengths, index["xxh3_64"], strict=True)):
             message = data[offset : offset + length]
             assert xxhash.xxh3_64_intdigest(message) == checksum
             batch = pa.ipc.read_record_batch(pa.ipc.read_message(pa.py_buffer(message)), reader.schema)
@@ -159,7 +159,7 @@ def test_the_writer_stream_finds_the_ranges_whatever_the_write_sizes(dataset):
     entry = manifest_of(dataset)["shards"][0]
     data = (dataset / entry["file"]).read_bytes()
     index = index_of(dataset, entry)
-    ends = [o + n for o, n in zip(index["offset"], index["length"])]
+    ends = [o + n for o, n in zip(index["offset"], index["length"], strict=True)]
     for max_piece in (1, 5, 64, 100_000):
         stream = HashingStream(io.BytesIO())
         start = 0
@@ -250,7 +250,7 @@ def test_a_damaged_index_file_is_refused_naming_it(dataset):
         mask = rng.randint(1, 255)
         flip(path, at, mask)
         with pytest.raises(ShardFormatError, match=re.escape(str(path))):
-            ShardDataset(str(dataset)).index
+            ShardDataset(str(dataset)).index  # noqa: B018 (reading the index is the check)
         with pytest.raises(ShardFormatError, match=re.escape(str(path))):
             ShardDataset(str(dataset))[first_of_shard_1]  # a read without the full index loads that shard's
         flip(path, at, mask)

@@ -127,9 +127,8 @@ def test_duplicate_sample_id_is_refused_across_shards_and_sessions(tmp_path):
         w.write(make_sample(1))
         with pytest.raises(ValueError, match="'sample_id'.*duplicate"):
             w.write(make_sample(0))
-    with open_writer(tmp_path / "ds") as w:
-        with pytest.raises(ValueError, match=make_sample(1).sample_id):
-            w.write(make_sample(1))
+    with open_writer(tmp_path / "ds") as w, pytest.raises(ValueError, match=make_sample(1).sample_id):
+        w.write(make_sample(1))
     assert len(ShardDataset(str(tmp_path / "ds"))) == 2
 
 
@@ -212,9 +211,8 @@ def test_nonfinite_values_are_stored_when_rejecting_is_off(tmp_path):
 
 
 def test_a_not_a_sample_object_is_refused(tmp_path):
-    with open_writer(tmp_path / "ds") as w:
-        with pytest.raises(ValueError, match="shards.Sample"):
-            w.write({"input_ids": [1, 2]})
+    with open_writer(tmp_path / "ds") as w, pytest.raises(ValueError, match="shards.Sample"):
+        w.write({"input_ids": [1, 2]})
 
 
 @pytest.mark.parametrize(
@@ -362,11 +360,10 @@ def test_leftovers_of_a_killed_writer_are_ignored_then_cleaned(tmp_path):
 
 
 def test_exception_inside_the_block_keeps_written_samples_and_marks_incomplete(tmp_path):
-    with pytest.raises(RuntimeError, match="boom"):
-        with open_writer(tmp_path / "ds") as w:
-            w.write(make_sample(0))
-            w.stage_state["next"] = 1
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), open_writer(tmp_path / "ds") as w:
+        w.write(make_sample(0))
+        w.stage_state["next"] = 1
+        raise RuntimeError("boom")
     ds = ShardDataset(str(tmp_path / "ds"))
     assert len(ds) == 1 and ds.manifest["complete"] is False and ds.manifest["stage_state"] == {"next": 1}
 

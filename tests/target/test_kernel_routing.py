@@ -116,7 +116,7 @@ def test_a_cpu_hybrid_target_runs_where_fla_is_installed(tmp_path):
         )
 
     reference = capture(reach_text_parts(model), ids, [37, 20], [0, 1, 2], topk=4)  # this process: torch implementation
-    for got, ref in zip(child["taps"], reference.taps):
+    for got, ref in zip(child["taps"], reference.taps, strict=True):
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
     assert torch.equal(child["topk_ids"], reference.topk_ids)
     torch.testing.assert_close(child["topk_logprobs"], reference.topk_logprobs, atol=1e-6, rtol=1e-5)

@@ -75,7 +75,7 @@ def test_every_sample_once_within_budget_and_bucket(skewed):
     flat = np.concatenate(plan.batches)
     assert np.array_equal(np.sort(flat), np.arange(lengths.size))
     assert padded_tokens(lengths, plan.batches).max() <= BUDGET
-    for batch, bucket in zip(plan.batches, plan.bucket_of_batch):
+    for batch, bucket in zip(plan.batches, plan.bucket_of_batch, strict=True):
         assert np.all(layout.bucket_of_sample[batch] == bucket)
     assert len(plan) == layout.steps_per_epoch
 
@@ -140,7 +140,7 @@ def test_empty_buckets_make_no_batches():
 
 def test_interleave_ties_are_deterministic():
     bucket, j = interleave_order([2, 2], [0.0, 0.0])
-    assert list(zip(bucket.tolist(), j.tolist())) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert list(zip(bucket.tolist(), j.tolist(), strict=True)) == [(0, 0), (1, 0), (0, 1), (1, 1)]
 
 
 @settings(max_examples=60, deadline=None)

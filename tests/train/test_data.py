@@ -101,7 +101,7 @@ def take(stream, n) -> list[Batch]:
 
 def assert_same_batches(a: list[Batch], b: list[Batch]) -> None:
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert x.sample_ids == y.sample_ids and x.bucket == y.bucket and x.epoch == y.epoch and x.state == y.state
         for name in Batch.TENSOR_FIELDS:
             assert torch.equal(getattr(x, name), getattr(y, name)), name
@@ -133,7 +133,7 @@ def test_batches_hold_the_samples_padded_on_the_right(shards_root):
     with DataStream(config(shards_root, token_budget=budget)) as stream:
         for batch in take(stream, stream.steps_per_epoch):
             B, S = batch.input_ids.shape
-            assert B * S <= budget
+            assert budget >= B * S
             assert batch.input_ids.dtype == torch.int64 and batch.loss_mask.dtype == torch.bool
             assert batch.hidden.dtype == torch.bfloat16 and batch.hidden.shape == (B, S, W)
             assert batch.topk_ids.dtype == torch.int64 and batch.topk_logprobs.dtype == torch.float32
@@ -237,18 +237,19 @@ def test_resume_after_iterating_and_in_the_same_stream(shards_root):
 def test_a_state_from_another_schedule_is_refused(shards_root, change, field):
     with DataStream(config(shards_root)) as stream:
         state = take(stream, 2)[-1].state
-    with DataStream(config(shards_root, **change)) as other:
-        with pytest.raises(ValueError, match=f"data state: field '{field}'"):
-            other.load_state_dict(state)
+    with (
+        DataStream(config(shards_root, **change)) as other,
+        pytest.raises(ValueError, match=f"data state: field '{field}'"),
+    ):
+        other.load_state_dict(state)
 
 
 def test_a_state_from_another_dataset_is_refused(shards_root, tmp_path):
     write_dataset(tmp_path, n_samples=40, seed=1)
     with DataStream(config(shards_root)) as stream:
         state = stream.state_dict()
-    with DataStream(config(str(tmp_path))) as other:
-        with pytest.raises(ValueError, match="another dataset"):
-            other.load_state_dict(state)
+    with DataStream(config(str(tmp_path))) as other, pytest.raises(ValueError, match="another dataset"):
+        other.load_state_dict(state)
 
 
 def test_malformed_states_are_refused(shards_root):
@@ -300,7 +301,9 @@ def test_max_samples_takes_a_nested_subset(shards_root):
 def test_min_loss_tokens_leaves_out_short_responses(shards_root):
     ds = ShardDataset(shards_root)
     with DataStream(config(shards_root, min_loss_tokens=20)) as stream:
-        loss_tokens = dict(zip(ds.index.column("sample_id").to_pylist(), ds.index.column("n_loss_tokens").to_pylist()))
+        loss_tokens = dict(
+            zip(ds.index.column("sample_id").to_pylist(), ds.index.column("n_loss_tokens").to_pylist(), strict=True)
+        )
         assert min(loss_tokens[s] for s in stream.sample_ids) >= 20
         assert stream.data_plan()["excluded"]["min_loss_tokens"] > 0
 
@@ -319,7 +322,7 @@ def corrupt_root(shards_root, tmp_path):
         f.truncate(entry["bytes"] // 2)
     ids_in_shard = [
         s
-        for s, shard in zip(ds.index.column("sample_id").to_pylist(), ds.index.column("shard").to_pylist())
+        for s, shard in zip(ds.index.column("sample_id").to_pylist(), ds.index.column("shard").to_pylist(), strict=True)
         if shard == 1
     ]
     return str(tmp_path), entry["file"], set(ids_in_shard)
@@ -327,9 +330,8 @@ def corrupt_root(shards_root, tmp_path):
 
 def test_a_corrupt_shard_fails_naming_sample_and_file(corrupt_root):
     root, shard_file, bad_ids = corrupt_root
-    with DataStream(config(root, holdout_fraction=0.0)) as stream:
-        with pytest.raises(DataLoadError) as err:
-            take(stream, stream.steps_per_epoch)
+    with DataStream(config(root, holdout_fraction=0.0)) as stream, pytest.raises(DataLoadError) as err:
+        take(stream, stream.steps_per_epoch)
     message = str(err.value)
     assert shard_file in message and any(s in message for s in bad_ids)
     # Damage is a data error (the commands' one line, exit 2) that says how to see all of it.

@@ -95,7 +95,7 @@ def test_two_processes_train_a_dflash2_drafter_exactly_like_one_with_accumulatio
     assert_same_steps(a, b, keys=("loss", "grad_norm", "acc", "streak", "batch_tokens", *SELECTOR_KEYS))
     # The parts' selector terms add up to the unsplit batch's (each over the global weight total).
     assert_close_steps(b, one, rel=1e-5)
-    for x, y in zip(b, one):
+    for x, y in zip(b, one, strict=True):
         for key in ("selector_loss", "selector_coverage", "selector_streak"):
             assert x[key] == pytest.approx(y[key], rel=1e-5), (x["step"], key)
 

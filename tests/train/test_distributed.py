@@ -96,7 +96,7 @@ def records(run_dir: Path) -> list[dict]:
 
 def assert_same_steps(a: list[dict], b: list[dict], keys=COMPARED) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]
 
 
@@ -105,7 +105,7 @@ def assert_close_steps(a: list[dict], b: list[dict], rel: float) -> None:
     assert_same_steps(
         a, b, keys=("tokens", "batch_tokens", "batch_samples", "block_tokens", "epoch", "bucket", "skipped")
     )
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert abs(x["loss"] - y["loss"]) <= rel * abs(y["loss"]), (x["step"], x["loss"], y["loss"])
 
 
@@ -178,7 +178,7 @@ def test_every_sample_once_per_epoch_across_ranks(tiny):
             got = [sid for s in shares for part in s.parts if part is not None for sid in part.sample_ids]
             assert sorted(got) == sorted(plain[step].sample_ids)  # the global batch, each sample once
             for share in shares:  # rows point at the samples' places in the global batch
-                for part, rows in zip(share.parts, share.rows):
+                for part, rows in zip(share.parts, share.rows, strict=True):
                     if part is not None:
                         assert [share.sample_ids[r] for r in rows] == part.sample_ids
                         assert part.lengths.tolist() == share.global_lengths[rows].tolist()

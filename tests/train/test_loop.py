@@ -15,6 +15,7 @@ counterparts are in tests/gpu.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -147,7 +148,7 @@ def test_lr_schedule():
     total, warm = 100, 4
     lrs = [lr_at(s, total, warm, 1.0) for s in range(1, total + 1)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert lrs[4] == 1.0 and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    assert lrs[4] == 1.0 and all(a >= b for a, b in itertools.pairwise(lrs[4:]))
     assert abs(lrs[4 + 48] - 0.5) < 0.02  # halfway through the cosine
     assert 0 < lrs[-1] < 1e-3
     assert lr_at(1, 10, 0, 2.0) == 2.0
@@ -166,7 +167,7 @@ def test_every_step_logged_with_the_contract_keys_and_run_files(tiny, tmp_path, 
         assert 0 <= r["fetch_frac"] <= 1 and 0 < r["pad_eff"] <= 1 and r["block_tokens"] % 16 == 0
     assert [r["ckpt"] for r in records] == [False, True, False, True, False, True]
     epochs = [r["epoch"] for r in records]
-    assert all(0 < e for e in epochs) and epochs == sorted(epochs)
+    assert all(e > 0 for e in epochs) and epochs == sorted(epochs)
     assert records[-1]["tokens"] == sum(r["batch_tokens"] for r in records)
     assert [r["lr"] for r in records] == [lr_at(s, 6, round(0.04 * 6), cfg.optim.lr) for s in range(1, 7)]
     assert {p.name for p in run.iterdir()} >= {

@@ -174,7 +174,7 @@ def _spec_forward(model: DFlashDrafter, noise, target_hidden, position_ids):
     c = _rms(target_hidden.float() @ sd["fc.weight"].T, sd["hidden_norm.weight"])
     h = noise
     for i in range(cfg.num_hidden_layers):
-        p = lambda n: sd[f"layers.{i}.{n}"]  # noqa: E731
+        p = lambda n, i=i: sd[f"layers.{i}.{n}"]  # noqa: E731
         x = _rms(h, p("input_layernorm.weight"))
         q = _rms((x @ p("self_attn.q_proj.weight").T).view(B, Q, H, E), p("self_attn.q_norm.weight")).transpose(1, 2)
         k = torch.cat([c @ p("self_attn.k_proj.weight").T, x @ p("self_attn.k_proj.weight").T], 1)
@@ -339,5 +339,5 @@ def test_compiled_paths_trace_as_one_graph():
             0.5,
             2.0,
         )
-        for a, b in zip(chunk(*args), chunk_loss_and_grad(*args)):
+        for a, b in zip(chunk(*args), chunk_loss_and_grad(*args), strict=True):
             torch.testing.assert_close(a, b)

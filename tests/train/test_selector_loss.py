@@ -76,7 +76,7 @@ def test_selector_loss_and_gradients_equal_the_full_logit_formula(chunk_rows):
     ref = reference(ref_hidden, head, blocks, module, 0.7)
     ref_grads = torch.autograd.grad(ref * 2.0, [ref_hidden, *params])
     torch.testing.assert_close(out.loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert 0 < float(out.selector.coverage) < 1  # some rows covered, some not: both branches exercised
     assert float(grads[0].abs().sum()) > 0 and blocks.loss_rows_M.numel() > chunk_rows or chunk_rows == 4096

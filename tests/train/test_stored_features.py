@@ -100,7 +100,7 @@ def test_a_dataset_whose_shards_mix_encodings_is_refused_naming_the_shards(tiny,
     shutil.copy(f"{quantized.root}/{quantized.shards[0]['file']}", mixed / entry["file"])
     shutil.copy(f"{quantized.root}/{quantized.shards[0]['index_file']}", mixed / entry["index_file"])
     manifest["shards"].append(entry)
-    for key, field in zip(RESERVED_COUNTS, ("samples", "tokens", "loss_tokens")):
+    for key, field in zip(RESERVED_COUNTS, ("samples", "tokens", "loss_tokens"), strict=True):
         manifest["counts"][key] += entry[field]
     save_manifest(fs, path, "manifest.json", manifest)
     with pytest.raises(ValueError, match=r"shard 'q-00000.arrow' has encoding 'fp8' but the dataset's is 'planes'"):

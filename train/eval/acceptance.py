@@ -144,7 +144,10 @@ def chain_blocks(
 
 
 def _rate(numerator: Tensor, denominator: Tensor) -> list[float | None]:
-    return [None if int(d) == 0 else float(n) / float(d) for n, d in zip(numerator.tolist(), denominator.tolist())]
+    return [
+        None if int(d) == 0 else float(n) / float(d)
+        for n, d in zip(numerator.tolist(), denominator.tolist(), strict=True)
+    ]
 
 
 def _mean(x_N: Tensor) -> float | None:

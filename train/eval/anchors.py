@@ -24,7 +24,7 @@ def response_run_lengths(loss_mask_T: Tensor) -> Tensor:
 
 
 def _anchor_generator_seed(seed: int, sample_id: str) -> int:
-    return xxhash.xxh3_64_intdigest(_ANCHOR_SALT + f"{seed}:{sample_id}".encode("utf-8")) & (2**63 - 1)
+    return xxhash.xxh3_64_intdigest(_ANCHOR_SALT + f"{seed}:{sample_id}".encode()) & (2**63 - 1)
 
 
 def block_anchors(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Literal
 
 from common.config import fail, knob
@@ -105,7 +106,7 @@ class EvalConfig:
             fail("budgets", "needs at least one DDTree budget")
         if len(set(self.budgets)) != len(self.budgets):
             fail("budgets", f"has duplicates: {self.budgets}")
-        if self.boundaries is not None and any(a >= b for a, b in zip(self.boundaries, self.boundaries[1:])):
+        if self.boundaries is not None and any(a >= b for a, b in itertools.pairwise(self.boundaries)):
             fail("boundaries", f"must be strictly increasing, got {self.boundaries}")
 
     @property

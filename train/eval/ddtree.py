@@ -149,10 +149,10 @@ class ConditionalTopK:
     def n_blocks(self) -> int:
         return int(self.logprobs_NDPK.shape[0])
 
-    def block(self, i: int) -> "ConditionalTopK":
+    def block(self, i: int) -> ConditionalTopK:
         return ConditionalTopK(self.logprobs_NDPK[i : i + 1], self.slot_NDPK[i : i + 1], self.token_NDk[i : i + 1])
 
-    def rows(self, rows: slice) -> "ConditionalTopK":
+    def rows(self, rows: slice) -> ConditionalTopK:
         return ConditionalTopK(self.logprobs_NDPK[rows], self.slot_NDPK[rows], self.token_NDk[rows])
 
 
@@ -291,7 +291,9 @@ def _best_first(lp: list, slots: list | None, tokens: list, budget: int) -> DDTr
         parent_M=torch.tensor(parents, dtype=torch.long),
         depth_M=torch.tensor(depths, dtype=torch.long),
         rank_M=torch.tensor(ranks, dtype=torch.long),
-        token_M=torch.tensor([tokens[d - 1][slot] for d, slot in zip(depths, node_slots)], dtype=torch.long),
+        token_M=torch.tensor(
+            [tokens[d - 1][slot] for d, slot in zip(depths, node_slots, strict=True)], dtype=torch.long
+        ),
         score_M=torch.tensor(scores, dtype=torch.float64),
     )
 
@@ -312,10 +314,10 @@ def walk_tree(tree: DDTree, target_ids_D: Tensor, valid_len: int | None = None) 
     if target_ids_D.ndim != 1:
         raise ValueError(f"target ids must be [D], got shape {tuple(target_ids_D.shape)}")
     limit = _check_valid_len(valid_len, target_ids_D.shape[0])
-    child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parent_M.tolist(), tree.token_M.tolist()))}
+    child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parent_M.tolist(), tree.token_M.tolist(), strict=True))}
     node, depth = -1, 0
     for y in target_ids_D[:limit].tolist():
-        node = child.get((node, y), None)
+        node = child.get((node, y))
         if node is None:
             break
         depth += 1

@@ -32,7 +32,7 @@ class Runtime(OnKernels):
     score_in_background: bool = False
 
     @classmethod
-    def from_config(cls, cfg: EvalConfig, head_dims: Sequence[int]) -> "Runtime":
+    def from_config(cls, cfg: EvalConfig, head_dims: Sequence[int]) -> Runtime:
         """The runtime for drafters of these head dims (flex only if it works for all of them)."""
         kernels = choose_kernels(
             cfg.device, cfg.precision, cfg.attention, False, head_dims, training=False, keys=EVAL_KEYS

@@ -69,7 +69,7 @@ def _grid(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     lines = []
     for j, row in enumerate([header] + rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
         lines.append("  ".join(cells).rstrip())
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -87,7 +87,7 @@ def _single_table(report: dict) -> str:
     n_draft = report["block_size"] - 1
     columns = [("all", ckpt["overall"])]
     if len(report["buckets"]) > 1:
-        columns += [(b["label"], s) for b, s in zip(report["buckets"], ckpt["buckets"])]
+        columns += [(b["label"], s) for b, s in zip(report["buckets"], ckpt["buckets"], strict=True)]
     header = ["metric"] + [name for name, _ in columns]
     specs = metric_rows(report["budgets"], n_draft)
     rows = [[label] + [_bucket_cell(s, key, index) for _, s in columns] for label, key, index in specs]
@@ -170,7 +170,7 @@ def render_report(report: dict) -> str:
     n_draft = report["block_size"] - 1
     lines = ["DFlash offline evaluation"]
     names = ["A", "B"] if len(ckpts) == 2 else [""]
-    for name, ckpt in zip(names, ckpts):
+    for name, ckpt in zip(names, ckpts, strict=True):
         own = ", DFlash2: the selector's proposals; its unary ones in the unary rows" if ckpt.get("unary") else ""
         lines.append(f"  checkpoint {name + ' ' if name else ''}{ckpt['path']} (step {ckpt['step']}{own})")
         lines += _target_lines(ckpt)

@@ -45,7 +45,7 @@ _NOT_RATIOED = ("n_blocks", "n_cut", "n_samples", "position_count", "conditional
 
 def _ratio(a: Any, b: Any) -> Any:
     if isinstance(a, list) and isinstance(b, list):
-        return [_ratio(x, y) for x, y in zip(a, b)]
+        return [_ratio(x, y) for x, y in zip(a, b, strict=True)]
     if a is None or b is None or isinstance(a, (list, dict)) or a == 0:
         return None
     return float(b) / float(a)
@@ -147,7 +147,9 @@ def evaluate_checkpoints(checkpoints: Sequence[str], cfg: EvalConfig) -> tuple[d
                 "checked_fields": fields,
                 **summarize_model(table, s, buckets),
             }
-            for info, target, target_check, fields, s in zip(infos, targets, target_checks, checked, scores)
+            for info, target, target_check, fields, s in zip(
+                infos, targets, target_checks, checked, scores, strict=True
+            )
         ],
         "baseline": baseline,
         "notes": _notes(data, n_draft, cfg),
@@ -177,11 +179,11 @@ def _checked_models(
     stored = {target: stored_head_or_none(target) for target in dict.fromkeys(targets)}
     target_checks = [
         check_eval_target(info, target, cfg.data, manifest, cfg.allow_target_mismatch, stored[target])
-        for info, target in zip(infos, targets)
+        for info, target in zip(infos, targets, strict=True)
     ]
     models = [
         load_eval_model(info, target, runtime.device, runtime.head_dtype, stored[target])
-        for info, target in zip(infos, targets)
+        for info, target in zip(infos, targets, strict=True)
     ]
     return targets, target_checks, models
 
@@ -190,7 +192,7 @@ def _ratios(first: dict, second: dict) -> dict:
     """The second checkpoint's metrics over the first's, overall and per bucket."""
     return {
         "overall": metric_ratios(first["overall"], second["overall"]),
-        "buckets": [metric_ratios(a, b) for a, b in zip(first["buckets"], second["buckets"])],
+        "buckets": [metric_ratios(a, b) for a, b in zip(first["buckets"], second["buckets"], strict=True)],
     }
 
 

@@ -45,7 +45,7 @@ class DraftScores:
     ddtree_surrogate_tau: dict[int, Tensor]  # budget -> float64 [N]
     # A DFlash2 drafter's own proposals, the same fields: its selector's walk and log q of each step,
     # the conditional trees' τ (None for a DFlash drafter).
-    selector: "DraftScores | None" = None
+    selector: DraftScores | None = None
 
     def extra_metrics(self) -> dict[str, Tensor]:
         """The DDTree per-block values under the names the summaries use."""
@@ -56,11 +56,11 @@ class DraftScores:
             out[f"ddtree_surrogate_tau_{b}"] = self.ddtree_surrogate_tau[b]
         return out
 
-    def chain(self, table: "BlockTable") -> ChainBlocks:
+    def chain(self, table: BlockTable) -> ChainBlocks:
         return chain_blocks(self.draft_ids_ND, table.target_ids_ND, table.valid_len_N, self.top1_logprob_ND)
 
     @staticmethod
-    def concat(parts: Sequence["DraftScores"], n_draft: int, budgets: Sequence[int]) -> "DraftScores":
+    def concat(parts: Sequence[DraftScores], n_draft: int, budgets: Sequence[int]) -> DraftScores:
         selectors = [p.selector for p in parts if p.selector is not None]
         assert len(selectors) in (0, len(parts)), "a model's blocks are all scored alike"
         if not parts:
@@ -79,7 +79,7 @@ class DraftScores:
             DraftScores.concat(selectors, n_draft, budgets) if selectors else None,
         )
 
-    def take(self, order_N: Tensor) -> "DraftScores":
+    def take(self, order_N: Tensor) -> DraftScores:
         return DraftScores(
             self.draft_ids_ND[order_N],
             self.top1_logprob_ND[order_N],
@@ -251,7 +251,7 @@ def run_blocks(
             scorer.shutdown(wait=True, cancel_futures=True)
 
     columns = (
-        [torch.cat(c) for c in zip(*blocks)]
+        [torch.cat(c) for c in zip(*blocks, strict=True)]
         if blocks
         else [
             torch.zeros(0, dtype=torch.long),

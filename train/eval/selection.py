@@ -189,10 +189,14 @@ def bucket_table(boundaries: Sequence[int], lengths: np.ndarray) -> tuple[list[d
     for i in range(len(edges) + 1):
         lo = edges[i - 1] + 1 if i > 0 else 1
         hi = edges[i] if i < len(edges) else None
-        if hi is None:
-            label = f">{lo - 1}" if i > 0 else "all lengths"
+        if hi is None and i == 0:
+            label = "all lengths"
+        elif hi is None:
+            label = f">{lo - 1}"
+        elif i == 0:
+            label = f"<={hi}"
         else:
-            label = f"<={hi}" if i == 0 else f"{lo}-{hi}"
+            label = f"{lo}-{hi}"
         table.append({"bucket": i, "lo": lo, "hi": hi, "label": label, "n_samples": int(counts[i])})
     return table, bucket_of_sample
 

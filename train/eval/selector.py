@@ -34,7 +34,7 @@ class SelectorDrafts:
     walk_logprob_MD: Tensor  # float32: log q_j(walk_j | walk_{j-1}) of each step (the anchor before step 1)
     lattice: ConditionalTopK  # q_j(. | every parent), sorted per row, for the conditional DDTree
 
-    def to(self, device) -> "SelectorDrafts":
+    def to(self, device) -> SelectorDrafts:
         lattice = self.lattice
         return SelectorDrafts(
             self.walk_MD.to(device),
@@ -45,11 +45,11 @@ class SelectorDrafts:
         )
 
     @staticmethod
-    def concat(parts: list["SelectorDrafts"]) -> "SelectorDrafts":
+    def concat(parts: list[SelectorDrafts]) -> SelectorDrafts:
         return SelectorDrafts(
             torch.cat([p.walk_MD for p in parts]),
             torch.cat([p.walk_logprob_MD for p in parts]),
-            ConditionalTopK(*(torch.cat(t) for t in zip(*(_lattice_tensors(p.lattice) for p in parts)))),
+            ConditionalTopK(*(torch.cat(t) for t in zip(*(_lattice_tensors(p.lattice) for p in parts), strict=True))),
         )
 
 

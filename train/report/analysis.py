@@ -354,7 +354,9 @@ def continuity(m: Metrics, cfg: ReportConfig) -> Continuity:
     epoch = m.epoch
     ok = np.flatnonzero(np.isfinite(epoch))
     decreases = [
-        (int(steps[j]), float(epoch[i]), float(epoch[j])) for i, j in zip(ok[:-1], ok[1:]) if epoch[j] < epoch[i] - 1e-9
+        (int(steps[j]), float(epoch[i]), float(epoch[j]))
+        for i, j in zip(ok[:-1], ok[1:], strict=True)
+        if epoch[j] < epoch[i] - 1e-9
     ]
     fractional = bool(ok.size and np.any(np.abs(epoch[ok] - np.round(epoch[ok])) > 1e-9))
     if "epoch" not in m.present:
@@ -498,7 +500,7 @@ def _bucket_levels(m: Metrics, tail: np.ndarray, min_steps: int) -> tuple[dict[i
     acc = m.acc_mean
     rows = tail[(m.bucket[tail] >= 0) & np.isfinite(acc[tail])]
     ids, counts = np.unique(m.bucket[rows], return_counts=True)
-    ids = [int(b) for b, n in zip(ids, counts) if n >= min_steps]
+    ids = [int(b) for b, n in zip(ids, counts, strict=True) if n >= min_steps]
     rows = rows[np.isin(m.bucket[rows], ids)]
     if len(ids) < 2:
         return {}, False

@@ -426,7 +426,7 @@ def _apply_boundaries(buckets: list[BucketPlan], edges: Any) -> None:
         los, his = [0.0] + edges[:-1], edges
     else:
         return
-    for bucket, lo, hi in zip(buckets, los, his):
+    for bucket, lo, hi in zip(buckets, los, his, strict=True):
         bucket.lo = bucket.lo if bucket.lo is not None else lo
         bucket.hi = bucket.hi if bucket.hi is not None else hi
 

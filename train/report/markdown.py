@@ -7,7 +7,7 @@ why it is empty, and a bucket without steps is a row marked EMPTY, never a missi
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from train.report.alarms import Alarm, not_judged
 from train.report.analysis import Phase, RunAnalysis
@@ -59,7 +59,7 @@ def render_markdown(
 ) -> str:
     first = analyses[0]
     lines = [f"# Training-health report: {first.run.name}", ""]
-    lines += [f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by `{command}`.", ""]
+    lines += [f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC} by `{command}`.", ""]
     lines += [
         "Runs: "
         + ", ".join(
@@ -354,7 +354,7 @@ def _buckets(a: RunAnalysis, cfg: ReportConfig, plots: dict[str, str]) -> list[s
     return lines + image("buckets", "buckets: shares, loss and accuracy, order of batches", plots)
 
 
-def _composition(a: RunAnalysis, cfg: ReportConfig, plots: dict[str, str]) -> list[str]:
+def _composition(a: RunAnalysis, cfg: ReportConfig, plots: dict[str, str]) -> list[str]:  # noqa: ARG001 (a section: one signature)
     c = a.comp
     plan = a.run.plan
     lines = (

@@ -283,7 +283,7 @@ def _loss_hist(a: RunAnalysis) -> Figure:
     if d.mixture is not None:
         xs = np.linspace(bins[0], bins[-1], 300)
         width = bins[1] - bins[0]
-        for w, mu, sd in zip(d.mixture.weights, d.mixture.means, d.mixture.sds):
+        for w, mu, sd in zip(d.mixture.weights, d.mixture.means, d.mixture.sds, strict=True):
             ax.plot(
                 xs,
                 loss.size * width * w * np.exp(-0.5 * ((xs - mu) / sd) ** 2) / (sd * math.sqrt(2 * math.pi)),
@@ -328,7 +328,7 @@ def _buckets(a: RunAnalysis) -> Figure:
         ]
         width = 0.2
         # Greys and blues here: the bucket colours of the other panels mean buckets, these mean quantities.
-        for i, ((label, values), color) in enumerate(zip(series, SHARE_COLORS)):
+        for i, ((label, values), color) in enumerate(zip(series, SHARE_COLORS, strict=True)):
             shares.bar(
                 x + (i - 1.5) * width,
                 [100 * v if math.isfinite(v) else 0 for v in values],
@@ -348,7 +348,7 @@ def _buckets(a: RunAnalysis) -> Figure:
                 [v if math.isfinite(v) else 0 for v in values],
                 color=[COLORS[(r.id + 2) % len(COLORS)] for r in rows],
             )
-            for xi, r, v in zip(x, rows, values):
+            for xi, r, v in zip(x, rows, values, strict=True):
                 ax.text(
                     xi,
                     v if math.isfinite(v) else 0,

@@ -183,7 +183,7 @@ def trend_with_groups(x: np.ndarray, y: np.ndarray, groups: np.ndarray) -> tuple
         return math.nan, {g: float(y[groups == g].mean()) for g in ids}
     design = np.column_stack([(groups == g).astype(np.float64) for g in ids] + [x - x.mean()])
     coef = np.linalg.lstsq(design, y, rcond=None)[0]
-    return float(coef[-1]), {g: float(c) for g, c in zip(ids, coef[:-1])}
+    return float(coef[-1]), {g: float(c) for g, c in zip(ids, coef[:-1], strict=True)}
 
 
 def ranges(values: list[int] | np.ndarray) -> list[tuple[int, int]]:

@@ -114,7 +114,7 @@ class Generation:
     def taus(self) -> list[int]:
         return [r.tau for r in self.rounds]
 
-    def end_round(self, round_: "Round", t0: float, t1: float, t2: float, t3: float) -> None:
+    def end_round(self, round_: Round, t0: float, t1: float, t2: float, t3: float) -> None:
         """Book one draft-verify round: its record, its verifying target forward, and where its time
         went (t0 draft t1 verify t2 rollback t3)."""
         self.rounds.append(round_)
@@ -218,7 +218,8 @@ class DFlashProposer:
 
 def _leading_matches(drafts: Sequence[int], tokens: Sequence[int]) -> int:
     n = 0
-    for d, t in zip(drafts, tokens):
+    # strict=False: the common prefix (the target's tokens run one past the drafts it verified)
+    for d, t in zip(drafts, tokens, strict=False):
         if d != t:
             break
         n += 1

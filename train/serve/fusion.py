@@ -68,7 +68,7 @@ def compiled_layers(layers: Sequence[nn.Module], mode: str, shapes: int = 2) -> 
                 layer.forward = _compile(type(layer).forward.__get__(layer), mode)
             yield
         finally:
-            for layer, original in zip(layers, originals):
+            for layer, original in zip(layers, originals, strict=True):
                 if original is None:
                     del layer.forward
                 else:

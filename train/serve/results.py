@@ -24,7 +24,8 @@ from train.serve.decoding import Generation
 
 def compare_generations(spec: Generation, base: Generation) -> dict:
     """Whether two continuations are identical, and where they first differ."""
-    first = next((i for i, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b), None)
+    # strict=False: the continuations may differ in length (the shorter one's end is the mismatch, below)
+    first = next((i for i, (a, b) in enumerate(zip(spec.tokens, base.tokens, strict=False)) if a != b), None)
     if first is None and len(spec.tokens) != len(base.tokens):
         first = min(len(spec.tokens), len(base.tokens))
     out = {"identical": first is None, "first_mismatch": first}
@@ -76,7 +77,7 @@ def against_baseline(gens: Sequence[Generation], bases: Sequence[Generation], sp
     prompt by prompt (`lossless`, where they differ and the margins there) and the wall-clock speed-up
     of `gens` (whose speed is `speed`)."""
     baseline = _speed(bases)
-    comparisons = [compare_generations(g, b) for g, b in zip(gens, bases)]
+    comparisons = [compare_generations(g, b) for g, b in zip(gens, bases, strict=True)]
     return {
         "baseline": baseline,
         "lossless": all(c["identical"] for c in comparisons),

@@ -143,7 +143,7 @@ class SpecTarget:
     @classmethod
     def from_model(
         cls, model: nn.Module, layer_ids: Sequence[int], stop_ids: Sequence[int], tokenizer=None
-    ) -> "SpecTarget":
+    ) -> SpecTarget:
         return cls(reach_text_parts(model.eval(), tokenizer), layer_ids, stop_ids)
 
     @property

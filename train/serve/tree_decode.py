@@ -58,7 +58,7 @@ def tree_attention_mask(parent_M: torch.Tensor, cached: int, dtype: torch.dtype)
 def walk_verified_tree(parent_M: torch.Tensor, token_M: torch.Tensor, greedy: Sequence[int]) -> list[int]:
     """Accepted node indices, root first excluded: from the root, follow the child whose token is the
     target's greedy token at the current node (`greedy[0]` at the root, `greedy[i + 1]` at node i)."""
-    child = {(p, t): i for i, (p, t) in enumerate(zip(parent_M.tolist(), token_M.tolist()))}
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parent_M.tolist(), token_M.tolist(), strict=True))}
     path, node = [], -1
     while (node, greedy[node + 1]) in child:
         node = child[(node, greedy[node + 1])]

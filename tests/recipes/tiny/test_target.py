@@ -51,10 +51,10 @@ def test_assistant_masks_mark_exactly_the_answers(corpus, small_tokenizer):
     records = [r for r in train if len(r.get("messages", [])) > 2][:3] + [r for r in train if "text" in r][:1]
     seqs = tiny_target.encode_records(small_tokenizer, records, 4096)
     masks = tiny_target.assistant_masks(small_tokenizer, records, 4096)
-    for record, ids, mask in zip(records, seqs, masks):
+    for record, ids, mask in zip(records, seqs, masks, strict=True):
         assert len(mask) == len(ids)
         answers = "".join(m["content"] + IM_END for m in record.get("messages", []) if m["role"] == "assistant")
-        assert small_tokenizer.decode([t for t, keep in zip(ids, mask) if keep]) == answers
+        assert small_tokenizer.decode([t for t, keep in zip(ids, mask, strict=True) if keep]) == answers
 
 
 def test_length_batches_cover_every_sequence_once_within_the_budget():

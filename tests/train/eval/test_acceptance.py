@@ -98,7 +98,7 @@ def test_against_brute_force_loops():
         [0] * n_positions,
         [0] * n_positions,
     )
-    for draft, target, L in zip(draft_ND.tolist(), target_ND.tolist(), valid_len_N.tolist()):
+    for draft, target, L in zip(draft_ND.tolist(), target_ND.tolist(), valid_len_N.tolist(), strict=True):
         streak = 0
         while streak < L and draft[streak] == target[streak]:
             streak += 1
@@ -110,8 +110,8 @@ def test_against_brute_force_loops():
             survived[k] += streak >= k + 1
     assert blocks.streak_N.tolist() == streaks
     assert summary["tau"] == pytest.approx(1 + sum(streaks) / n_blocks)
-    assert summary["position_acceptance"] == pytest.approx([h / c for h, c in zip(hits, counts)])
-    assert summary["conditional_acceptance"] == pytest.approx([s / r for s, r in zip(survived, reached)])
+    assert summary["position_acceptance"] == pytest.approx([h / c for h, c in zip(hits, counts, strict=True)])
+    assert summary["conditional_acceptance"] == pytest.approx([s / r for s, r in zip(survived, reached, strict=True)])
     assert summary["tau_histogram"] == [streaks.count(s) for s in range(n_positions + 1)]
 
 
@@ -151,7 +151,7 @@ def test_chain_surrogate_is_expected_tau_when_drafts_hit_with_their_probability(
     blocks = blocks_agreeing_for([[True] * n_positions], draft_top1_logprobs_ND=torch.log(torch.tensor([q])))
     expectation = 0.0
     for pattern in itertools.product([True, False], repeat=n_positions):
-        p = math.prod(qk if hit else 1 - qk for qk, hit in zip(q, pattern))
+        p = math.prod(qk if hit else 1 - qk for qk, hit in zip(q, pattern, strict=True))
         expectation += p * float(blocks_agreeing_for([list(pattern)]).tau_N[0])
     assert float(blocks.surrogate_tau_N[0]) == pytest.approx(expectation, rel=1e-6)
     assert summarize_blocks(blocks)["surrogate_tau"] == pytest.approx(expectation, rel=1e-6)

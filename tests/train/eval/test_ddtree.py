@@ -79,7 +79,7 @@ def brute_force_order(lp_DK: torch.Tensor) -> list[tuple[float, tuple[int, ...]]
 def rank_paths(tree: DDTree) -> list[tuple[int, ...]]:
     """Each node's path as a tuple of ranks, in node order."""
     paths: list[tuple[int, ...]] = []
-    for parent, rank in zip(tree.parent_M.tolist(), tree.rank_M.tolist()):
+    for parent, rank in zip(tree.parent_M.tolist(), tree.rank_M.tolist(), strict=True):
         assert parent < len(paths), "parent must precede child"
         paths.append((paths[parent] if parent >= 0 else ()) + (rank,))
     return paths
@@ -87,14 +87,16 @@ def rank_paths(tree: DDTree) -> list[tuple[int, ...]]:
 
 def token_paths(tree: DDTree) -> list[tuple[int, ...]]:
     paths: list[tuple[int, ...]] = []
-    for parent, token in zip(tree.parent_M.tolist(), tree.token_M.tolist()):
+    for parent, token in zip(tree.parent_M.tolist(), tree.token_M.tolist(), strict=True):
         paths.append((paths[parent] if parent >= 0 else ()) + (token,))
     return paths
 
 
 def assert_same_tree(a: DDTree, b: DDTree) -> None:
     for x, y in zip(
-        (a.parent_M, a.depth_M, a.rank_M, a.token_M, a.score_M), (b.parent_M, b.depth_M, b.rank_M, b.token_M, b.score_M)
+        (a.parent_M, a.depth_M, a.rank_M, a.token_M, a.score_M),
+        (b.parent_M, b.depth_M, b.rank_M, b.token_M, b.score_M),
+        strict=True,
     ):
         assert torch.equal(x, y)
 
@@ -384,7 +386,7 @@ def test_ddtree_taus_equals_per_block_single_builds_and_ignores_chunking():
             assert int(whole[budget].tau_N[i]) == 1 + walk_tree(tree, target_ND[i], L)
             assert float(whole[budget].surrogate_tau_N[i]) == pytest.approx(surrogate_tau(tree, L), abs=1e-12)
     # A bigger tree never walks less far (it contains the smaller one).
-    for small, big in zip(budgets, budgets[1:]):
+    for small, big in itertools.pairwise(budgets):
         assert (whole[big].tau_N >= whole[small].tau_N).all()
     assert (whole[64].tau_N > whole[8].tau_N).any()
 

@@ -243,7 +243,7 @@ def test_oracle_drafter_accepts_everything_and_a_wrong_one_nothing(tiny):
 def brute_force_blocks(model: EvalModel, ds, sample_positions, dataset_indices):
     """One block at a time, inference style: context = hidden[:a], no mask, positions 0..a+K-1."""
     rows = []
-    for position, i in zip(sample_positions, dataset_indices):
+    for position, i in zip(sample_positions, dataset_indices, strict=True):
         s = ds.torch(int(i))
         mask = s["loss_mask"].bool().tolist()
         T = len(mask)
@@ -294,7 +294,7 @@ def test_batched_evaluation_equals_a_one_block_at_a_time_loop(tiny):
     summary = summarize_model(table, scores[0], buckets)["overall"]
     agree_counts = [sum(1 for r in rows if len(r["agree"]) >= k and r["agree"][k - 1]) for k in range(1, K)]
     valid_counts = [sum(1 for r in rows if r["L"] >= k) for k in range(1, K)]
-    expected = [a / v if v else None for a, v in zip(agree_counts, valid_counts)]
+    expected = [a / v if v else None for a, v in zip(agree_counts, valid_counts, strict=True)]
     assert summary["position_acceptance"] == expected
     assert summary["position_count"] == valid_counts
     assert summary["tau"] == pytest.approx(1 + np.mean([r["streak"] for r in rows]))
@@ -334,9 +334,9 @@ def test_a_dflash2_drafters_selector_proposals_equal_one_block_at_a_time(tiny):
     assert torch.equal(scores[0].draft_ids_ND, torch.stack([r["draft"] for r in unary]))  # unary: as for DFlash
     own = scores[0].selector
     selector, walks, taus = model.model.candidate_selector, [], {b: [] for b in (8, 64)}
-    for position, i in zip(range(data.n_samples), data.indices):
+    for position, i in zip(range(data.n_samples), data.indices, strict=True):
         s = data.dataset.torch(int(i))
-        for a, L, targets in ((r["anchor"], r["L"], None) for r in unary if r["sample"] == position):
+        for a, L, _targets in ((r["anchor"], r["L"], None) for r in unary if r["sample"] == position):
             block = torch.full((1, K), MASK_ID, dtype=torch.long)
             block[0, 0] = s["input_ids"][a]
             with torch.no_grad():
@@ -371,7 +371,7 @@ def test_a_dflash2_drafters_selector_proposals_equal_one_block_at_a_time(tiny):
 
 def test_most_frequent_label_baseline_on_the_same_blocks(tiny):
     data, buckets, table, _ = evaluate([random_drafter_model()], tiny, eval_config("max_samples=8"), boundaries=[25])
-    labels = [int(y) for row, n in zip(table.target_ids_ND, table.valid_len_N) for y in row[: int(n)]]
+    labels = [int(y) for row, n in zip(table.target_ids_ND, table.valid_len_N, strict=True) for y in row[: int(n)]]
     counts = {y: labels.count(y) for y in set(labels)}
     order = sorted(counts, key=lambda y: (-counts[y], y))  # most frequent first, ties: smaller id
     lp, ids = label_frequency_topk(table, 5)
@@ -381,10 +381,14 @@ def test_most_frequent_label_baseline_on_the_same_blocks(tiny):
     summary = summarize_model(table, label_baseline(table, [8, 64], 64), buckets)["overall"]
     best = order[0]
     streaks = []
-    for row, n in zip(table.target_ids_ND.tolist(), table.valid_len_N.tolist()):
+    for row, n in zip(table.target_ids_ND.tolist(), table.valid_len_N.tolist(), strict=True):
         streaks.append(next((j for j, y in enumerate(row[:n]) if y != best), n))
     assert summary["tau"] == pytest.approx(1 + np.mean(streaks))
-    k1 = [row[0] == best for row, n in zip(table.target_ids_ND.tolist(), table.valid_len_N.tolist()) if n >= 1]
+    k1 = [
+        row[0] == best
+        for row, n in zip(table.target_ids_ND.tolist(), table.valid_len_N.tolist(), strict=True)
+        if n >= 1
+    ]
     assert summary["position_acceptance"][0] == pytest.approx(np.mean(k1))
     # Best-first trees grow by adding nodes: a larger budget never accepts less.
     assert summary["ddtree_tau_8"] <= summary["ddtree_tau_64"]
@@ -478,7 +482,8 @@ def test_two_checkpoints_side_by_side_with_ratios(tiny, tmp_path, capsys):
     assert ratio["tau"] == pytest.approx(b["tau"] / a["tau"])
     assert ratio["ddtree_tau_64"] == pytest.approx(b["ddtree_tau_64"] / a["ddtree_tau_64"])
     assert ratio["position_acceptance"] == [
-        None if x in (None, 0) else y / x for x, y in zip(a["position_acceptance"], b["position_acceptance"])
+        None if x in (None, 0) else y / x
+        for x, y in zip(a["position_acceptance"], b["position_acceptance"], strict=True)
     ]
     assert "n_blocks" not in ratio and "tau_histogram" not in ratio
     for i, bucket in enumerate(report["ratio"]["buckets"]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -87,4 +88,4 @@ def test_ranges_cover_exactly_the_values(values):
     spans = ranges(values)
     assert sorted(v for a, b in spans for v in range(a, b + 1)) == sorted(values)
     assert all(a <= b for a, b in spans)
-    assert all(a2 > b1 + 1 for (_, b1), (a2, _) in zip(spans, spans[1:]))  # separated by a gap
+    assert all(a2 > b1 + 1 for (_, b1), (a2, _) in itertools.pairwise(spans))  # separated by a gap

@@ -191,7 +191,7 @@ def test_the_reference_loads_the_export_strictly_and_computes_the_same(tmp_path,
                 target_hidden=features[:, cached:anchor],
                 use_cache=True,
             )
-            got = [m(**kwargs, past_key_values=c)[:, 1:] for m, c in zip((ours, theirs), caches)]
+            got = [m(**kwargs, past_key_values=c)[:, 1:] for m, c in zip((ours, theirs), caches, strict=True)]
             for c in caches:
                 ref._crop_to(c, anchor)
             cached = anchor

@@ -5,6 +5,7 @@ trust_remote_code=False instead of transformers' default, which asks on the term
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
@@ -55,9 +56,7 @@ def test_the_trainer_reads_a_target_tokenizer_without_running_its_code(tmp_path,
         f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nfrom transformers import PreTrainedTokenizerFast "
         "as EvilTokenizer\n"
     )
-    try:
+    with contextlib.suppress(ValueError):  # refusing is fine; asking on the terminal or running the code is not
         _load_tokenizer(str(tmp_path))
-    except ValueError:
-        pass  # refusing is fine; asking on the terminal or running the code is not
     assert not marker.exists()
     assert asked == [False]  # explicitly off: transformers asks on the terminal when it is left unset

@@ -154,7 +154,8 @@ def test_the_static_cache_and_slot_drafter_decode_hybrids_losslessly(hybrid, tmp
     prompt = [4, 8, 15, 16, 23, 42]
     base = greedy_generate(dynamic, prompt, 40)
     assert greedy_generate(static, prompt, 40).tokens == base.tokens, name
-    for prompt, proposer in ((prompt, CycleProposer(prompt + base.tokens)), ([9, 1], drafter)):
+    cases = ((prompt, CycleProposer(prompt + base.tokens)), ([9, 1], drafter))
+    for prompt, proposer in cases:
         base = greedy_generate(dynamic, prompt, 40)
         spec = speculative_generate(static, proposer, prompt, 40)
         assert spec.tokens == base.tokens, (name, type(proposer).__name__)

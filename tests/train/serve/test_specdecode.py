@@ -247,7 +247,7 @@ def test_partial_acceptance_tau_and_summary():
     target = SpecTarget.from_model(tiny_qwen3(), LAYER_IDS, stop_ids=[])
     prompts = random_prompts(2, lengths=(6, 11))
     specs, bases = [], []
-    for prompt, k in zip(prompts, (5, 9)):
+    for prompt, k in zip(prompts, (5, 9), strict=True):
         base = greedy_generate(target, prompt, 48)
         spec = speculative_generate(target, BrokenAtProposer(prompt + base.tokens, k), prompt, 48)
         assert spec.tokens == base.tokens
@@ -780,7 +780,7 @@ def test_ddtree_is_lossless_and_its_tau_is_the_tree_walk(trained):
             tree_gen = ddtree_generate(target, recording, prompt, 50, budget)
             assert tree_gen.tokens == base.tokens, budget
             check_round_bookkeeping(tree_gen)
-            for r, logits in zip(tree_gen.rounds, recording.logits):
+            for r, logits in zip(tree_gen.rounds, recording.logits, strict=True):
                 lp, ids = draft_topk(logits[None].float(), min(budget, V))
                 tree = build_ddtree(lp[0], ids[0], budget)
                 y = torch.tensor((sequence[r.start + 1 : r.start + B] + [0] * B)[: B - 1])

@@ -60,7 +60,7 @@ def test_fixed_window_rounds_propose_what_the_dynamic_cache_proposes(target, tmp
         assert ours.tokens == theirs.tokens == base.tokens
         assert [r.accepted for r in ours.rounds] == [r.accepted for r in theirs.rounds]
         assert len(static_rec.logits) == len(dynamic_rec.logits) > 2
-        for mine, reference in zip(static_rec.logits, dynamic_rec.logits):
+        for mine, reference in zip(static_rec.logits, dynamic_rec.logits, strict=True):
             torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-4)
         check_round_bookkeeping(ours)
 

@@ -144,15 +144,14 @@ def test_compiled_layers_compute_what_the_eager_layers_do_and_are_restored(targe
     with compiled_layers(layers, "aot_eager"):
         assert all("forward" in layer.__dict__ for layer in layers)
         _, _, cache = static.forward(prompt, None, taps=True)
-        for ids, (logits_e, features_e) in zip((block[:, :1], block), expected):
+        for ids, (logits_e, features_e) in zip((block[:, :1], block), expected, strict=True):
             logits, features, cache = static.forward(ids, cache, taps=True)
             torch.testing.assert_close(logits, logits_e, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(features, features_e, rtol=1e-5, atol=1e-5)
             crop_cache(cache, 9)
     assert not any("forward" in layer.__dict__ for layer in layers)
-    with pytest.raises(ValueError, match="compile mode 'cudagraphs'"):
-        with compiled_layers(layers, "cudagraphs"):
-            pass
+    with pytest.raises(ValueError, match="compile mode 'cudagraphs'"), compiled_layers(layers, "cudagraphs"):
+        pass
 
 
 def test_the_compile_knob_names_the_mode_the_static_target_compiles_with():
