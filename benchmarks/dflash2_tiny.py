@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.interrupts import run_main
+
 CONFIG = "configs/tiny.toml"
 HELDOUT = "artifacts/tiny/shards/heldout"
 
@@ -155,4 +157,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("benchmarks.dflash2_tiny", main))
