@@ -157,4 +157,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main("benchmarks.dflash2_tiny", main))
+    raise SystemExit(run_main("benchmarks.dflash2_tiny", main))
