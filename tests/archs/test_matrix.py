@@ -35,8 +35,8 @@ def test_the_committed_page_is_the_generators_with_a_row_per_family():
 def test_family_runs_end_to_end_or_is_refused_in_one_line(family, tmp_path):
     outcome = run_family(family, chat_tokenizer(), tmp_path)
     if family.refused is not None:
-        assert outcome.refused is not None and family.refused in outcome.refused, outcome.refused
-        assert "\n" not in outcome.refused and family.refused in outcome.refused_why
+        assert outcome.refused is not None and family.refused in outcome.refused_why, outcome.refused
+        assert "\n" not in outcome.refused
         assert not (tmp_path / "out").exists()  # refused before the command wrote (or ran) anything
     else:
         assert outcome.refused is None, outcome.refused

@@ -132,7 +132,8 @@ def test_real_plans_dflash2_right_after_dflash_at_the_same_steps_and_prompts():
     rest = pinned([p for p in parts if p.name not in ran], ran)
     second = fit(on_machine(rest, {"training", "evaluation"}), budget, set(ran))
     planned = {p.part.name: p.units for p in second.runs}
-    assert {"evaluation-dflash2", "decoding", "decoding-dflash2"} <= set(planned)
+    # evaluation-dflash2 fits the first command or the second, as the records' costs have it
+    assert {"evaluation-dflash2", "decoding", "decoding-dflash2"} <= set(ran) | set(planned)
     assert 32 <= planned["decoding"] == planned["decoding-dflash2"]
 
 
@@ -189,7 +190,7 @@ def test_the_committed_h100_records_set_the_costs_of_the_next_h100_run():
     real = calibrate(
         importlib.import_module(SUITES["real"]).parts("gpu", {}), measured_costs(records, "real", "gpu", "H100")
     )
-    assert real[0].cost(1) + real[0].cold_s == pytest.approx(267.3)
+    assert real[0].cost(1) + real[0].cold_s == pytest.approx(292.8)  # the newest: 2026-12-05 17:59, a bare H100
     h200 = calibrate(module.parts("gpu", {}), measured_costs(records, "shape27b", "gpu", "H200"))
     assert h200[0].cost(1) + h200[0].cold_s == pytest.approx(150.1, abs=0.5)  # 2026-12-05, a bare H200
 
