@@ -43,14 +43,14 @@ from pathlib import Path
 
 from common.config import ConfigError, describe, fail, knob, load_config
 from common.interrupts import run_main
-from common.io import join, read_json, resolve
+from common.io import resolve
 from recipes.drafter.plan import EXPORT_FILES
 from recipes.experiment import experiment_config
 from recipes.runner import Ledger, Runner, Stage
 from recipes.step_check import check_steps
 from shards import ShardDataset
 from shards.describe import raw_bytes_per_token, reconstruction_by_tap
-from shards.manifest import MANIFEST_NAME
+from shards.manifest import MANIFEST_NAME, load_manifest
 from shards.provenance import provenance_of
 from train.config import TrainConfig
 
@@ -152,8 +152,7 @@ def _complete(root: str) -> bool:
 
 
 def _read_manifest(root: str) -> dict:
-    fs, path = resolve(root)
-    return read_json(fs, join(path, "manifest.json"))
+    return load_manifest(*resolve(root))
 
 
 def check_datasets(cfg: CompareTiersConfig) -> None:
